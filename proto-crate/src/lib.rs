@@ -1,0 +1,30 @@
+//! The one protocol crate every cluster-proxy service shares.
+//!
+//! * [`konnectivity`] — the konnectivity (apiserver-network-proxy) wire types and
+//!   gRPC stubs, generated from `proto/` and checked in (no `protoc` at build time).
+//! * [`packet`] — constructors and a typed, nil-safe view of [`konnectivity::Packet`].
+//! * [`metadata`] — the gRPC metadata keys both ends exchange.
+//! * [`identifiers`] — the `agentidentifiers` value format (URL query).
+//! * [`identity`] — how a certificate names a cluster, and which identifiers a
+//!   cluster may claim.
+//! * [`flow`] — the per-connection flow-control primitives (credit and bounded
+//!   receive buffers) that keep one slow connection from stalling a tunnel.
+//! * [`transport`] / [`client`] — mTLS gRPC channels and a tunnel dialer for Rust users.
+#![forbid(unsafe_code)]
+
+#[allow(clippy::all, clippy::pedantic, missing_docs, rustdoc::all)]
+pub mod konnectivity {
+    //! Generated from `proto/konnectivity/*.proto`; see `tests/codegen.rs`.
+    include!("gen/konnectivity.rs");
+}
+
+pub mod client;
+pub mod duration;
+pub mod flow;
+pub mod identifiers;
+pub mod identity;
+pub mod metadata;
+pub mod packet;
+pub mod transport;
+
+pub use konnectivity::{Packet, PacketType};

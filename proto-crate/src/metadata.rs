@@ -1,0 +1,21 @@
+//! gRPC metadata keys. grpc-go lowercases keys on the wire, so these are lowercase.
+
+/// Agent → server (Connect request): the agent's id. Exactly one value.
+pub const AGENT_ID: &str = "agentid";
+/// Agent → server (Connect request): the identifiers the agent serves (URL query format).
+pub const AGENT_IDENTIFIERS: &str = "agentidentifiers";
+/// Agent → server: `Bearer <token>` when service-account token auth is used.
+pub const AUTHORIZATION: &str = "authorization";
+/// Server → agent (Connect response headers): the server replica's id.
+pub const SERVER_ID: &str = "serverid";
+/// Server → agent (Connect response headers): how many server replicas exist.
+pub const SERVER_COUNT: &str = "servercount";
+/// Frontend → server.
+pub const USER_AGENT: &str = "user-agent";
+
+/// cluster-proxy extension negotiation on the agent tunnel. Each side that
+/// supports per-connection credit flow control sends its receive window (in
+/// bytes, decimal) under this key: the agent in its Connect request, the server
+/// in its Connect response headers. Flow control is on only when both sent it;
+/// otherwise both speak plain konnectivity.
+pub const FLOW_CONTROL_WINDOW: &str = "cluster-proxy-flow-control-window";

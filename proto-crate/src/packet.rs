@@ -1,0 +1,296 @@
+//! Packet constructors and a typed view of received packets.
+//!
+//! Peers dispatch on `type` and read the payload through nil-safe getters: a
+//! payload that does not match the type yields zero values, never an error —
+//! exactly how the Go implementations behave. Callers validate the values
+//! (zero ids, empty addresses) themselves.
+
+use bytes::Bytes;
+
+use crate::konnectivity::packet::Payload;
+use crate::konnectivity::{
+    CloseDial, CloseRequest, CloseResponse, Data, DialRequest, DialResponse, Drain, Packet,
+    PacketType, WindowUpdate,
+};
+
+/// The only dial protocol konnectivity supports.
+pub const PROTOCOL_TCP: &str = "tcp";
+
+fn packet(kind: PacketType, payload: Payload) -> Packet {
+    Packet {
+        r#type: kind as i32,
+        payload: Some(payload),
+    }
+}
+
+pub fn dial_request(address: impl Into<String>, random: i64) -> Packet {
+    packet(
+        PacketType::DialReq,
+        Payload::DialRequest(DialRequest {
+            protocol: PROTOCOL_TCP.to_owned(),
+            address: address.into(),
+            random,
+        }),
+    )
+}
+
+pub fn dial_response_ok(random: i64, connect_id: i64) -> Packet {
+    packet(
+        PacketType::DialRsp,
+        Payload::DialResponse(DialResponse {
+            error: String::new(),
+            connect_id,
+            random,
+        }),
+    )
+}
+
+pub fn dial_response_error(random: i64, error: impl Into<String>) -> Packet {
+    packet(
+        PacketType::DialRsp,
+        Payload::DialResponse(DialResponse {
+            error: error.into(),
+            connect_id: 0,
+            random,
+        }),
+    )
+}
+
+pub fn data(connect_id: i64, data: Bytes) -> Packet {
+    packet(
+        PacketType::Data,
+        Payload::Data(Data {
+            connect_id,
+            error: String::new(),
+            data,
+        }),
+    )
+}
+
+pub fn close_request(connect_id: i64) -> Packet {
+    packet(
+        PacketType::CloseReq,
+        Payload::CloseRequest(CloseRequest { connect_id }),
+    )
+}
+
+pub fn close_response(connect_id: i64, error: impl Into<String>) -> Packet {
+    packet(
+        PacketType::CloseRsp,
+        Payload::CloseResponse(CloseResponse {
+            error: error.into(),
+            connect_id,
+        }),
+    )
+}
+
+pub fn close_dial(random: i64) -> Packet {
+    packet(
+        PacketType::DialCls,
+        Payload::CloseDial(CloseDial { random }),
+    )
+}
+
+pub fn drain() -> Packet {
+    packet(PacketType::Drain, Payload::Drain(Drain {}))
+}
+
+pub fn window_update(connect_id: i64, bytes: i64) -> Packet {
+    packet(
+        PacketType::WindowUpdate,
+        Payload::WindowUpdate(WindowUpdate { connect_id, bytes }),
+    )
+}
+
+/// A received packet, decoded by its `type` with Go's nil-safe semantics.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Frame {
+    DialRequest {
+        protocol: String,
+        address: String,
+        random: i64,
+    },
+    DialResponse {
+        error: String,
+        connect_id: i64,
+        random: i64,
+    },
+    CloseRequest {
+        connect_id: i64,
+    },
+    CloseResponse {
+        error: String,
+        connect_id: i64,
+    },
+    Data {
+        connect_id: i64,
+        data: Bytes,
+    },
+    CloseDial {
+        random: i64,
+    },
+    Drain,
+    WindowUpdate {
+        connect_id: i64,
+        bytes: i64,
+    },
+    /// A `type` this implementation does not know; peers ignore these.
+    Unknown(i32),
+}
+
+impl Frame {
+    pub fn from_packet(packet: Packet) -> Frame {
+        let payload = packet.payload;
+        match PacketType::try_from(packet.r#type) {
+            Ok(PacketType::DialReq) => {
+                let p = match payload {
+                    Some(Payload::DialRequest(p)) => p,
+                    _ => DialRequest::default(),
+                };
+                Frame::DialRequest {
+                    protocol: p.protocol,
+                    address: p.address,
+                    random: p.random,
+                }
+            }
+            Ok(PacketType::DialRsp) => {
+                let p = match payload {
+                    Some(Payload::DialResponse(p)) => p,
+                    _ => DialResponse::default(),
+                };
+                Frame::DialResponse {
+                    error: p.error,
+                    connect_id: p.connect_id,
+                    random: p.random,
+                }
+            }
+            Ok(PacketType::CloseReq) => {
+                let connect_id = match payload {
+                    Some(Payload::CloseRequest(p)) => p.connect_id,
+                    _ => 0,
+                };
+                Frame::CloseRequest { connect_id }
+            }
+            Ok(PacketType::CloseRsp) => {
+                let p = match payload {
+                    Some(Payload::CloseResponse(p)) => p,
+                    _ => CloseResponse::default(),
+                };
+                Frame::CloseResponse {
+                    error: p.error,
+                    connect_id: p.connect_id,
+                }
+            }
+            Ok(PacketType::Data) => {
+                let p = match payload {
+                    Some(Payload::Data(p)) => p,
+                    _ => Data::default(),
+                };
+                Frame::Data {
+                    connect_id: p.connect_id,
+                    data: p.data,
+                }
+            }
+            Ok(PacketType::DialCls) => {
+                let random = match payload {
+                    Some(Payload::CloseDial(p)) => p.random,
+                    _ => 0,
+                };
+                Frame::CloseDial { random }
+            }
+            Ok(PacketType::Drain) => Frame::Drain,
+            Ok(PacketType::WindowUpdate) => {
+                let p = match payload {
+                    Some(Payload::WindowUpdate(p)) => p,
+                    _ => WindowUpdate::default(),
+                };
+                Frame::WindowUpdate {
+                    connect_id: p.connect_id,
+                    bytes: p.bytes,
+                }
+            }
+            Err(_) => Frame::Unknown(packet.r#type),
+        }
+    }
+
+    /// The upstream metric label for this packet's type (`DIAL_REQ`, `DATA`, …).
+    pub fn type_name(&self) -> &'static str {
+        match self {
+            Frame::DialRequest { .. } => "DIAL_REQ",
+            Frame::DialResponse { .. } => "DIAL_RSP",
+            Frame::CloseRequest { .. } => "CLOSE_REQ",
+            Frame::CloseResponse { .. } => "CLOSE_RSP",
+            Frame::Data { .. } => "DATA",
+            Frame::CloseDial { .. } => "DIAL_CLS",
+            Frame::Drain => "DRAIN",
+            Frame::WindowUpdate { .. } => "WINDOW_UPDATE",
+            Frame::Unknown(_) => "UNKNOWN",
+        }
+    }
+}
+
+/// Splits a dial address into host and port the way Go's `net.SplitHostPort`
+/// does (`[v6]:port`, `host:port`). Returns `None` when there is no port.
+pub fn split_host_port(address: &str) -> Option<(&str, &str)> {
+    if let Some(rest) = address.strip_prefix('[') {
+        let (host, after) = rest.split_once(']')?;
+        let port = after.strip_prefix(':')?;
+        return Some((host, port));
+    }
+    let (host, port) = address.rsplit_once(':')?;
+    if host.contains(':') {
+        // An unbracketed IPv6 literal is ambiguous; Go rejects it too.
+        return None;
+    }
+    Some((host, port))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mismatched_payload_reads_as_zero_values() {
+        let p = Packet {
+            r#type: PacketType::Data as i32,
+            payload: Some(Payload::CloseDial(CloseDial { random: 7 })),
+        };
+        assert_eq!(
+            Frame::from_packet(p),
+            Frame::Data {
+                connect_id: 0,
+                data: Bytes::new()
+            }
+        );
+    }
+
+    #[test]
+    fn unknown_type_is_reported_not_rejected() {
+        let p = Packet {
+            r#type: 42,
+            payload: None,
+        };
+        assert_eq!(Frame::from_packet(p), Frame::Unknown(42));
+    }
+
+    #[test]
+    fn absent_type_is_a_dial_request() {
+        let p = Packet {
+            r#type: 0,
+            payload: None,
+        };
+        assert!(matches!(
+            Frame::from_packet(p),
+            Frame::DialRequest { random: 0, .. }
+        ));
+    }
+
+    #[test]
+    fn splits_host_and_port_like_go() {
+        assert_eq!(split_host_port("a.b:443"), Some(("a.b", "443")));
+        assert_eq!(split_host_port("[fd00::1]:80"), Some(("fd00::1", "80")));
+        assert_eq!(split_host_port("fd00::1"), None);
+        assert_eq!(split_host_port("nohost"), None);
+        assert_eq!(split_host_port("[fd00::1]"), None);
+    }
+}

@@ -1,0 +1,96 @@
+//! mTLS gRPC channels with the HTTP/2 tuning every tunnel hop uses.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use hyper_util::rt::TokioIo;
+use rustls::pki_types::ServerName;
+use tokio::net::TcpStream;
+use tokio_rustls::TlsConnector;
+use tonic::transport::{Channel, Endpoint};
+
+/// HTTP/2 per-stream receive window. Large, because one agent stream carries
+/// every connection of a tunnel and per-connection fairness is enforced by
+/// [`crate::flow`], not by HTTP/2.
+pub const STREAM_WINDOW: u32 = 16 * 1024 * 1024;
+/// HTTP/2 connection receive window.
+pub const CONNECTION_WINDOW: u32 = 32 * 1024 * 1024;
+/// Largest gRPC message accepted. Upstream's limit is 4 MiB; we accept more
+/// so a client that writes a large buffer in one DATA packet is not cut off.
+pub const MAX_MESSAGE_SIZE: usize = 16 * 1024 * 1024;
+/// ALPN protocol gRPC needs (grpc-go refuses TLS connections without it).
+pub const ALPN_H2: &[u8] = b"h2";
+/// ALPN protocol HTTP CONNECT clients use.
+pub const ALPN_HTTP11: &[u8] = b"http/1.1";
+
+#[derive(Debug, thiserror::Error)]
+pub enum TransportError {
+    #[error("invalid server name {0:?}")]
+    ServerName(String),
+    #[error("invalid endpoint {address}: {source}")]
+    Endpoint {
+        address: String,
+        #[source]
+        source: tonic::transport::Error,
+    },
+    #[error("connect to {address}: {source}")]
+    Connect {
+        address: String,
+        #[source]
+        source: tonic::transport::Error,
+    },
+}
+
+/// Formats `host:port`, bracketing IPv6 literals.
+pub fn host_port(host: &str, port: u16) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
+/// Opens a new HTTP/2 connection (never shared with other channels) to
+/// `host:port` over mTLS. The TLS config must offer ALPN `h2`.
+pub async fn connect_channel(
+    host: &str,
+    port: u16,
+    tls: Arc<rustls::ClientConfig>,
+    connect_timeout: Duration,
+) -> Result<Channel, TransportError> {
+    let bare_host = host.trim_start_matches('[').trim_end_matches(']');
+    let server_name = ServerName::try_from(bare_host.to_owned())
+        .map_err(|_| TransportError::ServerName(host.to_owned()))?;
+    let address = host_port(bare_host, port);
+    let endpoint = Endpoint::from_shared(format!("http://{address}"))
+        .map_err(|source| TransportError::Endpoint {
+            address: address.clone(),
+            source,
+        })?
+        .initial_stream_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONNECTION_WINDOW)
+        .tcp_nodelay(true);
+    let connector = TlsConnector::from(tls);
+    let dial_address = address.clone();
+    let connect = tower::service_fn(move |_uri: http::Uri| {
+        let connector = connector.clone();
+        let server_name = server_name.clone();
+        let dial_address = dial_address.clone();
+        async move {
+            let io = tokio::time::timeout(connect_timeout, async {
+                let tcp = TcpStream::connect(&dial_address).await?;
+                tcp.set_nodelay(true)?;
+                connector.connect(server_name, tcp).await
+            })
+            .await
+            .map_err(|_| {
+                std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out")
+            })??;
+            Ok::<_, std::io::Error>(TokioIo::new(io))
+        }
+    });
+    endpoint
+        .connect_with_connector(connect)
+        .await
+        .map_err(|source| TransportError::Connect { address, source })
+}
