@@ -1,0 +1,206 @@
+//! Certificate issuing.
+
+use std::net::IpAddr;
+use std::time::Duration;
+
+use cluster_proxy_proto::identity::ClusterName;
+use rcgen::{
+    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
+    Issuer, KeyPair, KeyUsagePurpose, SanType,
+};
+use time::OffsetDateTime;
+
+/// Default validity of issued leaf certificates.
+pub const DEFAULT_LEAF_VALIDITY: Duration = Duration::from_secs(90 * 24 * 3600);
+/// Default validity of a generated CA.
+pub const DEFAULT_CA_VALIDITY: Duration = Duration::from_secs(5 * 365 * 24 * 3600);
+
+#[derive(Debug, thiserror::Error)]
+pub enum PkiError {
+    #[error("certificate generation failed: {0}")]
+    Rcgen(#[from] rcgen::Error),
+    #[error("invalid subject alternative name {0:?}")]
+    BadSan(String),
+    #[error("validity {0:?} is out of range")]
+    BadValidity(Duration),
+}
+
+/// A certificate and its private key, PEM encoded.
+#[derive(Clone)]
+pub struct Credentials {
+    pub cert_pem: String,
+    pub key_pem: String,
+}
+
+impl std::fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Credentials")
+            .field("cert_pem", &self.cert_pem)
+            .field("key_pem", &"<redacted>")
+            .finish()
+    }
+}
+
+/// What a leaf certificate is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Usage {
+    /// TLS server (proxy-server client and agent ports).
+    Server,
+    /// TLS client (hub proxy clients, agents).
+    Client,
+}
+
+/// A request for a leaf certificate.
+#[derive(Debug, Clone)]
+pub struct LeafRequest {
+    pub common_name: String,
+    /// DNS names and IP addresses (as text); IP literals become IP SANs.
+    pub sans: Vec<String>,
+    pub usage: Usage,
+    /// For agent certificates: the cluster the certificate names.
+    pub cluster: Option<ClusterName>,
+    pub validity: Duration,
+}
+
+impl LeafRequest {
+    pub fn server(common_name: &str, sans: &[&str]) -> Self {
+        LeafRequest {
+            common_name: common_name.to_owned(),
+            sans: sans.iter().map(|s| (*s).to_owned()).collect(),
+            usage: Usage::Server,
+            cluster: None,
+            validity: DEFAULT_LEAF_VALIDITY,
+        }
+    }
+
+    pub fn client(common_name: &str) -> Self {
+        LeafRequest {
+            common_name: common_name.to_owned(),
+            sans: Vec::new(),
+            usage: Usage::Client,
+            cluster: None,
+            validity: DEFAULT_LEAF_VALIDITY,
+        }
+    }
+
+    /// An agent client certificate naming `cluster`.
+    pub fn agent(cluster: &ClusterName) -> Self {
+        LeafRequest {
+            common_name: format!("cluster-proxy-agent:{cluster}"),
+            sans: Vec::new(),
+            usage: Usage::Client,
+            cluster: Some(cluster.clone()),
+            validity: DEFAULT_LEAF_VALIDITY,
+        }
+    }
+
+    pub fn with_validity(mut self, validity: Duration) -> Self {
+        self.validity = validity;
+        self
+    }
+}
+
+fn validity_window(validity: Duration) -> Result<(OffsetDateTime, OffsetDateTime), PkiError> {
+    // Back-date a little so peers with slightly skewed clocks accept new certs.
+    let now = OffsetDateTime::now_utc();
+    let not_before = now - time::Duration::minutes(5);
+    let span = time::Duration::try_from(validity).map_err(|_| PkiError::BadValidity(validity))?;
+    let not_after = now
+        .checked_add(span)
+        .ok_or(PkiError::BadValidity(validity))?;
+    Ok((not_before, not_after))
+}
+
+fn name(common_name: &str) -> DistinguishedName {
+    let mut dn = DistinguishedName::new();
+    dn.push(DnType::OrganizationName, "open-cluster-management");
+    dn.push(DnType::CommonName, common_name);
+    dn
+}
+
+/// A certificate authority that can issue leaves.
+pub struct Authority {
+    cert_pem: String,
+    issuer: Issuer<'static, KeyPair>,
+}
+
+impl std::fmt::Debug for Authority {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Authority")
+            .field("cert_pem", &self.cert_pem)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Authority {
+    /// Creates a new self-signed CA with an ECDSA P-256 key.
+    pub fn generate(common_name: &str, validity: Duration) -> Result<Self, PkiError> {
+        let key = KeyPair::generate()?;
+        let mut params = CertificateParams::default();
+        params.distinguished_name = name(common_name);
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.key_usages = vec![
+            KeyUsagePurpose::KeyCertSign,
+            KeyUsagePurpose::CrlSign,
+            KeyUsagePurpose::DigitalSignature,
+        ];
+        (params.not_before, params.not_after) = validity_window(validity)?;
+        let cert = params.self_signed(&key)?;
+        let cert_pem = cert.pem();
+        let issuer = Issuer::from_ca_cert_pem(&cert_pem, key)?;
+        Ok(Authority { cert_pem, issuer })
+    }
+
+    /// Loads an existing CA (PEM certificate and PKCS#8 key).
+    pub fn from_pem(cert_pem: &str, key_pem: &str) -> Result<Self, PkiError> {
+        let key = KeyPair::from_pem(key_pem)?;
+        let issuer = Issuer::from_ca_cert_pem(cert_pem, key)?;
+        Ok(Authority {
+            cert_pem: cert_pem.to_owned(),
+            issuer,
+        })
+    }
+
+    pub fn cert_pem(&self) -> &str {
+        &self.cert_pem
+    }
+
+    /// Issues a leaf certificate with a fresh ECDSA P-256 key.
+    pub fn issue(&self, request: &LeafRequest) -> Result<Credentials, PkiError> {
+        let key = KeyPair::generate()?;
+        let mut params = CertificateParams::default();
+        params.distinguished_name = name(&request.common_name);
+        for san in &request.sans {
+            params.subject_alt_names.push(match san.parse::<IpAddr>() {
+                Ok(ip) => SanType::IpAddress(ip),
+                Err(_) => SanType::DnsName(
+                    san.clone()
+                        .try_into()
+                        .map_err(|_| PkiError::BadSan(san.clone()))?,
+                ),
+            });
+        }
+        if let Some(cluster) = &request.cluster {
+            let uri = cluster.to_uri();
+            params.subject_alt_names.push(SanType::URI(
+                uri.clone().try_into().map_err(|_| PkiError::BadSan(uri))?,
+            ));
+        }
+        params.is_ca = IsCa::ExplicitNoCa;
+        params.use_authority_key_identifier_extension = true;
+        params.key_usages = vec![
+            KeyUsagePurpose::DigitalSignature,
+            KeyUsagePurpose::KeyEncipherment,
+        ];
+        params.extended_key_usages = vec![match request.usage {
+            Usage::Server => ExtendedKeyUsagePurpose::ServerAuth,
+            Usage::Client => ExtendedKeyUsagePurpose::ClientAuth,
+        }];
+        (params.not_before, params.not_after) = validity_window(request.validity)?;
+        let cert = params.signed_by(&key, &self.issuer)?;
+        Ok(Credentials {
+            cert_pem: cert.pem(),
+            key_pem: key.serialize_pem(),
+        })
+    }
+}
