@@ -161,7 +161,8 @@ async fn bridge_connection(
                     connect_id: id,
                     data,
                 } if id == connect_id => {
-                    if to_user.write_all(&data).await.is_err() {
+                    let written = to_user.write_all(&data).await;
+                    if written.is_err() {
                         break;
                     }
                 }

@@ -102,6 +102,11 @@ pub fn window_update(connect_id: i64, bytes: i64) -> Packet {
     )
 }
 
+/// The upstream metric label of a packet's type (`DIAL_REQ`, `DATA`, …).
+pub fn type_name(p: &Packet) -> &'static str {
+    PacketType::try_from(p.r#type).map_or("UNKNOWN", |t| t.as_str_name())
+}
+
 /// A received packet, decoded by its `type` with Go's nil-safe semantics.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Frame {

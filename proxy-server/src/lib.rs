@@ -1,1 +1,401 @@
+//! cluster-proxy's tunnel server.
+//!
+//! * agent port — `AgentService.Connect` over mTLS; each agent's certificate
+//!   must name the cluster whose identifiers it registers ([`agent_service`]).
+//! * client port — `ProxyService.Proxy` (gRPC, HTTP/2) and HTTP CONNECT
+//!   (HTTP/1.1) on the same mTLS port, told apart per connection.
+//! * health port — `/healthz`, `/readyz`, `/metrics`; admin port — `/metrics`.
 #![forbid(unsafe_code)]
+
+pub mod agent_service;
+pub mod config;
+pub mod dial;
+pub mod grpc_frontend;
+pub mod health;
+pub mod http_connect;
+pub mod listener;
+pub mod metrics;
+pub mod registry;
+pub mod tunnel;
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use cert_authority::tls::{self, Identity, Pem, TlsError};
+use cluster_proxy_proto::konnectivity::agent_service_server::AgentServiceServer;
+use cluster_proxy_proto::konnectivity::proxy_service_server::ProxyServiceServer;
+use cluster_proxy_proto::transport::{ALPN_H2, ALPN_HTTP11, MAX_MESSAGE_SIZE};
+use http::{Request, Response, StatusCode, Version};
+use hyper::body::Incoming;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tonic::body::Body;
+use tonic::service::Routes;
+use tracing::{info, warn};
+
+use crate::agent_service::{AgentEndpoint, AgentEndpointSettings};
+use crate::config::{Mode, ServerConfig};
+use crate::dial::Dialer;
+use crate::grpc_frontend::GrpcFrontend;
+use crate::http_connect::ConnectFrontend;
+use crate::listener::{PeerInfo, Protocols};
+use crate::metrics::Metrics;
+use crate::registry::Registry;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error(transparent)]
+    Config(#[from] config::ConfigError),
+    #[error("missing required flag --{0}")]
+    MissingFlag(&'static str),
+    #[error("{what}: {source}")]
+    Tls {
+        what: &'static str,
+        #[source]
+        source: TlsError,
+    },
+    #[error("listen on {address} ({what}): {source}")]
+    Bind {
+        what: &'static str,
+        address: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Ready-made TLS configurations for both mTLS ports.
+pub struct ServerTls {
+    /// Client port; must require client certificates.
+    pub frontend: Arc<rustls::ServerConfig>,
+    /// Agent port; must require client certificates.
+    pub agent: Arc<rustls::ServerConfig>,
+}
+
+fn required<'a>(
+    value: &'a Option<std::path::PathBuf>,
+    flag: &'static str,
+) -> Result<&'a std::path::Path, ServerError> {
+    value.as_deref().ok_or(ServerError::MissingFlag(flag))
+}
+
+impl ServerTls {
+    /// Loads `--server-cert/--server-key/--server-ca-cert` and
+    /// `--cluster-cert/--cluster-key/--cluster-ca-cert`.
+    pub fn from_config(config: &ServerConfig) -> Result<Self, ServerError> {
+        let frontend_alpn: &[&[u8]] = match config.mode {
+            Mode::Both => &[ALPN_H2, ALPN_HTTP11],
+            Mode::Grpc => &[ALPN_H2],
+            Mode::HttpConnect => &[ALPN_HTTP11],
+        };
+        let load = |cert: &Option<std::path::PathBuf>,
+                    key: &Option<std::path::PathBuf>,
+                    ca: &Option<std::path::PathBuf>,
+                    flags: [&'static str; 3],
+                    what: &'static str,
+                    alpn: &[&[u8]]| {
+            let identity =
+                Identity::from_files(required(cert, flags[0])?, required(key, flags[1])?)
+                    .map_err(|source| ServerError::Tls { what, source })?;
+            let ca = Pem::file("CA bundle", required(ca, flags[2])?)
+                .map_err(|source| ServerError::Tls { what, source })?;
+            let roots = tls::roots(&ca).map_err(|source| ServerError::Tls { what, source })?;
+            tls::server_config(identity, Some(roots), alpn)
+                .map_err(|source| ServerError::Tls { what, source })
+        };
+        Ok(ServerTls {
+            frontend: load(
+                &config.server_cert,
+                &config.server_key,
+                &config.server_ca_cert,
+                ["server-cert", "server-key", "server-ca-cert"],
+                "client port TLS",
+                frontend_alpn,
+            )?,
+            agent: load(
+                &config.cluster_cert,
+                &config.cluster_key,
+                &config.cluster_ca_cert,
+                ["cluster-cert", "cluster-key", "cluster-ca-cert"],
+                "agent port TLS",
+                &[ALPN_H2],
+            )?,
+        })
+    }
+}
+
+/// A running server. Dropping it does not stop it; call [`RunningServer::shutdown`].
+pub struct RunningServer {
+    pub server_id: String,
+    pub client_addr: SocketAddr,
+    pub agent_addr: SocketAddr,
+    pub health_addr: SocketAddr,
+    pub admin_addr: SocketAddr,
+    registry: Arc<Registry>,
+    metrics: Arc<Metrics>,
+    shutdown: CancellationToken,
+    tasks: TaskTracker,
+    grace: Duration,
+}
+
+impl RunningServer {
+    /// Connected agent tunnels.
+    pub fn tunnel_count(&self) -> usize {
+        self.registry.tunnel_count()
+    }
+
+    /// Open tunneled connections across all agents.
+    pub fn connection_count(&self) -> usize {
+        self.registry
+            .all()
+            .iter()
+            .map(|t| t.connection_count())
+            .sum()
+    }
+
+    pub fn metrics_text(&self) -> String {
+        self.metrics.encode()
+    }
+
+    /// Stops accepting, closes agent tunnels, and waits (up to the graceful
+    /// shutdown timeout) for connections to finish.
+    pub async fn shutdown(self) {
+        self.shutdown.cancel();
+        for tunnel in self.registry.all() {
+            tunnel.close("server shutting down");
+        }
+        self.tasks.close();
+        let _ = tokio::time::timeout(self.grace + Duration::from_secs(1), self.tasks.wait()).await;
+    }
+}
+
+fn bind_address(host: &str, port: u16) -> String {
+    let host = if host.is_empty() { "0.0.0.0" } else { host };
+    cluster_proxy_proto::transport::host_port(host, port)
+}
+
+async fn bind(
+    what: &'static str,
+    host: &str,
+    port: u16,
+) -> Result<(TcpListener, SocketAddr), ServerError> {
+    let address = bind_address(host, port);
+    let listener = TcpListener::bind(&address)
+        .await
+        .map_err(|source| ServerError::Bind {
+            what,
+            address: address.clone(),
+            source,
+        })?;
+    let local = listener.local_addr().map_err(|source| ServerError::Bind {
+        what,
+        address,
+        source,
+    })?;
+    Ok((listener, local))
+}
+
+type BoxFuture<T> = Pin<Box<dyn std::future::Future<Output = T> + Send>>;
+
+/// The client port's per-connection service: CONNECT over HTTP/1.1, gRPC over HTTP/2.
+#[derive(Clone)]
+struct ClientPortService {
+    grpc: Option<Routes>,
+    connect: Option<Arc<ConnectFrontend>>,
+}
+
+impl tower::Service<Request<Incoming>> for ClientPortService {
+    type Response = Response<Body>;
+    type Error = Infallible;
+    type Future = BoxFuture<Result<Response<Body>, Infallible>>;
+
+    fn poll_ready(
+        &mut self,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Infallible>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: Request<Incoming>) -> Self::Future {
+        let http2 = request.version() == Version::HTTP_2;
+        match (http2, &mut self.grpc, &self.connect) {
+            (true, Some(routes), _) => {
+                let future = tower::Service::call(routes, request);
+                Box::pin(future)
+            }
+            (false, _, Some(connect)) => {
+                let connect = connect.clone();
+                Box::pin(async move { Ok(connect.handle(request).await) })
+            }
+            _ => Box::pin(async {
+                let mut response = Response::new(Body::empty());
+                *response.status_mut() = StatusCode::METHOD_NOT_ALLOWED;
+                Ok(response)
+            }),
+        }
+    }
+}
+
+/// Starts the server with TLS from the configured files.
+pub async fn start(config: ServerConfig) -> Result<RunningServer, ServerError> {
+    let tls = ServerTls::from_config(&config)?;
+    start_with_tls(config, tls).await
+}
+
+/// Starts the server with the given TLS configurations (tests build them in memory).
+pub async fn start_with_tls(
+    config: ServerConfig,
+    tls: ServerTls,
+) -> Result<RunningServer, ServerError> {
+    config.validate()?;
+    for flag in config.ignored_settings() {
+        warn!(flag, "flag accepted for compatibility and ignored");
+    }
+    let server_id = config.resolved_server_id();
+    let registry = Arc::new(Registry::new(config.strategies()?));
+    let metrics = Arc::new(Metrics::new());
+    let dial_timeout = if config.backend_dial_timeout.is_zero() {
+        // "0" means no server-side limit upstream; a day is as good as never
+        // while still guaranteeing pending dials cannot pile up forever.
+        Duration::from_secs(24 * 3600)
+    } else {
+        config.backend_dial_timeout
+    };
+    let dialer = Arc::new(Dialer {
+        registry: registry.clone(),
+        metrics: metrics.clone(),
+        timeout: dial_timeout,
+    });
+
+    let (client_listener, client_addr) = bind(
+        "client port",
+        &config.server_bind_address,
+        config.server_port,
+    )
+    .await?;
+    let (agent_listener, agent_addr) =
+        bind("agent port", &config.agent_bind_address, config.agent_port).await?;
+    let (health_listener, health_addr) = bind(
+        "health port",
+        &config.health_bind_address,
+        config.health_port,
+    )
+    .await?;
+    let (admin_listener, admin_addr) =
+        bind("admin port", &config.admin_bind_address, config.admin_port).await?;
+
+    let shutdown = CancellationToken::new();
+    let tasks = TaskTracker::new();
+    let grace = config.graceful_shutdown_timeout;
+
+    let agent_endpoint = AgentEndpoint {
+        settings: AgentEndpointSettings {
+            server_id: server_id.clone(),
+            server_count: config.server_count,
+            allow_unbound_agents: config.allow_unbound_agents,
+            flow_control_window: config.flow_control_window,
+            plain_peer_buffer: config.plain_peer_buffer,
+            ordered_capacity: 256,
+        },
+        registry: registry.clone(),
+        metrics: metrics.clone(),
+    };
+    let agent_routes = Routes::new(
+        AgentServiceServer::new(agent_endpoint)
+            .max_decoding_message_size(MAX_MESSAGE_SIZE)
+            .max_encoding_message_size(MAX_MESSAGE_SIZE),
+    );
+    tasks.spawn(listener::serve(
+        "agent",
+        agent_listener,
+        tls.agent,
+        Protocols::Http2Only,
+        move |_peer: Arc<PeerInfo>| agent_routes.clone(),
+        shutdown.clone(),
+        grace,
+    ));
+
+    let grpc = matches!(config.mode, Mode::Both | Mode::Grpc).then(|| {
+        Routes::new(
+            ProxyServiceServer::new(GrpcFrontend {
+                dialer: dialer.clone(),
+                metrics: metrics.clone(),
+            })
+            .max_decoding_message_size(MAX_MESSAGE_SIZE)
+            .max_encoding_message_size(MAX_MESSAGE_SIZE),
+        )
+    });
+    let connect = matches!(config.mode, Mode::Both | Mode::HttpConnect).then(|| {
+        Arc::new(ConnectFrontend {
+            dialer: dialer.clone(),
+            metrics: metrics.clone(),
+        })
+    });
+    let protocols = if config.mode == Mode::Grpc {
+        Protocols::Http2Only
+    } else {
+        Protocols::Http1And2
+    };
+    let client_service = ClientPortService { grpc, connect };
+    tasks.spawn(listener::serve(
+        "client",
+        client_listener,
+        tls.frontend,
+        protocols,
+        move |_peer: Arc<PeerInfo>| client_service.clone(),
+        shutdown.clone(),
+        grace,
+    ));
+
+    let health_registry = registry.clone();
+    let health_metrics = metrics.clone();
+    let health: Arc<health::Handler> = Arc::new(move |path: &str| match path {
+        "/healthz" => (StatusCode::OK, health::TEXT, "ok".into()),
+        "/readyz" | "/ready" => {
+            if health_registry.tunnel_count() > 0 {
+                (StatusCode::OK, health::TEXT, "ok".into())
+            } else {
+                (
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    health::TEXT,
+                    "no connection to any proxy agent".into(),
+                )
+            }
+        }
+        "/metrics" => (StatusCode::OK, health::OPENMETRICS, health_metrics.encode()),
+        _ => (StatusCode::NOT_FOUND, health::TEXT, "not found".into()),
+    });
+    tasks.spawn(health::serve(health_listener, health, shutdown.clone()));
+    let admin_metrics = metrics.clone();
+    let admin: Arc<health::Handler> = Arc::new(move |path: &str| match path {
+        "/metrics" => (StatusCode::OK, health::OPENMETRICS, admin_metrics.encode()),
+        _ => (StatusCode::NOT_FOUND, health::TEXT, "not found".into()),
+    });
+    tasks.spawn(health::serve(admin_listener, admin, shutdown.clone()));
+
+    info!(
+        server_id,
+        %client_addr,
+        %agent_addr,
+        %health_addr,
+        %admin_addr,
+        mode = ?config.mode,
+        strategies = config.proxy_strategies,
+        "proxy-server started"
+    );
+    Ok(RunningServer {
+        server_id,
+        client_addr,
+        agent_addr,
+        health_addr,
+        admin_addr,
+        registry,
+        metrics,
+        shutdown,
+        tasks,
+        grace,
+    })
+}

@@ -1,0 +1,208 @@
+//! `AgentService.Connect`: admitting an agent and running its tunnel.
+//!
+//! Identity binding: the agent's client certificate names its cluster (see
+//! `cluster_proxy_proto::identity`), and the agent may only register
+//! identifiers that belong to that cluster. Upstream trusts the
+//! `agentidentifiers` header blindly; here that is an explicit opt-out.
+
+use std::sync::Arc;
+
+use cluster_proxy_proto::Packet;
+use cluster_proxy_proto::flow::parse_window;
+use cluster_proxy_proto::identifiers::AgentIdentifiers;
+use cluster_proxy_proto::konnectivity::agent_service_server::AgentService;
+use cluster_proxy_proto::metadata;
+use cluster_proxy_proto::packet::Frame;
+use tonic::metadata::{MetadataMap, MetadataValue};
+use tonic::{Request, Response, Status, Streaming};
+use tracing::{info, warn};
+
+use crate::listener::PeerInfo;
+use crate::metrics::{GaugeGuard, Metrics};
+use crate::registry::Registry;
+use crate::tunnel::{AgentTunnel, OutboundStream, TunnelSettings};
+
+/// Settings the agent endpoint needs.
+#[derive(Debug, Clone)]
+pub struct AgentEndpointSettings {
+    pub server_id: String,
+    pub server_count: u32,
+    /// Accept agents whose certificate names no cluster, trusting their
+    /// claimed identifiers (upstream behaviour; for upstream-issued certs).
+    pub allow_unbound_agents: bool,
+    pub flow_control_window: u32,
+    pub plain_peer_buffer: u32,
+    pub ordered_capacity: usize,
+}
+
+pub struct AgentEndpoint {
+    pub settings: AgentEndpointSettings,
+    pub registry: Arc<Registry>,
+    pub metrics: Arc<Metrics>,
+}
+
+fn single_value<'a>(md: &'a MetadataMap, key: &str) -> Result<Option<&'a str>, Status> {
+    let mut values = md.get_all(key).iter();
+    let first = values.next();
+    if values.next().is_some() {
+        return Err(Status::invalid_argument(format!(
+            "expected at most one {key} value"
+        )));
+    }
+    first
+        .map(|v| {
+            v.to_str()
+                .map_err(|_| Status::invalid_argument(format!("{key} is not valid ASCII")))
+        })
+        .transpose()
+}
+
+impl AgentEndpoint {
+    fn admit(
+        &self,
+        request: &Request<Streaming<Packet>>,
+    ) -> Result<(String, AgentIdentifiers, Arc<PeerInfo>), Status> {
+        let md = request.metadata();
+        let agent_id = single_value(md, metadata::AGENT_ID)?
+            .filter(|id| !id.is_empty())
+            .ok_or_else(|| Status::invalid_argument("expected one agent ID in the context"))?
+            .to_owned();
+        let identifiers = match single_value(md, metadata::AGENT_IDENTIFIERS)? {
+            Some(raw) => AgentIdentifiers::parse(raw).map_err(|e| {
+                Status::invalid_argument(format!("fail to parse url encoded string: {e}"))
+            })?,
+            None => AgentIdentifiers::default(),
+        };
+        let peer = request
+            .extensions()
+            .get::<Arc<PeerInfo>>()
+            .cloned()
+            .ok_or_else(|| Status::unauthenticated("no verified client certificate"))?;
+        if let Some(e) = &peer.identity_error {
+            warn!(agent_id, remote = %peer.remote, subject = %peer.subject, error = %e, "agent refused: bad identity");
+            return Err(Status::permission_denied(format!(
+                "agent certificate identity: {e}"
+            )));
+        }
+        match &peer.cluster {
+            Some(cluster) => {
+                if let Err(e) = cluster.check_identifiers(&identifiers) {
+                    warn!(agent_id, %cluster, remote = %peer.remote, error = %e, "agent refused: identifiers do not belong to its cluster");
+                    return Err(Status::permission_denied(e.to_string()));
+                }
+            }
+            None if self.settings.allow_unbound_agents => {
+                warn!(agent_id, subject = %peer.subject, "accepting agent whose certificate names no cluster (--allow-unbound-agents)");
+            }
+            None => {
+                warn!(agent_id, remote = %peer.remote, subject = %peer.subject, "agent refused: certificate names no cluster");
+                return Err(Status::permission_denied(
+                    "agent certificate names no cluster; issue agent certificates with cert-authority \
+                     or start the server with --allow-unbound-agents to accept upstream-issued ones",
+                ));
+            }
+        }
+        Ok((agent_id, identifiers, peer))
+    }
+}
+
+#[tonic::async_trait]
+impl AgentService for AgentEndpoint {
+    type ConnectStream = OutboundStream;
+
+    async fn connect(
+        &self,
+        request: Request<Streaming<Packet>>,
+    ) -> Result<Response<Self::ConnectStream>, Status> {
+        let (agent_id, identifiers, peer) = self.admit(&request)?;
+        let peer_window = single_value(request.metadata(), metadata::FLOW_CONTROL_WINDOW)?
+            .map(parse_window)
+            .transpose()
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let settings = TunnelSettings {
+            our_window: self.settings.flow_control_window,
+            peer_window,
+            plain_buffer: self.settings.plain_peer_buffer,
+            ordered_capacity: self.settings.ordered_capacity,
+        };
+        let (tunnel, outbound) = AgentTunnel::new(
+            agent_id.clone(),
+            peer.cluster.clone(),
+            identifiers,
+            settings,
+            self.metrics.clone(),
+        );
+        info!(
+            tunnel = tunnel.id(),
+            agent_id,
+            cluster = peer.cluster.as_ref().map(|c| c.as_str()).unwrap_or("<unbound>"),
+            remote = %peer.remote,
+            flow_control = peer_window.is_some(),
+            "agent connected"
+        );
+        self.registry.register(tunnel.clone());
+        self.update_backend_gauges();
+        let inbound = request.into_inner();
+        let registry = self.registry.clone();
+        let metrics = self.metrics.clone();
+        let reader_tunnel = tunnel.clone();
+        tokio::spawn(async move {
+            let _stream_gauge = metrics.grpc_stream("Connect");
+            let _tunnel_gauge = GaugeGuard::new(metrics.agent_tunnels.clone());
+            let reason = read_agent(&reader_tunnel, inbound).await;
+            registry.unregister(&reader_tunnel);
+            reader_tunnel.close(&reason);
+            for s in registry.strategies() {
+                metrics.set_ready_backends(s.name(), registry.ready_backends(*s));
+            }
+            info!(
+                tunnel = reader_tunnel.id(),
+                agent_id = reader_tunnel.agent_id(),
+                reason,
+                "agent disconnected"
+            );
+        });
+
+        let mut response = Response::new(outbound);
+        let md = response.metadata_mut();
+        md.insert(
+            metadata::SERVER_ID,
+            MetadataValue::try_from(self.settings.server_id.as_str())
+                .map_err(|_| Status::internal("server id is not valid metadata"))?,
+        );
+        md.insert(
+            metadata::SERVER_COUNT,
+            MetadataValue::from(self.settings.server_count),
+        );
+        if peer_window.is_some() {
+            md.insert(
+                metadata::FLOW_CONTROL_WINDOW,
+                MetadataValue::from(self.settings.flow_control_window),
+            );
+        }
+        Ok(response)
+    }
+}
+
+impl AgentEndpoint {
+    fn update_backend_gauges(&self) {
+        for s in self.registry.strategies() {
+            self.metrics
+                .set_ready_backends(s.name(), self.registry.ready_backends(*s));
+        }
+    }
+}
+
+/// Dispatches the agent's packets until its stream ends; returns why it ended.
+async fn read_agent(tunnel: &Arc<AgentTunnel>, mut inbound: Streaming<Packet>) -> String {
+    loop {
+        tokio::select! {
+            message = inbound.message() => match message {
+                Ok(Some(p)) => tunnel.handle(Frame::from_packet(p)).await,
+                Ok(None) => return "agent closed the stream".into(),
+                Err(status) => return format!("agent stream failed: {}", status.message()),
+            },
+            _ = tunnel.closed() => return "server closed the tunnel".into(),
+        }
+    }
+}

@@ -1,0 +1,543 @@
+//! Server configuration: defaults < TOML file (`--config`) < environment
+//! (`PROXY_SERVER_*`) < command-line flags. Every upstream proxy-server flag is
+//! accepted so existing manifests keep working.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+use cluster_proxy_proto::duration::serde_go;
+use cluster_proxy_proto::flow::{DEFAULT_WINDOW, MIN_WINDOW};
+use figment::Figment;
+use figment::providers::{Env, Format, Serialized, Toml};
+use serde::{Deserialize, Serialize};
+
+use crate::registry::Strategy;
+
+/// Which frontends the client port serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Mode {
+    /// gRPC (HTTP/2) and HTTP CONNECT (HTTP/1.1) on the same port.
+    #[serde(rename = "both")]
+    Both,
+    #[serde(rename = "grpc")]
+    Grpc,
+    #[serde(rename = "http-connect")]
+    HttpConnect,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ServerConfig {
+    pub mode: Mode,
+    pub uds_name: String,
+    pub delete_existing_uds_file: bool,
+    pub server_port: u16,
+    pub server_bind_address: String,
+    pub server_cert: Option<PathBuf>,
+    pub server_key: Option<PathBuf>,
+    pub server_ca_cert: Option<PathBuf>,
+    pub agent_port: u16,
+    pub agent_bind_address: String,
+    pub cluster_cert: Option<PathBuf>,
+    pub cluster_key: Option<PathBuf>,
+    pub cluster_ca_cert: Option<PathBuf>,
+    pub admin_port: u16,
+    pub admin_bind_address: String,
+    pub health_port: u16,
+    pub health_bind_address: String,
+    #[serde(with = "serde_go")]
+    pub keepalive_time: Duration,
+    #[serde(with = "serde_go")]
+    pub frontend_keepalive_time: Duration,
+    pub enable_profiling: bool,
+    pub enable_contention_profiling: bool,
+    /// Empty: `PROXY_SERVER_ID` or a random UUID.
+    pub server_id: String,
+    pub server_count: u32,
+    pub agent_namespace: String,
+    pub agent_service_account: String,
+    pub authentication_audience: String,
+    pub kubeconfig: String,
+    pub kubeconfig_qps: f32,
+    pub kubeconfig_burst: u32,
+    pub kube_api_content_type: String,
+    /// Comma-separated, tried in order: destHost, default, defaultRoute.
+    pub proxy_strategies: String,
+    pub cipher_suites: Vec<String>,
+    pub tls_min_version: String,
+    pub xfr_channel_size: u32,
+    pub enable_lease_controller: bool,
+    pub lease_namespace: String,
+    pub lease_label: String,
+    #[serde(with = "serde_go")]
+    pub graceful_shutdown_timeout: Duration,
+    /// Pending dials fail after this long (upstream default: never).
+    #[serde(with = "serde_go")]
+    pub backend_dial_timeout: Duration,
+    /// Accept agents whose certificate names no cluster (upstream-issued certs).
+    pub allow_unbound_agents: bool,
+    /// Per-connection flow-control window granted to agents that negotiate it.
+    pub flow_control_window: u32,
+    /// Per-connection buffer for plain konnectivity agents.
+    pub plain_peer_buffer: u32,
+    /// klog-style verbosity (`-v`); `RUST_LOG` overrides it.
+    pub v: u8,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            mode: Mode::Both,
+            uds_name: String::new(),
+            delete_existing_uds_file: true,
+            server_port: 8090,
+            server_bind_address: String::new(),
+            server_cert: None,
+            server_key: None,
+            server_ca_cert: None,
+            agent_port: 8091,
+            agent_bind_address: String::new(),
+            cluster_cert: None,
+            cluster_key: None,
+            cluster_ca_cert: None,
+            admin_port: 8095,
+            admin_bind_address: "127.0.0.1".into(),
+            health_port: 8092,
+            health_bind_address: String::new(),
+            keepalive_time: Duration::from_secs(3600),
+            frontend_keepalive_time: Duration::from_secs(3600),
+            enable_profiling: false,
+            enable_contention_profiling: false,
+            server_id: String::new(),
+            server_count: 1,
+            agent_namespace: String::new(),
+            agent_service_account: String::new(),
+            authentication_audience: String::new(),
+            kubeconfig: String::new(),
+            kubeconfig_qps: 0.0,
+            kubeconfig_burst: 0,
+            kube_api_content_type: "application/vnd.kubernetes.protobuf".into(),
+            proxy_strategies: "default".into(),
+            cipher_suites: Vec::new(),
+            tls_min_version: String::new(),
+            xfr_channel_size: 10,
+            enable_lease_controller: false,
+            lease_namespace: "kube-system".into(),
+            lease_label: "k8s-app=konnectivity-server".into(),
+            graceful_shutdown_timeout: Duration::ZERO,
+            backend_dial_timeout: Duration::from_secs(10),
+            allow_unbound_agents: false,
+            flow_control_window: DEFAULT_WINDOW,
+            plain_peer_buffer: 4 * 1024 * 1024,
+            v: 0,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("configuration: {0}")]
+    Figment(#[from] Box<figment::Error>),
+    #[error("invalid --{field}: {reason}")]
+    Invalid { field: &'static str, reason: String },
+}
+
+fn invalid(field: &'static str, reason: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        field,
+        reason: reason.into(),
+    }
+}
+
+/// Command-line flags. Every field is optional so that only flags actually
+/// given override the lower layers.
+#[derive(Debug, Default, Parser, Serialize)]
+#[command(
+    name = "proxy-server",
+    version,
+    about = "cluster-proxy tunnel server (konnectivity compatible)"
+)]
+pub struct Cli {
+    /// TOML configuration file (keys as the flags, with underscores).
+    #[arg(long)]
+    #[serde(skip)]
+    pub config: Option<PathBuf>,
+    /// Frontends on the client port: both (default), grpc or http-connect.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mode: Option<String>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub uds_name: Option<String>,
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub delete_existing_uds_file: Option<bool>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub server_port: Option<u16>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub server_bind_address: Option<String>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub server_cert: Option<PathBuf>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub server_key: Option<PathBuf>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub server_ca_cert: Option<PathBuf>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub agent_port: Option<u16>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub agent_bind_address: Option<String>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cluster_cert: Option<PathBuf>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cluster_key: Option<PathBuf>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cluster_ca_cert: Option<PathBuf>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub admin_port: Option<u16>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub admin_bind_address: Option<String>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub health_port: Option<u16>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub health_bind_address: Option<String>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub keepalive_time: Option<String>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub frontend_keepalive_time: Option<String>,
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub enable_profiling: Option<bool>,
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub enable_contention_profiling: Option<bool>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub server_id: Option<String>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub server_count: Option<u32>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub agent_namespace: Option<String>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub agent_service_account: Option<String>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub authentication_audience: Option<String>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kubeconfig: Option<String>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kubeconfig_qps: Option<f32>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kubeconfig_burst: Option<u32>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kube_api_content_type: Option<String>,
+    /// Routing strategies in order: destHost, default, defaultRoute.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub proxy_strategies: Option<String>,
+    #[arg(long, value_delimiter = ',')]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cipher_suites: Option<Vec<String>>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_min_version: Option<String>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub xfr_channel_size: Option<u32>,
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub enable_lease_controller: Option<bool>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lease_namespace: Option<String>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lease_label: Option<String>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub graceful_shutdown_timeout: Option<String>,
+    /// Fail a pending dial after this long (Go duration, e.g. 10s; 0 disables).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub backend_dial_timeout: Option<String>,
+    /// Accept agents whose certificate names no cluster, trusting the
+    /// identifiers they claim (upstream behaviour, for upstream-issued certs).
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub allow_unbound_agents: Option<bool>,
+    /// Per-connection flow-control window in bytes.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub flow_control_window: Option<u32>,
+    /// Per-connection buffer in bytes for plain konnectivity agents.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub plain_peer_buffer: Option<u32>,
+    /// Log verbosity as klog's -v (RUST_LOG overrides).
+    #[arg(short = 'v', long = "v")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub v: Option<u8>,
+    /// Hidden, deprecated upstream flag; accepted and ignored.
+    #[arg(long, hide = true, num_args = 0..=1, default_missing_value = "true")]
+    #[serde(skip)]
+    pub warn_on_channel_limit: Option<bool>,
+}
+
+impl ServerConfig {
+    /// Layers defaults, the TOML file, the environment and the flags.
+    pub fn load(cli: &Cli) -> Result<Self, ConfigError> {
+        let mut figment = Figment::from(Serialized::defaults(ServerConfig::default()));
+        if let Some(path) = &cli.config {
+            if !path.is_file() {
+                return Err(invalid(
+                    "config",
+                    format!("{} does not exist or is not a file", path.display()),
+                ));
+            }
+            figment = figment.merge(Toml::file(path));
+        }
+        figment = figment
+            .merge(Env::prefixed("PROXY_SERVER_").map(|k| {
+                if k.as_str().eq_ignore_ascii_case("id") {
+                    "server_id".into()
+                } else {
+                    k.as_str().to_ascii_lowercase().into()
+                }
+            }))
+            .merge(Serialized::defaults(cli));
+        let config: ServerConfig = figment.extract().map_err(Box::new)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks values that deserialize fine but cannot work.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.strategies()?;
+        if !self.uds_name.is_empty() {
+            return Err(invalid(
+                "uds-name",
+                "Unix-socket frontends are not supported; use the mTLS client port",
+            ));
+        }
+        if !self.agent_namespace.is_empty()
+            || !self.agent_service_account.is_empty()
+            || !self.authentication_audience.is_empty()
+        {
+            return Err(invalid(
+                "agent-namespace",
+                "service-account token authentication of agents is not supported; agents authenticate with client certificates (--cluster-ca-cert)",
+            ));
+        }
+        if self.server_count == 0 {
+            return Err(invalid("server-count", "must be at least 1"));
+        }
+        if self.flow_control_window < MIN_WINDOW {
+            return Err(invalid(
+                "flow-control-window",
+                format!("must be at least {MIN_WINDOW} bytes"),
+            ));
+        }
+        if self.plain_peer_buffer < MIN_WINDOW {
+            return Err(invalid(
+                "plain-peer-buffer",
+                format!("must be at least {MIN_WINDOW} bytes"),
+            ));
+        }
+        match self.tls_min_version.as_str() {
+            "" | "VersionTLS12" | "VersionTLS13" => {}
+            other => {
+                return Err(invalid(
+                    "tls-min-version",
+                    format!("{other:?} is not supported: use VersionTLS12 or VersionTLS13"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The parsed `--proxy-strategies` list.
+    pub fn strategies(&self) -> Result<Vec<Strategy>, ConfigError> {
+        let list: Vec<Strategy> = self
+            .proxy_strategies
+            .split(',')
+            .filter(|s| !s.trim().is_empty())
+            .map(|s| {
+                Strategy::parse(s).ok_or_else(|| {
+                    invalid(
+                        "proxy-strategies",
+                        format!("unknown strategy {s:?}; valid: destHost, default, defaultRoute"),
+                    )
+                })
+            })
+            .collect::<Result<_, _>>()?;
+        if list.is_empty() {
+            return Err(invalid(
+                "proxy-strategies",
+                "at least one strategy is required",
+            ));
+        }
+        Ok(list)
+    }
+
+    /// The server id: configured, else `PROXY_SERVER_ID`, else a random UUID.
+    pub fn resolved_server_id(&self) -> String {
+        if self.server_id.is_empty() {
+            uuid::Uuid::new_v4().to_string()
+        } else {
+            self.server_id.clone()
+        }
+    }
+
+    /// Upstream flags this implementation accepts but does not act on.
+    pub fn ignored_settings(&self) -> Vec<&'static str> {
+        let defaults = ServerConfig::default();
+        let mut ignored = Vec::new();
+        if self.enable_profiling {
+            ignored.push("enable-profiling");
+        }
+        if self.enable_contention_profiling {
+            ignored.push("enable-contention-profiling");
+        }
+        if !self.kubeconfig.is_empty() {
+            ignored.push("kubeconfig");
+        }
+        if self.enable_lease_controller {
+            ignored.push("enable-lease-controller");
+        }
+        if !self.cipher_suites.is_empty() {
+            ignored.push("cipher-suites");
+        }
+        if self.xfr_channel_size != defaults.xfr_channel_size {
+            ignored.push("xfr-channel-size");
+        }
+        ignored
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::result_large_err)] // figment::Jail's closure signature
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<ServerConfig, ConfigError> {
+        let mut argv = vec!["proxy-server"];
+        argv.extend_from_slice(args);
+        ServerConfig::load(&Cli::parse_from(argv))
+    }
+
+    #[test]
+    fn defaults_match_upstream() {
+        let c = ServerConfig::default();
+        assert_eq!(
+            (c.server_port, c.agent_port, c.health_port, c.admin_port),
+            (8090, 8091, 8092, 8095)
+        );
+        assert_eq!(c.strategies().unwrap(), [Strategy::Default]);
+    }
+
+    #[test]
+    fn layers_file_then_env_then_flags() {
+        figment::Jail::expect_with(|jail| {
+            jail.create_file(
+                "server.toml",
+                "agent_port = 1001\nserver_port = 1002\nhealth_port = 1003\n",
+            )?;
+            jail.set_env("PROXY_SERVER_SERVER_PORT", "2002");
+            jail.set_env("PROXY_SERVER_HEALTH_PORT", "2003");
+            jail.set_env("PROXY_SERVER_ID", "from-env");
+            let c = parse(&[
+                "--config",
+                "server.toml",
+                "--health-port",
+                "3003",
+                "--backend-dial-timeout=1m30s",
+            ])
+            .map_err(|e| e.to_string())?;
+            assert_eq!(c.agent_port, 1001);
+            assert_eq!(c.server_port, 2002);
+            assert_eq!(c.health_port, 3003);
+            assert_eq!(c.server_id, "from-env");
+            assert_eq!(c.backend_dial_timeout, Duration::from_secs(90));
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn invalid_values_name_the_field() {
+        figment::Jail::expect_with(|jail| {
+            jail.create_file("bad.toml", "agent_port = \"many\"\n")?;
+            let err = parse(&["--config", "bad.toml"]).unwrap_err().to_string();
+            assert!(err.contains("agent_port"), "{err}");
+            let err = parse(&["--proxy-strategies", "destHost,nearest"])
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("proxy-strategies") && err.contains("nearest"),
+                "{err}"
+            );
+            let err = parse(&["--backend-dial-timeout", "soon"])
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("backend_dial_timeout"), "{err}");
+            let err = parse(&["--uds-name", "/tmp/x.sock"])
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("uds-name"), "{err}");
+            jail.create_file("typo.toml", "agent_prot = 1\n")?;
+            let err = parse(&["--config", "typo.toml"]).unwrap_err().to_string();
+            assert!(err.contains("agent_prot"), "{err}");
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn upstream_flag_spellings_are_accepted() {
+        figment::Jail::expect_with(|_| {
+            let c = parse(&[
+                "--mode=http-connect",
+                "--proxy-strategies=destHost,defaultRoute",
+                "--keepalive-time=1h0m0s",
+                "--enable-profiling",
+                "--xfr-channel-size=150",
+                "--server-count=3",
+                "--v=2",
+                "--warn-on-channel-limit",
+            ])
+            .map_err(|e| e.to_string())?;
+            assert_eq!(c.mode, Mode::HttpConnect);
+            assert_eq!(
+                c.strategies().unwrap(),
+                [Strategy::DestHost, Strategy::DefaultRoute]
+            );
+            assert_eq!(c.server_count, 3);
+            assert_eq!(
+                c.ignored_settings(),
+                ["enable-profiling", "xfr-channel-size"]
+            );
+            Ok(())
+        });
+    }
+}

@@ -1,0 +1,155 @@
+//! Dialing through an agent: pick a tunnel, send DIAL_REQ, wait for the answer
+//! with a deadline, and never leave a pending dial behind.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cluster_proxy_proto::packet;
+use http::StatusCode;
+use tokio::sync::oneshot;
+
+use crate::metrics::Metrics;
+use crate::registry::Registry;
+use crate::tunnel::{AgentTunnel, DialReply, Established};
+
+/// Why a dial failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DialFailure {
+    /// No connected agent serves the requested host.
+    NoAgent,
+    /// The agent could not dial (its error text, e.g. `dial tcp …: connect: connection refused`).
+    Agent(String),
+    /// The agent sent DIAL_CLS.
+    ClosedByAgent,
+    /// The agent's tunnel ended before it answered.
+    TunnelClosed(String),
+    /// No answer within the dial timeout.
+    Timeout(Duration),
+    /// The request itself is unusable (bad protocol, duplicate dial id).
+    BadRequest(String),
+}
+
+impl DialFailure {
+    /// The text clients see (DIAL_RSP error or HTTP body); upstream's wording where it has one.
+    pub fn message(&self) -> String {
+        match self {
+            DialFailure::NoAgent => "No agent available".into(),
+            DialFailure::Agent(e) => e.clone(),
+            DialFailure::ClosedByAgent => "dial closed".into(),
+            DialFailure::TunnelClosed(e) => e.clone(),
+            DialFailure::Timeout(d) => format!("timed out waiting for backend dial after {d:?}"),
+            DialFailure::BadRequest(e) => e.clone(),
+        }
+    }
+
+    /// Upstream's `dial_failure_count` reason label.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            DialFailure::NoAgent => "no_agent",
+            DialFailure::Agent(_) => "error_response",
+            DialFailure::ClosedByAgent => "backend_close",
+            DialFailure::TunnelClosed(_) => "backend_close",
+            DialFailure::Timeout(_) => "backend_dial_timeout",
+            DialFailure::BadRequest(_) => "send_rsp",
+        }
+    }
+
+    /// HTTP CONNECT status, mapped as upstream does.
+    pub fn http_status(&self) -> StatusCode {
+        match self {
+            DialFailure::NoAgent => StatusCode::INTERNAL_SERVER_ERROR,
+            DialFailure::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
+            DialFailure::BadRequest(_) => StatusCode::BAD_REQUEST,
+            DialFailure::Agent(e) => {
+                let e = e.to_ascii_lowercase();
+                if e.contains("timeout") || e.contains("timed out") || e.contains("deadline") {
+                    StatusCode::GATEWAY_TIMEOUT
+                } else if e.contains("too many open files") {
+                    StatusCode::SERVICE_UNAVAILABLE
+                } else {
+                    StatusCode::BAD_GATEWAY
+                }
+            }
+            DialFailure::ClosedByAgent | DialFailure::TunnelClosed(_) => StatusCode::BAD_GATEWAY,
+        }
+    }
+}
+
+/// Everything a frontend needs to dial.
+pub struct Dialer {
+    pub registry: Arc<Registry>,
+    pub metrics: Arc<Metrics>,
+    pub timeout: Duration,
+}
+
+/// Cancels a pending dial when the dialing future is dropped or times out.
+struct PendingGuard<'a> {
+    tunnel: &'a AgentTunnel,
+    random: i64,
+    armed: bool,
+}
+
+impl Drop for PendingGuard<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.tunnel.cancel_pending(self.random);
+        }
+    }
+}
+
+impl Dialer {
+    /// Dials `address` through the agent that serves its host.
+    pub async fn dial(&self, address: &str, random: i64) -> Result<Established, DialFailure> {
+        let started = Instant::now();
+        let result = self.dial_inner(address, random).await;
+        match &result {
+            Ok(_) => self
+                .metrics
+                .dial_duration
+                .observe(started.elapsed().as_secs_f64()),
+            Err(f) => self.metrics.dial_failed(f.reason()),
+        }
+        result
+    }
+
+    async fn dial_inner(&self, address: &str, random: i64) -> Result<Established, DialFailure> {
+        if address.is_empty() {
+            return Err(DialFailure::BadRequest(
+                "dial request without an address".into(),
+            ));
+        }
+        let tunnel = self.registry.pick(address).ok_or(DialFailure::NoAgent)?;
+        let reply = tunnel
+            .register_pending(random)
+            .map_err(DialFailure::BadRequest)?;
+        let mut guard = PendingGuard {
+            tunnel: &tunnel,
+            random,
+            armed: true,
+        };
+        tunnel
+            .send_ordered(packet::dial_request(address, random))
+            .await
+            .map_err(|_| DialFailure::TunnelClosed("agent tunnel closed".into()))?;
+        let outcome = tokio::select! {
+            reply = wait(reply) => reply,
+            _ = tokio::time::sleep(self.timeout) => Err(DialFailure::Timeout(self.timeout)),
+        };
+        if outcome.is_ok() {
+            guard.armed = false;
+        }
+        outcome
+    }
+}
+
+async fn wait(reply: oneshot::Receiver<DialReply>) -> Result<Established, DialFailure> {
+    match reply.await {
+        Ok(DialReply::Connected(established)) => Ok(established),
+        Ok(DialReply::Failed(error)) => Err(DialFailure::Agent(error)),
+        Ok(DialReply::TunnelClosed(error)) => Err(DialFailure::TunnelClosed(error)),
+        Ok(DialReply::ClosedByAgent) => Err(DialFailure::ClosedByAgent),
+        Err(_) => Err(DialFailure::TunnelClosed(
+            "agent tunnel closed before the dial completed".into(),
+        )),
+    }
+}

@@ -1,0 +1,123 @@
+//! The HTTP CONNECT frontend (HTTP/1.1), as upstream's `--mode=http-connect`:
+//! `CONNECT host:port` → dial through the agent → `200` and raw bytes both ways.
+//! Failures map to status codes by the agent's error text, as upstream does.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use cluster_proxy_proto::flow::READ_CHUNK;
+use http::{HeaderValue, Method, Request, Response, StatusCode, header};
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tonic::body::Body;
+use tracing::debug;
+
+use crate::dial::{DialFailure, Dialer};
+use crate::metrics::{GaugeGuard, Metrics};
+use crate::tunnel::{Established, FrontendEvent};
+
+/// How long to wait for the agent's CLOSE_RSP after the client hung up.
+const CLOSE_WAIT: Duration = Duration::from_secs(10);
+
+pub struct ConnectFrontend {
+    pub dialer: Arc<Dialer>,
+    pub metrics: Arc<Metrics>,
+}
+
+fn text_response(status: StatusCode, body: String) -> Response<Body> {
+    let mut response = Response::new(Body::new(Full::new(Bytes::from(body))));
+    *response.status_mut() = status;
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
+    response
+}
+
+impl ConnectFrontend {
+    pub async fn handle(self: Arc<Self>, request: Request<Incoming>) -> Response<Body> {
+        if request.method() != Method::CONNECT {
+            return text_response(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "this proxy only supports CONNECT passthrough\n".into(),
+            );
+        }
+        let Some(address) = request.uri().authority().map(|a| a.as_str().to_owned()) else {
+            return text_response(
+                StatusCode::BAD_REQUEST,
+                "CONNECT target must be host:port\n".into(),
+            );
+        };
+        let random = (rand::random::<i64>() & i64::MAX).max(1);
+        let established = match self.dialer.dial(&address, random).await {
+            Ok(established) => established,
+            Err(failure) => {
+                debug!(address, error = %failure.message(), "CONNECT dial failed");
+                let body = match &failure {
+                    DialFailure::NoAgent => {
+                        format!("currently no tunnels available: {}", failure.message())
+                    }
+                    other => other.message(),
+                };
+                return text_response(failure.http_status(), body);
+            }
+        };
+        let metrics = self.metrics.clone();
+        tokio::spawn(async move {
+            match hyper::upgrade::on(request).await {
+                Ok(upgraded) => relay(TokioIo::new(upgraded), established, metrics).await,
+                Err(e) => debug!(address, error = %e, "CONNECT upgrade failed"),
+            }
+        });
+        Response::new(Body::empty())
+    }
+}
+
+async fn relay<IO>(io: IO, established: Established, metrics: Arc<Metrics>)
+where
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + 'static,
+{
+    let _gauge = GaugeGuard::new(metrics.http_connections.clone());
+    let (sender, mut receiver) = established.split();
+    let (mut from_client, mut to_client) = tokio::io::split(io);
+    let uplink = async {
+        loop {
+            let mut buf = BytesMut::with_capacity(READ_CHUNK);
+            match from_client.read_buf(&mut buf).await {
+                Ok(n) if n > 0 => {
+                    if sender.send(buf.freeze()).await.is_err() {
+                        break;
+                    }
+                }
+                _ => break,
+            }
+        }
+        sender.request_close();
+    };
+    let downlink = async {
+        while let Some(delivery) = receiver.recv().await {
+            let FrontendEvent::Data(data) = &delivery.event else {
+                break;
+            };
+            if to_client.write_all(data).await.is_err() {
+                break;
+            }
+            let n = data.len();
+            drop(delivery);
+            receiver.consumed(n);
+        }
+        let _ = to_client.shutdown().await;
+    };
+    tokio::pin!(uplink, downlink);
+    tokio::select! {
+        _ = &mut downlink => {}
+        _ = &mut uplink => {
+            let _ = tokio::time::timeout(CLOSE_WAIT, downlink).await;
+        }
+    }
+}

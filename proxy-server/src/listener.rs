@@ -1,0 +1,179 @@
+//! Accepting mTLS connections and serving HTTP on them.
+//!
+//! We drive hyper ourselves (rather than tonic's server) so one port can carry
+//! gRPC over HTTP/2 and HTTP CONNECT over HTTP/1.1 at once, and so every
+//! request carries the verified peer certificate's identity.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use cluster_proxy_proto::identity::ClusterName;
+use cluster_proxy_proto::transport::{CONNECTION_WINDOW, STREAM_WINDOW};
+use http::{Request, Response};
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use hyper_util::service::TowerToHyperService;
+use tokio::net::TcpListener;
+use tokio_rustls::TlsAcceptor;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{debug, info};
+
+/// Time a client gets to finish the TLS handshake.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Time an HTTP/1.1 client gets to send its request head (upstream: 60 s).
+const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The verified client certificate behind a request.
+#[derive(Debug, Clone)]
+pub struct PeerInfo {
+    pub remote: SocketAddr,
+    pub subject: String,
+    /// The cluster the certificate names, if any.
+    pub cluster: Option<ClusterName>,
+    /// Why the certificate's cluster identity could not be read, if it could not.
+    pub identity_error: Option<String>,
+}
+
+/// Which HTTP versions a port speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Protocols {
+    /// gRPC only (the agent port).
+    Http2Only,
+    /// HTTP/2 (gRPC) and HTTP/1.1 (CONNECT), detected per connection.
+    Http1And2,
+}
+
+fn peer_info(remote: SocketAddr, conn: &rustls::ServerConnection) -> PeerInfo {
+    let Some(cert) = conn.peer_certificates().and_then(|c| c.first()) else {
+        return PeerInfo {
+            remote,
+            subject: String::new(),
+            cluster: None,
+            identity_error: Some("no client certificate".into()),
+        };
+    };
+    let subject = cert_authority::peer::subject_of(cert);
+    match cert_authority::peer::cluster_of(cert) {
+        Ok(cluster) => PeerInfo {
+            remote,
+            subject,
+            cluster,
+            identity_error: None,
+        },
+        Err(e) => PeerInfo {
+            remote,
+            subject,
+            cluster: None,
+            identity_error: Some(e.to_string()),
+        },
+    }
+}
+
+/// Serves `listener` until `shutdown` fires, then stops accepting and lets
+/// open connections finish within `grace` before dropping them.
+pub async fn serve<S, F, B>(
+    name: &'static str,
+    listener: TcpListener,
+    tls: Arc<rustls::ServerConfig>,
+    protocols: Protocols,
+    make_service: F,
+    shutdown: CancellationToken,
+    grace: Duration,
+) where
+    F: Fn(Arc<PeerInfo>) -> S + Send + Sync + 'static,
+    S: tower::Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let acceptor = TlsAcceptor::from(tls);
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http2()
+        .initial_stream_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONNECTION_WINDOW)
+        .max_frame_size(256 * 1024)
+        .max_concurrent_streams(None::<u32>)
+        .keep_alive_interval(Some(Duration::from_secs(30)))
+        .keep_alive_timeout(Duration::from_secs(20));
+    builder
+        .http1()
+        .header_read_timeout(HEADER_READ_TIMEOUT)
+        .keep_alive(true);
+    if protocols == Protocols::Http2Only {
+        builder = builder.http2_only();
+    }
+    let builder = Arc::new(builder);
+    let make_service = Arc::new(make_service);
+    let connections = TaskTracker::new();
+    loop {
+        let (tcp, remote) = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    // EMFILE and friends: back off instead of spinning.
+                    tracing::warn!(listener = name, error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+        };
+        let _ = tcp.set_nodelay(true);
+        let acceptor = acceptor.clone();
+        let builder = builder.clone();
+        let make_service = make_service.clone();
+        let shutdown = shutdown.clone();
+        connections.spawn(async move {
+            let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                Ok(Ok(tls)) => tls,
+                Ok(Err(e)) => {
+                    info!(listener = name, %remote, error = %e, "TLS handshake failed");
+                    return;
+                }
+                Err(_) => {
+                    info!(listener = name, %remote, "TLS handshake timed out");
+                    return;
+                }
+            };
+            let peer = Arc::new(peer_info(remote, tls.get_ref().1));
+            let tagged = peer.clone();
+            let service = tower::ServiceBuilder::new()
+                .map_request(move |mut req: Request<Incoming>| {
+                    req.extensions_mut().insert(tagged.clone());
+                    req
+                })
+                .service(make_service(peer));
+            let conn = builder.serve_connection_with_upgrades(TokioIo::new(tls), TowerToHyperService::new(service));
+            tokio::pin!(conn);
+            tokio::select! {
+                result = conn.as_mut() => {
+                    if let Err(e) = result {
+                        debug!(listener = name, %remote, error = %e, "connection ended with an error");
+                    }
+                }
+                _ = shutdown.cancelled() => {
+                    conn.as_mut().graceful_shutdown();
+                    let _ = conn.await;
+                }
+            }
+        });
+    }
+    connections.close();
+    if tokio::time::timeout(grace, connections.wait())
+        .await
+        .is_err()
+    {
+        debug!(
+            listener = name,
+            "connections still open after the grace period; dropping them"
+        );
+    }
+}

@@ -1,0 +1,191 @@
+//! Prometheus metrics, named as upstream's `konnectivity_network_proxy_server_*`
+//! where one exists. Counters on the data path are resolved once up front so
+//! that counting a packet is a single atomic add.
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+type Labels = Vec<(&'static str, &'static str)>;
+
+/// Where a packet crossed the server.
+#[derive(Debug, Clone, Copy)]
+pub enum Segment {
+    FromClient = 0,
+    ToClient = 1,
+    FromAgent = 2,
+    ToAgent = 3,
+}
+
+const SEGMENTS: [&str; 4] = ["from_client", "to_client", "from_agent", "to_agent"];
+const PACKET_TYPES: [&str; 9] = [
+    "DIAL_REQ",
+    "DIAL_RSP",
+    "CLOSE_REQ",
+    "CLOSE_RSP",
+    "DATA",
+    "DIAL_CLS",
+    "DRAIN",
+    "WINDOW_UPDATE",
+    "UNKNOWN",
+];
+
+pub struct Metrics {
+    registry: Registry,
+    pub dial_duration: Histogram,
+    dial_failures: Family<Labels, Counter>,
+    pub pending_dials: Gauge,
+    pub established: Gauge,
+    grpc_connections: Family<Labels, Gauge>,
+    pub http_connections: Gauge,
+    ready_backends: Family<Labels, Gauge>,
+    pub agent_tunnels: Gauge,
+    packets: Vec<Vec<Counter>>,
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut root = Registry::default();
+        let registry = root.sub_registry_with_prefix("konnectivity_network_proxy_server");
+        let dial_duration = Histogram::new(exponential_buckets(0.000_005, 2.5, 16));
+        registry.register(
+            "dial_duration_seconds",
+            "Latency of dial requests, from DIAL_REQ to the agent's DIAL_RSP",
+            dial_duration.clone(),
+        );
+        let dial_failures = Family::<Labels, Counter>::default();
+        registry.register(
+            "dial_failure_count",
+            "Failed dials by reason",
+            dial_failures.clone(),
+        );
+        let pending_dials = Gauge::default();
+        registry.register(
+            "pending_backend_dials",
+            "Dials waiting for the agent's answer",
+            pending_dials.clone(),
+        );
+        let established = Gauge::default();
+        registry.register(
+            "established_connections",
+            "Tunneled connections open now",
+            established.clone(),
+        );
+        let grpc_connections = Family::<Labels, Gauge>::default();
+        registry.register(
+            "grpc_connections",
+            "Open gRPC streams by method",
+            grpc_connections.clone(),
+        );
+        let http_connections = Gauge::default();
+        registry.register(
+            "http_connections",
+            "Open HTTP CONNECT tunnels",
+            http_connections.clone(),
+        );
+        let ready_backends = Family::<Labels, Gauge>::default();
+        registry.register(
+            "ready_backends",
+            "Routable backend keys per strategy",
+            ready_backends.clone(),
+        );
+        let agent_tunnels = Gauge::default();
+        registry.register(
+            "agent_tunnels",
+            "Connected agent tunnels",
+            agent_tunnels.clone(),
+        );
+        let packet_family = Family::<Labels, Counter>::default();
+        registry.register(
+            "stream_packets",
+            "Packets by segment and type",
+            packet_family.clone(),
+        );
+        let packets = SEGMENTS
+            .iter()
+            .map(|segment| {
+                PACKET_TYPES
+                    .iter()
+                    .map(|kind| {
+                        packet_family
+                            .get_or_create(&vec![("segment", *segment), ("packet_type", *kind)])
+                            .clone()
+                    })
+                    .collect()
+            })
+            .collect();
+        Metrics {
+            registry: root,
+            dial_duration,
+            dial_failures,
+            pending_dials,
+            established,
+            grpc_connections,
+            http_connections,
+            ready_backends,
+            agent_tunnels,
+            packets,
+        }
+    }
+
+    pub fn packet(&self, segment: Segment, type_name: &str) {
+        let kind = PACKET_TYPES
+            .iter()
+            .position(|t| *t == type_name)
+            .unwrap_or(PACKET_TYPES.len() - 1);
+        self.packets[segment as usize][kind].inc();
+    }
+
+    pub fn dial_failed(&self, reason: &'static str) {
+        self.dial_failures
+            .get_or_create(&vec![("reason", reason)])
+            .inc();
+    }
+
+    pub fn grpc_stream(&self, method: &'static str) -> GaugeGuard {
+        let gauge = self
+            .grpc_connections
+            .get_or_create(&vec![("service_method", method)])
+            .clone();
+        GaugeGuard::new(gauge)
+    }
+
+    pub fn set_ready_backends(&self, strategy: &'static str, n: usize) {
+        self.ready_backends
+            .get_or_create(&vec![("proxy_strategy", strategy)])
+            .set(i64::try_from(n).unwrap_or(i64::MAX));
+    }
+
+    /// Prometheus text exposition.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = encode(&mut out, &self.registry);
+        out
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Increments a gauge now and decrements it when dropped.
+pub struct GaugeGuard(Gauge);
+
+impl GaugeGuard {
+    pub fn new(gauge: Gauge) -> Self {
+        gauge.inc();
+        GaugeGuard(gauge)
+    }
+}
+
+impl Drop for GaugeGuard {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}

@@ -1,0 +1,552 @@
+//! One connected agent: the server side of an `AgentService.Connect` stream.
+//!
+//! Every tunneled connection of this agent is multiplexed over the stream. The
+//! reader ([`AgentTunnel::handle`]) only dispatches into per-connection
+//! receive queues, so a frontend that reads slowly holds back its own
+//! connection, not the tunnel (see `cluster_proxy_proto::flow`).
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use cluster_proxy_proto::Packet;
+use cluster_proxy_proto::flow::{
+    Delivery, FlowError, ReceiveQueue, ReceiveQueueRx, SendCredit, WindowTracker,
+};
+use cluster_proxy_proto::identifiers::AgentIdentifiers;
+use cluster_proxy_proto::identity::ClusterName;
+use cluster_proxy_proto::packet::{self, Frame};
+use futures_util::stream::{PollNext, Stream, StreamExt, select_with_strategy};
+use tokio::sync::{mpsc, oneshot};
+use tokio_stream::wrappers::{ReceiverStream, UnboundedReceiverStream};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+use crate::metrics::{Metrics, Segment};
+
+static NEXT_TUNNEL_ID: AtomicU64 = AtomicU64::new(1);
+
+/// Flow-control and buffering settings of one tunnel.
+#[derive(Debug, Clone, Copy)]
+pub struct TunnelSettings {
+    /// Per-connection window we grant the agent (when flow control is on).
+    pub our_window: u32,
+    /// The agent's window for us; `Some` means flow control was negotiated.
+    pub peer_window: Option<u32>,
+    /// Per-connection buffer for a plain konnectivity agent.
+    pub plain_buffer: u32,
+    /// Capacity, in packets, of the ordered queue towards the agent.
+    pub ordered_capacity: usize,
+}
+
+/// What a frontend receives for its connection.
+#[derive(Debug)]
+pub enum FrontendEvent {
+    Data(Bytes),
+    /// The connection ended (CLOSE_RSP); the text is the agent's error, if any.
+    Closed(String),
+}
+
+/// The outcome of a dial, delivered by the tunnel's reader.
+#[derive(Debug)]
+pub enum DialReply {
+    Connected(Established),
+    Failed(String),
+    /// The tunnel ended before the agent answered.
+    TunnelClosed(String),
+    /// The agent sent DIAL_CLS for this dial.
+    ClosedByAgent,
+}
+
+struct ConnEntry {
+    queue: ReceiveQueue<FrontendEvent>,
+    credit: SendCredit,
+}
+
+#[derive(Default)]
+struct State {
+    pending: HashMap<i64, oneshot::Sender<DialReply>>,
+    conns: HashMap<i64, ConnEntry>,
+}
+
+/// The packets the server sends to the agent, as a gRPC response stream.
+pub type OutboundStream = Pin<Box<dyn Stream<Item = Result<Packet, tonic::Status>> + Send>>;
+
+pub struct AgentTunnel {
+    id: u64,
+    agent_id: String,
+    cluster: Option<ClusterName>,
+    identifiers: AgentIdentifiers,
+    settings: TunnelSettings,
+    draining: AtomicBool,
+    closed: CancellationToken,
+    /// DIAL_REQ, DATA, CLOSE_REQ: per-connection order matters.
+    ordered: mpsc::Sender<Packet>,
+    /// WINDOW_UPDATE, DIAL_CLS and replies to stray packets: sent ahead of data.
+    control: mpsc::UnboundedSender<Packet>,
+    state: Mutex<State>,
+    metrics: Arc<Metrics>,
+}
+
+impl std::fmt::Debug for AgentTunnel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AgentTunnel")
+            .field("id", &self.id)
+            .field("agent_id", &self.agent_id)
+            .field("cluster", &self.cluster)
+            .finish_non_exhaustive()
+    }
+}
+
+impl AgentTunnel {
+    pub fn new(
+        agent_id: String,
+        cluster: Option<ClusterName>,
+        identifiers: AgentIdentifiers,
+        settings: TunnelSettings,
+        metrics: Arc<Metrics>,
+    ) -> (Arc<Self>, OutboundStream) {
+        let (ordered, ordered_rx) = mpsc::channel(settings.ordered_capacity.max(1));
+        let (control, control_rx) = mpsc::unbounded_channel();
+        let tunnel = Arc::new(AgentTunnel {
+            id: NEXT_TUNNEL_ID.fetch_add(1, Ordering::Relaxed),
+            agent_id,
+            cluster,
+            identifiers,
+            settings,
+            draining: AtomicBool::new(false),
+            closed: CancellationToken::new(),
+            ordered,
+            control,
+            state: Mutex::new(State::default()),
+            metrics: metrics.clone(),
+        });
+        let merged = select_with_strategy(
+            UnboundedReceiverStream::new(control_rx),
+            ReceiverStream::new(ordered_rx),
+            |_: &mut ()| PollNext::Left,
+        )
+        .take_until(tunnel.closed.clone().cancelled_owned())
+        .map(move |p| {
+            metrics.packet(Segment::ToAgent, packet::type_name(&p));
+            Ok(p)
+        });
+        (tunnel, Box::pin(merged))
+    }
+
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    pub fn agent_id(&self) -> &str {
+        &self.agent_id
+    }
+
+    pub fn cluster(&self) -> Option<&ClusterName> {
+        self.cluster.as_ref()
+    }
+
+    pub fn identifiers(&self) -> &AgentIdentifiers {
+        &self.identifiers
+    }
+
+    pub fn flow_controlled(&self) -> bool {
+        self.settings.peer_window.is_some()
+    }
+
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.closed.is_cancelled()
+    }
+
+    /// Resolves when the tunnel has closed.
+    pub async fn closed(&self) {
+        self.closed.cancelled().await;
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn connection_count(&self) -> usize {
+        self.state().conns.len()
+    }
+
+    /// Registers a dial id; the reader delivers the agent's answer to the receiver.
+    pub(crate) fn register_pending(
+        &self,
+        random: i64,
+    ) -> Result<oneshot::Receiver<DialReply>, String> {
+        let (tx, rx) = oneshot::channel();
+        let mut state = self.state();
+        if self.is_closed() {
+            return Err("agent tunnel is closed".into());
+        }
+        if state.pending.contains_key(&random) {
+            return Err(format!("dial id {random} is already in use"));
+        }
+        state.pending.insert(random, tx);
+        self.metrics.pending_dials.inc();
+        Ok(rx)
+    }
+
+    /// Abandons a dial that has not been answered; tells the agent to stop it.
+    pub(crate) fn cancel_pending(&self, random: i64) {
+        if self.state().pending.remove(&random).is_some() {
+            self.metrics.pending_dials.dec();
+            let _ = self.control.send(packet::close_dial(random));
+        }
+    }
+
+    pub(crate) async fn send_ordered(&self, p: Packet) -> Result<(), FlowError> {
+        self.ordered.send(p).await.map_err(|_| FlowError::Closed)
+    }
+
+    fn send_control(&self, p: Packet) {
+        // A closed channel means the tunnel is gone, and with it the need to tell the agent.
+        let _ = self.control.send(p);
+    }
+
+    /// Sends DRAIN-independent shutdown: closes the stream to the agent.
+    pub fn close(&self, reason: &str) {
+        let state = {
+            let mut state = self.state();
+            if self.closed.is_cancelled() {
+                return;
+            }
+            self.closed.cancel();
+            std::mem::take(&mut *state)
+        };
+        debug!(tunnel = self.id, agent_id = %self.agent_id, reason, "agent tunnel closed");
+        for (_, waiter) in state.pending {
+            self.metrics.pending_dials.dec();
+            let _ = waiter.send(DialReply::TunnelClosed(format!(
+                "agent tunnel closed before the dial completed: {reason}"
+            )));
+        }
+        for (_, conn) in state.conns {
+            self.metrics.established.dec();
+            conn.credit.close();
+            let _ = conn.queue.push(FrontendEvent::Closed(String::new()));
+        }
+    }
+
+    fn remove_conn(&self, connect_id: i64) -> Option<ConnEntry> {
+        let entry = self.state().conns.remove(&connect_id);
+        if entry.is_some() {
+            self.metrics.established.dec();
+        }
+        entry
+    }
+
+    /// Ends one connection because the agent broke the protocol on it.
+    fn fail_conn(&self, connect_id: i64, error: String) {
+        warn!(tunnel = self.id, agent_id = %self.agent_id, connect_id, %error, "closing connection");
+        if let Some(conn) = self.remove_conn(connect_id) {
+            conn.credit.close();
+            let _ = conn.queue.push(FrontendEvent::Closed(error));
+        }
+        self.send_control(packet::close_request(connect_id));
+    }
+
+    /// Handles one packet from the agent.
+    pub async fn handle(self: &Arc<Self>, frame: Frame) {
+        self.metrics.packet(Segment::FromAgent, frame.type_name());
+        match frame {
+            Frame::DialResponse {
+                error,
+                connect_id,
+                random,
+            } => self.on_dial_response(error, connect_id, random),
+            Frame::Data { connect_id, data } => {
+                if connect_id == 0 {
+                    warn!(tunnel = self.id, agent_id = %self.agent_id, "dropping DATA with connection id 0");
+                    return;
+                }
+                let queue = self.state().conns.get(&connect_id).map(|c| c.queue.clone());
+                let Some(queue) = queue else {
+                    debug!(
+                        tunnel = self.id,
+                        connect_id, "DATA for unknown connection; asking the agent to close it"
+                    );
+                    self.send_control(packet::close_request(connect_id));
+                    return;
+                };
+                match queue
+                    .push_data(&data, connect_id, FrontendEvent::Data(data.clone()))
+                    .await
+                {
+                    Ok(()) | Err(FlowError::Closed) => {}
+                    Err(e) => self.fail_conn(connect_id, e.to_string()),
+                }
+            }
+            Frame::CloseResponse { error, connect_id } => match self.remove_conn(connect_id) {
+                Some(conn) => {
+                    conn.credit.close();
+                    let _ = conn.queue.push(FrontendEvent::Closed(error));
+                }
+                None => debug!(
+                    tunnel = self.id,
+                    connect_id, "CLOSE_RSP for unknown connection"
+                ),
+            },
+            Frame::CloseDial { random } => {
+                let waiter = self.state().pending.remove(&random);
+                if let Some(waiter) = waiter {
+                    self.metrics.pending_dials.dec();
+                    let _ = waiter.send(DialReply::ClosedByAgent);
+                }
+            }
+            Frame::Drain => {
+                if !self.draining.swap(true, Ordering::Relaxed) {
+                    tracing::info!(tunnel = self.id, agent_id = %self.agent_id, "agent is draining");
+                }
+            }
+            Frame::WindowUpdate { connect_id, bytes } => {
+                if !self.flow_controlled() {
+                    return;
+                }
+                let credit = self
+                    .state()
+                    .conns
+                    .get(&connect_id)
+                    .map(|c| c.credit.clone());
+                if let Some(credit) = credit
+                    && let Err(e) = credit.grant(bytes)
+                {
+                    self.fail_conn(connect_id, e.to_string());
+                }
+            }
+            other
+            @ (Frame::DialRequest { .. } | Frame::CloseRequest { .. } | Frame::Unknown(_)) => {
+                debug!(
+                    tunnel = self.id,
+                    packet = other.type_name(),
+                    "ignoring packet an agent should not send"
+                );
+            }
+        }
+    }
+
+    fn on_dial_response(self: &Arc<Self>, error: String, connect_id: i64, random: i64) {
+        let mut state = self.state();
+        let Some(waiter) = state.pending.remove(&random) else {
+            drop(state);
+            self.metrics.dial_failed("unrecognized_response");
+            if connect_id != 0 {
+                // The frontend gave up; don't leave the agent's connection open.
+                self.send_control(packet::close_request(connect_id));
+            }
+            return;
+        };
+        self.metrics.pending_dials.dec();
+        if !error.is_empty() || connect_id == 0 {
+            drop(state);
+            let error = if error.is_empty() {
+                "agent answered the dial without a connection id".to_owned()
+            } else {
+                error
+            };
+            let _ = waiter.send(DialReply::Failed(error));
+            return;
+        }
+        if state.conns.contains_key(&connect_id) {
+            drop(state);
+            let _ = waiter.send(DialReply::Failed(format!(
+                "agent reused connection id {connect_id}"
+            )));
+            return;
+        }
+        let flow_on = self.settings.peer_window.is_some();
+        let capacity = if flow_on {
+            self.settings.our_window
+        } else {
+            self.settings.plain_buffer
+        };
+        let (queue, rx) = ReceiveQueue::new(capacity, flow_on);
+        let credit = self
+            .settings
+            .peer_window
+            .map_or_else(SendCredit::unlimited, SendCredit::with_window);
+        state.conns.insert(
+            connect_id,
+            ConnEntry {
+                queue,
+                credit: credit.clone(),
+            },
+        );
+        drop(state);
+        self.metrics.established.inc();
+        let established = Established::new(
+            self.clone(),
+            connect_id,
+            credit,
+            rx,
+            flow_on.then(|| WindowTracker::new(self.settings.our_window)),
+        );
+        // If the frontend is gone, dropping the reply closes the connection.
+        let _ = waiter.send(DialReply::Connected(established));
+    }
+}
+
+/// State both halves of an established connection share. When the last half
+/// is dropped without the connection having ended, the agent is told to close it.
+#[derive(Debug)]
+struct ConnShared {
+    tunnel: Arc<AgentTunnel>,
+    connect_id: i64,
+    close_requested: AtomicBool,
+    finished: AtomicBool,
+}
+
+impl ConnShared {
+    fn request_close(&self) {
+        if self.finished.load(Ordering::Acquire)
+            || self.close_requested.swap(true, Ordering::AcqRel)
+        {
+            return;
+        }
+        let p = packet::close_request(self.connect_id);
+        if let Err(mpsc::error::TrySendError::Full(p)) = self.tunnel.ordered.try_send(p) {
+            let ordered = self.tunnel.ordered.clone();
+            tokio::spawn(async move {
+                let _ = ordered.send(p).await;
+            });
+        }
+    }
+}
+
+impl Drop for ConnShared {
+    fn drop(&mut self) {
+        self.request_close();
+    }
+}
+
+/// A frontend's handle on an established tunneled connection.
+#[derive(Debug)]
+pub struct Established {
+    shared: Arc<ConnShared>,
+    credit: SendCredit,
+    rx: ReceiveQueueRx<FrontendEvent>,
+    tracker: Option<WindowTracker>,
+}
+
+impl Established {
+    fn new(
+        tunnel: Arc<AgentTunnel>,
+        connect_id: i64,
+        credit: SendCredit,
+        rx: ReceiveQueueRx<FrontendEvent>,
+        tracker: Option<WindowTracker>,
+    ) -> Self {
+        Established {
+            shared: Arc::new(ConnShared {
+                tunnel,
+                connect_id,
+                close_requested: AtomicBool::new(false),
+                finished: AtomicBool::new(false),
+            }),
+            credit,
+            rx,
+            tracker,
+        }
+    }
+
+    pub fn connect_id(&self) -> i64 {
+        self.shared.connect_id
+    }
+
+    pub fn tunnel(&self) -> &Arc<AgentTunnel> {
+        &self.shared.tunnel
+    }
+
+    /// Splits into a sending and a receiving half that can live in different tasks.
+    pub fn split(self) -> (ConnSender, ConnReceiver) {
+        (
+            ConnSender {
+                shared: self.shared.clone(),
+                credit: self.credit,
+            },
+            ConnReceiver {
+                shared: self.shared,
+                rx: self.rx,
+                tracker: self.tracker,
+            },
+        )
+    }
+}
+
+/// Sends a connection's client-to-agent bytes.
+#[derive(Debug)]
+pub struct ConnSender {
+    shared: Arc<ConnShared>,
+    credit: SendCredit,
+}
+
+impl ConnSender {
+    pub fn connect_id(&self) -> i64 {
+        self.shared.connect_id
+    }
+
+    /// Sends payload to the agent, waiting for flow-control credit.
+    pub async fn send(&self, data: Bytes) -> Result<(), FlowError> {
+        if self.shared.finished.load(Ordering::Acquire) {
+            return Err(FlowError::Closed);
+        }
+        self.credit.acquire(data.len()).await?;
+        self.shared
+            .tunnel
+            .send_ordered(packet::data(self.shared.connect_id, data))
+            .await
+    }
+
+    /// Asks the agent to close the connection (CLOSE_REQ) after the data
+    /// already sent; the agent's CLOSE_RSP arrives at the [`ConnReceiver`].
+    pub fn request_close(&self) {
+        self.shared.request_close();
+    }
+}
+
+/// Receives a connection's agent-to-client events.
+#[derive(Debug)]
+pub struct ConnReceiver {
+    shared: Arc<ConnShared>,
+    rx: ReceiveQueueRx<FrontendEvent>,
+    tracker: Option<WindowTracker>,
+}
+
+impl ConnReceiver {
+    pub fn connect_id(&self) -> i64 {
+        self.shared.connect_id
+    }
+
+    /// The next event. Hold the delivery until its payload has been written
+    /// to the client, then report it with [`Self::consumed`].
+    pub async fn recv(&mut self) -> Option<Delivery<FrontendEvent>> {
+        let delivery = self.rx.recv().await;
+        if matches!(
+            delivery,
+            None | Some(Delivery {
+                event: FrontendEvent::Closed(_),
+                ..
+            })
+        ) {
+            self.shared.finished.store(true, Ordering::Release);
+        }
+        delivery
+    }
+
+    /// Reports `n` payload bytes written to the client; returns credit to the agent.
+    pub fn consumed(&mut self, n: usize) {
+        if let Some(grant) = self.tracker.as_mut().and_then(|t| t.consumed(n)) {
+            self.shared
+                .tunnel
+                .send_control(packet::window_update(self.shared.connect_id, grant));
+        }
+    }
+}
