@@ -1,1 +1,9 @@
+//! End-to-end support for cluster-proxy: a throwaway PKI ([`pki`]), target
+//! services ([`targets`]) and helpers that start servers, clients and
+//! hand-driven agents on loopback ([`harness`]). The loopback scenario tests
+//! live in `tests/`, the benchmark in `benches/`.
 #![forbid(unsafe_code)]
+
+pub mod harness;
+pub mod pki;
+pub mod targets;

@@ -13,8 +13,9 @@ use cluster_proxy_proto::identity::ClusterName;
 use cluster_proxy_proto::transport::{CONNECTION_WINDOW, STREAM_WINDOW};
 use http::{Request, Response};
 use hyper::body::Incoming;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulConnection;
 use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
@@ -95,8 +96,11 @@ pub async fn serve<S, F, B>(
 {
     let acceptor = TlsAcceptor::from(tls);
     let mut builder = auto::Builder::new(TokioExecutor::new());
+    // `http2_only` is ignored by `serve_connection_with_upgrades`, so the
+    // agent port uses `serve_connection` instead (see below).
     builder
         .http2()
+        .timer(TokioTimer::new())
         .initial_stream_window_size(STREAM_WINDOW)
         .initial_connection_window_size(CONNECTION_WINDOW)
         .max_frame_size(256 * 1024)
@@ -105,11 +109,9 @@ pub async fn serve<S, F, B>(
         .keep_alive_timeout(Duration::from_secs(20));
     builder
         .http1()
+        .timer(TokioTimer::new())
         .header_read_timeout(HEADER_READ_TIMEOUT)
         .keep_alive(true);
-    if protocols == Protocols::Http2Only {
-        builder = builder.http2_only();
-    }
     let builder = Arc::new(builder);
     let make_service = Arc::new(make_service);
     let connections = TaskTracker::new();
@@ -151,17 +153,27 @@ pub async fn serve<S, F, B>(
                     req
                 })
                 .service(make_service(peer));
-            let conn = builder.serve_connection_with_upgrades(TokioIo::new(tls), TowerToHyperService::new(service));
-            tokio::pin!(conn);
-            tokio::select! {
-                result = conn.as_mut() => {
-                    if let Err(e) = result {
-                        debug!(listener = name, %remote, error = %e, "connection ended with an error");
-                    }
+            let io = TokioIo::new(tls);
+            let service = TowerToHyperService::new(service);
+            match protocols {
+                Protocols::Http2Only => {
+                    let builder = (*builder).clone().http2_only();
+                    drive(
+                        name,
+                        remote,
+                        builder.serve_connection(io, service),
+                        shutdown,
+                    )
+                    .await;
                 }
-                _ = shutdown.cancelled() => {
-                    conn.as_mut().graceful_shutdown();
-                    let _ = conn.await;
+                Protocols::Http1And2 => {
+                    drive(
+                        name,
+                        remote,
+                        builder.serve_connection_with_upgrades(io, service),
+                        shutdown,
+                    )
+                    .await;
                 }
             }
         });
@@ -175,5 +187,26 @@ pub async fn serve<S, F, B>(
             listener = name,
             "connections still open after the grace period; dropping them"
         );
+    }
+}
+
+/// Runs one connection; on shutdown asks it to finish gracefully (GOAWAY /
+/// close after the current response) and waits for that.
+async fn drive<C>(name: &'static str, remote: SocketAddr, conn: C, shutdown: CancellationToken)
+where
+    C: GracefulConnection,
+    C::Error: std::fmt::Display,
+{
+    tokio::pin!(conn);
+    tokio::select! {
+        result = conn.as_mut() => {
+            if let Err(e) = result {
+                debug!(listener = name, %remote, error = %e, "connection ended with an error");
+            }
+        }
+        _ = shutdown.cancelled() => {
+            conn.as_mut().graceful_shutdown();
+            let _ = conn.await;
+        }
     }
 }

@@ -1,0 +1,160 @@
+//! A complete throwaway PKI for tests and local runs: one CA, the two server
+//! certificates, the hub proxy-client certificate and one agent certificate
+//! per cluster, as PEM files and as ready rustls configurations.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use cert_authority::pki::{Authority, Credentials, LeafRequest, PkiError};
+use cert_authority::tls::{self, Identity, Pem, TlsError};
+use cluster_proxy_proto::identity::{ClusterName, IdentityError};
+use cluster_proxy_proto::transport::{ALPN_H2, ALPN_HTTP11};
+
+#[derive(Debug, thiserror::Error)]
+pub enum TestPkiError {
+    #[error(transparent)]
+    Pki(#[from] PkiError),
+    #[error(transparent)]
+    Tls(#[from] TlsError),
+    #[error(transparent)]
+    Identity(#[from] IdentityError),
+    #[error("write {path}: {source}")]
+    Write {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// SANs of the server certificates: the names tests dial.
+pub const SERVER_SANS: &[&str] = &["localhost", "127.0.0.1", "::1"];
+
+pub struct TestPki {
+    pub ca: Authority,
+    pub proxy_server: Credentials,
+    pub agent_server: Credentials,
+    pub proxy_client: Credentials,
+    pub agents: Vec<(ClusterName, Credentials)>,
+}
+
+fn identity(c: &Credentials, name: &str) -> Result<Identity, TlsError> {
+    Identity::new(
+        &Pem::text(&format!("{name}.crt"), &c.cert_pem),
+        &Pem::text(&format!("{name}.key"), &c.key_pem),
+    )
+}
+
+impl TestPki {
+    pub fn new(clusters: &[&str]) -> Result<Self, TestPkiError> {
+        let ca = Authority::generate("cluster-proxy-test-ca", Duration::from_secs(24 * 3600))?;
+        let proxy_server = ca.issue(&LeafRequest::server("proxy-server", SERVER_SANS))?;
+        let agent_server = ca.issue(&LeafRequest::server("agent-server", SERVER_SANS))?;
+        let proxy_client = ca.issue(&LeafRequest::client("proxy-client"))?;
+        let agents = clusters
+            .iter()
+            .map(|name| {
+                let cluster = ClusterName::new(*name)?;
+                let creds = ca.issue(&LeafRequest::agent(&cluster))?;
+                Ok((cluster, creds))
+            })
+            .collect::<Result<Vec<_>, TestPkiError>>()?;
+        Ok(TestPki {
+            ca,
+            proxy_server,
+            agent_server,
+            proxy_client,
+            agents,
+        })
+    }
+
+    fn roots(&self) -> Result<Arc<rustls::RootCertStore>, TlsError> {
+        tls::roots(&Pem::text("ca.crt", self.ca.cert_pem()))
+    }
+
+    pub fn server_tls(&self) -> Result<proxy_server::ServerTls, TestPkiError> {
+        Ok(proxy_server::ServerTls {
+            frontend: tls::server_config(
+                identity(&self.proxy_server, "proxy-server")?,
+                Some(self.roots()?),
+                &[ALPN_H2, ALPN_HTTP11],
+            )?,
+            agent: tls::server_config(
+                identity(&self.agent_server, "agent-server")?,
+                Some(self.roots()?),
+                &[ALPN_H2],
+            )?,
+        })
+    }
+
+    /// TLS for a hub client (gRPC).
+    pub fn client_tls(&self) -> Result<Arc<rustls::ClientConfig>, TestPkiError> {
+        self.client_tls_alpn(&[ALPN_H2])
+    }
+
+    /// TLS for a hub client offering the given ALPN protocols.
+    pub fn client_tls_alpn(
+        &self,
+        alpn: &[&[u8]],
+    ) -> Result<Arc<rustls::ClientConfig>, TestPkiError> {
+        Ok(tls::client_config(
+            self.roots()?,
+            Some(identity(&self.proxy_client, "proxy-client")?),
+            alpn,
+        )?)
+    }
+
+    /// TLS for a client that trusts the CA but presents no certificate.
+    pub fn anonymous_tls(&self) -> Result<Arc<rustls::ClientConfig>, TestPkiError> {
+        Ok(tls::client_config(self.roots()?, None, &[ALPN_H2])?)
+    }
+
+    /// TLS presenting the hub client certificate where an agent's is expected
+    /// (a certificate that names no cluster, like upstream-issued agent certs).
+    pub fn unbound_agent_tls(&self) -> Result<Arc<rustls::ClientConfig>, TestPkiError> {
+        self.client_tls()
+    }
+
+    /// TLS for an agent of `cluster`.
+    pub fn agent_tls(&self, cluster: &str) -> Result<Arc<rustls::ClientConfig>, TestPkiError> {
+        let creds = self
+            .agents
+            .iter()
+            .find(|(c, _)| c.as_str() == cluster)
+            .map(|(_, creds)| creds)
+            .ok_or_else(|| IdentityError::InvalidClusterName(cluster.to_owned()))?;
+        Ok(tls::client_config(
+            self.roots()?,
+            Some(identity(creds, "agent")?),
+            &[ALPN_H2],
+        )?)
+    }
+
+    /// Writes every PEM file into `dir`:
+    /// `ca.crt`, `proxy-server.{crt,key}`, `agent-server.{crt,key}`,
+    /// `proxy-client.{crt,key}`, `agent-<cluster>.{crt,key}`.
+    pub fn write(&self, dir: &Path) -> Result<(), TestPkiError> {
+        let write = |name: String, content: &str| {
+            let path = dir.join(name);
+            std::fs::write(&path, content).map_err(|source| TestPkiError::Write { path, source })
+        };
+        std::fs::create_dir_all(dir).map_err(|source| TestPkiError::Write {
+            path: dir.to_owned(),
+            source,
+        })?;
+        write("ca.crt".into(), self.ca.cert_pem())?;
+        for (name, c) in [
+            ("proxy-server", &self.proxy_server),
+            ("agent-server", &self.agent_server),
+            ("proxy-client", &self.proxy_client),
+        ] {
+            write(format!("{name}.crt"), &c.cert_pem)?;
+            write(format!("{name}.key"), &c.key_pem)?;
+        }
+        for (cluster, c) in &self.agents {
+            write(format!("agent-{cluster}.crt"), &c.cert_pem)?;
+            write(format!("agent-{cluster}.key"), &c.key_pem)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,564 @@
+//! The server's protocol handling, driven by hand-written agents and clients:
+//! identity binding, headers, stray and malformed packets, dial failures.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use cluster_proxy_proto::Packet;
+use cluster_proxy_proto::metadata;
+use cluster_proxy_proto::packet::{self, Frame};
+use cluster_proxy_proto::transport::ALPN_HTTP11;
+use e2e::harness::{RawAgent, RawAgentError, test_server_config, tunnel_client, wait_until};
+use e2e::pki::TestPki;
+use proxy_server::RunningServer;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const STEP: Duration = Duration::from_secs(5);
+
+async fn server(pki: &TestPki) -> RunningServer {
+    server_with(pki, test_server_config()).await
+}
+
+async fn server_with(pki: &TestPki, config: proxy_server::config::ServerConfig) -> RunningServer {
+    proxy_server::start_with_tls(config, pki.server_tls().unwrap())
+        .await
+        .unwrap()
+}
+
+async fn agent(
+    pki: &TestPki,
+    server: &RunningServer,
+    cluster: &str,
+    window: Option<u32>,
+) -> RawAgent {
+    let agent = RawAgent::connect(
+        pki.agent_tls(cluster).unwrap(),
+        server.agent_addr,
+        &format!("agent-{cluster}"),
+        &format!("host={cluster}"),
+        window,
+    )
+    .await
+    .unwrap();
+    assert!(wait_until(STEP, || server.tunnel_count() > 0).await);
+    agent
+}
+
+fn frame(p: Option<Packet>) -> Frame {
+    Frame::from_packet(p.expect("expected a packet from the server"))
+}
+
+#[tokio::test]
+async fn connect_returns_server_headers_and_negotiates_flow_control() {
+    let pki = TestPki::new(&["cluster-a"]).unwrap();
+    let mut config = test_server_config();
+    config.server_id = "server-1".into();
+    config.server_count = 3;
+    let server = server_with(&pki, config).await;
+    let with_fc = agent(&pki, &server, "cluster-a", Some(1 << 20)).await;
+    assert_eq!(
+        with_fc.headers.get(metadata::SERVER_ID).unwrap(),
+        "server-1"
+    );
+    assert_eq!(with_fc.headers.get(metadata::SERVER_COUNT).unwrap(), "3");
+    assert!(with_fc.headers.get(metadata::FLOW_CONTROL_WINDOW).is_some());
+    let plain = agent(&pki, &server, "cluster-a", None).await;
+    assert!(plain.headers.get(metadata::FLOW_CONTROL_WINDOW).is_none());
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn agent_claiming_another_clusters_identity_is_refused() {
+    let pki = TestPki::new(&["cluster-a", "cluster-b"]).unwrap();
+    let server = server(&pki).await;
+    for claim in [
+        "host=cluster-b",
+        "host=cluster-a&host=cluster-b",
+        "ipv4=10.0.0.1",
+        "default-route=true",
+    ] {
+        let err = RawAgent::connect(
+            pki.agent_tls("cluster-a").unwrap(),
+            server.agent_addr,
+            "a",
+            claim,
+            None,
+        )
+        .await
+        .err()
+        .unwrap_or_else(|| panic!("{claim} accepted"));
+        match err {
+            RawAgentError::Refused(status) => {
+                assert_eq!(
+                    status.code(),
+                    tonic::Code::PermissionDenied,
+                    "{claim}: {status:?}"
+                );
+                assert!(
+                    status
+                        .message()
+                        .contains("does not belong to cluster \"cluster-a\""),
+                    "{status:?}"
+                );
+            }
+            other => panic!("{claim}: unexpected {other}"),
+        }
+    }
+    assert_eq!(server.tunnel_count(), 0);
+    // Its own identifiers, including the hashed service-proxy host, are fine.
+    let own = cluster_proxy_proto::identity::ClusterName::new("cluster-a")
+        .unwrap()
+        .default_identifiers("open-cluster-management-agent-addon")
+        .to_query();
+    RawAgent::connect(
+        pki.agent_tls("cluster-a").unwrap(),
+        server.agent_addr,
+        "a",
+        &own,
+        None,
+    )
+    .await
+    .unwrap();
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn agent_certificate_naming_no_cluster_needs_the_opt_out() {
+    let pki = TestPki::new(&[]).unwrap();
+    let server = server(&pki).await;
+    let err = RawAgent::connect(
+        pki.unbound_agent_tls().unwrap(),
+        server.agent_addr,
+        "a",
+        "host=x",
+        None,
+    )
+    .await
+    .err()
+    .unwrap();
+    assert!(
+        matches!(&err, RawAgentError::Refused(s) if s.code() == tonic::Code::PermissionDenied && s.message().contains("names no cluster")),
+        "{err}"
+    );
+    server.shutdown().await;
+
+    let mut config = test_server_config();
+    config.allow_unbound_agents = true;
+    let server = server_with(&pki, config).await;
+    RawAgent::connect(
+        pki.unbound_agent_tls().unwrap(),
+        server.agent_addr,
+        "a",
+        "host=x",
+        None,
+    )
+    .await
+    .unwrap();
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn agent_with_a_certificate_from_another_ca_is_refused() {
+    let pki = TestPki::new(&["cluster-a"]).unwrap();
+    let other = TestPki::new(&["cluster-a"]).unwrap();
+    let server = server(&pki).await;
+    // Trusts our server, presents a certificate signed by a foreign CA.
+    let foreign = cert_authority::tls::client_config(
+        cert_authority::tls::roots(&cert_authority::tls::Pem::text("ca", pki.ca.cert_pem()))
+            .unwrap(),
+        Some(
+            cert_authority::tls::Identity::new(
+                &cert_authority::tls::Pem::text("c", &other.agents[0].1.cert_pem),
+                &cert_authority::tls::Pem::text("k", &other.agents[0].1.key_pem),
+            )
+            .unwrap(),
+        ),
+        &[cluster_proxy_proto::transport::ALPN_H2],
+    )
+    .unwrap();
+    assert!(
+        RawAgent::connect(foreign, server.agent_addr, "a", "host=cluster-a", None)
+            .await
+            .is_err()
+    );
+    assert_eq!(server.tunnel_count(), 0);
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn connect_without_agent_id_or_with_malformed_identifiers_is_refused() {
+    let pki = TestPki::new(&["cluster-a"]).unwrap();
+    let server = server(&pki).await;
+    let tls = pki.agent_tls("cluster-a").unwrap();
+    let err = RawAgent::connect(tls.clone(), server.agent_addr, "", "host=cluster-a", None)
+        .await
+        .err()
+        .unwrap();
+    assert!(
+        matches!(&err, RawAgentError::Refused(s) if s.code() == tonic::Code::InvalidArgument && s.message().contains("agent ID")),
+        "{err}"
+    );
+    for bad in ["host=%zz", "host=a;b", "default-route=perhaps"] {
+        let err = RawAgent::connect(tls.clone(), server.agent_addr, "a", bad, None)
+            .await
+            .err()
+            .unwrap();
+        assert!(
+            matches!(&err, RawAgentError::Refused(s) if s.code() == tonic::Code::InvalidArgument),
+            "{bad}: {err}"
+        );
+    }
+    let err = RawAgent::connect(tls, server.agent_addr, "a", "host=cluster-a", Some(10))
+        .await
+        .err()
+        .unwrap();
+    assert!(
+        matches!(&err, RawAgentError::Refused(s) if s.code() == tonic::Code::InvalidArgument),
+        "{err}"
+    );
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn dial_data_and_close_round_trip_through_a_hand_driven_agent() {
+    let pki = TestPki::new(&["cluster-a"]).unwrap();
+    let server = server(&pki).await;
+    let mut agent = agent(&pki, &server, "cluster-a", None).await;
+    let client = tunnel_client(pki.client_tls().unwrap(), server.client_addr)
+        .await
+        .unwrap();
+
+    let dial = tokio::spawn(async move { client.dial("cluster-a:8443").await });
+    let Frame::DialRequest {
+        protocol,
+        address,
+        random,
+    } = frame(agent.recv(STEP).await)
+    else {
+        panic!("expected DIAL_REQ");
+    };
+    assert_eq!(
+        (protocol.as_str(), address.as_str()),
+        ("tcp", "cluster-a:8443")
+    );
+    agent
+        .to_server
+        .send(packet::dial_response_ok(random, 7))
+        .await
+        .unwrap();
+    let mut stream = dial.await.unwrap().unwrap();
+    assert_eq!(stream.connect_id(), 7);
+
+    stream.write_all(b"ping").await.unwrap();
+    assert_eq!(
+        frame(agent.recv(STEP).await),
+        Frame::Data {
+            connect_id: 7,
+            data: Bytes::from_static(b"ping")
+        }
+    );
+    agent
+        .to_server
+        .send(packet::data(7, Bytes::from_static(b"pong")))
+        .await
+        .unwrap();
+    let mut buf = [0u8; 4];
+    stream.read_exact(&mut buf).await.unwrap();
+    assert_eq!(&buf, b"pong");
+
+    // Closing the client side sends CLOSE_REQ; the agent's CLOSE_RSP ends the stream.
+    stream.shutdown().await.unwrap();
+    assert_eq!(
+        frame(agent.recv(STEP).await),
+        Frame::CloseRequest { connect_id: 7 }
+    );
+    agent
+        .to_server
+        .send(packet::close_response(7, ""))
+        .await
+        .unwrap();
+    let mut rest = Vec::new();
+    tokio::time::timeout(STEP, stream.read_to_end(&mut rest))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(wait_until(STEP, || server.connection_count() == 0).await);
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn stray_and_malformed_packets_from_an_agent_are_answered_or_ignored() {
+    let pki = TestPki::new(&["cluster-a"]).unwrap();
+    let server = server(&pki).await;
+    let mut agent = agent(&pki, &server, "cluster-a", None).await;
+    // DATA for an unknown connection: the server asks the agent to close it.
+    agent
+        .to_server
+        .send(packet::data(99, Bytes::from_static(b"x")))
+        .await
+        .unwrap();
+    assert_eq!(
+        frame(agent.recv(STEP).await),
+        Frame::CloseRequest { connect_id: 99 }
+    );
+    // A DIAL_RSP nobody waits for, with a live connection id: closed too.
+    agent
+        .to_server
+        .send(packet::dial_response_ok(12345, 5))
+        .await
+        .unwrap();
+    assert_eq!(
+        frame(agent.recv(STEP).await),
+        Frame::CloseRequest { connect_id: 5 }
+    );
+    // Dropped silently: DATA with id 0, unknown types, payload/type mismatches,
+    // CLOSE_RSP and WINDOW_UPDATE for unknown ids.
+    agent
+        .to_server
+        .send(packet::data(0, Bytes::from_static(b"x")))
+        .await
+        .unwrap();
+    agent
+        .to_server
+        .send(Packet {
+            r#type: 42,
+            payload: None,
+        })
+        .await
+        .unwrap();
+    agent
+        .to_server
+        .send(Packet {
+            r#type: 1,
+            payload: None,
+        })
+        .await
+        .unwrap();
+    agent
+        .to_server
+        .send(packet::close_response(77, ""))
+        .await
+        .unwrap();
+    agent
+        .to_server
+        .send(packet::window_update(77, -1))
+        .await
+        .unwrap();
+    assert!(agent.recv(Duration::from_millis(300)).await.is_none());
+    // The tunnel still works.
+    let client = tunnel_client(pki.client_tls().unwrap(), server.client_addr)
+        .await
+        .unwrap();
+    let dial = tokio::spawn(async move { client.dial("cluster-a:1").await });
+    let Frame::DialRequest { random, .. } = frame(agent.recv(STEP).await) else {
+        panic!("expected DIAL_REQ");
+    };
+    agent
+        .to_server
+        .send(packet::dial_response_error(
+            random,
+            "dial tcp cluster-a:1: connect: connection refused",
+        ))
+        .await
+        .unwrap();
+    let err = dial.await.unwrap().unwrap_err().to_string();
+    assert!(err.contains("connection refused"), "{err}");
+    assert_eq!(server.tunnel_count(), 1);
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn pending_dials_fail_at_once_when_the_agent_disconnects() {
+    let pki = TestPki::new(&["cluster-a"]).unwrap();
+    let mut config = test_server_config();
+    config.backend_dial_timeout = Duration::from_secs(60);
+    let server = server_with(&pki, config).await;
+    let mut agent = agent(&pki, &server, "cluster-a", None).await;
+    let client = tunnel_client(pki.client_tls().unwrap(), server.client_addr)
+        .await
+        .unwrap();
+    let dial = tokio::spawn(async move { client.dial("cluster-a:443").await });
+    assert!(matches!(
+        frame(agent.recv(STEP).await),
+        Frame::DialRequest { .. }
+    ));
+    let started = std::time::Instant::now();
+    drop(agent);
+    let err = tokio::time::timeout(STEP, dial)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("closed"), "{err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "took {:?}",
+        started.elapsed()
+    );
+    assert!(wait_until(STEP, || server.tunnel_count() == 0).await);
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn unanswered_dials_time_out_and_the_agent_is_told_to_cancel() {
+    let pki = TestPki::new(&["cluster-a"]).unwrap();
+    let mut config = test_server_config();
+    config.backend_dial_timeout = Duration::from_millis(300);
+    let server = server_with(&pki, config).await;
+    let mut agent = agent(&pki, &server, "cluster-a", None).await;
+    let client = tunnel_client(pki.client_tls().unwrap(), server.client_addr)
+        .await
+        .unwrap();
+    let err = client.dial("cluster-a:443").await.unwrap_err().to_string();
+    assert!(err.contains("timed out waiting for backend dial"), "{err}");
+    let Frame::DialRequest { random, .. } = frame(agent.recv(STEP).await) else {
+        panic!("expected DIAL_REQ");
+    };
+    assert_eq!(frame(agent.recv(STEP).await), Frame::CloseDial { random });
+    assert!(
+        server
+            .metrics_text()
+            .contains("konnectivity_network_proxy_server_pending_backend_dials 0")
+    );
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn agent_vanishing_mid_connection_closes_the_client_side() {
+    let pki = TestPki::new(&["cluster-a"]).unwrap();
+    let server = server(&pki).await;
+    let mut agent = agent(&pki, &server, "cluster-a", Some(1 << 20)).await;
+    let client = tunnel_client(pki.client_tls().unwrap(), server.client_addr)
+        .await
+        .unwrap();
+    let dial = tokio::spawn(async move { client.dial("cluster-a:443").await });
+    let Frame::DialRequest { random, .. } = frame(agent.recv(STEP).await) else {
+        panic!("expected DIAL_REQ");
+    };
+    agent
+        .to_server
+        .send(packet::dial_response_ok(random, 1))
+        .await
+        .unwrap();
+    let mut stream = dial.await.unwrap().unwrap();
+    agent
+        .to_server
+        .send(packet::data(1, Bytes::from_static(b"partial")))
+        .await
+        .unwrap();
+    let mut buf = [0u8; 7];
+    stream.read_exact(&mut buf).await.unwrap();
+    drop(agent);
+    let mut rest = Vec::new();
+    let n = tokio::time::timeout(STEP, stream.read_to_end(&mut rest))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(n, 0);
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn dial_to_a_host_no_agent_serves_fails_clearly() {
+    let pki = TestPki::new(&["cluster-a"]).unwrap();
+    let server = server(&pki).await;
+    let _agent = agent(&pki, &server, "cluster-a", None).await;
+    let client = tunnel_client(pki.client_tls().unwrap(), server.client_addr)
+        .await
+        .unwrap();
+    let err = client.dial("cluster-z:443").await.unwrap_err().to_string();
+    assert!(err.contains("No agent available"), "{err}");
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn client_without_a_certificate_is_refused() {
+    let pki = TestPki::new(&[]).unwrap();
+    let server = server(&pki).await;
+    let refused = match tunnel_client(pki.anonymous_tls().unwrap(), server.client_addr).await {
+        Err(_) => true,
+        Ok(client) => client.dial("cluster-a:443").await.is_err(),
+    };
+    assert!(refused);
+    server.shutdown().await;
+}
+
+async fn raw_http(pki: &TestPki, server: &RunningServer, request: &[u8]) -> String {
+    let tls = pki.client_tls_alpn(&[ALPN_HTTP11]).unwrap();
+    let tcp = tokio::net::TcpStream::connect(server.client_addr)
+        .await
+        .unwrap();
+    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+    let mut stream = tokio_rustls::TlsConnector::from(tls)
+        .connect(name, tcp)
+        .await
+        .unwrap();
+    stream.write_all(request).await.unwrap();
+    let mut response = Vec::new();
+    let _ = tokio::time::timeout(STEP, stream.read_to_end(&mut response)).await;
+    String::from_utf8_lossy(&response).into_owned()
+}
+
+#[tokio::test]
+async fn garbage_and_non_connect_requests_on_the_client_port_get_http_errors() {
+    let pki = TestPki::new(&[]).unwrap();
+    let server = server(&pki).await;
+    let response = raw_http(
+        &pki,
+        &server,
+        b"GET /x HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(response.starts_with("HTTP/1.1 405"), "{response}");
+    assert!(response.contains("only supports CONNECT"), "{response}");
+    let response = raw_http(&pki, &server, b"\x00\x01\x02 garbage \xff\r\n\r\n").await;
+    assert!(
+        response.is_empty() || response.starts_with("HTTP/1.1 400"),
+        "{response}"
+    );
+    let response = raw_http(
+        &pki,
+        &server,
+        b"CONNECT cluster-z:443 HTTP/1.1\r\nHost: cluster-z:443\r\n\r\n",
+    )
+    .await;
+    assert!(response.starts_with("HTTP/1.1 500"), "{response}");
+    assert!(
+        response.contains("currently no tunnels available"),
+        "{response}"
+    );
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn health_endpoints_report_readiness() {
+    let pki = TestPki::new(&["cluster-a"]).unwrap();
+    let server = server(&pki).await;
+    let get = |path: &'static str| {
+        let addr = server.health_addr;
+        async move {
+            let mut tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+            tcp.write_all(
+                format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes(),
+            )
+            .await
+            .unwrap();
+            let mut out = String::new();
+            tcp.read_to_string(&mut out).await.unwrap();
+            out
+        }
+    };
+    assert!(get("/healthz").await.starts_with("HTTP/1.1 200"));
+    assert!(get("/readyz").await.starts_with("HTTP/1.1 500"));
+    let _agent = agent(&pki, &server, "cluster-a", None).await;
+    assert!(get("/readyz").await.starts_with("HTTP/1.1 200"));
+    let metrics = get("/metrics").await;
+    assert!(
+        metrics.contains(
+            "konnectivity_network_proxy_server_ready_backends{proxy_strategy=\"destHost\"} 1"
+        ),
+        "{metrics}"
+    );
+    server.shutdown().await;
+}
