@@ -181,6 +181,14 @@ fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
+/// The oldest TLS version a server accepts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum MinTlsVersion {
+    #[default]
+    Tls12,
+    Tls13,
+}
+
 /// A server config presenting `identity`. With `client_ca`, clients must
 /// present a certificate issued by it (mTLS).
 pub fn server_config(
@@ -188,9 +196,23 @@ pub fn server_config(
     client_ca: Option<Arc<RootCertStore>>,
     alpn: &[&[u8]],
 ) -> Result<Arc<ServerConfig>, TlsError> {
+    server_config_with_min_version(identity, client_ca, alpn, MinTlsVersion::Tls12)
+}
+
+/// [`server_config`] with an explicit minimum TLS version.
+pub fn server_config_with_min_version(
+    identity: Identity,
+    client_ca: Option<Arc<RootCertStore>>,
+    alpn: &[&[u8]],
+    min_version: MinTlsVersion,
+) -> Result<Arc<ServerConfig>, TlsError> {
     let provider = provider();
+    let versions: &[&rustls::SupportedProtocolVersion] = match min_version {
+        MinTlsVersion::Tls12 => rustls::DEFAULT_VERSIONS,
+        MinTlsVersion::Tls13 => &[&rustls::version::TLS13],
+    };
     let builder = ServerConfig::builder_with_provider(provider.clone())
-        .with_safe_default_protocol_versions()
+        .with_protocol_versions(versions)
         .map_err(|e| TlsError::Config(e.to_string()))?;
     let builder = match client_ca {
         Some(roots) => {

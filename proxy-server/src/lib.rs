@@ -91,6 +91,11 @@ impl ServerTls {
             Mode::Grpc => &[ALPN_H2],
             Mode::HttpConnect => &[ALPN_HTTP11],
         };
+        let min_version = if config.tls_min_version == "VersionTLS13" {
+            tls::MinTlsVersion::Tls13
+        } else {
+            tls::MinTlsVersion::Tls12
+        };
         let load = |cert: &Option<std::path::PathBuf>,
                     key: &Option<std::path::PathBuf>,
                     ca: &Option<std::path::PathBuf>,
@@ -103,7 +108,7 @@ impl ServerTls {
             let ca = Pem::file("CA bundle", required(ca, flags[2])?)
                 .map_err(|source| ServerError::Tls { what, source })?;
             let roots = tls::roots(&ca).map_err(|source| ServerError::Tls { what, source })?;
-            tls::server_config(identity, Some(roots), alpn)
+            tls::server_config_with_min_version(identity, Some(roots), alpn, min_version)
                 .map_err(|source| ServerError::Tls { what, source })
         };
         Ok(ServerTls {
