@@ -1,0 +1,705 @@
+//! Agent configuration: defaults < TOML file (`--config`) < environment
+//! (`PROXY_AGENT_*`) < command-line flags. Every upstream proxy-agent flag is
+//! accepted so existing manifests keep working; the ones that mean nothing
+//! here are reported by [`AgentSettings::ignored_settings`].
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+use cluster_proxy_proto::duration::serde_go;
+use cluster_proxy_proto::flow::{DEFAULT_WINDOW, MIN_WINDOW};
+use cluster_proxy_proto::identifiers::AgentIdentifiers;
+use figment::Figment;
+use figment::providers::{Env, Format, Serialized, Toml};
+use serde::{Deserialize, Serialize};
+
+use crate::{AgentConfig, TlsSource};
+
+const DEFAULT_CONTENT_TYPE: &str = "application/vnd.kubernetes.protobuf";
+const DEFAULT_LEASE_SELECTOR: &str = "k8s-app=konnectivity-server";
+
+/// The layered settings, named as the upstream flags (with underscores).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AgentSettings {
+    pub agent_cert: Option<PathBuf>,
+    pub agent_key: Option<PathBuf>,
+    pub ca_cert: Option<PathBuf>,
+    pub proxy_server_host: String,
+    pub proxy_server_port: u16,
+    pub alpn_proto: Vec<String>,
+    /// Empty: all interfaces.
+    pub health_server_host: String,
+    pub health_server_port: u16,
+    pub admin_server_port: u16,
+    pub admin_bind_address: String,
+    pub enable_profiling: bool,
+    pub enable_contention_profiling: bool,
+    /// Empty: `PROXY_AGENT_ID` (via the environment layer) or a random UUID.
+    pub agent_id: String,
+    pub agent_identifiers: String,
+    #[serde(with = "serde_go")]
+    pub sync_interval: Duration,
+    #[serde(with = "serde_go")]
+    pub probe_interval: Duration,
+    #[serde(with = "serde_go")]
+    pub sync_interval_cap: Duration,
+    #[serde(with = "serde_go")]
+    pub keepalive_time: Duration,
+    pub service_account_token_path: String,
+    pub warn_on_channel_limit: bool,
+    pub sync_forever: bool,
+    pub xfr_channel_size: u32,
+    pub count_server_leases: bool,
+    pub lease_namespace: String,
+    pub lease_label_selector: String,
+    pub server_count_source: String,
+    pub kubeconfig: String,
+    pub kube_api_content_type: String,
+    /// Per-connection receive window offered to servers that negotiate flow
+    /// control; 0 turns the extension off.
+    pub flow_control_window: u32,
+    /// Per-connection receive buffer towards plain konnectivity servers.
+    pub plain_peer_buffer: u32,
+    /// Timeout for dials to endpoints in the cluster.
+    #[serde(with = "serde_go")]
+    pub dial_timeout: Duration,
+    /// `NAME=IP` pairs resolved before DNS, like a pod's `hostAliases`.
+    pub host_alias: Vec<String>,
+    /// klog-style verbosity (`-v`); `RUST_LOG` overrides it.
+    pub v: u8,
+}
+
+/// Keys the environment layer may set; anything else with the prefix (for
+/// example the `PROXY_AGENT_SERVICE_HOST` variables Kubernetes injects for a
+/// Service of that name) is ignored rather than rejected.
+const FIELDS: &[&str] = &[
+    "agent_cert",
+    "agent_key",
+    "ca_cert",
+    "proxy_server_host",
+    "proxy_server_port",
+    "alpn_proto",
+    "health_server_host",
+    "health_server_port",
+    "admin_server_port",
+    "admin_bind_address",
+    "enable_profiling",
+    "enable_contention_profiling",
+    "agent_id",
+    "agent_identifiers",
+    "sync_interval",
+    "probe_interval",
+    "sync_interval_cap",
+    "keepalive_time",
+    "service_account_token_path",
+    "warn_on_channel_limit",
+    "sync_forever",
+    "xfr_channel_size",
+    "count_server_leases",
+    "lease_namespace",
+    "lease_label_selector",
+    "server_count_source",
+    "kubeconfig",
+    "kube_api_content_type",
+    "flow_control_window",
+    "plain_peer_buffer",
+    "dial_timeout",
+    "host_alias",
+    "v",
+];
+
+impl Default for AgentSettings {
+    fn default() -> Self {
+        AgentSettings {
+            agent_cert: None,
+            agent_key: None,
+            ca_cert: None,
+            proxy_server_host: "127.0.0.1".into(),
+            proxy_server_port: 8091,
+            alpn_proto: Vec::new(),
+            health_server_host: String::new(),
+            health_server_port: 8093,
+            admin_server_port: 8094,
+            admin_bind_address: "127.0.0.1".into(),
+            enable_profiling: false,
+            enable_contention_profiling: false,
+            agent_id: String::new(),
+            agent_identifiers: String::new(),
+            sync_interval: Duration::from_secs(1),
+            probe_interval: Duration::from_secs(1),
+            sync_interval_cap: Duration::from_secs(10),
+            keepalive_time: Duration::from_secs(3600),
+            service_account_token_path: String::new(),
+            warn_on_channel_limit: false,
+            sync_forever: false,
+            xfr_channel_size: 150,
+            count_server_leases: false,
+            lease_namespace: "kube-system".into(),
+            lease_label_selector: DEFAULT_LEASE_SELECTOR.into(),
+            server_count_source: "default".into(),
+            kubeconfig: String::new(),
+            kube_api_content_type: DEFAULT_CONTENT_TYPE.into(),
+            flow_control_window: DEFAULT_WINDOW,
+            plain_peer_buffer: 4 * 1024 * 1024,
+            dial_timeout: Duration::from_secs(5),
+            host_alias: Vec::new(),
+            v: 0,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("configuration: {0}")]
+    Figment(#[from] Box<figment::Error>),
+    #[error("invalid --{field}: {reason}")]
+    Invalid { field: &'static str, reason: String },
+}
+
+fn invalid(field: &'static str, reason: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        field,
+        reason: reason.into(),
+    }
+}
+
+/// Go's `strconv.ParseBool`, which pflag uses for `--flag=value`.
+fn parse_go_bool(value: &str) -> Result<bool, String> {
+    match value {
+        "1" | "t" | "T" | "TRUE" | "true" | "True" => Ok(true),
+        "0" | "f" | "F" | "FALSE" | "false" | "False" => Ok(false),
+        other => Err(format!("invalid boolean {other:?}")),
+    }
+}
+
+/// Command-line flags. Every field is optional so that only flags actually
+/// given override the lower layers.
+#[derive(Debug, Default, Parser, Serialize)]
+#[command(
+    name = "proxy-agent",
+    version,
+    about = "cluster-proxy agent (konnectivity compatible)"
+)]
+pub struct Cli {
+    /// TOML configuration file (keys as the flags, with underscores).
+    #[arg(long)]
+    #[serde(skip)]
+    pub config: Option<PathBuf>,
+    /// Client certificate presented to the proxy-server.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub agent_cert: Option<PathBuf>,
+    /// Private key of --agent-cert.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub agent_key: Option<PathBuf>,
+    /// CA bundle the proxy-server's certificate must chain to.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ca_cert: Option<PathBuf>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub proxy_server_host: Option<String>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub proxy_server_port: Option<u16>,
+    /// ALPN protocols offered to the proxy-server (default: h2).
+    #[arg(long, value_delimiter = ',')]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub alpn_proto: Option<Vec<String>>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub health_server_host: Option<String>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub health_server_port: Option<u16>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub admin_server_port: Option<u16>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub admin_bind_address: Option<String>,
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub enable_profiling: Option<bool>,
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub enable_contention_profiling: Option<bool>,
+    /// Agent id (default: $PROXY_AGENT_ID, else a random UUID).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub agent_id: Option<String>,
+    /// Identifiers served, URL query form: host=a&ipv4=10.0.0.1&default-route=true.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub agent_identifiers: Option<String>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sync_interval: Option<String>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub probe_interval: Option<String>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sync_interval_cap: Option<String>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub keepalive_time: Option<String>,
+    /// File holding a token sent as `authorization: Bearer` (re-read per connect).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub service_account_token_path: Option<String>,
+    #[arg(long, hide = true, num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub warn_on_channel_limit: Option<bool>,
+    /// Keep dialing every --sync-interval to discover new servers.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sync_forever: Option<bool>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub xfr_channel_size: Option<u32>,
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub count_server_leases: Option<bool>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lease_namespace: Option<String>,
+    #[arg(long, alias = "lease-label")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lease_label_selector: Option<String>,
+    /// default or max.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub server_count_source: Option<String>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kubeconfig: Option<String>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kube_api_content_type: Option<String>,
+    /// Per-connection flow-control window in bytes (0 disables the extension).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub flow_control_window: Option<u32>,
+    /// Per-connection buffer in bytes towards plain konnectivity servers.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub plain_peer_buffer: Option<u32>,
+    /// Timeout for dials to endpoints (Go duration).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dial_timeout: Option<String>,
+    /// Resolve NAME to IP before DNS when dialing (repeatable), like a pod's hostAliases.
+    #[arg(long = "host-alias", value_name = "NAME=IP")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub host_alias: Option<Vec<String>>,
+    /// Log verbosity as klog's -v (RUST_LOG overrides).
+    #[arg(short = 'v', long = "v")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub v: Option<u8>,
+}
+
+impl AgentSettings {
+    /// Layers defaults, the TOML file, the process environment and the flags.
+    pub fn load(cli: &Cli) -> Result<Self, ConfigError> {
+        let env = Env::prefixed("PROXY_AGENT_").filter_map(|k| {
+            let key = k.as_str().to_ascii_lowercase();
+            let key = if key == "id" {
+                "agent_id".to_owned()
+            } else {
+                key
+            };
+            FIELDS.contains(&key.as_str()).then(|| key.into())
+        });
+        Self::load_from(cli, env)
+    }
+
+    /// [`AgentSettings::load`] with an explicit environment layer (tests).
+    pub fn load_from(cli: &Cli, env: impl figment::Provider) -> Result<Self, ConfigError> {
+        let mut figment = Figment::from(Serialized::defaults(AgentSettings::default()));
+        if let Some(path) = &cli.config {
+            if !path.is_file() {
+                return Err(invalid(
+                    "config",
+                    format!("{} does not exist or is not a file", path.display()),
+                ));
+            }
+            figment = figment.merge(Toml::file(path));
+        }
+        let settings: AgentSettings = figment
+            .merge(env)
+            .merge(Serialized::defaults(cli))
+            .extract()
+            .map_err(Box::new)?;
+        settings.validate()?;
+        Ok(settings)
+    }
+
+    /// Checks values that deserialize fine but cannot work.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.proxy_server_host.trim().is_empty() {
+            return Err(invalid("proxy-server-host", "must not be empty"));
+        }
+        if self.proxy_server_port == 0 {
+            return Err(invalid("proxy-server-port", "must not be 0"));
+        }
+        if self.sync_interval.is_zero() {
+            return Err(invalid("sync-interval", "must be greater than 0"));
+        }
+        if self.sync_interval_cap < self.sync_interval {
+            return Err(invalid(
+                "sync-interval-cap",
+                format!(
+                    "{:?} must be greater than or equal to --sync-interval ({:?})",
+                    self.sync_interval_cap, self.sync_interval
+                ),
+            ));
+        }
+        if self.dial_timeout.is_zero() {
+            return Err(invalid("dial-timeout", "must be greater than 0"));
+        }
+        AgentIdentifiers::parse_strict(&self.agent_identifiers)
+            .map_err(|e| invalid("agent-identifiers", e.to_string()))?;
+        if self.agent_id.contains(|c: char| !c.is_ascii_graphic()) {
+            return Err(invalid(
+                "agent-id",
+                format!("{:?} must be printable ASCII without spaces", self.agent_id),
+            ));
+        }
+        match self.server_count_source.as_str() {
+            "default" | "max" => {}
+            other => {
+                return Err(invalid(
+                    "server-count-source",
+                    format!("{other:?} is not one of default, max"),
+                ));
+            }
+        }
+        if self.flow_control_window != 0
+            && !(MIN_WINDOW..=1 << 30).contains(&self.flow_control_window)
+        {
+            return Err(invalid(
+                "flow-control-window",
+                format!("must be 0 (off) or between {MIN_WINDOW} and 1073741824 bytes"),
+            ));
+        }
+        if self.plain_peer_buffer < MIN_WINDOW {
+            return Err(invalid(
+                "plain-peer-buffer",
+                format!("must be at least {MIN_WINDOW} bytes"),
+            ));
+        }
+        if self.agent_cert.is_some() != self.agent_key.is_some() {
+            return Err(invalid(
+                "agent-cert",
+                "--agent-cert and --agent-key must be given together",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Upstream flags this implementation accepts but does not act on.
+    pub fn ignored_settings(&self) -> Vec<&'static str> {
+        let d = AgentSettings::default();
+        let mut ignored = Vec::new();
+        let mut check = |set: bool, name: &'static str| {
+            if set {
+                ignored.push(name);
+            }
+        };
+        check(self.enable_profiling, "enable-profiling");
+        check(
+            self.enable_contention_profiling,
+            "enable-contention-profiling",
+        );
+        check(self.warn_on_channel_limit, "warn-on-channel-limit");
+        check(self.count_server_leases, "count-server-leases");
+        check(self.lease_namespace != d.lease_namespace, "lease-namespace");
+        check(
+            self.lease_label_selector != d.lease_label_selector,
+            "lease-label-selector",
+        );
+        check(
+            self.server_count_source != d.server_count_source,
+            "server-count-source",
+        );
+        check(!self.kubeconfig.is_empty(), "kubeconfig");
+        check(
+            self.kube_api_content_type != d.kube_api_content_type,
+            "kube-api-content-type",
+        );
+        check(
+            self.xfr_channel_size != d.xfr_channel_size,
+            "xfr-channel-size",
+        );
+        check(self.probe_interval != d.probe_interval, "probe-interval");
+        check(self.keepalive_time != d.keepalive_time, "keepalive-time");
+        ignored
+    }
+
+    /// The runtime configuration. Certificates are read by [`crate::start`].
+    pub fn to_agent_config(&self) -> Result<AgentConfig, ConfigError> {
+        let Some(ca_cert) = self.ca_cert.clone() else {
+            return Err(invalid(
+                "ca-cert",
+                "is required (the CA bundle that issued the proxy-server's certificate)",
+            ));
+        };
+        let tls = TlsSource::Files {
+            ca_cert,
+            agent_cert: self.agent_cert.clone(),
+            agent_key: self.agent_key.clone(),
+            alpn: self.alpn_proto.clone(),
+        };
+        let mut config = AgentConfig::new(tls);
+        config.proxy_server_host = self.proxy_server_host.clone();
+        config.proxy_server_port = self.proxy_server_port;
+        if !self.agent_id.is_empty() {
+            config.agent_id = self.agent_id.clone();
+        }
+        config.agent_identifiers = self.agent_identifiers.clone();
+        config.health_server_host = self.health_server_host.clone();
+        config.health_server_port = self.health_server_port;
+        config.admin_bind_address = self.admin_bind_address.clone();
+        config.admin_server_port = self.admin_server_port;
+        config.sync_interval = self.sync_interval;
+        config.sync_interval_cap = self.sync_interval_cap;
+        config.sync_forever = self.sync_forever;
+        config.service_account_token_path = (!self.service_account_token_path.is_empty())
+            .then(|| PathBuf::from(&self.service_account_token_path));
+        config.flow_control_window = self.flow_control_window;
+        config.plain_peer_buffer = self.plain_peer_buffer;
+        config.dial_timeout = self.dial_timeout;
+        for alias in &self.host_alias {
+            let parsed = alias
+                .split_once('=')
+                .and_then(|(name, ip)| {
+                    Some((name.trim(), ip.trim().parse::<std::net::IpAddr>().ok()?))
+                })
+                .filter(|(name, _)| !name.is_empty());
+            let Some((name, ip)) = parsed else {
+                return Err(ConfigError::Invalid {
+                    field: "host-alias",
+                    reason: format!("{alias:?} is not NAME=IP"),
+                });
+            };
+            config.host_aliases.insert(name.to_owned(), ip);
+        }
+        Ok(config)
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::result_large_err)] // figment::Jail's closure signature
+mod tests {
+    use super::*;
+    use figment::providers::Serialized as S;
+
+    fn no_env() -> S<figment::value::Dict> {
+        S::defaults(figment::value::Dict::new())
+    }
+
+    fn parse(args: &[&str]) -> Result<AgentSettings, ConfigError> {
+        let mut argv = vec!["proxy-agent"];
+        argv.extend_from_slice(args);
+        AgentSettings::load_from(&Cli::parse_from(argv), no_env())
+    }
+
+    #[test]
+    fn defaults_match_upstream() {
+        let c = parse(&[]).unwrap();
+        assert_eq!(c, AgentSettings::default());
+        assert_eq!(
+            (c.proxy_server_host.as_str(), c.proxy_server_port),
+            ("127.0.0.1", 8091)
+        );
+        assert_eq!((c.health_server_port, c.admin_server_port), (8093, 8094));
+        assert_eq!(c.admin_bind_address, "127.0.0.1");
+        assert_eq!(c.sync_interval, Duration::from_secs(1));
+        assert_eq!(c.sync_interval_cap, Duration::from_secs(10));
+        assert_eq!(c.keepalive_time, Duration::from_secs(3600));
+        assert_eq!(c.xfr_channel_size, 150);
+        assert_eq!(c.dial_timeout, Duration::from_secs(5));
+        assert!(!c.sync_forever);
+        assert!(c.ignored_settings().is_empty());
+    }
+
+    #[test]
+    fn layers_file_then_env_then_flags() {
+        figment::Jail::expect_with(|jail| {
+            jail.create_file(
+                "agent.toml",
+                "proxy_server_host = \"file\"\nproxy_server_port = 1001\nhealth_server_port = 1002\nsync_interval = \"2s\"\n",
+            )?;
+            jail.set_env("PROXY_AGENT_PROXY_SERVER_PORT", "2001");
+            jail.set_env("PROXY_AGENT_HEALTH_SERVER_PORT", "2002");
+            jail.set_env("PROXY_AGENT_ID", "from-env");
+            // Kubernetes service links must not break startup.
+            jail.set_env("PROXY_AGENT_SERVICE_HOST", "10.0.0.1");
+            let cli = Cli::parse_from([
+                "proxy-agent",
+                "--config",
+                "agent.toml",
+                "--health-server-port",
+                "3002",
+                "--sync-interval-cap=1m30s",
+                "--sync-forever",
+            ]);
+            let c = AgentSettings::load(&cli).map_err(|e| e.to_string())?;
+            assert_eq!(c.proxy_server_host, "file");
+            assert_eq!(c.proxy_server_port, 2001);
+            assert_eq!(c.health_server_port, 3002);
+            assert_eq!(c.agent_id, "from-env");
+            assert_eq!(c.sync_interval, Duration::from_secs(2));
+            assert_eq!(c.sync_interval_cap, Duration::from_secs(90));
+            assert!(c.sync_forever);
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn bool_flags_take_optional_values() {
+        assert!(parse(&["--sync-forever"]).unwrap().sync_forever);
+        assert!(parse(&["--sync-forever=true"]).unwrap().sync_forever);
+        assert!(!parse(&["--sync-forever=false"]).unwrap().sync_forever);
+        assert!(!parse(&["--sync-forever=0"]).unwrap().sync_forever);
+        assert!(Cli::try_parse_from(["proxy-agent", "--sync-forever=maybe"]).is_err());
+    }
+
+    #[test]
+    fn host_aliases_are_parsed_and_validated() {
+        let settings = parse(&[
+            "--ca-cert=/ca.crt",
+            "--host-alias=cluster-a=127.0.0.1",
+            "--host-alias",
+            "api.local=::1",
+        ])
+        .unwrap();
+        let config = settings.to_agent_config().unwrap();
+        assert_eq!(
+            config.host_aliases.get("cluster-a"),
+            Some(&"127.0.0.1".parse().unwrap())
+        );
+        assert_eq!(
+            config.host_aliases.get("api.local"),
+            Some(&"::1".parse().unwrap())
+        );
+        for bad in [
+            "--host-alias=cluster-a",
+            "--host-alias=cluster-a=not-an-ip",
+            "--host-alias==1.2.3.4",
+        ] {
+            let err = parse(&["--ca-cert=/ca.crt", bad])
+                .and_then(|s| s.to_agent_config().map(|_| s))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("host-alias"), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn invalid_values_name_the_field() {
+        let err = Cli::try_parse_from(["proxy-agent", "--proxy-server-port=abc"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("--proxy-server-port"), "{err}");
+        let err = parse(&["--sync-interval=5s", "--sync-interval-cap=2s"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("sync-interval-cap"), "{err}");
+        let err = parse(&["--agent-identifiers=host=a&zone=eu"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("agent-identifiers") && err.contains("zone"),
+            "{err}"
+        );
+        let err = parse(&["--sync-interval=soon"]).unwrap_err().to_string();
+        assert!(err.contains("sync_interval"), "{err}");
+        let err = parse(&["--server-count-source=min"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("server-count-source"), "{err}");
+        let err = parse(&["--flow-control-window=10"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("flow-control-window"), "{err}");
+        let err = parse(&["--agent-cert=/x.crt"]).unwrap_err().to_string();
+        assert!(err.contains("agent-key"), "{err}");
+        figment::Jail::expect_with(|jail| {
+            jail.create_file("typo.toml", "proxy_server_prot = 1\n")?;
+            let err = parse(&["--config", "typo.toml"]).unwrap_err().to_string();
+            assert!(err.contains("proxy_server_prot"), "{err}");
+            jail.create_file("bad.toml", "proxy_server_port = \"many\"\n")?;
+            let err = parse(&["--config", "bad.toml"]).unwrap_err().to_string();
+            assert!(err.contains("proxy_server_port"), "{err}");
+            Ok(())
+        });
+        let err = parse(&[])
+            .unwrap()
+            .to_agent_config()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("ca-cert"), "{err}");
+    }
+
+    #[test]
+    fn every_upstream_flag_is_accepted() {
+        let c = parse(&[
+            "--agent-cert=/a.crt",
+            "--agent-key=/a.key",
+            "--ca-cert=/ca.crt",
+            "--proxy-server-host=proxy.example",
+            "--proxy-server-port=8091",
+            "--alpn-proto=h2,http/1.1",
+            "--health-server-host=0.0.0.0",
+            "--health-server-port=8093",
+            "--admin-server-port=8094",
+            "--admin-bind-address=127.0.0.1",
+            "--enable-profiling",
+            "--enable-contention-profiling=false",
+            "--agent-id=agent-1",
+            "--agent-identifiers=host=cluster-a&default-route=true",
+            "--sync-interval=1s",
+            "--probe-interval=1s",
+            "--sync-interval-cap=10s",
+            "--keepalive-time=1h0m0s",
+            "--service-account-token-path=/var/run/token",
+            "--warn-on-channel-limit",
+            "--sync-forever=true",
+            "--xfr-channel-size=150",
+            "--count-server-leases",
+            "--lease-namespace=kube-system",
+            "--lease-label=k8s-app=other",
+            "--server-count-source=max",
+            "--kubeconfig=/kube/config",
+            "--kube-api-content-type=application/json",
+            "--v=3",
+        ])
+        .unwrap();
+        assert_eq!(c.alpn_proto, ["h2", "http/1.1"]);
+        assert_eq!(c.lease_label_selector, "k8s-app=other");
+        assert_eq!(c.v, 3);
+        assert_eq!(
+            c.ignored_settings(),
+            [
+                "enable-profiling",
+                "warn-on-channel-limit",
+                "count-server-leases",
+                "lease-label-selector",
+                "server-count-source",
+                "kubeconfig",
+                "kube-api-content-type",
+            ]
+        );
+        let config = c.to_agent_config().unwrap();
+        assert_eq!(config.agent_id, "agent-1");
+        assert_eq!(
+            config.service_account_token_path,
+            Some(PathBuf::from("/var/run/token"))
+        );
+    }
+}

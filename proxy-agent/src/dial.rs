@@ -1,0 +1,184 @@
+//! Endpoint dials with Go-style error texts: the proxy-server's HTTP CONNECT
+//! frontend (ours and upstream's) maps them to 502/503/504 by substring, and
+//! operators grep logs for them.
+
+use std::collections::HashMap;
+use std::io;
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+
+use cluster_proxy_proto::packet::split_host_port;
+use tokio::net::TcpStream;
+
+use crate::metrics::DialFailure;
+
+/// A failed dial: the text for DIAL_RSP and the metric reason.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DialError {
+    pub message: String,
+    pub reason: DialFailure,
+}
+
+impl std::fmt::Display for DialError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for DialError {}
+
+fn unknown(message: String) -> DialError {
+    DialError {
+        message,
+        reason: DialFailure::Unknown,
+    }
+}
+
+/// What Go's `syscall.Errno.Error()` prints for the errors connect(2) returns.
+fn connect_error_text(e: &io::Error) -> Option<&'static str> {
+    Some(match e.kind() {
+        io::ErrorKind::ConnectionRefused => "connection refused",
+        io::ErrorKind::ConnectionReset => "connection reset by peer",
+        io::ErrorKind::HostUnreachable => "no route to host",
+        io::ErrorKind::NetworkUnreachable => "network is unreachable",
+        io::ErrorKind::AddrNotAvailable => "cannot assign requested address",
+        io::ErrorKind::PermissionDenied => "permission denied",
+        _ => return None,
+    })
+}
+
+/// Names resolved locally before DNS, like a pod's `hostAliases`.
+pub type HostAliases = HashMap<String, IpAddr>;
+
+/// Opens a TCP connection to `address` (`host:port`) within `timeout`.
+pub async fn dial_tcp(
+    address: &str,
+    timeout: Duration,
+    aliases: &HostAliases,
+) -> Result<TcpStream, DialError> {
+    let timed_out = || DialError {
+        message: format!("dial tcp {address}: i/o timeout"),
+        reason: DialFailure::Timeout,
+    };
+    let Some((host, port)) = split_host_port(address) else {
+        return Err(unknown(format!(
+            "dial tcp: address {address}: missing port in address"
+        )));
+    };
+    let Ok(port) = port.parse::<u16>() else {
+        return Err(unknown(format!(
+            "dial tcp: address {address}: invalid port"
+        )));
+    };
+    let attempt = async {
+        // Resolve separately so a DNS failure reads like Go's resolver error
+        // rather than getaddrinfo's.
+        let addrs: Vec<_> = match aliases.get(host) {
+            Some(ip) => vec![SocketAddr::new(*ip, port)],
+            None => tokio::net::lookup_host((host, port))
+                .await
+                .map_err(|_| unknown(format!("dial tcp: lookup {host}: no such host")))?
+                .collect(),
+        };
+        if addrs.is_empty() {
+            return Err(unknown(format!("dial tcp: lookup {host}: no such host")));
+        }
+        let mut last = None;
+        // Like Go, try each resolved address in turn and report the last error.
+        for addr in addrs {
+            match TcpStream::connect(addr).await {
+                Ok(tcp) => return Ok(tcp),
+                Err(e) => last = Some((addr, e)),
+            }
+        }
+        let (addr, e) = last.ok_or_else(|| unknown(format!("dial tcp {address}: no address")))?;
+        // Go names the resolved address in connect errors.
+        Err(unknown(match connect_error_text(&e) {
+            Some(text) => format!("dial tcp {addr}: connect: {text}"),
+            None => format!("dial tcp {addr}: {e}"),
+        }))
+    };
+    let tcp = tokio::time::timeout(timeout, attempt)
+        .await
+        .map_err(|_| timed_out())??;
+    // Interactive protocols (kubectl exec, TLS handshakes) need small writes
+    // to leave at once; a failure here only costs latency.
+    let _ = tcp.set_nodelay(true);
+    Ok(tcp)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn refused_port_reads_like_go() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let address = listener.local_addr().unwrap().to_string();
+        drop(listener);
+        let err = dial_tcp(&address, Duration::from_secs(5), &HostAliases::new())
+            .await
+            .unwrap_err();
+        assert_eq!(
+            err.message,
+            format!("dial tcp {address}: connect: connection refused")
+        );
+        assert_eq!(err.reason, DialFailure::Unknown);
+    }
+
+    #[tokio::test]
+    async fn malformed_addresses_are_reported_not_panicked_on() {
+        let err = dial_tcp("no-port", Duration::from_secs(1), &HostAliases::new())
+            .await
+            .unwrap_err();
+        assert_eq!(
+            err.message,
+            "dial tcp: address no-port: missing port in address"
+        );
+        let err = dial_tcp("host:http99", Duration::from_secs(1), &HostAliases::new())
+            .await
+            .unwrap_err();
+        assert!(err.message.contains("invalid port"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn unresolvable_host_reads_like_go() {
+        let err = dial_tcp(
+            "does-not-exist.invalid:80",
+            Duration::from_secs(5),
+            &HostAliases::new(),
+        )
+        .await
+        .unwrap_err();
+        // A sandbox without DNS may time out instead; both are Go texts.
+        assert!(
+            err.message == "dial tcp: lookup does-not-exist.invalid: no such host"
+                || err.message == "dial tcp does-not-exist.invalid:80: i/o timeout",
+            "{err}"
+        );
+    }
+
+    #[tokio::test]
+    async fn host_aliases_resolve_before_dns() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let aliases = HostAliases::from([("cluster-a".to_owned(), "127.0.0.1".parse().unwrap())]);
+        dial_tcp(
+            &format!("cluster-a:{port}"),
+            Duration::from_secs(5),
+            &aliases,
+        )
+        .await
+        .unwrap();
+    }
+
+    #[tokio::test]
+    async fn connects_and_sets_nodelay() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap().to_string();
+        let tcp = dial_tcp(&address, Duration::from_secs(5), &HostAliases::new())
+            .await
+            .unwrap();
+        assert!(tcp.nodelay().unwrap());
+    }
+}

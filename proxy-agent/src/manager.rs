@@ -1,0 +1,459 @@
+//! The connection manager: keeps one tunnel per proxy-server replica behind
+//! the single `--proxy-server-host:port` address (usually a load balancer).
+//!
+//! Each attempt opens a new HTTP/2 connection, so the load balancer may land
+//! it on any replica; the `serverid` response header tells which one it
+//! reached, and duplicates are closed at once (upstream's algorithm).
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use cluster_proxy_proto::Packet;
+use cluster_proxy_proto::flow::{FlowError, parse_window};
+use cluster_proxy_proto::konnectivity::agent_service_client::AgentServiceClient;
+use cluster_proxy_proto::metadata;
+use cluster_proxy_proto::packet;
+use cluster_proxy_proto::transport::{
+    MAX_MESSAGE_SIZE, TransportError, connect_channel, host_port,
+};
+use tokio::sync::{Notify, mpsc};
+use tokio_util::sync::CancellationToken;
+use tonic::metadata::{AsciiMetadataValue, MetadataMap};
+
+use crate::metrics::Metrics;
+use crate::tunnel::{self, TunnelParams};
+use crate::{AgentConfig, health};
+
+/// Why one attempt to open a tunnel failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+    #[error("Connect rejected: {} {}", .0.code(), .0.message())]
+    Rejected(tonic::Status),
+    #[error("Connect timed out after {0:?}")]
+    Timeout(Duration),
+    #[error("response header {key:?}: {reason}")]
+    Header { key: &'static str, reason: String },
+    #[error("read service account token {path}: {source}")]
+    Token {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("invalid request metadata {key:?}")]
+    Metadata { key: &'static str },
+}
+
+struct TunnelHandle {
+    control: mpsc::UnboundedSender<Packet>,
+}
+
+pub(crate) struct Shared {
+    config: AgentConfig,
+    tls: Arc<rustls::ClientConfig>,
+    metrics: Arc<Metrics>,
+    tunnels: Mutex<HashMap<String, TunnelHandle>>,
+    draining: AtomicBool,
+    last_server_count: AtomicUsize,
+    changed: Notify,
+    root: CancellationToken,
+}
+
+impl health::Status for Shared {
+    fn ready(&self) -> bool {
+        self.tunnel_count() > 0
+    }
+
+    fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+}
+
+impl Shared {
+    pub(crate) fn new(
+        config: AgentConfig,
+        tls: Arc<rustls::ClientConfig>,
+        root: CancellationToken,
+    ) -> Self {
+        Shared {
+            config,
+            tls,
+            metrics: Arc::new(Metrics::new()),
+            tunnels: Mutex::new(HashMap::new()),
+            draining: AtomicBool::new(false),
+            last_server_count: AtomicUsize::new(0),
+            changed: Notify::new(),
+            root,
+        }
+    }
+
+    fn tunnels(&self) -> MutexGuard<'_, HashMap<String, TunnelHandle>> {
+        self.tunnels.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    pub(crate) fn agent_id(&self) -> &str {
+        &self.config.agent_id
+    }
+
+    pub(crate) fn server_address(&self) -> String {
+        host_port(
+            &self.config.proxy_server_host,
+            self.config.proxy_server_port,
+        )
+    }
+
+    pub(crate) fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    pub(crate) fn shutdown_grace(&self) -> Duration {
+        self.config.shutdown_grace
+    }
+
+    pub(crate) fn tunnel_count(&self) -> usize {
+        self.tunnels().len()
+    }
+
+    pub(crate) fn server_ids(&self) -> Vec<String> {
+        let mut ids: Vec<String> = self.tunnels().keys().cloned().collect();
+        ids.sort();
+        ids
+    }
+
+    pub(crate) fn drain(&self) {
+        if self.draining.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let tunnels = self.tunnels();
+        tracing::info!(
+            tunnels = tunnels.len(),
+            "draining: sending DRAIN to every proxy-server"
+        );
+        for (server_id, t) in tunnels.iter() {
+            if t.control.send(packet::drain()).is_err() {
+                tracing::debug!(%server_id, "tunnel closed before DRAIN");
+            }
+        }
+        self.changed.notify_one();
+    }
+
+    fn remove_tunnel(&self, server_id: &str) {
+        self.tunnels().remove(server_id);
+    }
+
+    pub(crate) fn cancel(&self) {
+        self.root.cancel();
+    }
+
+    pub(crate) async fn wait_tunnels_closed(&self, timeout: Duration) {
+        let deadline = tokio::time::Instant::now() + timeout;
+        while self.tunnel_count() > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    fn update_gauges(&self) {
+        let open = self.tunnel_count();
+        self.metrics
+            .open_server_connections
+            .set(i64::try_from(open).unwrap_or(i64::MAX));
+        let known = self.last_server_count.load(Ordering::Relaxed);
+        self.metrics
+            .known_server_count
+            .set(i64::try_from(known).unwrap_or(i64::MAX));
+    }
+
+    fn request_metadata(&self, md: &mut MetadataMap) -> Result<(), ConnectError> {
+        let value = |key: &'static str, v: &str| {
+            AsciiMetadataValue::try_from(v).map_err(|_| ConnectError::Metadata { key })
+        };
+        md.insert(
+            metadata::AGENT_ID,
+            value(metadata::AGENT_ID, &self.config.agent_id)?,
+        );
+        md.insert(
+            metadata::AGENT_IDENTIFIERS,
+            value(metadata::AGENT_IDENTIFIERS, &self.config.agent_identifiers)?,
+        );
+        if self.config.flow_control_window > 0 {
+            md.insert(
+                metadata::FLOW_CONTROL_WINDOW,
+                value(
+                    metadata::FLOW_CONTROL_WINDOW,
+                    &self.config.flow_control_window.to_string(),
+                )?,
+            );
+        }
+        if let Some(path) = &self.config.service_account_token_path {
+            // Re-read every time: the kubelet rotates projected tokens.
+            let token = std::fs::read_to_string(path).map_err(|source| ConnectError::Token {
+                path: path.display().to_string(),
+                source,
+            })?;
+            md.insert(
+                metadata::AUTHORIZATION,
+                value(metadata::AUTHORIZATION, &format!("Bearer {}", token.trim()))?,
+            );
+        }
+        Ok(())
+    }
+}
+
+fn single_header(md: &MetadataMap, key: &'static str) -> Result<String, ConnectError> {
+    let values: Vec<_> = md.get_all(key).iter().collect();
+    match values.as_slice() {
+        [one] => one
+            .to_str()
+            .map(str::to_owned)
+            .map_err(|_| ConnectError::Header {
+                key,
+                reason: "not ASCII".into(),
+            }),
+        [] => Err(ConnectError::Header {
+            key,
+            reason: "missing".into(),
+        }),
+        more => Err(ConnectError::Header {
+            key,
+            reason: format!("expected one value, got {}", more.len()),
+        }),
+    }
+}
+
+enum Outcome {
+    Added,
+    Duplicate,
+}
+
+async fn connect_once(shared: Arc<Shared>) -> Result<Outcome, ConnectError> {
+    let config = &shared.config;
+    let timeout = config.connect_timeout;
+    let channel = connect_channel(
+        &config.proxy_server_host,
+        config.proxy_server_port,
+        shared.tls.clone(),
+        timeout,
+    )
+    .await?;
+    let mut client = AgentServiceClient::new(channel)
+        .max_decoding_message_size(MAX_MESSAGE_SIZE)
+        .max_encoding_message_size(MAX_MESSAGE_SIZE);
+    let cancel = shared.root.child_token();
+    let (out, requests) = tunnel::outgoing(cancel.clone());
+    let mut request = tonic::Request::new(requests);
+    shared.request_metadata(request.metadata_mut())?;
+    // Dropping the request stream on failure (cancel) ends the attempt cleanly.
+    let _guard = cancel.clone().drop_guard();
+    // Boxed as `dyn Future + Send` at a concrete site: awaited inline, rustc
+    // fails to prove this tonic future Send for every lifetime.
+    let connect: Pin<Box<dyn Future<Output = _> + Send + '_>> = Box::pin(client.connect(request));
+    let response = tokio::time::timeout(timeout, connect)
+        .await
+        .map_err(|_| ConnectError::Timeout(timeout))?
+        .map_err(ConnectError::Rejected)?;
+    let headers = response.metadata();
+    let server_id = single_header(headers, metadata::SERVER_ID)?;
+    let count = single_header(headers, metadata::SERVER_COUNT)?;
+    let count: usize = count.trim().parse().map_err(|_| ConnectError::Header {
+        key: metadata::SERVER_COUNT,
+        reason: format!("{count:?} is not a number"),
+    })?;
+    let server_window = match headers.get(metadata::FLOW_CONTROL_WINDOW) {
+        // Flow control needs both sides; without our offer the server
+        // should not have answered, so ignore its value.
+        Some(_) if config.flow_control_window == 0 => None,
+        Some(v) => {
+            let text = v.to_str().map_err(|_| ConnectError::Header {
+                key: metadata::FLOW_CONTROL_WINDOW,
+                reason: "not ASCII".into(),
+            })?;
+            // A window we cannot parse would leave the server's credit
+            // accounting and ours out of step, so refuse the tunnel.
+            Some(
+                parse_window(text).map_err(|e: FlowError| ConnectError::Header {
+                    key: metadata::FLOW_CONTROL_WINDOW,
+                    reason: e.to_string(),
+                })?,
+            )
+        }
+        None => None,
+    };
+    {
+        let mut tunnels = shared.tunnels();
+        if tunnels.contains_key(&server_id) {
+            tracing::debug!(%server_id, "already connected to this proxy-server; closing duplicate");
+            return Ok(Outcome::Duplicate);
+        }
+        tunnels.insert(
+            server_id.clone(),
+            TunnelHandle {
+                control: out.control.clone(),
+            },
+        );
+    }
+    // A tunnel opened while a drain started must announce it too.
+    if shared.draining.load(Ordering::SeqCst) {
+        let _ = out.control.send(packet::drain());
+    }
+    shared.last_server_count.store(count, Ordering::Relaxed);
+    shared.update_gauges();
+    tracing::info!(
+        %server_id,
+        server_count = count,
+        flow_control = server_window.is_some(),
+        "connected to proxy-server"
+    );
+    let params = TunnelParams {
+        server_id: server_id.clone(),
+        our_window: config.flow_control_window,
+        server_window,
+        plain_peer_buffer: config.plain_peer_buffer,
+        dial_timeout: config.dial_timeout,
+        host_aliases: std::sync::Arc::new(config.host_aliases.clone()),
+    };
+    let incoming = response.into_inner();
+    _guard.disarm();
+    tokio::spawn(run_tunnel(
+        shared, server_id, params, out, incoming, cancel, client,
+    ));
+    Ok(Outcome::Added)
+}
+
+async fn run_tunnel(
+    shared: Arc<Shared>,
+    server_id: String,
+    params: TunnelParams,
+    out: tunnel::Outgoing,
+    incoming: tonic::Streaming<Packet>,
+    cancel: CancellationToken,
+    // Held so the HTTP/2 connection lives as long as the tunnel.
+    _client: AgentServiceClient<tonic::transport::Channel>,
+) {
+    let metrics = shared.metrics.clone();
+    let end = tunnel::serve(params, out, incoming, cancel.clone(), metrics).await;
+    cancel.cancel();
+    // Duplicates are never registered, so the entry is this tunnel's.
+    shared.remove_tunnel(&server_id);
+    shared.update_gauges();
+    tracing::info!(%server_id, reason = %end, "disconnected from proxy-server");
+    shared.changed.notify_one();
+}
+
+/// tonic's transport errors say only "transport error" at the top; the cause
+/// (refused, TLS failure) is in the source chain.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        if !text.ends_with(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    text
+}
+
+/// Upstream's backoff: starts at the sync interval, ×1.5 per failure,
+/// capped, ±10% jitter.
+struct Backoff {
+    initial: Duration,
+    current: Duration,
+    cap: Duration,
+}
+
+impl Backoff {
+    fn new(initial: Duration, cap: Duration) -> Self {
+        Backoff {
+            initial,
+            current: initial,
+            cap,
+        }
+    }
+
+    fn next(&mut self) -> Duration {
+        let d = jitter(self.current);
+        self.current = self.current.mul_f64(1.5).min(self.cap);
+        d
+    }
+
+    fn reset(&mut self) {
+        self.current = self.initial;
+    }
+}
+
+fn jitter(d: Duration) -> Duration {
+    let factor = 1.0 + (rand::random::<f64>() * 0.2 - 0.1);
+    d.mul_f64(factor)
+}
+
+pub(crate) async fn run(shared: Arc<Shared>) {
+    let config = &shared.config;
+    let mut backoff = Backoff::new(config.sync_interval, config.sync_interval_cap);
+    let server = shared.server_address();
+    // Owned, not borrowed: see tunnel::serve.
+    let cancelled = shared.root.clone().cancelled_owned();
+    tokio::pin!(cancelled);
+    loop {
+        if shared.root.is_cancelled() {
+            return;
+        }
+        if shared.draining.load(Ordering::SeqCst) {
+            // Draining: keep what we have, open nothing new.
+            cancelled.await;
+            return;
+        }
+        let want = shared.last_server_count.load(Ordering::Relaxed).max(1);
+        if !config.sync_forever && shared.tunnel_count() >= want {
+            tokio::select! {
+                _ = &mut cancelled => return,
+                _ = shared.changed.notified() => {}
+                _ = tokio::time::sleep(jitter(config.sync_interval)) => {}
+            }
+            continue;
+        }
+        let result = tokio::select! {
+            _ = &mut cancelled => return,
+            r = connect_once(shared.clone()) => r,
+        };
+        let pause = match result {
+            Ok(_) => {
+                backoff.reset();
+                jitter(config.sync_interval)
+            }
+            Err(e) => {
+                tracing::warn!(%server, error = %error_chain(&e), "cannot connect to proxy-server");
+                backoff.next()
+            }
+        };
+        tokio::select! {
+            _ = &mut cancelled => return,
+            _ = tokio::time::sleep(pause) => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_grows_to_the_cap_with_jitter() {
+        let mut b = Backoff::new(Duration::from_secs(1), Duration::from_secs(3));
+        let first = b.next();
+        assert!(first >= Duration::from_millis(900) && first <= Duration::from_millis(1100));
+        for _ in 0..10 {
+            let d = b.next();
+            assert!(d <= Duration::from_millis(3300), "{d:?}");
+        }
+        assert_eq!(b.current, Duration::from_secs(3));
+        b.reset();
+        assert_eq!(b.current, Duration::from_secs(1));
+    }
+}

@@ -1,0 +1,125 @@
+//! Prometheus metrics, named as upstream's `konnectivity_network_proxy_agent_*`
+//! so existing dashboards keep working.
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+type Labels = Vec<(&'static str, &'static str)>;
+
+/// Why an endpoint dial failed (upstream's label values).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DialFailure {
+    Timeout,
+    Unknown,
+}
+
+impl DialFailure {
+    fn label(self) -> &'static str {
+        match self {
+            DialFailure::Timeout => "timeout",
+            DialFailure::Unknown => "unknown",
+        }
+    }
+}
+
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    pub open_server_connections: Gauge,
+    pub known_server_count: Gauge,
+    pub open_endpoint_connections: Gauge,
+    dial_failures: Family<Labels, Counter>,
+    pub dial_duration: Histogram,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut root = Registry::default();
+        let registry = root.sub_registry_with_prefix("konnectivity_network_proxy_agent");
+        let open_server_connections = Gauge::default();
+        registry.register(
+            "open_server_connections",
+            "Tunnels (gRPC Connect streams) open to proxy-servers",
+            open_server_connections.clone(),
+        );
+        let known_server_count = Gauge::default();
+        registry.register(
+            "known_server_count",
+            "Number of proxy-servers the agent believes exist (last servercount header)",
+            known_server_count.clone(),
+        );
+        let open_endpoint_connections = Gauge::default();
+        registry.register(
+            "open_endpoint_connections",
+            "Connections to endpoints inside the cluster open now",
+            open_endpoint_connections.clone(),
+        );
+        let dial_failures = Family::<Labels, Counter>::default();
+        // prometheus-client appends `_total` to counters.
+        registry.register(
+            "endpoint_dial_failure",
+            "Failed endpoint dials by reason",
+            dial_failures.clone(),
+        );
+        let dial_duration = Histogram::new(exponential_buckets(0.000_005, 2.5, 16));
+        registry.register(
+            "dial_duration_seconds",
+            "Latency of endpoint dials",
+            dial_duration.clone(),
+        );
+        Metrics {
+            registry: root,
+            open_server_connections,
+            known_server_count,
+            open_endpoint_connections,
+            dial_failures,
+            dial_duration,
+        }
+    }
+
+    pub fn dial_failed(&self, reason: DialFailure) {
+        self.dial_failures
+            .get_or_create(&vec![("reason", reason.label())])
+            .inc();
+    }
+
+    /// The Prometheus/OpenMetrics text exposition.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = encode(&mut out, &self.registry);
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exposes_upstream_names() {
+        let m = Metrics::new();
+        m.dial_failed(DialFailure::Timeout);
+        m.open_server_connections.set(2);
+        let text = m.encode();
+        for name in [
+            "konnectivity_network_proxy_agent_open_server_connections 2",
+            "konnectivity_network_proxy_agent_known_server_count",
+            "konnectivity_network_proxy_agent_open_endpoint_connections",
+            "konnectivity_network_proxy_agent_endpoint_dial_failure_total{reason=\"timeout\"} 1",
+            "konnectivity_network_proxy_agent_dial_duration_seconds_bucket",
+        ] {
+            assert!(text.contains(name), "{name} missing from\n{text}");
+        }
+    }
+}

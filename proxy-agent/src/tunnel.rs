@@ -1,0 +1,493 @@
+//! One tunnel: an `AgentService.Connect` stream to one proxy-server, carrying
+//! every connection the server asks this agent to open.
+//!
+//! Outgoing packets flow through two channels merged into the request stream:
+//! an unbounded *control* channel (WINDOW_UPDATE, replies to unknown ids,
+//! DRAIN) that always goes first, and a bounded *ordered* channel that each
+//! connection's own task writes DIAL_RSP, DATA and CLOSE_RSP into, so their
+//! relative order per connection is the order they were produced in.
+//!
+//! The reader never waits on one connection when flow control is on: it only
+//! pushes into per-connection [`ReceiveQueue`]s, which the peer's credit keeps
+//! from filling. Without flow control it waits when a connection's buffer is
+//! full (upstream behaviour, only much later).
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use cluster_proxy_proto::Packet;
+use cluster_proxy_proto::flow::{
+    FlowError, READ_CHUNK, ReceiveQueue, ReceiveQueueRx, SendCredit, WindowTracker,
+};
+use cluster_proxy_proto::packet::{self, Frame, PROTOCOL_TCP};
+use futures_util::stream::{PollNext, Stream, StreamExt, select_with_strategy};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::{ReceiverStream, UnboundedReceiverStream};
+use tokio_util::sync::CancellationToken;
+
+use crate::dial::dial_tcp;
+use crate::metrics::Metrics;
+
+/// Capacity (packets) of the ordered channel; a full channel makes the
+/// connection tasks wait, never the reader.
+pub const ORDERED_CAPACITY: usize = 64;
+
+/// The sending side of a tunnel.
+#[derive(Clone, Debug)]
+pub struct Outgoing {
+    pub control: mpsc::UnboundedSender<Packet>,
+    pub ordered: mpsc::Sender<Packet>,
+}
+
+/// The request stream of a tunnel: control packets first, and it ends when
+/// `cancel` fires so the HTTP/2 stream closes with the tunnel.
+pub type RequestStream = Pin<Box<dyn Stream<Item = Packet> + Send + 'static>>;
+
+pub fn outgoing(cancel: CancellationToken) -> (Outgoing, RequestStream) {
+    let (control, control_rx) = mpsc::unbounded_channel();
+    let (ordered, ordered_rx) = mpsc::channel(ORDERED_CAPACITY);
+    let merged = select_with_strategy(
+        UnboundedReceiverStream::new(control_rx),
+        ReceiverStream::new(ordered_rx),
+        |_: &mut ()| PollNext::Left,
+    )
+    .take_until(cancel.cancelled_owned());
+    (Outgoing { control, ordered }, Box::pin(merged))
+}
+
+/// Per-tunnel settings.
+#[derive(Debug, Clone)]
+pub struct TunnelParams {
+    pub server_id: String,
+    /// Our per-connection receive window (advertised when flow control is on).
+    pub our_window: u32,
+    /// The server's window: `Some` ⇒ flow control is on for this tunnel.
+    pub server_window: Option<u32>,
+    pub plain_peer_buffer: u32,
+    pub dial_timeout: Duration,
+    pub host_aliases: std::sync::Arc<crate::dial::HostAliases>,
+}
+
+enum Event {
+    Data(Bytes),
+    Close,
+}
+
+/// Lets the reader stop a connection with an error that the connection's
+/// own task reports in its CLOSE_RSP (keeping DATA before CLOSE_RSP).
+#[derive(Debug, Default)]
+struct Abort {
+    token: CancellationToken,
+    reason: Mutex<Option<String>>,
+}
+
+impl Abort {
+    fn abort(&self, reason: String) {
+        *self.reason.lock().unwrap_or_else(PoisonError::into_inner) = Some(reason);
+        self.token.cancel();
+    }
+
+    fn reason(&self) -> Option<String> {
+        self.reason
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+    }
+}
+
+struct ConnEntry {
+    queue: ReceiveQueue<Event>,
+    credit: SendCredit,
+    abort: Arc<Abort>,
+}
+
+#[derive(Default)]
+struct Tables {
+    conns: HashMap<i64, ConnEntry>,
+    /// Dials in progress by `random`, so DIAL_CLS can cancel them.
+    pending: HashMap<i64, CancellationToken>,
+}
+
+struct Tunnel {
+    params: TunnelParams,
+    out: Outgoing,
+    tables: Mutex<Tables>,
+    next_connect_id: AtomicI64,
+    cancel: CancellationToken,
+    metrics: Arc<Metrics>,
+}
+
+/// Why a tunnel ended.
+#[derive(Debug)]
+pub enum TunnelEnd {
+    /// The server closed the stream.
+    ServerClosed,
+    /// The stream failed.
+    Error(tonic::Status),
+    /// We closed it (shutdown or duplicate).
+    Cancelled,
+}
+
+impl std::fmt::Display for TunnelEnd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TunnelEnd::ServerClosed => f.write_str("server closed the stream"),
+            TunnelEnd::Error(s) => write!(f, "stream error: {} {}", s.code(), s.message()),
+            TunnelEnd::Cancelled => f.write_str("closed by the agent"),
+        }
+    }
+}
+
+impl Tunnel {
+    fn tables(&self) -> std::sync::MutexGuard<'_, Tables> {
+        self.tables.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn flow_on(&self) -> bool {
+        self.params.server_window.is_some()
+    }
+
+    fn reply(&self, packet: Packet) {
+        // Fails only once the tunnel is gone, when replies no longer matter.
+        let _ = self.out.control.send(packet);
+    }
+
+    async fn handle(self: &Arc<Self>, frame: Frame) {
+        match frame {
+            Frame::DialRequest {
+                protocol,
+                address,
+                random,
+            } => self.dial(protocol, address, random),
+            Frame::Data { connect_id, data } => self.data(connect_id, data).await,
+            Frame::CloseRequest { connect_id } => {
+                let queue = self
+                    .tables()
+                    .conns
+                    .get(&connect_id)
+                    .map(|c| c.queue.clone());
+                match queue {
+                    // The connection task flushes queued DATA first, then
+                    // answers with CLOSE_RSP itself.
+                    Some(q) => {
+                        let _ = q.push(Event::Close);
+                    }
+                    None => {
+                        tracing::debug!(server_id = %self.params.server_id, connect_id, "CLOSE_REQ for unknown connection");
+                        self.reply(packet::close_response(connect_id, "Unknown connectID"));
+                    }
+                }
+            }
+            Frame::WindowUpdate { connect_id, bytes } => {
+                let found = self
+                    .tables()
+                    .conns
+                    .get(&connect_id)
+                    .map(|c| (c.credit.clone(), c.abort.clone()));
+                match found {
+                    Some((credit, abort)) => {
+                        if let Err(e) = credit.grant(bytes) {
+                            tracing::warn!(server_id = %self.params.server_id, connect_id, error = %e, "protocol violation; closing connection");
+                            abort.abort(e.to_string());
+                        }
+                    }
+                    // Normal right after a close crossed the update.
+                    None => {
+                        tracing::debug!(server_id = %self.params.server_id, connect_id, "WINDOW_UPDATE for unknown connection")
+                    }
+                }
+            }
+            Frame::CloseDial { random } => {
+                // Upstream ignores DIAL_CLS and finishes the dial; cancelling
+                // saves a connection the server would close right away.
+                if let Some(token) = self.tables().pending.remove(&random) {
+                    tracing::debug!(server_id = %self.params.server_id, random, "dial cancelled by the server");
+                    token.cancel();
+                }
+            }
+            other => {
+                tracing::debug!(server_id = %self.params.server_id, packet = other.type_name(), "ignoring packet");
+            }
+        }
+    }
+
+    fn dial(self: &Arc<Self>, protocol: String, address: String, random: i64) {
+        if protocol != PROTOCOL_TCP {
+            tracing::warn!(server_id = %self.params.server_id, random, %protocol, "refusing dial with unsupported protocol");
+            self.reply(packet::dial_response_error(
+                random,
+                format!("unsupported protocol \"{protocol}\""),
+            ));
+            return;
+        }
+        let connect_id = self.next_connect_id.fetch_add(1, Ordering::Relaxed);
+        let token = self.cancel.child_token();
+        self.tables().pending.insert(random, token.clone());
+        let tunnel = self.clone();
+        tokio::spawn(async move {
+            tunnel.dial_task(address, random, connect_id, token).await;
+        });
+    }
+
+    async fn dial_task(
+        self: Arc<Self>,
+        address: String,
+        random: i64,
+        connect_id: i64,
+        token: CancellationToken,
+    ) {
+        let server_id = &self.params.server_id;
+        let started = Instant::now();
+        let result = tokio::select! {
+            _ = token.cancelled() => {
+                tracing::debug!(%server_id, random, %address, "dial abandoned");
+                return;
+            }
+            r = dial_tcp(&address, self.params.dial_timeout, &self.params.host_aliases) => r,
+        };
+        self.metrics
+            .dial_duration
+            .observe(started.elapsed().as_secs_f64());
+        let tcp = match result {
+            Ok(tcp) => tcp,
+            Err(e) => {
+                self.tables().pending.remove(&random);
+                self.metrics.dial_failed(e.reason);
+                tracing::info!(%server_id, random, %address, error = %e, "endpoint dial failed");
+                let _ = self
+                    .out
+                    .ordered
+                    .send(packet::dial_response_error(random, e.message))
+                    .await;
+                return;
+            }
+        };
+        let flow_on = self.flow_on();
+        let capacity = if flow_on {
+            self.params.our_window
+        } else {
+            self.params.plain_peer_buffer
+        };
+        let (queue, rx) = ReceiveQueue::new(capacity, flow_on);
+        let credit = match self.params.server_window {
+            Some(window) => SendCredit::with_window(window),
+            None => SendCredit::unlimited(),
+        };
+        let abort = Arc::new(Abort {
+            token,
+            reason: Mutex::new(None),
+        });
+        {
+            let mut tables = self.tables();
+            // Whoever takes the pending entry first wins: DIAL_CLS or us.
+            if tables.pending.remove(&random).is_none() || abort.token.is_cancelled() {
+                tracing::debug!(%server_id, random, %address, "dial cancelled after connecting");
+                return;
+            }
+            tables.conns.insert(
+                connect_id,
+                ConnEntry {
+                    queue,
+                    credit: credit.clone(),
+                    abort: abort.clone(),
+                },
+            );
+        }
+        self.metrics.open_endpoint_connections.inc();
+        tracing::debug!(%server_id, random, connect_id, %address, "endpoint connected");
+        if self
+            .out
+            .ordered
+            .send(packet::dial_response_ok(random, connect_id))
+            .await
+            .is_ok()
+        {
+            self.clone()
+                .run_connection(connect_id, tcp, rx, credit.clone(), abort)
+                .await;
+        } else {
+            self.tables().conns.remove(&connect_id);
+        }
+        credit.close();
+        self.metrics.open_endpoint_connections.dec();
+    }
+
+    async fn run_connection(
+        self: Arc<Self>,
+        connect_id: i64,
+        tcp: TcpStream,
+        mut rx: ReceiveQueueRx<Event>,
+        credit: SendCredit,
+        abort: Arc<Abort>,
+    ) {
+        #[derive(Debug)]
+        enum End {
+            TargetEof,
+            TargetError(String),
+            CloseRequested,
+            Aborted,
+            TunnelGone,
+        }
+        let (mut rd, mut wr) = tcp.into_split();
+        let out = self.out.clone();
+        let flow_on = self.flow_on();
+        let our_window = self.params.our_window;
+        let up = async {
+            loop {
+                let mut buf = BytesMut::with_capacity(READ_CHUNK);
+                match rd.read_buf(&mut buf).await {
+                    Ok(0) => return End::TargetEof,
+                    Ok(n) => {
+                        if credit.acquire(n).await.is_err() {
+                            return End::Aborted;
+                        }
+                        if out
+                            .ordered
+                            .send(packet::data(connect_id, buf.freeze()))
+                            .await
+                            .is_err()
+                        {
+                            return End::TunnelGone;
+                        }
+                    }
+                    Err(e) => return End::TargetError(e.to_string()),
+                }
+            }
+        };
+        let down = async {
+            let mut tracker = WindowTracker::new(our_window);
+            while let Some(delivery) = rx.recv().await {
+                match &delivery.event {
+                    Event::Data(bytes) => {
+                        if let Err(e) = wr.write_all(bytes).await {
+                            return End::TargetError(e.to_string());
+                        }
+                        let n = bytes.len();
+                        // Frees the buffer space only once the bytes are out.
+                        drop(delivery);
+                        if flow_on && let Some(grant) = tracker.consumed(n) {
+                            let _ = out.control.send(packet::window_update(connect_id, grant));
+                        }
+                    }
+                    Event::Close => return End::CloseRequested,
+                }
+            }
+            End::TunnelGone
+        };
+        let end = tokio::select! {
+            e = up => e,
+            e = down => e,
+            _ = abort.token.cancelled() => End::Aborted,
+        };
+        self.tables().conns.remove(&connect_id);
+        credit.close();
+        let server_id = &self.params.server_id;
+        match &end {
+            End::TargetError(e) => {
+                tracing::debug!(%server_id, connect_id, error = %e, "endpoint connection failed")
+            }
+            other => {
+                tracing::debug!(%server_id, connect_id, reason = ?other, "endpoint connection closed")
+            }
+        }
+        if self.cancel.is_cancelled() {
+            // The tunnel is gone; the server cleans up on its side.
+            return;
+        }
+        let error = match end {
+            End::Aborted => abort.reason().unwrap_or_default(),
+            End::TunnelGone => return,
+            _ => String::new(),
+        };
+        let _ = self
+            .out
+            .ordered
+            .send(packet::close_response(connect_id, error))
+            .await;
+    }
+
+    async fn data(&self, connect_id: i64, data: Bytes) {
+        if connect_id == 0 {
+            tracing::warn!(server_id = %self.params.server_id, "dropping DATA with connectID 0");
+            return;
+        }
+        let found = self
+            .tables()
+            .conns
+            .get(&connect_id)
+            .map(|c| (c.queue.clone(), c.abort.clone()));
+        let Some((queue, abort)) = found else {
+            tracing::debug!(server_id = %self.params.server_id, connect_id, "DATA for unknown connection");
+            self.reply(packet::close_response(connect_id, "unrecognized connectID"));
+            return;
+        };
+        match queue
+            .push_data(&data, connect_id, Event::Data(data.clone()))
+            .await
+        {
+            Ok(()) => {}
+            Err(e @ FlowError::WindowExceeded { .. }) => {
+                tracing::warn!(server_id = %self.params.server_id, connect_id, error = %e, "protocol violation; closing connection");
+                abort.abort(e.to_string());
+            }
+            // The connection is closing; its CLOSE_RSP is on the way.
+            Err(_) => {}
+        }
+    }
+
+    fn teardown(&self) {
+        self.cancel.cancel();
+        let tables = std::mem::take(&mut *self.tables());
+        for conn in tables.conns.values() {
+            conn.credit.close();
+        }
+    }
+}
+
+/// Serves one tunnel until the server ends it or `cancel` fires. Every
+/// connection of the tunnel is closed when this returns.
+pub async fn serve(
+    params: TunnelParams,
+    out: Outgoing,
+    mut incoming: tonic::Streaming<Packet>,
+    cancel: CancellationToken,
+    metrics: Arc<Metrics>,
+) -> TunnelEnd {
+    let tunnel = Arc::new(Tunnel {
+        params,
+        out,
+        tables: Mutex::new(Tables::default()),
+        next_connect_id: AtomicI64::new(1),
+        cancel,
+        metrics,
+    });
+    // Owned, not borrowed: a borrowed cancellation future held across awaits
+    // trips rustc's higher-ranked Send check when this is spawned.
+    let cancelled = tunnel.cancel.clone().cancelled_owned();
+    tokio::pin!(cancelled);
+    let end = loop {
+        let message = tokio::select! {
+            _ = &mut cancelled => break TunnelEnd::Cancelled,
+            m = incoming.message() => m,
+        };
+        match message {
+            Ok(Some(p)) => {
+                let frame = Frame::from_packet(p);
+                tokio::select! {
+                    _ = &mut cancelled => break TunnelEnd::Cancelled,
+                    _ = tunnel.handle(frame) => {}
+                }
+            }
+            Ok(None) => break TunnelEnd::ServerClosed,
+            Err(status) => break TunnelEnd::Error(status),
+        }
+    };
+    tunnel.teardown();
+    end
+}
