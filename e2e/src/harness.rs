@@ -109,3 +109,147 @@ pub async fn wait_until(timeout: Duration, mut condition: impl FnMut() -> bool) 
     }
     condition()
 }
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    #[error("io: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("proxy answered {0:?}")]
+    Status(String),
+}
+
+/// Opens a tunneled connection with HTTP CONNECT over mTLS (the client TLS
+/// config must offer ALPN `http/1.1`). Returns the stream after the `200`.
+pub async fn http_connect(
+    tls: Arc<rustls::ClientConfig>,
+    server: SocketAddr,
+    target: &str,
+) -> Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>, ConnectError> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let tcp = tokio::net::TcpStream::connect(server).await?;
+    tcp.set_nodelay(true)?;
+    let name = rustls::pki_types::ServerName::try_from("localhost")
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+    let mut stream = tokio_rustls::TlsConnector::from(tls)
+        .connect(name, tcp)
+        .await?;
+    stream
+        .write_all(format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n").as_bytes())
+        .await?;
+    // Read the response head byte by byte so no tunneled byte is consumed.
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        if stream.read(&mut byte).await? == 0 || head.len() > 16 * 1024 {
+            return Err(ConnectError::Status(
+                String::from_utf8_lossy(&head).into_owned(),
+            ));
+        }
+        head.push(byte[0]);
+    }
+    let mut head = String::from_utf8_lossy(&head).into_owned();
+    if head.starts_with("HTTP/1.1 200") {
+        return Ok(stream);
+    }
+    // Failures carry the reason in a short body, then the server closes.
+    let mut body = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut body)).await;
+    head.push_str(&String::from_utf8_lossy(&body));
+    Err(ConnectError::Status(head))
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum AgentStartError {
+    #[error(transparent)]
+    Pki(#[from] crate::pki::TestPkiError),
+    #[error("agent runtime: {0}")]
+    Runtime(#[from] std::io::Error),
+    #[error(transparent)]
+    Agent(#[from] proxy_agent::AgentError),
+    #[error("agent task failed: {0}")]
+    Join(String),
+    #[error("invalid host alias address {0:?}")]
+    Alias(String),
+}
+
+/// A real proxy-agent running on its own tokio runtime, so a test can kill it
+/// abruptly ([`AgentUnderTest::kill`]): every task and socket of the agent
+/// vanishes at once, as with `kill -9`.
+pub struct AgentUnderTest {
+    runtime: Option<tokio::runtime::Runtime>,
+    agent: Option<proxy_agent::RunningAgent>,
+}
+
+impl AgentUnderTest {
+    /// Starts an agent of `cluster` (identifiers `host=<cluster>`) dialing the
+    /// server's agent port; `aliases` map names to addresses like hostAliases.
+    pub async fn start(
+        pki: &crate::pki::TestPki,
+        cluster: &str,
+        agent_addr: SocketAddr,
+        aliases: &[(&str, &str)],
+    ) -> Result<Self, AgentStartError> {
+        let mut config =
+            proxy_agent::AgentConfig::new(proxy_agent::TlsSource::Config(pki.agent_tls(cluster)?))
+                .with_ephemeral_ports();
+        config.proxy_server_host = "localhost".into();
+        config.proxy_server_port = agent_addr.port();
+        config.agent_id = format!("{cluster}-agent");
+        config.agent_identifiers = format!("host={cluster}");
+        config.sync_interval = Duration::from_millis(200);
+        config.host_aliases = aliases
+            .iter()
+            .map(|(name, ip)| {
+                ip.parse()
+                    .map(|ip| ((*name).to_owned(), ip))
+                    .map_err(|_| AgentStartError::Alias((*ip).to_owned()))
+            })
+            .collect::<Result<_, _>>()?;
+        Self::start_with(config).await
+    }
+
+    /// Starts an agent with a full configuration.
+    pub async fn start_with(config: proxy_agent::AgentConfig) -> Result<Self, AgentStartError> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("agent-under-test")
+            .enable_all()
+            .build()?;
+        let agent = runtime
+            .spawn(proxy_agent::start(config))
+            .await
+            .map_err(|e| AgentStartError::Join(e.to_string()))??;
+        Ok(AgentUnderTest {
+            runtime: Some(runtime),
+            agent: Some(agent),
+        })
+    }
+
+    pub fn agent(&self) -> Option<&proxy_agent::RunningAgent> {
+        self.agent.as_ref()
+    }
+
+    /// Drops every task and socket of the agent at once.
+    pub fn kill(mut self) {
+        self.agent.take();
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_background();
+        }
+    }
+
+    /// DRAIN, then a graceful stop.
+    pub async fn shutdown(mut self) {
+        if let (Some(agent), Some(runtime)) = (self.agent.take(), self.runtime.as_ref()) {
+            let _ = runtime.spawn(agent.shutdown()).await;
+        }
+    }
+}
+
+impl Drop for AgentUnderTest {
+    fn drop(&mut self) {
+        self.agent.take();
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_background();
+        }
+    }
+}

@@ -5,5 +5,6 @@
 #![forbid(unsafe_code)]
 
 pub mod harness;
+pub mod loadgen;
 pub mod pki;
 pub mod targets;

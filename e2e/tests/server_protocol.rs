@@ -562,3 +562,121 @@ async fn health_endpoints_report_readiness() {
     );
     server.shutdown().await;
 }
+
+/// Sends raw, possibly malformed, protobuf bodies on a gRPC stream.
+#[derive(Clone, Default)]
+struct RawCodec;
+struct RawEncoder;
+struct RawDecoder;
+
+impl tonic::codec::Codec for RawCodec {
+    type Encode = Vec<u8>;
+    type Decode = Vec<u8>;
+    type Encoder = RawEncoder;
+    type Decoder = RawDecoder;
+    fn encoder(&mut self) -> RawEncoder {
+        RawEncoder
+    }
+    fn decoder(&mut self) -> RawDecoder {
+        RawDecoder
+    }
+}
+
+impl tonic::codec::Encoder for RawEncoder {
+    type Item = Vec<u8>;
+    type Error = tonic::Status;
+    fn encode(
+        &mut self,
+        item: Vec<u8>,
+        dst: &mut tonic::codec::EncodeBuf<'_>,
+    ) -> Result<(), tonic::Status> {
+        use bytes::BufMut;
+        dst.put_slice(&item);
+        Ok(())
+    }
+}
+
+impl tonic::codec::Decoder for RawDecoder {
+    type Item = Vec<u8>;
+    type Error = tonic::Status;
+    fn decode(
+        &mut self,
+        src: &mut tonic::codec::DecodeBuf<'_>,
+    ) -> Result<Option<Vec<u8>>, tonic::Status> {
+        use bytes::Buf;
+        let out = src.chunk().to_vec();
+        src.advance(out.len());
+        Ok(Some(out))
+    }
+}
+
+async fn raw_stream(
+    tls: std::sync::Arc<rustls::ClientConfig>,
+    addr: std::net::SocketAddr,
+    path: &'static str,
+    garbage: Vec<u8>,
+) -> Result<tonic::Streaming<Vec<u8>>, tonic::Status> {
+    let channel =
+        cluster_proxy_proto::transport::connect_channel("localhost", addr.port(), tls, STEP)
+            .await
+            .unwrap();
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready().await.unwrap();
+    let mut request = tonic::Request::new(tokio_stream::iter(vec![garbage]));
+    request
+        .metadata_mut()
+        .insert(metadata::AGENT_ID, "raw".parse().unwrap());
+    request.metadata_mut().insert(
+        metadata::AGENT_IDENTIFIERS,
+        "host=cluster-a".parse().unwrap(),
+    );
+    let response = grpc
+        .streaming(
+            request,
+            http::uri::PathAndQuery::from_static(path),
+            RawCodec,
+        )
+        .await?;
+    Ok(response.into_inner())
+}
+
+#[tokio::test]
+async fn malformed_protobuf_ends_only_the_offending_stream() {
+    let pki = TestPki::new(&["cluster-a"]).unwrap();
+    let server = server(&pki).await;
+    let garbage = vec![0x12, 0x7f, 0x01, 0xff, 0xff];
+    // On the agent port: the tunnel is dropped, nothing else happens.
+    let mut stream = raw_stream(
+        pki.agent_tls("cluster-a").unwrap(),
+        server.agent_addr,
+        "/AgentService/Connect",
+        garbage.clone(),
+    )
+    .await
+    .unwrap();
+    let end = tokio::time::timeout(STEP, async {
+        while let Ok(Some(_)) = stream.message().await {}
+    })
+    .await;
+    assert!(end.is_ok(), "server kept a broken tunnel open");
+    assert!(wait_until(STEP, || server.tunnel_count() == 0).await);
+    // On the client port: the proxy stream ends.
+    if let Ok(mut stream) = raw_stream(
+        pki.client_tls().unwrap(),
+        server.client_addr,
+        "/ProxyService/Proxy",
+        garbage,
+    )
+    .await
+    {
+        let end = tokio::time::timeout(STEP, async {
+            while let Ok(Some(_)) = stream.message().await {}
+        })
+        .await;
+        assert!(end.is_ok(), "server kept a broken proxy stream open");
+    }
+    // The server is unharmed.
+    let _agent = agent(&pki, &server, "cluster-a", None).await;
+    assert_eq!(server.tunnel_count(), 1);
+    server.shutdown().await;
+}

@@ -1,0 +1,245 @@
+//! Tunnel benchmark: direct TCP vs the tunnel (gRPC client and HTTP CONNECT),
+//! measured in one run on loopback with a real server, agent and mTLS.
+//!
+//! `cargo bench -p e2e --bench tunnel` (env: `CP_BENCH_MIB` bytes per
+//! single-connection transfer, default 1024; `CP_BENCH_RTT` round trips,
+//! default 10000; `CP_BENCH_CONNECTS`, default 2000; `CP_BENCH_IDLE`, default 1000).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::time::{Duration, Instant};
+
+use e2e::harness::{AgentUnderTest, http_connect, test_server_config, tunnel_client};
+use e2e::loadgen::{BulkServer, download, rss_bytes, upload};
+use e2e::pki::TestPki;
+use e2e::targets::EchoServer;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+trait Io: AsyncRead + AsyncWrite + Unpin + Send {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> Io for T {}
+type BoxIo = Box<dyn Io>;
+type Dial = Box<dyn Fn(u16) -> Pin<Box<dyn Future<Output = BoxIo> + Send>> + Send + Sync>;
+
+fn env_u64(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+struct Path {
+    name: &'static str,
+    dial: Dial,
+}
+
+async fn throughput(path: &Path, port: u16, conns: u64, bytes_per_conn: u64, up: bool) -> f64 {
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..conns {
+        let io = (path.dial)(port);
+        tasks.push(tokio::spawn(async move {
+            let mut io = io.await;
+            if up {
+                upload(&mut io, bytes_per_conn).await.expect("upload");
+            } else {
+                download(&mut io, bytes_per_conn).await.expect("download");
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.expect("transfer task");
+    }
+    (conns * bytes_per_conn * 8) as f64 / started.elapsed().as_secs_f64() / 1e9
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    let idx = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[idx.min(sorted.len() - 1)]
+}
+
+async fn round_trips(path: &Path, port: u16, count: u64) -> (Duration, Duration) {
+    let mut io = (path.dial)(port).await;
+    let mut byte = [7u8; 1];
+    for _ in 0..200 {
+        io.write_all(&byte).await.expect("write");
+        io.read_exact(&mut byte).await.expect("read");
+    }
+    let mut samples = Vec::with_capacity(count as usize);
+    for _ in 0..count {
+        let t = Instant::now();
+        io.write_all(&byte).await.expect("write");
+        io.read_exact(&mut byte).await.expect("read");
+        samples.push(t.elapsed());
+    }
+    samples.sort();
+    (percentile(&samples, 0.5), percentile(&samples, 0.99))
+}
+
+async fn connects_per_second(path: &Path, port: u16, count: u64) -> f64 {
+    let started = Instant::now();
+    for _ in 0..count {
+        let mut io = (path.dial)(port).await;
+        let mut byte = [1u8; 1];
+        io.write_all(&byte).await.expect("write");
+        io.read_exact(&mut byte).await.expect("read");
+    }
+    count as f64 / started.elapsed().as_secs_f64()
+}
+
+async fn idle_bytes_per_connection(path: &Path, port: u16, count: u64) -> f64 {
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let before = rss_bytes().unwrap_or(0);
+    let mut open = Vec::new();
+    for _ in 0..count {
+        let mut io = (path.dial)(port).await;
+        let mut byte = [1u8; 1];
+        io.write_all(&byte).await.expect("write");
+        io.read_exact(&mut byte).await.expect("read");
+        open.push(io);
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let after = rss_bytes().unwrap_or(0);
+    drop(open);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    after.saturating_sub(before) as f64 / count as f64
+}
+
+fn main() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    runtime.block_on(run());
+}
+
+async fn run() {
+    let mib = env_u64("CP_BENCH_MIB", 1024);
+    let rtt_count = env_u64("CP_BENCH_RTT", 10_000);
+    let connects = env_u64("CP_BENCH_CONNECTS", 2_000);
+    let idle = env_u64("CP_BENCH_IDLE", 1_000);
+
+    let pki = TestPki::new(&["bench"]).expect("pki");
+    let mut config = test_server_config();
+    config.backend_dial_timeout = Duration::from_secs(30);
+    let server = proxy_server::start_with_tls(config, pki.server_tls().expect("tls"))
+        .await
+        .expect("server");
+    let _agent = AgentUnderTest::start(&pki, "bench", server.agent_addr, &[("bench", "127.0.0.1")])
+        .await
+        .expect("agent");
+    let bulk = BulkServer::start().await.expect("bulk target");
+    let echo = EchoServer::start().await.expect("echo target");
+
+    let grpc = tunnel_client(pki.client_tls().expect("tls"), server.client_addr)
+        .await
+        .expect("grpc client");
+    let connect_tls = pki
+        .client_tls_alpn(&[cluster_proxy_proto::transport::ALPN_HTTP11])
+        .expect("tls");
+    let client_addr = server.client_addr;
+    let paths = [
+        Path {
+            name: "direct TCP",
+            dial: Box::new(|port| {
+                Box::pin(async move {
+                    let s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+                        .await
+                        .expect("connect");
+                    s.set_nodelay(true).expect("nodelay");
+                    Box::new(s) as BoxIo
+                })
+            }),
+        },
+        Path {
+            name: "tunnel, gRPC client",
+            dial: Box::new(move |port| {
+                let grpc = grpc.clone();
+                Box::pin(async move {
+                    Box::new(grpc.dial(&format!("bench:{port}")).await.expect("dial")) as BoxIo
+                })
+            }),
+        },
+        Path {
+            name: "tunnel, HTTP CONNECT",
+            dial: Box::new(move |port| {
+                let tls = connect_tls.clone();
+                Box::pin(async move {
+                    Box::new(
+                        http_connect(tls, client_addr, &format!("bench:{port}"))
+                            .await
+                            .expect("connect"),
+                    ) as BoxIo
+                })
+            }),
+        },
+    ];
+
+    let bytes = mib * 1024 * 1024;
+    println!(
+        "cluster-proxy tunnel benchmark (loopback, {} CPUs)",
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    );
+    println!(
+        "single transfers: {mib} MiB; 8 connections: {} MiB each; {rtt_count} round trips; {connects} connects; {idle} idle connections\n",
+        mib / 8
+    );
+    let mut rows: Vec<(&str, Vec<f64>)> = Vec::new();
+    for path in &paths {
+        let up1 = throughput(path, bulk.addr.port(), 1, bytes, true).await;
+        let down1 = throughput(path, bulk.addr.port(), 1, bytes, false).await;
+        let up8 = throughput(path, bulk.addr.port(), 8, bytes / 8, true).await;
+        let down8 = throughput(path, bulk.addr.port(), 8, bytes / 8, false).await;
+        let (p50, p99) = round_trips(path, echo.addr.port(), rtt_count).await;
+        let cps = connects_per_second(path, echo.addr.port(), connects).await;
+        let mem = idle_bytes_per_connection(path, echo.addr.port(), idle).await;
+        eprintln!("measured {}", path.name);
+        rows.push((
+            path.name,
+            vec![
+                up1,
+                down1,
+                up8,
+                down8,
+                p50.as_secs_f64() * 1e6,
+                p99.as_secs_f64() * 1e6,
+                cps,
+                mem / 1024.0,
+            ],
+        ));
+    }
+    let headers = [
+        "1 conn up Gbit/s",
+        "1 conn down Gbit/s",
+        "8 conn up Gbit/s",
+        "8 conn down Gbit/s",
+        "RTT p50 µs",
+        "RTT p99 µs",
+        "connects/s",
+        "idle KiB/conn",
+    ];
+    println!("| path | {} |", headers.join(" | "));
+    println!("|---|{}", "---|".repeat(headers.len()));
+    let direct = rows[0].1.clone();
+    for (name, values) in &rows {
+        let cells: Vec<String> = values
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                if *name == "direct TCP" {
+                    format!("{v:.2}")
+                } else if matches!(i, 4 | 5 | 7) {
+                    format!("{v:.1} (+{:.1})", v - direct[i])
+                } else {
+                    format!("{v:.2} ({:.0} %)", v / direct[i] * 100.0)
+                }
+            })
+            .collect();
+        println!("| {name} | {} |", cells.join(" | "));
+    }
+    println!(
+        "\nThroughput and connects/s: percent of direct TCP. Latency and memory: added over direct TCP."
+    );
+    println!(
+        "Idle memory is this process's RSS growth per open connection (client, server, agent and target together)."
+    );
+}

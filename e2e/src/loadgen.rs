@@ -1,0 +1,141 @@
+//! Load-generation targets and clients shared by the throughput tests and the
+//! benchmark. A *bulk* target speaks a tiny framing so the client can tell when
+//! data has really arrived end to end (konnectivity has no half-close):
+//! the client sends `b'U'` + u64 length + payload and waits for a 1-byte ack
+//! (upload), or `b'D'` + u64 length and reads that many bytes (download).
+
+use std::net::SocketAddr;
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+
+const CHUNK: usize = 256 * 1024;
+
+/// The bulk-transfer target. Aborted when dropped.
+pub struct BulkServer {
+    pub addr: SocketAddr,
+    task: JoinHandle<()>,
+}
+
+impl BulkServer {
+    pub async fn start() -> std::io::Result<Self> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let task = tokio::spawn(async move {
+            while let Ok((mut socket, _)) = listener.accept().await {
+                let _ = socket.set_nodelay(true);
+                tokio::spawn(async move {
+                    let _ = serve_bulk(&mut socket).await;
+                });
+            }
+        });
+        Ok(BulkServer { addr, task })
+    }
+}
+
+impl Drop for BulkServer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn serve_bulk<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S) -> std::io::Result<()> {
+    loop {
+        let mut op = [0u8; 9];
+        if s.read_exact(&mut op).await.is_err() {
+            return Ok(());
+        }
+        let mut len_bytes = [0u8; 8];
+        len_bytes.copy_from_slice(&op[1..]);
+        let len = u64::from_be_bytes(len_bytes);
+        match op[0] {
+            b'U' => {
+                let mut buf = vec![0u8; CHUNK];
+                let mut left = len;
+                while left > 0 {
+                    let want = usize::try_from(left.min(CHUNK as u64)).unwrap_or(CHUNK);
+                    let n = s.read(&mut buf[..want]).await?;
+                    if n == 0 {
+                        return Ok(());
+                    }
+                    left -= n as u64;
+                }
+                s.write_all(b"k").await?;
+            }
+            b'D' => {
+                let buf = pattern(CHUNK);
+                let mut left = len;
+                while left > 0 {
+                    let n = usize::try_from(left.min(CHUNK as u64)).unwrap_or(CHUNK);
+                    s.write_all(&buf[..n]).await?;
+                    left -= n as u64;
+                }
+            }
+            _ => return Ok(()),
+        }
+    }
+}
+
+/// Deterministic, non-repeating-looking payload bytes.
+pub fn pattern(len: usize) -> Vec<u8> {
+    let mut x: u32 = 0x9E37_79B9;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            (x >> 24) as u8
+        })
+        .collect()
+}
+
+/// Sends `len` bytes to a bulk target and waits for its acknowledgement.
+pub async fn upload<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S, len: u64) -> std::io::Result<()> {
+    let mut head = vec![b'U'];
+    head.extend_from_slice(&len.to_be_bytes());
+    s.write_all(&head).await?;
+    let buf = pattern(CHUNK);
+    let mut left = len;
+    while left > 0 {
+        let n = usize::try_from(left.min(CHUNK as u64)).unwrap_or(CHUNK);
+        s.write_all(&buf[..n]).await?;
+        left -= n as u64;
+    }
+    s.flush().await?;
+    let mut ack = [0u8; 1];
+    s.read_exact(&mut ack).await?;
+    Ok(())
+}
+
+/// Asks a bulk target for `len` bytes and reads them all.
+pub async fn download<S: AsyncRead + AsyncWrite + Unpin>(
+    s: &mut S,
+    len: u64,
+) -> std::io::Result<()> {
+    let mut head = vec![b'D'];
+    head.extend_from_slice(&len.to_be_bytes());
+    s.write_all(&head).await?;
+    s.flush().await?;
+    let mut buf = vec![0u8; CHUNK];
+    let mut left = len;
+    while left > 0 {
+        let want = usize::try_from(left.min(CHUNK as u64)).unwrap_or(CHUNK);
+        let n = s.read(&mut buf[..want]).await?;
+        if n == 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "short download",
+            ));
+        }
+        left -= n as u64;
+    }
+    Ok(())
+}
+
+/// Resident set size of this process in bytes (Linux).
+pub fn rss_bytes() -> Option<u64> {
+    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+    Some(pages * 4096)
+}

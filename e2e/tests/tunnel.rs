@@ -1,0 +1,252 @@
+//! The data plane end to end on loopback: a real server, real agents and real
+//! targets over real mTLS, reached through both frontends.
+
+use std::time::Duration;
+
+use cluster_proxy_proto::transport::ALPN_HTTP11;
+use e2e::harness::{AgentUnderTest, http_connect, test_server_config, tunnel_client, wait_until};
+use e2e::loadgen::{BulkServer, download, pattern};
+use e2e::pki::TestPki;
+use e2e::targets::{EchoServer, closed_port};
+use proxy_server::RunningServer;
+use sha2::{Digest, Sha256};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const LONG: Duration = Duration::from_secs(120);
+
+async fn setup(clusters: &[&str]) -> (TestPki, RunningServer, Vec<AgentUnderTest>) {
+    let pki = TestPki::new(clusters).unwrap();
+    let server = proxy_server::start_with_tls(test_server_config(), pki.server_tls().unwrap())
+        .await
+        .unwrap();
+    let mut agents = Vec::new();
+    for cluster in clusters {
+        agents.push(
+            AgentUnderTest::start(&pki, cluster, server.agent_addr, &[(cluster, "127.0.0.1")])
+                .await
+                .unwrap(),
+        );
+    }
+    assert!(
+        wait_until(Duration::from_secs(10), || server.tunnel_count()
+            == clusters.len())
+        .await
+    );
+    (pki, server, agents)
+}
+
+#[tokio::test]
+async fn echo_through_both_frontends_addressed_by_cluster_name() {
+    let (pki, server, _agents) = setup(&["cluster-a", "cluster-b"]).await;
+    let echo = EchoServer::start().await.unwrap();
+    let client = tunnel_client(pki.client_tls().unwrap(), server.client_addr)
+        .await
+        .unwrap();
+    for cluster in ["cluster-a", "cluster-b"] {
+        let mut s = client
+            .dial(&format!("{cluster}:{}", echo.addr.port()))
+            .await
+            .unwrap();
+        s.write_all(format!("hello {cluster}").as_bytes())
+            .await
+            .unwrap();
+        let mut buf = vec![0u8; 6 + cluster.len()];
+        s.read_exact(&mut buf).await.unwrap();
+        assert_eq!(buf, format!("hello {cluster}").as_bytes());
+
+        let tls = pki.client_tls_alpn(&[ALPN_HTTP11]).unwrap();
+        let mut s = http_connect(
+            tls,
+            server.client_addr,
+            &format!("{cluster}:{}", echo.addr.port()),
+        )
+        .await
+        .unwrap();
+        s.write_all(b"via connect").await.unwrap();
+        let mut buf = [0u8; 11];
+        s.read_exact(&mut buf).await.unwrap();
+        assert_eq!(&buf, b"via connect");
+    }
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn moves_256_mib_each_way_intact() {
+    let (pki, server, _agents) = setup(&["cluster-a"]).await;
+    let echo = EchoServer::start().await.unwrap();
+    let client = tunnel_client(pki.client_tls().unwrap(), server.client_addr)
+        .await
+        .unwrap();
+    let stream = client
+        .dial(&format!("cluster-a:{}", echo.addr.port()))
+        .await
+        .unwrap();
+    let (mut rd, mut wr) = tokio::io::split(stream);
+    const TOTAL: usize = 256 * 1024 * 1024;
+    let chunk = pattern(1024 * 1024);
+    let writer = tokio::spawn(async move {
+        let mut hash = Sha256::new();
+        for i in 0..TOTAL / chunk.len() {
+            // Vary the data so reordering or duplication would change the digest.
+            let mut c = chunk.clone();
+            c[0] = i as u8;
+            hash.update(&c);
+            wr.write_all(&c).await.unwrap();
+        }
+        (hash.finalize(), wr)
+    });
+    let mut hash = Sha256::new();
+    let mut buf = vec![0u8; 256 * 1024];
+    let mut received = 0;
+    tokio::time::timeout(LONG, async {
+        while received < TOTAL {
+            let n = rd.read(&mut buf).await.unwrap();
+            assert!(n > 0, "stream ended after {received} bytes");
+            hash.update(&buf[..n]);
+            received += n;
+        }
+    })
+    .await
+    .expect("transfer timed out");
+    let (sent, _wr) = writer.await.unwrap();
+    assert_eq!(received, TOTAL);
+    assert_eq!(hash.finalize(), sent);
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_thousand_concurrent_connections() {
+    let (pki, server, _agents) = setup(&["cluster-a"]).await;
+    let echo = EchoServer::start().await.unwrap();
+    let client = tunnel_client(pki.client_tls().unwrap(), server.client_addr)
+        .await
+        .unwrap();
+    let address = format!("cluster-a:{}", echo.addr.port());
+    let mut tasks = Vec::new();
+    for i in 0..1000u32 {
+        let client = client.clone();
+        let address = address.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut s = client.dial(&address).await.unwrap();
+            let msg = format!("connection {i} {}", "x".repeat(1000));
+            s.write_all(msg.as_bytes()).await.unwrap();
+            let mut buf = vec![0u8; msg.len()];
+            s.read_exact(&mut buf).await.unwrap();
+            assert_eq!(buf, msg.as_bytes());
+            s
+        }));
+    }
+    let mut open = Vec::new();
+    for t in tasks {
+        open.push(tokio::time::timeout(LONG, t).await.unwrap().unwrap());
+    }
+    assert_eq!(server.connection_count(), 1000);
+    drop(open);
+    assert!(wait_until(Duration::from_secs(20), || server.connection_count() == 0).await);
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn dial_to_a_closed_port_reports_the_agents_error() {
+    let (pki, server, _agents) = setup(&["cluster-a"]).await;
+    let port = closed_port().await.unwrap().port();
+    let client = tunnel_client(pki.client_tls().unwrap(), server.client_addr)
+        .await
+        .unwrap();
+    let err = client
+        .dial(&format!("cluster-a:{port}"))
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(&format!(
+            "dial tcp 127.0.0.1:{port}: connect: connection refused"
+        )),
+        "{err}"
+    );
+    let tls = pki.client_tls_alpn(&[ALPN_HTTP11]).unwrap();
+    let err = http_connect(tls, server.client_addr, &format!("cluster-a:{port}"))
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("502") && err.contains("connection refused"),
+        "{err}"
+    );
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn killed_agent_closes_connections_and_fails_dials_at_once() {
+    let (pki, server, mut agents) = setup(&["cluster-a"]).await;
+    let bulk = BulkServer::start().await.unwrap();
+    let client = tunnel_client(pki.client_tls().unwrap(), server.client_addr)
+        .await
+        .unwrap();
+    let mut s = client
+        .dial(&format!("cluster-a:{}", bulk.addr.port()))
+        .await
+        .unwrap();
+    // Start a transfer far larger than can finish, then kill the agent mid-way.
+    let transfer = tokio::spawn(async move { download(&mut s, 64 * 1024 * 1024 * 1024).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    agents.pop().unwrap().kill();
+    let result = tokio::time::timeout(Duration::from_secs(10), transfer)
+        .await
+        .expect("client hung")
+        .unwrap();
+    assert!(result.is_err(), "transfer should have been cut short");
+    assert!(wait_until(Duration::from_secs(10), || server.tunnel_count() == 0).await);
+    let started = std::time::Instant::now();
+    let err = client
+        .dial(&format!("cluster-a:{}", bulk.addr.port()))
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("No agent available"), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(2));
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_stalled_reader_does_not_slow_other_connections() {
+    let (pki, server, _agents) = setup(&["cluster-a"]).await;
+    let bulk = BulkServer::start().await.unwrap();
+    let address = format!("cluster-a:{}", bulk.addr.port());
+    let client = tunnel_client(pki.client_tls().unwrap(), server.client_addr)
+        .await
+        .unwrap();
+    const SIZE: u64 = 64 * 1024 * 1024;
+    // Connection A asks for 64 MiB and then does not read at all.
+    let mut stalled = client.dial(&address).await.unwrap();
+    stalled.write_all(b"D").await.unwrap();
+    stalled.write_all(&SIZE.to_be_bytes()).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Connections B (gRPC) and C (HTTP CONNECT) on the same tunnel move 64 MiB each meanwhile.
+    let mut fast = client.dial(&address).await.unwrap();
+    tokio::time::timeout(LONG, download(&mut fast, SIZE))
+        .await
+        .expect("gRPC transfer stalled")
+        .unwrap();
+    let tls = pki.client_tls_alpn(&[ALPN_HTTP11]).unwrap();
+    let mut fast = http_connect(tls, server.client_addr, &address)
+        .await
+        .unwrap();
+    tokio::time::timeout(LONG, download(&mut fast, SIZE))
+        .await
+        .expect("CONNECT transfer stalled")
+        .unwrap();
+    // A was only paused: it still receives every byte once it reads.
+    let mut buf = vec![0u8; 1024 * 1024];
+    let mut got = 0u64;
+    tokio::time::timeout(LONG, async {
+        while got < SIZE {
+            let n = stalled.read(&mut buf).await.unwrap();
+            assert!(n > 0);
+            got += n as u64;
+        }
+    })
+    .await
+    .expect("stalled connection never resumed");
+    server.shutdown().await;
+}
