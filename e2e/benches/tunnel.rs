@@ -9,7 +9,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::time::{Duration, Instant};
 
-use e2e::harness::{AgentUnderTest, http_connect, test_server_config, tunnel_client};
+use e2e::harness::{http_connect, test_server_config, tunnel_client};
 use e2e::loadgen::{BulkServer, download, rss_bytes, upload};
 use e2e::pki::TestPki;
 use e2e::targets::EchoServer;
@@ -75,15 +75,40 @@ async fn round_trips(path: &Path, port: u16, count: u64) -> (Duration, Duration)
     (percentile(&samples, 0.5), percentile(&samples, 0.99))
 }
 
-async fn connects_per_second(path: &Path, port: u16, count: u64) -> f64 {
+/// Connections per second, each: connect, 1-byte echo, close; `parallel`
+/// dialers at once (1 = sequential, latency-bound).
+async fn connects_per_second(path: &Path, port: u16, count: u64, parallel: u64) -> f64 {
     let started = Instant::now();
-    for _ in 0..count {
-        let mut io = (path.dial)(port).await;
-        let mut byte = [1u8; 1];
-        io.write_all(&byte).await.expect("write");
-        io.read_exact(&mut byte).await.expect("read");
+    let mut workers = Vec::new();
+    for _ in 0..parallel {
+        let dials: Vec<_> = (0..count / parallel).map(|_| (path.dial)(port)).collect();
+        workers.push(tokio::spawn(async move {
+            for dial in dials {
+                let mut io = dial.await;
+                let mut byte = [1u8; 1];
+                io.write_all(&byte).await.expect("write");
+                io.read_exact(&mut byte).await.expect("read");
+            }
+        }));
     }
-    count as f64 / started.elapsed().as_secs_f64()
+    for w in workers {
+        w.await.expect("connect worker");
+    }
+    (count / parallel * parallel) as f64 / started.elapsed().as_secs_f64()
+}
+
+/// Holds a PM QoS request so idle CPUs poll instead of sleeping, while alive
+/// (`CP_BENCH_CPU_LATENCY=0`; needs root). On VMs whose idle vCPUs halt, the
+/// wake-up cost otherwise dominates microsecond latencies.
+fn hold_cpu_latency() -> Option<std::fs::File> {
+    let value: i32 = std::env::var("CP_BENCH_CPU_LATENCY").ok()?.parse().ok()?;
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/cpu_dma_latency")
+        .map_err(|e| eprintln!("CP_BENCH_CPU_LATENCY: /dev/cpu_dma_latency: {e}"))
+        .ok()?;
+    std::io::Write::write_all(&mut file, &value.to_ne_bytes()).ok()?;
+    Some(file)
 }
 
 async fn idle_bytes_per_connection(path: &Path, port: u16, count: u64) -> f64 {
@@ -124,9 +149,22 @@ async fn run() {
     let server = proxy_server::start_with_tls(config, pki.server_tls().expect("tls"))
         .await
         .expect("server");
-    let _agent = AgentUnderTest::start(&pki, "bench", server.agent_addr, &[("bench", "127.0.0.1")])
-        .await
-        .expect("agent");
+    let cpu_latency = hold_cpu_latency();
+    let mut agent_config = proxy_agent::AgentConfig::new(proxy_agent::TlsSource::Config(
+        pki.agent_tls("bench").expect("tls"),
+    ))
+    .with_ephemeral_ports();
+    agent_config.proxy_server_host = "localhost".into();
+    agent_config.proxy_server_port = server.agent_addr.port();
+    agent_config.agent_identifiers = "host=bench".into();
+    agent_config
+        .host_aliases
+        .insert("bench".into(), [127, 0, 0, 1].into());
+    let agent = proxy_agent::start(agent_config).await.expect("agent");
+    assert!(
+        agent.wait_for_tunnels(1, Duration::from_secs(10)).await,
+        "agent did not connect"
+    );
     let bulk = BulkServer::start().await.expect("bulk target");
     let echo = EchoServer::start().await.expect("echo target");
 
@@ -180,6 +218,14 @@ async fn run() {
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
     println!(
+        "idle CPUs: {}",
+        if cpu_latency.is_some() {
+            "held polling (CP_BENCH_CPU_LATENCY)"
+        } else {
+            "default (may halt; adds wake-up latency)"
+        }
+    );
+    println!(
         "single transfers: {mib} MiB; 8 connections: {} MiB each; {rtt_count} round trips; {connects} connects; {idle} idle connections\n",
         mib / 8
     );
@@ -190,7 +236,8 @@ async fn run() {
         let up8 = throughput(path, bulk.addr.port(), 8, bytes / 8, true).await;
         let down8 = throughput(path, bulk.addr.port(), 8, bytes / 8, false).await;
         let (p50, p99) = round_trips(path, echo.addr.port(), rtt_count).await;
-        let cps = connects_per_second(path, echo.addr.port(), connects).await;
+        let cps = connects_per_second(path, echo.addr.port(), connects, 1).await;
+        let cps8 = connects_per_second(path, echo.addr.port(), connects, 8).await;
         let mem = idle_bytes_per_connection(path, echo.addr.port(), idle).await;
         eprintln!("measured {}", path.name);
         rows.push((
@@ -203,6 +250,7 @@ async fn run() {
                 p50.as_secs_f64() * 1e6,
                 p99.as_secs_f64() * 1e6,
                 cps,
+                cps8,
                 mem / 1024.0,
             ],
         ));
@@ -215,6 +263,7 @@ async fn run() {
         "RTT p50 µs",
         "RTT p99 µs",
         "connects/s",
+        "connects/s (8 parallel)",
         "idle KiB/conn",
     ];
     println!("| path | {} |", headers.join(" | "));
@@ -227,7 +276,7 @@ async fn run() {
             .map(|(i, v)| {
                 if *name == "direct TCP" {
                     format!("{v:.2}")
-                } else if matches!(i, 4 | 5 | 7) {
+                } else if matches!(i, 4 | 5 | 8) {
                     format!("{v:.1} (+{:.1})", v - direct[i])
                 } else {
                     format!("{v:.2} ({:.0} %)", v / direct[i] * 100.0)

@@ -680,3 +680,73 @@ async fn malformed_protobuf_ends_only_the_offending_stream() {
     assert_eq!(server.tunnel_count(), 1);
     server.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_data_packet_larger_than_the_agents_window_is_forwarded_in_chunks() {
+    use cluster_proxy_proto::konnectivity::proxy_service_client::ProxyServiceClient;
+    let pki = TestPki::new(&["cluster-a"]).unwrap();
+    let server = server(&pki).await;
+    // The agent grants only 64 KiB per connection.
+    let mut agent = agent(&pki, &server, "cluster-a", Some(64 * 1024)).await;
+    let channel = cluster_proxy_proto::transport::connect_channel(
+        "localhost",
+        server.client_addr.port(),
+        pki.client_tls().unwrap(),
+        STEP,
+    )
+    .await
+    .unwrap();
+    let (to_server, rx) = tokio::sync::mpsc::channel(4);
+    to_server
+        .send(packet::dial_request("cluster-a:1", 42))
+        .await
+        .unwrap();
+    let mut from_server = ProxyServiceClient::new(channel)
+        .max_encoding_message_size(8 << 20)
+        .proxy(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    let Frame::DialRequest { random, .. } = frame(agent.recv(STEP).await) else {
+        panic!("expected DIAL_REQ");
+    };
+    agent
+        .to_server
+        .send(packet::dial_response_ok(random, 3))
+        .await
+        .unwrap();
+    assert!(matches!(
+        Frame::from_packet(from_server.message().await.unwrap().unwrap()),
+        Frame::DialResponse { connect_id: 3, .. }
+    ));
+    // One 4 MiB DATA packet, as a Go client writing a large buffer sends.
+    const SIZE: usize = 4 << 20;
+    to_server
+        .send(packet::data(3, Bytes::from(vec![7u8; SIZE])))
+        .await
+        .unwrap();
+    let mut received = 0;
+    while received < SIZE {
+        match frame(agent.recv(STEP).await) {
+            Frame::Data {
+                connect_id: 3,
+                data,
+            } => {
+                assert!(
+                    data.len() <= 64 * 1024,
+                    "chunk of {} bytes exceeds the window",
+                    data.len()
+                );
+                received += data.len();
+                agent
+                    .to_server
+                    .send(packet::window_update(3, data.len() as i64))
+                    .await
+                    .unwrap();
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(received, SIZE);
+    server.shutdown().await;
+}

@@ -4,16 +4,19 @@
 //! Each dial is one `ProxyService.Proxy` stream (konnectivity's contract), and
 //! many dials share one HTTP/2 connection. The returned [`TunnelStream`] is an
 //! ordinary `AsyncRead + AsyncWrite`. Konnectivity has no half-close: shutting
-//! down the write side closes the tunneled connection.
+//! down the write side sends CLOSE_REQ, which closes the tunneled connection
+//! once the agent has flushed what was written.
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::BytesMut;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, DuplexStream, ReadBuf};
+use bytes::Bytes;
+use futures_util::Stream;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::PollSender;
 use tonic::Streaming;
 use tonic::transport::Channel;
 
@@ -88,11 +91,13 @@ impl TunnelClient {
                 return Err(DialError::Timeout(self.dial_timeout));
             }
         };
-        let (user, bridge) = tokio::io::duplex(4 * READ_CHUNK);
-        tokio::spawn(bridge_connection(bridge, requests, responses, connect_id));
         Ok(TunnelStream {
-            io: user,
             connect_id,
+            requests: PollSender::new(requests),
+            responses,
+            pending: Bytes::new(),
+            read_closed: false,
+            close_sent: false,
         })
     }
 }
@@ -127,62 +132,29 @@ async fn wait_dial_response(
     }
 }
 
-async fn bridge_connection(
-    bridge: DuplexStream,
-    requests: mpsc::Sender<Packet>,
-    mut responses: Streaming<Packet>,
+/// Largest DATA payload one write produces.
+const MAX_WRITE: usize = 4 * READ_CHUNK;
+
+/// A TCP connection tunneled through the proxy-server. Reads and writes go
+/// straight to the gRPC stream, with no relay task in between.
+pub struct TunnelStream {
     connect_id: i64,
-) {
-    let (mut from_user, mut to_user) = tokio::io::split(bridge);
-    let upload = async {
-        loop {
-            let mut buf = BytesMut::with_capacity(READ_CHUNK);
-            match from_user.read_buf(&mut buf).await {
-                Ok(n) if n > 0 => {
-                    if requests
-                        .send(packet::data(connect_id, buf.freeze()))
-                        .await
-                        .is_err()
-                    {
-                        return;
-                    }
-                }
-                _ => break,
-            }
-        }
-        let _ = requests.send(packet::close_request(connect_id)).await;
-        // Keep the request stream open until the server answers CLOSE_RSP.
-        std::future::pending::<()>().await
-    };
-    let download = async {
-        while let Ok(Some(p)) = responses.message().await {
-            match Frame::from_packet(p) {
-                Frame::Data {
-                    connect_id: id,
-                    data,
-                } if id == connect_id => {
-                    let written = to_user.write_all(&data).await;
-                    if written.is_err() {
-                        break;
-                    }
-                }
-                Frame::CloseResponse { .. } => break,
-                _ => {}
-            }
-        }
-        let _ = to_user.shutdown().await;
-    };
-    tokio::select! {
-        _ = upload => {}
-        _ = download => {}
-    }
+    requests: PollSender<Packet>,
+    responses: Streaming<Packet>,
+    /// The unread rest of the last DATA payload.
+    pending: Bytes,
+    read_closed: bool,
+    close_sent: bool,
 }
 
-/// A TCP connection tunneled through the proxy-server.
-#[derive(Debug)]
-pub struct TunnelStream {
-    io: DuplexStream,
-    connect_id: i64,
+impl std::fmt::Debug for TunnelStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TunnelStream")
+            .field("connect_id", &self.connect_id)
+            .field("read_closed", &self.read_closed)
+            .field("close_sent", &self.close_sent)
+            .finish_non_exhaustive()
+    }
 }
 
 impl TunnelStream {
@@ -192,30 +164,85 @@ impl TunnelStream {
     }
 }
 
+fn broken_pipe() -> std::io::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::BrokenPipe,
+        "tunneled connection is closed",
+    )
+}
+
 impl AsyncRead for TunnelStream {
     fn poll_read(
-        mut self: Pin<&mut Self>,
+        self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.io).poll_read(cx, buf)
+        let this = self.get_mut();
+        loop {
+            if !this.pending.is_empty() {
+                let n = buf.remaining().min(this.pending.len());
+                buf.put_slice(&this.pending.split_to(n));
+                return Poll::Ready(Ok(()));
+            }
+            if this.read_closed {
+                return Poll::Ready(Ok(()));
+            }
+            match std::task::ready!(Pin::new(&mut this.responses).poll_next(cx)) {
+                Some(Ok(p)) => match Frame::from_packet(p) {
+                    Frame::Data { connect_id, data } if connect_id == this.connect_id => {
+                        this.pending = data
+                    }
+                    Frame::CloseResponse { .. } => this.read_closed = true,
+                    _ => {}
+                },
+                Some(Err(status)) => {
+                    this.read_closed = true;
+                    return Poll::Ready(Err(std::io::Error::new(
+                        std::io::ErrorKind::ConnectionReset,
+                        format!("tunnel stream failed: {}", status.message()),
+                    )));
+                }
+                None => this.read_closed = true,
+            }
+        }
     }
 }
 
 impl AsyncWrite for TunnelStream {
     fn poll_write(
-        mut self: Pin<&mut Self>,
+        self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write(cx, buf)
+        let this = self.get_mut();
+        if this.close_sent {
+            return Poll::Ready(Err(broken_pipe()));
+        }
+        std::task::ready!(this.requests.poll_reserve(cx)).map_err(|_| broken_pipe())?;
+        let n = buf.len().min(MAX_WRITE);
+        this.requests
+            .send_item(packet::data(
+                this.connect_id,
+                Bytes::copy_from_slice(&buf[..n]),
+            ))
+            .map_err(|_| broken_pipe())?;
+        Poll::Ready(Ok(n))
     }
 
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.io).poll_flush(cx)
+    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        // Packets are handed to the gRPC stream as they are written.
+        Poll::Ready(Ok(()))
     }
 
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.io).poll_shutdown(cx)
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        if !this.close_sent {
+            std::task::ready!(this.requests.poll_reserve(cx)).map_err(|_| broken_pipe())?;
+            this.requests
+                .send_item(packet::close_request(this.connect_id))
+                .map_err(|_| broken_pipe())?;
+            this.close_sent = true;
+        }
+        Poll::Ready(Ok(()))
     }
 }

@@ -1,21 +1,26 @@
 //! `ProxyService.Proxy`: the konnectivity gRPC frontend. One dial per stream,
 //! many streams per HTTP/2 connection.
+//!
+//! A session task reads the client's packets (dial, then DATA towards the
+//! agent). The response stream reads the connection's receive queue itself,
+//! so bytes from the agent reach tonic without another task hop.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 
 use cluster_proxy_proto::Packet;
 use cluster_proxy_proto::konnectivity::proxy_service_server::ProxyService;
 use cluster_proxy_proto::packet::{self, Frame, PROTOCOL_TCP};
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
+use futures_util::Stream;
+use tokio::sync::{mpsc, oneshot};
 use tonic::{Request, Response, Status, Streaming};
 use tracing::debug;
 
 use crate::dial::{DialFailure, Dialer};
-use crate::metrics::{Metrics, Segment};
+use crate::metrics::{GaugeGuard, Metrics, Segment};
 use crate::tunnel::{ConnReceiver, FrontendEvent};
-
-type Out = mpsc::Sender<Result<Packet, Status>>;
 
 pub struct GrpcFrontend {
     pub dialer: Arc<Dialer>,
@@ -24,43 +29,43 @@ pub struct GrpcFrontend {
 
 #[tonic::async_trait]
 impl ProxyService for GrpcFrontend {
-    type ProxyStream = ReceiverStream<Result<Packet, Status>>;
+    type ProxyStream = ProxyResponse;
 
     async fn proxy(
         &self,
         request: Request<Streaming<Packet>>,
     ) -> Result<Response<Self::ProxyStream>, Status> {
         let inbound = request.into_inner();
-        // Small: flow control lives in the per-connection queues, this only
-        // decouples the session from tonic's encoder.
-        let (out, out_rx) = mpsc::channel(4);
-        let dialer = self.dialer.clone();
-        let metrics = self.metrics.clone();
-        tokio::spawn(async move {
-            let _gauge = metrics.grpc_stream("Proxy");
-            Session {
-                dialer,
-                metrics: metrics.clone(),
-                out,
-            }
-            .run(inbound)
-            .await;
-        });
-        Ok(Response::new(ReceiverStream::new(out_rx)))
+        let (replies, replies_rx) = mpsc::unbounded_channel();
+        let (relay, relay_rx) = oneshot::channel();
+        let session = Session {
+            dialer: self.dialer.clone(),
+            metrics: self.metrics.clone(),
+            replies,
+        };
+        tokio::spawn(session.run(inbound, relay));
+        Ok(Response::new(ProxyResponse {
+            replies: Some(replies_rx),
+            relay_rx: Some(relay_rx),
+            relay: None,
+            unreported: 0,
+            metrics: self.metrics.clone(),
+            _gauge: self.metrics.grpc_stream("Proxy"),
+        }))
     }
 }
 
 struct Session {
     dialer: Arc<Dialer>,
     metrics: Arc<Metrics>,
-    out: Out,
+    /// Packets the session itself answers with (DIAL_RSP, errors); they reach
+    /// the client ahead of relayed data.
+    replies: mpsc::UnboundedSender<Packet>,
 }
 
 impl Session {
-    async fn send(&self, p: Packet) -> bool {
-        self.metrics
-            .packet(Segment::ToClient, packet::type_name(&p));
-        self.out.send(Ok(p)).await.is_ok()
+    fn reply(&self, p: Packet) {
+        let _ = self.replies.send(p);
     }
 
     async fn next(&self, inbound: &mut Streaming<Packet>) -> Option<Frame> {
@@ -78,7 +83,7 @@ impl Session {
         }
     }
 
-    async fn run(self, mut inbound: Streaming<Packet>) {
+    async fn run(self, mut inbound: Streaming<Packet>, relay: oneshot::Sender<ConnReceiver>) {
         // 1. Wait for the dial request.
         let (address, random) = loop {
             match self.next(&mut inbound).await {
@@ -91,22 +96,20 @@ impl Session {
                     if protocol != PROTOCOL_TCP {
                         let error =
                             format!("unsupported protocol {protocol:?}: only \"tcp\" is supported");
-                        self.send(packet::dial_response_error(random, error)).await;
+                        self.reply(packet::dial_response_error(random, error));
                         return;
                     }
                     break (address, random);
                 }
                 Some(Frame::Data { connect_id, .. }) => {
-                    self.send(packet::close_response(
+                    self.reply(packet::close_response(
                         connect_id,
                         "backend not initialized",
-                    ))
-                    .await;
+                    ));
                     return;
                 }
                 Some(Frame::CloseRequest { connect_id }) => {
-                    self.send(packet::close_response(connect_id, "backend uninitialized"))
-                        .await;
+                    self.reply(packet::close_response(connect_id, "backend uninitialized"));
                     return;
                 }
                 Some(_) => {}
@@ -123,11 +126,10 @@ impl Session {
                     Ok(established) => break established,
                     Err(failure) => {
                         debug!(address, error = %failure.message(), "dial failed");
-                        let reply = match failure {
+                        self.reply(match failure {
                             DialFailure::ClosedByAgent => packet::close_dial(random),
                             other => packet::dial_response_error(random, other.message()),
-                        };
-                        self.send(reply).await;
+                        });
                         return;
                     }
                 },
@@ -139,66 +141,128 @@ impl Session {
             }
         };
         let connect_id = established.connect_id();
-        if !self
-            .send(packet::dial_response_ok(random, connect_id))
-            .await
-        {
+        self.reply(packet::dial_response_ok(random, connect_id));
+        let (sender, receiver) = established.split();
+        if relay.send(receiver).is_err() {
             return;
         }
 
-        // 3. Relay.
-        let (sender, receiver) = established.split();
-        let downlink = tokio::spawn(downlink(receiver, self.out.clone(), self.metrics.clone()));
-        tokio::pin!(downlink);
+        // 3. Relay the client's bytes until it closes or breaks the contract.
         loop {
-            tokio::select! {
-                _ = &mut downlink => return,
-                frame = self.next(&mut inbound) => match frame {
-                    None => break,
-                    Some(Frame::Data { connect_id: 0, .. }) => {}
-                    Some(Frame::Data { connect_id: id, data }) if id == connect_id => {
-                        if sender.send(data).await.is_err() {
-                            break;
-                        }
-                    }
-                    Some(Frame::CloseRequest { connect_id: id }) if id == connect_id => sender.request_close(),
-                    Some(Frame::Data { connect_id: id, .. }) | Some(Frame::CloseRequest { connect_id: id }) => {
-                        self.send(packet::close_response(id, "mismatched connection IDs")).await;
+            match self.next(&mut inbound).await {
+                None => break,
+                Some(Frame::Data { connect_id: 0, .. }) => {}
+                Some(Frame::Data {
+                    connect_id: id,
+                    data,
+                }) if id == connect_id => {
+                    if sender.send(data).await.is_err() {
                         break;
                     }
-                    Some(Frame::DialRequest { random: r, .. }) => {
-                        self.send(packet::dial_response_error(r, "only one dial per stream is supported")).await;
-                    }
-                    Some(_) => {}
-                },
+                }
+                Some(Frame::CloseRequest { connect_id: id }) if id == connect_id => {
+                    sender.request_close()
+                }
+                Some(Frame::Data { connect_id: id, .. })
+                | Some(Frame::CloseRequest { connect_id: id }) => {
+                    self.reply(packet::close_response(id, "mismatched connection IDs"));
+                    break;
+                }
+                Some(Frame::DialRequest { random: r, .. }) => {
+                    self.reply(packet::dial_response_error(
+                        r,
+                        "only one dial per stream is supported",
+                    ));
+                }
+                Some(_) => {}
             }
         }
-        // The client is gone or broke the contract: close towards the agent and
-        // let the downlink deliver the agent's CLOSE_RSP, if anyone still listens.
+        // The agent's CLOSE_RSP still reaches the client through the response stream.
         sender.request_close();
-        let _ = downlink.await;
     }
 }
 
-/// Forwards the agent's bytes and the final CLOSE_RSP to the client.
-async fn downlink(mut receiver: ConnReceiver, out: Out, metrics: Arc<Metrics>) {
-    let connect_id = receiver.connect_id();
-    while let Some(delivery) = receiver.recv().await {
-        let (p, len) = match &delivery.event {
-            FrontendEvent::Data(data) => (packet::data(connect_id, data.clone()), data.len()),
-            FrontendEvent::Closed(error) => {
-                metrics.packet(Segment::ToClient, "CLOSE_RSP");
-                let _ = out
-                    .send(Ok(packet::close_response(connect_id, error.clone())))
-                    .await;
-                return;
-            }
-        };
-        metrics.packet(Segment::ToClient, "DATA");
-        if out.send(Ok(p)).await.is_err() {
-            return;
+/// The response half of a `Proxy` stream: the session's replies first, then
+/// the agent's bytes straight from the connection's receive queue, ending
+/// with the agent's CLOSE_RSP.
+pub struct ProxyResponse {
+    replies: Option<mpsc::UnboundedReceiver<Packet>>,
+    relay_rx: Option<oneshot::Receiver<ConnReceiver>>,
+    relay: Option<ConnReceiver>,
+    /// Payload bytes handed to tonic but not yet credited back to the agent.
+    unreported: usize,
+    metrics: Arc<Metrics>,
+    _gauge: GaugeGuard,
+}
+
+impl ProxyResponse {
+    fn emit(&self, p: Packet) -> Poll<Option<Result<Packet, Status>>> {
+        self.metrics
+            .packet(Segment::ToClient, packet::type_name(&p));
+        Poll::Ready(Some(Ok(p)))
+    }
+}
+
+impl Stream for ProxyResponse {
+    type Item = Result<Packet, Status>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = self.get_mut();
+        // tonic asks for the next item only once it took the previous one.
+        if this.unreported > 0
+            && let Some(relay) = this.relay.as_mut()
+        {
+            relay.consumed(std::mem::take(&mut this.unreported));
         }
-        drop(delivery);
-        receiver.consumed(len);
+        if let Some(replies) = this.replies.as_mut() {
+            match replies.poll_recv(cx) {
+                Poll::Ready(Some(p)) => return this.emit(p),
+                Poll::Ready(None) => this.replies = None,
+                Poll::Pending => {}
+            }
+        }
+        if let Some(rx) = this.relay_rx.as_mut() {
+            match Pin::new(rx).poll(cx) {
+                Poll::Ready(Ok(relay)) => {
+                    this.relay = Some(relay);
+                    this.relay_rx = None;
+                    // The session queued DIAL_RSP before handing over the
+                    // relay; it must reach the client before any data.
+                    if let Some(Ok(p)) = this.replies.as_mut().map(|r| r.try_recv()) {
+                        return this.emit(p);
+                    }
+                }
+                Poll::Ready(Err(_)) => this.relay_rx = None,
+                Poll::Pending => {}
+            }
+        }
+        if let Some(relay) = this.relay.as_mut() {
+            let connect_id = relay.connect_id();
+            match relay.poll_recv(cx) {
+                Poll::Ready(Some(delivery)) => {
+                    return match delivery.event {
+                        FrontendEvent::Data(data) => {
+                            this.unreported = data.len();
+                            this.emit(packet::data(connect_id, data))
+                        }
+                        FrontendEvent::Closed(error) => {
+                            this.relay = None;
+                            this.replies = None;
+                            this.emit(packet::close_response(connect_id, error))
+                        }
+                    };
+                }
+                Poll::Ready(None) => {
+                    this.relay = None;
+                    this.replies = None;
+                }
+                Poll::Pending => {}
+            }
+        }
+        if this.replies.is_none() && this.relay_rx.is_none() && this.relay.is_none() {
+            Poll::Ready(None)
+        } else {
+            Poll::Pending
+        }
     }
 }

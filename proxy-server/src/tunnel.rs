@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use bytes::Bytes;
 use cluster_proxy_proto::Packet;
 use cluster_proxy_proto::flow::{
-    Delivery, FlowError, ReceiveQueue, ReceiveQueueRx, SendCredit, WindowTracker,
+    Delivery, FlowError, READ_CHUNK, ReceiveQueue, ReceiveQueueRx, SendCredit, WindowTracker,
 };
 use cluster_proxy_proto::identifiers::AgentIdentifiers;
 use cluster_proxy_proto::identity::ClusterName;
@@ -413,10 +413,13 @@ impl ConnShared {
         }
         let p = packet::close_request(self.connect_id);
         if let Err(mpsc::error::TrySendError::Full(p)) = self.tunnel.ordered.try_send(p) {
-            let ordered = self.tunnel.ordered.clone();
-            tokio::spawn(async move {
-                let _ = ordered.send(p).await;
-            });
+            // Outside a runtime (process teardown) the tunnel is going away anyway.
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                let ordered = self.tunnel.ordered.clone();
+                runtime.spawn(async move {
+                    let _ = ordered.send(p).await;
+                });
+            }
         }
     }
 }
@@ -494,15 +497,21 @@ impl ConnSender {
     }
 
     /// Sends payload to the agent, waiting for flow-control credit.
-    pub async fn send(&self, data: Bytes) -> Result<(), FlowError> {
-        if self.shared.finished.load(Ordering::Acquire) {
-            return Err(FlowError::Closed);
+    pub async fn send(&self, mut data: Bytes) -> Result<(), FlowError> {
+        // Clients may write megabytes in one DATA packet; the agent's window
+        // may be smaller, so forward in chunks it can always accept.
+        while !data.is_empty() {
+            if self.shared.finished.load(Ordering::Acquire) {
+                return Err(FlowError::Closed);
+            }
+            let chunk = data.split_to(data.len().min(READ_CHUNK));
+            self.credit.acquire(chunk.len()).await?;
+            self.shared
+                .tunnel
+                .send_ordered(packet::data(self.shared.connect_id, chunk))
+                .await?;
         }
-        self.credit.acquire(data.len()).await?;
-        self.shared
-            .tunnel
-            .send_ordered(packet::data(self.shared.connect_id, data))
-            .await
+        Ok(())
     }
 
     /// Asks the agent to close the connection (CLOSE_REQ) after the data
@@ -539,6 +548,24 @@ impl ConnReceiver {
             self.shared.finished.store(true, Ordering::Release);
         }
         delivery
+    }
+
+    /// Polling form of [`Self::recv`].
+    pub fn poll_recv(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Delivery<FrontendEvent>>> {
+        let delivery = std::task::ready!(self.rx.poll_recv(cx));
+        if matches!(
+            delivery,
+            None | Some(Delivery {
+                event: FrontendEvent::Closed(_),
+                ..
+            })
+        ) {
+            self.shared.finished.store(true, Ordering::Release);
+        }
+        std::task::Poll::Ready(delivery)
     }
 
     /// Reports `n` payload bytes written to the client; returns credit to the agent.
