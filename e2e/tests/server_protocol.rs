@@ -750,3 +750,65 @@ async fn a_data_packet_larger_than_the_agents_window_is_forwarded_in_chunks() {
     assert_eq!(received, SIZE);
     server.shutdown().await;
 }
+
+#[tokio::test]
+async fn dials_spread_over_an_identitys_agents_and_avoid_draining_ones() {
+    let pki = TestPki::new(&["cluster-a"]).unwrap();
+    let server = server(&pki).await;
+    let mut first = agent(&pki, &server, "cluster-a", None).await;
+    let mut second = RawAgent::connect(
+        pki.agent_tls("cluster-a").unwrap(),
+        server.agent_addr,
+        "agent-2",
+        "host=cluster-a",
+        None,
+    )
+    .await
+    .unwrap();
+    assert!(wait_until(STEP, || server.tunnel_count() == 2).await);
+    let client = tunnel_client(pki.client_tls().unwrap(), server.client_addr)
+        .await
+        .unwrap();
+
+    // Each dial goes to one of the two agents; count who received what.
+    async fn count_dials(
+        client: &cluster_proxy_proto::client::TunnelClient,
+        agents: [&mut RawAgent; 2],
+        n: usize,
+    ) -> [usize; 2] {
+        let mut counts = [0; 2];
+        let [a, b] = agents;
+        for _ in 0..n {
+            let c = client.clone();
+            let dial = tokio::spawn(async move { c.dial("cluster-a:1").await });
+            // Aborted earlier dials send DIAL_CLS; wait for this dial's DIAL_REQ.
+            loop {
+                let (who, p) = tokio::select! {
+                    p = a.recv(STEP) => (0, p),
+                    p = b.recv(STEP) => (1, p),
+                };
+                match frame(p) {
+                    Frame::DialRequest { .. } => {
+                        counts[who] += 1;
+                        break;
+                    }
+                    Frame::CloseDial { .. } => {}
+                    other => panic!("unexpected {other:?}"),
+                }
+            }
+            dial.abort();
+        }
+        counts
+    }
+    let counts = count_dials(&client, [&mut first, &mut second], 10).await;
+    assert!(
+        counts[0] > 0 && counts[1] > 0,
+        "dials not spread: {counts:?}"
+    );
+    // After DRAIN, new dials avoid the draining agent.
+    first.to_server.send(packet::drain()).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let counts = count_dials(&client, [&mut first, &mut second], 6).await;
+    assert_eq!(counts, [0, 6], "a draining agent got new dials");
+    server.shutdown().await;
+}

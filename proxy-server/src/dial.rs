@@ -153,3 +153,46 @@ async fn wait(reply: oneshot::Receiver<DialReply>) -> Result<Established, DialFa
         )),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn http_status_follows_upstreams_mapping() {
+        let agent = |e: &str| DialFailure::Agent(e.into()).http_status();
+        assert_eq!(
+            agent("dial tcp 10.0.0.1:443: connect: connection refused"),
+            StatusCode::BAD_GATEWAY
+        );
+        assert_eq!(
+            agent("dial tcp 10.0.0.1:443: i/o timeout"),
+            StatusCode::GATEWAY_TIMEOUT
+        );
+        assert_eq!(
+            agent("context deadline exceeded"),
+            StatusCode::GATEWAY_TIMEOUT
+        );
+        assert_eq!(
+            agent("dial tcp: lookup x: no such host"),
+            StatusCode::BAD_GATEWAY
+        );
+        assert_eq!(
+            agent("socket: too many open files"),
+            StatusCode::SERVICE_UNAVAILABLE
+        );
+        assert_eq!(
+            DialFailure::NoAgent.http_status(),
+            StatusCode::INTERNAL_SERVER_ERROR
+        );
+        assert_eq!(
+            DialFailure::Timeout(Duration::from_secs(1)).http_status(),
+            StatusCode::GATEWAY_TIMEOUT
+        );
+        assert_eq!(
+            DialFailure::TunnelClosed("x".into()).http_status(),
+            StatusCode::BAD_GATEWAY
+        );
+        assert_eq!(DialFailure::NoAgent.message(), "No agent available");
+    }
+}

@@ -404,3 +404,26 @@ pub async fn start_with_tls(
         grace,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn missing_certificate_files_are_named() {
+        let mut config = ServerConfig::default();
+        let err = ServerTls::from_config(&config)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(err.contains("--server-cert"), "{err}");
+        config.server_cert = Some("/nonexistent/proxy-server.crt".into());
+        config.server_key = Some("/nonexistent/proxy-server.key".into());
+        config.server_ca_cert = Some("/nonexistent/ca.crt".into());
+        let err = ServerTls::from_config(&config)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(err.contains("/nonexistent/proxy-server.crt"), "{err}");
+    }
+}
