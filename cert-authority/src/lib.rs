@@ -6,8 +6,13 @@
 //!   configurations (ring provider), with clear errors for missing, malformed
 //!   or expired material.
 //! * [`peer`] — read the cluster identity a peer certificate names.
+//! * [`files`] — the on-disk PKI layout and `cert-authority init`.
+//! * [`reload`] — rebuild rustls configurations when credential files change,
+//!   without touching established connections.
 #![forbid(unsafe_code)]
 
+pub mod files;
 pub mod peer;
 pub mod pki;
+pub mod reload;
 pub mod tls;

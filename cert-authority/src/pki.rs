@@ -121,6 +121,7 @@ fn name(common_name: &str) -> DistinguishedName {
 /// A certificate authority that can issue leaves.
 pub struct Authority {
     cert_pem: String,
+    key_pem: String,
     issuer: Issuer<'static, KeyPair>,
 }
 
@@ -147,8 +148,13 @@ impl Authority {
         (params.not_before, params.not_after) = validity_window(validity)?;
         let cert = params.self_signed(&key)?;
         let cert_pem = cert.pem();
+        let key_pem = key.serialize_pem();
         let issuer = Issuer::from_ca_cert_pem(&cert_pem, key)?;
-        Ok(Authority { cert_pem, issuer })
+        Ok(Authority {
+            cert_pem,
+            key_pem,
+            issuer,
+        })
     }
 
     /// Loads an existing CA (PEM certificate and PKCS#8 key).
@@ -157,12 +163,18 @@ impl Authority {
         let issuer = Issuer::from_ca_cert_pem(cert_pem, key)?;
         Ok(Authority {
             cert_pem: cert_pem.to_owned(),
+            key_pem: key_pem.to_owned(),
             issuer,
         })
     }
 
     pub fn cert_pem(&self) -> &str {
         &self.cert_pem
+    }
+
+    /// The CA's private key (PKCS#8 PEM), for persisting it.
+    pub fn key_pem(&self) -> String {
+        self.key_pem.clone()
     }
 
     /// Issues a leaf certificate with a fresh ECDSA P-256 key.

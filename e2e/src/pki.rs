@@ -73,18 +73,18 @@ impl TestPki {
     }
 
     pub fn server_tls(&self) -> Result<proxy_server::ServerTls, TestPkiError> {
-        Ok(proxy_server::ServerTls {
-            frontend: tls::server_config(
+        Ok(proxy_server::ServerTls::fixed(
+            tls::server_config(
                 identity(&self.proxy_server, "proxy-server")?,
                 Some(self.roots()?),
                 &[ALPN_H2, ALPN_HTTP11],
             )?,
-            agent: tls::server_config(
+            tls::server_config(
                 identity(&self.agent_server, "agent-server")?,
                 Some(self.roots()?),
                 &[ALPN_H2],
             )?,
-        })
+        ))
     }
 
     /// TLS for a hub client (gRPC).

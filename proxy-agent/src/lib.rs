@@ -51,6 +51,22 @@ pub enum TlsSource {
 }
 
 impl TlsSource {
+    /// The files to watch for credential rotation.
+    pub fn paths(&self) -> Vec<PathBuf> {
+        match self {
+            TlsSource::Config(_) => Vec::new(),
+            TlsSource::Files {
+                ca_cert,
+                agent_cert,
+                agent_key,
+                ..
+            } => std::iter::once(ca_cert.clone())
+                .chain(agent_cert.clone())
+                .chain(agent_key.clone())
+                .collect(),
+        }
+    }
+
     /// Builds the client configuration; errors name the offending file.
     pub fn client_config(&self) -> Result<Arc<rustls::ClientConfig>, AgentError> {
         match self {
@@ -116,6 +132,8 @@ pub struct AgentConfig {
     /// Per-connection receive buffer when the server is plain konnectivity.
     pub plain_peer_buffer: u32,
     pub dial_timeout: Duration,
+    /// How often credential files are checked for rotation.
+    pub credential_reload_interval: Duration,
     /// Names resolved to fixed addresses before DNS, like a pod's `hostAliases`.
     pub host_aliases: dial::HostAliases,
     /// How long [`RunningAgent::shutdown`] waits for open endpoint
@@ -144,6 +162,7 @@ impl AgentConfig {
             plain_peer_buffer: 4 * 1024 * 1024,
             dial_timeout: Duration::from_secs(5),
             host_aliases: dial::HostAliases::new(),
+            credential_reload_interval: cert_authority::reload::DEFAULT_INTERVAL,
             shutdown_grace: Duration::from_secs(5),
         }
     }
@@ -239,7 +258,24 @@ impl std::fmt::Debug for RunningAgent {
 /// in the background (see [`RunningAgent::wait_for_tunnels`]).
 pub async fn start(config: AgentConfig) -> Result<RunningAgent, AgentError> {
     validate(&config)?;
-    let tls = config.tls.client_config()?;
+    let tls = match &config.tls {
+        TlsSource::Config(fixed) => cert_authority::reload::fixed(fixed.clone()),
+        files @ TlsSource::Files { .. } => {
+            let paths = files.paths();
+            let source = files.clone();
+            cert_authority::reload::watch_files(
+                "agent credentials",
+                paths,
+                config.credential_reload_interval,
+                move || {
+                    source.client_config().map_err(|e| match e {
+                        AgentError::Tls(t) => t,
+                        other => cert_authority::tls::TlsError::Config(other.to_string()),
+                    })
+                },
+            )?
+        }
+    };
     let health = bind(
         "health server",
         &config.health_server_host,

@@ -55,7 +55,9 @@ struct TunnelHandle {
 
 pub(crate) struct Shared {
     config: AgentConfig,
-    tls: Arc<rustls::ClientConfig>,
+    /// The newest client credentials; read at every connect so rotated
+    /// certificates are used for new tunnels while old tunnels stay up.
+    tls: cert_authority::reload::Watched<rustls::ClientConfig>,
     metrics: Arc<Metrics>,
     tunnels: Mutex<HashMap<String, TunnelHandle>>,
     draining: AtomicBool,
@@ -77,7 +79,7 @@ impl health::Status for Shared {
 impl Shared {
     pub(crate) fn new(
         config: AgentConfig,
-        tls: Arc<rustls::ClientConfig>,
+        tls: cert_authority::reload::Watched<rustls::ClientConfig>,
         root: CancellationToken,
     ) -> Self {
         Shared {
@@ -233,10 +235,11 @@ enum Outcome {
 async fn connect_once(shared: Arc<Shared>) -> Result<Outcome, ConnectError> {
     let config = &shared.config;
     let timeout = config.connect_timeout;
+    let tls = shared.tls.borrow().clone();
     let channel = connect_channel(
         &config.proxy_server_host,
         config.proxy_server_port,
-        shared.tls.clone(),
+        tls,
         timeout,
     )
     .await?;

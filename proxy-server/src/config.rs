@@ -81,6 +81,9 @@ pub struct ServerConfig {
     pub flow_control_window: u32,
     /// Per-connection buffer for plain konnectivity agents.
     pub plain_peer_buffer: u32,
+    /// How often certificate files are checked for rotation.
+    #[serde(with = "serde_go")]
+    pub credential_reload_interval: Duration,
     /// klog-style verbosity (`-v`); `RUST_LOG` overrides it.
     pub v: u8,
 }
@@ -130,6 +133,7 @@ impl Default for ServerConfig {
             allow_unbound_agents: false,
             flow_control_window: DEFAULT_WINDOW,
             plain_peer_buffer: 4 * 1024 * 1024,
+            credential_reload_interval: cert_authority::reload::DEFAULT_INTERVAL,
             v: 0,
         }
     }
@@ -296,6 +300,10 @@ pub struct Cli {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub plain_peer_buffer: Option<u32>,
+    /// How often certificate files are checked for rotation (Go duration).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub credential_reload_interval: Option<String>,
     /// Log verbosity as klog's -v (RUST_LOG overrides).
     #[arg(short = 'v', long = "v")]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -349,6 +357,12 @@ impl ServerConfig {
             return Err(invalid(
                 "agent-namespace",
                 "service-account token authentication of agents is not supported; agents authenticate with client certificates (--cluster-ca-cert)",
+            ));
+        }
+        if self.credential_reload_interval.is_zero() {
+            return Err(invalid(
+                "credential-reload-interval",
+                "must be greater than zero",
             ));
         }
         if self.server_count == 0 {

@@ -24,12 +24,14 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+use cert_authority::reload::{self, Watched};
 use cert_authority::tls::{self, Identity, Pem, TlsError};
 use cluster_proxy_proto::konnectivity::agent_service_server::AgentServiceServer;
 use cluster_proxy_proto::konnectivity::proxy_service_server::ProxyServiceServer;
 use cluster_proxy_proto::transport::{ALPN_H2, ALPN_HTTP11, MAX_MESSAGE_SIZE};
 use http::{Request, Response, StatusCode, Version};
 use hyper::body::Incoming;
+use std::path::PathBuf;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -70,23 +72,76 @@ pub enum ServerError {
 /// Ready-made TLS configurations for both mTLS ports.
 pub struct ServerTls {
     /// Client port; must require client certificates.
-    pub frontend: Arc<rustls::ServerConfig>,
+    pub frontend: Watched<rustls::ServerConfig>,
     /// Agent port; must require client certificates.
-    pub agent: Arc<rustls::ServerConfig>,
+    pub agent: Watched<rustls::ServerConfig>,
 }
 
-fn required<'a>(
-    value: &'a Option<std::path::PathBuf>,
-    flag: &'static str,
-) -> Result<&'a std::path::Path, ServerError> {
-    value.as_deref().ok_or(ServerError::MissingFlag(flag))
+fn required(value: &Option<PathBuf>, flag: &'static str) -> Result<PathBuf, ServerError> {
+    value.clone().ok_or(ServerError::MissingFlag(flag))
+}
+
+/// The certificate, key and client-CA files of one mTLS port.
+struct PortFiles {
+    what: &'static str,
+    cert: PathBuf,
+    key: PathBuf,
+    ca: PathBuf,
+}
+
+impl PortFiles {
+    fn new(
+        what: &'static str,
+        (cert, key, ca): (&Option<PathBuf>, &Option<PathBuf>, &Option<PathBuf>),
+        flags: [&'static str; 3],
+    ) -> Result<Self, ServerError> {
+        Ok(PortFiles {
+            what,
+            cert: required(cert, flags[0])?,
+            key: required(key, flags[1])?,
+            ca: required(ca, flags[2])?,
+        })
+    }
+
+    fn build(
+        &self,
+        alpn: &[&[u8]],
+        min_version: tls::MinTlsVersion,
+    ) -> Result<Arc<rustls::ServerConfig>, TlsError> {
+        let identity = Identity::from_files(&self.cert, &self.key)?;
+        let roots = tls::roots(&Pem::file("CA bundle", &self.ca)?)?;
+        tls::server_config_with_min_version(identity, Some(roots), alpn, min_version)
+    }
+
+    /// Loads now, then reloads whenever a file changes.
+    fn watch(
+        self,
+        alpn: &'static [&'static [u8]],
+        min_version: tls::MinTlsVersion,
+        interval: Duration,
+    ) -> Result<Watched<rustls::ServerConfig>, ServerError> {
+        let what = self.what;
+        let paths = vec![self.cert.clone(), self.key.clone(), self.ca.clone()];
+        reload::watch_files(what, paths, interval, move || self.build(alpn, min_version))
+            .map_err(|source| ServerError::Tls { what, source })
+    }
 }
 
 impl ServerTls {
+    /// Fixed configurations (in-memory credentials, tests).
+    pub fn fixed(frontend: Arc<rustls::ServerConfig>, agent: Arc<rustls::ServerConfig>) -> Self {
+        ServerTls {
+            frontend: reload::fixed(frontend),
+            agent: reload::fixed(agent),
+        }
+    }
+
     /// Loads `--server-cert/--server-key/--server-ca-cert` and
-    /// `--cluster-cert/--cluster-key/--cluster-ca-cert`.
+    /// `--cluster-cert/--cluster-key/--cluster-ca-cert`, and reloads them when
+    /// the files change (new handshakes use the new credentials; established
+    /// tunnels stay up). Must run inside a tokio runtime.
     pub fn from_config(config: &ServerConfig) -> Result<Self, ServerError> {
-        let frontend_alpn: &[&[u8]] = match config.mode {
+        let frontend_alpn: &'static [&'static [u8]] = match config.mode {
             Mode::Both => &[ALPN_H2, ALPN_HTTP11],
             Mode::Grpc => &[ALPN_H2],
             Mode::HttpConnect => &[ALPN_HTTP11],
@@ -96,38 +151,28 @@ impl ServerTls {
         } else {
             tls::MinTlsVersion::Tls12
         };
-        let load = |cert: &Option<std::path::PathBuf>,
-                    key: &Option<std::path::PathBuf>,
-                    ca: &Option<std::path::PathBuf>,
-                    flags: [&'static str; 3],
-                    what: &'static str,
-                    alpn: &[&[u8]]| {
-            let identity =
-                Identity::from_files(required(cert, flags[0])?, required(key, flags[1])?)
-                    .map_err(|source| ServerError::Tls { what, source })?;
-            let ca = Pem::file("CA bundle", required(ca, flags[2])?)
-                .map_err(|source| ServerError::Tls { what, source })?;
-            let roots = tls::roots(&ca).map_err(|source| ServerError::Tls { what, source })?;
-            tls::server_config_with_min_version(identity, Some(roots), alpn, min_version)
-                .map_err(|source| ServerError::Tls { what, source })
-        };
-        Ok(ServerTls {
-            frontend: load(
+        let frontend = PortFiles::new(
+            "client port TLS",
+            (
                 &config.server_cert,
                 &config.server_key,
                 &config.server_ca_cert,
-                ["server-cert", "server-key", "server-ca-cert"],
-                "client port TLS",
-                frontend_alpn,
-            )?,
-            agent: load(
+            ),
+            ["server-cert", "server-key", "server-ca-cert"],
+        )?;
+        let agent = PortFiles::new(
+            "agent port TLS",
+            (
                 &config.cluster_cert,
                 &config.cluster_key,
                 &config.cluster_ca_cert,
-                ["cluster-cert", "cluster-key", "cluster-ca-cert"],
-                "agent port TLS",
-                &[ALPN_H2],
-            )?,
+            ),
+            ["cluster-cert", "cluster-key", "cluster-ca-cert"],
+        )?;
+        let interval = config.credential_reload_interval;
+        Ok(ServerTls {
+            frontend: frontend.watch(frontend_alpn, min_version, interval)?,
+            agent: agent.watch(&[ALPN_H2], min_version, interval)?,
         })
     }
 }
@@ -409,8 +454,8 @@ pub async fn start_with_tls(
 mod tests {
     use super::*;
 
-    #[test]
-    fn missing_certificate_files_are_named() {
+    #[tokio::test]
+    async fn missing_certificate_files_are_named() {
         let mut config = ServerConfig::default();
         let err = ServerTls::from_config(&config)
             .err()

@@ -79,7 +79,7 @@ fn peer_info(remote: SocketAddr, conn: &rustls::ServerConnection) -> PeerInfo {
 pub async fn serve<S, F, B>(
     name: &'static str,
     listener: TcpListener,
-    tls: Arc<rustls::ServerConfig>,
+    tls: cert_authority::reload::Watched<rustls::ServerConfig>,
     protocols: Protocols,
     make_service: F,
     shutdown: CancellationToken,
@@ -94,7 +94,6 @@ pub async fn serve<S, F, B>(
     B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    let acceptor = TlsAcceptor::from(tls);
     let mut builder = auto::Builder::new(TokioExecutor::new());
     // `http2_only` is ignored by `serve_connection_with_upgrades`, so the
     // agent port uses `serve_connection` instead (see below).
@@ -129,7 +128,8 @@ pub async fn serve<S, F, B>(
             },
         };
         let _ = tcp.set_nodelay(true);
-        let acceptor = acceptor.clone();
+        // The newest credentials for each handshake: rotation needs no restart.
+        let acceptor = TlsAcceptor::from(tls.borrow().clone());
         let builder = builder.clone();
         let make_service = make_service.clone();
         let shutdown = shutdown.clone();
