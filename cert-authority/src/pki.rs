@@ -100,9 +100,11 @@ impl LeafRequest {
     }
 }
 
-fn validity_window(validity: Duration) -> Result<(OffsetDateTime, OffsetDateTime), PkiError> {
+fn validity_window(
+    validity: Duration,
+    now: OffsetDateTime,
+) -> Result<(OffsetDateTime, OffsetDateTime), PkiError> {
     // Back-date a little so peers with slightly skewed clocks accept new certs.
-    let now = OffsetDateTime::now_utc();
     let not_before = now - time::Duration::minutes(5);
     let span = time::Duration::try_from(validity).map_err(|_| PkiError::BadValidity(validity))?;
     let not_after = now
@@ -136,6 +138,15 @@ impl std::fmt::Debug for Authority {
 impl Authority {
     /// Creates a new self-signed CA with an ECDSA P-256 key.
     pub fn generate(common_name: &str, validity: Duration) -> Result<Self, PkiError> {
+        Self::generate_at(common_name, validity, OffsetDateTime::now_utc())
+    }
+
+    /// [`Self::generate`] as of `now` (an injected clock).
+    pub fn generate_at(
+        common_name: &str,
+        validity: Duration,
+        now: OffsetDateTime,
+    ) -> Result<Self, PkiError> {
         let key = KeyPair::generate()?;
         let mut params = CertificateParams::default();
         params.distinguished_name = name(common_name);
@@ -145,7 +156,7 @@ impl Authority {
             KeyUsagePurpose::CrlSign,
             KeyUsagePurpose::DigitalSignature,
         ];
-        (params.not_before, params.not_after) = validity_window(validity)?;
+        (params.not_before, params.not_after) = validity_window(validity, now)?;
         let cert = params.self_signed(&key)?;
         let cert_pem = cert.pem();
         let key_pem = key.serialize_pem();
@@ -179,6 +190,15 @@ impl Authority {
 
     /// Issues a leaf certificate with a fresh ECDSA P-256 key.
     pub fn issue(&self, request: &LeafRequest) -> Result<Credentials, PkiError> {
+        self.issue_at(request, OffsetDateTime::now_utc())
+    }
+
+    /// [`Self::issue`] as of `now` (an injected clock).
+    pub fn issue_at(
+        &self,
+        request: &LeafRequest,
+        now: OffsetDateTime,
+    ) -> Result<Credentials, PkiError> {
         let key = KeyPair::generate()?;
         let mut params = CertificateParams::default();
         params.distinguished_name = name(&request.common_name);
@@ -208,7 +228,7 @@ impl Authority {
             Usage::Server => ExtendedKeyUsagePurpose::ServerAuth,
             Usage::Client => ExtendedKeyUsagePurpose::ClientAuth,
         }];
-        (params.not_before, params.not_after) = validity_window(request.validity)?;
+        (params.not_before, params.not_after) = validity_window(request.validity, now)?;
         let cert = params.signed_by(&key, &self.issuer)?;
         Ok(Credentials {
             cert_pem: cert.pem(),

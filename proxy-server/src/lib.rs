@@ -469,6 +469,14 @@ mod tests {
             .err()
             .map(|e| e.to_string())
             .unwrap_or_default();
+        assert!(err.contains("--cluster-cert"), "{err}");
+        config.cluster_cert = Some("/nonexistent/agent-server.crt".into());
+        config.cluster_key = Some("/nonexistent/agent-server.key".into());
+        config.cluster_ca_cert = Some("/nonexistent/ca.crt".into());
+        let err = ServerTls::from_config(&config)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
         assert!(err.contains("/nonexistent/proxy-server.crt"), "{err}");
     }
 }
