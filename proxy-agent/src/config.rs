@@ -67,6 +67,9 @@ pub struct AgentSettings {
     pub dial_timeout: Duration,
     /// `NAME=IP` pairs resolved before DNS, like a pod's `hostAliases`.
     pub host_alias: Vec<String>,
+    /// How often certificate files are checked for rotation.
+    #[serde(with = "serde_go")]
+    pub credential_reload_interval: Duration,
     /// klog-style verbosity (`-v`); `RUST_LOG` overrides it.
     pub v: u8,
 }
@@ -107,6 +110,7 @@ const FIELDS: &[&str] = &[
     "plain_peer_buffer",
     "dial_timeout",
     "host_alias",
+    "credential_reload_interval",
     "v",
 ];
 
@@ -145,6 +149,7 @@ impl Default for AgentSettings {
             plain_peer_buffer: 4 * 1024 * 1024,
             dial_timeout: Duration::from_secs(5),
             host_alias: Vec::new(),
+            credential_reload_interval: cert_authority::reload::DEFAULT_INTERVAL,
             v: 0,
         }
     }
@@ -296,6 +301,10 @@ pub struct Cli {
     #[arg(long = "host-alias", value_name = "NAME=IP")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub host_alias: Option<Vec<String>>,
+    /// How often certificate files are checked for rotation (Go duration).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub credential_reload_interval: Option<String>,
     /// Log verbosity as klog's -v (RUST_LOG overrides).
     #[arg(short = 'v', long = "v")]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -473,6 +482,13 @@ impl AgentSettings {
         config.flow_control_window = self.flow_control_window;
         config.plain_peer_buffer = self.plain_peer_buffer;
         config.dial_timeout = self.dial_timeout;
+        if self.credential_reload_interval.is_zero() {
+            return Err(ConfigError::Invalid {
+                field: "credential-reload-interval",
+                reason: "must be greater than zero".into(),
+            });
+        }
+        config.credential_reload_interval = self.credential_reload_interval;
         for alias in &self.host_alias {
             let parsed = alias
                 .split_once('=')
