@@ -9,10 +9,15 @@
 //! * [`files`] — the on-disk PKI layout and `cert-authority init`.
 //! * [`reload`] — rebuild rustls configurations when credential files change,
 //!   without touching established connections.
+//! * [`authority`] — the reconcile pass that keeps a PKI current, over a
+//!   [`authority::Store`] (the `files` backend is [`authority::FileStore`]).
+//! * [`rotation`] — when to renew leaves and how to roll the CA over.
 #![forbid(unsafe_code)]
 
+pub mod authority;
 pub mod files;
 pub mod peer;
 pub mod pki;
 pub mod reload;
+pub mod rotation;
 pub mod tls;

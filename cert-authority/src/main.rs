@@ -1,7 +1,9 @@
 use std::path::PathBuf;
 
 use anyhow::Context;
+use cert_authority::authority::{Desired, FileStore, reconcile};
 use cert_authority::files::{InitOptions, Layout, init};
+use cert_authority::rotation::{LeafPolicy, RolloverPolicy};
 use clap::{Parser, Subcommand};
 use cluster_proxy_proto::duration::parse_go_duration;
 use cluster_proxy_proto::identity::ClusterName;
@@ -39,6 +41,49 @@ enum Command {
         #[arg(long, default_value = "43800h")]
         ca_validity: String,
     },
+    /// Keep a PKI current: renew leaves at 2/3 of their life or when their
+    /// SANs change, and roll the CA over ahead of its expiry without an outage.
+    Run {
+        /// Where the PKI lives: `files` (a directory made by `init`).
+        #[arg(long, default_value = "files")]
+        backend: String,
+        #[arg(long)]
+        dir: PathBuf,
+        /// Managed clusters whose agent certificates to keep current.
+        #[arg(long, value_delimiter = ',')]
+        clusters: Vec<String>,
+        /// Extra SAN for both server certificates (repeatable).
+        #[arg(long = "additional-san")]
+        additional_sans: Vec<String>,
+        /// How often to check (Go duration).
+        #[arg(long, default_value = "1m")]
+        interval: String,
+        #[arg(long, default_value = "2160h")]
+        leaf_validity: String,
+        #[arg(long, default_value = "43800h")]
+        ca_validity: String,
+        /// Create the next CA this long before the current one expires.
+        #[arg(long, default_value = "8760h")]
+        ca_prepare_before_expiry: String,
+        /// Publish the next CA in the bundle this long before signing with it.
+        #[arg(long, default_value = "168h")]
+        bundle_propagation: String,
+        /// One pass, then exit.
+        #[arg(long)]
+        once: bool,
+    },
+}
+
+fn duration(flag: &str, value: &str) -> anyhow::Result<std::time::Duration> {
+    parse_go_duration(value).with_context(|| format!("--{flag}"))
+}
+
+fn cluster_names(names: &[String]) -> anyhow::Result<Vec<ClusterName>> {
+    names
+        .iter()
+        .map(|c| ClusterName::new(c.trim()))
+        .collect::<Result<Vec<_>, _>>()
+        .context("--clusters")
 }
 
 fn main() -> anyhow::Result<()> {
@@ -50,16 +95,11 @@ fn main() -> anyhow::Result<()> {
             leaf_validity,
             ca_validity,
         } => {
-            let clusters = clusters
-                .iter()
-                .map(|c| ClusterName::new(c.trim()))
-                .collect::<Result<Vec<_>, _>>()
-                .context("--clusters")?;
             let options = InitOptions {
-                clusters,
+                clusters: cluster_names(&clusters)?,
                 additional_sans,
-                leaf_validity: parse_go_duration(&leaf_validity).context("--leaf-validity")?,
-                ca_validity: parse_go_duration(&ca_validity).context("--ca-validity")?,
+                leaf_validity: duration("leaf-validity", &leaf_validity)?,
+                ca_validity: duration("ca-validity", &ca_validity)?,
             };
             let layout = Layout::new(&dir);
             init(&layout, &options)?;
@@ -81,6 +121,67 @@ fn main() -> anyhow::Result<()> {
                 show(&format!("agent of {cluster}"), layout.agent(cluster));
             }
             Ok(())
+        }
+        Command::Run {
+            backend,
+            dir,
+            clusters: names,
+            additional_sans,
+            interval,
+            leaf_validity,
+            ca_validity,
+            ca_prepare_before_expiry,
+            bundle_propagation,
+            once,
+        } => {
+            tracing_subscriber::fmt()
+                .with_env_filter(
+                    tracing_subscriber::EnvFilter::try_from_default_env()
+                        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+                )
+                .init();
+            if backend != "files" {
+                anyhow::bail!(
+                    "--backend {backend:?} is not available: only `files` is built so far"
+                );
+            }
+            let desired = Desired {
+                clusters: cluster_names(&names)?,
+                server_sans: cert_authority::files::server_sans(&additional_sans),
+                leaf_policy: LeafPolicy {
+                    validity: duration("leaf-validity", &leaf_validity)?,
+                    renew_fraction: 2.0 / 3.0,
+                },
+                rollover_policy: RolloverPolicy {
+                    ca_validity: duration("ca-validity", &ca_validity)?,
+                    prepare_before_expiry: duration(
+                        "ca-prepare-before-expiry",
+                        &ca_prepare_before_expiry,
+                    )?,
+                    bundle_propagation: duration("bundle-propagation", &bundle_propagation)?,
+                },
+            };
+            let interval = duration("interval", &interval)?;
+            let store = FileStore {
+                layout: Layout::new(&dir),
+            };
+            loop {
+                match reconcile(&store, &desired, time::OffsetDateTime::now_utc()) {
+                    Ok(report) => {
+                        for renewed in &report.renewed {
+                            tracing::info!(leaf = %renewed, "certificate issued");
+                        }
+                    }
+                    Err(e) if once => return Err(e.into()),
+                    Err(e) => {
+                        tracing::error!(error = %e, "reconcile failed; retrying next interval")
+                    }
+                }
+                if once {
+                    return Ok(());
+                }
+                std::thread::sleep(interval);
+            }
         }
     }
 }

@@ -1,0 +1,506 @@
+//! The certificate authority's reconcile loop, independent of where the PKI is
+//! kept: one pass loads the CA state and the leaves from a [`Store`], applies
+//! the rollover state machine and the leaf renewal policy
+//! ([`crate::rotation`]), and writes back what changed. The `files` backend is
+//! [`FileStore`]; a Kubernetes Secret store implements the same trait.
+
+use std::path::PathBuf;
+
+use cluster_proxy_proto::identity::ClusterName;
+use time::OffsetDateTime;
+use tracing::info;
+
+use crate::files::{self, FilesError, Layout, Pair};
+use crate::pki::{Authority, Credentials, LeafRequest, PkiError};
+use crate::rotation::{
+    self, CaState, LeafDecision, LeafPolicy, RolloverAction, RolloverPhase, RolloverPolicy,
+    RotationError,
+};
+
+#[derive(Debug, thiserror::Error)]
+pub enum AuthorityError {
+    #[error(transparent)]
+    Files(#[from] FilesError),
+    #[error(transparent)]
+    Pki(#[from] PkiError),
+    #[error(transparent)]
+    Rotation(#[from] RotationError),
+    #[error("{}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("stored rollover state is unreadable: {0}")]
+    State(String),
+    #[error("no CA in the store; run `cert-authority init` first")]
+    NoCa,
+}
+
+/// Which CA a stored key pair is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CaSlot {
+    /// The CA that signs now.
+    Current,
+    /// The CA being introduced (published in the bundle, not signing yet).
+    Next,
+    /// The CA being retired (still in the bundle until no leaf needs it).
+    Previous,
+}
+
+/// Every leaf the authority keeps current.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Leaf {
+    ProxyServer,
+    AgentServer,
+    ProxyClient,
+    Agent(ClusterName),
+}
+
+impl Leaf {
+    fn request(&self, sans: &[String], policy: &LeafPolicy) -> LeafRequest {
+        let sans: Vec<&str> = sans.iter().map(String::as_str).collect();
+        let request = match self {
+            Leaf::ProxyServer => LeafRequest::server(files::PROXY_SERVER, &sans),
+            Leaf::AgentServer => LeafRequest::server(files::AGENT_SERVER, &sans),
+            Leaf::ProxyClient => LeafRequest::client(files::PROXY_CLIENT),
+            Leaf::Agent(cluster) => LeafRequest::agent(cluster),
+        };
+        request.with_validity(policy.validity)
+    }
+
+    /// The SANs this leaf should carry (client certificates carry none).
+    fn desired_sans(&self, server_sans: &[String]) -> Vec<String> {
+        match self {
+            Leaf::ProxyServer | Leaf::AgentServer => server_sans.to_vec(),
+            Leaf::ProxyClient | Leaf::Agent(_) => Vec::new(),
+        }
+    }
+}
+
+impl std::fmt::Display for Leaf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Leaf::ProxyServer => f.write_str(files::PROXY_SERVER),
+            Leaf::AgentServer => f.write_str(files::AGENT_SERVER),
+            Leaf::ProxyClient => f.write_str(files::PROXY_CLIENT),
+            Leaf::Agent(cluster) => write!(f, "agent of {cluster}"),
+        }
+    }
+}
+
+/// Where the PKI is kept.
+pub trait Store {
+    fn load_ca(&self, slot: CaSlot) -> Result<Option<Credentials>, AuthorityError>;
+    fn save_ca(&self, slot: CaSlot, ca: &Credentials) -> Result<(), AuthorityError>;
+    fn remove_ca(&self, slot: CaSlot) -> Result<(), AuthorityError>;
+    fn load_phase(&self) -> Result<RolloverPhase, AuthorityError>;
+    fn save_phase(&self, phase: &RolloverPhase) -> Result<(), AuthorityError>;
+    fn save_bundle(&self, pems: &[String]) -> Result<(), AuthorityError>;
+    fn load_leaf(&self, leaf: &Leaf) -> Result<Option<Credentials>, AuthorityError>;
+    fn save_leaf(&self, leaf: &Leaf, credentials: &Credentials) -> Result<(), AuthorityError>;
+}
+
+/// What the authority should maintain.
+#[derive(Debug, Clone)]
+pub struct Desired {
+    pub clusters: Vec<ClusterName>,
+    /// SANs of both server certificates.
+    pub server_sans: Vec<String>,
+    pub leaf_policy: LeafPolicy,
+    pub rollover_policy: RolloverPolicy,
+}
+
+impl Desired {
+    fn leaves(&self) -> Vec<Leaf> {
+        let mut leaves = vec![Leaf::ProxyServer, Leaf::AgentServer, Leaf::ProxyClient];
+        leaves.extend(self.clusters.iter().cloned().map(Leaf::Agent));
+        leaves
+    }
+}
+
+/// What one reconcile pass did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Report {
+    pub rollover: Option<String>,
+    pub renewed: Vec<String>,
+}
+
+fn entry(
+    store: &dyn Store,
+    slot: CaSlot,
+) -> Result<Option<(Credentials, rotation::CaEntry)>, AuthorityError> {
+    store
+        .load_ca(slot)?
+        .map(|c| Ok((rotation::ca_entry_from_pem(&c.cert_pem)?, c)))
+        .transpose()
+        .map(|o| o.map(|(e, c)| (c, e)))
+}
+
+/// One reconcile pass at `now`.
+pub fn reconcile(
+    store: &dyn Store,
+    desired: &Desired,
+    now: OffsetDateTime,
+) -> Result<Report, AuthorityError> {
+    let mut report = Report::default();
+    let (current_creds, current) = entry(store, CaSlot::Current)?.ok_or(AuthorityError::NoCa)?;
+    let next = entry(store, CaSlot::Next)?;
+    let previous = entry(store, CaSlot::Previous)?;
+    let mut state = CaState {
+        current,
+        next: next.as_ref().map(|(_, e)| e.clone()),
+        previous: previous.as_ref().map(|(_, e)| e.clone()),
+        phase: store.load_phase()?,
+    };
+    let signer_creds = current_creds;
+
+    // 1. Leaves: renew what the policy says, signed by the current signer.
+    let bundle = rotation::trust_bundle(&state);
+    let signer = Authority::from_pem(&signer_creds.cert_pem, &signer_creds.key_pem)?;
+    for leaf in desired.leaves() {
+        let sans = leaf.desired_sans(&desired.server_sans);
+        let decision = match store.load_leaf(&leaf)? {
+            None => None,
+            Some(c) => Some(rotation::leaf_decision(
+                &c.cert_pem,
+                &sans,
+                &bundle,
+                &signer_creds.cert_pem,
+                &desired.leaf_policy,
+                now,
+            )?),
+        };
+        if let Some(LeafDecision::Keep { .. }) = decision {
+            continue;
+        }
+        let issued = signer.issue_at(&leaf.request(&sans, &desired.leaf_policy), now)?;
+        store.save_leaf(&leaf, &issued)?;
+        let reason = match decision {
+            Some(LeafDecision::Renew(reason)) => format!("{reason:?}"),
+            _ => "missing".to_owned(),
+        };
+        report.renewed.push(format!("{leaf}: {reason}"));
+    }
+    // 2. The CA rollover state machine. Step 1 just re-issued every leaf the
+    //    previous CA had signed, so none depends on it any more.
+    let action = rotation::next_action(&state, 0, &desired.rollover_policy, now);
+    match action {
+        RolloverAction::None => {}
+        RolloverAction::CreateNextCa => {
+            let ca = Authority::generate_at(
+                "cluster-proxy-ca",
+                desired.rollover_policy.ca_validity,
+                now,
+            )?;
+            let creds = Credentials {
+                cert_pem: ca.cert_pem().to_owned(),
+                key_pem: ca.key_pem(),
+            };
+            store.save_ca(CaSlot::Next, &creds)?;
+            let new_entry = rotation::ca_entry_from_pem(&creds.cert_pem)?;
+            state = rotation::apply(state, action, Some(new_entry), now)?;
+        }
+        RolloverAction::SwitchSigning => {
+            let (next_creds, _) = next.ok_or(AuthorityError::State("next CA missing".into()))?;
+            store.save_ca(CaSlot::Previous, &signer_creds)?;
+            store.save_ca(CaSlot::Current, &next_creds)?;
+            store.remove_ca(CaSlot::Next)?;
+            state = rotation::apply(state, action, None, now)?;
+        }
+        RolloverAction::RetirePrevious => {
+            store.remove_ca(CaSlot::Previous)?;
+            state = rotation::apply(state, action, None, now)?;
+        }
+    }
+    if action != RolloverAction::None {
+        info!(?action, "CA rollover step");
+        report.rollover = Some(format!("{action:?}"));
+        store.save_phase(&state.phase)?;
+    }
+    store.save_bundle(&rotation::trust_bundle(&state))?;
+    Ok(report)
+}
+
+/// The `files` backend: the layout of [`crate::files`], plus `ca-next/`,
+/// `ca-previous/` and `rollover-state` for a rollover in progress.
+#[derive(Debug, Clone)]
+pub struct FileStore {
+    pub layout: Layout,
+}
+
+impl FileStore {
+    fn ca_pair(&self, slot: CaSlot) -> Pair {
+        let dir = match slot {
+            CaSlot::Current => files::CA_DIR,
+            CaSlot::Next => "ca-next",
+            CaSlot::Previous => "ca-previous",
+        };
+        let dir = self.layout.dir.join(dir);
+        Pair {
+            cert: dir.join(files::CERT_FILE),
+            key: dir.join(files::KEY_FILE),
+        }
+    }
+
+    fn leaf_pair(&self, leaf: &Leaf) -> Pair {
+        match leaf {
+            Leaf::ProxyServer => self.layout.proxy_server(),
+            Leaf::AgentServer => self.layout.agent_server(),
+            Leaf::ProxyClient => self.layout.proxy_client(),
+            Leaf::Agent(cluster) => self.layout.agent(cluster),
+        }
+    }
+
+    fn phase_file(&self) -> PathBuf {
+        self.layout.dir.join("rollover-state")
+    }
+}
+
+fn read_pair(pair: &Pair) -> Result<Option<Credentials>, AuthorityError> {
+    let read = |path: &PathBuf| match std::fs::read_to_string(path) {
+        Ok(s) => Ok(Some(s)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(source) => Err(AuthorityError::Io {
+            path: path.clone(),
+            source,
+        }),
+    };
+    Ok(match (read(&pair.cert)?, read(&pair.key)?) {
+        (Some(cert_pem), Some(key_pem)) => Some(Credentials { cert_pem, key_pem }),
+        _ => None,
+    })
+}
+
+impl Store for FileStore {
+    fn load_ca(&self, slot: CaSlot) -> Result<Option<Credentials>, AuthorityError> {
+        read_pair(&self.ca_pair(slot))
+    }
+
+    fn save_ca(&self, slot: CaSlot, ca: &Credentials) -> Result<(), AuthorityError> {
+        Ok(files::write_pair(&self.ca_pair(slot), ca)?)
+    }
+
+    fn remove_ca(&self, slot: CaSlot) -> Result<(), AuthorityError> {
+        let pair = self.ca_pair(slot);
+        for path in [&pair.cert, &pair.key] {
+            match std::fs::remove_file(path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(source) => {
+                    return Err(AuthorityError::Io {
+                        path: path.clone(),
+                        source,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn load_phase(&self) -> Result<RolloverPhase, AuthorityError> {
+        let text = match std::fs::read_to_string(self.phase_file()) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(RolloverPhase::Stable),
+            Err(source) => {
+                return Err(AuthorityError::Io {
+                    path: self.phase_file(),
+                    source,
+                });
+            }
+        };
+        parse_phase(text.trim()).ok_or_else(|| AuthorityError::State(text.trim().to_owned()))
+    }
+
+    fn save_phase(&self, phase: &RolloverPhase) -> Result<(), AuthorityError> {
+        Ok(files::write_atomically(
+            &self.phase_file(),
+            &format_phase(phase),
+            false,
+        )?)
+    }
+
+    fn save_bundle(&self, pems: &[String]) -> Result<(), AuthorityError> {
+        let bundle = pems.concat();
+        if std::fs::read_to_string(self.layout.bundle())
+            .ok()
+            .as_deref()
+            == Some(bundle.as_str())
+        {
+            return Ok(());
+        }
+        Ok(files::write_atomically(
+            &self.layout.bundle(),
+            &bundle,
+            false,
+        )?)
+    }
+
+    fn load_leaf(&self, leaf: &Leaf) -> Result<Option<Credentials>, AuthorityError> {
+        read_pair(&self.leaf_pair(leaf))
+    }
+
+    fn save_leaf(&self, leaf: &Leaf, credentials: &Credentials) -> Result<(), AuthorityError> {
+        Ok(files::write_pair(&self.leaf_pair(leaf), credentials)?)
+    }
+}
+
+fn format_phase(phase: &RolloverPhase) -> String {
+    match phase {
+        RolloverPhase::Stable => "stable\n".into(),
+        RolloverPhase::NextPublished { since } => {
+            format!("next-published {}\n", since.unix_timestamp())
+        }
+        RolloverPhase::SigningWithNext { since } => {
+            format!("signing-with-next {}\n", since.unix_timestamp())
+        }
+    }
+}
+
+fn parse_phase(text: &str) -> Option<RolloverPhase> {
+    let mut words = text.split_whitespace();
+    let kind = words.next()?;
+    let since = || {
+        words
+            .clone()
+            .next()
+            .and_then(|t| t.parse::<i64>().ok())
+            .and_then(|t| OffsetDateTime::from_unix_timestamp(t).ok())
+    };
+    match kind {
+        "stable" => Some(RolloverPhase::Stable),
+        "next-published" => Some(RolloverPhase::NextPublished { since: since()? }),
+        "signing-with-next" => Some(RolloverPhase::SigningWithNext { since: since()? }),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::files::{InitOptions, LOCAL_SANS, init};
+    use std::time::Duration;
+
+    const DAY: Duration = Duration::from_secs(24 * 3600);
+
+    fn pems_in(path: &std::path::Path) -> usize {
+        std::fs::read_to_string(path)
+            .unwrap()
+            .matches("BEGIN CERTIFICATE")
+            .count()
+    }
+
+    #[test]
+    fn renews_leaves_and_rolls_the_ca_over_across_simulated_time() {
+        let dir = tempfile::tempdir().unwrap();
+        let layout = Layout::new(dir.path());
+        let cluster = ClusterName::new("cluster-a").unwrap();
+        init(
+            &layout,
+            &InitOptions {
+                clusters: vec![cluster.clone()],
+                leaf_validity: 90 * DAY,
+                ca_validity: 365 * DAY,
+                ..InitOptions::default()
+            },
+        )
+        .unwrap();
+        let store = FileStore {
+            layout: layout.clone(),
+        };
+        let desired = Desired {
+            clusters: vec![cluster.clone()],
+            server_sans: LOCAL_SANS.iter().map(|s| (*s).to_owned()).collect(),
+            leaf_policy: LeafPolicy {
+                validity: 90 * DAY,
+                renew_fraction: 2.0 / 3.0,
+            },
+            rollover_policy: RolloverPolicy {
+                ca_validity: 365 * DAY,
+                prepare_before_expiry: 30 * DAY,
+                bundle_propagation: 7 * DAY,
+            },
+        };
+        let t0 = OffsetDateTime::now_utc();
+        let at = |days: u32| t0 + time::Duration::try_from(DAY * days).unwrap();
+
+        // Fresh PKI: nothing to do.
+        assert_eq!(
+            reconcile(&store, &desired, at(0)).unwrap(),
+            Report::default()
+        );
+        // Past 2/3 of the leaves' life: every leaf is renewed once.
+        let report = reconcile(&store, &desired, at(61)).unwrap();
+        assert_eq!(report.renewed.len(), 4, "{report:?}");
+        assert!(
+            reconcile(&store, &desired, at(62))
+                .unwrap()
+                .renewed
+                .is_empty()
+        );
+        // A changed SAN renews only the server certificates.
+        let mut more_sans = desired.clone();
+        more_sans.server_sans.push("proxy.example.com".into());
+        assert_eq!(
+            reconcile(&store, &more_sans, at(63)).unwrap().renewed.len(),
+            2
+        );
+
+        // 30 days before the CA expires: the next CA is published next to the old one.
+        let report = reconcile(&store, &more_sans, at(336)).unwrap();
+        assert_eq!(report.rollover.as_deref(), Some("CreateNextCa"));
+        assert_eq!(pems_in(&layout.bundle()), 2);
+        let old_ca = std::fs::read_to_string(layout.ca().cert).unwrap();
+        // Signing switches only after the bundle had time to propagate.
+        assert_eq!(
+            reconcile(&store, &more_sans, at(340)).unwrap().rollover,
+            None
+        );
+        assert_eq!(std::fs::read_to_string(layout.ca().cert).unwrap(), old_ca);
+        let report = reconcile(&store, &more_sans, at(344)).unwrap();
+        assert_eq!(report.rollover.as_deref(), Some("SwitchSigning"));
+        assert_ne!(std::fs::read_to_string(layout.ca().cert).unwrap(), old_ca);
+        assert_eq!(pems_in(&layout.bundle()), 2);
+        // Leaves are re-issued by the new CA at once; the old CA stays trusted
+        // until the switch has been out for the propagation period.
+        let report = reconcile(&store, &more_sans, at(345)).unwrap();
+        assert_eq!(report.renewed.len(), 4, "{report:?}");
+        assert_eq!(report.rollover, None);
+        assert_eq!(pems_in(&layout.bundle()), 2);
+        let report = reconcile(&store, &more_sans, at(352)).unwrap();
+        assert_eq!(report.rollover.as_deref(), Some("RetirePrevious"));
+        assert!(report.renewed.is_empty(), "{report:?}");
+        assert_eq!(pems_in(&layout.bundle()), 1);
+        assert!(store.load_ca(CaSlot::Previous).unwrap().is_none());
+        // Steady again.
+        assert_eq!(
+            reconcile(&store, &more_sans, at(353)).unwrap(),
+            Report::default()
+        );
+    }
+
+    #[test]
+    fn an_uninitialized_store_is_a_clear_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = FileStore {
+            layout: Layout::new(dir.path()),
+        };
+        let desired = Desired {
+            clusters: Vec::new(),
+            server_sans: Vec::new(),
+            leaf_policy: LeafPolicy {
+                validity: DAY,
+                renew_fraction: 2.0 / 3.0,
+            },
+            rollover_policy: RolloverPolicy {
+                ca_validity: DAY,
+                prepare_before_expiry: DAY,
+                bundle_propagation: DAY,
+            },
+        };
+        assert!(matches!(
+            reconcile(&store, &desired, OffsetDateTime::now_utc()),
+            Err(AuthorityError::NoCa)
+        ));
+    }
+}
