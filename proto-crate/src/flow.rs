@@ -17,10 +17,16 @@
 //! up to its bound, and past that the reader waits (upstream's behaviour, only
 //! much later).
 
+use std::pin::Pin;
 use std::sync::Arc;
 
 use bytes::Bytes;
+use futures_util::stream::{PollNext, Stream, StreamExt, select_with_strategy};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio_stream::wrappers::{ReceiverStream, UnboundedReceiverStream};
+use tokio_util::sync::CancellationToken;
+
+use crate::Packet;
 
 /// Smallest window we accept or advertise: one maximal read chunk must fit.
 pub const MIN_WINDOW: u32 = 64 * 1024;
@@ -264,6 +270,34 @@ impl WindowTracker {
     }
 }
 
+/// The two lanes of packets towards a tunnel peer. `ordered` carries what
+/// must keep its per-connection order (dial answers, DATA, closes) and is
+/// bounded, so connection tasks wait when the stream is slow. `control`
+/// (WINDOW_UPDATE, DIAL_CLS, replies to stray packets) is sent ahead of it and
+/// never waits, so the tunnel's reader can always answer.
+#[derive(Clone, Debug)]
+pub struct Outbound {
+    pub control: mpsc::UnboundedSender<Packet>,
+    pub ordered: mpsc::Sender<Packet>,
+}
+
+/// The merged lanes, as a gRPC request or response stream.
+pub type OutboundPackets = Pin<Box<dyn Stream<Item = Packet> + Send + 'static>>;
+
+/// Creates both lanes; the merged stream ends when `closed` is cancelled, which
+/// closes the HTTP/2 stream with the tunnel.
+pub fn outbound(ordered_capacity: usize, closed: CancellationToken) -> (Outbound, OutboundPackets) {
+    let (control, control_rx) = mpsc::unbounded_channel();
+    let (ordered, ordered_rx) = mpsc::channel(ordered_capacity.max(1));
+    let merged = select_with_strategy(
+        UnboundedReceiverStream::new(control_rx),
+        ReceiverStream::new(ordered_rx),
+        |_: &mut ()| PollNext::Left,
+    )
+    .take_until(closed.cancelled_owned());
+    (Outbound { control, ordered }, Box::pin(merged))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -345,6 +379,27 @@ mod tests {
         assert_eq!(t.consumed(50), None);
         assert_eq!(t.consumed(60), Some(110));
         assert_eq!(t.consumed(99), None);
+    }
+
+    #[tokio::test]
+    async fn control_packets_overtake_ordered_ones_and_closing_ends_the_stream() {
+        let closed = CancellationToken::new();
+        let (out, mut packets) = outbound(4, closed.clone());
+        out.ordered
+            .send(crate::packet::data(1, Bytes::from_static(b"x")))
+            .await
+            .unwrap();
+        out.control
+            .send(crate::packet::window_update(1, 10))
+            .unwrap();
+        let first = packets.next().await.unwrap();
+        assert_eq!(crate::packet::type_name(&first), "WINDOW_UPDATE");
+        assert_eq!(
+            crate::packet::type_name(&packets.next().await.unwrap()),
+            "DATA"
+        );
+        closed.cancel();
+        assert!(packets.next().await.is_none());
     }
 
     #[test]

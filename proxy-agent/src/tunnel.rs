@@ -13,7 +13,6 @@
 //! full (upstream behaviour, only much later).
 
 use std::collections::HashMap;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -24,11 +23,8 @@ use cluster_proxy_proto::flow::{
     FlowError, READ_CHUNK, ReceiveQueue, ReceiveQueueRx, SendCredit, WindowTracker,
 };
 use cluster_proxy_proto::packet::{self, Frame, PROTOCOL_TCP};
-use futures_util::stream::{PollNext, Stream, StreamExt, select_with_strategy};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::{ReceiverStream, UnboundedReceiverStream};
 use tokio_util::sync::CancellationToken;
 
 use crate::dial::dial_tcp;
@@ -38,27 +34,15 @@ use crate::metrics::Metrics;
 /// connection tasks wait, never the reader.
 pub const ORDERED_CAPACITY: usize = 64;
 
-/// The sending side of a tunnel.
-#[derive(Clone, Debug)]
-pub struct Outgoing {
-    pub control: mpsc::UnboundedSender<Packet>,
-    pub ordered: mpsc::Sender<Packet>,
-}
+/// The sending side of a tunnel (see [`cluster_proxy_proto::flow::Outbound`]).
+pub type Outgoing = cluster_proxy_proto::flow::Outbound;
 
 /// The request stream of a tunnel: control packets first, and it ends when
 /// `cancel` fires so the HTTP/2 stream closes with the tunnel.
-pub type RequestStream = Pin<Box<dyn Stream<Item = Packet> + Send + 'static>>;
+pub type RequestStream = cluster_proxy_proto::flow::OutboundPackets;
 
 pub fn outgoing(cancel: CancellationToken) -> (Outgoing, RequestStream) {
-    let (control, control_rx) = mpsc::unbounded_channel();
-    let (ordered, ordered_rx) = mpsc::channel(ORDERED_CAPACITY);
-    let merged = select_with_strategy(
-        UnboundedReceiverStream::new(control_rx),
-        ReceiverStream::new(ordered_rx),
-        |_: &mut ()| PollNext::Left,
-    )
-    .take_until(cancel.cancelled_owned());
-    (Outgoing { control, ordered }, Box::pin(merged))
+    cluster_proxy_proto::flow::outbound(ORDERED_CAPACITY, cancel)
 }
 
 /// Per-tunnel settings.

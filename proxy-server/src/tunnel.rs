@@ -13,14 +13,14 @@ use std::sync::{Arc, Mutex};
 use bytes::Bytes;
 use cluster_proxy_proto::Packet;
 use cluster_proxy_proto::flow::{
-    Delivery, FlowError, READ_CHUNK, ReceiveQueue, ReceiveQueueRx, SendCredit, WindowTracker,
+    Delivery, FlowError, Outbound, READ_CHUNK, ReceiveQueue, ReceiveQueueRx, SendCredit,
+    WindowTracker, outbound,
 };
 use cluster_proxy_proto::identifiers::AgentIdentifiers;
 use cluster_proxy_proto::identity::ClusterName;
 use cluster_proxy_proto::packet::{self, Frame};
-use futures_util::stream::{PollNext, Stream, StreamExt, select_with_strategy};
+use futures_util::stream::{Stream, StreamExt};
 use tokio::sync::{mpsc, oneshot};
-use tokio_stream::wrappers::{ReceiverStream, UnboundedReceiverStream};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
@@ -108,8 +108,9 @@ impl AgentTunnel {
         settings: TunnelSettings,
         metrics: Arc<Metrics>,
     ) -> (Arc<Self>, OutboundStream) {
-        let (ordered, ordered_rx) = mpsc::channel(settings.ordered_capacity.max(1));
-        let (control, control_rx) = mpsc::unbounded_channel();
+        let closed = CancellationToken::new();
+        let (Outbound { control, ordered }, packets) =
+            outbound(settings.ordered_capacity, closed.clone());
         let tunnel = Arc::new(AgentTunnel {
             id: NEXT_TUNNEL_ID.fetch_add(1, Ordering::Relaxed),
             agent_id,
@@ -117,19 +118,13 @@ impl AgentTunnel {
             identifiers,
             settings,
             draining: AtomicBool::new(false),
-            closed: CancellationToken::new(),
+            closed,
             ordered,
             control,
             state: Mutex::new(State::default()),
             metrics: metrics.clone(),
         });
-        let merged = select_with_strategy(
-            UnboundedReceiverStream::new(control_rx),
-            ReceiverStream::new(ordered_rx),
-            |_: &mut ()| PollNext::Left,
-        )
-        .take_until(tunnel.closed.clone().cancelled_owned())
-        .map(move |p| {
+        let merged = packets.map(move |p| {
             metrics.packet(Segment::ToAgent, packet::type_name(&p));
             Ok(p)
         });
