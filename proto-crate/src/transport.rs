@@ -58,6 +58,19 @@ pub async fn connect_channel(
     tls: Arc<rustls::ClientConfig>,
     connect_timeout: Duration,
 ) -> Result<Channel, TransportError> {
+    connect_channel_with_keepalive(host, port, tls, connect_timeout, None).await
+}
+
+/// [`connect_channel`] that also sends HTTP/2 pings every `keepalive` (even
+/// with no stream open) and drops the connection when one goes unanswered
+/// for 20 s, so a peer that vanished without closing is noticed.
+pub async fn connect_channel_with_keepalive(
+    host: &str,
+    port: u16,
+    tls: Arc<rustls::ClientConfig>,
+    connect_timeout: Duration,
+    keepalive: Option<Duration>,
+) -> Result<Channel, TransportError> {
     let bare_host = host.trim_start_matches('[').trim_end_matches(']');
     let server_name = ServerName::try_from(bare_host.to_owned())
         .map_err(|_| TransportError::ServerName(host.to_owned()))?;
@@ -70,6 +83,13 @@ pub async fn connect_channel(
         .initial_stream_window_size(STREAM_WINDOW)
         .initial_connection_window_size(CONNECTION_WINDOW)
         .tcp_nodelay(true);
+    let endpoint = match keepalive.filter(|k| !k.is_zero()) {
+        Some(interval) => endpoint
+            .http2_keep_alive_interval(interval)
+            .keep_alive_timeout(Duration::from_secs(20))
+            .keep_alive_while_idle(true),
+        None => endpoint,
+    };
     let connector = TlsConnector::from(tls);
     let dial_address = address.clone();
     let connect = tower::service_fn(move |_uri: http::Uri| {

@@ -445,7 +445,6 @@ impl AgentSettings {
             "xfr-channel-size",
         );
         check(self.probe_interval != d.probe_interval, "probe-interval");
-        check(self.keepalive_time != d.keepalive_time, "keepalive-time");
         ignored
     }
 
@@ -489,6 +488,7 @@ impl AgentSettings {
             });
         }
         config.credential_reload_interval = self.credential_reload_interval;
+        config.keepalive_time = self.keepalive_time;
         for alias in &self.host_alias {
             let parsed = alias
                 .split_once('=')

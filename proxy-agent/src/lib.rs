@@ -134,6 +134,8 @@ pub struct AgentConfig {
     pub dial_timeout: Duration,
     /// How often credential files are checked for rotation.
     pub credential_reload_interval: Duration,
+    /// HTTP/2 ping interval on tunnels (`--keepalive-time`); 0 disables pings.
+    pub keepalive_time: Duration,
     /// Names resolved to fixed addresses before DNS, like a pod's `hostAliases`.
     pub host_aliases: dial::HostAliases,
     /// How long [`RunningAgent::shutdown`] waits for open endpoint
@@ -163,6 +165,7 @@ impl AgentConfig {
             dial_timeout: Duration::from_secs(5),
             host_aliases: dial::HostAliases::new(),
             credential_reload_interval: cert_authority::reload::DEFAULT_INTERVAL,
+            keepalive_time: Duration::from_secs(3600),
             shutdown_grace: Duration::from_secs(5),
         }
     }

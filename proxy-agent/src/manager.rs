@@ -18,7 +18,7 @@ use cluster_proxy_proto::konnectivity::agent_service_client::AgentServiceClient;
 use cluster_proxy_proto::metadata;
 use cluster_proxy_proto::packet;
 use cluster_proxy_proto::transport::{
-    MAX_MESSAGE_SIZE, TransportError, connect_channel, host_port,
+    MAX_MESSAGE_SIZE, TransportError, connect_channel_with_keepalive, host_port,
 };
 use tokio::sync::{Notify, mpsc};
 use tokio_util::sync::CancellationToken;
@@ -236,11 +236,12 @@ async fn connect_once(shared: Arc<Shared>) -> Result<Outcome, ConnectError> {
     let config = &shared.config;
     let timeout = config.connect_timeout;
     let tls = shared.tls.borrow().clone();
-    let channel = connect_channel(
+    let channel = connect_channel_with_keepalive(
         &config.proxy_server_host,
         config.proxy_server_port,
         tls,
         timeout,
+        Some(config.keepalive_time),
     )
     .await?;
     let mut client = AgentServiceClient::new(channel)
