@@ -812,3 +812,63 @@ async fn dials_spread_over_an_identitys_agents_and_avoid_draining_ones() {
     assert_eq!(counts, [0, 6], "a draining agent got new dials");
     server.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_plain_agents_stalled_connection_is_closed_so_the_tunnel_keeps_moving() {
+    let pki = TestPki::new(&["cluster-a"]).unwrap();
+    let mut config = test_server_config();
+    config.plain_peer_buffer = 64 * 1024;
+    config.plain_peer_stall_timeout = Duration::from_millis(300);
+    let server = server_with(&pki, config).await;
+    // A plain konnectivity agent: no flow control, so the server must buffer.
+    let mut agent = agent(&pki, &server, "cluster-a", None).await;
+    let client = tunnel_client(pki.client_tls().unwrap(), server.client_addr)
+        .await
+        .unwrap();
+    let dial = {
+        let client = client.clone();
+        tokio::spawn(async move { client.dial("cluster-a:1").await })
+    };
+    let Frame::DialRequest { random, .. } = frame(agent.recv(STEP).await) else {
+        panic!("expected DIAL_REQ");
+    };
+    agent
+        .to_server
+        .send(packet::dial_response_ok(random, 1))
+        .await
+        .unwrap();
+    // The client never reads connection 1; the agent keeps sending (more than
+    // every HTTP/2 window on the way can hold).
+    let _stalled = dial.await.unwrap().unwrap();
+    let sender = agent.to_server.clone();
+    let flood = tokio::spawn(async move {
+        let chunk = Bytes::from(vec![1u8; 64 * 1024]);
+        for _ in 0..1024 {
+            if sender.send(packet::data(1, chunk.clone())).await.is_err() {
+                return;
+            }
+        }
+    });
+    // The server gives up on connection 1 instead of stalling the tunnel ...
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "stalled connection was never closed"
+        );
+        if let Frame::CloseRequest { connect_id: 1 } = frame(agent.recv(STEP).await) {
+            break;
+        }
+    }
+    flood.abort();
+    // ... and new dials still reach the agent.
+    let next = tokio::spawn(async move { client.dial("cluster-a:2").await });
+    loop {
+        match frame(agent.recv(STEP).await) {
+            Frame::DialRequest { address, .. } if address == "cluster-a:2" => break,
+            _ => {}
+        }
+    }
+    next.abort();
+    server.shutdown().await;
+}

@@ -34,6 +34,10 @@ pub const MIN_WINDOW: u32 = 64 * 1024;
 pub const DEFAULT_WINDOW: u32 = 2 * 1024 * 1024;
 /// Read chunk size for sockets feeding the tunnel.
 pub const READ_CHUNK: usize = 64 * 1024;
+/// How long a plain peer's data may wait for room in a full connection
+/// buffer before that one connection is closed to free the tunnel (the same
+/// 10 s the upstream client gives a reader that does not drain).
+pub const DEFAULT_STALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum FlowError {
@@ -43,6 +47,13 @@ pub enum FlowError {
     BadGrant(i64),
     #[error("connection closed")]
     Closed,
+    #[error(
+        "connection {connect_id} did not drain its buffer for {after:?}; closed to keep the tunnel moving"
+    )]
+    Stalled {
+        connect_id: i64,
+        after: std::time::Duration,
+    },
     #[error(
         "invalid flow-control window {0:?}: want a number of bytes between 65536 and 1073741824"
     )]
@@ -125,6 +136,7 @@ pub struct ReceiveQueue<E> {
     budget: Arc<Semaphore>,
     capacity: u32,
     strict: bool,
+    stall_timeout: std::time::Duration,
 }
 
 impl<E> Clone for ReceiveQueue<E> {
@@ -134,6 +146,7 @@ impl<E> Clone for ReceiveQueue<E> {
             budget: self.budget.clone(),
             capacity: self.capacity,
             strict: self.strict,
+            stall_timeout: self.stall_timeout,
         }
     }
 }
@@ -157,13 +170,22 @@ impl<E> ReceiveQueue<E> {
                 budget: Arc::new(Semaphore::new(capacity as usize)),
                 capacity,
                 strict: flow_controlled,
+                stall_timeout: DEFAULT_STALL_TIMEOUT,
             },
             ReceiveQueueRx { rx },
         )
     }
 
+    /// How long [`Self::push_data`] may wait for room (plain peers only).
+    pub fn with_stall_timeout(mut self, timeout: std::time::Duration) -> Self {
+        self.stall_timeout = timeout;
+        self
+    }
+
     /// Queues a payload. With flow control this never waits; without it, it
-    /// waits while the buffer is full.
+    /// waits while the buffer is full, up to the stall timeout
+    /// ([`FlowError::Stalled`]): one stalled connection may hold up its
+    /// tunnel only that long.
     pub async fn push_data(
         &self,
         bytes: &Bytes,
@@ -187,13 +209,16 @@ impl<E> ReceiveQueue<E> {
                     })?,
             )
         } else {
-            Some(
-                self.budget
-                    .clone()
-                    .acquire_many_owned(cost)
-                    .await
-                    .map_err(|_| FlowError::Closed)?,
-            )
+            let wait = self.budget.clone().acquire_many_owned(cost);
+            match tokio::time::timeout(self.stall_timeout, wait).await {
+                Ok(permit) => Some(permit.map_err(|_| FlowError::Closed)?),
+                Err(_) => {
+                    return Err(FlowError::Stalled {
+                        connect_id,
+                        after: self.stall_timeout,
+                    });
+                }
+            }
         };
         self.tx
             .send(Delivery {
@@ -371,6 +396,23 @@ mod tests {
         assert_eq!(rx.recv().await.unwrap().event, 1);
         blocked.await.unwrap().unwrap();
         assert_eq!(rx.recv().await.unwrap().event, 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stalled_plain_connection_gives_up_after_the_stall_timeout() {
+        let (q, _rx) = ReceiveQueue::<usize>::new(100, false);
+        let q = q.with_stall_timeout(std::time::Duration::from_secs(3));
+        let chunk = Bytes::from(vec![0u8; 100]);
+        q.push_data(&chunk, 9, 1).await.unwrap();
+        let started = tokio::time::Instant::now();
+        assert_eq!(
+            q.push_data(&chunk, 9, 2).await,
+            Err(FlowError::Stalled {
+                connect_id: 9,
+                after: std::time::Duration::from_secs(3)
+            })
+        );
+        assert_eq!(started.elapsed(), std::time::Duration::from_secs(3));
     }
 
     #[test]

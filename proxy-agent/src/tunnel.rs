@@ -416,8 +416,8 @@ impl Tunnel {
             .await
         {
             Ok(()) => {}
-            Err(e @ FlowError::WindowExceeded { .. }) => {
-                tracing::warn!(server_id = %self.params.server_id, connect_id, error = %e, "protocol violation; closing connection");
+            Err(e @ (FlowError::WindowExceeded { .. } | FlowError::Stalled { .. })) => {
+                tracing::warn!(server_id = %self.params.server_id, connect_id, error = %e, "closing connection");
                 abort.abort(e.to_string());
             }
             // The connection is closing; its CLOSE_RSP is on the way.

@@ -32,6 +32,7 @@ pub struct AgentEndpointSettings {
     pub allow_unbound_agents: bool,
     pub flow_control_window: u32,
     pub plain_peer_buffer: u32,
+    pub plain_peer_stall_timeout: std::time::Duration,
     pub ordered_capacity: usize,
 }
 
@@ -123,6 +124,7 @@ impl AgentService for AgentEndpoint {
             our_window: self.settings.flow_control_window,
             peer_window,
             plain_buffer: self.settings.plain_peer_buffer,
+            plain_stall_timeout: self.settings.plain_peer_stall_timeout,
             ordered_capacity: self.settings.ordered_capacity,
         };
         let (tunnel, outbound) = AgentTunnel::new(

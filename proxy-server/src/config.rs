@@ -81,6 +81,10 @@ pub struct ServerConfig {
     pub flow_control_window: u32,
     /// Per-connection buffer for plain konnectivity agents.
     pub plain_peer_buffer: u32,
+    /// How long a plain agent's data may wait on a full connection buffer
+    /// before that one connection is closed to keep its tunnel moving.
+    #[serde(with = "serde_go")]
+    pub plain_peer_stall_timeout: Duration,
     /// How often certificate files are checked for rotation.
     #[serde(with = "serde_go")]
     pub credential_reload_interval: Duration,
@@ -133,6 +137,7 @@ impl Default for ServerConfig {
             allow_unbound_agents: false,
             flow_control_window: DEFAULT_WINDOW,
             plain_peer_buffer: 4 * 1024 * 1024,
+            plain_peer_stall_timeout: cluster_proxy_proto::flow::DEFAULT_STALL_TIMEOUT,
             credential_reload_interval: cert_authority::reload::DEFAULT_INTERVAL,
             v: 0,
         }
@@ -300,6 +305,10 @@ pub struct Cli {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub plain_peer_buffer: Option<u32>,
+    /// Close a plain agent's connection whose buffer stayed full this long (Go duration).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub plain_peer_stall_timeout: Option<String>,
     /// How often certificate files are checked for rotation (Go duration).
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -348,6 +348,7 @@ pub async fn start_with_tls(
             allow_unbound_agents: config.allow_unbound_agents,
             flow_control_window: config.flow_control_window,
             plain_peer_buffer: config.plain_peer_buffer,
+            plain_peer_stall_timeout: config.plain_peer_stall_timeout,
             ordered_capacity: 256,
         },
         registry: registry.clone(),

@@ -37,6 +37,9 @@ pub struct TunnelSettings {
     pub peer_window: Option<u32>,
     /// Per-connection buffer for a plain konnectivity agent.
     pub plain_buffer: u32,
+    /// How long a plain agent's data may wait on a full connection buffer
+    /// before that connection is closed.
+    pub plain_stall_timeout: std::time::Duration,
     /// Capacity, in packets, of the ordered queue towards the agent.
     pub ordered_capacity: usize,
 }
@@ -364,6 +367,7 @@ impl AgentTunnel {
             self.settings.plain_buffer
         };
         let (queue, rx) = ReceiveQueue::new(capacity, flow_on);
+        let queue = queue.with_stall_timeout(self.settings.plain_stall_timeout);
         let credit = self
             .settings
             .peer_window
