@@ -1,0 +1,110 @@
+//! The `cert-authority` binary: `init` writes a usable PKI once and refuses to
+//! overwrite it; `run --once` keeps it current; bad input is a clear error.
+
+use std::process::{Command, Output};
+
+fn cert_authority(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_cert-authority"))
+        .args(args)
+        .env_remove("RUST_BACKTRACE")
+        .env_remove("RUST_LIB_BACKTRACE")
+        .output()
+        .expect("run cert-authority")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+#[test]
+fn init_then_run_and_refusals() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = dir.path().join("pki");
+    let pki_str = pki.to_str().unwrap();
+
+    let out = cert_authority(&[
+        "init",
+        "--dir",
+        pki_str,
+        "--clusters",
+        "cluster-a,cluster-b",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    for file in [
+        "ca/tls.crt",
+        "ca/tls.key",
+        "ca-bundle.crt",
+        "proxy-server/tls.crt",
+        "agent-server/tls.key",
+        "proxy-client/tls.crt",
+        "agents/cluster-a/tls.crt",
+        "agents/cluster-b/tls.key",
+    ] {
+        assert!(pki.join(file).is_file(), "{file} missing");
+    }
+
+    let again = cert_authority(&["init", "--dir", pki_str, "--clusters", "cluster-a"]);
+    assert!(!again.status.success());
+    assert!(
+        stderr(&again).contains("refusing to overwrite"),
+        "{}",
+        stderr(&again)
+    );
+
+    // A fresh PKI needs nothing; a new cluster gets its certificate.
+    let out = cert_authority(&[
+        "run",
+        "--dir",
+        pki_str,
+        "--clusters",
+        "cluster-a,cluster-b,cluster-c",
+        "--once",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(pki.join("agents/cluster-c/tls.crt").is_file());
+
+    let bad_name = cert_authority(&[
+        "init",
+        "--dir",
+        dir.path().join("x").to_str().unwrap(),
+        "--clusters",
+        "Bad_Name",
+    ]);
+    assert!(!bad_name.status.success());
+    assert!(
+        stderr(&bad_name).contains("DNS-1123"),
+        "{}",
+        stderr(&bad_name)
+    );
+
+    let bad_duration = cert_authority(&[
+        "init",
+        "--dir",
+        dir.path().join("y").to_str().unwrap(),
+        "--leaf-validity",
+        "soon",
+    ]);
+    assert!(!bad_duration.status.success());
+    assert!(
+        stderr(&bad_duration).contains("--leaf-validity"),
+        "{}",
+        stderr(&bad_duration)
+    );
+
+    let k8s = cert_authority(&["run", "--backend", "kubernetes", "--dir", pki_str, "--once"]);
+    assert!(!k8s.status.success());
+    assert!(stderr(&k8s).contains("only `files`"), "{}", stderr(&k8s));
+
+    let uninitialized = cert_authority(&[
+        "run",
+        "--dir",
+        dir.path().join("empty").to_str().unwrap(),
+        "--once",
+    ]);
+    assert!(!uninitialized.status.success());
+    assert!(
+        stderr(&uninitialized).contains("cert-authority init"),
+        "{}",
+        stderr(&uninitialized)
+    );
+}
