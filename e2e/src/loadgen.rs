@@ -7,36 +7,27 @@
 use std::net::SocketAddr;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::net::TcpListener;
-use tokio::task::JoinHandle;
+
+use crate::targets::TcpTarget;
 
 const CHUNK: usize = 256 * 1024;
 
-/// The bulk-transfer target. Aborted when dropped.
+/// The bulk-transfer target. Stops when dropped.
 pub struct BulkServer {
     pub addr: SocketAddr,
-    task: JoinHandle<()>,
+    _target: TcpTarget,
 }
 
 impl BulkServer {
     pub async fn start() -> std::io::Result<Self> {
-        let listener = TcpListener::bind("127.0.0.1:0").await?;
-        let addr = listener.local_addr()?;
-        let task = tokio::spawn(async move {
-            while let Ok((mut socket, _)) = listener.accept().await {
-                let _ = socket.set_nodelay(true);
-                tokio::spawn(async move {
-                    let _ = serve_bulk(&mut socket).await;
-                });
-            }
-        });
-        Ok(BulkServer { addr, task })
-    }
-}
-
-impl Drop for BulkServer {
-    fn drop(&mut self) {
-        self.task.abort();
+        let target = TcpTarget::serve(|mut socket| async move {
+            let _ = serve_bulk(&mut socket).await;
+        })
+        .await?;
+        Ok(BulkServer {
+            addr: target.addr,
+            _target: target,
+        })
     }
 }
 

@@ -2,47 +2,71 @@
 
 use std::net::SocketAddr;
 
+use std::future::Future;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpListener;
+
+use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 
-/// A TCP echo server on 127.0.0.1. Aborted when dropped.
-pub struct EchoServer {
+/// A TCP server on an ephemeral 127.0.0.1 port that runs `handler` for
+/// every accepted connection (with TCP_NODELAY). Stops when dropped.
+pub struct TcpTarget {
     pub addr: SocketAddr,
     task: JoinHandle<()>,
 }
 
-impl EchoServer {
-    pub async fn start() -> std::io::Result<Self> {
+impl TcpTarget {
+    pub async fn serve<F, Fut>(handler: F) -> std::io::Result<Self>
+    where
+        F: Fn(TcpStream) -> Fut + Send + 'static,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let task = tokio::spawn(async move {
-            while let Ok((mut socket, _)) = listener.accept().await {
+            while let Ok((socket, _)) = listener.accept().await {
                 let _ = socket.set_nodelay(true);
-                tokio::spawn(async move {
-                    let (mut r, mut w) = socket.split();
-                    let mut buf = vec![0u8; 64 * 1024];
-                    loop {
-                        match r.read(&mut buf).await {
-                            Ok(0) | Err(_) => break,
-                            Ok(n) => {
-                                if w.write_all(&buf[..n]).await.is_err() {
-                                    break;
-                                }
-                            }
-                        }
-                    }
-                    let _ = w.shutdown().await;
-                });
+                tokio::spawn(handler(socket));
             }
         });
-        Ok(EchoServer { addr, task })
+        Ok(TcpTarget { addr, task })
     }
 }
 
-impl Drop for EchoServer {
+impl Drop for TcpTarget {
     fn drop(&mut self) {
         self.task.abort();
+    }
+}
+
+/// A TCP echo server on 127.0.0.1. Stops when dropped.
+pub struct EchoServer {
+    pub addr: SocketAddr,
+    _target: TcpTarget,
+}
+
+impl EchoServer {
+    pub async fn start() -> std::io::Result<Self> {
+        let target = TcpTarget::serve(|mut socket| async move {
+            let (mut r, mut w) = socket.split();
+            let mut buf = vec![0u8; 64 * 1024];
+            loop {
+                match r.read(&mut buf).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => {
+                        if w.write_all(&buf[..n]).await.is_err() {
+                            break;
+                        }
+                    }
+                }
+            }
+            let _ = w.shutdown().await;
+        })
+        .await?;
+        Ok(EchoServer {
+            addr: target.addr,
+            _target: target,
+        })
     }
 }
 
@@ -50,43 +74,35 @@ impl Drop for EchoServer {
 /// body, then closing — enough for curl and Python clients.
 pub struct HttpServer {
     pub addr: SocketAddr,
-    task: JoinHandle<()>,
+    _target: TcpTarget,
 }
 
 impl HttpServer {
     pub async fn start(body: &'static str) -> std::io::Result<Self> {
-        let listener = TcpListener::bind("127.0.0.1:0").await?;
-        let addr = listener.local_addr()?;
-        let task = tokio::spawn(async move {
-            while let Ok((mut socket, _)) = listener.accept().await {
-                tokio::spawn(async move {
-                    let mut head = Vec::new();
-                    let mut buf = [0u8; 4096];
-                    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-                        match socket.read(&mut buf).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => head.extend_from_slice(&buf[..n]),
-                        }
-                        if head.len() > 64 * 1024 {
-                            return;
-                        }
-                    }
-                    let response = format!(
-                        "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                        body.len()
-                    );
-                    let _ = socket.write_all(response.as_bytes()).await;
-                    let _ = socket.shutdown().await;
-                });
+        let target = TcpTarget::serve(move |mut socket| async move {
+            let mut head = Vec::new();
+            let mut buf = [0u8; 4096];
+            while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                match socket.read(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => head.extend_from_slice(&buf[..n]),
+                }
+                if head.len() > 64 * 1024 {
+                    return;
+                }
             }
-        });
-        Ok(HttpServer { addr, task })
-    }
-}
-
-impl Drop for HttpServer {
-    fn drop(&mut self) {
-        self.task.abort();
+            let response = format!(
+                "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = socket.write_all(response.as_bytes()).await;
+            let _ = socket.shutdown().await;
+        })
+        .await?;
+        Ok(HttpServer {
+            addr: target.addr,
+            _target: target,
+        })
     }
 }
 

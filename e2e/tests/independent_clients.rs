@@ -69,6 +69,41 @@ fn python_with_grpcio() -> Result<PathBuf, String> {
     Ok(python)
 }
 
+/// A server and an agent of `cluster-a` with PEM files on disk for the
+/// external clients, an HTTP target and a port nothing listens on.
+struct Setup {
+    certs: tempfile::TempDir,
+    server: proxy_server::RunningServer,
+    _agent: AgentUnderTest,
+    target: HttpServer,
+    refused: std::net::SocketAddr,
+}
+
+async fn setup() -> Setup {
+    let pki = TestPki::new(&["cluster-a"]).unwrap();
+    let certs = tempfile::tempdir().unwrap();
+    pki.write(certs.path()).unwrap();
+    let server = proxy_server::start_with_tls(test_server_config(), pki.server_tls().unwrap())
+        .await
+        .unwrap();
+    let agent = AgentUnderTest::start(
+        &pki,
+        "cluster-a",
+        server.agent_addr,
+        &[("cluster-a", "127.0.0.1")],
+    )
+    .await
+    .unwrap();
+    assert!(wait_until(Duration::from_secs(10), || server.tunnel_count() == 1).await);
+    Setup {
+        certs,
+        server,
+        _agent: agent,
+        target: HttpServer::start(BODY).await.unwrap(),
+        refused: closed_port().await.unwrap(),
+    }
+}
+
 #[tokio::test]
 async fn python_grpcio_client_reaches_a_target_through_the_tunnel() {
     let python = match python_with_grpcio() {
@@ -91,23 +126,13 @@ async fn python_grpcio_client_reaches_a_target_through_the_tunnel() {
         String::from_utf8_lossy(&out.stderr)
     );
 
-    let pki = TestPki::new(&["cluster-a"]).unwrap();
-    let certs = tempfile::tempdir().unwrap();
-    pki.write(certs.path()).unwrap();
-    let server = proxy_server::start_with_tls(test_server_config(), pki.server_tls().unwrap())
-        .await
-        .unwrap();
-    let _agent = AgentUnderTest::start(
-        &pki,
-        "cluster-a",
-        server.agent_addr,
-        &[("cluster-a", "127.0.0.1")],
-    )
-    .await
-    .unwrap();
-    assert!(wait_until(Duration::from_secs(10), || server.tunnel_count() == 1).await);
-    let target = HttpServer::start(BODY).await.unwrap();
-    let refused = closed_port().await.unwrap();
+    let Setup {
+        certs,
+        server,
+        _agent,
+        target,
+        refused,
+    } = setup().await;
 
     let run = |address: String| {
         let python = python.clone();
@@ -152,23 +177,13 @@ async fn curl_reaches_a_target_with_http_connect() {
     if Command::new("curl").arg("--version").output().is_err() {
         return missing("curl", "not on PATH");
     }
-    let pki = TestPki::new(&["cluster-a"]).unwrap();
-    let certs = tempfile::tempdir().unwrap();
-    pki.write(certs.path()).unwrap();
-    let server = proxy_server::start_with_tls(test_server_config(), pki.server_tls().unwrap())
-        .await
-        .unwrap();
-    let _agent = AgentUnderTest::start(
-        &pki,
-        "cluster-a",
-        server.agent_addr,
-        &[("cluster-a", "127.0.0.1")],
-    )
-    .await
-    .unwrap();
-    assert!(wait_until(Duration::from_secs(10), || server.tunnel_count() == 1).await);
-    let target = HttpServer::start(BODY).await.unwrap();
-    let refused = closed_port().await.unwrap();
+    let Setup {
+        certs,
+        server,
+        _agent,
+        target,
+        refused,
+    } = setup().await;
 
     let curl = |url: String| {
         let dir = certs.path().to_owned();
