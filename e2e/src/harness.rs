@@ -125,10 +125,20 @@ pub async fn http_connect(
     server: SocketAddr,
     target: &str,
 ) -> Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>, ConnectError> {
+    http_connect_to(tls, server, "localhost", target).await
+}
+
+/// [`http_connect`] verifying the server certificate for `server_name`.
+pub async fn http_connect_to(
+    tls: Arc<rustls::ClientConfig>,
+    server: SocketAddr,
+    server_name: &str,
+    target: &str,
+) -> Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>, ConnectError> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let tcp = tokio::net::TcpStream::connect(server).await?;
     tcp.set_nodelay(true)?;
-    let name = rustls::pki_types::ServerName::try_from("localhost")
+    let name = rustls::pki_types::ServerName::try_from(server_name.to_string())
         .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
     let mut stream = tokio_rustls::TlsConnector::from(tls)
         .connect(name, tcp)

@@ -1,0 +1,739 @@
+//! The local multi-cluster environment: a hub with a cert-authority, two (or
+//! more) proxy-server replicas behind a load balancer, and N managed
+//! clusters, each with a proxy-agent and sample services — every one a real
+//! process, built from this workspace.
+//!
+//! Where the machine allows it (root and `ip netns`), each managed cluster
+//! lives in its own network namespace that can reach only the hub's agent
+//! port ([`netns`]); the hub cannot reach a cluster's services except
+//! through the tunnel. Elsewhere everything runs on loopback addresses of
+//! its own (127.18.x.y) and says so.
+//!
+//! `cargo run -p e2e -- up` drives this from the command line; the scenario
+//! tests (`tests/scenarios.rs`) start the same environment in-process.
+
+pub mod balancer;
+pub mod binaries;
+pub mod client;
+pub mod netns;
+pub mod process;
+pub mod registry;
+pub mod sample;
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use cert_authority::pki::{Authority, LeafRequest};
+use serde::{Deserialize, Serialize};
+
+use self::binaries::{Binaries, BuildError, Progress};
+use self::client::{Frontend, HubClient};
+use self::netns::{NetnsError, Topology};
+use self::process::{Logs, ProcessError, ProcessSpec, Supervised};
+use self::registry::{ProcessRecord, Record};
+
+/// Agent port of the load balancer in front of the replicas (the
+/// Kubernetes Service an agent dials).
+pub const AGENT_SERVICE_PORT: u16 = 8091;
+
+/// The ports of replica `index` on the hub address.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+pub struct ReplicaPorts {
+    pub client: u16,
+    pub agent: u16,
+    pub health: u16,
+    pub admin: u16,
+}
+
+impl ReplicaPorts {
+    pub fn of(index: usize) -> Self {
+        let step = 100 * index as u16;
+        ReplicaPorts {
+            client: 8090 + step,
+            agent: 9091 + step,
+            health: 8092 + step,
+            admin: 8095 + step,
+        }
+    }
+}
+
+/// How managed clusters are separated from the hub.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum IsolationChoice {
+    /// Network namespaces when possible, loopback otherwise.
+    #[default]
+    Auto,
+    /// Network namespaces or fail.
+    Netns,
+    /// Loopback only.
+    Loopback,
+}
+
+/// What an environment ended up with.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Isolation {
+    Netns,
+    /// Everything on loopback, for the given reason.
+    Loopback(String),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum EnvError {
+    #[error("network namespaces are required but unavailable: {0}")]
+    NetnsUnavailable(String),
+    #[error(transparent)]
+    Netns(#[from] NetnsError),
+    #[error(transparent)]
+    Build(#[from] BuildError),
+    #[error(transparent)]
+    Process(#[from] ProcessError),
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("PKI: {0}")]
+    Pki(String),
+    #[error("invalid cluster name {0:?}: {1}")]
+    ClusterName(String, String),
+    #[error("no free address slot 198.18.x.0/24 (or 127.18.x.0/24) for a new environment")]
+    NoSlot,
+    #[error("{0}")]
+    NotReady(String),
+    #[error(
+        "environment {id} is already running (supervised by pid {owner}); stop it with `cargo run -p e2e -- down`"
+    )]
+    AlreadyRunning { id: String, owner: u32 },
+}
+
+fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> EnvError {
+    let what = what.into();
+    move |source| EnvError::Io { what, source }
+}
+
+/// What to start.
+#[derive(Debug, Clone)]
+pub struct EnvOptions {
+    pub clusters: Vec<String>,
+    pub replicas: usize,
+    /// Keep PKI and logs here; a temporary directory otherwise.
+    pub state_dir: Option<PathBuf>,
+    pub isolation: IsolationChoice,
+    /// Print every process's log lines to stdout.
+    pub echo_logs: bool,
+    pub progress: Progress,
+    /// Environment id (namespace and interface names); at most 8 characters
+    /// of `[a-z0-9]`. Random when `None`.
+    pub id: Option<String>,
+    /// Third octet of the environment's addresses; a free one when `None`.
+    pub slot: Option<u8>,
+    /// Validity of leaf certificates (Go duration).
+    pub leaf_validity: String,
+    /// How often cert-authority checks the PKI (Go duration).
+    pub ca_interval: String,
+    /// How often servers and agents look for new credential files.
+    pub credential_reload_interval: String,
+}
+
+impl EnvOptions {
+    /// `n` clusters named `cluster-a`, `cluster-b`, … (then `cluster-27`, …).
+    pub fn cluster_names(n: usize) -> Vec<String> {
+        (0..n)
+            .map(|i| {
+                if i < 26 {
+                    format!("cluster-{}", (b'a' + i as u8) as char)
+                } else {
+                    format!("cluster-{}", i + 1)
+                }
+            })
+            .collect()
+    }
+
+    pub fn new(clusters: usize) -> Self {
+        EnvOptions {
+            clusters: Self::cluster_names(clusters),
+            replicas: 2,
+            state_dir: None,
+            isolation: IsolationChoice::Auto,
+            echo_logs: false,
+            progress: Progress::Quiet,
+            id: None,
+            slot: None,
+            leaf_validity: "2160h".into(),
+            ca_interval: "1m".into(),
+            credential_reload_interval: "10s".into(),
+        }
+    }
+}
+
+/// One proxy-server replica.
+pub struct Replica {
+    pub name: String,
+    pub ports: ReplicaPorts,
+    pub process: Supervised,
+}
+
+/// One managed cluster.
+pub struct Cluster {
+    pub name: String,
+    pub netns: Option<String>,
+    /// Where the cluster's sample services listen (inside its network).
+    pub service_ip: IpAddr,
+    pub agent: Supervised,
+    pub services: Supervised,
+    /// The CA of the cluster's stand-in kube-apiserver certificate.
+    pub apiserver_ca: PathBuf,
+}
+
+/// What `e2e fetch` and users need to know about a running environment,
+/// written to `<state>/env.json`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Summary {
+    pub id: String,
+    pub isolation: Isolation,
+    pub hub_addr: IpAddr,
+    pub pki_dir: PathBuf,
+    pub state_dir: PathBuf,
+    pub logs_dir: PathBuf,
+    pub servers: Vec<(String, ReplicaPorts)>,
+    pub clusters: Vec<ClusterSummary>,
+    pub hub_netns: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ClusterSummary {
+    pub name: String,
+    pub netns: Option<String>,
+    pub service_ip: IpAddr,
+    pub apiserver_ca: PathBuf,
+}
+
+impl Summary {
+    pub fn file(state_dir: &Path) -> PathBuf {
+        state_dir.join("env.json")
+    }
+
+    pub fn load(state_dir: &Path) -> Result<Self, EnvError> {
+        let path = Self::file(state_dir);
+        let text = std::fs::read_to_string(&path).map_err(io(path.display().to_string()))?;
+        serde_json::from_str(&text).map_err(|e| EnvError::Io {
+            what: path.display().to_string(),
+            source: std::io::Error::other(e),
+        })
+    }
+
+    pub fn client_addr(&self, replica: usize) -> Option<SocketAddr> {
+        let (_, ports) = self.servers.get(replica)?;
+        Some(SocketAddr::new(self.hub_addr, ports.client))
+    }
+}
+
+/// A running environment. Dropping it kills every process and removes the
+/// namespaces; [`Environment::shutdown`] does so gracefully.
+pub struct Environment {
+    pub summary: Summary,
+    pub binaries: Binaries,
+    pub logs: Logs,
+    pub cert_authority: Supervised,
+    pub balancer: Supervised,
+    pub replicas: Vec<Replica>,
+    pub clusters: Vec<Cluster>,
+    topology: Option<Topology>,
+    record: Record,
+    _temporary_state: Option<tempfile::TempDir>,
+}
+
+fn random_id() -> String {
+    format!("{:06x}", rand::random::<u32>() & 0xff_ffff)
+}
+
+fn choose_isolation(choice: IsolationChoice) -> Result<Isolation, EnvError> {
+    match choice {
+        IsolationChoice::Loopback => Ok(Isolation::Loopback("loopback was asked for".into())),
+        IsolationChoice::Netns => netns::availability()
+            .map(|()| Isolation::Netns)
+            .map_err(EnvError::NetnsUnavailable),
+        IsolationChoice::Auto => Ok(match netns::availability() {
+            Ok(()) => Isolation::Netns,
+            Err(reason) => Isolation::Loopback(reason),
+        }),
+    }
+}
+
+fn loopback_slot_is_free(slot: u8) -> bool {
+    let addr = SocketAddr::new(
+        IpAddr::V4(Ipv4Addr::new(127, 18, slot, 1)),
+        AGENT_SERVICE_PORT,
+    );
+    std::net::TcpListener::bind(addr).is_ok()
+}
+
+fn choose_slot(isolation: &Isolation, wanted: Option<u8>) -> Result<u8, EnvError> {
+    let free = |slot: u8| match isolation {
+        Isolation::Netns => netns::slot_is_free(slot),
+        Isolation::Loopback(_) => loopback_slot_is_free(slot),
+    };
+    if let Some(slot) = wanted {
+        return Ok(slot);
+    }
+    let start = rand::random::<u8>() % 250;
+    (0..250u16)
+        .map(|offset| 1 + ((u16::from(start) + offset) % 250) as u8)
+        .find(|slot| free(*slot))
+        .ok_or(EnvError::NoSlot)
+}
+
+/// The stand-in kube-apiserver credentials of one cluster, from a CA of the
+/// cluster's own (as a real cluster has).
+fn write_apiserver_pki(dir: &Path, cluster: &str, service_ip: IpAddr) -> Result<PathBuf, EnvError> {
+    std::fs::create_dir_all(dir).map_err(io(dir.display().to_string()))?;
+    let ca = Authority::generate(
+        &format!("{cluster}-apiserver-ca"),
+        Duration::from_secs(86400 * 365),
+    )
+    .map_err(|e| EnvError::Pki(e.to_string()))?;
+    let ip = service_ip.to_string();
+    let leaf = ca
+        .issue(&LeafRequest::server(
+            "kube-apiserver",
+            &[cluster, "kubernetes", "kubernetes.default.svc", &ip],
+        ))
+        .map_err(|e| EnvError::Pki(e.to_string()))?;
+    let write = |name: &str, content: &str, private: bool| {
+        cert_authority::files::write_atomically(&dir.join(name), content, private)
+            .map_err(|e| EnvError::Pki(e.to_string()))
+    };
+    write("ca.crt", ca.cert_pem(), false)?;
+    write("tls.crt", &leaf.cert_pem, false)?;
+    write("tls.key", &leaf.key_pem, true)?;
+    Ok(dir.join("ca.crt"))
+}
+
+impl Environment {
+    /// Builds the binaries and starts everything; returns once every process
+    /// is started (not yet ready: see [`Environment::wait_ready`]).
+    pub async fn start(options: EnvOptions) -> Result<Self, EnvError> {
+        for name in &options.clusters {
+            cluster_proxy_proto::identity::ClusterName::new(name)
+                .map_err(|e| EnvError::ClusterName(name.clone(), e.to_string()))?;
+        }
+        registry::clean_orphans();
+        let binaries = Binaries::build(options.progress)?;
+        let isolation = choose_isolation(options.isolation)?;
+        let id = options.id.clone().unwrap_or_else(random_id);
+        if let Some(existing) = Record::all().into_iter().find(|r| r.id == id) {
+            return Err(EnvError::AlreadyRunning {
+                id,
+                owner: existing.owner,
+            });
+        }
+        let slot = choose_slot(&isolation, options.slot)?;
+
+        let (temporary_state, state_dir) = match &options.state_dir {
+            Some(dir) => {
+                std::fs::create_dir_all(dir).map_err(io(dir.display().to_string()))?;
+                let dir = std::fs::canonicalize(dir).map_err(io(dir.display().to_string()))?;
+                (None, dir)
+            }
+            None => {
+                let dir = tempfile::Builder::new()
+                    .prefix("cluster-proxy-e2e-")
+                    .tempdir()
+                    .map_err(io("temporary state directory"))?;
+                let path = dir.path().to_path_buf();
+                (Some(dir), path)
+            }
+        };
+        let logs_dir = state_dir.join("logs");
+        std::fs::create_dir_all(&logs_dir).map_err(io(logs_dir.display().to_string()))?;
+        let logs = Logs::new(&logs_dir, options.echo_logs);
+
+        let mut record = Record {
+            id: id.clone(),
+            owner: std::process::id(),
+            netns: Vec::new(),
+            processes: Vec::new(),
+            state_dir: state_dir.clone(),
+            temporary_state: temporary_state.as_ref().map(|d| d.path().to_path_buf()),
+        };
+
+        let topology = match isolation {
+            Isolation::Netns => {
+                let topology = Topology::new(&id, slot, &options.clusters);
+                record.netns.push(topology.hub_netns());
+                record
+                    .netns
+                    .extend((0..options.clusters.len()).map(|i| topology.cluster_netns(i)));
+                record.save().map_err(io("environment record"))?;
+                topology.create()?;
+                Some(topology)
+            }
+            Isolation::Loopback(_) => {
+                record.save().map_err(io("environment record"))?;
+                None
+            }
+        };
+        let hub_addr = match &topology {
+            Some(t) => IpAddr::V4(t.hub_addr()),
+            None => IpAddr::V4(Ipv4Addr::new(127, 18, slot, 1)),
+        };
+        let hub_netns = topology.as_ref().map(Topology::hub_netns);
+
+        // The PKI: one command, as a user would run it.
+        let pki_dir = state_dir.join("pki");
+        let cluster_list = options.clusters.join(",");
+        let hub_ip = hub_addr.to_string();
+        if !pki_dir.join("ca-bundle.crt").exists() {
+            let out = std::process::Command::new(&binaries.cert_authority)
+                .args(["init", "--dir"])
+                .arg(&pki_dir)
+                .args(["--clusters", &cluster_list, "--additional-san", &hub_ip])
+                .args(["--leaf-validity", &options.leaf_validity])
+                .output()
+                .map_err(io("running cert-authority init"))?;
+            if !out.status.success() {
+                return Err(EnvError::Pki(
+                    String::from_utf8_lossy(&out.stderr).into_owned(),
+                ));
+            }
+        }
+        let pki = |rel: &str| pki_dir.join(rel).display().to_string();
+
+        let mut environment = Environment {
+            summary: Summary {
+                id: id.clone(),
+                isolation: isolation.clone(),
+                hub_addr,
+                pki_dir: pki_dir.clone(),
+                state_dir: state_dir.clone(),
+                logs_dir: logs_dir.clone(),
+                servers: Vec::new(),
+                clusters: Vec::new(),
+                hub_netns: hub_netns.clone(),
+            },
+            cert_authority: Supervised::start(
+                ProcessSpec::new("cert-authority", &binaries.cert_authority)
+                    .args(["run", "--backend", "files", "--dir", &pki("")])
+                    .args(["--clusters", &cluster_list, "--additional-san", &hub_ip])
+                    .args(["--interval", &options.ca_interval])
+                    .args(["--leaf-validity", &options.leaf_validity])
+                    .in_netns(hub_netns.clone()),
+                &logs,
+            )?,
+            balancer: Supervised::start(
+                ProcessSpec::new("agent-lb", &binaries.e2e)
+                    .args([
+                        "balance".to_string(),
+                        "--listen".into(),
+                        SocketAddr::new(hub_addr, AGENT_SERVICE_PORT).to_string(),
+                    ])
+                    .args((0..options.replicas).flat_map(|r| {
+                        [
+                            "--backend".to_string(),
+                            SocketAddr::new(hub_addr, ReplicaPorts::of(r).agent).to_string(),
+                        ]
+                    }))
+                    .in_netns(hub_netns.clone()),
+                &logs,
+            )?,
+            replicas: Vec::new(),
+            clusters: Vec::new(),
+            binaries: binaries.clone(),
+            logs: logs.clone(),
+            topology,
+            record,
+            _temporary_state: temporary_state,
+        };
+        environment.remember_processes();
+
+        for r in 0..options.replicas {
+            let name = format!("proxy-server-{r}");
+            let ports = ReplicaPorts::of(r);
+            let spec = ProcessSpec::new(&name, &binaries.proxy_server)
+                .args([
+                    format!("--server-id=server-{r}"),
+                    format!("--server-count={}", options.replicas),
+                    "--proxy-strategies=destHost".into(),
+                    format!("--server-bind-address={hub_ip}"),
+                    format!("--server-port={}", ports.client),
+                    format!("--agent-bind-address={hub_ip}"),
+                    format!("--agent-port={}", ports.agent),
+                    format!("--health-bind-address={hub_ip}"),
+                    format!("--health-port={}", ports.health),
+                    format!("--admin-bind-address={hub_ip}"),
+                    format!("--admin-port={}", ports.admin),
+                    format!("--server-cert={}", pki("proxy-server/tls.crt")),
+                    format!("--server-key={}", pki("proxy-server/tls.key")),
+                    format!("--server-ca-cert={}", pki("ca-bundle.crt")),
+                    format!("--cluster-cert={}", pki("agent-server/tls.crt")),
+                    format!("--cluster-key={}", pki("agent-server/tls.key")),
+                    format!("--cluster-ca-cert={}", pki("ca-bundle.crt")),
+                    format!(
+                        "--credential-reload-interval={}",
+                        options.credential_reload_interval
+                    ),
+                ])
+                .in_netns(hub_netns.clone());
+            environment.replicas.push(Replica {
+                name: name.clone(),
+                ports,
+                process: Supervised::start(spec, &logs)?,
+            });
+            environment.summary.servers.push((name, ports));
+            environment.remember_processes();
+        }
+
+        for (index, name) in options.clusters.iter().enumerate() {
+            let (cluster_netns, service_ip) = match &environment.topology {
+                Some(t) => (
+                    Some(t.cluster_netns(index)),
+                    IpAddr::V4(netns::CLUSTER_SERVICE_ADDR),
+                ),
+                None => (
+                    None,
+                    IpAddr::V4(Ipv4Addr::new(127, 18, slot, 10 + index as u8)),
+                ),
+            };
+            let cluster_dir = state_dir.join("clusters").join(name);
+            let apiserver_ca = write_apiserver_pki(&cluster_dir, name, service_ip)?;
+            let services = Supervised::start(
+                ProcessSpec::new(&format!("{name}/services"), &binaries.e2e)
+                    .args([
+                        "sample".to_string(),
+                        "--cluster".into(),
+                        name.clone(),
+                        "--ip".into(),
+                        service_ip.to_string(),
+                        "--cert".into(),
+                        cluster_dir.join("tls.crt").display().to_string(),
+                        "--key".into(),
+                        cluster_dir.join("tls.key").display().to_string(),
+                    ])
+                    .in_netns(cluster_netns.clone()),
+                &logs,
+            )?;
+            let agent = Supervised::start(
+                Self::agent_spec(
+                    &binaries,
+                    &pki_dir,
+                    name,
+                    name,
+                    service_ip,
+                    hub_addr,
+                    &options.credential_reload_interval,
+                )
+                .in_netns(cluster_netns.clone()),
+                &logs,
+            )?;
+            environment.summary.clusters.push(ClusterSummary {
+                name: name.clone(),
+                netns: cluster_netns.clone(),
+                service_ip,
+                apiserver_ca: apiserver_ca.clone(),
+            });
+            environment.clusters.push(Cluster {
+                name: name.clone(),
+                netns: cluster_netns,
+                service_ip,
+                agent,
+                services,
+                apiserver_ca,
+            });
+            environment.remember_processes();
+        }
+
+        let summary_path = Summary::file(&state_dir);
+        let text = serde_json::to_string_pretty(&environment.summary)
+            .map_err(|e| EnvError::Pki(e.to_string()))?;
+        std::fs::write(&summary_path, text).map_err(io(summary_path.display().to_string()))?;
+        Ok(environment)
+    }
+
+    /// The command line of a proxy-agent serving `cluster` with the
+    /// certificate of `cert_cluster` (the same, except when a test
+    /// impersonates another cluster).
+    pub fn agent_spec(
+        binaries: &Binaries,
+        pki_dir: &Path,
+        cluster: &str,
+        cert_cluster: &str,
+        service_ip: IpAddr,
+        hub_addr: IpAddr,
+        reload: &str,
+    ) -> ProcessSpec {
+        let pki = |rel: &str| pki_dir.join(rel).display().to_string();
+        ProcessSpec::new(&format!("{cluster}/proxy-agent"), &binaries.proxy_agent).args([
+            format!("--proxy-server-host={hub_addr}"),
+            format!("--proxy-server-port={AGENT_SERVICE_PORT}"),
+            format!("--ca-cert={}", pki("ca-bundle.crt")),
+            format!(
+                "--agent-cert={}",
+                pki(&format!("agents/{cert_cluster}/tls.crt"))
+            ),
+            format!(
+                "--agent-key={}",
+                pki(&format!("agents/{cert_cluster}/tls.key"))
+            ),
+            format!("--agent-id={cluster}-agent"),
+            format!("--agent-identifiers=host={cluster}"),
+            format!("--host-alias={cluster}={service_ip}"),
+            format!("--health-server-host={service_ip}"),
+            format!("--admin-bind-address={service_ip}"),
+            format!("--credential-reload-interval={reload}"),
+            "--keepalive-time=10s".into(),
+        ])
+    }
+
+    fn remember_processes(&mut self) {
+        let mut processes = Vec::new();
+        let mut add = |process: &Supervised| {
+            if let Some(pid) = process.pid() {
+                processes.push(ProcessRecord {
+                    pid,
+                    exe: process.spec.program.clone(),
+                });
+            }
+        };
+        add(&self.cert_authority);
+        add(&self.balancer);
+        for replica in &self.replicas {
+            add(&replica.process);
+        }
+        for cluster in &self.clusters {
+            add(&cluster.agent);
+            add(&cluster.services);
+        }
+        self.record.processes = processes;
+        let _ = self.record.save();
+    }
+
+    /// Call after (re)starting a process so a crash cleanup finds it.
+    pub fn processes_changed(&mut self) {
+        self.remember_processes();
+    }
+
+    pub fn hub_client(&self) -> Result<HubClient, EnvError> {
+        HubClient::from_pki_dir(&self.summary.pki_dir).map_err(|e| EnvError::Pki(e.to_string()))
+    }
+
+    pub fn client_addr(&self, replica: usize) -> SocketAddr {
+        SocketAddr::new(self.summary.hub_addr, self.replicas[replica].ports.client)
+    }
+
+    /// Whether `cluster`'s HTTP service answers through `replica` via
+    /// `frontend`; the error says why not.
+    pub async fn check_reachable(
+        &self,
+        client: &HubClient,
+        replica: usize,
+        cluster: usize,
+        frontend: Frontend,
+    ) -> Result<(), String> {
+        let name = &self.clusters[cluster].name;
+        let target = format!("{name}:{}", sample::HTTP_PORT);
+        match client
+            .http_get(frontend, self.client_addr(replica), &target, "/")
+            .await
+        {
+            Ok(body) if body == sample::greeting(name) => Ok(()),
+            Ok(body) => Err(format!("{target} answered {body:?}")),
+            Err(err) => Err(err.to_string()),
+        }
+    }
+
+    /// Waits until every cluster answers through every live replica over
+    /// gRPC, i.e. every agent holds a tunnel to every replica.
+    pub async fn wait_ready(&self, timeout: Duration) -> Result<Duration, EnvError> {
+        let started = Instant::now();
+        let client = self.hub_client()?.with_timeout(Duration::from_secs(2));
+        loop {
+            let mut missing = Vec::new();
+            for replica in 0..self.replicas.len() {
+                for cluster in 0..self.clusters.len() {
+                    if let Err(err) = self
+                        .check_reachable(&client, replica, cluster, Frontend::Grpc)
+                        .await
+                    {
+                        missing.push(format!(
+                            "{} via {}: {err}",
+                            self.clusters[cluster].name, self.replicas[replica].name
+                        ));
+                    }
+                }
+            }
+            if missing.is_empty() {
+                return Ok(started.elapsed());
+            }
+            if started.elapsed() > timeout {
+                return Err(EnvError::NotReady(format!(
+                    "not ready after {timeout:?}:\n  {}",
+                    missing.join("\n  ")
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// Runs `e2e probe ADDR` from the hub's network (netns only): whether a
+    /// TCP connection from the hub to `addr` succeeds, and what happened.
+    pub async fn probe_from_hub(&self, addr: SocketAddr) -> Result<(bool, String), EnvError> {
+        self.probe_from(self.summary.hub_netns.as_deref(), addr)
+            .await
+    }
+
+    /// The same probe from inside a network namespace (`None`: this one).
+    pub async fn probe_from(
+        &self,
+        netns: Option<&str>,
+        addr: SocketAddr,
+    ) -> Result<(bool, String), EnvError> {
+        let mut command = match netns {
+            Some(ns) => {
+                let mut command = tokio::process::Command::new("ip");
+                command.args(["netns", "exec", ns]).arg(&self.binaries.e2e);
+                command
+            }
+            None => tokio::process::Command::new(&self.binaries.e2e),
+        };
+        let out = command
+            .args(["probe", &addr.to_string()])
+            .output()
+            .await
+            .map_err(io("running e2e probe"))?;
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok((out.status.success(), text.trim().to_string()))
+    }
+
+    /// Stops everything: agents first (so servers see clean goodbyes), then
+    /// the hub, then removes the namespaces and the record.
+    pub async fn shutdown(mut self) {
+        let grace = Duration::from_secs(5);
+        for cluster in &mut self.clusters {
+            cluster.agent.stop(grace).await;
+            cluster.services.stop(grace).await;
+        }
+        for replica in &mut self.replicas {
+            replica.process.stop(grace).await;
+        }
+        self.balancer.stop(grace).await;
+        self.cert_authority.stop(grace).await;
+        // Drop removes the namespaces, the record and a temporary state dir.
+    }
+}
+
+impl Drop for Environment {
+    fn drop(&mut self) {
+        // Processes die with their handles (kill_on_drop); the namespaces
+        // would not.
+        if let Some(topology) = &self.topology {
+            topology.destroy();
+        }
+        Record::remove(&self.record.id);
+    }
+}

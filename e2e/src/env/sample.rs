@@ -1,0 +1,148 @@
+//! The sample services of one managed cluster, run as their own process
+//! inside the cluster's network: an HTTP service that names its cluster, a
+//! TLS endpoint answering `/healthz` with `ok` (standing in for the
+//! cluster's kube-apiserver), and a TCP echo service for long-lived traffic.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+use tokio::io::AsyncWriteExt;
+use tokio::net::{TcpListener, TcpStream};
+use tokio_rustls::TlsAcceptor;
+
+/// Ports of the sample services (the same in every cluster).
+pub const HTTP_PORT: u16 = 8080;
+pub const APISERVER_PORT: u16 = 6443;
+pub const ECHO_PORT: u16 = 7000;
+
+#[derive(Debug, thiserror::Error)]
+pub enum SampleError {
+    #[error("binding {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("TLS credentials: {0}")]
+    Tls(String),
+}
+
+/// What the HTTP service answers, so a client can tell which cluster it
+/// reached.
+pub fn greeting(cluster: &str) -> String {
+    format!("hello from {cluster}\n")
+}
+
+fn respond(status: StatusCode, body: String) -> Response<Full<Bytes>> {
+    let mut response = Response::new(Full::new(Bytes::from(body)));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("text/plain"),
+    );
+    response
+}
+
+/// TLS server configuration from PEM files (no client authentication, as a
+/// kube-apiserver accepts anonymous `/healthz`).
+pub fn tls_acceptor(cert_pem: &[u8], key_pem: &[u8]) -> Result<TlsAcceptor, SampleError> {
+    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(cert_pem)
+        .collect::<Result<_, _>>()
+        .map_err(|e| SampleError::Tls(format!("certificate: {e}")))?;
+    let key = PrivateKeyDer::from_pem_slice(key_pem)
+        .map_err(|e| SampleError::Tls(format!("private key: {e}")))?;
+    let mut config = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .map_err(|e| SampleError::Tls(e.to_string()))?
+    .with_no_client_auth()
+    .with_single_cert(chain, key)
+    .map_err(|e| SampleError::Tls(e.to_string()))?;
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(TlsAcceptor::from(Arc::new(config)))
+}
+
+async fn bind(addr: SocketAddr) -> Result<TcpListener, SampleError> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| SampleError::Bind { addr, source })
+}
+
+/// Serves all three services on `ip` until the process ends.
+pub async fn serve(
+    cluster: String,
+    ip: std::net::IpAddr,
+    tls: TlsAcceptor,
+) -> Result<(), SampleError> {
+    let http = bind(SocketAddr::new(ip, HTTP_PORT)).await?;
+    let apiserver = bind(SocketAddr::new(ip, APISERVER_PORT)).await?;
+    let echo = bind(SocketAddr::new(ip, ECHO_PORT)).await?;
+    tracing::info!(%cluster, %ip, "sample services listening: http :{HTTP_PORT}, https :{APISERVER_PORT} (/healthz), echo :{ECHO_PORT}");
+
+    let greeting = Arc::new(greeting(&cluster));
+    let http_task = tokio::spawn(async move {
+        while let Ok((socket, _)) = http.accept().await {
+            let greeting = greeting.clone();
+            tokio::spawn(async move {
+                let service = service_fn(move |request: Request<Incoming>| {
+                    let body = if request.uri().path() == "/healthz" {
+                        "ok".to_string()
+                    } else {
+                        greeting.to_string()
+                    };
+                    async move { Ok::<_, Infallible>(respond(StatusCode::OK, body)) }
+                });
+                let _ = http1::Builder::new()
+                    .serve_connection(TokioIo::new(socket), service)
+                    .await;
+            });
+        }
+    });
+
+    let apiserver_task = tokio::spawn(async move {
+        while let Ok((socket, _)) = apiserver.accept().await {
+            let tls = tls.clone();
+            tokio::spawn(async move {
+                let Ok(stream) = tls.accept(socket).await else {
+                    return;
+                };
+                let service = service_fn(|request: Request<Incoming>| async move {
+                    Ok::<_, Infallible>(match request.uri().path() {
+                        "/healthz" | "/livez" | "/readyz" => respond(StatusCode::OK, "ok".into()),
+                        _ => respond(StatusCode::NOT_FOUND, "not found\n".into()),
+                    })
+                });
+                let _ = http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+
+    let echo_task = tokio::spawn(async move {
+        while let Ok((socket, _)) = echo.accept().await {
+            tokio::spawn(echo_connection(socket));
+        }
+    });
+
+    let _ = tokio::join!(http_task, apiserver_task, echo_task);
+    Ok(())
+}
+
+async fn echo_connection(mut socket: TcpStream) {
+    let _ = socket.set_nodelay(true);
+    let (mut reader, mut writer) = socket.split();
+    let _ = tokio::io::copy(&mut reader, &mut writer).await;
+    let _ = writer.shutdown().await;
+}

@@ -1,0 +1,504 @@
+//! `e2e`: the local multi-cluster environment on one machine.
+//!
+//! * `up` — builds the workspace binaries and starts a hub (cert-authority,
+//!   proxy-server replicas behind a load balancer) and managed clusters
+//!   (proxy-agent and sample services each), in network namespaces when run
+//!   as root; prints how to reach every cluster; Ctrl-C stops it all.
+//! * `down` — removes every environment, also after a crash.
+//! * `fetch` — an HTTP(S) GET through the tunnel of a running environment.
+//!
+//! `sample`, `balance` and `probe` are the environment's own helper
+//! processes.
+#![forbid(unsafe_code)]
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, anyhow, bail};
+use clap::{Parser, Subcommand, ValueEnum};
+use e2e::env::binaries::Progress;
+use e2e::env::client::{Frontend, HubClient};
+use e2e::env::process::ProcessState;
+use e2e::env::{
+    AGENT_SERVICE_PORT, EnvOptions, Environment, Isolation, IsolationChoice, Summary, registry,
+    sample,
+};
+
+/// The id of the environment `up` starts (one at a time).
+const UP_ID: &str = "up";
+
+#[derive(Parser)]
+#[command(
+    name = "e2e",
+    about = "cluster-proxy's local multi-cluster environment"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum IsolationArg {
+    Auto,
+    Netns,
+    Loopback,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Via {
+    Grpc,
+    Connect,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Start a hub and managed clusters; Ctrl-C stops everything.
+    Up {
+        /// Number of managed clusters (cluster-a, cluster-b, …).
+        #[arg(long, default_value_t = 3)]
+        clusters: usize,
+        /// Number of proxy-server replicas.
+        #[arg(long, default_value_t = 2)]
+        replicas: usize,
+        /// Keep the PKI, logs and env.json here (a temporary directory,
+        /// removed on exit, otherwise).
+        #[arg(long)]
+        state: Option<PathBuf>,
+        /// How clusters are separated from the hub.
+        #[arg(long, value_enum, default_value = "auto")]
+        isolation: IsolationArg,
+        /// Do not print the services' log lines (they are in the state
+        /// directory's logs/ either way).
+        #[arg(long)]
+        quiet: bool,
+    },
+    /// Stop every environment and remove its processes, network namespaces
+    /// and veths (also after a crash).
+    Down,
+    /// GET a URL inside a managed cluster through the tunnel of the running
+    /// environment, e.g. `http://cluster-a:8080/`.
+    Fetch {
+        url: String,
+        /// The environment's state directory (default: the one `up` runs).
+        #[arg(long)]
+        state: Option<PathBuf>,
+        #[arg(long, value_enum, default_value = "grpc")]
+        via: Via,
+        /// Which proxy-server replica to go through.
+        #[arg(long, default_value_t = 0)]
+        server: usize,
+        /// CA for an https URL (default: the cluster's stand-in apiserver CA).
+        #[arg(long)]
+        cacert: Option<PathBuf>,
+    },
+    /// (internal) A managed cluster's sample services.
+    #[command(hide = true)]
+    Sample {
+        #[arg(long)]
+        cluster: String,
+        #[arg(long)]
+        ip: IpAddr,
+        #[arg(long)]
+        cert: PathBuf,
+        #[arg(long)]
+        key: PathBuf,
+    },
+    /// (internal) The load balancer in front of the replicas' agent ports.
+    #[command(hide = true)]
+    Balance {
+        #[arg(long)]
+        listen: SocketAddr,
+        #[arg(long = "backend", required = true)]
+        backends: Vec<SocketAddr>,
+    },
+    /// (internal) Exit 0 if a TCP connection to ADDR succeeds.
+    #[command(hide = true)]
+    Probe {
+        addr: SocketAddr,
+        #[arg(long, default_value = "2s")]
+        timeout: String,
+    },
+}
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_target(false)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Up {
+            clusters,
+            replicas,
+            state,
+            isolation,
+            quiet,
+        } => up(clusters, replicas, state, isolation, quiet).await,
+        Command::Down => {
+            let done = registry::clean_all(Duration::from_secs(10));
+            if done.is_empty() {
+                println!("nothing to clean up");
+            }
+            for line in done {
+                println!("{line}");
+            }
+            Ok(())
+        }
+        Command::Fetch {
+            url,
+            state,
+            via,
+            server,
+            cacert,
+        } => fetch(&url, state, via, server, cacert).await,
+        Command::Sample {
+            cluster,
+            ip,
+            cert,
+            key,
+        } => {
+            init_logging();
+            let read = |p: &PathBuf| std::fs::read(p).with_context(|| p.display().to_string());
+            let tls = sample::tls_acceptor(&read(&cert)?, &read(&key)?)?;
+            sample::serve(cluster, ip, tls).await?;
+            Ok(())
+        }
+        Command::Balance { listen, backends } => {
+            init_logging();
+            let listener = tokio::net::TcpListener::bind(listen)
+                .await
+                .with_context(|| format!("binding {listen}"))?;
+            tracing::info!(%listen, ?backends, "balancing agent connections");
+            e2e::env::balancer::serve(listener, backends).await?;
+            Ok(())
+        }
+        Command::Probe { addr, timeout } => {
+            let timeout = cluster_proxy_proto::duration::parse_go_duration(&timeout)
+                .map_err(|e| anyhow!("--timeout: {e}"))?;
+            match tokio::time::timeout(timeout, tokio::net::TcpStream::connect(addr)).await {
+                Ok(Ok(_)) => {
+                    println!("connected to {addr}");
+                    Ok(())
+                }
+                Ok(Err(err)) => {
+                    println!("cannot connect to {addr}: {err}");
+                    std::process::exit(1)
+                }
+                Err(_) => {
+                    println!("cannot connect to {addr}: timed out after {timeout:?}");
+                    std::process::exit(1)
+                }
+            }
+        }
+    }
+}
+
+async fn up(
+    clusters: usize,
+    replicas: usize,
+    state: Option<PathBuf>,
+    isolation: IsolationArg,
+    quiet: bool,
+) -> anyhow::Result<()> {
+    if clusters == 0 || clusters > 200 {
+        bail!("--clusters must be between 1 and 200");
+    }
+    if replicas == 0 || replicas > 9 {
+        bail!("--replicas must be between 1 and 9");
+    }
+    for line in registry::clean_orphans() {
+        println!("cleanup of a previous run: {line}");
+    }
+    let mut options = EnvOptions::new(clusters);
+    options.replicas = replicas;
+    options.state_dir = state;
+    options.isolation = match isolation {
+        IsolationArg::Auto => IsolationChoice::Auto,
+        IsolationArg::Netns => IsolationChoice::Netns,
+        IsolationArg::Loopback => IsolationChoice::Loopback,
+    };
+    options.echo_logs = !quiet;
+    options.progress = Progress::Show;
+    options.id = Some(UP_ID.into());
+    options.slot = Some(0);
+    println!("building the workspace binaries (cargo build)…");
+    let mut env = Environment::start(options).await?;
+    match &env.summary.isolation {
+        Isolation::Netns => println!(
+            "each managed cluster runs in its own network namespace; the hub reaches them only through the tunnel"
+        ),
+        Isolation::Loopback(reason) => println!(
+            "NOTE: no network isolation ({reason}); every component runs on loopback addresses 127.18.0.x"
+        ),
+    }
+    println!("waiting for every agent to connect to every proxy-server replica…");
+    let ready = tokio::select! {
+        ready = env.wait_ready(Duration::from_secs(60)) => ready,
+        _ = shutdown_signal() => {
+            env.shutdown().await;
+            println!("stopped before it was ready; nothing left running");
+            return Ok(());
+        }
+    };
+    match ready {
+        Ok(after) => println!("ready after {:.1}s", after.as_secs_f64()),
+        Err(err) => {
+            print_table(&mut env);
+            env.shutdown().await;
+            return Err(err.into());
+        }
+    }
+    print_table(&mut env);
+    print_commands(&env.summary);
+
+    let mut interval = tokio::time::interval(Duration::from_secs(1));
+    let mut reported = std::collections::HashSet::new();
+    loop {
+        tokio::select! {
+            _ = shutdown_signal() => break,
+            _ = interval.tick() => {
+                for (name, state) in states(&mut env) {
+                    if let ProcessState::Exited(status) = state
+                        && reported.insert(name.clone())
+                    {
+                        println!("!! {name} exited ({status}); its log: {}", env.logs.path_of(&name).display());
+                    }
+                }
+            }
+        }
+    }
+    println!("stopping…");
+    let state_dir = env.summary.state_dir.clone();
+    let temporary = env.summary.state_dir.starts_with(std::env::temp_dir());
+    env.shutdown().await;
+    if temporary {
+        println!("stopped; every process, namespace and temporary file is gone");
+    } else {
+        println!(
+            "stopped; every process and namespace is gone (PKI and logs kept in {})",
+            state_dir.display()
+        );
+    }
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(term) => term,
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}
+
+fn states(env: &mut Environment) -> Vec<(String, ProcessState)> {
+    let mut states = vec![
+        (
+            env.cert_authority.name().to_string(),
+            env.cert_authority.state(),
+        ),
+        (env.balancer.name().to_string(), env.balancer.state()),
+    ];
+    for replica in &mut env.replicas {
+        states.push((replica.name.clone(), replica.process.state()));
+    }
+    for cluster in &mut env.clusters {
+        states.push((cluster.agent.name().to_string(), cluster.agent.state()));
+        states.push((
+            cluster.services.name().to_string(),
+            cluster.services.state(),
+        ));
+    }
+    states
+}
+
+fn print_table(env: &mut Environment) {
+    let hub = env.summary.hub_addr;
+    let mut rows: Vec<(String, String, String)> = Vec::new();
+    let pki = env.summary.pki_dir.display().to_string();
+    rows.push((
+        env.cert_authority.name().into(),
+        format!("files backend: {pki}"),
+        env.cert_authority.state().to_string(),
+    ));
+    let backends: Vec<String> = env
+        .replicas
+        .iter()
+        .map(|r| r.ports.agent.to_string())
+        .collect();
+    rows.push((
+        env.balancer.name().into(),
+        format!("{hub}:{AGENT_SERVICE_PORT} → :{}", backends.join(", :")),
+        env.balancer.state().to_string(),
+    ));
+    for replica in &mut env.replicas {
+        let p = replica.ports;
+        rows.push((
+            replica.name.clone(),
+            format!(
+                "client {hub}:{}  agent :{}  health :{}",
+                p.client, p.agent, p.health
+            ),
+            replica.process.state().to_string(),
+        ));
+    }
+    for cluster in &mut env.clusters {
+        let network = cluster
+            .netns
+            .as_ref()
+            .map(|ns| format!("netns {ns}, "))
+            .unwrap_or_default();
+        rows.push((
+            cluster.agent.name().into(),
+            format!("{network}→ {hub}:{AGENT_SERVICE_PORT}"),
+            cluster.agent.state().to_string(),
+        ));
+        rows.push((
+            cluster.services.name().into(),
+            format!(
+                "{}: http :{} https :{} echo :{}",
+                cluster.service_ip,
+                sample::HTTP_PORT,
+                sample::APISERVER_PORT,
+                sample::ECHO_PORT
+            ),
+            cluster.services.state().to_string(),
+        ));
+    }
+    let width = |f: fn(&(String, String, String)) -> usize| rows.iter().map(f).max().unwrap_or(0);
+    let (w0, w1) = (width(|r| r.0.len()), width(|r| r.1.chars().count()));
+    println!();
+    println!("{:w0$}  {:w1$}  STATE", "COMPONENT", "ADDRESS");
+    for (component, address, state) in &rows {
+        println!("{component:w0$}  {address:w1$}  {state}");
+    }
+    println!();
+    println!(
+        "state directory: {}  (logs in logs/, PKI in pki/)",
+        env.summary.state_dir.display()
+    );
+}
+
+fn print_commands(summary: &Summary) {
+    let Some(first) = summary.clusters.first() else {
+        return;
+    };
+    let p = summary.pki_dir.display();
+    let server = summary
+        .client_addr(0)
+        .map(|a| a.to_string())
+        .unwrap_or_default();
+    let name = &first.name;
+    println!(
+        "\nReach {name}'s services by cluster name through the tunnel (any other cluster works the same way):\n"
+    );
+    println!("  # HTTP CONNECT with curl");
+    println!(
+        "  curl -p -x https://{server} --proxy-cacert {p}/ca-bundle.crt \\\n    --proxy-cert {p}/proxy-client/tls.crt --proxy-key {p}/proxy-client/tls.key \\\n    http://{name}:{}/",
+        sample::HTTP_PORT
+    );
+    println!("  # the stand-in kube-apiserver, TLS end to end with the cluster's own CA");
+    println!(
+        "  curl -p -x https://{server} --proxy-cacert {p}/ca-bundle.crt \\\n    --proxy-cert {p}/proxy-client/tls.crt --proxy-key {p}/proxy-client/tls.key \\\n    --cacert {} https://{name}:{}/healthz",
+        first.apiserver_ca.display(),
+        sample::APISERVER_PORT
+    );
+    println!("  # the gRPC route (konnectivity ProxyService), through replica 1");
+    println!(
+        "  cargo run -q -p e2e -- fetch --via grpc --server 1 http://{name}:{}/",
+        sample::HTTP_PORT
+    );
+    if let (Some(hub_ns), Some(_)) = (&summary.hub_netns, &first.netns) {
+        println!("  # and the same service is NOT reachable from the hub directly:");
+        println!(
+            "  ip netns exec {hub_ns} curl -sS --max-time 2 http://{}:{}/",
+            first.service_ip,
+            sample::HTTP_PORT
+        );
+    }
+    println!("\nCtrl-C stops everything.\n");
+}
+
+async fn fetch(
+    url: &str,
+    state: Option<PathBuf>,
+    via: Via,
+    server: usize,
+    cacert: Option<PathBuf>,
+) -> anyhow::Result<()> {
+    let state = match state {
+        Some(dir) => dir,
+        None => {
+            registry::find(UP_ID)
+                .context("no environment is running (start one with `cargo run -p e2e -- up`, or pass --state)")?
+                .state_dir
+        }
+    };
+    let summary = Summary::load(&state)?;
+    let (scheme, rest) = url
+        .split_once("://")
+        .ok_or_else(|| anyhow!("{url:?} is not a URL (http://cluster:port/path)"))?;
+    let (authority, path) = match rest.find('/') {
+        Some(i) => (&rest[..i], &rest[i..]),
+        None => (rest, "/"),
+    };
+    let default_port = match scheme {
+        "http" => 80,
+        "https" => 443,
+        other => bail!("unsupported scheme {other:?}: http or https"),
+    };
+    let target = if authority.contains(':') {
+        authority.to_string()
+    } else {
+        format!("{authority}:{default_port}")
+    };
+    let host = target.rsplit_once(':').map_or(target.as_str(), |(h, _)| h);
+    let server_addr = summary
+        .client_addr(server)
+        .ok_or_else(|| anyhow!("the environment has no proxy-server replica {server}"))?;
+    let frontend = match via {
+        Via::Grpc => Frontend::Grpc,
+        Via::Connect => Frontend::HttpConnect,
+    };
+    let client = HubClient::from_pki_dir(&summary.pki_dir)?;
+    let body = if scheme == "https" {
+        let ca_path = match cacert {
+            Some(path) => path,
+            None => summary
+                .clusters
+                .iter()
+                .find(|c| c.name == host)
+                .map(|c| c.apiserver_ca.clone())
+                .ok_or_else(|| {
+                    anyhow!("no --cacert given and {host:?} is no cluster of the environment")
+                })?,
+        };
+        let ca =
+            std::fs::read_to_string(&ca_path).with_context(|| ca_path.display().to_string())?;
+        client
+            .https_get(frontend, server_addr, &target, path, &ca)
+            .await?
+    } else {
+        client
+            .http_get(frontend, server_addr, &target, path)
+            .await?
+    };
+    print!("{body}");
+    if !body.ends_with('\n') {
+        println!();
+    }
+    Ok(())
+}
