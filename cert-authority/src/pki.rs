@@ -104,9 +104,13 @@ fn validity_window(
     validity: Duration,
     now: OffsetDateTime,
 ) -> Result<(OffsetDateTime, OffsetDateTime), PkiError> {
-    // Back-date a little so peers with slightly skewed clocks accept new certs.
-    let not_before = now - time::Duration::minutes(5);
     let span = time::Duration::try_from(validity).map_err(|_| PkiError::BadValidity(validity))?;
+    // Back-date a little so peers with slightly skewed clocks accept new
+    // certs, but by a fraction of short lifetimes only: otherwise a
+    // certificate would be born past its renewal point and renewed forever.
+    let tenth: time::Duration = span / 10_i32;
+    let backdate = tenth.min(time::Duration::minutes(5));
+    let not_before = now - backdate;
     let not_after = now
         .checked_add(span)
         .ok_or(PkiError::BadValidity(validity))?;

@@ -20,10 +20,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use e2e::env::binaries::Progress;
 use e2e::env::client::{Frontend, HubClient};
 use e2e::env::process::ProcessState;
-use e2e::env::{
-    AGENT_SERVICE_PORT, EnvOptions, Environment, Isolation, IsolationChoice, Summary, registry,
-    sample,
-};
+use e2e::env::{EnvOptions, Environment, Isolation, IsolationChoice, Summary, registry, sample};
 
 /// The id of the environment `up` starts (one at a time).
 const UP_ID: &str = "up";
@@ -341,7 +338,11 @@ fn print_table(env: &mut Environment) {
         .collect();
     rows.push((
         env.balancer.name().into(),
-        format!("{hub}:{AGENT_SERVICE_PORT} → :{}", backends.join(", :")),
+        format!(
+            "{} → {hub}:{}",
+            env.summary.agent_service_addr,
+            backends.join(", :")
+        ),
         env.balancer.state().to_string(),
     ));
     for replica in &mut env.replicas {
@@ -363,7 +364,7 @@ fn print_table(env: &mut Environment) {
             .unwrap_or_default();
         rows.push((
             cluster.agent.name().into(),
-            format!("{network}→ {hub}:{AGENT_SERVICE_PORT}"),
+            format!("{network}→ {}", env.summary.agent_service_addr),
             cluster.agent.state().to_string(),
         ));
         rows.push((

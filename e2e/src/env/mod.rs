@@ -37,6 +37,9 @@ use self::registry::{ProcessRecord, Record};
 /// Kubernetes Service an agent dials).
 pub const AGENT_SERVICE_PORT: u16 = 8091;
 
+/// An agent's health and admin ports (on its cluster's service address).
+pub const AGENT_PORTS: (u16, u16) = (8093, 8094);
+
 /// The ports of replica `index` on the hub address.
 #[derive(Debug, Clone, Copy, Serialize, Deserialize)]
 pub struct ReplicaPorts {
@@ -193,7 +196,10 @@ pub struct Cluster {
 pub struct Summary {
     pub id: String,
     pub isolation: Isolation,
+    /// Where hub clients reach the replicas (client, health, admin ports).
     pub hub_addr: IpAddr,
+    /// Where agents reach the hub (the agent Service).
+    pub agent_service_addr: SocketAddr,
     pub pki_dir: PathBuf,
     pub state_dir: PathBuf,
     pub logs_dir: PathBuf,
@@ -375,9 +381,18 @@ impl Environment {
                 None
             }
         };
-        let hub_addr = match &topology {
-            Some(t) => IpAddr::V4(t.hub_addr()),
-            None => IpAddr::V4(Ipv4Addr::new(127, 18, slot, 1)),
+        let (hub_addr, agent_service_addr) = match &topology {
+            Some(t) => (
+                IpAddr::V4(t.hub_client_addr()),
+                SocketAddr::new(IpAddr::V4(t.hub_agent_addr()), AGENT_SERVICE_PORT),
+            ),
+            None => (
+                IpAddr::V4(Ipv4Addr::new(127, 18, slot, 2)),
+                SocketAddr::new(
+                    IpAddr::V4(Ipv4Addr::new(127, 18, slot, 1)),
+                    AGENT_SERVICE_PORT,
+                ),
+            ),
         };
         let hub_netns = topology.as_ref().map(Topology::hub_netns);
 
@@ -385,11 +400,13 @@ impl Environment {
         let pki_dir = state_dir.join("pki");
         let cluster_list = options.clusters.join(",");
         let hub_ip = hub_addr.to_string();
+        let agent_ip = agent_service_addr.ip().to_string();
         if !pki_dir.join("ca-bundle.crt").exists() {
             let out = std::process::Command::new(&binaries.cert_authority)
                 .args(["init", "--dir"])
                 .arg(&pki_dir)
-                .args(["--clusters", &cluster_list, "--additional-san", &hub_ip])
+                .args(["--clusters", &cluster_list])
+                .args(["--additional-san", &hub_ip, "--additional-san", &agent_ip])
                 .args(["--leaf-validity", &options.leaf_validity])
                 .output()
                 .map_err(io("running cert-authority init"))?;
@@ -406,6 +423,7 @@ impl Environment {
                 id: id.clone(),
                 isolation: isolation.clone(),
                 hub_addr,
+                agent_service_addr,
                 pki_dir: pki_dir.clone(),
                 state_dir: state_dir.clone(),
                 logs_dir: logs_dir.clone(),
@@ -416,7 +434,8 @@ impl Environment {
             cert_authority: Supervised::start(
                 ProcessSpec::new("cert-authority", &binaries.cert_authority)
                     .args(["run", "--backend", "files", "--dir", &pki("")])
-                    .args(["--clusters", &cluster_list, "--additional-san", &hub_ip])
+                    .args(["--clusters", &cluster_list])
+                    .args(["--additional-san", &hub_ip, "--additional-san", &agent_ip])
                     .args(["--interval", &options.ca_interval])
                     .args(["--leaf-validity", &options.leaf_validity])
                     .in_netns(hub_netns.clone()),
@@ -427,7 +446,7 @@ impl Environment {
                     .args([
                         "balance".to_string(),
                         "--listen".into(),
-                        SocketAddr::new(hub_addr, AGENT_SERVICE_PORT).to_string(),
+                        agent_service_addr.to_string(),
                     ])
                     .args((0..options.replicas).flat_map(|r| {
                         [
@@ -521,8 +540,9 @@ impl Environment {
                     name,
                     name,
                     service_ip,
-                    hub_addr,
+                    agent_service_addr,
                     &options.credential_reload_interval,
+                    AGENT_PORTS,
                 )
                 .in_netns(cluster_netns.clone()),
                 &logs,
@@ -551,6 +571,7 @@ impl Environment {
         Ok(environment)
     }
 
+    #[allow(clippy::too_many_arguments)]
     /// The command line of a proxy-agent serving `cluster` with the
     /// certificate of `cert_cluster` (the same, except when a test
     /// impersonates another cluster).
@@ -560,13 +581,14 @@ impl Environment {
         cluster: &str,
         cert_cluster: &str,
         service_ip: IpAddr,
-        hub_addr: IpAddr,
+        agent_service: SocketAddr,
         reload: &str,
+        ports: (u16, u16),
     ) -> ProcessSpec {
         let pki = |rel: &str| pki_dir.join(rel).display().to_string();
         ProcessSpec::new(&format!("{cluster}/proxy-agent"), &binaries.proxy_agent).args([
-            format!("--proxy-server-host={hub_addr}"),
-            format!("--proxy-server-port={AGENT_SERVICE_PORT}"),
+            format!("--proxy-server-host={}", agent_service.ip()),
+            format!("--proxy-server-port={}", agent_service.port()),
             format!("--ca-cert={}", pki("ca-bundle.crt")),
             format!(
                 "--agent-cert={}",
@@ -580,7 +602,9 @@ impl Environment {
             format!("--agent-identifiers=host={cluster}"),
             format!("--host-alias={cluster}={service_ip}"),
             format!("--health-server-host={service_ip}"),
+            format!("--health-server-port={}", ports.0),
             format!("--admin-bind-address={service_ip}"),
+            format!("--admin-server-port={}", ports.1),
             format!("--credential-reload-interval={reload}"),
             "--keepalive-time=10s".into(),
         ])
@@ -607,6 +631,37 @@ impl Environment {
         }
         self.record.processes = processes;
         let _ = self.record.save();
+    }
+
+    /// Starts an extra proxy-agent inside cluster `cert_of`'s network with
+    /// that cluster's certificate, registering as cluster `claims` — an
+    /// agent that tries to take over another cluster's traffic.
+    pub fn start_impostor(&mut self, cert_of: usize, claims: &str) -> Result<Supervised, EnvError> {
+        let cluster = &self.clusters[cert_of];
+        let spec = Self::agent_spec(
+            &self.binaries,
+            &self.summary.pki_dir,
+            claims,
+            &cluster.name,
+            cluster.service_ip,
+            self.summary.agent_service_addr,
+            "10s",
+            (AGENT_PORTS.0 + 10_000, AGENT_PORTS.1 + 10_000),
+        );
+        let spec = ProcessSpec {
+            name: format!("impostor-{}-as-{claims}", cluster.name),
+            ..spec
+        }
+        .in_netns(cluster.netns.clone());
+        let process = Supervised::start(spec, &self.logs)?;
+        if let Some(pid) = process.pid() {
+            self.record.processes.push(ProcessRecord {
+                pid,
+                exe: process.spec.program.clone(),
+            });
+            let _ = self.record.save();
+        }
+        Ok(process)
     }
 
     /// Call after (re)starting a process so a crash cleanup finds it.

@@ -8,11 +8,14 @@
 //! default route, so no test packet can leave the machine.
 //!
 //! What each side can reach:
-//! * a cluster routes only to the hub address (the agent's way out);
+//! * a cluster routes only to the hub's agent address, where nothing but the
+//!   agent Service (the load balancer in front of the replicas' agent ports)
+//!   listens — the agent's way out;
 //! * the hub routes to each cluster's veth address (replies to the agent),
 //!   but not to the cluster's service address, which lives on the cluster's
 //!   loopback — exactly like a pod IP behind a NAT gateway;
-//! * the machine routes only to the hub address.
+//! * the machine routes only to the hub's client address, where the
+//!   replicas' client, health and admin ports listen.
 //!
 //! Interface names are at most 15 bytes (`cp<id>h<n>`), so an environment id
 //! is four hex digits.
@@ -106,9 +109,15 @@ impl Topology {
         format!("{NETNS_PREFIX}{}-{}", self.id, self.clusters[index])
     }
 
-    /// Where the hub's servers listen.
-    pub fn hub_addr(&self) -> Ipv4Addr {
+    /// The hub address agents dial: only the agent Service listens here.
+    pub fn hub_agent_addr(&self) -> Ipv4Addr {
         Ipv4Addr::new(198, 18, self.slot, 1)
+    }
+
+    /// The hub address of the replicas' own ports (client, agent, health,
+    /// admin), which no cluster has a route to.
+    pub fn hub_client_addr(&self) -> Ipv4Addr {
+        Ipv4Addr::new(198, 18, self.slot, 2)
     }
 
     /// The machine's own end of the link to the hub.
@@ -144,11 +153,18 @@ impl Topology {
 
     fn try_create(&self) -> Result<(), NetnsError> {
         let hub = self.hub_netns();
-        let hub_addr = format!("{}/32", self.hub_addr());
-        let hub_ip = self.hub_addr().to_string();
+        let agent_ip = self.hub_agent_addr().to_string();
+        let client_ip = self.hub_client_addr().to_string();
         run(&["netns", "add", &hub])?;
         run_in(&hub, &["link", "set", "lo", "up"])?;
-        run_in(&hub, &["addr", "add", &hub_addr, "dev", "lo"])?;
+        run_in(
+            &hub,
+            &["addr", "add", &format!("{agent_ip}/32"), "dev", "lo"],
+        )?;
+        run_in(
+            &hub,
+            &["addr", "add", &format!("{client_ip}/32"), "dev", "lo"],
+        )?;
 
         let (host_side, hub_side) = self.host_link();
         let host_ip = self.host_addr().to_string();
@@ -160,7 +176,7 @@ impl Topology {
         run(&[
             "route",
             "add",
-            &format!("{hub_ip}/32"),
+            &format!("{client_ip}/32"),
             "dev",
             &host_side,
             "src",
@@ -176,7 +192,7 @@ impl Topology {
                 "dev",
                 &hub_side,
                 "src",
-                &hub_ip,
+                &client_ip,
             ],
         )?;
 
@@ -221,7 +237,7 @@ impl Topology {
                     "dev",
                     &hub_end,
                     "src",
-                    &hub_ip,
+                    &agent_ip,
                 ],
             )?;
             run_in(
@@ -234,7 +250,7 @@ impl Topology {
                 &[
                     "route",
                     "add",
-                    &format!("{hub_ip}/32"),
+                    &format!("{agent_ip}/32"),
                     "dev",
                     &cluster_end,
                     "src",
