@@ -69,10 +69,20 @@ enum Command {
         /// directory's logs/ either way).
         #[arg(long)]
         quiet: bool,
+        /// (tests) Environment id, instead of the one `up` uses.
+        #[arg(long, hide = true, default_value = UP_ID)]
+        id: String,
+        /// (tests) Third octet of the environment's addresses.
+        #[arg(long, hide = true, default_value_t = 0)]
+        slot: u8,
     },
     /// Stop every environment and remove its processes, network namespaces
     /// and veths (also after a crash).
-    Down,
+    Down {
+        /// (tests) Only this environment.
+        #[arg(long, hide = true)]
+        id: Option<String>,
+    },
     /// GET a URL inside a managed cluster through the tunnel of the running
     /// environment, e.g. `http://cluster-a:8080/`.
     Fetch {
@@ -138,9 +148,16 @@ async fn main() -> anyhow::Result<()> {
             state,
             isolation,
             quiet,
-        } => up(clusters, replicas, state, isolation, quiet).await,
-        Command::Down => {
-            let done = registry::clean_all(Duration::from_secs(10));
+            id,
+            slot,
+        } => up(clusters, replicas, state, isolation, quiet, id, slot).await,
+        Command::Down { id } => {
+            let done = match id {
+                Some(id) => registry::find(&id)
+                    .map(|record| registry::clean(&record))
+                    .unwrap_or_default(),
+                None => registry::clean_all(Duration::from_secs(10)),
+            };
             if done.is_empty() {
                 println!("nothing to clean up");
             }
@@ -204,6 +221,8 @@ async fn up(
     state: Option<PathBuf>,
     isolation: IsolationArg,
     quiet: bool,
+    id: String,
+    slot: u8,
 ) -> anyhow::Result<()> {
     if clusters == 0 || clusters > 200 {
         bail!("--clusters must be between 1 and 200");
@@ -224,8 +243,8 @@ async fn up(
     };
     options.echo_logs = !quiet;
     options.progress = Progress::Show;
-    options.id = Some(UP_ID.into());
-    options.slot = Some(0);
+    options.id = Some(id);
+    options.slot = Some(slot);
     println!("building the workspace binaries (cargo build)…");
     let mut env = Environment::start(options).await?;
     match &env.summary.isolation {

@@ -276,6 +276,11 @@ fn loopback_slot_is_free(slot: u8) -> bool {
     std::net::TcpListener::bind(addr).is_ok()
 }
 
+/// A free address slot for an environment started with `choice`.
+pub fn free_slot(choice: IsolationChoice) -> Result<u8, EnvError> {
+    choose_slot(&choose_isolation(choice)?, None)
+}
+
 fn choose_slot(isolation: &Isolation, wanted: Option<u8>) -> Result<u8, EnvError> {
     let free = |slot: u8| match isolation {
         Isolation::Netns => netns::slot_is_free(slot),

@@ -1,0 +1,186 @@
+//! The `e2e up` / `fetch` / `down` commands as a user runs them: a process
+//! that prints its table, answers `fetch`, cleans up after itself on
+//! Ctrl-C, and leaves `down` something to clean when it is killed.
+
+use std::path::Path;
+use std::process::Stdio;
+use std::time::Duration;
+
+use e2e::env::{IsolationChoice, netns, registry};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+const E2E: &str = env!("CARGO_BIN_EXE_e2e");
+
+fn isolation() -> (&'static str, IsolationChoice) {
+    if std::env::var("CI").is_ok_and(|v| v == "true") {
+        ("netns", IsolationChoice::Netns)
+    } else {
+        ("auto", IsolationChoice::Auto)
+    }
+}
+
+/// Starts `e2e up` and waits for its "ready" line; returns the process and
+/// everything it printed so far.
+async fn up(id: &str, state: &Path) -> (Child, String) {
+    let (flag, choice) = isolation();
+    let slot = e2e::env::free_slot(choice).expect("a free address slot");
+    let mut child = Command::new(E2E)
+        .args(["up", "--clusters", "2", "--quiet", "--isolation", flag])
+        .args(["--id", id, "--slot", &slot.to_string(), "--state"])
+        .arg(state)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("starting e2e up");
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut printed = String::new();
+    let ready = tokio::time::timeout(Duration::from_secs(180), async {
+        while let Ok(Some(line)) = lines.next_line().await {
+            printed.push_str(&line);
+            printed.push('\n');
+            if line.starts_with("Ctrl-C stops everything") {
+                return true;
+            }
+        }
+        false
+    })
+    .await;
+    assert!(
+        matches!(ready, Ok(true)),
+        "e2e up did not get ready:\n{printed}"
+    );
+    // Keep draining stdout so the process never blocks on a full pipe.
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    (child, printed)
+}
+
+async fn fetch(state: &Path, url: &str, via: &str) -> String {
+    let out = Command::new(E2E)
+        .args(["fetch", "--via", via, "--state"])
+        .arg(state)
+        .arg(url)
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "fetch {url}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn namespaces_of(id: &str) -> Vec<String> {
+    let prefix = format!("{}{id}-", netns::NETNS_PREFIX);
+    netns::existing()
+        .into_iter()
+        .filter(|ns| ns.starts_with(&prefix))
+        .collect()
+}
+
+fn alive(pids: &[u32]) -> Vec<u32> {
+    pids.iter()
+        .copied()
+        .filter(|p| registry::is_alive(*p))
+        .collect()
+}
+
+fn test_id(tag: &str) -> String {
+    format!("{tag}{:04x}", rand_suffix())
+}
+
+fn rand_suffix() -> u16 {
+    (std::process::id() as u16)
+        ^ (std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos() as u16)
+            .unwrap_or(0))
+}
+
+#[tokio::test]
+async fn up_prints_how_to_reach_clusters_and_cleans_up_on_ctrl_c() {
+    let id = test_id("i");
+    let state = tempfile::tempdir().unwrap();
+    let (mut child, printed) = up(&id, state.path()).await;
+    for expected in [
+        "COMPONENT",
+        "proxy-server-1",
+        "cluster-b/proxy-agent",
+        "curl -p -x https://",
+    ] {
+        assert!(
+            printed.contains(expected),
+            "missing {expected:?} in:\n{printed}"
+        );
+    }
+    assert_eq!(
+        fetch(state.path(), "http://cluster-b:8080/", "grpc").await,
+        "hello from cluster-b\n"
+    );
+    assert_eq!(
+        fetch(state.path(), "https://cluster-a:6443/healthz", "connect").await,
+        "ok\n"
+    );
+    let record = registry::find(&id).expect("a running environment is recorded");
+    let pids: Vec<u32> = record.processes.iter().map(|p| p.pid).collect();
+    assert!(!pids.is_empty());
+
+    // Ctrl-C: everything stops by itself.
+    let pid = nix::unistd::Pid::from_raw(child.id().unwrap() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT).unwrap();
+    let status = tokio::time::timeout(Duration::from_secs(30), child.wait())
+        .await
+        .expect("up stops within 30 s of Ctrl-C")
+        .unwrap();
+    assert!(status.success(), "{status}");
+    assert_eq!(alive(&pids), Vec::<u32>::new(), "processes left behind");
+    assert_eq!(
+        namespaces_of(&id),
+        Vec::<String>::new(),
+        "namespaces left behind"
+    );
+    assert!(registry::find(&id).is_none(), "the record is left behind");
+    // --state keeps PKI and logs.
+    assert!(state.path().join("pki/ca-bundle.crt").exists());
+    assert!(state.path().join("logs/proxy-server-0.log").exists());
+}
+
+#[tokio::test]
+async fn down_cleans_up_after_a_crashed_up() {
+    let id = test_id("k");
+    let state = tempfile::tempdir().unwrap();
+    let (mut child, _) = up(&id, state.path()).await;
+    let record = registry::find(&id).expect("a running environment is recorded");
+    let pids: Vec<u32> = record.processes.iter().map(|p| p.pid).collect();
+
+    // A crash: the supervisor dies without cleaning anything.
+    child.kill().await.unwrap();
+    let _ = child.wait().await;
+    assert!(!alive(&pids).is_empty(), "its children outlive a crash");
+    if matches!(isolation().1, IsolationChoice::Netns) || !namespaces_of(&id).is_empty() {
+        assert!(!namespaces_of(&id).is_empty());
+    }
+
+    let out = Command::new(E2E)
+        .args(["down", "--id", &id])
+        .output()
+        .await
+        .unwrap();
+    assert!(out.status.success());
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(said.contains("killed"), "{said}");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        alive(&pids),
+        Vec::<u32>::new(),
+        "processes left behind:\n{said}"
+    );
+    assert_eq!(
+        namespaces_of(&id),
+        Vec::<String>::new(),
+        "namespaces left behind"
+    );
+    assert!(registry::find(&id).is_none());
+}
