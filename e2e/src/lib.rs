@@ -6,6 +6,7 @@
 
 pub mod env;
 pub mod harness;
+pub mod kubeapi;
 pub mod loadgen;
 pub mod pki;
 pub mod targets;

@@ -1,0 +1,601 @@
+//! The REST protocol: discovery, the resource paths and their verbs, watch
+//! streams, and errors as `meta/v1 Status`.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Method, Request, Response, StatusCode, header};
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full, Limited, StreamBody};
+use hyper::body::{Frame, Incoming};
+use serde_json::{Value, json};
+use tokio::sync::{broadcast, mpsc, watch};
+
+use super::resources::ResourceType;
+use super::selector::{FieldSelector, LabelSelector};
+use super::store::{
+    ApiError, Event, EventType, Part, PatchKind, Store, User, WriteOptions, as_version,
+};
+
+pub type Body = BoxBody<Bytes, Infallible>;
+
+/// Largest request body accepted (the real server's limit is 3 MiB).
+const MAX_BODY: usize = 3 * 1024 * 1024;
+
+pub struct Shared {
+    pub store: Store,
+    pub tokens: Mutex<HashMap<String, User>>,
+    pub bookmark_interval: Duration,
+    pub shutdown: watch::Receiver<bool>,
+}
+
+impl Shared {
+    fn authenticate(&self, request: &Request<Incoming>) -> Result<User, ApiError> {
+        let token = request
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::trim);
+        let tokens = self.tokens.lock().unwrap_or_else(|p| p.into_inner());
+        token
+            .and_then(|t| tokens.get(t).cloned())
+            .ok_or_else(|| ApiError::new(401, "Unauthorized", "Unauthorized"))
+    }
+}
+
+fn json_response(status: StatusCode, value: &Value) -> Response<Body> {
+    let bytes = serde_json::to_vec(value).unwrap_or_default();
+    let mut response = Response::new(Full::new(Bytes::from(bytes)).boxed());
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("application/json"),
+    );
+    response
+}
+
+fn error_response(error: &ApiError) -> Response<Body> {
+    let status = StatusCode::from_u16(error.code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    json_response(status, &error.status())
+}
+
+pub async fn handle(
+    shared: Arc<Shared>,
+    request: Request<Incoming>,
+) -> Result<Response<Body>, Infallible> {
+    let response = match route(&shared, request).await {
+        Ok(response) => response,
+        Err(error) => error_response(&error),
+    };
+    Ok(response)
+}
+
+struct Query(HashMap<String, String>);
+
+impl Query {
+    fn parse(query: Option<&str>) -> Self {
+        Query(
+            form_urlencoded::parse(query.unwrap_or_default().as_bytes())
+                .into_owned()
+                .collect(),
+        )
+    }
+
+    fn get(&self, key: &str) -> Option<&str> {
+        self.0
+            .get(key)
+            .map(String::as_str)
+            .filter(|v| !v.is_empty())
+    }
+
+    fn flag(&self, key: &str) -> bool {
+        matches!(self.get(key), Some("true" | "1"))
+    }
+
+    fn number(&self, key: &str) -> Result<Option<u64>, ApiError> {
+        self.get(key)
+            .map(|v| {
+                v.parse::<u64>()
+                    .map_err(|_| ApiError::bad_request(format!("{key}: {v:?} is not a number")))
+            })
+            .transpose()
+    }
+}
+
+/// What a resource path names.
+struct Target {
+    resource: ResourceType,
+    namespace: Option<String>,
+    name: Option<String>,
+    part: Part,
+}
+
+async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<Body>, ApiError> {
+    let user = shared.authenticate(&request)?;
+    let path = request.uri().path().to_string();
+    let segments: Vec<&str> = path.split('/').filter(|s| !s.is_empty()).collect();
+    let registry = shared.store.registry();
+    match segments.as_slice() {
+        ["version"] => {
+            return Ok(json_response(
+                StatusCode::OK,
+                &json!({"major": "1", "minor": "33", "gitVersion": "v1.33.0-cluster-proxy-e2e",
+                        "platform": "linux/amd64", "goVersion": "n/a", "compiler": "n/a",
+                        "buildDate": "2026-01-01T00:00:00Z", "gitCommit": "", "gitTreeState": "clean"}),
+            ));
+        }
+        ["api"] => {
+            return Ok(json_response(
+                StatusCode::OK,
+                &json!({"kind": "APIVersions", "versions": ["v1"],
+                        "serverAddressByClientCIDRs": []}),
+            ));
+        }
+        ["apis"] => {
+            let groups: Vec<Value> = registry
+                .groups()
+                .into_iter()
+                .filter(|(g, _)| !g.is_empty())
+                .map(|(group, versions)| {
+                    let versions: Vec<Value> = versions
+                        .iter()
+                        .map(|v| json!({"groupVersion": format!("{group}/{v}"), "version": v}))
+                        .collect();
+                    let preferred = versions.first().cloned().unwrap_or(json!({}));
+                    json!({"name": group, "versions": versions, "preferredVersion": preferred})
+                })
+                .collect();
+            return Ok(json_response(
+                StatusCode::OK,
+                &json!({"kind": "APIGroupList", "apiVersion": "v1", "groups": groups}),
+            ));
+        }
+        ["api", version] => return resource_list(shared, "", version),
+        ["apis", group, version] => return resource_list(shared, group, version),
+        _ => {}
+    }
+    let (group, version, rest) = match segments.as_slice() {
+        ["api", version, rest @ ..] => ("", *version, rest),
+        ["apis", group, version, rest @ ..] => (*group, *version, rest),
+        _ => {
+            return Err(ApiError::new(
+                404,
+                "NotFound",
+                format!("the server could not find the requested resource ({path})"),
+            ));
+        }
+    };
+    let (namespace, rest): (Option<String>, &[&str]) = match rest {
+        ["namespaces", ns, plural, tail @ ..]
+            if !(tail.is_empty() && matches!(*plural, "status" | "finalize")) =>
+        {
+            (Some((*ns).to_string()), &rest[2..])
+        }
+        _ => (None, rest),
+    };
+    let (plural, name, sub) = match rest {
+        [plural] => (*plural, None, None),
+        [plural, name] => (*plural, Some((*name).to_string()), None),
+        [plural, name, sub] => (*plural, Some((*name).to_string()), Some(*sub)),
+        _ => {
+            return Err(ApiError::new(
+                404,
+                "NotFound",
+                format!("the server could not find the requested resource ({path})"),
+            ));
+        }
+    };
+    let resource = registry
+        .get(group, version, plural)
+        .cloned()
+        .ok_or_else(|| {
+            ApiError::new(
+                404,
+                "NotFound",
+                format!("the server could not find the requested resource ({path})"),
+            )
+        })?;
+    if namespace.is_some() && !resource.namespaced {
+        return Err(ApiError::new(
+            404,
+            "NotFound",
+            format!("{plural} is not namespaced"),
+        ));
+    }
+    let part = match sub {
+        None => Part::Main,
+        Some("status") if resource.status => Part::Status,
+        Some("approval") if resource.approval => Part::Approval,
+        Some(other) => {
+            return Err(ApiError::new(
+                404,
+                "NotFound",
+                format!("{plural} has no subresource {other:?}"),
+            ));
+        }
+    };
+    let target = Target {
+        resource,
+        namespace,
+        name,
+        part,
+    };
+    let query = Query::parse(request.uri().query());
+    let options = WriteOptions {
+        field_manager: query.get("fieldManager").map(str::to_string),
+        dry_run: query.get("dryRun").is_some(),
+    };
+    let method = request.method().clone();
+    let content_type = request
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .map(|v| v.split(';').next().unwrap_or_default().trim().to_string())
+        .unwrap_or_default();
+    let store = &shared.store;
+    let t = &target.resource;
+    let ns = target.namespace.as_deref();
+    match (method, target.name.as_deref()) {
+        (Method::GET, Some(name)) => Ok(json_response(StatusCode::OK, &store.get(t, ns, name)?)),
+        (Method::GET, None) if query.flag("watch") => watch_response(shared, &target, &query),
+        (Method::GET, None) => list_response(shared, &target, &query),
+        (Method::POST, None) => {
+            if t.namespaced && ns.is_none() {
+                return Err(ApiError::new(
+                    405,
+                    "MethodNotAllowed",
+                    "create needs a namespace in the path",
+                ));
+            }
+            let body = read_json(request, &content_type).await?;
+            let created = store.create(t, ns, body, &user, &options)?;
+            Ok(json_response(StatusCode::CREATED, &created))
+        }
+        (Method::PUT, Some(name)) => {
+            let body = read_json(request, &content_type).await?;
+            let updated = store.update(t, ns, name, body, target.part, &options)?;
+            Ok(json_response(StatusCode::OK, &updated))
+        }
+        (Method::PATCH, Some(name)) => {
+            let kind = match content_type.as_str() {
+                "application/merge-patch+json" => PatchKind::Merge,
+                "application/strategic-merge-patch+json" => PatchKind::StrategicMerge,
+                "application/json-patch+json" => PatchKind::Json,
+                "application/apply-patch+yaml" | "application/apply-patch+json" => PatchKind::Apply,
+                other => {
+                    return Err(ApiError::new(
+                        415,
+                        "UnsupportedMediaType",
+                        format!(
+                            "the body of the request was in an unknown format - accepted media types include: application/json-patch+json, application/merge-patch+json, application/apply-patch+yaml (got {other:?})"
+                        ),
+                    ));
+                }
+            };
+            let existed = store.get(t, ns, name).is_ok();
+            let body = read_json(request, &content_type).await?;
+            let patched = store.patch(t, ns, name, kind, body, target.part, &user, &options)?;
+            let status = if kind == PatchKind::Apply && !existed {
+                StatusCode::CREATED
+            } else {
+                StatusCode::OK
+            };
+            Ok(json_response(status, &patched))
+        }
+        (Method::DELETE, Some(name)) => Ok(json_response(
+            StatusCode::OK,
+            &store.delete(t, ns, name, &options)?,
+        )),
+        (Method::DELETE, None) => {
+            let labels = LabelSelector::parse(query.get("labelSelector").unwrap_or_default())
+                .map_err(|e| ApiError::bad_request(e.to_string()))?;
+            let fields = FieldSelector::parse(query.get("fieldSelector").unwrap_or_default())
+                .map_err(|e| ApiError::bad_request(e.to_string()))?;
+            let (items, _, _) = store.list(t, ns, &labels, &fields, 0, None);
+            let mut deleted = Vec::new();
+            for item in items {
+                let name = item
+                    .pointer("/metadata/name")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default();
+                let item_ns = item.pointer("/metadata/namespace").and_then(Value::as_str);
+                if let Ok(object) = store.delete(t, item_ns, name, &options) {
+                    deleted.push(object);
+                }
+            }
+            Ok(json_response(
+                StatusCode::OK,
+                &json!({"kind": t.list_kind(), "apiVersion": t.api_version(),
+                        "metadata": {"resourceVersion": store.resource_version().to_string()}, "items": deleted}),
+            ))
+        }
+        (method, _) => Err(ApiError::new(
+            405,
+            "MethodNotAllowed",
+            format!("{method} is not supported here"),
+        )),
+    }
+}
+
+fn resource_list(shared: &Shared, group: &str, version: &str) -> Result<Response<Body>, ApiError> {
+    let registry = shared.store.registry();
+    let mut resources = Vec::new();
+    for t in registry.in_group_version(group, version) {
+        let mut verbs = vec![
+            "create",
+            "delete",
+            "deletecollection",
+            "get",
+            "list",
+            "patch",
+            "update",
+            "watch",
+        ];
+        verbs.sort_unstable();
+        resources.push(
+            json!({"name": t.plural, "singularName": t.singular, "namespaced": t.namespaced,
+            "kind": t.kind, "verbs": verbs, "shortNames": t.short_names}),
+        );
+        if t.status {
+            resources.push(json!({"name": format!("{}/status", t.plural), "singularName": "", "namespaced": t.namespaced,
+                "kind": t.kind, "verbs": ["get", "patch", "update"]}));
+        }
+        if t.approval {
+            resources.push(json!({"name": format!("{}/approval", t.plural), "singularName": "", "namespaced": t.namespaced,
+                "kind": t.kind, "verbs": ["get", "patch", "update"]}));
+        }
+    }
+    if resources.is_empty() {
+        return Err(ApiError::new(
+            404,
+            "NotFound",
+            format!("no resources in {group}/{version}"),
+        ));
+    }
+    let group_version = if group.is_empty() {
+        version.to_string()
+    } else {
+        format!("{group}/{version}")
+    };
+    Ok(json_response(
+        StatusCode::OK,
+        &json!({"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": group_version, "resources": resources}),
+    ))
+}
+
+async fn read_json(request: Request<Incoming>, content_type: &str) -> Result<Value, ApiError> {
+    let bytes = Limited::new(request.into_body(), MAX_BODY)
+        .collect()
+        .await
+        .map_err(|e| {
+            ApiError::new(
+                413,
+                "RequestEntityTooLarge",
+                format!("reading the body: {e}"),
+            )
+        })?
+        .to_bytes();
+    if content_type == "application/apply-patch+yaml" {
+        // JSON is YAML; most clients (kube-rs included) send JSON here.
+        if let Ok(value) = serde_json::from_slice(&bytes) {
+            return Ok(value);
+        }
+        let text = std::str::from_utf8(&bytes)
+            .map_err(|_| ApiError::bad_request("the body is not UTF-8"))?;
+        return serde_saphyr::from_str::<Value>(text)
+            .map_err(|e| ApiError::bad_request(format!("invalid YAML body: {e}")));
+    }
+    serde_json::from_slice(&bytes)
+        .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
+}
+
+fn selectors(query: &Query) -> Result<(LabelSelector, FieldSelector), ApiError> {
+    let labels = LabelSelector::parse(query.get("labelSelector").unwrap_or_default())
+        .map_err(|e| ApiError::bad_request(e.to_string()))?;
+    let fields = FieldSelector::parse(query.get("fieldSelector").unwrap_or_default())
+        .map_err(|e| ApiError::bad_request(e.to_string()))?;
+    Ok((labels, fields))
+}
+
+fn list_response(
+    shared: &Shared,
+    target: &Target,
+    query: &Query,
+) -> Result<Response<Body>, ApiError> {
+    let (labels, fields) = selectors(query)?;
+    let limit = query.number("limit")?.unwrap_or(0) as usize;
+    let (items, rv, next) = shared.store.list(
+        &target.resource,
+        target.namespace.as_deref(),
+        &labels,
+        &fields,
+        limit,
+        query.get("continue"),
+    );
+    let mut metadata = json!({"resourceVersion": rv.to_string()});
+    if let Some(next) = next {
+        metadata["continue"] = json!(next);
+    }
+    Ok(json_response(
+        StatusCode::OK,
+        &json!({"kind": target.resource.list_kind(), "apiVersion": target.resource.api_version(),
+                "metadata": metadata, "items": items}),
+    ))
+}
+
+/// How a change looks to one watcher: selector transitions turn into ADDED
+/// or DELETED, as on the real server.
+fn render(
+    event: &Event,
+    target: &Target,
+    labels: &LabelSelector,
+    fields: &FieldSelector,
+) -> Option<(EventType, Value)> {
+    if event.storage_key != target.resource.storage_key() {
+        return None;
+    }
+    if target.resource.namespaced
+        && let Some(ns) = &target.namespace
+        && *ns != event.namespace
+    {
+        return None;
+    }
+    let matches = |o: &Value| labels.matches(o) && fields.matches(o);
+    let now = matches(&event.object);
+    let before = event.old.as_ref().is_some_and(matches);
+    let kind = match event.kind {
+        EventType::Added if now => EventType::Added,
+        EventType::Deleted if before || now => EventType::Deleted,
+        EventType::Modified if now && before => EventType::Modified,
+        EventType::Modified if now => EventType::Added,
+        EventType::Modified if before => EventType::Deleted,
+        _ => return None,
+    };
+    Some((kind, as_version(event.object.clone(), &target.resource)))
+}
+
+fn line(kind: &str, object: &Value) -> Bytes {
+    let mut bytes =
+        serde_json::to_vec(&json!({"type": kind, "object": object})).unwrap_or_default();
+    bytes.push(b'\n');
+    Bytes::from(bytes)
+}
+
+fn bookmark(t: &ResourceType, rv: u64, initial_end: bool) -> Bytes {
+    let mut metadata = json!({"resourceVersion": rv.to_string()});
+    if initial_end {
+        metadata["annotations"] = json!({"k8s.io/initial-events-end": "true"});
+    }
+    line(
+        "BOOKMARK",
+        &json!({"kind": t.kind, "apiVersion": t.api_version(), "metadata": metadata}),
+    )
+}
+
+fn watch_response(
+    shared: &Shared,
+    target: &Target,
+    query: &Query,
+) -> Result<Response<Body>, ApiError> {
+    let (labels, fields) = selectors(query)?;
+    let send_initial = query.flag("sendInitialEvents");
+    let requested = query.number("resourceVersion")?;
+    let from = if send_initial { None } else { requested };
+    let bookmarks = query.flag("allowWatchBookmarks");
+    let timeout = Duration::from_secs(query.number("timeoutSeconds")?.unwrap_or(1800));
+    let (tx, rx) = mpsc::channel::<Bytes>(256);
+    let target = Target {
+        resource: target.resource.clone(),
+        namespace: target.namespace.clone(),
+        name: None,
+        part: Part::Main,
+    };
+    match shared.store.watch_from(&target.resource, from) {
+        Err(expired) => {
+            // The real server answers 200 and an ERROR event.
+            let _ = tx.try_send(line("ERROR", &expired.status()));
+        }
+        Ok((replay, receiver, start)) => {
+            let interval = shared.bookmark_interval;
+            let shutdown = shared.shutdown.clone();
+            tokio::spawn(stream_events(
+                tx,
+                target,
+                labels,
+                fields,
+                replay,
+                receiver,
+                start,
+                send_initial,
+                bookmarks,
+                interval,
+                timeout,
+                shutdown,
+            ));
+        }
+    }
+    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv()
+            .await
+            .map(|bytes| (Ok::<_, Infallible>(Frame::data(bytes)), rx))
+    });
+    let mut response = Response::new(StreamBody::new(stream).boxed());
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("application/json"),
+    );
+    Ok(response)
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn stream_events(
+    tx: mpsc::Sender<Bytes>,
+    target: Target,
+    labels: LabelSelector,
+    fields: FieldSelector,
+    replay: Vec<Arc<Event>>,
+    mut receiver: broadcast::Receiver<Arc<Event>>,
+    start: u64,
+    send_initial: bool,
+    bookmarks: bool,
+    interval: Duration,
+    timeout: Duration,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let mut last = start;
+    for event in &replay {
+        if let Some((kind, object)) = render(event, &target, &labels, &fields)
+            && tx.send(line(kind.name(), &object)).await.is_err()
+        {
+            return;
+        }
+        last = last.max(event.resource_version);
+    }
+    if send_initial
+        && tx
+            .send(bookmark(&target.resource, last, true))
+            .await
+            .is_err()
+    {
+        return;
+    }
+    let deadline = tokio::time::sleep(timeout);
+    tokio::pin!(deadline);
+    let mut ticker = tokio::time::interval(interval);
+    ticker.tick().await;
+    loop {
+        tokio::select! {
+            received = receiver.recv() => match received {
+                Ok(event) => {
+                    if event.resource_version <= last {
+                        continue;
+                    }
+                    last = event.resource_version;
+                    if let Some((kind, object)) = render(&event, &target, &labels, &fields)
+                        && tx.send(line(kind.name(), &object)).await.is_err()
+                    {
+                        return;
+                    }
+                }
+                Err(broadcast::error::RecvError::Lagged(_)) => {
+                    let expired = ApiError::new(410, "Expired", "the watch fell behind; relist");
+                    let _ = tx.send(line("ERROR", &expired.status())).await;
+                    return;
+                }
+                Err(broadcast::error::RecvError::Closed) => return,
+            },
+            _ = ticker.tick(), if bookmarks => {
+                if tx.send(bookmark(&target.resource, last, false)).await.is_err() {
+                    return;
+                }
+            }
+            _ = &mut deadline => return,
+            _ = shutdown.changed() => return,
+            _ = tx.closed() => return,
+        }
+    }
+}

@@ -1,0 +1,337 @@
+//! An in-memory Kubernetes API server — a **test double** for the control
+//! plane on machines with no kube-apiserver (this one, CI). The kind suite
+//! remains the real thing.
+//!
+//! It speaks the real REST protocol over HTTPS to unmodified clients
+//! (kube-rs `Api`, `watcher`, reflectors, `Controller`, `finalizer()`):
+//! discovery (`/version`, `/api`, `/apis`, per group/version resource
+//! lists), create / get / list / update / patch / delete /
+//! deletecollection, the `status` subresource (and CSR `approval`),
+//! `metadata.generation`, one global `resourceVersion` with optimistic
+//! concurrency (409), `generateName`, label and field selectors, list
+//! pagination (`limit`/`continue`), watches from a resourceVersion with
+//! bookmarks, `sendInitialEvents`, selector transitions and "too old"
+//! (an `ERROR` event with a 410 Status), finalizers and
+//! `deletionTimestamp`. CustomResourceDefinitions are served as soon as they
+//! are created (or loaded from YAML), and report `Established`.
+//! CertificateSigningRequests get `spec.username`/`uid`/`groups` from the
+//! authenticated requester, as on the real server.
+//!
+//! What it does **not** emulate:
+//! * authorization (RBAC): every authenticated user may do anything;
+//!   authentication is by bearer token only (no client certificates);
+//! * admission, defaulting and OpenAPI schema validation (CRD schemas are
+//!   not enforced; objects are stored as sent);
+//! * strategic merge patch (treated as a JSON merge patch: lists are
+//!   replaced, not merged by key);
+//! * server-side apply's field ownership: an apply is a merge of the applied
+//!   configuration; `managedFields` records who applied and when, but not
+//!   the field sets, so there are no conflicts and `force` changes nothing;
+//! * garbage collection by ownerReferences, and controllers of built-in
+//!   types (Deployments do not create Pods; nothing signs CSRs);
+//! * namespace deletion is immediate and takes the namespace's objects with
+//!   it (no `Terminating` phase);
+//! * protobuf, tables (`as=Table`), aggregated discovery, `exec`/`logs`/
+//!   `portforward`, API priority and fairness, and persistence.
+
+pub mod http;
+pub mod resources;
+pub mod selector;
+pub mod store;
+
+use std::collections::HashMap;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use base64::Engine;
+use cert_authority::pki::{Authority, LeafRequest};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use serde_json::Value;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use self::http::Shared;
+use self::resources::Registry;
+use self::store::{Store, User};
+
+#[derive(Debug, thiserror::Error)]
+pub enum KubeApiError {
+    #[error("binding {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("server certificate: {0}")]
+    Pki(String),
+    #[error("writing {}: {source}", path.display())]
+    Write {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("CRD YAML: {0}")]
+    Crd(String),
+    #[error("kube client: {0}")]
+    Client(String),
+}
+
+/// How to start the API.
+#[derive(Debug, Clone)]
+pub struct KubeApiOptions {
+    pub bind: SocketAddr,
+    /// Where the kubeconfig files are written.
+    pub dir: PathBuf,
+    /// How many past changes a watch can resume from.
+    pub history: usize,
+    pub bookmark_interval: Duration,
+}
+
+impl KubeApiOptions {
+    pub fn new(dir: impl Into<PathBuf>) -> Self {
+        KubeApiOptions {
+            bind: SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0),
+            dir: dir.into(),
+            history: 1000,
+            bookmark_interval: Duration::from_secs(5),
+        }
+    }
+}
+
+/// The user the default kubeconfig authenticates as.
+pub const ADMIN_USER: &str = "kubernetes-admin";
+const NAMESPACES: &[&str] = &["default", "kube-system", "kube-public", "kube-node-lease"];
+
+/// A running API server.
+pub struct KubeApi {
+    addr: SocketAddr,
+    ca_pem: String,
+    dir: PathBuf,
+    shared: Arc<Shared>,
+    shutdown: watch::Sender<bool>,
+    task: Option<JoinHandle<()>>,
+    kubeconfig: PathBuf,
+}
+
+impl KubeApi {
+    pub async fn start(options: KubeApiOptions) -> Result<Self, KubeApiError> {
+        let listener =
+            TcpListener::bind(options.bind)
+                .await
+                .map_err(|source| KubeApiError::Bind {
+                    addr: options.bind,
+                    source,
+                })?;
+        let addr = listener.local_addr().map_err(|source| KubeApiError::Bind {
+            addr: options.bind,
+            source,
+        })?;
+        let ca = Authority::generate(
+            "cluster-proxy-e2e kube-apiserver CA",
+            Duration::from_secs(86400 * 30),
+        )
+        .map_err(|e| KubeApiError::Pki(e.to_string()))?;
+        let ip = addr.ip().to_string();
+        let leaf = ca
+            .issue(&LeafRequest::server(
+                "kube-apiserver",
+                &["localhost", "127.0.0.1", &ip, "kubernetes.default.svc"],
+            ))
+            .map_err(|e| KubeApiError::Pki(e.to_string()))?;
+        let mut tls =
+            crate::env::sample::tls_acceptor(leaf.cert_pem.as_bytes(), leaf.key_pem.as_bytes())
+                .map_err(|e| KubeApiError::Pki(e.to_string()))?
+                .config()
+                .as_ref()
+                .clone();
+        tls.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(tls));
+
+        let store = Store::new(Registry::with_builtins(), options.history);
+        let system = User {
+            name: "system:apiserver".into(),
+            uid: uuid::Uuid::new_v4().to_string(),
+            groups: vec!["system:masters".into()],
+        };
+        let namespaces = store
+            .registry()
+            .get("", "v1", "namespaces")
+            .cloned()
+            .ok_or_else(|| KubeApiError::Pki("namespaces type missing".into()))?;
+        for ns in NAMESPACES {
+            let body = serde_json::json!({"metadata": {"name": ns}});
+            let _ = store.create(&namespaces, None, body, &system, &Default::default());
+        }
+        let (shutdown, shutdown_rx) = watch::channel(false);
+        let shared = Arc::new(Shared {
+            store,
+            tokens: Mutex::new(HashMap::new()),
+            bookmark_interval: options.bookmark_interval,
+            shutdown: shutdown_rx.clone(),
+        });
+        let task = tokio::spawn(serve(listener, acceptor, shared.clone(), shutdown_rx));
+        std::fs::create_dir_all(&options.dir).map_err(|source| KubeApiError::Write {
+            path: options.dir.clone(),
+            source,
+        })?;
+        let mut api = KubeApi {
+            addr,
+            ca_pem: ca.cert_pem().to_string(),
+            dir: options.dir.clone(),
+            shared,
+            shutdown,
+            task: Some(task),
+            kubeconfig: PathBuf::new(),
+        };
+        api.kubeconfig = api.kubeconfig_for(ADMIN_USER, &["system:masters"])?;
+        Ok(api)
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The administrator's kubeconfig (`kubeconfig` in the directory).
+    pub fn kubeconfig_path(&self) -> &Path {
+        &self.kubeconfig
+    }
+
+    /// Adds a user with `groups` and writes a kubeconfig that authenticates
+    /// as it (`kubeconfig-<user>` in the directory; the admin's is
+    /// `kubeconfig`).
+    pub fn kubeconfig_for(&self, user: &str, groups: &[&str]) -> Result<PathBuf, KubeApiError> {
+        let token = format!("{:032x}", rand::random::<u128>());
+        self.shared
+            .tokens
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(
+                token.clone(),
+                User {
+                    name: user.to_string(),
+                    uid: uuid::Uuid::new_v4().to_string(),
+                    groups: groups.iter().map(|g| g.to_string()).collect(),
+                },
+            );
+        let ca = base64::engine::general_purpose::STANDARD.encode(&self.ca_pem);
+        let text = format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: cluster-proxy-e2e\n  cluster:\n    server: https://{addr}\n    certificate-authority-data: {ca}\nusers:\n- name: {user:?}\n  user:\n    token: {token}\ncontexts:\n- name: {user:?}\n  context:\n    cluster: cluster-proxy-e2e\n    user: {user:?}\ncurrent-context: {user:?}\n",
+            addr = self.addr,
+        );
+        let file = if user == ADMIN_USER {
+            "kubeconfig".to_string()
+        } else {
+            format!(
+                "kubeconfig-{}",
+                user.replace(|c: char| !c.is_ascii_alphanumeric() && c != '-', "_")
+            )
+        };
+        let path = self.dir.join(file);
+        cert_authority::files::write_atomically(&path, &text, true).map_err(|e| {
+            KubeApiError::Write {
+                path: path.clone(),
+                source: std::io::Error::other(e.to_string()),
+            }
+        })?;
+        Ok(path)
+    }
+
+    /// A kube client from a kubeconfig this server wrote.
+    pub async fn client_from(kubeconfig: &Path) -> Result<kube::Client, KubeApiError> {
+        let config = kube::config::Kubeconfig::read_from(kubeconfig)
+            .map_err(|e| KubeApiError::Client(e.to_string()))?;
+        let config = kube::Config::from_custom_kubeconfig(config, &Default::default())
+            .await
+            .map_err(|e| KubeApiError::Client(e.to_string()))?;
+        kube::Client::try_from(config).map_err(|e| KubeApiError::Client(e.to_string()))
+    }
+
+    /// A client authenticated as the administrator.
+    pub async fn client(&self) -> Result<kube::Client, KubeApiError> {
+        Self::client_from(&self.kubeconfig).await
+    }
+
+    /// Serves the CustomResourceDefinitions in `yaml` (multi-document),
+    /// creating them as a client would.
+    pub fn register_crds_from_yaml(&self, yaml: &str) -> Result<usize, KubeApiError> {
+        let documents: Vec<Value> =
+            serde_saphyr::from_multiple(yaml).map_err(|e| KubeApiError::Crd(e.to_string()))?;
+        let crd_type = self
+            .shared
+            .store
+            .registry()
+            .get("apiextensions.k8s.io", "v1", "customresourcedefinitions")
+            .cloned()
+            .ok_or_else(|| KubeApiError::Crd("no CRD type".into()))?;
+        let admin = User {
+            name: ADMIN_USER.into(),
+            uid: String::new(),
+            groups: vec!["system:masters".into()],
+        };
+        let mut count = 0;
+        for document in documents.into_iter().filter(|d| !d.is_null()) {
+            if document.get("kind").and_then(Value::as_str) != Some("CustomResourceDefinition") {
+                return Err(KubeApiError::Crd(
+                    "a document is not a CustomResourceDefinition".into(),
+                ));
+            }
+            self.shared
+                .store
+                .create(&crd_type, None, document, &admin, &Default::default())
+                .map_err(|e| KubeApiError::Crd(e.message))?;
+            count += 1;
+        }
+        Ok(count)
+    }
+
+    pub async fn shutdown(mut self) {
+        let _ = self.shutdown.send(true);
+        if let Some(task) = self.task.take() {
+            let _ = tokio::time::timeout(Duration::from_secs(5), task).await;
+        }
+    }
+}
+
+impl Drop for KubeApi {
+    fn drop(&mut self) {
+        let _ = self.shutdown.send(true);
+    }
+}
+
+async fn serve(
+    listener: TcpListener,
+    acceptor: tokio_rustls::TlsAcceptor,
+    shared: Arc<Shared>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    loop {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            _ = shutdown.changed() => return,
+        };
+        let Ok((socket, _)) = accepted else {
+            continue;
+        };
+        let acceptor = acceptor.clone();
+        let shared = shared.clone();
+        let mut shutdown = shutdown.clone();
+        tokio::spawn(async move {
+            let Ok(stream) = acceptor.accept(socket).await else {
+                return;
+            };
+            let service =
+                hyper::service::service_fn(move |request| http::handle(shared.clone(), request));
+            let builder = auto::Builder::new(TokioExecutor::new());
+            let connection = builder.serve_connection(TokioIo::new(stream), service);
+            tokio::pin!(connection);
+            tokio::select! {
+                _ = connection.as_mut() => {}
+                _ = shutdown.changed() => connection.as_mut().graceful_shutdown(),
+            }
+        });
+    }
+}

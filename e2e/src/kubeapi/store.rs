@@ -1,0 +1,956 @@
+//! The object store: every object as JSON, one global resourceVersion
+//! counter, a bounded history of changes for watches, and the write
+//! semantics of the API server (optimistic concurrency, generation,
+//! status subresource, finalizers and deletionTimestamp).
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use serde_json::{Map, Value, json};
+use tokio::sync::broadcast;
+
+use super::resources::{Registry, ResourceType, from_crd};
+use super::selector::{FieldSelector, LabelSelector};
+
+/// A failed request, rendered as a `meta/v1 Status`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{code} {reason}: {message}")]
+pub struct ApiError {
+    pub code: u16,
+    pub reason: &'static str,
+    pub message: String,
+}
+
+impl ApiError {
+    pub fn new(code: u16, reason: &'static str, message: impl Into<String>) -> Self {
+        ApiError {
+            code,
+            reason,
+            message: message.into(),
+        }
+    }
+
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(400, "BadRequest", message)
+    }
+
+    pub fn not_found(t: &ResourceType, name: &str) -> Self {
+        Self::new(
+            404,
+            "NotFound",
+            format!("{} \"{name}\" not found", group_resource(t)),
+        )
+    }
+
+    pub fn invalid(message: impl Into<String>) -> Self {
+        Self::new(422, "Invalid", message)
+    }
+
+    pub fn conflict(message: impl Into<String>) -> Self {
+        Self::new(409, "Conflict", message)
+    }
+
+    pub fn status(&self) -> Value {
+        json!({
+            "kind": "Status",
+            "apiVersion": "v1",
+            "metadata": {},
+            "status": "Failure",
+            "message": self.message,
+            "reason": self.reason,
+            "code": self.code,
+        })
+    }
+}
+
+fn group_resource(t: &ResourceType) -> String {
+    if t.group.is_empty() {
+        t.plural.clone()
+    } else {
+        format!("{}.{}", t.plural, t.group)
+    }
+}
+
+/// The authenticated requester.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct User {
+    pub name: String,
+    pub uid: String,
+    pub groups: Vec<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventType {
+    Added,
+    Modified,
+    Deleted,
+}
+
+impl EventType {
+    pub fn name(self) -> &'static str {
+        match self {
+            EventType::Added => "ADDED",
+            EventType::Modified => "MODIFIED",
+            EventType::Deleted => "DELETED",
+        }
+    }
+}
+
+/// One change, as watchers see it.
+#[derive(Debug)]
+pub struct Event {
+    pub resource_version: u64,
+    pub storage_key: String,
+    pub namespace: String,
+    pub kind: EventType,
+    pub object: Value,
+    /// The object before the change (for selector transitions).
+    pub old: Option<Value>,
+}
+
+/// Which part of an object a write addresses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Part {
+    Main,
+    Status,
+    Approval,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PatchKind {
+    Merge,
+    /// Strategic merge is treated as a JSON merge patch.
+    StrategicMerge,
+    Json,
+    /// Server-side apply, treated as a merge with field-manager bookkeeping.
+    Apply,
+}
+
+/// The request's options that matter to writes.
+#[derive(Debug, Clone, Default)]
+pub struct WriteOptions {
+    pub field_manager: Option<String>,
+    pub dry_run: bool,
+}
+
+type ObjectKey = (String, String);
+
+struct Inner {
+    resource_version: u64,
+    objects: BTreeMap<String, BTreeMap<ObjectKey, Value>>,
+    history: VecDeque<Arc<Event>>,
+    history_limit: usize,
+    registry: Registry,
+}
+
+pub struct Store {
+    inner: Mutex<Inner>,
+    events: broadcast::Sender<Arc<Event>>,
+}
+
+fn now_rfc3339() -> String {
+    let now = time::OffsetDateTime::now_utc();
+    let now = now.replace_nanosecond(0).unwrap_or(now);
+    now.format(&time::format_description::well_known::Rfc3339)
+        .unwrap_or_else(|_| "1970-01-01T00:00:00Z".into())
+}
+
+fn meta(object: &Value, field: &str) -> Option<String> {
+    object
+        .get("metadata")
+        .and_then(|m| m.get(field))
+        .and_then(Value::as_str)
+        .map(str::to_string)
+}
+
+fn metadata_mut(object: &mut Value) -> Result<&mut Map<String, Value>, ApiError> {
+    let map = object
+        .as_object_mut()
+        .ok_or_else(|| ApiError::bad_request("the body must be a JSON object"))?;
+    let metadata = map
+        .entry("metadata")
+        .or_insert_with(|| Value::Object(Map::new()));
+    if metadata.is_null() {
+        *metadata = Value::Object(Map::new());
+    }
+    metadata
+        .as_object_mut()
+        .ok_or_else(|| ApiError::bad_request("metadata must be an object"))
+}
+
+/// Everything but metadata and status: what `metadata.generation` tracks.
+fn content(object: &Value) -> Value {
+    let mut content = object.clone();
+    if let Some(map) = content.as_object_mut() {
+        map.remove("metadata");
+        map.remove("status");
+        map.remove("apiVersion");
+        map.remove("kind");
+    }
+    content
+}
+
+fn random_suffix() -> String {
+    const ALPHABET: &[u8] = b"bcdfghjklmnpqrstvwxz2456789";
+    (0..5)
+        .map(|_| ALPHABET[rand::random::<u8>() as usize % ALPHABET.len()] as char)
+        .collect()
+}
+
+fn has_finalizers(object: &Value) -> bool {
+    object
+        .pointer("/metadata/finalizers")
+        .and_then(Value::as_array)
+        .is_some_and(|f| !f.is_empty())
+}
+
+fn record_manager(
+    object: &mut Value,
+    t: &ResourceType,
+    manager: &str,
+    operation: &str,
+    part: Part,
+) {
+    let Ok(metadata) = metadata_mut(object) else {
+        return;
+    };
+    let entries = metadata
+        .entry("managedFields")
+        .or_insert_with(|| Value::Array(Vec::new()));
+    if !entries.is_array() {
+        *entries = Value::Array(Vec::new());
+    }
+    let Some(entries) = entries.as_array_mut() else {
+        return;
+    };
+    let subresource = match part {
+        Part::Main => None,
+        Part::Status => Some("status"),
+        Part::Approval => Some("approval"),
+    };
+    entries.retain(|e| {
+        !(e.get("manager").and_then(Value::as_str) == Some(manager)
+            && e.get("operation").and_then(Value::as_str) == Some(operation)
+            && e.get("subresource").and_then(Value::as_str) == subresource)
+    });
+    let mut entry = json!({
+        "manager": manager,
+        "operation": operation,
+        "apiVersion": t.api_version(),
+        "time": now_rfc3339(),
+        "fieldsType": "FieldsV1",
+        "fieldsV1": {},
+    });
+    if let Some(sub) = subresource {
+        entry["subresource"] = json!(sub);
+    }
+    entries.push(entry);
+}
+
+impl Store {
+    pub fn new(registry: Registry, history_limit: usize) -> Self {
+        let (events, _) = broadcast::channel(4096);
+        Store {
+            inner: Mutex::new(Inner {
+                resource_version: 1,
+                objects: BTreeMap::new(),
+                history: VecDeque::new(),
+                history_limit: history_limit.max(1),
+                registry,
+            }),
+            events,
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // A panic while holding the lock cannot leave a half-written object
+        // (each write replaces whole values), so a poisoned lock is usable.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn registry(&self) -> Registry {
+        self.lock().registry.clone()
+    }
+
+    pub fn resource_version(&self) -> u64 {
+        self.lock().resource_version
+    }
+
+    pub fn register(&self, t: ResourceType) {
+        self.lock().registry.add(t);
+    }
+
+    fn commit(
+        &self,
+        inner: &mut Inner,
+        t: &ResourceType,
+        key: ObjectKey,
+        kind: EventType,
+        mut object: Value,
+        old: Option<Value>,
+    ) -> Value {
+        inner.resource_version += 1;
+        let rv = inner.resource_version;
+        if let Ok(metadata) = metadata_mut(&mut object) {
+            metadata.insert("resourceVersion".into(), json!(rv.to_string()));
+        }
+        let store = inner.objects.entry(t.storage_key()).or_default();
+        if kind == EventType::Deleted {
+            store.remove(&key);
+        } else {
+            store.insert(key.clone(), object.clone());
+        }
+        let event = Arc::new(Event {
+            resource_version: rv,
+            storage_key: t.storage_key(),
+            namespace: key.0,
+            kind,
+            object: object.clone(),
+            old,
+        });
+        inner.history.push_back(event.clone());
+        while inner.history.len() > inner.history_limit {
+            inner.history.pop_front();
+        }
+        let _ = self.events.send(event);
+        object
+    }
+
+    fn check_namespace(inner: &Inner, t: &ResourceType, namespace: &str) -> Result<(), ApiError> {
+        if !t.namespaced {
+            return Ok(());
+        }
+        let exists = inner
+            .objects
+            .get("/namespaces")
+            .is_some_and(|m| m.contains_key(&(String::new(), namespace.to_string())));
+        if exists {
+            Ok(())
+        } else {
+            Err(ApiError::new(
+                404,
+                "NotFound",
+                format!("namespaces \"{namespace}\" not found"),
+            ))
+        }
+    }
+
+    fn key_of(t: &ResourceType, namespace: Option<&str>, name: &str) -> ObjectKey {
+        let namespace = if t.namespaced {
+            namespace.unwrap_or_default().to_string()
+        } else {
+            String::new()
+        };
+        (namespace, name.to_string())
+    }
+
+    pub fn get(
+        &self,
+        t: &ResourceType,
+        namespace: Option<&str>,
+        name: &str,
+    ) -> Result<Value, ApiError> {
+        let inner = self.lock();
+        inner
+            .objects
+            .get(&t.storage_key())
+            .and_then(|m| m.get(&Self::key_of(t, namespace, name)))
+            .cloned()
+            .map(|o| as_version(o, t))
+            .ok_or_else(|| ApiError::not_found(t, name))
+    }
+
+    /// Objects matching the selectors, ordered by namespace and name, from
+    /// after `continue_after` on, at most `limit` (0: all).
+    pub fn list(
+        &self,
+        t: &ResourceType,
+        namespace: Option<&str>,
+        labels: &LabelSelector,
+        fields: &FieldSelector,
+        limit: usize,
+        continue_after: Option<&str>,
+    ) -> (Vec<Value>, u64, Option<String>) {
+        let inner = self.lock();
+        let mut items = Vec::new();
+        let mut next = None;
+        if let Some(objects) = inner.objects.get(&t.storage_key()) {
+            for ((ns, name), object) in objects {
+                if t.namespaced && namespace.is_some_and(|want| want != ns) {
+                    continue;
+                }
+                let token = format!("{ns}/{name}");
+                if continue_after.is_some_and(|after| token.as_str() <= after) {
+                    continue;
+                }
+                if !labels.matches(object) || !fields.matches(object) {
+                    continue;
+                }
+                if limit > 0 && items.len() == limit {
+                    next = items.last().map(|o: &Value| {
+                        format!(
+                            "{}/{}",
+                            meta(o, "namespace").unwrap_or_default(),
+                            meta(o, "name").unwrap_or_default()
+                        )
+                    });
+                    break;
+                }
+                items.push(as_version(object.clone(), t));
+            }
+        }
+        (items, inner.resource_version, next)
+    }
+
+    pub fn create(
+        &self,
+        t: &ResourceType,
+        namespace: Option<&str>,
+        mut body: Value,
+        user: &User,
+        options: &WriteOptions,
+    ) -> Result<Value, ApiError> {
+        let mut inner = self.lock();
+        let metadata = metadata_mut(&mut body)?;
+        if let Some(ns) = namespace.filter(|_| t.namespaced) {
+            match metadata.get("namespace").and_then(Value::as_str) {
+                Some(body_ns) if !body_ns.is_empty() && body_ns != ns => {
+                    return Err(ApiError::bad_request(format!(
+                        "the namespace of the provided object ({body_ns}) does not match the namespace sent on the request ({ns})"
+                    )));
+                }
+                _ => {
+                    metadata.insert("namespace".into(), json!(ns));
+                }
+            }
+        } else if !t.namespaced {
+            metadata.remove("namespace");
+        }
+        let name = match metadata.get("name").and_then(Value::as_str) {
+            Some(name) if !name.is_empty() => name.to_string(),
+            _ => match metadata.get("generateName").and_then(Value::as_str) {
+                Some(prefix) if !prefix.is_empty() => format!("{prefix}{}", random_suffix()),
+                _ => {
+                    return Err(ApiError::invalid(
+                        "metadata.name: Required value: name or generateName is required",
+                    ));
+                }
+            },
+        };
+        if !name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || matches!(c, '-' | '.' | ':'))
+            || name.len() > 253
+        {
+            return Err(ApiError::invalid(format!(
+                "metadata.name: Invalid value: {name:?}: a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.'"
+            )));
+        }
+        metadata.insert("name".into(), json!(name));
+        metadata.insert("uid".into(), json!(uuid::Uuid::new_v4().to_string()));
+        metadata.insert("creationTimestamp".into(), json!(now_rfc3339()));
+        metadata.insert("generation".into(), json!(1));
+        metadata.remove("deletionTimestamp");
+        metadata.remove("resourceVersion");
+        let ns_value = metadata
+            .get("namespace")
+            .and_then(Value::as_str)
+            .map(str::to_string);
+        if let Some(map) = body.as_object_mut() {
+            map.insert("apiVersion".into(), json!(t.api_version()));
+            map.insert("kind".into(), json!(t.kind));
+        }
+        if let Some(ns) = &ns_value {
+            Self::check_namespace(&inner, t, ns)?;
+        }
+        let key = Self::key_of(t, ns_value.as_deref(), &name);
+        if inner
+            .objects
+            .get(&t.storage_key())
+            .is_some_and(|m| m.contains_key(&key))
+        {
+            return Err(ApiError::new(
+                409,
+                "AlreadyExists",
+                format!("{} \"{name}\" already exists", group_resource(t)),
+            ));
+        }
+        if t.status
+            && let Some(map) = body.as_object_mut()
+        {
+            // Status is written through its subresource only.
+            map.remove("status");
+        }
+        if t.plural == "certificatesigningrequests" && t.group == "certificates.k8s.io" {
+            // As the real server: the requester is who authenticated, never
+            // what the body claims.
+            let spec = body
+                .as_object_mut()
+                .map(|m| m.entry("spec").or_insert_with(|| json!({})));
+            if let Some(Value::Object(spec)) = spec {
+                spec.insert("username".into(), json!(user.name));
+                spec.insert("uid".into(), json!(user.uid));
+                spec.insert("groups".into(), json!(user.groups));
+                spec.remove("extra");
+            }
+            if let Some(map) = body.as_object_mut() {
+                map.insert("status".into(), json!({}));
+            }
+        }
+        if t.plural == "customresourcedefinitions" {
+            let types = from_crd(&body).map_err(|e| ApiError::invalid(e.to_string()))?;
+            let names = body.pointer("/spec/names").cloned().unwrap_or(json!({}));
+            body["status"] = json!({
+                "conditions": [
+                    {"type": "NamesAccepted", "status": "True", "reason": "NoConflicts", "message": "no conflicts found", "lastTransitionTime": now_rfc3339()},
+                    {"type": "Established", "status": "True", "reason": "InitialNamesAccepted", "message": "the initial names have been accepted", "lastTransitionTime": now_rfc3339()}
+                ],
+                "acceptedNames": names,
+                "storedVersions": types.iter().map(|t| t.version.clone()).collect::<Vec<_>>(),
+            });
+            if !options.dry_run {
+                for t in types {
+                    inner.registry.add(t);
+                }
+            }
+        }
+        if let Some(manager) = &options.field_manager {
+            record_manager(&mut body, t, manager, "Update", Part::Main);
+        }
+        if options.dry_run {
+            return Ok(body);
+        }
+        Ok(self.commit(&mut inner, t, key, EventType::Added, body, None))
+    }
+
+    /// Replaces the object (PUT).
+    pub fn update(
+        &self,
+        t: &ResourceType,
+        namespace: Option<&str>,
+        name: &str,
+        body: Value,
+        part: Part,
+        options: &WriteOptions,
+    ) -> Result<Value, ApiError> {
+        let mut inner = self.lock();
+        let key = Self::key_of(t, namespace, name);
+        let old = inner
+            .objects
+            .get(&t.storage_key())
+            .and_then(|m| m.get(&key))
+            .cloned()
+            .ok_or_else(|| ApiError::not_found(t, name))?;
+        if let Some(body_name) = meta(&body, "name")
+            && body_name != name
+        {
+            return Err(ApiError::bad_request(format!(
+                "the name of the object ({body_name}) does not match the name on the URL ({name})"
+            )));
+        }
+        if let Some(rv) = meta(&body, "resourceVersion").filter(|rv| !rv.is_empty())
+            && Some(rv) != meta(&old, "resourceVersion")
+        {
+            return Err(ApiError::conflict(format!(
+                "Operation cannot be fulfilled on {} \"{name}\": the object has been modified; please apply your changes to the latest version and try again",
+                group_resource(t)
+            )));
+        }
+        let new = self.merge_part(t, &old, body, part)?;
+        self.finish_write(&mut inner, t, key, old, new, part, options, "Update")
+    }
+
+    /// The new object of a write to `part`: the main resource keeps status
+    /// (when the type has a status subresource); `/status` and `/approval`
+    /// change only their part.
+    fn merge_part(
+        &self,
+        t: &ResourceType,
+        old: &Value,
+        mut new: Value,
+        part: Part,
+    ) -> Result<Value, ApiError> {
+        if !new.is_object() {
+            return Err(ApiError::bad_request("the body must be a JSON object"));
+        }
+        match part {
+            Part::Main => {
+                if t.status {
+                    match old.get("status") {
+                        Some(status) => new["status"] = status.clone(),
+                        None => {
+                            if let Some(map) = new.as_object_mut() {
+                                map.remove("status");
+                            }
+                        }
+                    }
+                }
+                Ok(new)
+            }
+            Part::Status => {
+                let mut result = old.clone();
+                result["status"] = new.get("status").cloned().unwrap_or(Value::Null);
+                Ok(result)
+            }
+            Part::Approval => {
+                let mut result = old.clone();
+                let conditions = new
+                    .pointer("/status/conditions")
+                    .cloned()
+                    .unwrap_or(json!([]));
+                if !result.get("status").is_some_and(Value::is_object) {
+                    result["status"] = json!({});
+                }
+                result["status"]["conditions"] = conditions;
+                Ok(result)
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn finish_write(
+        &self,
+        inner: &mut Inner,
+        t: &ResourceType,
+        key: ObjectKey,
+        old: Value,
+        mut new: Value,
+        part: Part,
+        options: &WriteOptions,
+        operation: &str,
+    ) -> Result<Value, ApiError> {
+        // Fields only the server sets.
+        {
+            let old_meta = old.get("metadata").cloned().unwrap_or(json!({}));
+            let metadata = metadata_mut(&mut new)?;
+            for field in [
+                "uid",
+                "creationTimestamp",
+                "deletionTimestamp",
+                "generation",
+                "name",
+            ] {
+                match old_meta.get(field) {
+                    Some(v) => {
+                        metadata.insert(field.into(), v.clone());
+                    }
+                    None => {
+                        metadata.remove(field);
+                    }
+                }
+            }
+            if t.namespaced {
+                metadata.insert("namespace".into(), json!(key.0));
+            }
+            if !metadata.contains_key("managedFields")
+                && let Some(m) = old_meta.get("managedFields")
+            {
+                metadata.insert("managedFields".into(), m.clone());
+            }
+        }
+        if let Some(map) = new.as_object_mut() {
+            map.insert("apiVersion".into(), json!(t.api_version()));
+            map.insert("kind".into(), json!(t.kind));
+        }
+        if content(&new) != content(&old) {
+            let generation = old
+                .pointer("/metadata/generation")
+                .and_then(Value::as_i64)
+                .unwrap_or(1);
+            new["metadata"]["generation"] = json!(generation + 1);
+        }
+        if let Some(manager) = &options.field_manager {
+            record_manager(&mut new, t, manager, operation, part);
+        }
+        if t.plural == "customresourcedefinitions" && !options.dry_run {
+            for crd_type in from_crd(&new).map_err(|e| ApiError::invalid(e.to_string()))? {
+                inner.registry.add(crd_type);
+            }
+        }
+        if options.dry_run {
+            return Ok(as_version(new, t));
+        }
+        let mut unchanged_old = old.clone();
+        let mut unchanged_new = new.clone();
+        for o in [&mut unchanged_old, &mut unchanged_new] {
+            if let Some(m) = o.get_mut("metadata").and_then(Value::as_object_mut) {
+                m.remove("resourceVersion");
+                m.remove("managedFields");
+            }
+        }
+        if unchanged_old == unchanged_new {
+            // A no-op write changes nothing, not even the resourceVersion.
+            return Ok(as_version(old, t));
+        }
+        let deleting = new.pointer("/metadata/deletionTimestamp").is_some();
+        let kind = if deleting && !has_finalizers(&new) {
+            EventType::Deleted
+        } else {
+            EventType::Modified
+        };
+        let stored = self.commit(inner, t, key, kind, new, Some(old));
+        Ok(as_version(stored, t))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn patch(
+        &self,
+        t: &ResourceType,
+        namespace: Option<&str>,
+        name: &str,
+        kind: PatchKind,
+        patch: Value,
+        part: Part,
+        user: &User,
+        options: &WriteOptions,
+    ) -> Result<Value, ApiError> {
+        if kind == PatchKind::Apply {
+            let manager = options
+                .field_manager
+                .clone()
+                .filter(|m| !m.is_empty())
+                .ok_or_else(|| {
+                    ApiError::bad_request(
+                        "PatchOptions.fieldManager: Required value: is required for apply patch",
+                    )
+                })?;
+            for field in ["apiVersion", "kind"] {
+                if patch.get(field).and_then(Value::as_str).is_none() {
+                    return Err(ApiError::bad_request(format!(
+                        "{field} must be set in an apply patch"
+                    )));
+                }
+            }
+            let exists = self.get(t, namespace, name).is_ok();
+            if !exists {
+                if part != Part::Main {
+                    return Err(ApiError::not_found(t, name));
+                }
+                let mut body = patch;
+                metadata_mut(&mut body)?.insert("name".into(), json!(name));
+                let create_options = WriteOptions {
+                    field_manager: None,
+                    dry_run: options.dry_run,
+                };
+                let mut created = self.create(t, namespace, body, user, &create_options)?;
+                if options.dry_run {
+                    return Ok(created);
+                }
+                // Record the manager as an Apply (create() records Updates).
+                let mut inner = self.lock();
+                let key = Self::key_of(t, namespace, name);
+                record_manager(&mut created, t, &manager, "Apply", Part::Main);
+                if let Some(objects) = inner.objects.get_mut(&t.storage_key()) {
+                    objects.insert(key, created.clone());
+                }
+                return Ok(created);
+            }
+        }
+        let mut inner = self.lock();
+        let key = Self::key_of(t, namespace, name);
+        let old = inner
+            .objects
+            .get(&t.storage_key())
+            .and_then(|m| m.get(&key))
+            .cloned()
+            .ok_or_else(|| ApiError::not_found(t, name))?;
+        if let Some(rv) = patch
+            .pointer("/metadata/resourceVersion")
+            .and_then(Value::as_str)
+            && Some(rv.to_string()) != meta(&old, "resourceVersion")
+        {
+            return Err(ApiError::conflict(format!(
+                "Operation cannot be fulfilled on {} \"{name}\": the object has been modified; please apply your changes to the latest version and try again",
+                group_resource(t)
+            )));
+        }
+        let mut patched = old.clone();
+        match kind {
+            PatchKind::Merge | PatchKind::StrategicMerge | PatchKind::Apply => {
+                json_patch::merge(&mut patched, &patch);
+            }
+            PatchKind::Json => {
+                let operations: json_patch::Patch = serde_json::from_value(patch)
+                    .map_err(|e| ApiError::bad_request(format!("invalid JSON patch: {e}")))?;
+                for operation in operations.0 {
+                    // As the real server: testing a missing path against
+                    // null succeeds (kube-runtime's finalizer() relies on it).
+                    if let json_patch::PatchOperation::Test(test) = &operation
+                        && test.value.is_null()
+                        && patched.pointer(test.path.as_str()).is_none()
+                    {
+                        continue;
+                    }
+                    json_patch::patch(&mut patched, &[operation]).map_err(|e| {
+                        ApiError::invalid(format!("the JSON patch could not be applied: {e}"))
+                    })?;
+                }
+            }
+        }
+        let new = self.merge_part(t, &old, patched, part)?;
+        let operation = if kind == PatchKind::Apply {
+            "Apply"
+        } else {
+            "Update"
+        };
+        self.finish_write(&mut inner, t, key, old, new, part, options, operation)
+    }
+
+    /// Deletes the object, or marks it deleting while finalizers remain.
+    pub fn delete(
+        &self,
+        t: &ResourceType,
+        namespace: Option<&str>,
+        name: &str,
+        options: &WriteOptions,
+    ) -> Result<Value, ApiError> {
+        let mut inner = self.lock();
+        let key = Self::key_of(t, namespace, name);
+        let old = inner
+            .objects
+            .get(&t.storage_key())
+            .and_then(|m| m.get(&key))
+            .cloned()
+            .ok_or_else(|| ApiError::not_found(t, name))?;
+        if options.dry_run {
+            return Ok(as_version(old, t));
+        }
+        if has_finalizers(&old) {
+            if old.pointer("/metadata/deletionTimestamp").is_some() {
+                return Ok(as_version(old, t));
+            }
+            let mut new = old.clone();
+            new["metadata"]["deletionTimestamp"] = json!(now_rfc3339());
+            new["metadata"]["deletionGracePeriodSeconds"] = json!(0);
+            let stored = self.commit(&mut inner, t, key, EventType::Modified, new, Some(old));
+            return Ok(as_version(stored, t));
+        }
+        if t.plural == "namespaces" && t.group.is_empty() {
+            // Namespace deletion takes everything inside with it at once
+            // (the real server does this in the background).
+            let registry = inner.registry.clone();
+            let types: Vec<ResourceType> = registry
+                .groups()
+                .iter()
+                .flat_map(|(g, vs)| {
+                    vs.iter()
+                        .flat_map(|v| registry.in_group_version(g, v).cloned().collect::<Vec<_>>())
+                        .collect::<Vec<_>>()
+                })
+                .filter(|t| t.namespaced)
+                .collect();
+            let mut seen = std::collections::HashSet::new();
+            for inner_type in types {
+                if !seen.insert(inner_type.storage_key()) {
+                    continue;
+                }
+                let keys: Vec<ObjectKey> = inner
+                    .objects
+                    .get(&inner_type.storage_key())
+                    .map(|m| m.keys().filter(|(ns, _)| ns == name).cloned().collect())
+                    .unwrap_or_default();
+                for object_key in keys {
+                    if let Some(object) = inner
+                        .objects
+                        .get(&inner_type.storage_key())
+                        .and_then(|m| m.get(&object_key))
+                        .cloned()
+                    {
+                        self.commit(
+                            &mut inner,
+                            &inner_type,
+                            object_key,
+                            EventType::Deleted,
+                            object.clone(),
+                            Some(object),
+                        );
+                    }
+                }
+            }
+        }
+        let stored = self.commit(
+            &mut inner,
+            t,
+            key,
+            EventType::Deleted,
+            old.clone(),
+            Some(old),
+        );
+        Ok(as_version(stored, t))
+    }
+
+    /// Subscribes to changes and returns what a watch from
+    /// `resource_version` must send first: the current objects (ADDED) when
+    /// it is `None` or 0, else the history after it. `Err(410)` when the
+    /// history no longer reaches back that far.
+    pub fn watch_from(
+        &self,
+        t: &ResourceType,
+        resource_version: Option<u64>,
+    ) -> Result<WatchStart, ApiError> {
+        let inner = self.lock();
+        let receiver = self.events.subscribe();
+        let current = inner.resource_version;
+        let replay = match resource_version {
+            None | Some(0) => inner
+                .objects
+                .get(&t.storage_key())
+                .map(|objects| {
+                    objects
+                        .iter()
+                        .map(|((ns, _), object)| {
+                            Arc::new(Event {
+                                resource_version: current,
+                                storage_key: t.storage_key(),
+                                namespace: ns.clone(),
+                                kind: EventType::Added,
+                                object: object.clone(),
+                                old: None,
+                            })
+                        })
+                        .collect()
+                })
+                .unwrap_or_default(),
+            Some(rv) => {
+                let oldest = inner
+                    .history
+                    .front()
+                    .map_or(current + 1, |e| e.resource_version);
+                // Events rv+1 .. oldest-1 are gone when rv+1 < oldest.
+                if rv < current && rv + 1 < oldest {
+                    return Err(ApiError::new(
+                        410,
+                        "Expired",
+                        format!("too old resource version: {rv} ({})", oldest - 1),
+                    ));
+                }
+                if rv > current {
+                    // A version from the future: start from now, as the
+                    // real server waits for it to exist.
+                    Vec::new()
+                } else {
+                    inner
+                        .history
+                        .iter()
+                        .filter(|e| e.resource_version > rv && e.storage_key == t.storage_key())
+                        .cloned()
+                        .collect()
+                }
+            }
+        };
+        Ok((replay, receiver, current))
+    }
+}
+
+/// What a new watch sends first, its subscription to later changes, and
+/// the resourceVersion it starts at.
+pub type WatchStart = (Vec<Arc<Event>>, broadcast::Receiver<Arc<Event>>, u64);
+
+/// The object as the requested version presents it (every version of a
+/// type shares storage; only `apiVersion` differs here).
+pub fn as_version(mut object: Value, t: &ResourceType) -> Value {
+    if let Some(map) = object.as_object_mut() {
+        map.insert("apiVersion".into(), json!(t.api_version()));
+    }
+    object
+}

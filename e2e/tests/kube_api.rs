@@ -1,0 +1,706 @@
+//! The in-memory Kubernetes API (`e2e::kubeapi`) against kube-rs itself:
+//! `Api`, `watcher`, reflectors, `Controller` and `finalizer()`, all over
+//! HTTPS with the kubeconfig the server writes.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use e2e::kubeapi::{KubeApi, KubeApiOptions};
+use futures_util::{StreamExt, TryStreamExt};
+use k8s_openapi::api::certificates::v1::CertificateSigningRequest;
+use k8s_openapi::api::core::v1::{ConfigMap, Secret};
+use kube::api::{
+    DeleteParams, ListParams, Patch, PatchParams, PostParams, WatchEvent, WatchParams,
+};
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::finalizer::{Event as Finalizer, finalizer};
+use kube::runtime::{WatchStreamExt, reflector, watcher};
+use kube::{Api, Client, CustomResource, ResourceExt};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+const CRDS: &str = include_str!("kube_api/widgets.yaml");
+
+#[derive(CustomResource, Deserialize, Serialize, Clone, Debug, JsonSchema)]
+#[kube(
+    group = "example.io",
+    version = "v1",
+    kind = "Widget",
+    namespaced,
+    status = "WidgetStatus"
+)]
+struct WidgetSpec {
+    size: u32,
+}
+
+#[derive(Deserialize, Serialize, Clone, Debug, Default, JsonSchema)]
+struct WidgetStatus {
+    ready: bool,
+}
+
+async fn start() -> (KubeApi, Client, tempfile::TempDir) {
+    start_with(1000).await
+}
+
+async fn start_with(history: usize) -> (KubeApi, Client, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut options = KubeApiOptions::new(dir.path());
+    options.history = history;
+    options.bookmark_interval = Duration::from_millis(200);
+    let api = KubeApi::start(options).await.unwrap();
+    api.register_crds_from_yaml(CRDS).unwrap();
+    let client = api.client().await.unwrap();
+    (api, client, dir)
+}
+
+fn code(err: kube::Error) -> u16 {
+    match err {
+        kube::Error::Api(status) => status.code,
+        other => panic!("not an API error: {other}"),
+    }
+}
+
+fn secret(name: &str) -> Secret {
+    serde_json::from_value(
+        json!({"metadata": {"name": name}, "stringData": {"k": "v"}, "data": {"a": "YQ=="}}),
+    )
+    .unwrap()
+}
+
+#[tokio::test]
+async fn crud_conflicts_and_errors_as_kube_rs_sees_them() {
+    let (_api, client, _dir) = start().await;
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), "default");
+    let created = secrets
+        .create(&PostParams::default(), &secret("s1"))
+        .await
+        .unwrap();
+    assert!(created.metadata.uid.is_some());
+    assert!(created.metadata.creation_timestamp.is_some());
+    let rv1 = created.resource_version().unwrap();
+
+    assert_eq!(
+        code(
+            secrets
+                .create(&PostParams::default(), &secret("s1"))
+                .await
+                .unwrap_err()
+        ),
+        409
+    );
+    assert_eq!(code(secrets.get("missing").await.unwrap_err()), 404);
+    assert!(secrets.get_opt("missing").await.unwrap().is_none());
+
+    let mut changed = created.clone();
+    changed.data = Some([("b".to_string(), k8s_openapi::ByteString(b"x".to_vec()))].into());
+    let replaced = secrets
+        .replace("s1", &PostParams::default(), &changed)
+        .await
+        .unwrap();
+    assert_ne!(replaced.resource_version().unwrap(), rv1);
+    // The stale copy loses.
+    assert_eq!(
+        code(
+            secrets
+                .replace("s1", &PostParams::default(), &changed)
+                .await
+                .unwrap_err()
+        ),
+        409
+    );
+
+    let generated: Secret =
+        serde_json::from_value(json!({"metadata": {"generateName": "gen-"}})).unwrap();
+    let generated = secrets
+        .create(&PostParams::default(), &generated)
+        .await
+        .unwrap();
+    assert!(generated.name_any().starts_with("gen-") && generated.name_any().len() == 9);
+
+    // A namespace that does not exist.
+    let elsewhere: Api<Secret> = Api::namespaced(client.clone(), "nowhere");
+    assert_eq!(
+        code(
+            elsewhere
+                .create(&PostParams::default(), &secret("x"))
+                .await
+                .unwrap_err()
+        ),
+        404
+    );
+
+    // Malformed body: a clear 400, the server keeps serving.
+    let request = http::Request::post("/api/v1/namespaces/default/secrets")
+        .header("content-type", "application/json")
+        .body(b"{not json".to_vec())
+        .unwrap();
+    assert_eq!(
+        code(
+            client
+                .request::<serde_json::Value>(request)
+                .await
+                .unwrap_err()
+        ),
+        400
+    );
+
+    secrets
+        .delete("s1", &DeleteParams::default())
+        .await
+        .unwrap();
+    assert_eq!(code(secrets.get("s1").await.unwrap_err()), 404);
+    assert_eq!(
+        code(
+            secrets
+                .delete("s1", &DeleteParams::default())
+                .await
+                .unwrap_err()
+        ),
+        404
+    );
+}
+
+#[tokio::test]
+async fn requests_without_a_valid_token_are_unauthorized() {
+    let (api, _client, dir) = start().await;
+    let text = std::fs::read_to_string(api.kubeconfig_path()).unwrap();
+    let token_line = text
+        .lines()
+        .find(|l| l.trim_start().starts_with("token:"))
+        .unwrap();
+    let forged = text.replace(token_line, "    token: not-a-valid-token");
+    let path = dir.path().join("forged");
+    std::fs::write(&path, forged).unwrap();
+    let client = KubeApi::client_from(&path).await.unwrap();
+    let secrets: Api<Secret> = Api::namespaced(client, "default");
+    assert_eq!(
+        code(secrets.list(&ListParams::default()).await.unwrap_err()),
+        401
+    );
+}
+
+#[tokio::test]
+async fn merge_json_and_server_side_apply_patches() {
+    let (_api, client, _dir) = start().await;
+    let maps: Api<ConfigMap> = Api::namespaced(client, "default");
+
+    // Server-side apply creates, and records its manager.
+    let applied = maps
+        .patch(
+            "cm",
+            &PatchParams::apply("e2e-test").force(),
+            &Patch::Apply(json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "cm"}, "data": {"a": "1"}})),
+        )
+        .await
+        .unwrap();
+    let managers = applied.metadata.managed_fields.unwrap_or_default();
+    assert!(managers.iter().any(
+        |m| m.manager.as_deref() == Some("e2e-test") && m.operation.as_deref() == Some("Apply")
+    ));
+    // Apply again merges.
+    let applied = maps
+        .patch(
+            "cm",
+            &PatchParams::apply("e2e-test").force(),
+            &Patch::Apply(json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "cm"}, "data": {"b": "2"}})),
+        )
+        .await
+        .unwrap();
+    assert_eq!(applied.data.unwrap().len(), 2);
+    // Apply without a field manager is refused.
+    let err = maps
+        .patch(
+            "cm",
+            &PatchParams::default(),
+            &Patch::Apply(json!({"apiVersion": "v1", "kind": "ConfigMap"})),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(code(err), 400);
+
+    let merged = maps
+        .patch(
+            "cm",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"data": {"a": null, "c": "3"}})),
+        )
+        .await
+        .unwrap();
+    let data = merged.data.unwrap();
+    assert!(!data.contains_key("a") && data["c"] == "3");
+
+    let patch: json_patch::Patch = serde_json::from_value(json!([
+        {"op": "test", "path": "/data/c", "value": "3"},
+        {"op": "replace", "path": "/data/c", "value": "4"}
+    ]))
+    .unwrap();
+    let patched = maps
+        .patch("cm", &PatchParams::default(), &Patch::Json::<()>(patch))
+        .await
+        .unwrap();
+    assert_eq!(patched.data.unwrap()["c"], "4");
+    let failing: json_patch::Patch =
+        serde_json::from_value(json!([{"op": "test", "path": "/data/c", "value": "nope"}]))
+            .unwrap();
+    assert_eq!(
+        code(
+            maps.patch("cm", &PatchParams::default(), &Patch::Json::<()>(failing))
+                .await
+                .unwrap_err()
+        ),
+        422
+    );
+}
+
+#[tokio::test]
+async fn status_subresource_and_generation_of_a_crd() {
+    let (_api, client, _dir) = start().await;
+    let widgets: Api<Widget> = Api::namespaced(client, "default");
+    let mut widget = Widget::new("w1", WidgetSpec { size: 1 });
+    widget.status = Some(WidgetStatus { ready: true });
+    let created = widgets
+        .create(&PostParams::default(), &widget)
+        .await
+        .unwrap();
+    assert_eq!(created.metadata.generation, Some(1));
+    // Status sent to the main resource is ignored.
+    assert!(created.status.is_none());
+
+    let status = widgets
+        .patch_status(
+            "w1",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": {"ready": true}, "spec": {"size": 99}})),
+        )
+        .await
+        .unwrap();
+    assert!(status.status.unwrap().ready);
+    assert_eq!(status.spec.size, 1, "/status must not change spec");
+    assert_eq!(
+        status.metadata.generation,
+        Some(1),
+        "status writes keep the generation"
+    );
+
+    let spec = widgets
+        .patch(
+            "w1",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"size": 2}, "status": {"ready": false}})),
+        )
+        .await
+        .unwrap();
+    assert_eq!(spec.metadata.generation, Some(2));
+    assert!(
+        spec.status.unwrap().ready,
+        "main-resource writes keep the status"
+    );
+
+    let labels = widgets
+        .patch(
+            "w1",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"labels": {"x": "y"}}})),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        labels.metadata.generation,
+        Some(2),
+        "metadata changes keep the generation"
+    );
+}
+
+#[tokio::test]
+async fn label_and_field_selectors() {
+    let (_api, client, _dir) = start().await;
+    let maps: Api<ConfigMap> = Api::namespaced(client.clone(), "default");
+    for (name, tier) in [("a", "front"), ("b", "back"), ("c", "front")] {
+        let cm: ConfigMap = serde_json::from_value(
+            json!({"metadata": {"name": name, "labels": {"tier": tier, "app": "shop"}}}),
+        )
+        .unwrap();
+        maps.create(&PostParams::default(), &cm).await.unwrap();
+    }
+    let names = |list: kube::api::ObjectList<ConfigMap>| {
+        list.items.iter().map(|c| c.name_any()).collect::<Vec<_>>()
+    };
+    assert_eq!(
+        names(
+            maps.list(&ListParams::default().labels("tier=front"))
+                .await
+                .unwrap()
+        ),
+        ["a", "c"]
+    );
+    assert_eq!(
+        names(
+            maps.list(&ListParams::default().labels("tier notin (front),app"))
+                .await
+                .unwrap()
+        ),
+        ["b"]
+    );
+    assert_eq!(
+        names(
+            maps.list(&ListParams::default().fields("metadata.name=b"))
+                .await
+                .unwrap()
+        ),
+        ["b"]
+    );
+    assert_eq!(
+        names(
+            maps.list(&ListParams::default().fields("metadata.name!=b"))
+                .await
+                .unwrap()
+        ),
+        ["a", "c"]
+    );
+    // Pages.
+    let page = maps.list(&ListParams::default().limit(2)).await.unwrap();
+    assert_eq!(names(page.clone()), ["a", "b"]);
+    let token = page.metadata.continue_.clone().unwrap();
+    assert_eq!(
+        names(
+            maps.list(&ListParams::default().limit(2).continue_token(&token))
+                .await
+                .unwrap()
+        ),
+        ["c"]
+    );
+    // Across namespaces.
+    let all: Api<ConfigMap> = Api::all(client);
+    assert_eq!(
+        all.list(&ListParams::default().labels("app=shop"))
+            .await
+            .unwrap()
+            .items
+            .len(),
+        3
+    );
+    assert_eq!(
+        code(
+            maps.list(&ListParams::default().labels("tier in front"))
+                .await
+                .unwrap_err()
+        ),
+        400
+    );
+}
+
+#[tokio::test]
+async fn watcher_and_reflector_follow_changes() {
+    let (_api, client, _dir) = start().await;
+    let maps: Api<ConfigMap> = Api::namespaced(client, "default");
+    let (reader, writer) = reflector::store();
+    let events = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let seen = events.clone();
+    let stream = reflector::reflector(
+        writer,
+        watcher(maps.clone(), watcher::Config::default().labels("w=1")),
+    )
+    .touched_objects()
+    .try_for_each(move |cm| {
+        seen.lock().unwrap().push(format!(
+            "{}:{}",
+            cm.name_any(),
+            cm.data
+                .clone()
+                .unwrap_or_default()
+                .get("v")
+                .cloned()
+                .unwrap_or_default()
+        ));
+        async { Ok(()) }
+    });
+    let task = tokio::spawn(stream);
+    reader.wait_until_ready().await.unwrap();
+    for name in ["one", "two", "three"] {
+        let cm: ConfigMap = serde_json::from_value(
+            json!({"metadata": {"name": name, "labels": {"w": "1"}}, "data": {"v": "0"}}),
+        )
+        .unwrap();
+        maps.create(&PostParams::default(), &cm).await.unwrap();
+    }
+    maps.patch(
+        "two",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"data": {"v": "1"}})),
+    )
+    .await
+    .unwrap();
+    maps.delete("three", &DeleteParams::default())
+        .await
+        .unwrap();
+    // Leaving the selector counts as a deletion for this watcher.
+    maps.patch(
+        "one",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"metadata": {"labels": {"w": "2"}}})),
+    )
+    .await
+    .unwrap();
+    let converged = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            let mut names: Vec<String> = reader.state().iter().map(|c| c.name_any()).collect();
+            names.sort();
+            if names == ["two"] && events.lock().unwrap().contains(&"two:1".to_string()) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert!(
+        converged.is_ok(),
+        "reflector has {:?}, events {:?}",
+        reader
+            .state()
+            .iter()
+            .map(|c| c.name_any())
+            .collect::<Vec<_>>(),
+        events.lock().unwrap()
+    );
+    task.abort();
+}
+
+#[tokio::test]
+async fn a_too_old_resource_version_is_410_and_watchers_recover() {
+    let (_api, client, _dir) = start_with(5).await;
+    let maps: Api<ConfigMap> = Api::namespaced(client, "default");
+    let start = maps
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .metadata
+        .resource_version
+        .unwrap();
+    for i in 0..20 {
+        let cm: ConfigMap =
+            serde_json::from_value(json!({"metadata": {"name": format!("c{i}")}})).unwrap();
+        maps.create(&PostParams::default(), &cm).await.unwrap();
+    }
+    let mut stream = maps
+        .watch(&WatchParams::default(), &start)
+        .await
+        .unwrap()
+        .boxed();
+    match tokio::time::timeout(Duration::from_secs(5), stream.try_next())
+        .await
+        .unwrap()
+        .unwrap()
+    {
+        Some(WatchEvent::Error(status)) => assert_eq!(status.code, 410),
+        other => panic!("expected a 410 ERROR event, got {other:?}"),
+    }
+    // A recent version replays what followed it.
+    let recent = maps.get("c17").await.unwrap().resource_version().unwrap();
+    let mut stream = maps
+        .watch(&WatchParams::default(), &recent)
+        .await
+        .unwrap()
+        .boxed();
+    let mut names = Vec::new();
+    while names.len() < 2 {
+        match tokio::time::timeout(Duration::from_secs(5), stream.try_next())
+            .await
+            .unwrap()
+            .unwrap()
+        {
+            Some(WatchEvent::Added(cm)) => names.push(cm.name_any()),
+            Some(WatchEvent::Bookmark(_)) => {}
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(names, ["c18", "c19"]);
+    // kube's watcher lists again and sees everything.
+    let all = watcher(maps.clone(), watcher::Config::default())
+        .applied_objects()
+        .take(20)
+        .try_collect::<Vec<_>>();
+    assert_eq!(
+        tokio::time::timeout(Duration::from_secs(10), all)
+            .await
+            .unwrap()
+            .unwrap()
+            .len(),
+        20
+    );
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error(transparent)]
+struct ReconcileError(#[from] kube::Error);
+
+struct Context {
+    widgets: Api<Widget>,
+    cleanups: AtomicUsize,
+}
+
+const FINALIZER: &str = "example.io/cleanup";
+
+async fn reconcile(
+    widget: Arc<Widget>,
+    ctx: Arc<Context>,
+) -> Result<Action, kube::runtime::finalizer::Error<ReconcileError>> {
+    finalizer(&ctx.widgets, FINALIZER, widget, |event| async {
+        match event {
+            Finalizer::Apply(widget) => {
+                ctx.widgets
+                    .patch_status(
+                        &widget.name_any(),
+                        &PatchParams::default(),
+                        &Patch::Merge(json!({"status": {"ready": true}})),
+                    )
+                    .await?;
+                Ok(Action::await_change())
+            }
+            Finalizer::Cleanup(_) => {
+                ctx.cleanups.fetch_add(1, Ordering::SeqCst);
+                Ok(Action::await_change())
+            }
+        }
+    })
+    .await
+}
+
+#[tokio::test]
+async fn a_controller_with_a_finalizer_reconciles_and_cleans_up() {
+    let (_api, client, _dir) = start().await;
+    let widgets: Api<Widget> = Api::namespaced(client.clone(), "default");
+    let ctx = Arc::new(Context {
+        widgets: widgets.clone(),
+        cleanups: AtomicUsize::new(0),
+    });
+    let controller = Controller::new(widgets.clone(), watcher::Config::default())
+        .run(
+            reconcile,
+            |_, _, _| Action::requeue(Duration::from_millis(200)),
+            ctx.clone(),
+        )
+        .for_each(|_| async {});
+    let task = tokio::spawn(controller);
+
+    widgets
+        .create(
+            &PostParams::default(),
+            &Widget::new("w", WidgetSpec { size: 3 }),
+        )
+        .await
+        .unwrap();
+    let ready = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            let w = widgets.get("w").await.unwrap();
+            if w.status.as_ref().is_some_and(|s| s.ready)
+                && w.finalizers().contains(&FINALIZER.to_string())
+            {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert!(
+        ready.is_ok(),
+        "not reconciled: {:?}",
+        widgets.get("w").await
+    );
+
+    widgets.delete("w", &DeleteParams::default()).await.unwrap();
+    let gone = tokio::time::timeout(Duration::from_secs(10), async {
+        while widgets.get_opt("w").await.unwrap().is_some() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert!(gone.is_ok(), "the finalizer never let go");
+    assert_eq!(ctx.cleanups.load(Ordering::SeqCst), 1);
+    task.abort();
+}
+
+#[tokio::test]
+async fn csr_requester_comes_from_authentication_not_the_body() {
+    let (api, _client, _dir) = start().await;
+    let user = "system:open-cluster-management:cluster-a:agent1";
+    let groups = [
+        "system:open-cluster-management:cluster-a",
+        "system:authenticated",
+    ];
+    let kubeconfig = api.kubeconfig_for(user, &groups).unwrap();
+    let agent = KubeApi::client_from(&kubeconfig).await.unwrap();
+    let csrs: Api<CertificateSigningRequest> = Api::all(agent);
+    let csr: CertificateSigningRequest = serde_json::from_value(json!({
+        "metadata": {"name": "agent-csr"},
+        "spec": {"request": "aGVsbG8=", "signerName": "open-cluster-management.io/proxy-agent-signer",
+                 "usages": ["client auth"], "username": "system:admin", "groups": ["system:masters"]}
+    }))
+    .unwrap();
+    let created = csrs.create(&PostParams::default(), &csr).await.unwrap();
+    assert_eq!(created.spec.username.as_deref(), Some(user));
+    assert_eq!(created.spec.groups.unwrap(), groups);
+
+    let admin: Api<CertificateSigningRequest> = Api::all(api.client().await.unwrap());
+    let approval = json!({"apiVersion": "certificates.k8s.io/v1", "kind": "CertificateSigningRequest",
+        "metadata": {"name": "agent-csr"},
+        "status": {"conditions": [{"type": "Approved", "status": "True", "reason": "Test", "message": "ok"}]}});
+    let approved = admin
+        .replace_subresource("approval", "agent-csr", &PostParams::default(), &approval)
+        .await
+        .unwrap();
+    assert_eq!(
+        approved.status.unwrap().conditions.unwrap()[0].type_,
+        "Approved"
+    );
+    let signed = admin
+        .patch_status(
+            "agent-csr",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": {"certificate": "Y2VydA=="}})),
+        )
+        .await
+        .unwrap();
+    let status = signed.status.unwrap();
+    assert_eq!(status.certificate.unwrap().0, b"cert");
+    assert_eq!(
+        status.conditions.unwrap().len(),
+        1,
+        "the approval survives the status write"
+    );
+}
+
+#[tokio::test]
+async fn discovery_finds_builtin_groups_and_crds() {
+    let (_api, client, _dir) = start().await;
+    let discovery = kube::discovery::Discovery::new(client).run().await.unwrap();
+    let groups: Vec<String> = discovery.groups().map(|g| g.name().to_string()).collect();
+    for expected in [
+        "",
+        "apps",
+        "coordination.k8s.io",
+        "certificates.k8s.io",
+        "example.io",
+        "apiextensions.k8s.io",
+    ] {
+        assert!(
+            groups.iter().any(|g| g == expected),
+            "{expected:?} missing from {groups:?}"
+        );
+    }
+    let (widget, caps) = discovery
+        .groups()
+        .find(|g| g.name() == "example.io")
+        .unwrap()
+        .recommended_resources()
+        .into_iter()
+        .find(|(r, _)| r.kind == "Widget")
+        .unwrap();
+    assert_eq!(widget.plural, "widgets");
+    assert!(
+        caps.subresources
+            .iter()
+            .any(|(r, _)| r.plural == "widgets/status" || r.plural == "status")
+    );
+}
