@@ -350,6 +350,13 @@ fn print_table(env: &mut Environment) {
         format!("files backend: {pki}"),
         env.cert_authority.state().to_string(),
     ));
+    if let Some(addr) = env.summary.kube_api {
+        rows.push((
+            "kube-api".into(),
+            format!("https://{addr} (in-memory test double)"),
+            "serving (in this process)".into(),
+        ));
+    }
     let backends: Vec<String> = env
         .replicas
         .iter()
@@ -410,6 +417,12 @@ fn print_table(env: &mut Environment) {
         "state directory: {}  (logs in logs/, PKI in pki/)",
         env.summary.state_dir.display()
     );
+    if let Some(kubeconfig) = &env.summary.kubeconfig {
+        println!(
+            "Kubernetes API for the control plane: export KUBECONFIG={}",
+            kubeconfig.display()
+        );
+    }
 }
 
 fn print_commands(summary: &Summary) {

@@ -119,6 +119,22 @@ async fn every_cluster_answers_by_name_through_every_replica_and_frontend() {
             }
         }
     }
+    // The environment's Kubernetes API answers with the kubeconfig it wrote.
+    let kubeconfig = env.summary.kubeconfig.clone().expect("a kubeconfig");
+    let kube = e2e::kubeapi::KubeApi::client_from(&kubeconfig)
+        .await
+        .unwrap();
+    let namespaces: kube::Api<k8s_openapi::api::core::v1::Namespace> = kube::Api::all(kube);
+    let names: Vec<String> = namespaces
+        .list(&Default::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter_map(|n| n.metadata.name)
+        .collect();
+    assert!(names.contains(&"default".to_string()), "{names:?}");
+
     // A cluster no agent serves is refused, not routed elsewhere.
     let err = client
         .http_get(
@@ -185,6 +201,17 @@ async fn the_hub_reaches_managed_services_only_through_the_tunnel() {
         let (ok, detail) = env.probe_from(cluster_ns, addr).await.unwrap();
         assert!(!ok, "a cluster reached the hub's {addr}: {detail}");
     }
+
+    // The control plane's Kubernetes API is reachable from the hub (where
+    // hub services run), not from a managed cluster.
+    let kube_api = env
+        .summary
+        .kube_api
+        .expect("the environment starts a Kubernetes API");
+    let (ok, detail) = env.probe_from_hub(kube_api).await.unwrap();
+    assert!(ok, "the hub must reach the Kubernetes API: {detail}");
+    let (ok, detail) = env.probe_from(cluster_ns, kube_api).await.unwrap();
+    assert!(!ok, "a cluster reached the hub's Kubernetes API: {detail}");
 
     // And through the tunnel the same service answers by cluster name.
     let body = client(&env)

@@ -32,6 +32,10 @@ use self::client::{Frontend, HubClient};
 use self::netns::{NetnsError, Topology};
 use self::process::{Logs, ProcessError, ProcessSpec, Supervised};
 use self::registry::{ProcessRecord, Record};
+use crate::kubeapi::{KubeApi, KubeApiOptions};
+
+/// Port of the in-memory Kubernetes API.
+pub const KUBE_API_PORT: u16 = 6443;
 
 /// Agent port of the load balancer in front of the replicas (the
 /// Kubernetes Service an agent dials).
@@ -99,6 +103,8 @@ pub enum EnvError {
     },
     #[error("PKI: {0}")]
     Pki(String),
+    #[error("in-memory Kubernetes API: {0}")]
+    KubeApi(String),
     #[error("invalid cluster name {0:?}: {1}")]
     ClusterName(String, String),
     #[error("no free address slot 198.18.x.0/24 (or 127.18.x.0/24) for a new environment")]
@@ -138,6 +144,8 @@ pub struct EnvOptions {
     pub ca_interval: String,
     /// How often servers and agents look for new credential files.
     pub credential_reload_interval: String,
+    /// Start the in-memory Kubernetes API for the control plane.
+    pub kube_api: bool,
 }
 
 impl EnvOptions {
@@ -167,6 +175,7 @@ impl EnvOptions {
             leaf_validity: "2160h".into(),
             ca_interval: "1m".into(),
             credential_reload_interval: "10s".into(),
+            kube_api: true,
         }
     }
 }
@@ -206,6 +215,9 @@ pub struct Summary {
     pub servers: Vec<(String, ReplicaPorts)>,
     pub clusters: Vec<ClusterSummary>,
     pub hub_netns: Option<String>,
+    /// The in-memory Kubernetes API and the administrator's kubeconfig.
+    pub kube_api: Option<SocketAddr>,
+    pub kubeconfig: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -246,6 +258,8 @@ pub struct Environment {
     pub balancer: Supervised,
     pub replicas: Vec<Replica>,
     pub clusters: Vec<Cluster>,
+    /// The control plane's Kubernetes API (in this process).
+    pub kube_api: Option<KubeApi>,
     topology: Option<Topology>,
     record: Record,
     _temporary_state: Option<tempfile::TempDir>,
@@ -400,6 +414,22 @@ impl Environment {
             ),
         };
         let hub_netns = topology.as_ref().map(Topology::hub_netns);
+        let kube_api = if options.kube_api {
+            // On the machine's side of the hub link, so hub services reach it.
+            let ip = match &topology {
+                Some(t) => IpAddr::V4(t.host_addr()),
+                None => IpAddr::V4(Ipv4Addr::new(127, 18, slot, 3)),
+            };
+            let mut api_options = KubeApiOptions::new(&state_dir);
+            api_options.bind = SocketAddr::new(ip, KUBE_API_PORT);
+            Some(
+                KubeApi::start(api_options)
+                    .await
+                    .map_err(|e| EnvError::KubeApi(e.to_string()))?,
+            )
+        } else {
+            None
+        };
 
         // The PKI: one command, as a user would run it.
         let pki_dir = state_dir.join("pki");
@@ -435,6 +465,8 @@ impl Environment {
                 servers: Vec::new(),
                 clusters: Vec::new(),
                 hub_netns: hub_netns.clone(),
+                kube_api: kube_api.as_ref().map(KubeApi::addr),
+                kubeconfig: kube_api.as_ref().map(|k| k.kubeconfig_path().to_path_buf()),
             },
             cert_authority: Supervised::start(
                 ProcessSpec::new("cert-authority", &binaries.cert_authority)
@@ -464,6 +496,7 @@ impl Environment {
             )?,
             replicas: Vec::new(),
             clusters: Vec::new(),
+            kube_api,
             binaries: binaries.clone(),
             logs: logs.clone(),
             topology,
@@ -783,6 +816,9 @@ impl Environment {
         }
         self.balancer.stop(grace).await;
         self.cert_authority.stop(grace).await;
+        if let Some(api) = self.kube_api.take() {
+            api.shutdown().await;
+        }
         // Drop removes the namespaces, the record and a temporary state dir.
     }
 }
