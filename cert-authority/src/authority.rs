@@ -345,7 +345,7 @@ impl Store for FileStore {
     }
 }
 
-fn format_phase(phase: &RolloverPhase) -> String {
+pub(crate) fn format_phase(phase: &RolloverPhase) -> String {
     match phase {
         RolloverPhase::Stable => "stable\n".into(),
         RolloverPhase::NextPublished { since } => {
@@ -357,7 +357,7 @@ fn format_phase(phase: &RolloverPhase) -> String {
     }
 }
 
-fn parse_phase(text: &str) -> Option<RolloverPhase> {
+pub(crate) fn parse_phase(text: &str) -> Option<RolloverPhase> {
     let mut words = text.split_whitespace();
     let kind = words.next()?;
     let since = || {

@@ -16,6 +16,7 @@
 
 pub mod authority;
 pub mod files;
+pub mod kubernetes;
 pub mod peer;
 pub mod pki;
 pub mod reload;

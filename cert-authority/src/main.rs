@@ -3,6 +3,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use cert_authority::authority::{Desired, FileStore, reconcile};
 use cert_authority::files::{InitOptions, Layout, init};
+use cert_authority::kubernetes::{self, KubeOptions};
 use cert_authority::rotation::{LeafPolicy, RolloverPolicy};
 use clap::{Parser, Subcommand};
 use cluster_proxy_proto::duration::parse_go_duration;
@@ -44,11 +45,22 @@ enum Command {
     /// Keep a PKI current: renew leaves at 2/3 of their life or when their
     /// SANs change, and roll the CA over ahead of its expiry without an outage.
     Run {
-        /// Where the PKI lives: `files` (a directory made by `init`).
+        /// Where the PKI lives: `files` (a directory made by `init`) or
+        /// `kubernetes` (Secrets, and agent certificates through CSRs).
         #[arg(long, default_value = "files")]
         backend: String,
+        /// files: the PKI directory.
         #[arg(long)]
-        dir: PathBuf,
+        dir: Option<PathBuf>,
+        /// kubernetes: namespace of the hub Secrets and the leader Lease.
+        #[arg(long, default_value = "open-cluster-management-addon")]
+        namespace: String,
+        /// kubernetes: the Secret holding the CA.
+        #[arg(long, default_value = "cluster-proxy-signer")]
+        signer_secret_name: String,
+        /// kubernetes: its namespace (default: --namespace).
+        #[arg(long)]
+        signer_secret_namespace: Option<String>,
         /// Managed clusters whose agent certificates to keep current.
         #[arg(long, value_delimiter = ',')]
         clusters: Vec<String>,
@@ -125,6 +137,9 @@ fn main() -> anyhow::Result<()> {
         Command::Run {
             backend,
             dir,
+            namespace,
+            signer_secret_name,
+            signer_secret_namespace,
             clusters: names,
             additional_sans,
             interval,
@@ -140,10 +155,8 @@ fn main() -> anyhow::Result<()> {
                         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
                 )
                 .init();
-            if backend != "files" {
-                anyhow::bail!(
-                    "--backend {backend:?} is not available: only `files` is built so far"
-                );
+            if backend != "files" && backend != "kubernetes" {
+                anyhow::bail!("--backend {backend:?}: `files` or `kubernetes`");
             }
             let desired = Desired {
                 clusters: cluster_names(&names)?,
@@ -162,6 +175,18 @@ fn main() -> anyhow::Result<()> {
                 },
             };
             let interval = duration("interval", &interval)?;
+            if backend == "kubernetes" {
+                let mut options = KubeOptions::new(&namespace);
+                options.signer_secret_name = signer_secret_name;
+                options.signer_secret_namespace =
+                    signer_secret_namespace.unwrap_or_else(|| namespace.clone());
+                options.additional_sans = additional_sans;
+                options.leaf_policy = desired.leaf_policy;
+                options.rollover_policy = desired.rollover_policy;
+                options.interval = interval;
+                return run_kubernetes(options, once);
+            }
+            let dir = dir.context("--dir is required with --backend files")?;
             let store = FileStore {
                 layout: Layout::new(&dir),
             };
@@ -184,4 +209,41 @@ fn main() -> anyhow::Result<()> {
             }
         }
     }
+}
+
+fn run_kubernetes(options: KubeOptions, once: bool) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(async move {
+        let client = kube::Client::try_default()
+            .await
+            .context("no Kubernetes API to talk to (set KUBECONFIG, or run in a cluster)")?;
+        tracing::info!(
+            namespace = %options.namespace,
+            identity = %options.identity,
+            "kubernetes backend starting"
+        );
+        if once {
+            let report = kubernetes::run_once(&client, &options).await?;
+            for renewed in &report.renewed {
+                tracing::info!(leaf = %renewed, "certificate issued");
+            }
+            return Ok(());
+        }
+        let shutdown = async {
+            let mut term =
+                match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                    Ok(term) => term,
+                    Err(_) => return std::future::pending().await,
+                };
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+        };
+        kubernetes::run(client, options, shutdown).await?;
+        Ok(())
+    })
 }

@@ -204,6 +204,30 @@ impl Authority {
         now: OffsetDateTime,
     ) -> Result<Credentials, PkiError> {
         let key = KeyPair::generate()?;
+        let params = leaf_params(request, now)?;
+        let cert = params.signed_by(&key, &self.issuer)?;
+        Ok(Credentials {
+            cert_pem: cert.pem(),
+            key_pem: key.serialize_pem(),
+        })
+    }
+
+    /// Signs a certificate for the public key of a verified PKCS#10 request.
+    /// Subject, SANs, usages and validity come from `request` alone: nothing
+    /// the requester claimed in its CSR is copied.
+    pub fn sign_request_at(
+        &self,
+        mut csr: rcgen::CertificateSigningRequestParams,
+        request: &LeafRequest,
+        now: OffsetDateTime,
+    ) -> Result<String, PkiError> {
+        csr.params = leaf_params(request, now)?;
+        Ok(csr.signed_by(&self.issuer)?.pem())
+    }
+}
+
+fn leaf_params(request: &LeafRequest, now: OffsetDateTime) -> Result<CertificateParams, PkiError> {
+    {
         let mut params = CertificateParams::default();
         params.distinguished_name = name(&request.common_name);
         for san in &request.sans {
@@ -233,10 +257,6 @@ impl Authority {
             Usage::Client => ExtendedKeyUsagePurpose::ClientAuth,
         }];
         (params.not_before, params.not_after) = validity_window(request.validity, now)?;
-        let cert = params.signed_by(&key, &self.issuer)?;
-        Ok(Credentials {
-            cert_pem: cert.pem(),
-            key_pem: key.serialize_pem(),
-        })
+        Ok(params)
     }
 }

@@ -91,9 +91,27 @@ fn init_then_run_and_refusals() {
         stderr(&bad_duration)
     );
 
-    let k8s = cert_authority(&["run", "--backend", "kubernetes", "--dir", pki_str, "--once"]);
+    // No cluster to talk to: a clear error, not a hang.
+    let k8s = Command::new(env!("CARGO_BIN_EXE_cert-authority"))
+        .args(["run", "--backend", "kubernetes", "--once"])
+        .env("KUBECONFIG", dir.path().join("no-such-kubeconfig"))
+        .env_remove("KUBERNETES_SERVICE_HOST")
+        .env_remove("RUST_BACKTRACE")
+        .output()
+        .unwrap();
     assert!(!k8s.status.success());
-    assert!(stderr(&k8s).contains("only `files`"), "{}", stderr(&k8s));
+    assert!(
+        stderr(&k8s).contains("no Kubernetes API"),
+        "{}",
+        stderr(&k8s)
+    );
+    let unknown = cert_authority(&["run", "--backend", "vault", "--dir", pki_str, "--once"]);
+    assert!(!unknown.status.success());
+    assert!(
+        stderr(&unknown).contains("`files` or `kubernetes`"),
+        "{}",
+        stderr(&unknown)
+    );
 
     let uninitialized = cert_authority(&[
         "run",
