@@ -435,3 +435,41 @@ async fn csrs_are_signed_or_refused_through_the_status_subresource() {
     assert_eq!(failed["reason"], "ClusterMismatch");
     assert!(stored["status"].get("certificate").is_none());
 }
+
+#[tokio::test]
+async fn an_upstream_rsa_ca_is_adopted_not_replaced() {
+    use base64::Engine;
+    let b64 =
+        |path: &str| base64::engine::general_purpose::STANDARD.encode(std::fs::read(path).unwrap());
+    let api = ScriptedApi::default();
+    api.objects.lock().unwrap().insert(
+        format!("{NS}/cluster-proxy-signer"),
+        json!({"apiVersion": "v1", "kind": "Secret",
+               "metadata": {"name": "cluster-proxy-signer", "namespace": "open-cluster-management-addon", "resourceVersion": "1"},
+               "data": {"ca.crt": b64("tests/fixtures/upstream-ca.crt"), "ca.key": b64("tests/fixtures/upstream-ca.key")}}),
+    );
+    let client = api.client();
+    let options = KubeOptions::new("open-cluster-management-addon");
+    secrets::reconcile_secrets(&client, &options, &options.desired(), now())
+        .await
+        .unwrap();
+    let applied = api.applied();
+    assert!(
+        !applied.contains(&format!("{NS}/cluster-proxy-signer")),
+        "{applied:?}"
+    );
+    let leaf = api.objects.lock().unwrap()[&format!("{NS}/proxy-server")].clone();
+    let pem = base64::engine::general_purpose::STANDARD
+        .decode(leaf["data"]["tls.crt"].as_str().unwrap())
+        .unwrap();
+    let der = CertificateDer::from_pem_slice(&pem).unwrap();
+    let (_, cert) = x509_parser::parse_x509_certificate(&der).unwrap();
+    assert_eq!(
+        cert.issuer().to_string(),
+        "CN=open-cluster-management:cluster-proxy"
+    );
+    let upstream = std::fs::read("tests/fixtures/upstream-ca.crt").unwrap();
+    let (_, ca) = x509_parser::pem::parse_x509_pem(&upstream).unwrap();
+    cert.verify_signature(Some(ca.parse_x509().unwrap().public_key()))
+        .unwrap();
+}
