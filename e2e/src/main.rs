@@ -328,6 +328,9 @@ fn states(env: &mut Environment) -> Vec<(String, ProcessState)> {
         ),
         (env.balancer.name().to_string(), env.balancer.state()),
     ];
+    if let Some(ca) = env.control_plane_ca.as_mut() {
+        states.push((ca.name().to_string(), ca.state()));
+    }
     for replica in &mut env.replicas {
         states.push((replica.name.clone(), replica.process.state()));
     }
@@ -355,6 +358,13 @@ fn print_table(env: &mut Environment) {
             "kube-api".into(),
             format!("https://{addr} (in-memory test double)"),
             "serving (in this process)".into(),
+        ));
+    }
+    if let Some(ca) = env.control_plane_ca.as_mut() {
+        rows.push((
+            ca.name().into(),
+            "Secrets + CSR signer in namespace open-cluster-management-addon".into(),
+            ca.state().to_string(),
         ));
     }
     let backends: Vec<String> = env

@@ -42,7 +42,11 @@ async fn start(options: EnvOptions) -> Environment {
 }
 
 fn dump_logs(env: &Environment) {
-    let mut names = vec!["cert-authority".to_string(), "agent-lb".into()];
+    let mut names = vec![
+        "cert-authority".to_string(),
+        "cert-authority-kube".into(),
+        "agent-lb".into(),
+    ];
     names.extend(env.replicas.iter().map(|r| r.name.clone()));
     for cluster in &env.clusters {
         names.push(format!("{}/proxy-agent", cluster.name));
@@ -134,6 +138,26 @@ async fn every_cluster_answers_by_name_through_every_replica_and_frontend() {
         .filter_map(|n| n.metadata.name)
         .collect();
     assert!(names.contains(&"default".to_string()), "{names:?}");
+    // cert-authority's kubernetes backend keeps the hub Secrets there.
+    let kube = e2e::kubeapi::KubeApi::client_from(&kubeconfig)
+        .await
+        .unwrap();
+    let secrets: kube::Api<k8s_openapi::api::core::v1::Secret> =
+        kube::Api::namespaced(kube, e2e::env::ADDON_NAMESPACE);
+    let found = wait_for(Duration::from_secs(20), || {
+        let secrets = secrets.clone();
+        async move {
+            match secrets.get_opt("proxy-server").await {
+                Ok(Some(_)) => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        }
+    })
+    .await;
+    if let Err(err) = found {
+        eprintln!("{}", env.logs.tail("cert-authority-kube", 40));
+        panic!("no proxy-server Secret from cert-authority's kubernetes backend: {err}");
+    }
 
     // A cluster no agent serves is refused, not routed elsewhere.
     let err = client

@@ -34,6 +34,9 @@ use self::process::{Logs, ProcessError, ProcessSpec, Supervised};
 use self::registry::{ProcessRecord, Record};
 use crate::kubeapi::{KubeApi, KubeApiOptions};
 
+/// The namespace of the hub's cluster-proxy objects in the Kubernetes API.
+pub const ADDON_NAMESPACE: &str = "open-cluster-management-addon";
+
 /// Port of the in-memory Kubernetes API.
 pub const KUBE_API_PORT: u16 = 6443;
 
@@ -255,6 +258,9 @@ pub struct Environment {
     pub binaries: Binaries,
     pub logs: Logs,
     pub cert_authority: Supervised,
+    /// cert-authority's `kubernetes` backend against the in-memory API:
+    /// the hub Secrets and proxy-agent CSR signing, as in a real hub.
+    pub control_plane_ca: Option<Supervised>,
     pub balancer: Supervised,
     pub replicas: Vec<Replica>,
     pub clusters: Vec<Cluster>,
@@ -494,6 +500,7 @@ impl Environment {
                     .in_netns(hub_netns.clone()),
                 &logs,
             )?,
+            control_plane_ca: None,
             replicas: Vec::new(),
             clusters: Vec::new(),
             kube_api,
@@ -503,6 +510,10 @@ impl Environment {
             record,
             _temporary_state: temporary_state,
         };
+        if let Some(api) = &environment.kube_api {
+            environment.control_plane_ca =
+                Some(Self::start_control_plane_ca(api, &binaries, &logs, hub_netns.clone()).await?);
+        }
         environment.remember_processes();
 
         for r in 0..options.replicas {
@@ -610,6 +621,41 @@ impl Environment {
     }
 
     #[allow(clippy::too_many_arguments)]
+    /// Creates the addon namespace in the API and starts
+    /// `cert-authority run --backend kubernetes` against it from the hub.
+    async fn start_control_plane_ca(
+        api: &KubeApi,
+        binaries: &Binaries,
+        logs: &Logs,
+        hub_netns: Option<String>,
+    ) -> Result<Supervised, EnvError> {
+        let client = api
+            .client()
+            .await
+            .map_err(|e| EnvError::KubeApi(e.to_string()))?;
+        let namespaces: kube::Api<k8s_openapi::api::core::v1::Namespace> = kube::Api::all(client);
+        let namespace =
+            serde_json::from_value(serde_json::json!({"metadata": {"name": ADDON_NAMESPACE}}))
+                .map_err(|e| EnvError::KubeApi(e.to_string()))?;
+        match namespaces.create(&Default::default(), &namespace).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(status)) if status.code == 409 => {}
+            Err(e) => return Err(EnvError::KubeApi(e.to_string())),
+        }
+        let spec = ProcessSpec::new("cert-authority-kube", &binaries.cert_authority)
+            .args([
+                "run",
+                "--backend",
+                "kubernetes",
+                "--namespace",
+                ADDON_NAMESPACE,
+            ])
+            .args(["--interval", "30s"])
+            .env("KUBECONFIG", api.kubeconfig_path().display().to_string())
+            .in_netns(hub_netns);
+        Ok(Supervised::start(spec, logs)?)
+    }
+
     /// The command line of a proxy-agent serving `cluster` with the
     /// certificate of `cert_cluster` (the same, except when a test
     /// impersonates another cluster).
@@ -659,6 +705,9 @@ impl Environment {
             }
         };
         add(&self.cert_authority);
+        if let Some(ca) = &self.control_plane_ca {
+            add(ca);
+        }
         add(&self.balancer);
         for replica in &self.replicas {
             add(&replica.process);
@@ -816,6 +865,9 @@ impl Environment {
         }
         self.balancer.stop(grace).await;
         self.cert_authority.stop(grace).await;
+        if let Some(ca) = self.control_plane_ca.as_mut() {
+            ca.stop(grace).await;
+        }
         if let Some(api) = self.kube_api.take() {
             api.shutdown().await;
         }

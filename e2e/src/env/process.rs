@@ -109,6 +109,8 @@ pub struct ProcessSpec {
     pub args: Vec<String>,
     /// Run inside this network namespace (`ip netns exec`).
     pub netns: Option<String>,
+    /// Extra environment variables.
+    pub env: Vec<(String, String)>,
 }
 
 impl ProcessSpec {
@@ -118,6 +120,7 @@ impl ProcessSpec {
             program: program.to_path_buf(),
             args: Vec::new(),
             netns: None,
+            env: Vec::new(),
         }
     }
 
@@ -132,6 +135,11 @@ impl ProcessSpec {
         S: Into<String>,
     {
         self.args.extend(args.into_iter().map(Into::into));
+        self
+    }
+
+    pub fn env(mut self, key: &str, value: impl Into<String>) -> Self {
+        self.env.push((key.to_string(), value.into()));
         self
     }
 
@@ -200,6 +208,7 @@ impl Supervised {
         command
             .args(&self.spec.args)
             .env("NO_COLOR", "1")
+            .envs(self.spec.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
