@@ -620,7 +620,6 @@ impl Environment {
         Ok(environment)
     }
 
-    #[allow(clippy::too_many_arguments)]
     /// Creates the addon namespace in the API and starts
     /// `cert-authority run --backend kubernetes` against it from the hub.
     async fn start_control_plane_ca(
@@ -656,6 +655,7 @@ impl Environment {
         Ok(Supervised::start(spec, logs)?)
     }
 
+    #[allow(clippy::too_many_arguments)]
     /// The command line of a proxy-agent serving `cluster` with the
     /// certificate of `cert_cluster` (the same, except when a test
     /// impersonates another cluster).
