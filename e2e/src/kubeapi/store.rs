@@ -46,8 +46,16 @@ impl ApiError {
         Self::new(422, "Invalid", message)
     }
 
-    pub fn conflict(message: impl Into<String>) -> Self {
-        Self::new(409, "Conflict", message)
+    /// A write based on an outdated resourceVersion.
+    pub fn stale(t: &ResourceType, name: &str) -> Self {
+        Self::new(
+            409,
+            "Conflict",
+            format!(
+                "Operation cannot be fulfilled on {} \"{name}\": the object has been modified; please apply your changes to the latest version and try again",
+                group_resource(t)
+            ),
+        )
     }
 
     pub fn status(&self) -> Value {
@@ -335,6 +343,20 @@ impl Store {
         }
     }
 
+    fn stored(
+        inner: &Inner,
+        t: &ResourceType,
+        key: &ObjectKey,
+        name: &str,
+    ) -> Result<Value, ApiError> {
+        inner
+            .objects
+            .get(&t.storage_key())
+            .and_then(|m| m.get(key))
+            .cloned()
+            .ok_or_else(|| ApiError::not_found(t, name))
+    }
+
     fn key_of(t: &ResourceType, namespace: Option<&str>, name: &str) -> ObjectKey {
         let namespace = if t.namespaced {
             namespace.unwrap_or_default().to_string()
@@ -535,12 +557,7 @@ impl Store {
     ) -> Result<Value, ApiError> {
         let mut inner = self.lock();
         let key = Self::key_of(t, namespace, name);
-        let old = inner
-            .objects
-            .get(&t.storage_key())
-            .and_then(|m| m.get(&key))
-            .cloned()
-            .ok_or_else(|| ApiError::not_found(t, name))?;
+        let old = Self::stored(&inner, t, &key, name)?;
         if let Some(body_name) = meta(&body, "name")
             && body_name != name
         {
@@ -551,10 +568,7 @@ impl Store {
         if let Some(rv) = meta(&body, "resourceVersion").filter(|rv| !rv.is_empty())
             && Some(rv) != meta(&old, "resourceVersion")
         {
-            return Err(ApiError::conflict(format!(
-                "Operation cannot be fulfilled on {} \"{name}\": the object has been modified; please apply your changes to the latest version and try again",
-                group_resource(t)
-            )));
+            return Err(ApiError::stale(t, name));
         }
         let new = self.merge_part(t, &old, body, part)?;
         self.finish_write(&mut inner, t, key, old, new, part, options, "Update")
@@ -748,21 +762,13 @@ impl Store {
         }
         let mut inner = self.lock();
         let key = Self::key_of(t, namespace, name);
-        let old = inner
-            .objects
-            .get(&t.storage_key())
-            .and_then(|m| m.get(&key))
-            .cloned()
-            .ok_or_else(|| ApiError::not_found(t, name))?;
+        let old = Self::stored(&inner, t, &key, name)?;
         if let Some(rv) = patch
             .pointer("/metadata/resourceVersion")
             .and_then(Value::as_str)
             && Some(rv.to_string()) != meta(&old, "resourceVersion")
         {
-            return Err(ApiError::conflict(format!(
-                "Operation cannot be fulfilled on {} \"{name}\": the object has been modified; please apply your changes to the latest version and try again",
-                group_resource(t)
-            )));
+            return Err(ApiError::stale(t, name));
         }
         let mut patched = old.clone();
         match kind {
@@ -806,12 +812,7 @@ impl Store {
     ) -> Result<Value, ApiError> {
         let mut inner = self.lock();
         let key = Self::key_of(t, namespace, name);
-        let old = inner
-            .objects
-            .get(&t.storage_key())
-            .and_then(|m| m.get(&key))
-            .cloned()
-            .ok_or_else(|| ApiError::not_found(t, name))?;
+        let old = Self::stored(&inner, t, &key, name)?;
         if options.dry_run {
             return Ok(as_version(old, t));
         }
