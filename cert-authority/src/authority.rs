@@ -109,6 +109,10 @@ pub struct Desired {
     pub server_sans: Vec<String>,
     pub leaf_policy: LeafPolicy,
     pub rollover_policy: RolloverPolicy,
+    /// Valid leaves signed by the previous CA that the store does not hold
+    /// (agent certificates signed through CSRs): the previous CA stays in
+    /// the bundle while any remain.
+    pub outside_leaves_on_previous: usize,
 }
 
 impl Desired {
@@ -184,7 +188,12 @@ pub fn reconcile(
     }
     // 2. The CA rollover state machine. Step 1 just re-issued every leaf the
     //    previous CA had signed, so none depends on it any more.
-    let action = rotation::next_action(&state, 0, &desired.rollover_policy, now);
+    let action = rotation::next_action(
+        &state,
+        desired.outside_leaves_on_previous,
+        &desired.rollover_policy,
+        now,
+    );
     match action {
         RolloverAction::None => {}
         RolloverAction::CreateNextCa => {
@@ -409,6 +418,7 @@ mod tests {
             layout: layout.clone(),
         };
         let desired = Desired {
+            outside_leaves_on_previous: 0,
             clusters: vec![cluster.clone()],
             server_sans: LOCAL_SANS.iter().map(|s| (*s).to_owned()).collect(),
             leaf_policy: LeafPolicy {
@@ -486,6 +496,7 @@ mod tests {
             layout: Layout::new(dir.path()),
         };
         let desired = Desired {
+            outside_leaves_on_previous: 0,
             clusters: Vec::new(),
             server_sans: Vec::new(),
             leaf_policy: LeafPolicy {

@@ -159,6 +159,7 @@ fn main() -> anyhow::Result<()> {
                 anyhow::bail!("--backend {backend:?}: `files` or `kubernetes`");
             }
             let desired = Desired {
+                outside_leaves_on_previous: 0,
                 clusters: cluster_names(&names)?,
                 server_sans: cert_authority::files::server_sans(&additional_sans),
                 leaf_policy: LeafPolicy {

@@ -216,3 +216,90 @@ async fn two_replicas_one_leader_secrets_and_signed_agent_certificates() {
     })
     .await;
 }
+
+fn bundle_size(secret: &Secret) -> usize {
+    let bundle = &secret.data.as_ref().unwrap()["ca.crt"].0;
+    String::from_utf8_lossy(bundle)
+        .matches("BEGIN CERTIFICATE")
+        .count()
+}
+
+/// A CA rollover keeps the old CA in the bundle while an agent certificate
+/// it signed through a CSR is still valid — the authority does not hold
+/// those certificates, so it asks the API which exist.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_previous_ca_stays_trusted_while_csr_signed_agent_certificates_need_it() {
+    use cert_authority::kubernetes::{csr, secrets};
+    use std::sync::Arc;
+    let day = time::Duration::days(1);
+    let dir = tempfile::tempdir().unwrap();
+    let api = KubeApi::start(KubeApiOptions::new(dir.path()))
+        .await
+        .unwrap();
+    let admin = api.client().await.unwrap();
+    let namespace: Namespace = serde_json::from_value(json!({"metadata": {"name": NS}})).unwrap();
+    Api::<Namespace>::all(admin.clone())
+        .create(&PostParams::default(), &namespace)
+        .await
+        .unwrap();
+    let mut options = KubeOptions::new(NS);
+    options.rollover_policy.ca_validity = Duration::from_secs(10 * 86400);
+    options.rollover_policy.prepare_before_expiry = Duration::from_secs(6 * 86400);
+    options.rollover_policy.bundle_propagation = Duration::from_secs(86400);
+    options.leaf_policy.validity = Duration::from_secs(8 * 86400);
+    let desired = options.desired();
+    let secrets_api: Api<Secret> = Api::namespaced(admin.clone(), NS);
+    let t0 = time::OffsetDateTime::now_utc();
+    secrets::reconcile_secrets(&admin, &options, &desired, t0)
+        .await
+        .unwrap();
+
+    // An agent certificate from the first CA, valid for 8 days.
+    submit_and_approve(&api, "agent-old-ca", &request("x", None)).await;
+    let csrs: Api<CertificateSigningRequest> = Api::all(admin.clone());
+    let signer_secret = secrets_api.get("cluster-proxy-signer").await.unwrap();
+    let data = signer_secret.data.unwrap();
+    let text = |k: &str| String::from_utf8(data[k].0.clone()).unwrap();
+    let first_ca =
+        cert_authority::pki::Authority::from_pem(&text("ca.crt"), &text("ca.key")).unwrap();
+    let pending = csrs.get("agent-old-ca").await.unwrap();
+    let decision = csr::reconcile_csr(
+        &csrs,
+        Arc::new(pending),
+        &first_ca,
+        options.leaf_policy.validity,
+        t0,
+    )
+    .await
+    .unwrap();
+    assert!(
+        matches!(decision, csr::Decision::Sign { .. }),
+        "{decision:?}"
+    );
+
+    // Day 4: the next CA is published; day 5: signing switches; day 6 the
+    // old CA would normally go, but the agent certificate lives to day 8.
+    for (at, expected) in [(4, 2), (5, 2), (6, 2), (7, 2)] {
+        secrets::reconcile_secrets(
+            &admin,
+            &options,
+            &desired,
+            t0 + day * at + time::Duration::minutes(1),
+        )
+        .await
+        .unwrap();
+        let bundle = secrets_api.get("proxy-server-ca").await.unwrap();
+        assert_eq!(bundle_size(&bundle), expected, "day {at}");
+    }
+    // Day 8.1: that certificate has expired; the old CA is retired.
+    secrets::reconcile_secrets(
+        &admin,
+        &options,
+        &desired,
+        t0 + day * 8 + time::Duration::hours(3),
+    )
+    .await
+    .unwrap();
+    let bundle = secrets_api.get("proxy-server-ca").await.unwrap();
+    assert_eq!(bundle_size(&bundle), 1);
+}

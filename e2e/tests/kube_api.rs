@@ -208,7 +208,20 @@ async fn merge_json_and_server_side_apply_patches() {
         )
         .await
         .unwrap();
-    assert_eq!(applied.data.unwrap().len(), 2);
+    // What the manager applied before and leaves out now is removed
+    // (it was the only owner), as server-side apply does.
+    assert_eq!(applied.data.unwrap().keys().collect::<Vec<_>>(), ["b"]);
+    let entry = applied
+        .metadata
+        .managed_fields
+        .unwrap_or_default()
+        .into_iter()
+        .find(|m| m.manager.as_deref() == Some("e2e-test"))
+        .unwrap();
+    assert_eq!(
+        entry.fields_v1.unwrap().0,
+        json!({"f:data": {"f:b": {}}, "f:metadata": {}})
+    );
     // Apply without a field manager is refused.
     let err = maps
         .patch(

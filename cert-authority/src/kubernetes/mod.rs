@@ -89,6 +89,7 @@ impl KubeOptions {
         sans.push(format!("{}.{}", self.service_name, self.namespace));
         sans.push(format!("{}.{}.svc", self.service_name, self.namespace));
         Desired {
+            outside_leaves_on_previous: 0,
             clusters: Vec::new(),
             server_sans: crate::files::server_sans(&sans),
             leaf_policy: self.leaf_policy.clone(),

@@ -13,6 +13,7 @@ use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::ByteString;
+use k8s_openapi::api::certificates::v1::CertificateSigningRequest;
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::{Patch, PatchParams};
 use kube::{Api, Client};
@@ -250,7 +251,12 @@ pub async fn reconcile_secrets(
             }
         })?;
     }
-    let pass = reconcile(&snapshot, desired, now)?;
+    let mut desired = desired.clone();
+    if let Some(previous) = snapshot.load_ca(CaSlot::Previous)? {
+        desired.outside_leaves_on_previous =
+            agent_certificates_signed_by(client, &previous.cert_pem, now).await?;
+    }
+    let pass = reconcile(&snapshot, &desired, now)?;
     report.rollover = pass.rollover;
     report.renewed.extend(pass.renewed);
 
@@ -298,4 +304,50 @@ pub async fn reconcile_secrets(
         tracing::info!(secret = %object_name, "applied");
     }
     Ok(report)
+}
+
+/// How many proxy-agent certificates issued through CSRs are still valid at
+/// `now` and signed by the CA `ca_pem`: agents using them need that CA in
+/// the bundle until they renew.
+async fn agent_certificates_signed_by(
+    client: &Client,
+    ca_pem: &str,
+    now: OffsetDateTime,
+) -> Result<usize, KubeError> {
+    use x509_parser::prelude::{FromDer, X509Certificate};
+    let ca_der = x509_parser::pem::parse_x509_pem(ca_pem.as_bytes())
+        .map_err(|e| KubeError::BadSecret {
+            name: "previous CA".into(),
+            detail: e.to_string(),
+        })?
+        .1
+        .contents;
+    let (_, ca) = X509Certificate::from_der(&ca_der).map_err(|e| KubeError::BadSecret {
+        name: "previous CA".into(),
+        detail: e.to_string(),
+    })?;
+    let csrs: Api<CertificateSigningRequest> = Api::all(client.clone());
+    let mut count = 0;
+    for csr in csrs.list(&Default::default()).await? {
+        if csr.spec.signer_name != super::csr::SIGNER_NAME {
+            continue;
+        }
+        let Some(pem) = csr.status.and_then(|s| s.certificate) else {
+            continue;
+        };
+        let Ok((_, block)) = x509_parser::pem::parse_x509_pem(&pem.0) else {
+            continue;
+        };
+        let Ok((_, cert)) = X509Certificate::from_der(&block.contents) else {
+            continue;
+        };
+        let valid = cert.validity().not_after.timestamp() > now.unix_timestamp();
+        if valid
+            && cert.issuer() == ca.subject()
+            && cert.verify_signature(Some(ca.public_key())).is_ok()
+        {
+            count += 1;
+        }
+    }
+    Ok(count)
 }

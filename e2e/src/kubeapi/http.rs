@@ -228,6 +228,7 @@ async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<B
     let options = WriteOptions {
         field_manager: query.get("fieldManager").map(str::to_string),
         dry_run: query.get("dryRun").is_some(),
+        applied_fields: None,
     };
     let method = request.method().clone();
     let content_type = request

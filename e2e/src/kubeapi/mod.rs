@@ -24,9 +24,12 @@
 //!   not enforced; objects are stored as sent);
 //! * strategic merge patch (treated as a JSON merge patch: lists are
 //!   replaced, not merged by key);
-//! * server-side apply's field ownership: an apply is a merge of the applied
-//!   configuration; `managedFields` records who applied and when, but not
-//!   the field sets, so there are no conflicts and `force` changes nothing;
+//! * server-side apply conflicts: an apply is a merge of the applied
+//!   configuration; `managedFields` records each manager's applied field
+//!   set, and fields a manager applied before and leaves out now are removed
+//!   as if it were their only owner; there are no conflicts between managers
+//!   and `force` changes nothing; list merge keys are ignored (lists are
+//!   replaced);
 //! * garbage collection by ownerReferences, and controllers of built-in
 //!   types (Deployments do not create Pods; nothing signs CSRs);
 //! * namespace deletion is immediate and takes the namespace's objects with

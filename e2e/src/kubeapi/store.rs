@@ -139,6 +139,8 @@ pub enum PatchKind {
 pub struct WriteOptions {
     pub field_manager: Option<String>,
     pub dry_run: bool,
+    /// For an apply: the field set it applies (recorded in managedFields).
+    pub applied_fields: Option<Value>,
 }
 
 type ObjectKey = (String, String);
@@ -218,6 +220,7 @@ fn record_manager(
     manager: &str,
     operation: &str,
     part: Part,
+    fields: Value,
 ) {
     let Ok(metadata) = metadata_mut(object) else {
         return;
@@ -247,12 +250,79 @@ fn record_manager(
         "apiVersion": t.api_version(),
         "time": now_rfc3339(),
         "fieldsType": "FieldsV1",
-        "fieldsV1": {},
+        "fieldsV1": fields,
     });
     if let Some(sub) = subresource {
         entry["subresource"] = json!(sub);
     }
     entries.push(entry);
+}
+
+/// The field set (`fieldsV1`) of an applied configuration. Identity fields
+/// (apiVersion, kind, metadata.name/namespace) are not owned.
+pub fn field_set(applied: &Value) -> Value {
+    fn walk(value: &Value, top: bool, in_metadata: bool) -> Value {
+        let mut fields = Map::new();
+        if let Some(map) = value.as_object() {
+            for (key, child) in map {
+                if top && (key == "apiVersion" || key == "kind") {
+                    continue;
+                }
+                if in_metadata && (key == "name" || key == "namespace") {
+                    continue;
+                }
+                let sub = match child {
+                    Value::Object(_) => walk(child, false, top && key == "metadata"),
+                    _ => json!({}),
+                };
+                fields.insert(format!("f:{key}"), sub);
+            }
+        }
+        Value::Object(fields)
+    }
+    walk(applied, true, false)
+}
+
+fn applied_fields_of(object: &Value, manager: &str, part: Part) -> Option<Value> {
+    let subresource = match part {
+        Part::Main => None,
+        Part::Status => Some("status"),
+        Part::Approval => Some("approval"),
+    };
+    object
+        .pointer("/metadata/managedFields")?
+        .as_array()?
+        .iter()
+        .find(|e| {
+            e.get("manager").and_then(Value::as_str) == Some(manager)
+                && e.get("operation").and_then(Value::as_str) == Some("Apply")
+                && e.get("subresource").and_then(Value::as_str) == subresource
+        })
+        .and_then(|e| e.get("fieldsV1").cloned())
+}
+
+/// Removes from `object` what `previous` (a field set) names and `applied`
+/// no longer contains.
+fn prune(object: &mut Value, previous: &Value, applied: &Value) {
+    let (Some(previous), Some(target)) = (previous.as_object(), object.as_object_mut()) else {
+        return;
+    };
+    for (field, sub) in previous {
+        let Some(key) = field.strip_prefix("f:") else {
+            continue;
+        };
+        match applied.get(key) {
+            None => {
+                target.remove(key);
+            }
+            Some(applied_child @ Value::Object(_)) => {
+                if let Some(child) = target.get_mut(key) {
+                    prune(child, sub, applied_child);
+                }
+            }
+            Some(_) => {}
+        }
+    }
 }
 
 impl Store {
@@ -537,7 +607,13 @@ impl Store {
             }
         }
         if let Some(manager) = &options.field_manager {
-            record_manager(&mut body, t, manager, "Update", Part::Main);
+            let fields = options.applied_fields.clone().unwrap_or_else(|| json!({}));
+            let operation = if options.applied_fields.is_some() {
+                "Apply"
+            } else {
+                "Update"
+            };
+            record_manager(&mut body, t, manager, operation, Part::Main, fields);
         }
         if options.dry_run {
             return Ok(body);
@@ -674,7 +750,8 @@ impl Store {
             new["metadata"]["generation"] = json!(generation + 1);
         }
         if let Some(manager) = &options.field_manager {
-            record_manager(&mut new, t, manager, operation, part);
+            let fields = options.applied_fields.clone().unwrap_or_else(|| json!({}));
+            record_manager(&mut new, t, manager, operation, part, fields);
         }
         if t.plural == "customresourcedefinitions" && !options.dry_run {
             for crd_type in from_crd(&new).map_err(|e| ApiError::invalid(e.to_string()))? {
@@ -740,26 +817,26 @@ impl Store {
                 if part != Part::Main {
                     return Err(ApiError::not_found(t, name));
                 }
+                let create_options = WriteOptions {
+                    field_manager: Some(manager),
+                    dry_run: options.dry_run,
+                    applied_fields: Some(field_set(&patch)),
+                };
                 let mut body = patch;
                 metadata_mut(&mut body)?.insert("name".into(), json!(name));
-                let create_options = WriteOptions {
-                    field_manager: None,
-                    dry_run: options.dry_run,
-                };
-                let mut created = self.create(t, namespace, body, user, &create_options)?;
-                if options.dry_run {
-                    return Ok(created);
-                }
-                // Record the manager as an Apply (create() records Updates).
-                let mut inner = self.lock();
-                let key = Self::key_of(t, namespace, name);
-                record_manager(&mut created, t, &manager, "Apply", Part::Main);
-                if let Some(objects) = inner.objects.get_mut(&t.storage_key()) {
-                    objects.insert(key, created.clone());
-                }
-                return Ok(created);
+                return self.create(t, namespace, body, user, &create_options);
             }
         }
+        let apply_options;
+        let options = if kind == PatchKind::Apply {
+            apply_options = WriteOptions {
+                applied_fields: Some(field_set(&patch)),
+                ..options.clone()
+            };
+            &apply_options
+        } else {
+            options
+        };
         let mut inner = self.lock();
         let key = Self::key_of(t, namespace, name);
         let old = Self::stored(&inner, t, &key, name)?;
@@ -772,8 +849,17 @@ impl Store {
         }
         let mut patched = old.clone();
         match kind {
-            PatchKind::Merge | PatchKind::StrategicMerge | PatchKind::Apply => {
+            PatchKind::Merge | PatchKind::StrategicMerge => {
                 json_patch::merge(&mut patched, &patch);
+            }
+            PatchKind::Apply => {
+                json_patch::merge(&mut patched, &patch);
+                // What this manager applied before and no longer applies
+                // is removed, as server-side apply does for sole owners.
+                let manager = options.field_manager.as_deref().unwrap_or_default();
+                if let Some(previous) = applied_fields_of(&old, manager, part) {
+                    prune(&mut patched, &previous, &patch);
+                }
             }
             PatchKind::Json => {
                 let operations: json_patch::Patch = serde_json::from_value(patch)
