@@ -717,3 +717,44 @@ async fn discovery_finds_builtin_groups_and_crds() {
             .any(|(r, _)| r.plural == "widgets/status" || r.plural == "status")
     );
 }
+
+#[tokio::test]
+async fn watches_get_bookmarks_and_end_at_their_timeout() {
+    let (_api, client, _dir) = start().await;
+    let maps: Api<ConfigMap> = Api::namespaced(client, "default");
+    let rv = maps
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .metadata
+        .resource_version
+        .unwrap();
+    let params = WatchParams::default().timeout(2);
+    assert!(params.bookmarks, "kube asks for bookmarks by default");
+    let mut stream = maps.watch(&params, &rv).await.unwrap().boxed();
+    let cm: ConfigMap = serde_json::from_value(json!({"metadata": {"name": "later"}})).unwrap();
+    maps.create(&PostParams::default(), &cm).await.unwrap();
+    let (mut added, mut bookmarks) = (0, 0);
+    let ended = tokio::time::timeout(Duration::from_secs(10), async {
+        while let Some(event) = stream.try_next().await.unwrap() {
+            match event {
+                WatchEvent::Added(_) => added += 1,
+                WatchEvent::Bookmark(b) => {
+                    assert!(
+                        b.metadata.resource_version.parse::<u64>().unwrap()
+                            > rv.parse::<u64>().unwrap()
+                    );
+                    bookmarks += 1;
+                }
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+    })
+    .await;
+    assert!(ended.is_ok(), "the watch outlived timeoutSeconds");
+    assert_eq!(added, 1);
+    assert!(
+        bookmarks >= 2,
+        "{bookmarks} bookmarks in 2 s at a 200 ms interval"
+    );
+}
