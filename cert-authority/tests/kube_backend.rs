@@ -473,3 +473,33 @@ async fn an_upstream_rsa_ca_is_adopted_not_replaced() {
     cert.verify_signature(Some(ca.parse_x509().unwrap().public_key()))
         .unwrap();
 }
+
+#[test]
+fn a_shorter_requested_lifetime_is_honoured_within_limits() {
+    let ca = ca();
+    let validity = Duration::from_secs(90 * 86400);
+    let at = now();
+    let not_after = |seconds: Option<i32>| {
+        let mut request = approved(&ec_request("x", None));
+        request.spec.expiration_seconds = seconds;
+        let Decision::Sign {
+            certificate_pem, ..
+        } = csr::decide(&request, &ca, validity, at)
+        else {
+            panic!("not signed");
+        };
+        let der = CertificateDer::from_pem_slice(certificate_pem.as_bytes()).unwrap();
+        let (_, cert) = x509_parser::parse_x509_certificate(&der).unwrap();
+        cert.validity().not_after.timestamp() - at.unix_timestamp()
+    };
+    assert!((not_after(Some(3600)) - 3600).abs() <= 2);
+    assert!(
+        (not_after(Some(60)) - 600).abs() <= 2,
+        "10 minutes at least"
+    );
+    assert!(
+        (not_after(Some(i32::MAX)) - 90 * 86400).abs() <= 2,
+        "never longer than the policy"
+    );
+    assert!((not_after(None) - 90 * 86400).abs() <= 2);
+}

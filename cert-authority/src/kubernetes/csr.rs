@@ -227,6 +227,14 @@ pub fn decide(
             ),
         );
     }
+    // A requester may ask for a shorter life (spec.expirationSeconds, at
+    // least 10 minutes as on the real API server), never a longer one.
+    let validity = match csr.spec.expiration_seconds {
+        Some(seconds) => validity.min(Duration::from_secs(
+            u64::try_from(seconds.max(600)).unwrap_or(600),
+        )),
+        None => validity,
+    };
     let request = LeafRequest::agent(&cluster).with_validity(validity);
     match signer.sign_request_at(params, &request, now) {
         Ok(certificate_pem) => Decision::Sign {
