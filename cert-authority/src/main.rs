@@ -177,6 +177,11 @@ fn main() -> anyhow::Result<()> {
             };
             let interval = duration("interval", &interval)?;
             if backend == "kubernetes" {
+                if !desired.clusters.is_empty() {
+                    anyhow::bail!(
+                        "--clusters is for the files backend: with --backend kubernetes agents get their certificates through CSRs"
+                    );
+                }
                 let mut options = KubeOptions::new(&namespace);
                 options.signer_secret_name = signer_secret_name;
                 options.signer_secret_namespace =

@@ -105,6 +105,20 @@ fn init_then_run_and_refusals() {
         "{}",
         stderr(&k8s)
     );
+    let clusters = cert_authority(&[
+        "run",
+        "--backend",
+        "kubernetes",
+        "--clusters",
+        "a",
+        "--once",
+    ]);
+    assert!(!clusters.status.success());
+    assert!(
+        stderr(&clusters).contains("through CSRs"),
+        "{}",
+        stderr(&clusters)
+    );
     let unknown = cert_authority(&["run", "--backend", "vault", "--dir", pki_str, "--once"]);
     assert!(!unknown.status.success());
     assert!(
