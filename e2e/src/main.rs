@@ -180,8 +180,9 @@ async fn main() -> anyhow::Result<()> {
             key,
         } => {
             init_logging();
-            let read = |p: &PathBuf| std::fs::read(p).with_context(|| p.display().to_string());
-            let tls = sample::tls_acceptor(&read(&cert)?, &read(&key)?)?;
+            let read =
+                |p: &PathBuf| std::fs::read_to_string(p).with_context(|| p.display().to_string());
+            let tls = sample::tls_acceptor(&read(&cert)?, &read(&key)?, &[b"http/1.1"])?;
             sample::serve(cluster, ip, tls).await?;
             Ok(())
         }

@@ -99,6 +99,21 @@ async fn submit_and_approve(api: &KubeApi, name: &str, pem: &str) {
         .unwrap();
 }
 
+/// The in-memory API with the addon namespace, and an admin client.
+async fn api_with_addon_namespace() -> (KubeApi, kube::Client, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let api = KubeApi::start(KubeApiOptions::new(dir.path()))
+        .await
+        .unwrap();
+    let admin = api.client().await.unwrap();
+    let namespace: Namespace = serde_json::from_value(json!({"metadata": {"name": NS}})).unwrap();
+    Api::<Namespace>::all(admin.clone())
+        .create(&PostParams::default(), &namespace)
+        .await
+        .unwrap();
+    (api, admin, dir)
+}
+
 fn base64(text: &str) -> String {
     use base64::Engine;
     base64::engine::general_purpose::STANDARD.encode(text)
@@ -116,16 +131,7 @@ async fn certificate_of(csrs: &Api<CertificateSigningRequest>, name: &str) -> Op
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_replicas_one_leader_secrets_and_signed_agent_certificates() {
-    let dir = tempfile::tempdir().unwrap();
-    let api = KubeApi::start(KubeApiOptions::new(dir.path()))
-        .await
-        .unwrap();
-    let admin = api.client().await.unwrap();
-    let namespace: Namespace = serde_json::from_value(json!({"metadata": {"name": NS}})).unwrap();
-    Api::<Namespace>::all(admin.clone())
-        .create(&PostParams::default(), &namespace)
-        .await
-        .unwrap();
+    let (api, admin, _dir) = api_with_addon_namespace().await;
 
     let (stop_a, task_a, a) = replica(api.client().await.unwrap(), "replica-a");
     let (stop_b, task_b, b) = replica(api.client().await.unwrap(), "replica-b");
@@ -232,16 +238,7 @@ async fn the_previous_ca_stays_trusted_while_csr_signed_agent_certificates_need_
     use cert_authority::kubernetes::{csr, secrets};
     use std::sync::Arc;
     let day = time::Duration::days(1);
-    let dir = tempfile::tempdir().unwrap();
-    let api = KubeApi::start(KubeApiOptions::new(dir.path()))
-        .await
-        .unwrap();
-    let admin = api.client().await.unwrap();
-    let namespace: Namespace = serde_json::from_value(json!({"metadata": {"name": NS}})).unwrap();
-    Api::<Namespace>::all(admin.clone())
-        .create(&PostParams::default(), &namespace)
-        .await
-        .unwrap();
+    let (api, admin, _dir) = api_with_addon_namespace().await;
     let mut options = KubeOptions::new(NS);
     options.rollover_policy.ca_validity = Duration::from_secs(10 * 86400);
     options.rollover_policy.prepare_before_expiry = Duration::from_secs(6 * 86400);

@@ -326,6 +326,16 @@ async fn status_subresource_and_generation_of_a_crd() {
     );
 }
 
+async fn listed(api: &Api<ConfigMap>, params: ListParams) -> Vec<String> {
+    api.list(&params)
+        .await
+        .unwrap()
+        .items
+        .iter()
+        .map(|c| c.name_any())
+        .collect()
+}
+
 #[tokio::test]
 async fn label_and_field_selectors() {
     let (_api, client, _dir) = start().await;
@@ -337,60 +347,40 @@ async fn label_and_field_selectors() {
         .unwrap();
         maps.create(&PostParams::default(), &cm).await.unwrap();
     }
-    let names = |list: kube::api::ObjectList<ConfigMap>| {
-        list.items.iter().map(|c| c.name_any()).collect::<Vec<_>>()
-    };
     assert_eq!(
-        names(
-            maps.list(&ListParams::default().labels("tier=front"))
-                .await
-                .unwrap()
-        ),
+        listed(&maps, ListParams::default().labels("tier=front")).await,
         ["a", "c"]
     );
     assert_eq!(
-        names(
-            maps.list(&ListParams::default().labels("tier notin (front),app"))
-                .await
-                .unwrap()
-        ),
+        listed(
+            &maps,
+            ListParams::default().labels("tier notin (front),app")
+        )
+        .await,
         ["b"]
     );
     assert_eq!(
-        names(
-            maps.list(&ListParams::default().fields("metadata.name=b"))
-                .await
-                .unwrap()
-        ),
+        listed(&maps, ListParams::default().fields("metadata.name=b")).await,
         ["b"]
     );
     assert_eq!(
-        names(
-            maps.list(&ListParams::default().fields("metadata.name!=b"))
-                .await
-                .unwrap()
-        ),
+        listed(&maps, ListParams::default().fields("metadata.name!=b")).await,
         ["a", "c"]
     );
     // Pages.
     let page = maps.list(&ListParams::default().limit(2)).await.unwrap();
-    assert_eq!(names(page.clone()), ["a", "b"]);
+    let first: Vec<String> = page.items.iter().map(|c| c.name_any()).collect();
+    assert_eq!(first, ["a", "b"]);
     let token = page.metadata.continue_.clone().unwrap();
     assert_eq!(
-        names(
-            maps.list(&ListParams::default().limit(2).continue_token(&token))
-                .await
-                .unwrap()
-        ),
+        listed(&maps, ListParams::default().limit(2).continue_token(&token)).await,
         ["c"]
     );
     // Across namespaces.
     let all: Api<ConfigMap> = Api::all(client);
     assert_eq!(
-        all.list(&ListParams::default().labels("app=shop"))
+        listed(&all, ListParams::default().labels("app=shop"))
             .await
-            .unwrap()
-            .items
             .len(),
         3
     );

@@ -90,6 +90,28 @@ where
     }
 }
 
+/// Waits until `cluster` answers through `replica` over gRPC; how long that
+/// took. Fails the test with every log's tail otherwise.
+async fn await_reach(
+    env: &Environment,
+    client: &HubClient,
+    replica: usize,
+    cluster: usize,
+    within: Duration,
+) -> Duration {
+    wait_for(within, || {
+        env.check_reachable(client, replica, cluster, Frontend::Grpc)
+    })
+    .await
+    .unwrap_or_else(|e| {
+        dump_logs(env);
+        panic!(
+            "{} not reachable through replica {replica}: {e}",
+            env.clusters[cluster].name
+        )
+    })
+}
+
 fn client(env: &Environment) -> HubClient {
     env.hub_client()
         .expect("hub client credentials")
@@ -281,14 +303,7 @@ async fn a_restarted_agent_restores_reach_within_seconds() {
     env.clusters[0].agent.restart().await.unwrap();
     env.processes_changed();
     for replica in 0..env.replicas.len() {
-        let restored = wait_for(Duration::from_secs(15), || {
-            env.check_reachable(&client, replica, 0, Frontend::Grpc)
-        })
-        .await
-        .unwrap_or_else(|e| {
-            dump_logs(&env);
-            panic!("reach through replica {replica} not restored: {e}")
-        });
+        let restored = await_reach(&env, &client, replica, 0, Duration::from_secs(15)).await;
         eprintln!("reach through replica {replica} restored after {restored:?}");
     }
     env.shutdown().await;
@@ -325,14 +340,7 @@ async fn every_cluster_stays_reachable_when_a_replica_dies() {
     env.replicas[0].process.restart().await.unwrap();
     env.processes_changed();
     for cluster in 0..env.clusters.len() {
-        wait_for(Duration::from_secs(30), || {
-            env.check_reachable(&client, 0, cluster, Frontend::Grpc)
-        })
-        .await
-        .unwrap_or_else(|e| {
-            dump_logs(&env);
-            panic!("{} not back on replica 0: {e}", env.clusters[cluster].name)
-        });
+        await_reach(&env, &client, 0, cluster, Duration::from_secs(30)).await;
     }
     env.shutdown().await;
 }

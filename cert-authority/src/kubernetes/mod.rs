@@ -116,15 +116,11 @@ async fn current_signer(
     let Some(secret) = api.get_opt(&options.signer_secret_name).await? else {
         return Ok(None);
     };
-    let data = secret.data.unwrap_or_default();
-    let text = |key: &str| {
-        data.get(key)
-            .map(|v| String::from_utf8_lossy(&v.0).into_owned())
-    };
-    let (Some(cert), Some(key)) = (text("ca.crt"), text("ca.key")) else {
+    let data = secrets::texts(&secret)?;
+    let (Some(cert), Some(key)) = (data.get("ca.crt"), data.get("ca.key")) else {
         return Ok(None);
     };
-    Authority::from_pem(&cert, &key)
+    Authority::from_pem(cert, key)
         .map(Some)
         .map_err(|e| KubeError::BadSecret {
             name: options.signer_secret_name.clone(),

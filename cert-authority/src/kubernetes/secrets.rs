@@ -49,7 +49,8 @@ fn leaf_secret(leaf: &Leaf) -> Option<&'static str> {
     }
 }
 
-fn texts(secret: &Secret) -> Result<BTreeMap<String, String>, KubeError> {
+/// A Secret's data as text (PEM); non-UTF-8 data is an error naming the key.
+pub(crate) fn texts(secret: &Secret) -> Result<BTreeMap<String, String>, KubeError> {
     let name = secret.metadata.name.clone().unwrap_or_default();
     secret
         .data

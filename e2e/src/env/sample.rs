@@ -8,14 +8,13 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use bytes::Bytes;
+use cert_authority::tls;
 use http::{Request, Response, StatusCode};
 use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
-use rustls_pki_types::pem::PemObject;
-use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::TlsAcceptor;
@@ -53,24 +52,21 @@ fn respond(status: StatusCode, body: String) -> Response<Full<Bytes>> {
     response
 }
 
-/// TLS server configuration from PEM files (no client authentication, as a
-/// kube-apiserver accepts anonymous `/healthz`).
-pub fn tls_acceptor(cert_pem: &[u8], key_pem: &[u8]) -> Result<TlsAcceptor, SampleError> {
-    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(cert_pem)
-        .collect::<Result<_, _>>()
-        .map_err(|e| SampleError::Tls(format!("certificate: {e}")))?;
-    let key = PrivateKeyDer::from_pem_slice(key_pem)
-        .map_err(|e| SampleError::Tls(format!("private key: {e}")))?;
-    let mut config = rustls::ServerConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .map_err(|e| SampleError::Tls(e.to_string()))?
-    .with_no_client_auth()
-    .with_single_cert(chain, key)
+/// A TLS acceptor for a PEM certificate and key offering `alpn`, with no
+/// client authentication (a kube-apiserver accepts anonymous `/healthz`).
+pub fn tls_acceptor(
+    cert_pem: &str,
+    key_pem: &str,
+    alpn: &[&[u8]],
+) -> Result<TlsAcceptor, SampleError> {
+    let identity = tls::Identity::new(
+        &tls::Pem::text("certificate", cert_pem),
+        &tls::Pem::text("private key", key_pem),
+    )
     .map_err(|e| SampleError::Tls(e.to_string()))?;
-    config.alpn_protocols = vec![b"http/1.1".to_vec()];
-    Ok(TlsAcceptor::from(Arc::new(config)))
+    let config =
+        tls::server_config(identity, None, alpn).map_err(|e| SampleError::Tls(e.to_string()))?;
+    Ok(TlsAcceptor::from(config))
 }
 
 async fn bind(addr: SocketAddr) -> Result<TcpListener, SampleError> {

@@ -118,7 +118,6 @@ async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<B
     let user = shared.authenticate(&request)?;
     let path = request.uri().path().to_string();
     let segments: Vec<&str> = path.split('/').filter(|s| !s.is_empty()).collect();
-    let registry = shared.store.registry();
     match segments.as_slice() {
         ["version"] => {
             return Ok(json_response(
@@ -136,7 +135,9 @@ async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<B
             ));
         }
         ["apis"] => {
-            let groups: Vec<Value> = registry
+            let groups: Vec<Value> = shared
+                .store
+                .registry()
                 .groups()
                 .into_iter()
                 .filter(|(g, _)| !g.is_empty())
@@ -189,9 +190,9 @@ async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<B
             ));
         }
     };
-    let resource = registry
-        .get(group, version, plural)
-        .cloned()
+    let resource = shared
+        .store
+        .resource_type(group, version, plural)
         .ok_or_else(|| {
             ApiError::new(
                 404,
@@ -277,25 +278,21 @@ async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<B
                     ));
                 }
             };
-            let existed = store.get(t, ns, name).is_ok();
             let body = read_json(request, &content_type).await?;
             let patched = store.patch(t, ns, name, kind, body, target.part, &user, &options)?;
-            let status = if kind == PatchKind::Apply && !existed {
+            let status = if patched.created {
                 StatusCode::CREATED
             } else {
                 StatusCode::OK
             };
-            Ok(json_response(status, &patched))
+            Ok(json_response(status, &patched.object))
         }
         (Method::DELETE, Some(name)) => Ok(json_response(
             StatusCode::OK,
             &store.delete(t, ns, name, &options)?,
         )),
         (Method::DELETE, None) => {
-            let labels = LabelSelector::parse(query.get("labelSelector").unwrap_or_default())
-                .map_err(|e| ApiError::bad_request(e.to_string()))?;
-            let fields = FieldSelector::parse(query.get("fieldSelector").unwrap_or_default())
-                .map_err(|e| ApiError::bad_request(e.to_string()))?;
+            let (labels, fields) = selectors(&query)?;
             let (items, _, _) = store.list(t, ns, &labels, &fields, 0, None);
             let mut deleted = Vec::new();
             for item in items {

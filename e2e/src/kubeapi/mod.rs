@@ -145,14 +145,9 @@ impl KubeApi {
                 &["localhost", "127.0.0.1", &ip, "kubernetes.default.svc"],
             ))
             .map_err(|e| KubeApiError::Pki(e.to_string()))?;
-        let mut tls =
-            crate::env::sample::tls_acceptor(leaf.cert_pem.as_bytes(), leaf.key_pem.as_bytes())
-                .map_err(|e| KubeApiError::Pki(e.to_string()))?
-                .config()
-                .as_ref()
-                .clone();
-        tls.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
-        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(tls));
+        let acceptor =
+            crate::env::sample::tls_acceptor(&leaf.cert_pem, &leaf.key_pem, &[b"h2", b"http/1.1"])
+                .map_err(|e| KubeApiError::Pki(e.to_string()))?;
 
         let store = Store::new(Registry::with_builtins(), options.history);
         let system = User {

@@ -134,6 +134,13 @@ pub enum PatchKind {
     Apply,
 }
 
+/// The result of a patch: server-side apply creates what does not exist.
+#[derive(Debug)]
+pub struct Patched {
+    pub object: Value,
+    pub created: bool,
+}
+
 /// The request's options that matter to writes.
 #[derive(Debug, Clone, Default)]
 pub struct WriteOptions {
@@ -348,6 +355,12 @@ impl Store {
 
     pub fn registry(&self) -> Registry {
         self.lock().registry.clone()
+    }
+
+    /// One served type, without copying the whole registry (every request
+    /// looks one up).
+    pub fn resource_type(&self, group: &str, version: &str, plural: &str) -> Option<ResourceType> {
+        self.lock().registry.get(group, version, plural).cloned()
     }
 
     pub fn resource_version(&self) -> u64 {
@@ -794,7 +807,7 @@ impl Store {
         part: Part,
         user: &User,
         options: &WriteOptions,
-    ) -> Result<Value, ApiError> {
+    ) -> Result<Patched, ApiError> {
         if kind == PatchKind::Apply {
             let manager = options
                 .field_manager
@@ -824,7 +837,12 @@ impl Store {
                 };
                 let mut body = patch;
                 metadata_mut(&mut body)?.insert("name".into(), json!(name));
-                return self.create(t, namespace, body, user, &create_options);
+                return self
+                    .create(t, namespace, body, user, &create_options)
+                    .map(|object| Patched {
+                        object,
+                        created: true,
+                    });
             }
         }
         let apply_options;
@@ -886,6 +904,10 @@ impl Store {
             "Update"
         };
         self.finish_write(&mut inner, t, key, old, new, part, options, operation)
+            .map(|object| Patched {
+                object,
+                created: false,
+            })
     }
 
     /// Deletes the object, or marks it deleting while finalizers remain.
