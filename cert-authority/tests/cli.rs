@@ -122,7 +122,7 @@ fn init_then_run_and_refusals() {
     let unknown = cert_authority(&["run", "--backend", "vault", "--dir", pki_str, "--once"]);
     assert!(!unknown.status.success());
     assert!(
-        stderr(&unknown).contains("`files` or `kubernetes`"),
+        stderr(&unknown).contains("possible values: files, kubernetes"),
         "{}",
         stderr(&unknown)
     );

@@ -129,13 +129,7 @@ enum Command {
 }
 
 fn init_logging() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_target(false)
-        .with_writer(std::io::stderr)
-        .init();
+    cluster_proxy_runtime::logging::init(0, cluster_proxy_runtime::logging::LogFormat::Auto);
 }
 
 #[tokio::main]

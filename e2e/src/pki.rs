@@ -2,10 +2,11 @@
 //! certificates, the hub proxy-client certificate and one agent certificate
 //! per cluster, as PEM files and as ready rustls configurations.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use cert_authority::files::{self, FilesError, Layout};
 use cert_authority::pki::{Authority, Credentials, LeafRequest, PkiError};
 use cert_authority::tls::{self, Identity, Pem, TlsError};
 use cluster_proxy_proto::identity::{ClusterName, IdentityError};
@@ -19,12 +20,8 @@ pub enum TestPkiError {
     Tls(#[from] TlsError),
     #[error(transparent)]
     Identity(#[from] IdentityError),
-    #[error("write {path}: {source}")]
-    Write {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Files(#[from] FilesError),
 }
 
 /// SANs of the server certificates: the names tests dial.
@@ -130,31 +127,20 @@ impl TestPki {
         )?)
     }
 
-    /// Writes every PEM file into `dir`:
-    /// `ca.crt`, `proxy-server.{crt,key}`, `agent-server.{crt,key}`,
-    /// `proxy-client.{crt,key}`, `agent-<cluster>.{crt,key}`.
-    pub fn write(&self, dir: &Path) -> Result<(), TestPkiError> {
-        let write = |name: String, content: &str| {
-            let path = dir.join(name);
-            std::fs::write(&path, content).map_err(|source| TestPkiError::Write { path, source })
-        };
-        std::fs::create_dir_all(dir).map_err(|source| TestPkiError::Write {
-            path: dir.to_owned(),
-            source,
-        })?;
-        write("ca.crt".into(), self.ca.cert_pem())?;
-        for (name, c) in [
-            ("proxy-server", &self.proxy_server),
-            ("agent-server", &self.agent_server),
-            ("proxy-client", &self.proxy_client),
-        ] {
-            write(format!("{name}.crt"), &c.cert_pem)?;
-            write(format!("{name}.key"), &c.key_pem)?;
+    /// Writes the PKI into `dir` in `cert-authority init`'s layout
+    /// ([`cert_authority::files::Layout`]), keys with mode 0600.
+    pub fn write(&self, dir: &Path) -> Result<Layout, TestPkiError> {
+        let layout = Layout::new(dir);
+        let ca = layout.ca();
+        files::write_atomically(&ca.key, &self.ca.key_pem(), true)?;
+        files::write_atomically(&ca.cert, self.ca.cert_pem(), false)?;
+        files::write_atomically(&layout.bundle(), self.ca.cert_pem(), false)?;
+        files::write_pair(&layout.proxy_server(), &self.proxy_server)?;
+        files::write_pair(&layout.agent_server(), &self.agent_server)?;
+        files::write_pair(&layout.proxy_client(), &self.proxy_client)?;
+        for (cluster, credentials) in &self.agents {
+            files::write_pair(&layout.agent(cluster), credentials)?;
         }
-        for (cluster, c) in &self.agents {
-            write(format!("agent-{cluster}.crt"), &c.cert_pem)?;
-            write(format!("agent-{cluster}.key"), &c.key_pem)?;
-        }
-        Ok(())
+        Ok(layout)
     }
 }

@@ -138,16 +138,16 @@ async fn python_grpcio_client_reaches_a_target_through_the_tunnel() {
         let python = python.clone();
         let script = workspace_dir().join("e2e/tests/python/konnectivity_client.py");
         let gen_dir = generated.path().to_owned();
-        let dir = certs.path().to_owned();
+        let layout = cert_authority::files::Layout::new(certs.path());
         let server = format!("localhost:{}", server.client_addr.port());
         tokio::task::spawn_blocking(move || {
             Command::new(python)
                 .arg(script)
                 .arg(gen_dir)
                 .arg(server)
-                .arg(dir.join("ca.crt"))
-                .arg(dir.join("proxy-client.crt"))
-                .arg(dir.join("proxy-client.key"))
+                .arg(layout.bundle())
+                .arg(layout.proxy_client().cert)
+                .arg(layout.proxy_client().key)
                 .arg(address)
                 .output()
                 .unwrap()
@@ -186,7 +186,7 @@ async fn curl_reaches_a_target_with_http_connect() {
     } = setup().await;
 
     let curl = |url: String| {
-        let dir = certs.path().to_owned();
+        let layout = cert_authority::files::Layout::new(certs.path());
         let proxy = format!("https://localhost:{}", server.client_addr.port());
         tokio::task::spawn_blocking(move || {
             Command::new("curl")
@@ -200,11 +200,11 @@ async fn curl_reaches_a_target_with_http_connect() {
                 ])
                 .arg(proxy)
                 .arg("--proxy-cacert")
-                .arg(dir.join("ca.crt"))
+                .arg(layout.bundle())
                 .arg("--proxy-cert")
-                .arg(dir.join("proxy-client.crt"))
+                .arg(layout.proxy_client().cert)
                 .arg("--proxy-key")
-                .arg(dir.join("proxy-client.key"))
+                .arg(layout.proxy_client().key)
                 .arg(url)
                 .output()
                 .unwrap()

@@ -71,13 +71,8 @@ fn unescape(part: &str) -> Result<String, IdentifiersError> {
     String::from_utf8(out).map_err(|_| IdentifiersError::BadEscape(part.to_owned()))
 }
 
-/// Go's `strconv.ParseBool`.
 fn parse_go_bool(value: &str) -> Result<bool, IdentifiersError> {
-    match value {
-        "1" | "t" | "T" | "TRUE" | "true" | "True" => Ok(true),
-        "0" | "f" | "F" | "FALSE" | "false" | "False" => Ok(false),
-        _ => Err(IdentifiersError::BadBool(value.to_owned())),
-    }
+    crate::strconv::parse_bool(value).ok_or_else(|| IdentifiersError::BadBool(value.to_owned()))
 }
 
 /// Splits a query into decoded `(key, value)` pairs, in order.

@@ -9,6 +9,7 @@
 //!   cluster may claim.
 //! * [`flow`] — the per-connection flow-control primitives (credit and bounded
 //!   receive buffers) that keep one slow connection from stalling a tunnel.
+//! * [`duration`] / [`strconv`] — Go's duration and boolean syntaxes, as upstream flags use them.
 //! * [`transport`] / [`client`] — mTLS gRPC channels and a tunnel dialer for Rust users.
 #![forbid(unsafe_code)]
 
@@ -25,6 +26,7 @@ pub mod identifiers;
 pub mod identity;
 pub mod metadata;
 pub mod packet;
+pub mod strconv;
 pub mod transport;
 
 pub use konnectivity::{Packet, PacketType};

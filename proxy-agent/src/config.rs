@@ -10,8 +10,10 @@ use clap::Parser;
 use cluster_proxy_proto::duration::serde_go;
 use cluster_proxy_proto::flow::{DEFAULT_WINDOW, MIN_WINDOW};
 use cluster_proxy_proto::identifiers::AgentIdentifiers;
-use figment::Figment;
-use figment::providers::{Env, Format, Serialized, Toml};
+use cluster_proxy_proto::strconv;
+pub use cluster_proxy_runtime::config::ConfigError;
+use cluster_proxy_runtime::config::{self, EnvSpec, invalid};
+use cluster_proxy_runtime::logging::{LogFlags, LogFormat};
 use serde::{Deserialize, Serialize};
 
 use crate::{AgentConfig, TlsSource};
@@ -72,47 +74,14 @@ pub struct AgentSettings {
     pub credential_reload_interval: Duration,
     /// klog-style verbosity (`-v`); `RUST_LOG` overrides it.
     pub v: u8,
+    pub log_format: LogFormat,
 }
 
-/// Keys the environment layer may set; anything else with the prefix (for
-/// example the `PROXY_AGENT_SERVICE_HOST` variables Kubernetes injects for a
-/// Service of that name) is ignored rather than rejected.
-const FIELDS: &[&str] = &[
-    "agent_cert",
-    "agent_key",
-    "ca_cert",
-    "proxy_server_host",
-    "proxy_server_port",
-    "alpn_proto",
-    "health_server_host",
-    "health_server_port",
-    "admin_server_port",
-    "admin_bind_address",
-    "enable_profiling",
-    "enable_contention_profiling",
-    "agent_id",
-    "agent_identifiers",
-    "sync_interval",
-    "probe_interval",
-    "sync_interval_cap",
-    "keepalive_time",
-    "service_account_token_path",
-    "warn_on_channel_limit",
-    "sync_forever",
-    "xfr_channel_size",
-    "count_server_leases",
-    "lease_namespace",
-    "lease_label_selector",
-    "server_count_source",
-    "kubeconfig",
-    "kube_api_content_type",
-    "flow_control_window",
-    "plain_peer_buffer",
-    "dial_timeout",
-    "host_alias",
-    "credential_reload_interval",
-    "v",
-];
+/// The environment layer: `PROXY_AGENT_<FLAG>`, and upstream's `PROXY_AGENT_ID`.
+pub const ENV: EnvSpec = EnvSpec {
+    prefix: "PROXY_AGENT_",
+    aliases: &[("ID", "agent_id")],
+};
 
 impl Default for AgentSettings {
     fn default() -> Self {
@@ -149,34 +118,16 @@ impl Default for AgentSettings {
             plain_peer_buffer: 4 * 1024 * 1024,
             dial_timeout: Duration::from_secs(5),
             host_alias: Vec::new(),
-            credential_reload_interval: cert_authority::reload::DEFAULT_INTERVAL,
+            credential_reload_interval: cluster_proxy_runtime::reload::DEFAULT_INTERVAL,
             v: 0,
+            log_format: LogFormat::Auto,
         }
-    }
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    #[error("configuration: {0}")]
-    Figment(#[from] Box<figment::Error>),
-    #[error("invalid --{field}: {reason}")]
-    Invalid { field: &'static str, reason: String },
-}
-
-fn invalid(field: &'static str, reason: impl Into<String>) -> ConfigError {
-    ConfigError::Invalid {
-        field,
-        reason: reason.into(),
     }
 }
 
 /// Go's `strconv.ParseBool`, which pflag uses for `--flag=value`.
 fn parse_go_bool(value: &str) -> Result<bool, String> {
-    match value {
-        "1" | "t" | "T" | "TRUE" | "true" | "True" => Ok(true),
-        "0" | "f" | "F" | "FALSE" | "false" | "False" => Ok(false),
-        other => Err(format!("invalid boolean {other:?}")),
-    }
+    strconv::parse_bool(value).ok_or_else(|| format!("invalid boolean {value:?}"))
 }
 
 /// Command-line flags. Every field is optional so that only flags actually
@@ -204,9 +155,11 @@ pub struct Cli {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ca_cert: Option<PathBuf>,
+    /// Host of the proxy-server agent endpoint (a Service or load balancer in front of every replica).
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub proxy_server_host: Option<String>,
+    /// Port of the proxy-server agent endpoint.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub proxy_server_port: Option<u16>,
@@ -214,21 +167,27 @@ pub struct Cli {
     #[arg(long, value_delimiter = ',')]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub alpn_proto: Option<Vec<String>>,
+    /// Address the health port listens on (empty: every address).
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub health_server_host: Option<String>,
+    /// Health port serving /healthz, /readyz and /metrics.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub health_server_port: Option<u16>,
+    /// Admin port serving /metrics.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub admin_server_port: Option<u16>,
+    /// Address the admin port listens on.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub admin_bind_address: Option<String>,
+    /// Go pprof endpoints (upstream); accepted, no effect here.
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub enable_profiling: Option<bool>,
+    /// Go contention profiling (upstream); accepted, no effect here.
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub enable_contention_profiling: Option<bool>,
@@ -240,15 +199,19 @@ pub struct Cli {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub agent_identifiers: Option<String>,
+    /// First delay before reconnecting to a lost or missing replica (Go duration).
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sync_interval: Option<String>,
+    /// Upstream's tunnel probe period; accepted, a lost tunnel is noticed when its stream ends.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub probe_interval: Option<String>,
+    /// Longest delay between reconnection attempts (Go duration).
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sync_interval_cap: Option<String>,
+    /// Interval of HTTP/2 keepalive pings on tunnels, so a silently dead server is noticed (Go duration).
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub keepalive_time: Option<String>,
@@ -256,6 +219,7 @@ pub struct Cli {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub service_account_token_path: Option<String>,
+    /// Upstream channel-limit warnings; accepted, no effect here.
     #[arg(long, hide = true, num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub warn_on_channel_limit: Option<bool>,
@@ -263,15 +227,19 @@ pub struct Cli {
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sync_forever: Option<bool>,
+    /// Upstream's per-stream channel size; accepted, flow control replaces it.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub xfr_channel_size: Option<u32>,
+    /// Count replicas from Leases (upstream); accepted, no effect yet: the servercount header is used.
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub count_server_leases: Option<bool>,
+    /// Namespace of the replica Leases (with --count-server-leases).
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lease_namespace: Option<String>,
+    /// Label selector of the replica Leases (with --count-server-leases).
     #[arg(long, alias = "lease-label")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lease_label_selector: Option<String>,
@@ -279,9 +247,11 @@ pub struct Cli {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub server_count_source: Option<String>,
+    /// Kubeconfig for counting Leases (upstream); accepted, no effect here.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kubeconfig: Option<String>,
+    /// Kubernetes API content type (upstream); accepted, no effect here.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kube_api_content_type: Option<String>,
@@ -305,44 +275,23 @@ pub struct Cli {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub credential_reload_interval: Option<String>,
-    /// Log verbosity as klog's -v (RUST_LOG overrides).
-    #[arg(short = 'v', long = "v")]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub v: Option<u8>,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub logging: LogFlags,
 }
 
 impl AgentSettings {
     /// Layers defaults, the TOML file, the process environment and the flags.
     pub fn load(cli: &Cli) -> Result<Self, ConfigError> {
-        let env = Env::prefixed("PROXY_AGENT_").filter_map(|k| {
-            let key = k.as_str().to_ascii_lowercase();
-            let key = if key == "id" {
-                "agent_id".to_owned()
-            } else {
-                key
-            };
-            FIELDS.contains(&key.as_str()).then(|| key.into())
-        });
-        Self::load_from(cli, env)
+        Self::load_with_env(cli, std::env::vars())
     }
 
-    /// [`AgentSettings::load`] with an explicit environment layer (tests).
-    pub fn load_from(cli: &Cli, env: impl figment::Provider) -> Result<Self, ConfigError> {
-        let mut figment = Figment::from(Serialized::defaults(AgentSettings::default()));
-        if let Some(path) = &cli.config {
-            if !path.is_file() {
-                return Err(invalid(
-                    "config",
-                    format!("{} does not exist or is not a file", path.display()),
-                ));
-            }
-            figment = figment.merge(Toml::file(path));
-        }
-        let settings: AgentSettings = figment
-            .merge(env)
-            .merge(Serialized::defaults(cli))
-            .extract()
-            .map_err(Box::new)?;
+    /// [`AgentSettings::load`] with an explicit environment (tests).
+    pub fn load_with_env(
+        cli: &Cli,
+        vars: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Self, ConfigError> {
+        let settings: AgentSettings = config::load_with_env(ENV, cli.config.as_deref(), cli, vars)?;
         settings.validate()?;
         Ok(settings)
     }
@@ -512,16 +461,20 @@ impl AgentSettings {
 #[allow(clippy::result_large_err)] // figment::Jail's closure signature
 mod tests {
     use super::*;
-    use figment::providers::Serialized as S;
-
-    fn no_env() -> S<figment::value::Dict> {
-        S::defaults(figment::value::Dict::new())
-    }
 
     fn parse(args: &[&str]) -> Result<AgentSettings, ConfigError> {
         let mut argv = vec!["proxy-agent"];
         argv.extend_from_slice(args);
-        AgentSettings::load_from(&Cli::parse_from(argv), no_env())
+        AgentSettings::load_with_env(&Cli::parse_from(argv), Vec::new())
+    }
+
+    #[test]
+    fn every_flag_is_described_and_shows_its_default() {
+        let problems = cluster_proxy_runtime::cli::help_problems::<Cli>(
+            &AgentSettings::default(),
+            &["[default: 8091]", "[default: 1s]", "[default: 127.0.0.1]"],
+        );
+        assert!(problems.is_empty(), "{problems:?}");
     }
 
     #[test]
@@ -634,7 +587,7 @@ mod tests {
             "{err}"
         );
         let err = parse(&["--sync-interval=soon"]).unwrap_err().to_string();
-        assert!(err.contains("sync_interval"), "{err}");
+        assert!(err.contains("--sync-interval"), "{err}");
         let err = parse(&["--server-count-source=min"])
             .unwrap_err()
             .to_string();

@@ -11,7 +11,6 @@
 
 pub mod config;
 pub mod dial;
-pub mod health;
 mod manager;
 pub mod metrics;
 pub mod tunnel;
@@ -21,11 +20,13 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use cert_authority::tls::{self, Identity, Pem, TlsError};
 use cluster_proxy_proto::flow::DEFAULT_WINDOW;
 use cluster_proxy_proto::identifiers::AgentIdentifiers;
 use cluster_proxy_proto::transport::ALPN_H2;
-use tokio::net::TcpListener;
+use cluster_proxy_runtime::admin::{self, NotReady};
+use cluster_proxy_runtime::net::{BindError, bind};
+use cluster_proxy_runtime::reload;
+use cluster_proxy_runtime::tls::{self, Identity, Pem, TlsError};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -164,7 +165,7 @@ impl AgentConfig {
             plain_peer_buffer: 4 * 1024 * 1024,
             dial_timeout: Duration::from_secs(5),
             host_aliases: dial::HostAliases::new(),
-            credential_reload_interval: cert_authority::reload::DEFAULT_INTERVAL,
+            credential_reload_interval: cluster_proxy_runtime::reload::DEFAULT_INTERVAL,
             keepalive_time: Duration::from_secs(3600),
             shutdown_grace: Duration::from_secs(5),
         }
@@ -190,30 +191,12 @@ pub enum AgentError {
     Tls(#[from] TlsError),
     #[error("invalid --{field}: {reason}")]
     Invalid { field: &'static str, reason: String },
-    #[error("bind {what} {address}: {source}")]
-    Bind {
-        what: &'static str,
-        address: String,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Bind(#[from] BindError),
 }
 
-fn bind_address(host: &str, port: u16) -> String {
-    let host = if host.is_empty() { "0.0.0.0" } else { host };
-    cluster_proxy_proto::transport::host_port(host, port)
-}
-
-async fn bind(what: &'static str, host: &str, port: u16) -> Result<TcpListener, AgentError> {
-    let address = bind_address(host, port);
-    TcpListener::bind(&address)
-        .await
-        .map_err(|source| AgentError::Bind {
-            what,
-            address,
-            source,
-        })
-}
+/// Upstream's readiness failure body, which probes and runbooks match on.
+pub const NOT_READY_BODY: &str = "[+]ping ok\n[-]server-connected failed: no servers connected\n";
 
 fn validate(config: &AgentConfig) -> Result<(), AgentError> {
     AgentIdentifiers::parse_strict(&config.agent_identifiers).map_err(|e| AgentError::Invalid {
@@ -262,44 +245,35 @@ impl std::fmt::Debug for RunningAgent {
 pub async fn start(config: AgentConfig) -> Result<RunningAgent, AgentError> {
     validate(&config)?;
     let tls = match &config.tls {
-        TlsSource::Config(fixed) => cert_authority::reload::fixed(fixed.clone()),
+        TlsSource::Config(fixed) => reload::fixed(fixed.clone()),
         files @ TlsSource::Files { .. } => {
             let paths = files.paths();
             let source = files.clone();
-            cert_authority::reload::watch_files(
+            reload::watch_files(
                 "agent credentials",
                 paths,
                 config.credential_reload_interval,
                 move || {
                     source.client_config().map_err(|e| match e {
                         AgentError::Tls(t) => t,
-                        other => cert_authority::tls::TlsError::Config(other.to_string()),
+                        other => TlsError::Config(other.to_string()),
                     })
                 },
             )?
         }
     };
-    let health = bind(
+    let (health, health_addr) = bind(
         "health server",
         &config.health_server_host,
         config.health_server_port,
     )
     .await?;
-    let admin = bind(
+    let (admin, admin_addr) = bind(
         "admin server",
         &config.admin_bind_address,
         config.admin_server_port,
     )
     .await?;
-    let local = |l: &TcpListener, what| {
-        l.local_addr().map_err(|source| AgentError::Bind {
-            what,
-            address: bind_address(&config.health_server_host, config.health_server_port),
-            source,
-        })
-    };
-    let health_addr = local(&health, "health server")?;
-    let admin_addr = local(&admin, "admin server")?;
     let root = CancellationToken::new();
     let shared = Arc::new(Shared::new(config, tls, root.clone()));
     tracing::info!(
@@ -309,20 +283,24 @@ pub async fn start(config: AgentConfig) -> Result<RunningAgent, AgentError> {
         %admin_addr,
         "proxy-agent started"
     );
-    let status: Arc<dyn health::Status> = shared.clone();
+    let probed = shared.clone();
+    let exposed = shared.clone();
+    let health_routes = admin::Routes::probes(move || {
+        if probed.tunnel_count() > 0 {
+            Ok(())
+        } else {
+            Err(NotReady {
+                status: http::StatusCode::SERVICE_UNAVAILABLE,
+                body: NOT_READY_BODY.into(),
+            })
+        }
+    })
+    .with_metrics(move || exposed.metrics().encode());
+    let exposed = shared.clone();
+    let admin_routes = admin::Routes::metrics_only(move || exposed.metrics().encode());
     let tasks = vec![
-        tokio::spawn(health::serve(
-            health,
-            health::Role::Health,
-            status.clone(),
-            root.clone(),
-        )),
-        tokio::spawn(health::serve(
-            admin,
-            health::Role::Admin,
-            status,
-            root.clone(),
-        )),
+        tokio::spawn(admin::serve(health, health_routes, root.clone())),
+        tokio::spawn(admin::serve(admin, admin_routes, root.clone())),
         tokio::spawn(manager::run(shared.clone())),
     ];
     Ok(RunningAgent {

@@ -24,9 +24,9 @@ use tokio::sync::{Notify, mpsc};
 use tokio_util::sync::CancellationToken;
 use tonic::metadata::{AsciiMetadataValue, MetadataMap};
 
+use crate::AgentConfig;
 use crate::metrics::Metrics;
 use crate::tunnel::{self, TunnelParams};
-use crate::{AgentConfig, health};
 
 /// Why one attempt to open a tunnel failed.
 #[derive(Debug, thiserror::Error)]
@@ -57,7 +57,7 @@ pub(crate) struct Shared {
     config: AgentConfig,
     /// The newest client credentials; read at every connect so rotated
     /// certificates are used for new tunnels while old tunnels stay up.
-    tls: cert_authority::reload::Watched<rustls::ClientConfig>,
+    tls: cluster_proxy_runtime::reload::Watched<rustls::ClientConfig>,
     metrics: Arc<Metrics>,
     tunnels: Mutex<HashMap<String, TunnelHandle>>,
     draining: AtomicBool,
@@ -66,20 +66,10 @@ pub(crate) struct Shared {
     root: CancellationToken,
 }
 
-impl health::Status for Shared {
-    fn ready(&self) -> bool {
-        self.tunnel_count() > 0
-    }
-
-    fn metrics(&self) -> &Metrics {
-        &self.metrics
-    }
-}
-
 impl Shared {
     pub(crate) fn new(
         config: AgentConfig,
-        tls: cert_authority::reload::Watched<rustls::ClientConfig>,
+        tls: cluster_proxy_runtime::reload::Watched<rustls::ClientConfig>,
         root: CancellationToken,
     ) -> Self {
         Shared {

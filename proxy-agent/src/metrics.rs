@@ -1,7 +1,7 @@
 //! Prometheus metrics, named as upstream's `konnectivity_network_proxy_agent_*`
 //! so existing dashboards keep working.
 
-use prometheus_client::encoding::text::encode;
+use cluster_proxy_runtime::metrics::{encode_registry, register_counter};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -65,8 +65,8 @@ impl Metrics {
             open_endpoint_connections.clone(),
         );
         let dial_failures = Family::<Labels, Counter>::default();
-        // prometheus-client appends `_total` to counters.
-        registry.register(
+        register_counter(
+            registry,
             "endpoint_dial_failure",
             "Failed endpoint dials by reason",
             dial_failures.clone(),
@@ -95,10 +95,7 @@ impl Metrics {
 
     /// The Prometheus/OpenMetrics text exposition.
     pub fn encode(&self) -> String {
-        let mut out = String::new();
-        // Writing into a String cannot fail.
-        let _ = encode(&mut out, &self.registry);
-        out
+        encode_registry(&self.registry)
     }
 }
 

@@ -8,8 +8,9 @@ use std::time::Duration;
 use clap::Parser;
 use cluster_proxy_proto::duration::serde_go;
 use cluster_proxy_proto::flow::{DEFAULT_WINDOW, MIN_WINDOW};
-use figment::Figment;
-use figment::providers::{Env, Format, Serialized, Toml};
+pub use cluster_proxy_runtime::config::ConfigError;
+use cluster_proxy_runtime::config::{self, EnvSpec, invalid};
+use cluster_proxy_runtime::logging::{LogFlags, LogFormat};
 use serde::{Deserialize, Serialize};
 
 use crate::registry::Strategy;
@@ -90,7 +91,14 @@ pub struct ServerConfig {
     pub credential_reload_interval: Duration,
     /// klog-style verbosity (`-v`); `RUST_LOG` overrides it.
     pub v: u8,
+    pub log_format: LogFormat,
 }
+
+/// The environment layer: `PROXY_SERVER_<FLAG>`, and upstream's `PROXY_SERVER_ID`.
+pub const ENV: EnvSpec = EnvSpec {
+    prefix: "PROXY_SERVER_",
+    aliases: &[("ID", "server_id")],
+};
 
 impl Default for ServerConfig {
     fn default() -> Self {
@@ -138,24 +146,10 @@ impl Default for ServerConfig {
             flow_control_window: DEFAULT_WINDOW,
             plain_peer_buffer: 4 * 1024 * 1024,
             plain_peer_stall_timeout: cluster_proxy_proto::flow::DEFAULT_STALL_TIMEOUT,
-            credential_reload_interval: cert_authority::reload::DEFAULT_INTERVAL,
+            credential_reload_interval: cluster_proxy_runtime::reload::DEFAULT_INTERVAL,
             v: 0,
+            log_format: LogFormat::Auto,
         }
-    }
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    #[error("configuration: {0}")]
-    Figment(#[from] Box<figment::Error>),
-    #[error("invalid --{field}: {reason}")]
-    Invalid { field: &'static str, reason: String },
-}
-
-fn invalid(field: &'static str, reason: impl Into<String>) -> ConfigError {
-    ConfigError::Invalid {
-        field,
-        reason: reason.into(),
     }
 }
 
@@ -176,90 +170,119 @@ pub struct Cli {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mode: Option<String>,
+    /// Unix-socket frontend (upstream); not supported here: startup fails if set.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub uds_name: Option<String>,
+    /// Remove an existing --uds-name file first (upstream; no effect here).
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub delete_existing_uds_file: Option<bool>,
+    /// Client port: gRPC ProxyService and HTTP CONNECT over mTLS.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub server_port: Option<u16>,
+    /// Address the client port listens on (empty: every address).
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub server_bind_address: Option<String>,
+    /// Certificate the client port presents (PEM).
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub server_cert: Option<PathBuf>,
+    /// Private key of --server-cert (PEM).
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub server_key: Option<PathBuf>,
+    /// CA bundle that hub clients' certificates must chain to.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub server_ca_cert: Option<PathBuf>,
+    /// Agent port: AgentService.Connect tunnels from proxy-agents over mTLS.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub agent_port: Option<u16>,
+    /// Address the agent port listens on (empty: every address).
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub agent_bind_address: Option<String>,
+    /// Certificate the agent port presents (PEM).
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cluster_cert: Option<PathBuf>,
+    /// Private key of --cluster-cert (PEM).
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cluster_key: Option<PathBuf>,
+    /// CA bundle that agents' certificates must chain to.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cluster_ca_cert: Option<PathBuf>,
+    /// Admin port serving /metrics.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub admin_port: Option<u16>,
+    /// Address the admin port listens on.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub admin_bind_address: Option<String>,
+    /// Health port serving /healthz, /readyz and /metrics.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub health_port: Option<u16>,
+    /// Address the health port listens on (empty: every address).
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub health_bind_address: Option<String>,
+    /// Interval of HTTP/2 keepalive pings on agent tunnels (Go duration).
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub keepalive_time: Option<String>,
+    /// Interval of HTTP/2 keepalive pings on client connections (Go duration).
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub frontend_keepalive_time: Option<String>,
+    /// Go pprof endpoints (upstream); accepted, no effect here.
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub enable_profiling: Option<bool>,
+    /// Go contention profiling (upstream); accepted, no effect here.
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub enable_contention_profiling: Option<bool>,
+    /// This replica's id sent to agents (empty: $PROXY_SERVER_ID, else a random UUID).
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub server_id: Option<String>,
+    /// Number of proxy-server replicas agents should connect to.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub server_count: Option<u32>,
+    /// Service-account token authentication of agents (upstream); not supported: agents present certificates.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub agent_namespace: Option<String>,
+    /// See --agent-namespace; not supported.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub agent_service_account: Option<String>,
+    /// See --agent-namespace; not supported.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub authentication_audience: Option<String>,
+    /// Kubeconfig for the lease controller (upstream); accepted, no effect here.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kubeconfig: Option<String>,
+    /// Kubernetes client QPS (upstream); accepted, no effect here.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kubeconfig_qps: Option<f32>,
+    /// Kubernetes client burst (upstream); accepted, no effect here.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kubeconfig_burst: Option<u32>,
+    /// Kubernetes API content type (upstream); accepted, no effect here.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kube_api_content_type: Option<String>,
@@ -267,24 +290,31 @@ pub struct Cli {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub proxy_strategies: Option<String>,
+    /// TLS 1.2 cipher suites (upstream, comma-separated); accepted, the ring provider's safe defaults are used.
     #[arg(long, value_delimiter = ',')]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cipher_suites: Option<Vec<String>>,
+    /// Oldest TLS version accepted: VersionTLS12 or VersionTLS13 (empty: TLS 1.2).
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tls_min_version: Option<String>,
+    /// Upstream's per-stream channel size; accepted, flow control replaces it.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub xfr_channel_size: Option<u32>,
+    /// Publish a Lease per replica (upstream); accepted, no effect yet.
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub enable_lease_controller: Option<bool>,
+    /// Namespace of the replica Leases (with --enable-lease-controller).
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lease_namespace: Option<String>,
+    /// Label of the replica Leases (with --enable-lease-controller).
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lease_label: Option<String>,
+    /// How long established connections may finish after SIGTERM (Go duration).
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub graceful_shutdown_timeout: Option<String>,
@@ -313,10 +343,9 @@ pub struct Cli {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub credential_reload_interval: Option<String>,
-    /// Log verbosity as klog's -v (RUST_LOG overrides).
-    #[arg(short = 'v', long = "v")]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub v: Option<u8>,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub logging: LogFlags,
     /// Hidden, deprecated upstream flag; accepted and ignored.
     #[arg(long, hide = true, num_args = 0..=1, default_missing_value = "true")]
     #[serde(skip)]
@@ -326,26 +355,7 @@ pub struct Cli {
 impl ServerConfig {
     /// Layers defaults, the TOML file, the environment and the flags.
     pub fn load(cli: &Cli) -> Result<Self, ConfigError> {
-        let mut figment = Figment::from(Serialized::defaults(ServerConfig::default()));
-        if let Some(path) = &cli.config {
-            if !path.is_file() {
-                return Err(invalid(
-                    "config",
-                    format!("{} does not exist or is not a file", path.display()),
-                ));
-            }
-            figment = figment.merge(Toml::file(path));
-        }
-        figment = figment
-            .merge(Env::prefixed("PROXY_SERVER_").map(|k| {
-                if k.as_str().eq_ignore_ascii_case("id") {
-                    "server_id".into()
-                } else {
-                    k.as_str().to_ascii_lowercase().into()
-                }
-            }))
-            .merge(Serialized::defaults(cli));
-        let config: ServerConfig = figment.extract().map_err(Box::new)?;
+        let config: ServerConfig = config::load(ENV, cli.config.as_deref(), cli)?;
         config.validate()?;
         Ok(config)
     }
@@ -472,6 +482,31 @@ mod tests {
     }
 
     #[test]
+    fn every_flag_is_described_and_shows_its_default() {
+        let problems = cluster_proxy_runtime::cli::help_problems::<Cli>(
+            &ServerConfig::default(),
+            &["[default: 8090]", "[default: 10s]", "[default: default]"],
+        );
+        assert!(problems.is_empty(), "{problems:?}");
+    }
+
+    #[test]
+    fn kubernetes_service_variables_do_not_break_startup() {
+        figment::Jail::expect_with(|jail| {
+            // What a Service named `proxy-server` injects into every pod.
+            jail.set_env("PROXY_SERVER_SERVICE_HOST", "10.96.0.10");
+            jail.set_env("PROXY_SERVER_SERVICE_PORT", "8090");
+            jail.set_env("PROXY_SERVER_PORT", "tcp://10.96.0.10:8090");
+            jail.set_env("PROXY_SERVER_PORT_8090_TCP_ADDR", "10.96.0.10");
+            jail.set_env("PROXY_SERVER_ENABLE_PROFILING", "True");
+            let c = parse(&[]).map_err(|e| e.to_string())?;
+            assert_eq!(c.server_port, 8090);
+            assert!(c.enable_profiling, "Go's boolean spelling");
+            Ok(())
+        });
+    }
+
+    #[test]
     fn defaults_match_upstream() {
         let c = ServerConfig::default();
         assert_eq!(
@@ -524,7 +559,7 @@ mod tests {
             let err = parse(&["--backend-dial-timeout", "soon"])
                 .unwrap_err()
                 .to_string();
-            assert!(err.contains("backend_dial_timeout"), "{err}");
+            assert!(err.contains("--backend-dial-timeout"), "{err}");
             let err = parse(&["--uds-name", "/tmp/x.sock"])
                 .unwrap_err()
                 .to_string();

@@ -11,7 +11,6 @@ pub mod agent_service;
 pub mod config;
 pub mod dial;
 pub mod grpc_frontend;
-pub mod health;
 pub mod http_connect;
 pub mod listener;
 pub mod metrics;
@@ -24,15 +23,16 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use cert_authority::reload::{self, Watched};
-use cert_authority::tls::{self, Identity, Pem, TlsError};
 use cluster_proxy_proto::konnectivity::agent_service_server::AgentServiceServer;
 use cluster_proxy_proto::konnectivity::proxy_service_server::ProxyServiceServer;
 use cluster_proxy_proto::transport::{ALPN_H2, ALPN_HTTP11, MAX_MESSAGE_SIZE};
+use cluster_proxy_runtime::admin::{self, NotReady};
+use cluster_proxy_runtime::net::{BindError, bind};
+use cluster_proxy_runtime::reload::{self, Watched};
+use cluster_proxy_runtime::tls::{self, Identity, Pem, TlsError};
 use http::{Request, Response, StatusCode, Version};
 use hyper::body::Incoming;
 use std::path::PathBuf;
-use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tonic::body::Body;
@@ -60,13 +60,8 @@ pub enum ServerError {
         #[source]
         source: TlsError,
     },
-    #[error("listen on {address} ({what}): {source}")]
-    Bind {
-        what: &'static str,
-        address: String,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Bind(#[from] BindError),
 }
 
 /// Ready-made TLS configurations for both mTLS ports.
@@ -220,32 +215,6 @@ impl RunningServer {
         self.tasks.close();
         let _ = tokio::time::timeout(self.grace + Duration::from_secs(1), self.tasks.wait()).await;
     }
-}
-
-fn bind_address(host: &str, port: u16) -> String {
-    let host = if host.is_empty() { "0.0.0.0" } else { host };
-    cluster_proxy_proto::transport::host_port(host, port)
-}
-
-async fn bind(
-    what: &'static str,
-    host: &str,
-    port: u16,
-) -> Result<(TcpListener, SocketAddr), ServerError> {
-    let address = bind_address(host, port);
-    let listener = TcpListener::bind(&address)
-        .await
-        .map_err(|source| ServerError::Bind {
-            what,
-            address: address.clone(),
-            source,
-        })?;
-    let local = listener.local_addr().map_err(|source| ServerError::Bind {
-        what,
-        address,
-        source,
-    })?;
-    Ok((listener, local))
 }
 
 type BoxFuture<T> = Pin<Box<dyn std::future::Future<Output = T> + Send>>;
@@ -403,29 +372,21 @@ pub async fn start_with_tls(
 
     let health_registry = registry.clone();
     let health_metrics = metrics.clone();
-    let health: Arc<health::Handler> = Arc::new(move |path: &str| match path {
-        "/healthz" => (StatusCode::OK, health::TEXT, "ok".into()),
-        "/readyz" | "/ready" => {
-            if health_registry.tunnel_count() > 0 {
-                (StatusCode::OK, health::TEXT, "ok".into())
-            } else {
-                (
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    health::TEXT,
-                    "no connection to any proxy agent".into(),
-                )
-            }
+    let health = admin::Routes::probes(move || {
+        if health_registry.tunnel_count() > 0 {
+            Ok(())
+        } else {
+            Err(NotReady {
+                status: StatusCode::INTERNAL_SERVER_ERROR,
+                body: "no connection to any proxy agent".into(),
+            })
         }
-        "/metrics" => (StatusCode::OK, health::OPENMETRICS, health_metrics.encode()),
-        _ => (StatusCode::NOT_FOUND, health::TEXT, "not found".into()),
-    });
-    tasks.spawn(health::serve(health_listener, health, shutdown.clone()));
+    })
+    .with_metrics(move || health_metrics.encode());
+    tasks.spawn(admin::serve(health_listener, health, shutdown.clone()));
     let admin_metrics = metrics.clone();
-    let admin: Arc<health::Handler> = Arc::new(move |path: &str| match path {
-        "/metrics" => (StatusCode::OK, health::OPENMETRICS, admin_metrics.encode()),
-        _ => (StatusCode::NOT_FOUND, health::TEXT, "not found".into()),
-    });
-    tasks.spawn(health::serve(admin_listener, admin, shutdown.clone()));
+    let admin_routes = admin::Routes::metrics_only(move || admin_metrics.encode());
+    tasks.spawn(admin::serve(admin_listener, admin_routes, shutdown.clone()));
 
     info!(
         server_id,

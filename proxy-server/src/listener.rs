@@ -57,8 +57,8 @@ fn peer_info(remote: SocketAddr, conn: &rustls::ServerConnection) -> PeerInfo {
             identity_error: Some("no client certificate".into()),
         };
     };
-    let subject = cert_authority::peer::subject_of(cert);
-    match cert_authority::peer::cluster_of(cert) {
+    let subject = cluster_proxy_runtime::peer::subject_of(cert);
+    match cluster_proxy_runtime::peer::cluster_of(cert) {
         Ok(cluster) => PeerInfo {
             remote,
             subject,
@@ -79,7 +79,7 @@ fn peer_info(remote: SocketAddr, conn: &rustls::ServerConnection) -> PeerInfo {
 pub async fn serve<S, F, B>(
     name: &'static str,
     listener: TcpListener,
-    tls: cert_authority::reload::Watched<rustls::ServerConfig>,
+    tls: cluster_proxy_runtime::reload::Watched<rustls::ServerConfig>,
     protocols: Protocols,
     make_service: F,
     shutdown: CancellationToken,

@@ -2,7 +2,7 @@
 //! where one exists. Counters on the data path are resolved once up front so
 //! that counting a packet is a single atomic add.
 
-use prometheus_client::encoding::text::encode;
+use cluster_proxy_runtime::metrics::{encode_registry, register_counter};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -57,7 +57,8 @@ impl Metrics {
             dial_duration.clone(),
         );
         let dial_failures = Family::<Labels, Counter>::default();
-        registry.register(
+        register_counter(
+            registry,
             "dial_failure_count",
             "Failed dials by reason",
             dial_failures.clone(),
@@ -99,7 +100,8 @@ impl Metrics {
             agent_tunnels.clone(),
         );
         let packet_family = Family::<Labels, Counter>::default();
-        registry.register(
+        register_counter(
+            registry,
             "stream_packets",
             "Packets by segment and type",
             packet_family.clone(),
@@ -161,10 +163,7 @@ impl Metrics {
 
     /// Prometheus text exposition.
     pub fn encode(&self) -> String {
-        let mut out = String::new();
-        // Writing into a String cannot fail.
-        let _ = encode(&mut out, &self.registry);
-        out
+        encode_registry(&self.registry)
     }
 }
 
@@ -174,18 +173,4 @@ impl Default for Metrics {
     }
 }
 
-/// Increments a gauge now and decrements it when dropped.
-pub struct GaugeGuard(Gauge);
-
-impl GaugeGuard {
-    pub fn new(gauge: Gauge) -> Self {
-        gauge.inc();
-        GaugeGuard(gauge)
-    }
-}
-
-impl Drop for GaugeGuard {
-    fn drop(&mut self) {
-        self.0.dec();
-    }
-}
+pub use cluster_proxy_runtime::metrics::GaugeGuard;

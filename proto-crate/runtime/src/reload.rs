@@ -89,7 +89,7 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pki::{Authority, LeafRequest};
+    use crate::test_pki::TestCa;
     use crate::tls::{Identity, Pem, server_config};
 
     async fn changed<T>(rx: &mut Watched<T>) -> bool {
@@ -100,7 +100,7 @@ mod tests {
 
     #[tokio::test]
     async fn follows_symlink_swaps_and_keeps_the_last_good_config() {
-        let ca = Authority::generate("ca", Duration::from_secs(3600)).unwrap();
+        let ca = TestCa::new();
         let dir = tempfile::tempdir().unwrap();
         // Kubernetes' layout: tls.crt -> ..data/tls.crt, ..data -> ..<timestamp>
         let publish = |name: &str, cert: &str, key: &str| {
@@ -112,9 +112,7 @@ mod tests {
             std::os::unix::fs::symlink(name, &tmp).unwrap();
             std::fs::rename(&tmp, dir.path().join("..data")).unwrap();
         };
-        let first = ca
-            .issue(&LeafRequest::server("one", &["localhost"]))
-            .unwrap();
+        let first = ca.server("one");
         publish("..v1", &first.cert_pem, &first.key_pem);
         for f in ["tls.crt", "tls.key"] {
             std::os::unix::fs::symlink(format!("..data/{f}"), dir.path().join(f)).unwrap();
@@ -132,17 +130,13 @@ mod tests {
             watch_files("test", vec![cert, key], Duration::from_millis(20), build).unwrap();
         let original = rx.borrow().clone();
 
-        let second = ca
-            .issue(&LeafRequest::server("two", &["localhost"]))
-            .unwrap();
+        let second = ca.server("two");
         publish("..v2", &second.cert_pem, &second.key_pem);
         assert!(changed(&mut rx).await, "symlink swap not noticed");
         assert!(!Arc::ptr_eq(&original, &rx.borrow_and_update()));
 
         // A mismatched pair is not used.
-        let third = ca
-            .issue(&LeafRequest::server("three", &["localhost"]))
-            .unwrap();
+        let third = ca.server("three");
         publish("..v3", &third.cert_pem, &second.key_pem);
         tokio::time::sleep(Duration::from_millis(200)).await;
         assert!(

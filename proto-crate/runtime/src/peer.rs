@@ -51,10 +51,10 @@ pub fn subject_of(cert_der: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pki::{Authority, LeafRequest};
-    use rustls_pki_types::CertificateDer;
-    use rustls_pki_types::pem::PemObject;
-    use std::time::Duration;
+    use crate::test_pki::TestCa;
+    use cluster_proxy_proto::identity::CLUSTER_URI_PREFIX;
+    use rustls::pki_types::CertificateDer;
+    use rustls::pki_types::pem::PemObject;
 
     fn der(pem: &str) -> Vec<u8> {
         CertificateDer::from_pem_slice(pem.as_bytes())
@@ -64,13 +64,30 @@ mod tests {
 
     #[test]
     fn agent_certificates_name_their_cluster() {
-        let ca = Authority::generate("test-ca", Duration::from_secs(3600)).unwrap();
+        let ca = TestCa::new();
         let cluster = ClusterName::new("cluster-a").unwrap();
-        let agent = ca.issue(&LeafRequest::agent(&cluster)).unwrap();
+        let uri = format!("{CLUSTER_URI_PREFIX}cluster-a");
+        let agent = ca.client("agent", Some(&uri));
         assert_eq!(cluster_of(&der(&agent.cert_pem)), Ok(Some(cluster)));
-        let client = ca.issue(&LeafRequest::client("hub-client")).unwrap();
+        let client = ca.client("hub-client", None);
         assert_eq!(cluster_of(&der(&client.cert_pem)), Ok(None));
         assert!(subject_of(&der(&client.cert_pem)).contains("CN=hub-client"));
+    }
+
+    #[test]
+    fn two_clusters_in_one_certificate_are_refused() {
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        for name in ["cluster-a", "cluster-b"] {
+            params.subject_alt_names.push(rcgen::SanType::URI(
+                format!("{CLUSTER_URI_PREFIX}{name}").try_into().unwrap(),
+            ));
+        }
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = params.self_signed(&key).unwrap();
+        assert!(matches!(
+            cluster_of(cert.der()),
+            Err(PeerError::Ambiguous(_, _))
+        ));
     }
 
     #[test]

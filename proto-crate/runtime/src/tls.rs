@@ -265,8 +265,7 @@ pub fn client_config(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pki::{Authority, LeafRequest};
-    use std::time::Duration;
+    use crate::test_pki::TestCa;
 
     #[test]
     fn missing_files_name_the_path() {
@@ -278,8 +277,8 @@ mod tests {
     fn empty_or_wrong_pem_is_a_clear_error() {
         let empty = Pem::text("empty.pem", "");
         assert!(matches!(roots(&empty), Err(TlsError::NoCertificate { .. })));
-        let ca = Authority::generate("ca", Duration::from_secs(3600)).unwrap();
-        let cert_only = Pem::text("cert.pem", ca.cert_pem());
+        let ca = TestCa::new();
+        let cert_only = Pem::text("cert.pem", &ca.cert_pem);
         assert!(matches!(
             Identity::new(&cert_only, &cert_only),
             Err(TlsError::NoKey { .. })
@@ -293,25 +292,22 @@ mod tests {
 
     #[test]
     fn expired_certificates_are_refused_at_load() {
-        let ca = Authority::generate("ca", Duration::from_secs(3600)).unwrap();
-        // Validity ends before "now" because issuing back-dates by 5 minutes.
-        let creds = ca
-            .issue(&LeafRequest::server("s", &["localhost"]).with_validity(Duration::ZERO))
-            .unwrap();
-        std::thread::sleep(Duration::from_millis(1100));
+        let ca = TestCa::new();
+        let creds = ca.expired_server("s");
         let err = Identity::new(
             &Pem::text("s.crt", &creds.cert_pem),
             &Pem::text("s.key", &creds.key_pem),
         )
         .unwrap_err();
         assert!(matches!(err, TlsError::NotValidNow { .. }), "{err}");
+        assert!(err.to_string().contains("s.crt"), "{err}");
     }
 
     #[test]
     fn mismatched_key_is_refused() {
-        let ca = Authority::generate("ca", Duration::from_secs(3600)).unwrap();
-        let a = ca.issue(&LeafRequest::server("a", &["localhost"])).unwrap();
-        let b = ca.issue(&LeafRequest::server("b", &["localhost"])).unwrap();
+        let ca = TestCa::new();
+        let a = ca.server("a");
+        let b = ca.server("b");
         let id = Identity::new(
             &Pem::text("a.crt", &a.cert_pem),
             &Pem::text("b.key", &b.key_pem),

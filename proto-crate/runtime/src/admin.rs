@@ -1,0 +1,194 @@
+//! The plain-HTTP health, readiness and metrics endpoints every service serves
+//! (upstream paths: `/healthz`, `/readyz` and its alias `/ready`, `/livez`,
+//! `/metrics`).
+//!
+//! The port is reachable by anything in the pod network, so a connection
+//! gets [`HEADER_READ_TIMEOUT`] to send its request headers and is closed
+//! when the service shuts down: a slow or idle client cannot pin a task.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderValue, Request, Response, StatusCode, header};
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::metrics::OPENMETRICS;
+
+pub const TEXT: &str = "text/plain; charset=utf-8";
+/// Go's `http.NotFound` body, as upstream answers unknown paths.
+pub const NOT_FOUND_BODY: &str = "404 page not found\n";
+/// How long a connection may take to send its request headers.
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Why a service is not ready: the status code and body upstream answers with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NotReady {
+    pub status: StatusCode,
+    pub body: String,
+}
+
+type Readiness = dyn Fn() -> Result<(), NotReady> + Send + Sync;
+type Exposition = dyn Fn() -> String + Send + Sync;
+
+/// What one listener answers.
+#[derive(Clone, Default)]
+pub struct Routes {
+    probes: Option<Arc<Readiness>>,
+    metrics: Option<Arc<Exposition>>,
+}
+
+impl Routes {
+    /// `/healthz` and `/livez` (always ok while the process serves) and
+    /// `/readyz`, `/ready` (from `ready`).
+    pub fn probes(ready: impl Fn() -> Result<(), NotReady> + Send + Sync + 'static) -> Self {
+        Routes {
+            probes: Some(Arc::new(ready)),
+            metrics: None,
+        }
+    }
+
+    /// Only `/metrics`.
+    pub fn metrics_only(exposition: impl Fn() -> String + Send + Sync + 'static) -> Self {
+        Routes::default().with_metrics(exposition)
+    }
+
+    /// Adds `/metrics`, answered by `exposition` (OpenMetrics text).
+    pub fn with_metrics(mut self, exposition: impl Fn() -> String + Send + Sync + 'static) -> Self {
+        self.metrics = Some(Arc::new(exposition));
+        self
+    }
+
+    /// The answer to a GET of `path`: status, content type, body.
+    pub fn answer(&self, path: &str) -> (StatusCode, &'static str, String) {
+        match (path, &self.probes, &self.metrics) {
+            ("/healthz" | "/livez", Some(_), _) => (StatusCode::OK, TEXT, "ok".into()),
+            ("/readyz" | "/ready", Some(ready), _) => match ready() {
+                Ok(()) => (StatusCode::OK, TEXT, "ok".into()),
+                Err(not_ready) => (not_ready.status, TEXT, not_ready.body),
+            },
+            ("/metrics", _, Some(exposition)) => (StatusCode::OK, OPENMETRICS, exposition()),
+            _ => (StatusCode::NOT_FOUND, TEXT, NOT_FOUND_BODY.into()),
+        }
+    }
+}
+
+/// Serves `routes` on `listener` until `shutdown` is cancelled; open
+/// connections are closed then too.
+pub async fn serve(listener: TcpListener, routes: Routes, shutdown: CancellationToken) {
+    let routes = Arc::new(routes);
+    loop {
+        let (tcp, _) = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(e) => {
+                    // Usually descriptor exhaustion: back off instead of spinning.
+                    tracing::warn!(error = %e, "health/metrics listener accept failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+        };
+        let routes = routes.clone();
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(move |request: Request<Incoming>| {
+                let (status, content_type, body) = routes.answer(request.uri().path());
+                let mut response = Response::new(Full::new(Bytes::from(body)));
+                *response.status_mut() = status;
+                response
+                    .headers_mut()
+                    .insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+                async move { Ok::<_, Infallible>(response) }
+            });
+            let connection = http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(HEADER_READ_TIMEOUT)
+                .serve_connection(TokioIo::new(tcp), service);
+            tokio::select! {
+                _ = connection => {}
+                _ = shutdown.cancelled() => {}
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    fn routes(ready: Arc<AtomicBool>) -> Routes {
+        Routes::probes(move || {
+            if ready.load(Ordering::SeqCst) {
+                Ok(())
+            } else {
+                Err(NotReady {
+                    status: StatusCode::SERVICE_UNAVAILABLE,
+                    body: "not yet".into(),
+                })
+            }
+        })
+        .with_metrics(|| "# EOF\n".into())
+    }
+
+    #[test]
+    fn answers_probes_and_metrics() {
+        let ready = Arc::new(AtomicBool::new(false));
+        let r = routes(ready.clone());
+        assert_eq!(r.answer("/healthz").0, StatusCode::OK);
+        assert_eq!(r.answer("/livez").0, StatusCode::OK);
+        assert_eq!(
+            r.answer("/readyz"),
+            (StatusCode::SERVICE_UNAVAILABLE, TEXT, "not yet".into())
+        );
+        ready.store(true, Ordering::SeqCst);
+        assert_eq!(r.answer("/ready").0, StatusCode::OK);
+        assert_eq!(
+            r.answer("/metrics"),
+            (StatusCode::OK, OPENMETRICS, "# EOF\n".into())
+        );
+        assert_eq!(r.answer("/nope").2, NOT_FOUND_BODY);
+        let admin = Routes::metrics_only(|| "# EOF\n".into());
+        assert_eq!(admin.answer("/healthz").0, StatusCode::NOT_FOUND);
+        assert_eq!(admin.answer("/metrics").0, StatusCode::OK);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_client_that_never_sends_headers_is_cut_off() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let shutdown = CancellationToken::new();
+        tokio::spawn(serve(
+            listener,
+            routes(Arc::new(AtomicBool::new(true))),
+            shutdown.clone(),
+        ));
+        let mut slow = tokio::net::TcpStream::connect(address).await.unwrap();
+        slow.write_all(b"GET /healthz HTTP/1.1\r\n").await.unwrap();
+        // With the clock paused, time jumps to the header-read deadline as
+        // soon as every task is idle; the server must then close.
+        let mut rest = Vec::new();
+        let read = tokio::time::timeout(HEADER_READ_TIMEOUT * 3, slow.read_to_end(&mut rest))
+            .await
+            .expect("the server kept a header-less connection open");
+        assert!(read.is_ok());
+        let mut good = tokio::net::TcpStream::connect(address).await.unwrap();
+        good.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        let mut response = String::new();
+        good.read_to_string(&mut response).await.unwrap();
+        assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+        assert!(response.ends_with("ok"), "{response}");
+        shutdown.cancel();
+    }
+}

@@ -1,0 +1,213 @@
+//! Command lines that document themselves.
+//!
+//! Flags are `Option`s so that only flags actually given override the file
+//! and the environment ([`crate::config`]); clap therefore cannot know their
+//! defaults. [`parse`] copies each default from the settings' `Default` into
+//! the flag's help, so `--help` shows the value the binary really uses and
+//! cannot drift from it.
+
+use clap::{Command, CommandFactory, FromArgMatches};
+use serde::Serialize;
+
+/// Parses the process arguments into `C`, with every flag's help showing the
+/// default taken from `defaults` (a struct whose field names are the flags'
+/// ids). On `--help`, `--version` or an error, prints and exits as clap does.
+pub fn parse<C: CommandFactory + FromArgMatches>(defaults: &impl Serialize) -> C {
+    parse_from(defaults, std::env::args_os())
+}
+
+/// [`parse`] over explicit arguments (tests).
+pub fn parse_from<C, I, T>(defaults: &impl Serialize, args: I) -> C
+where
+    C: CommandFactory + FromArgMatches,
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    parse_command_from(command::<C>(defaults), args)
+}
+
+/// Parses the process arguments with a prepared `cmd` (for example one whose
+/// subcommands got their own defaults through [`with_subcommand_defaults`]).
+pub fn parse_command<C: FromArgMatches>(cmd: Command) -> C {
+    parse_command_from(cmd, std::env::args_os())
+}
+
+fn parse_command_from<C, I, T>(cmd: Command, args: I) -> C
+where
+    C: FromArgMatches,
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    let matches = cmd.get_matches_from(args);
+    C::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
+}
+
+/// [`with_defaults`] for the subcommand `name` of `cmd`.
+pub fn with_subcommand_defaults(cmd: Command, name: &str, defaults: &impl Serialize) -> Command {
+    cmd.mut_subcommand(name, |sub| with_defaults(sub, defaults))
+}
+
+/// `C`'s command with the defaults of `defaults` appended to each flag's help.
+pub fn command<C: CommandFactory>(defaults: &impl Serialize) -> Command {
+    with_defaults(C::command(), defaults)
+}
+
+/// Appends `[default: V]` to the help of every argument of `cmd` whose id is
+/// a field of `defaults` with a non-empty value.
+pub fn with_defaults(mut cmd: Command, defaults: &impl Serialize) -> Command {
+    let Ok(serde_json::Value::Object(fields)) = serde_json::to_value(defaults) else {
+        return cmd;
+    };
+    let ids: Vec<String> = cmd
+        .get_arguments()
+        .map(|arg| arg.get_id().to_string())
+        .collect();
+    for id in ids {
+        let Some(shown) = fields.get(&id).and_then(display_default) else {
+            continue;
+        };
+        cmd = cmd.mut_arg(&id, |arg| {
+            let shown = format!("[default: {shown}]");
+            match arg.get_help().map(|h| h.to_string()) {
+                Some(help) if !help.is_empty() => arg.help(format!("{help} {shown}")),
+                _ => arg.help(shown),
+            }
+        });
+    }
+    cmd
+}
+
+fn display_default(value: &serde_json::Value) -> Option<String> {
+    match value {
+        serde_json::Value::Null => None,
+        serde_json::Value::String(s) if s.is_empty() => None,
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Array(items) if items.is_empty() => None,
+        serde_json::Value::Array(items) => Some(
+            items
+                .iter()
+                .filter_map(display_default)
+                .collect::<Vec<_>>()
+                .join(","),
+        ),
+        other => Some(other.to_string()),
+    }
+}
+
+/// What is wrong with `C`'s `--help`: every visible flag without a
+/// description, and every `expected` text (such as `[default: 8090]`) that
+/// the help with `defaults` does not show. Every binary tests that this is empty.
+pub fn help_problems<C: CommandFactory>(
+    defaults: &impl Serialize,
+    expected: &[&str],
+) -> Vec<String> {
+    let mut problems: Vec<String> = undocumented_flags(&C::command())
+        .into_iter()
+        .map(|flag| format!("{flag} has no description"))
+        .collect();
+    let help = command::<C>(defaults).render_long_help().to_string();
+    problems.extend(
+        expected
+            .iter()
+            .filter(|text| !help.contains(*text))
+            .map(|text| format!("{text} is not shown")),
+    );
+    problems
+}
+
+/// The visible flags of `cmd` and its subcommands that have no description:
+/// each is `command --flag`. Every binary tests that this is empty.
+pub fn undocumented_flags(cmd: &Command) -> Vec<String> {
+    let mut missing = Vec::new();
+    collect_undocumented(cmd, cmd.get_name(), &mut missing);
+    missing
+}
+
+fn collect_undocumented(cmd: &Command, path: &str, missing: &mut Vec<String>) {
+    for arg in cmd.get_arguments() {
+        let builtin = matches!(arg.get_id().as_str(), "help" | "version");
+        let described = arg
+            .get_help()
+            .is_some_and(|h| !h.to_string().trim().is_empty());
+        if !arg.is_hide_set() && !builtin && !described {
+            let name = arg
+                .get_long()
+                .map(|l| format!("--{l}"))
+                .unwrap_or_else(|| arg.get_id().to_string());
+            missing.push(format!("{path} {name}"));
+        }
+    }
+    for sub in cmd.get_subcommands() {
+        if sub.get_name() == "help" {
+            continue;
+        }
+        collect_undocumented(sub, &format!("{path} {}", sub.get_name()), missing);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser, Debug)]
+    #[command(name = "demo")]
+    struct Demo {
+        /// Port to listen on.
+        #[arg(long)]
+        port: Option<u16>,
+        /// Names to serve.
+        #[arg(long)]
+        names: Option<Vec<String>>,
+        #[arg(long)]
+        quiet: Option<bool>,
+        /// Hidden ones need no text.
+        #[arg(long, hide = true)]
+        legacy: Option<bool>,
+    }
+
+    #[derive(Serialize)]
+    struct Defaults {
+        port: u16,
+        names: Vec<String>,
+        quiet: bool,
+        unrelated: &'static str,
+    }
+
+    const DEFAULTS: Defaults = Defaults {
+        port: 8090,
+        names: Vec::new(),
+        quiet: false,
+        unrelated: "x",
+    };
+
+    #[test]
+    fn help_shows_the_real_defaults() {
+        let cmd = command::<Demo>(&DEFAULTS);
+        let help = |id: &str| {
+            cmd.get_arguments()
+                .find(|a| a.get_id() == id)
+                .and_then(|a| a.get_help())
+                .map(|h| h.to_string())
+                .unwrap_or_default()
+        };
+        // clap drops a one-line doc comment's final period.
+        assert_eq!(help("port"), "Port to listen on [default: 8090]");
+        assert_eq!(help("names"), "Names to serve");
+        assert_eq!(help("quiet"), "[default: false]");
+    }
+
+    #[test]
+    fn flags_without_a_description_are_listed() {
+        assert_eq!(undocumented_flags(&Demo::command()), ["demo --quiet"]);
+        assert_eq!(
+            help_problems::<Demo>(&DEFAULTS, &["[default: 8090]", "[default: 9]"]),
+            [
+                "demo --quiet has no description",
+                "[default: 9] is not shown"
+            ]
+        );
+        let parsed: Demo = parse_from(&DEFAULTS, ["demo", "--port", "1"]);
+        assert_eq!(parsed.port, Some(1));
+    }
+}

@@ -1,0 +1,35 @@
+//! What every cluster-proxy binary shares, written once.
+//!
+//! * [`tls`] — PEM credentials into rustls server/client configurations (ring
+//!   provider), with errors that name the file and what is wrong with it.
+//! * [`reload`] — hot reload of those configurations when files change.
+//! * [`peer`] — the cluster identity a peer certificate names.
+//! * [`config`] — layered configuration: defaults < TOML file < environment
+//!   (with the Kubernetes Service-link variables filtered out and Go's boolean
+//!   spellings) < command-line flags.
+//! * [`cli`] — `--help` that shows every default, and the check that every
+//!   flag is described.
+//! * [`logging`] — `tracing` set-up: text on a terminal, plain text without
+//!   colour otherwise, JSON on request.
+//! * [`admin`] — the `/healthz`, `/readyz`, `/metrics` HTTP server, with timeouts.
+//! * [`metrics`] — Prometheus exposition and the metric-naming rule.
+//! * [`net`] — binding listeners with errors that say which port failed.
+//! * [`shutdown`] — SIGTERM/SIGINT handling for graceful shutdown.
+//!
+//! It links no Kubernetes client: the data plane (proxy-server, proxy-agent)
+//! depends on it.
+#![forbid(unsafe_code)]
+
+pub mod admin;
+pub mod cli;
+pub mod config;
+pub mod logging;
+pub mod metrics;
+pub mod net;
+pub mod peer;
+pub mod reload;
+pub mod shutdown;
+pub mod tls;
+
+#[cfg(test)]
+pub(crate) mod test_pki;
