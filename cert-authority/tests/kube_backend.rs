@@ -894,3 +894,46 @@ fn the_subjects_ocm_produces_are_signed_when_they_name_the_requesters_cluster() 
         );
     }
 }
+
+#[tokio::test]
+async fn requests_name_cert_authority_in_their_user_agent() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = tokio::spawn(async move {
+        let (mut socket, _) = listener.accept().await.unwrap();
+        let mut head = Vec::new();
+        let mut buffer = [0u8; 4096];
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+            let read = socket.read(&mut buffer).await.unwrap();
+            assert!(read > 0, "connection closed before the request ended");
+            head.extend_from_slice(&buffer[..read]);
+        }
+        let body = serde_json::to_vec(&status_body(404, "NotFound", "not found")).unwrap();
+        let response = format!(
+            "HTTP/1.1 404 Not Found\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+            body.len()
+        );
+        socket.write_all(response.as_bytes()).await.unwrap();
+        socket.write_all(&body).await.unwrap();
+        String::from_utf8(head).unwrap()
+    });
+    let mut config = kube::Config::new(format!("http://{addr}").parse().unwrap());
+    cert_authority::kubernetes::identify(&mut config);
+    let client = Client::try_from(config).unwrap();
+    let secrets: kube::Api<k8s_openapi::api::core::v1::Secret> =
+        kube::Api::namespaced(client, "open-cluster-management-addon");
+    assert!(
+        secrets
+            .get_opt("cluster-proxy-signer")
+            .await
+            .unwrap()
+            .is_none()
+    );
+    let head = server.await.unwrap().to_ascii_lowercase();
+    let expected = format!(
+        "user-agent: cert-authority/{}\r\n",
+        env!("CARGO_PKG_VERSION")
+    );
+    assert!(head.contains(&expected), "{head}");
+}
