@@ -364,8 +364,10 @@ async fn secrets_are_repaired_at_once_a_damaged_ca_is_kept_and_csrs_cost_no_ca_r
     options.interval = Duration::from_secs(3600);
     let (stop, stopped) = oneshot::channel::<()>();
     let run_options = options.clone();
+    let mut registry = prometheus_client::registry::Registry::default();
+    let metrics = kubernetes::metrics::Metrics::register(&mut registry);
     let task = tokio::spawn(async move {
-        kubernetes::run(client, run_options, async {
+        kubernetes::run_with_metrics(client, run_options, metrics, async {
             let _ = stopped.await;
         })
         .await
@@ -471,6 +473,20 @@ async fn secrets_are_repaired_at_once_a_damaged_ca_is_kept_and_csrs_cost_no_ca_r
     .await;
     let reads = signer_reads(&log) - reads_before;
     assert!(reads <= 2, "{reads} reads of the signer Secret");
+
+    let mut exported = String::new();
+    prometheus_client::encoding::text::encode(&mut exported, &registry).unwrap();
+    for line in [
+        "cert_authority_leader 1",
+        r#"cert_authority_csr_decisions_total{decision="signed",reason=""} 1"#,
+        r#"cert_authority_renewals_total{what="CA",reason="created"} 1"#,
+        r#"cert_authority_renewals_total{what="proxy-server",reason="missing"} 2"#,
+    ] {
+        assert!(
+            exported.lines().any(|l| l.starts_with(line)),
+            "{line} missing from\n{exported}"
+        );
+    }
 
     let _ = stop.send(());
     task.await.unwrap();

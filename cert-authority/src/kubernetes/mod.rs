@@ -6,6 +6,7 @@
 
 pub mod csr;
 pub mod leader;
+pub mod metrics;
 pub mod rbac;
 pub mod secrets;
 
@@ -24,6 +25,7 @@ use kube::{Api, Client};
 use time::OffsetDateTime;
 use tokio::sync::Notify;
 
+use self::metrics::Metrics;
 use crate::authority::{AuthorityError, Desired};
 use crate::pki::Authority;
 use crate::rotation::{LeafPolicy, RolloverPolicy};
@@ -173,6 +175,7 @@ pub struct CsrSigner {
     signer: SignerCache,
     leading: Arc<AtomicBool>,
     validity: Duration,
+    metrics: Metrics,
 }
 
 impl CsrSigner {
@@ -182,7 +185,14 @@ impl CsrSigner {
             signer: Arc::default(),
             leading: Arc::default(),
             validity,
+            metrics: Metrics::default(),
         }
+    }
+
+    /// Counts decisions into `metrics`.
+    pub fn with_metrics(mut self, metrics: Metrics) -> Self {
+        self.metrics = metrics;
+        self
     }
 
     /// Replaces the cached signing CA (`None`: sign nothing).
@@ -224,6 +234,7 @@ impl CsrSigner {
             OffsetDateTime::now_utc(),
         )
         .await?;
+        self.metrics.csr_decided(&decision);
         Ok(CsrOutcome::Decided(decision))
     }
 }
@@ -334,7 +345,18 @@ pub async fn run(
     options: KubeOptions,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), KubeError> {
-    let signing = CsrSigner::new(&client, options.leaf_policy.validity);
+    run_with_metrics(client, options, Metrics::default(), shutdown).await
+}
+
+/// [`run`], counting into `metrics` (see [`Metrics::register`]).
+pub async fn run_with_metrics(
+    client: Client,
+    options: KubeOptions,
+    metrics: Metrics,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), KubeError> {
+    let signing =
+        CsrSigner::new(&client, options.leaf_policy.validity).with_metrics(metrics.clone());
     let ctx = Arc::new(CsrContext {
         signer: signing.clone(),
         retry_after: options.renew_every,
@@ -384,6 +406,7 @@ pub async fn run(
             }
             leading = lead;
             signing.set_leading(lead);
+            metrics.set_leader(lead);
         }
         if !leading {
             next_pass = None;
@@ -396,6 +419,7 @@ pub async fn run(
         match secrets::pass(&client, &options, &desired, now).await {
             Ok(pass) => {
                 let report = pass.report;
+                metrics.pass_succeeded(&report, now);
                 if !report.renewed.is_empty() || report.rollover.is_some() {
                     tracing::info!(renewed = ?report.renewed, rollover = ?report.rollover, "PKI updated");
                 }
@@ -403,6 +427,7 @@ pub async fn run(
                 next_pass = Some(tokio::time::Instant::now() + options.interval);
             }
             Err(error) if error.is_damaged_signer() => {
+                metrics.pass_failed(true);
                 // Retrying cannot help until a person repairs the Secret;
                 // the signer watch wakes us as soon as it changes.
                 tracing::error!(%error, "the signer Secret is damaged: writing nothing and signing nothing until it is repaired");
@@ -410,12 +435,14 @@ pub async fn run(
                 next_pass = Some(tokio::time::Instant::now() + options.interval);
             }
             Err(error) => {
+                metrics.pass_failed(false);
                 tracing::warn!(%error, "reconciling the PKI Secrets failed; retrying");
                 next_pass = None;
             }
         }
     }
     signing.set_leading(false);
+    metrics.set_leader(false);
     controller.abort();
     watch.abort();
     elector.release().await
