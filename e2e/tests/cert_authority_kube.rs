@@ -420,6 +420,24 @@ async fn secrets_are_repaired_at_once_a_damaged_ca_is_kept_and_csrs_cost_no_ca_r
     .await
     .unwrap_err();
     assert!(error.is_damaged_signer(), "{error}");
+    // The running authority says so on the Secret, and writes nothing.
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(admin.clone(), NS);
+    let note = eventually("a SignerDamaged Event", || async {
+        events
+            .list(&Default::default())
+            .await
+            .unwrap()
+            .items
+            .into_iter()
+            .find(|e| {
+                e.reason.as_deref() == Some("SignerDamaged")
+                    && e.regarding.as_ref().and_then(|r| r.name.as_deref())
+                        == Some("cluster-proxy-signer")
+            })?
+            .note
+    })
+    .await;
+    assert!(note.contains("ca.crt"), "{note}");
     secrets
         .delete("agent-server", &DeleteParams::default())
         .await

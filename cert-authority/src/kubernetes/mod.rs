@@ -18,8 +18,10 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use k8s_openapi::api::certificates::v1::CertificateSigningRequest;
 use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::api::core::v1::Secret;
 use kube::runtime::controller::{Action, Controller};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client};
 use time::OffsetDateTime;
@@ -337,6 +339,40 @@ async fn watch_owned_secrets(client: Client, options: KubeOptions, kick: Arc<Not
     }
 }
 
+/// Puts a Warning Event on the signer Secret, so `kubectl describe` and
+/// event-based alerting show why nothing is written. Repeats become one
+/// Event series.
+async fn report_damaged_signer(recorder: &Recorder, options: &KubeOptions, error: &KubeError) {
+    let regarding = ObjectReference {
+        api_version: Some("v1".into()),
+        kind: Some("Secret".into()),
+        name: Some(options.signer_secret_name.clone()),
+        namespace: Some(options.signer_secret_namespace.clone()),
+        ..ObjectReference::default()
+    };
+    // An Event's note holds at most 1 kB.
+    let mut note = error.to_string();
+    if note.len() > EVENT_NOTE_LIMIT {
+        let mut end = EVENT_NOTE_LIMIT;
+        while !note.is_char_boundary(end) {
+            end -= 1;
+        }
+        note.truncate(end);
+    }
+    let event = Event {
+        type_: EventType::Warning,
+        reason: "SignerDamaged".into(),
+        note: Some(note),
+        action: "Reconcile".into(),
+        secondary: None,
+    };
+    if let Err(error) = recorder.publish(&event, &regarding).await {
+        tracing::warn!(%error, "could not record an Event about the damaged signer Secret");
+    }
+}
+
+const EVENT_NOTE_LIMIT: usize = 1024;
+
 /// Runs until `shutdown` completes: keeps the Lease, and while leading
 /// keeps the Secrets current (every `interval`, and at once when one of
 /// them changes) and signs approved CSRs as they come.
@@ -375,6 +411,13 @@ pub async fn run_with_metrics(
         options.clone(),
         kick.clone(),
     ));
+    let recorder = Recorder::new(
+        client.clone(),
+        Reporter {
+            controller: FIELD_MANAGER.into(),
+            instance: Some(options.identity.clone()),
+        },
+    );
     let elector = options.elector(&client);
     let desired = options.desired();
     let mut leading = false;
@@ -432,6 +475,7 @@ pub async fn run_with_metrics(
                 // the signer watch wakes us as soon as it changes.
                 tracing::error!(%error, "the signer Secret is damaged: writing nothing and signing nothing until it is repaired");
                 signing.set_signer(None);
+                report_damaged_signer(&recorder, &options, &error).await;
                 next_pass = Some(tokio::time::Instant::now() + options.interval);
             }
             Err(error) => {

@@ -37,6 +37,14 @@ pub const RULES: &[Rule] = &[
         resource_names: &[],
     },
     Rule {
+        api_group: "events.k8s.io",
+        resource: "events",
+        // A Warning Event on a damaged signer Secret; patch: its repeats.
+        verbs: &["create", "patch"],
+        namespaced: true,
+        resource_names: &[],
+    },
+    Rule {
         api_group: "certificates.k8s.io",
         resource: "certificatesigningrequests",
         verbs: &["list", "watch"],
