@@ -259,7 +259,11 @@ async fn create_signer(
         "Opaque",
         &data,
     );
-    signer_api.create(&PostParams::default(), &object).await?;
+    let params = PostParams {
+        field_manager: Some(FIELD_MANAGER.into()),
+        ..PostParams::default()
+    };
+    signer_api.create(&params, &object).await?;
     let stored = signer_api
         .get_opt(&options.signer_secret_name)
         .await?
