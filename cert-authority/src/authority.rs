@@ -35,6 +35,42 @@ pub enum AuthorityError {
     State(String),
     #[error("no CA in the store; run `cert-authority init` first")]
     NoCa,
+    #[error(
+        "the {slot} CA is half present ({present} exists, {missing} is missing); refusing to replace it: restore the missing half, or remove both to start a new PKI"
+    )]
+    PartialCa {
+        slot: CaSlot,
+        present: &'static str,
+        missing: &'static str,
+    },
+    #[error(
+        "the stored {slot} CA cannot be used ({source}); refusing to replace it, since certificates it signed may still be in use: repair it, or remove it to start a new PKI"
+    )]
+    UnusableCa {
+        slot: CaSlot,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    #[error("a different {0} CA is already stored; refusing to overwrite its key")]
+    WouldOverwriteCa(CaSlot),
+    #[error(
+        "it exists but holds no CA ({0}); refusing to create a new CA over it: restore it, or remove it to start a new PKI"
+    )]
+    EmptyCaStore(String),
+}
+
+impl AuthorityError {
+    /// Whether the stored CA material is the problem: nothing may be written
+    /// until a person repairs it, and retrying cannot help.
+    pub fn is_damaged_ca(&self) -> bool {
+        matches!(
+            self,
+            AuthorityError::PartialCa { .. }
+                | AuthorityError::UnusableCa { .. }
+                | AuthorityError::WouldOverwriteCa(_)
+                | AuthorityError::EmptyCaStore(_)
+        )
+    }
 }
 
 /// Which CA a stored key pair is.
@@ -46,6 +82,75 @@ pub enum CaSlot {
     Next,
     /// The CA being retired (still in the bundle until no leaf needs it).
     Previous,
+}
+
+impl std::fmt::Display for CaSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            CaSlot::Current => "current",
+            CaSlot::Next => "next",
+            CaSlot::Previous => "previous",
+        })
+    }
+}
+
+/// The two halves of a stored CA as found, each possibly absent. Stores
+/// report what is there; [`stored_ca`] alone decides what a missing half
+/// means, so every backend follows the same rule.
+#[derive(Debug, Clone, Default)]
+pub struct CaParts {
+    pub cert_pem: Option<String>,
+    pub key_pem: Option<String>,
+}
+
+/// The CA in `slot`, checked: `None` only when neither half exists. A half
+/// without the other, an unreadable half, or a key that is not the
+/// certificate's is an error, never "no CA": treating it as absent would
+/// replace a key that may have signed certificates still in use.
+pub fn stored_ca(store: &dyn Store, slot: CaSlot) -> Result<Option<Credentials>, AuthorityError> {
+    let parts = store.load_ca(slot)?;
+    let (cert_name, key_name) = store.ca_part_names(slot);
+    let credentials = match (parts.cert_pem, parts.key_pem) {
+        (None, None) => return Ok(None),
+        (Some(_), None) => {
+            return Err(AuthorityError::PartialCa {
+                slot,
+                present: cert_name,
+                missing: key_name,
+            });
+        }
+        (None, Some(_)) => {
+            return Err(AuthorityError::PartialCa {
+                slot,
+                present: key_name,
+                missing: cert_name,
+            });
+        }
+        (Some(cert_pem), Some(key_pem)) => Credentials { cert_pem, key_pem },
+    };
+    let unusable = |source: Box<dyn std::error::Error + Send + Sync>| AuthorityError::UnusableCa {
+        slot,
+        source,
+    };
+    rotation::ca_entry_from_pem(&credentials.cert_pem).map_err(|e| unusable(Box::new(e)))?;
+    Authority::from_pem(&credentials.cert_pem, &credentials.key_pem)
+        .map_err(|e| unusable(Box::new(e)))?;
+    Ok(Some(credentials))
+}
+
+/// Stores `ca` in `slot` unless the slot holds a different CA. Writing the
+/// same CA again is allowed, so an interrupted step can be retried.
+fn save_ca_checked(
+    store: &dyn Store,
+    slot: CaSlot,
+    ca: &Credentials,
+) -> Result<(), AuthorityError> {
+    if let Some(existing) = stored_ca(store, slot)?
+        && (existing.cert_pem != ca.cert_pem || existing.key_pem != ca.key_pem)
+    {
+        return Err(AuthorityError::WouldOverwriteCa(slot));
+    }
+    store.save_ca(slot, ca)
 }
 
 /// Every leaf the authority keeps current.
@@ -91,7 +196,10 @@ impl std::fmt::Display for Leaf {
 
 /// Where the PKI is kept.
 pub trait Store {
-    fn load_ca(&self, slot: CaSlot) -> Result<Option<Credentials>, AuthorityError>;
+    /// What is stored of the CA in `slot`; read it through [`stored_ca`].
+    fn load_ca(&self, slot: CaSlot) -> Result<CaParts, AuthorityError>;
+    /// Where the certificate and the key of `slot` live, for messages.
+    fn ca_part_names(&self, slot: CaSlot) -> (&'static str, &'static str);
     fn save_ca(&self, slot: CaSlot, ca: &Credentials) -> Result<(), AuthorityError>;
     fn remove_ca(&self, slot: CaSlot) -> Result<(), AuthorityError>;
     fn load_phase(&self) -> Result<RolloverPhase, AuthorityError>;
@@ -134,8 +242,7 @@ fn entry(
     store: &dyn Store,
     slot: CaSlot,
 ) -> Result<Option<(Credentials, rotation::CaEntry)>, AuthorityError> {
-    store
-        .load_ca(slot)?
+    stored_ca(store, slot)?
         .map(|c| Ok((rotation::ca_entry_from_pem(&c.cert_pem)?, c)))
         .transpose()
         .map(|o| o.map(|(e, c)| (c, e)))
@@ -206,13 +313,13 @@ pub fn reconcile(
                 cert_pem: ca.cert_pem().to_owned(),
                 key_pem: ca.key_pem(),
             };
-            store.save_ca(CaSlot::Next, &creds)?;
+            save_ca_checked(store, CaSlot::Next, &creds)?;
             let new_entry = rotation::ca_entry_from_pem(&creds.cert_pem)?;
             state = rotation::apply(state, action, Some(new_entry), now)?;
         }
         RolloverAction::SwitchSigning => {
             let (next_creds, _) = next.ok_or(AuthorityError::State("next CA missing".into()))?;
-            store.save_ca(CaSlot::Previous, &signer_creds)?;
+            save_ca_checked(store, CaSlot::Previous, &signer_creds)?;
             store.save_ca(CaSlot::Current, &next_creds)?;
             store.remove_ca(CaSlot::Next)?;
             state = rotation::apply(state, action, None, now)?;
@@ -266,24 +373,41 @@ impl FileStore {
     }
 }
 
-fn read_pair(pair: &Pair) -> Result<Option<Credentials>, AuthorityError> {
-    let read = |path: &PathBuf| match std::fs::read_to_string(path) {
+fn read_optional(path: &PathBuf) -> Result<Option<String>, AuthorityError> {
+    match std::fs::read_to_string(path) {
         Ok(s) => Ok(Some(s)),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(source) => Err(AuthorityError::Io {
             path: path.clone(),
             source,
         }),
-    };
-    Ok(match (read(&pair.cert)?, read(&pair.key)?) {
-        (Some(cert_pem), Some(key_pem)) => Some(Credentials { cert_pem, key_pem }),
-        _ => None,
-    })
+    }
+}
+
+fn read_pair(pair: &Pair) -> Result<Option<Credentials>, AuthorityError> {
+    Ok(
+        match (read_optional(&pair.cert)?, read_optional(&pair.key)?) {
+            (Some(cert_pem), Some(key_pem)) => Some(Credentials { cert_pem, key_pem }),
+            _ => None,
+        },
+    )
 }
 
 impl Store for FileStore {
-    fn load_ca(&self, slot: CaSlot) -> Result<Option<Credentials>, AuthorityError> {
-        read_pair(&self.ca_pair(slot))
+    fn load_ca(&self, slot: CaSlot) -> Result<CaParts, AuthorityError> {
+        let pair = self.ca_pair(slot);
+        Ok(CaParts {
+            cert_pem: read_optional(&pair.cert)?,
+            key_pem: read_optional(&pair.key)?,
+        })
+    }
+
+    fn ca_part_names(&self, slot: CaSlot) -> (&'static str, &'static str) {
+        match slot {
+            CaSlot::Current => ("ca/tls.crt", "ca/tls.key"),
+            CaSlot::Next => ("ca-next/tls.crt", "ca-next/tls.key"),
+            CaSlot::Previous => ("ca-previous/tls.crt", "ca-previous/tls.key"),
+        }
     }
 
     fn save_ca(&self, slot: CaSlot, ca: &Credentials) -> Result<(), AuthorityError> {
@@ -481,12 +605,156 @@ mod tests {
         assert_eq!(report.rollover.as_deref(), Some("RetirePrevious"));
         assert!(report.renewed.is_empty(), "{report:?}");
         assert_eq!(pems_in(&layout.bundle()), 1);
-        assert!(store.load_ca(CaSlot::Previous).unwrap().is_none());
+        assert!(stored_ca(&store, CaSlot::Previous).unwrap().is_none());
         // Steady again.
         assert_eq!(
             reconcile(&store, &more_sans, at(353)).unwrap(),
             Report::default()
         );
+    }
+
+    /// Every file under `dir` with its content, to show nothing was written.
+    fn tree(dir: &std::path::Path) -> std::collections::BTreeMap<PathBuf, Vec<u8>> {
+        let mut files = std::collections::BTreeMap::new();
+        let mut pending = vec![dir.to_path_buf()];
+        while let Some(dir) = pending.pop() {
+            for entry in std::fs::read_dir(&dir).unwrap() {
+                let path = entry.unwrap().path();
+                if path.is_dir() {
+                    pending.push(path);
+                } else {
+                    files.insert(path.clone(), std::fs::read(&path).unwrap());
+                }
+            }
+        }
+        files
+    }
+
+    fn small_desired(cluster: &ClusterName) -> Desired {
+        Desired {
+            outside_leaves_on_previous: 0,
+            clusters: vec![cluster.clone()],
+            server_sans: LOCAL_SANS.iter().map(|s| (*s).to_owned()).collect(),
+            leaf_policy: LeafPolicy {
+                validity: 90 * DAY,
+                renew_fraction: 2.0 / 3.0,
+            },
+            rollover_policy: RolloverPolicy {
+                ca_validity: 365 * DAY,
+                prepare_before_expiry: 30 * DAY,
+                bundle_propagation: 7 * DAY,
+            },
+        }
+    }
+
+    #[test]
+    fn damaged_ca_material_stops_the_pass_and_nothing_is_written() {
+        let other_ca = Authority::generate("other", DAY).unwrap();
+        type Damage = fn(&Layout, &Authority);
+        let damages: [(&str, Damage); 5] = [
+            ("certificate removed", |layout, _| {
+                std::fs::remove_file(layout.ca().cert).unwrap()
+            }),
+            ("key removed", |layout, _| {
+                std::fs::remove_file(layout.ca().key).unwrap()
+            }),
+            ("garbage certificate", |layout, _| {
+                std::fs::write(layout.ca().cert, "garbage").unwrap()
+            }),
+            ("garbage key", |layout, _| {
+                std::fs::write(layout.ca().key, "garbage").unwrap()
+            }),
+            ("another CA's key", |layout, other| {
+                std::fs::write(layout.ca().key, other.key_pem()).unwrap()
+            }),
+        ];
+        for (what, damage) in damages {
+            let dir = tempfile::tempdir().unwrap();
+            let layout = Layout::new(dir.path());
+            let cluster = ClusterName::new("cluster-a").unwrap();
+            init(
+                &layout,
+                &InitOptions {
+                    clusters: vec![cluster.clone()],
+                    ..InitOptions::default()
+                },
+            )
+            .unwrap();
+            damage(&layout, &other_ca);
+            let before = tree(dir.path());
+            let store = FileStore {
+                layout: layout.clone(),
+            };
+            // Even a pass that would renew every leaf writes nothing.
+            let later = OffsetDateTime::now_utc() + time::Duration::days(80);
+            let error = reconcile(&store, &small_desired(&cluster), later).unwrap_err();
+            assert!(error.is_damaged_ca(), "{what}: {error}");
+            assert!(error.to_string().contains("refusing"), "{what}: {error}");
+            assert_eq!(tree(dir.path()), before, "{what}: files changed");
+        }
+    }
+
+    #[test]
+    fn a_half_present_next_ca_is_not_overwritten_by_a_rollover() {
+        let dir = tempfile::tempdir().unwrap();
+        let layout = Layout::new(dir.path());
+        let cluster = ClusterName::new("cluster-a").unwrap();
+        let desired = small_desired(&cluster);
+        init(
+            &layout,
+            &InitOptions {
+                clusters: vec![cluster.clone()],
+                ca_validity: 365 * DAY,
+                ..InitOptions::default()
+            },
+        )
+        .unwrap();
+        let store = FileStore {
+            layout: layout.clone(),
+        };
+        let leftover = Authority::generate("leftover", DAY).unwrap();
+        files::write_atomically(
+            &dir.path().join("ca-next/tls.key"),
+            &leftover.key_pem(),
+            true,
+        )
+        .unwrap();
+        let before = tree(dir.path());
+        let rollover_time = OffsetDateTime::now_utc() + time::Duration::days(340);
+        let error = reconcile(&store, &desired, rollover_time).unwrap_err();
+        assert!(
+            matches!(
+                error,
+                AuthorityError::PartialCa {
+                    slot: CaSlot::Next,
+                    ..
+                }
+            ),
+            "{error}"
+        );
+        assert_eq!(tree(dir.path()), before);
+    }
+
+    #[test]
+    fn a_different_ca_is_never_overwritten_but_the_same_one_may_be_saved_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = FileStore {
+            layout: Layout::new(dir.path()),
+        };
+        let credentials = |ca: &Authority| Credentials {
+            cert_pem: ca.cert_pem().to_owned(),
+            key_pem: ca.key_pem(),
+        };
+        let first = Authority::generate("first", DAY).unwrap();
+        let second = Authority::generate("second", DAY).unwrap();
+        save_ca_checked(&store, CaSlot::Previous, &credentials(&first)).unwrap();
+        save_ca_checked(&store, CaSlot::Previous, &credentials(&first)).unwrap();
+        assert!(matches!(
+            save_ca_checked(&store, CaSlot::Previous, &credentials(&second)),
+            Err(AuthorityError::WouldOverwriteCa(CaSlot::Previous))
+        ));
+        let kept = stored_ca(&store, CaSlot::Previous).unwrap().unwrap();
+        assert_eq!(kept.cert_pem, first.cert_pem());
     }
 
     #[test]

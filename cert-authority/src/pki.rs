@@ -23,6 +23,12 @@ pub enum PkiError {
     BadSan(String),
     #[error("validity {0:?} is out of range")]
     BadValidity(Duration),
+    #[error("the CA private key cannot be read: {0}")]
+    UnreadableCaKey(String),
+    #[error("the CA certificate cannot be read: {0}")]
+    UnreadableCaCertificate(String),
+    #[error("the CA private key does not belong to the CA certificate")]
+    CaKeyMismatch,
 }
 
 /// A certificate and its private key, PEM encoded.
@@ -172,10 +178,22 @@ impl Authority {
         })
     }
 
-    /// Loads an existing CA (PEM certificate and PKCS#8 key).
+    /// Loads an existing CA (PEM certificate and PKCS#8 key). The key must
+    /// be the certificate's: otherwise everything issued would carry a
+    /// signature no peer can verify against the published CA.
     pub fn from_pem(cert_pem: &str, key_pem: &str) -> Result<Self, PkiError> {
-        let key = KeyPair::from_pem(key_pem)?;
-        let issuer = Issuer::from_ca_cert_pem(cert_pem, key)?;
+        let key =
+            KeyPair::from_pem(key_pem).map_err(|e| PkiError::UnreadableCaKey(e.to_string()))?;
+        let (_, block) = x509_parser::pem::parse_x509_pem(cert_pem.as_bytes())
+            .map_err(|e| PkiError::UnreadableCaCertificate(e.to_string()))?;
+        let cert = block
+            .parse_x509()
+            .map_err(|e| PkiError::UnreadableCaCertificate(e.to_string()))?;
+        if cert.public_key().subject_public_key.data.as_ref() != key.public_key_raw() {
+            return Err(PkiError::CaKeyMismatch);
+        }
+        let issuer = Issuer::from_ca_cert_pem(cert_pem, key)
+            .map_err(|e| PkiError::UnreadableCaCertificate(e.to_string()))?;
         Ok(Authority {
             cert_pem: cert_pem.to_owned(),
             key_pem: key_pem.to_owned(),
@@ -258,5 +276,41 @@ fn leaf_params(request: &LeafRequest, now: OffsetDateTime) -> Result<Certificate
         }];
         (params.not_before, params.not_after) = validity_window(request.validity, now)?;
         Ok(params)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const DAY: Duration = Duration::from_secs(86400);
+
+    #[test]
+    fn a_ca_loads_only_with_its_own_readable_key() {
+        let one = Authority::generate("one", DAY).unwrap();
+        let other = Authority::generate("other", DAY).unwrap();
+        let loaded = Authority::from_pem(one.cert_pem(), &one.key_pem()).unwrap();
+        assert_eq!(loaded.cert_pem(), one.cert_pem());
+
+        assert!(matches!(
+            Authority::from_pem(one.cert_pem(), &other.key_pem()),
+            Err(PkiError::CaKeyMismatch)
+        ));
+        assert!(matches!(
+            Authority::from_pem(one.cert_pem(), "garbage"),
+            Err(PkiError::UnreadableCaKey(_))
+        ));
+        assert!(matches!(
+            Authority::from_pem("garbage", &one.key_pem()),
+            Err(PkiError::UnreadableCaCertificate(_))
+        ));
+        let truncated = &one.cert_pem()[..one.cert_pem().len() / 2];
+        assert!(matches!(
+            Authority::from_pem(truncated, &one.key_pem()),
+            Err(PkiError::UnreadableCaCertificate(_))
+        ));
+        // The message says what is wrong, not "certificate generation failed".
+        let error = Authority::from_pem(one.cert_pem(), &other.key_pem()).unwrap_err();
+        assert!(error.to_string().contains("does not belong"), "{error}");
     }
 }

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cert_authority::kubernetes::csr::{self, CLUSTER_LABEL, Decision, SIGNER_NAME};
-use cert_authority::kubernetes::{KubeOptions, secrets};
+use cert_authority::kubernetes::{KubeOptions, rbac, secrets};
 use cert_authority::peer::cluster_of;
 use cert_authority::pki::Authority;
 use http::{Request, Response};
@@ -248,12 +248,31 @@ fn bad_requests_are_refused_with_a_reason() {
     );
 }
 
+/// One request the scripted API received.
+#[derive(Debug, Clone)]
+struct Logged {
+    method: String,
+    uri: String,
+    /// The object it was about: the path, or for a create the collection
+    /// path and the new object's name.
+    object: String,
+    status: u16,
+}
+
 /// A scripted API server: answers GETs from its object map (404 when
-/// absent), stores what is server-side applied, and records every request.
+/// absent), stores what is created (409 when it exists) or server-side
+/// applied, fails writes to the objects in `failing` with their status,
+/// and records every request.
 #[derive(Clone, Default)]
 struct ScriptedApi {
     objects: Arc<Mutex<BTreeMap<String, Value>>>,
-    log: Arc<Mutex<Vec<(String, String, String)>>>,
+    failing: Arc<Mutex<BTreeMap<String, (u16, &'static str)>>>,
+    log: Arc<Mutex<Vec<Logged>>>,
+}
+
+fn status_body(code: u16, reason: &str, message: &str) -> Value {
+    json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+           "reason": reason, "code": code, "message": message})
 }
 
 impl ScriptedApi {
@@ -271,34 +290,56 @@ impl ScriptedApi {
                     .map(|v| v.to_str().unwrap().to_string())
                     .unwrap_or_default();
                 let body = request.into_body().collect_bytes().await.unwrap();
-                api.log
-                    .lock()
-                    .unwrap()
-                    .push((method.clone(), uri.clone(), content_type.clone()));
-                let (status, reply) = match method.as_str() {
-                    "GET" => match api.objects.lock().unwrap().get(&path) {
+                let object = match method.as_str() {
+                    "POST" => {
+                        let sent: Value = serde_json::from_slice(&body).unwrap();
+                        format!("{path}/{}", sent["metadata"]["name"].as_str().unwrap())
+                    }
+                    _ => path.trim_end_matches("/status").to_string(),
+                };
+                let failure = api.failing.lock().unwrap().get(&object).copied();
+                let (status, reply) = match (method.as_str(), failure) {
+                    ("POST" | "PATCH", Some((code, reason))) => {
+                        (code, status_body(code, reason, "injected failure"))
+                    }
+                    ("GET", _) => match api.objects.lock().unwrap().get(&path) {
                         Some(object) => (200, object.clone()),
-                        None => (
-                            404,
-                            json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
-                                             "reason": "NotFound", "code": 404, "message": "not found"}),
-                        ),
+                        None => (404, status_body(404, "NotFound", "not found")),
                     },
-                    "PATCH" => {
+                    ("POST", None) => {
+                        let mut sent: Value = serde_json::from_slice(&body).unwrap();
+                        sent["metadata"]["resourceVersion"] = json!("1");
+                        let mut objects = api.objects.lock().unwrap();
+                        if objects.contains_key(&object) {
+                            (409, status_body(409, "AlreadyExists", "exists"))
+                        } else {
+                            objects.insert(object.clone(), sent.clone());
+                            (201, sent)
+                        }
+                    }
+                    ("PATCH", None) => {
                         assert_eq!(content_type, "application/apply-patch+yaml", "{uri}");
                         assert!(
                             uri.contains("fieldManager=cluster-proxy-cert-authority"),
                             "{uri}"
                         );
                         assert!(uri.contains("force=true"), "{uri}");
-                        let mut object: Value = serde_json::from_slice(&body).unwrap();
-                        object["metadata"]["resourceVersion"] = json!("1");
-                        let key = path.trim_end_matches("/status").to_string();
-                        api.objects.lock().unwrap().insert(key, object.clone());
-                        (200, object)
+                        let mut sent: Value = serde_json::from_slice(&body).unwrap();
+                        sent["metadata"]["resourceVersion"] = json!("1");
+                        api.objects
+                            .lock()
+                            .unwrap()
+                            .insert(object.clone(), sent.clone());
+                        (200, sent)
                     }
-                    other => panic!("unexpected {other} {uri}"),
+                    (other, _) => panic!("unexpected {other} {uri}"),
                 };
+                api.log.lock().unwrap().push(Logged {
+                    method,
+                    uri,
+                    object,
+                    status,
+                });
                 send.send_response(
                     Response::builder()
                         .status(status)
@@ -310,18 +351,74 @@ impl ScriptedApi {
         Client::new(service, "default")
     }
 
+    /// Objects successfully written (created or applied), in order.
     fn applied(&self) -> Vec<String> {
         self.log
             .lock()
             .unwrap()
             .iter()
-            .filter(|(m, _, _)| m == "PATCH")
-            .map(|(_, uri, _)| uri.split('?').next().unwrap().to_string())
+            .filter(|l| (l.method == "PATCH" || l.method == "POST") && l.status < 300)
+            .map(|l| l.object.clone())
             .collect()
+    }
+
+    /// Objects a write was attempted on, in order.
+    fn write_attempts(&self) -> Vec<String> {
+        self.log
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|l| l.method != "GET")
+            .map(|l| l.object.clone())
+            .collect()
+    }
+
+    fn reads_of(&self, object: &str) -> usize {
+        self.log
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|l| l.method == "GET" && l.object == object)
+            .count()
+    }
+
+    /// Every request so far is one the documented RBAC rules allow.
+    fn assert_within_documented_rbac(&self) {
+        let log = self.log.lock().unwrap();
+        assert!(!log.is_empty());
+        for request in log.iter() {
+            rbac::check(&request.method, &request.uri).unwrap();
+        }
     }
 
     fn clear_log(&self) {
         self.log.lock().unwrap().clear();
+    }
+
+    fn fail_writes(&self, object: &str, code: u16, reason: &'static str) {
+        self.failing
+            .lock()
+            .unwrap()
+            .insert(object.to_string(), (code, reason));
+    }
+
+    fn stop_failing(&self) {
+        self.failing.lock().unwrap().clear();
+    }
+
+    fn object(&self, key: &str) -> Option<Value> {
+        self.objects.lock().unwrap().get(key).cloned()
+    }
+
+    /// A Secret's data as text.
+    fn secret_text(&self, key: &str, data_key: &str) -> Option<String> {
+        use base64::Engine;
+        let object = self.object(key)?;
+        let encoded = object["data"][data_key].as_str()?;
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(encoded)
+            .unwrap();
+        Some(String::from_utf8(bytes).unwrap())
     }
 }
 
@@ -340,6 +437,10 @@ async fn secrets_are_created_kept_and_renewed() {
         .await
         .unwrap();
     let mut applied = api.applied();
+    // The CA is stored before anything is issued from it, and trusted
+    // before anything it signed is published.
+    assert_eq!(applied[0], format!("{NS}/cluster-proxy-signer"));
+    assert_eq!(applied[1], format!("{NS}/proxy-server-ca"));
     applied.sort();
     let expected: Vec<String> = [
         "agent-server",
@@ -386,6 +487,7 @@ async fn secrets_are_created_kept_and_renewed() {
         .map(|n| format!("{NS}/{n}"))
         .collect();
     assert_eq!(applied, leaves, "{report:?}");
+    api.assert_within_documented_rbac();
 }
 
 #[tokio::test]
@@ -402,7 +504,7 @@ async fn csrs_are_signed_or_refused_through_the_status_subresource() {
         .unwrap();
     assert!(matches!(decision, Decision::Sign { .. }));
     let path = "/apis/certificates.k8s.io/v1/certificatesigningrequests/addon-cluster-a-proxy";
-    assert_eq!(api.applied(), [format!("{path}/status")]);
+    assert_eq!(api.applied(), [path.to_string()]);
     let stored = api.objects.lock().unwrap()[path].clone();
     assert!(stored["status"]["certificate"].is_string());
 
@@ -427,13 +529,14 @@ async fn csrs_are_signed_or_refused_through_the_status_subresource() {
     csr::reconcile_csr(&csrs, spoof, &ca, v, now())
         .await
         .unwrap();
-    assert_eq!(api.applied(), [format!("{path}/status")]);
+    assert_eq!(api.applied(), [path.to_string()]);
     let stored = api.objects.lock().unwrap()[path].clone();
     let conditions = stored["status"]["conditions"].as_array().unwrap().clone();
     assert!(conditions.iter().any(|c| c["type"] == "Approved"));
     let failed = conditions.iter().find(|c| c["type"] == "Failed").unwrap();
     assert_eq!(failed["reason"], "ClusterMismatch");
     assert!(stored["status"].get("certificate").is_none());
+    api.assert_within_documented_rbac();
 }
 
 #[tokio::test]
@@ -502,4 +605,335 @@ fn a_shorter_requested_lifetime_is_honoured_within_limits() {
         "never longer than the policy"
     );
     assert!((not_after(None) - 90 * 86400).abs() <= 2);
+}
+
+const SIGNER_SECRET: &str =
+    "/api/v1/namespaces/open-cluster-management-addon/secrets/cluster-proxy-signer";
+
+fn signer_secret(data: Value) -> Value {
+    json!({"apiVersion": "v1", "kind": "Secret",
+           "metadata": {"name": "cluster-proxy-signer", "namespace": "open-cluster-management-addon", "resourceVersion": "1"},
+           "type": "Opaque", "data": data})
+}
+
+fn b64(text: &str) -> String {
+    base64_text(text)
+}
+
+/// The CA of a leaf Secret's certificate, checked by signature.
+fn assert_signed_by(api: &ScriptedApi, leaf_secret: &str, ca_pem: &str) {
+    let leaf_pem = api.secret_text(leaf_secret, "tls.crt").unwrap();
+    let der = CertificateDer::from_pem_slice(leaf_pem.as_bytes()).unwrap();
+    let (_, leaf) = x509_parser::parse_x509_certificate(&der).unwrap();
+    let (_, ca) = x509_parser::pem::parse_x509_pem(ca_pem.as_bytes()).unwrap();
+    leaf.verify_signature(Some(ca.parse_x509().unwrap().public_key()))
+        .unwrap_or_else(|e| panic!("{leaf_secret} not signed by the stored CA: {e:?}"));
+}
+
+#[tokio::test]
+async fn a_damaged_signer_secret_is_never_replaced_and_nothing_is_written() {
+    let good = ca();
+    let other = ca();
+    let non_utf8 = {
+        use base64::Engine;
+        base64::engine::general_purpose::STANDARD.encode([0xff, 0xfe, 0x00])
+    };
+    let cases = [
+        ("ca.crt removed", json!({"ca.key": b64(&good.key_pem())})),
+        ("ca.key removed", json!({"ca.crt": b64(good.cert_pem())})),
+        (
+            "garbage certificate",
+            json!({"ca.crt": b64("garbage"), "ca.key": b64(&good.key_pem())}),
+        ),
+        (
+            "garbage key",
+            json!({"ca.crt": b64(good.cert_pem()), "ca.key": b64("garbage")}),
+        ),
+        (
+            "another CA's key",
+            json!({"ca.crt": b64(good.cert_pem()), "ca.key": b64(&other.key_pem())}),
+        ),
+        (
+            "a leaf instead of a CA",
+            json!({"ca.crt": b64(&good.issue(&cert_authority::pki::LeafRequest::client("x")).unwrap().cert_pem),
+                   "ca.key": b64(&good.key_pem())}),
+        ),
+        ("no CA keys at all", json!({"unrelated": b64("x")})),
+        (
+            "not UTF-8",
+            json!({"ca.crt": non_utf8, "ca.key": b64(&good.key_pem())}),
+        ),
+        (
+            "half of the next CA",
+            json!({"ca.crt": b64(good.cert_pem()), "ca.key": b64(&good.key_pem()),
+                   "next-ca.key": b64(&other.key_pem())}),
+        ),
+    ];
+    for (what, data) in cases {
+        let api = ScriptedApi::default();
+        let stored = signer_secret(data);
+        api.objects
+            .lock()
+            .unwrap()
+            .insert(SIGNER_SECRET.into(), stored.clone());
+        let client = api.client();
+        let options = KubeOptions::new("open-cluster-management-addon");
+        // Even a pass that would renew every leaf writes nothing.
+        for _ in 0..2 {
+            let error = secrets::reconcile_secrets(&client, &options, &options.desired(), now())
+                .await
+                .unwrap_err();
+            assert!(error.is_damaged_signer(), "{what}: {error}");
+            let message = error.to_string();
+            assert!(
+                message.contains("cluster-proxy-signer") && message.contains("refusing"),
+                "{what}: {message}"
+            );
+        }
+        assert_eq!(api.write_attempts(), Vec::<String>::new(), "{what}");
+        assert_eq!(api.object(SIGNER_SECRET), Some(stored), "{what}");
+    }
+}
+
+#[tokio::test]
+async fn a_failing_signer_write_publishes_nothing_and_retries_reuse_the_stored_ca() {
+    let api = ScriptedApi::default();
+    let client = api.client();
+    let options = KubeOptions::new("open-cluster-management-addon");
+    let desired = options.desired();
+    let start = now();
+
+    // First start, with a quota refusing the signer Secret for several passes.
+    api.fail_writes(SIGNER_SECRET, 403, "Forbidden");
+    for _ in 0..3 {
+        secrets::reconcile_secrets(&client, &options, &desired, start)
+            .await
+            .unwrap_err();
+        // Only the signer was attempted: no leaf, no bundle from an unsaved CA.
+        let attempts = api.write_attempts();
+        assert!(attempts.iter().all(|o| o == SIGNER_SECRET), "{attempts:?}");
+        assert_eq!(api.applied(), Vec::<String>::new());
+    }
+    api.stop_failing();
+    secrets::reconcile_secrets(&client, &options, &desired, start)
+        .await
+        .unwrap();
+    let first_ca = api.secret_text(SIGNER_SECRET, "ca.crt").unwrap();
+    assert_eq!(
+        api.secret_text(&format!("{NS}/proxy-server-ca"), "ca.crt"),
+        Some(first_ca.clone())
+    );
+    for leaf in ["proxy-server", "agent-server", "proxy-client"] {
+        assert_signed_by(&api, &format!("{NS}/{leaf}"), &first_ca);
+    }
+
+    // Four years and a day on, the next CA is due and every leaf has
+    // expired; the signer Secret cannot be written for several passes.
+    let later = start + time::Duration::days(4 * 365 + 1);
+    let published_bundle = api.object(&format!("{NS}/proxy-server-ca"));
+    let published_leaf = api.object(&format!("{NS}/proxy-server"));
+    api.fail_writes(SIGNER_SECRET, 403, "Forbidden");
+    for _ in 0..3 {
+        api.clear_log();
+        secrets::reconcile_secrets(&client, &options, &desired, later)
+            .await
+            .unwrap_err();
+        assert_eq!(api.write_attempts(), [SIGNER_SECRET.to_string()]);
+        assert_eq!(
+            api.secret_text(SIGNER_SECRET, "ca.crt"),
+            Some(first_ca.clone())
+        );
+        assert_eq!(api.secret_text(SIGNER_SECRET, "next-ca.crt"), None);
+        assert_eq!(
+            api.object(&format!("{NS}/proxy-server-ca")),
+            published_bundle
+        );
+        assert_eq!(api.object(&format!("{NS}/proxy-server")), published_leaf);
+    }
+    api.stop_failing();
+    let report = secrets::reconcile_secrets(&client, &options, &desired, later)
+        .await
+        .unwrap();
+    assert_eq!(
+        report.rollover.as_deref(),
+        Some("CreateNextCa"),
+        "{report:?}"
+    );
+    // The bundle trusts exactly the CAs the signer Secret stores.
+    let next_ca = api.secret_text(SIGNER_SECRET, "next-ca.crt").unwrap();
+    assert_eq!(
+        api.secret_text(SIGNER_SECRET, "ca.crt"),
+        Some(first_ca.clone())
+    );
+    assert_eq!(
+        api.secret_text(&format!("{NS}/proxy-server-ca"), "ca.crt"),
+        Some(format!("{first_ca}{next_ca}"))
+    );
+    assert_signed_by(&api, &format!("{NS}/proxy-server"), &first_ca);
+    api.assert_within_documented_rbac();
+}
+
+#[tokio::test]
+async fn csr_events_for_other_signers_cost_no_request_and_no_ca_read() {
+    use cert_authority::kubernetes::{CsrOutcome, CsrSigner};
+    let api = ScriptedApi::default();
+    let client = api.client();
+    let signing = CsrSigner::new(&client, Duration::from_secs(3600));
+    signing.set_leading(true);
+    signing.set_signer(Some(Arc::new(ca())));
+    let request = ec_request("x", None);
+    for i in 0..1000 {
+        let mut other = csr(
+            &request,
+            "kubernetes.io/kube-apiserver-client",
+            CLUSTER_A_USER,
+            &[CLUSTER_A_GROUP],
+            &["Approved"],
+        );
+        other.metadata.name = Some(format!("other-{i}"));
+        assert_eq!(
+            signing.handle(Arc::new(other)).await.unwrap(),
+            CsrOutcome::NotOurs
+        );
+    }
+    assert!(api.log.lock().unwrap().is_empty());
+
+    // Ours: signed with the cached CA, no Secret read either.
+    let outcome = signing.handle(Arc::new(approved(&request))).await.unwrap();
+    assert!(
+        matches!(outcome, CsrOutcome::Decided(Decision::Sign { .. })),
+        "{outcome:?}"
+    );
+    assert_eq!(api.reads_of(SIGNER_SECRET), 0);
+    assert_eq!(api.log.lock().unwrap().len(), 1);
+
+    // Not leading, or no CA stored yet: nothing done, nothing read.
+    api.clear_log();
+    signing.set_signer(None);
+    assert_eq!(
+        signing.handle(Arc::new(approved(&request))).await.unwrap(),
+        CsrOutcome::NoSignerYet
+    );
+    signing.set_leading(false);
+    assert_eq!(
+        signing.handle(Arc::new(approved(&request))).await.unwrap(),
+        CsrOutcome::NotLeading
+    );
+    assert!(api.log.lock().unwrap().is_empty());
+}
+
+fn request_with_subject(common_name: &str, organizations: &[&str]) -> String {
+    let key = rcgen::KeyPair::generate().unwrap();
+    let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, common_name);
+    for organization in organizations {
+        params
+            .distinguished_name
+            .push(rcgen::DnType::OrganizationName, *organization);
+    }
+    params.serialize_request(&key).unwrap().pem().unwrap()
+}
+
+#[test]
+fn the_subjects_ocm_produces_are_signed_when_they_name_the_requesters_cluster() {
+    let ca = ca();
+    let v = Duration::from_secs(3600);
+    let addon = |cluster: &str| {
+        request_with_subject(
+            &format!(
+                "system:open-cluster-management:cluster:{cluster}:addon:cluster-proxy:agent:proxy-agent"
+            ),
+            &[
+                &format!("system:open-cluster-management:cluster:{cluster}:addon:cluster-proxy"),
+                "system:open-cluster-management:addon:cluster-proxy",
+                "system:authenticated",
+            ],
+        )
+    };
+    let registration = |cluster: &str| {
+        request_with_subject(
+            &format!("system:open-cluster-management:{cluster}:agent-7xq2"),
+            &[
+                &format!("system:open-cluster-management:{cluster}"),
+                "system:open-cluster-management:managed-clusters",
+            ],
+        )
+    };
+    for (what, request) in [
+        ("addon-framework", addon("cluster-a")),
+        ("registration", registration("cluster-a")),
+        (
+            "upstream cluster-proxy",
+            request_with_subject(
+                "open-cluster-management:cluster-proxy:proxy-agent",
+                &["open-cluster-management:cluster-proxy"],
+            ),
+        ),
+    ] {
+        let decision = csr::decide(&approved(&request), &ca, v, now());
+        let Decision::Sign { cluster, .. } = decision else {
+            panic!("{what}: {decision:?}");
+        };
+        assert_eq!(cluster.as_str(), "cluster-a", "{what}");
+    }
+    // The same forms naming another cluster than the requester's.
+    for (what, request) in [
+        ("addon-framework", addon("cluster-b")),
+        ("registration", registration("cluster-b")),
+        (
+            "organization only",
+            request_with_subject("x", &["system:open-cluster-management:cluster-b"]),
+        ),
+    ] {
+        assert_eq!(
+            refusal(csr::decide(&approved(&request), &ca, v, now())),
+            "ClusterMismatch",
+            "{what}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn requests_name_cert_authority_in_their_user_agent() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = tokio::spawn(async move {
+        let (mut socket, _) = listener.accept().await.unwrap();
+        let mut head = Vec::new();
+        let mut buffer = [0u8; 4096];
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+            let read = socket.read(&mut buffer).await.unwrap();
+            assert!(read > 0, "connection closed before the request ended");
+            head.extend_from_slice(&buffer[..read]);
+        }
+        let body = serde_json::to_vec(&status_body(404, "NotFound", "not found")).unwrap();
+        let response = format!(
+            "HTTP/1.1 404 Not Found\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+            body.len()
+        );
+        socket.write_all(response.as_bytes()).await.unwrap();
+        socket.write_all(&body).await.unwrap();
+        String::from_utf8(head).unwrap()
+    });
+    let mut config = kube::Config::new(format!("http://{addr}").parse().unwrap());
+    cert_authority::kubernetes::identify(&mut config);
+    let client = Client::try_from(config).unwrap();
+    let secrets: kube::Api<k8s_openapi::api::core::v1::Secret> =
+        kube::Api::namespaced(client, "open-cluster-management-addon");
+    assert!(
+        secrets
+            .get_opt("cluster-proxy-signer")
+            .await
+            .unwrap()
+            .is_none()
+    );
+    let head = server.await.unwrap().to_ascii_lowercase();
+    let expected = format!(
+        "user-agent: cert-authority/{}\r\n",
+        env!("CARGO_PKG_VERSION")
+    );
+    assert!(head.contains(&expected), "{head}");
 }

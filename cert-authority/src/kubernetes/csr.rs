@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use cluster_proxy_proto::identity::ClusterName;
 use k8s_openapi::api::certificates::v1::CertificateSigningRequest;
-use kube::api::{Patch, PatchParams};
+use kube::api::{ListParams, Patch, PatchParams};
 use kube::{Api, ResourceExt};
 use serde_json::json;
 use time::OffsetDateTime;
@@ -28,6 +28,18 @@ use crate::pki::{Authority, LeafRequest};
 pub const SIGNER_NAME: &str = "open-cluster-management.io/proxy-agent-signer";
 pub const CLUSTER_LABEL: &str = "open-cluster-management.io/cluster-name";
 const OCM_USER_PREFIX: &str = "system:open-cluster-management:";
+
+/// Lists and watches only CSRs for our signer: the API server filters, so
+/// requests for other signers never reach us.
+pub fn own_signer_only() -> ListParams {
+    ListParams::default().fields(&own_signer_field_selector())
+}
+
+/// The field selector naming our signer (`spec.signerName` is a supported
+/// CSR field selector on the API server).
+pub fn own_signer_field_selector() -> String {
+    format!("spec.signerName={SIGNER_NAME}")
+}
 
 /// What to do with a CSR.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -78,17 +90,44 @@ pub fn requester_cluster(username: &str, groups: &[String]) -> Result<ClusterNam
     Ok(cluster)
 }
 
+/// The cluster an OCM subject name claims, if any:
+/// * registration: `system:open-cluster-management:<cluster>:<agent>`, and
+///   its group `system:open-cluster-management:<cluster>`;
+/// * addon-framework: `system:open-cluster-management:cluster:<cluster>:addon:<addon>[:agent:<agent>]`;
+/// * `system:open-cluster-management:addon:<addon>` and
+///   `system:open-cluster-management:managed-clusters` name no cluster.
+fn ocm_subject_cluster(name: &str) -> Option<&str> {
+    let rest = name.strip_prefix(OCM_USER_PREFIX)?;
+    let parts: Vec<&str> = rest.split(':').collect();
+    match parts.as_slice() {
+        ["cluster", cluster, "addon", _, ..] => Some(cluster),
+        ["addon", _] | ["managed-clusters"] => None,
+        [cluster] | [cluster, _] => Some(cluster),
+        // Shapes OCM does not produce claim nothing: the certificate's
+        // cluster comes from the requester alone in any case.
+        _ => None,
+    }
+}
+
 /// Clusters a CSR's own subject and SANs claim (our URI SAN, our agent CN,
-/// or an OCM user name as CN).
+/// or OCM subject names as CN or organization).
 fn claimed_clusters(csr: &X509CertificationRequest<'_>) -> Vec<String> {
     let mut claims = Vec::new();
-    for cn in csr.certification_request_info.subject.iter_common_name() {
+    let subject = &csr.certification_request_info.subject;
+    for cn in subject.iter_common_name() {
         if let Ok(cn) = cn.as_str() {
             if let Some(c) = cn.strip_prefix("cluster-proxy-agent:") {
                 claims.push(c.to_string());
-            } else if let Some(rest) = cn.strip_prefix(OCM_USER_PREFIX) {
-                claims.push(rest.split(':').next().unwrap_or_default().to_string());
+            } else if let Some(c) = ocm_subject_cluster(cn) {
+                claims.push(c.to_string());
             }
+        }
+    }
+    for organization in subject.iter_organization() {
+        if let Ok(organization) = organization.as_str()
+            && let Some(c) = ocm_subject_cluster(organization)
+        {
+            claims.push(c.to_string());
         }
     }
     if let Some(extensions) = csr.requested_extensions() {

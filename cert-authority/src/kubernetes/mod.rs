@@ -6,39 +6,85 @@
 
 pub mod csr;
 pub mod leader;
+pub mod metrics;
+pub mod rbac;
 pub mod secrets;
 
 use std::future::Future;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
 
 use futures_util::StreamExt;
 use k8s_openapi::api::certificates::v1::CertificateSigningRequest;
 use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::api::core::v1::Secret;
 use kube::runtime::controller::{Action, Controller};
-use kube::runtime::watcher;
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client};
 use time::OffsetDateTime;
+use tokio::sync::Notify;
 
+use self::metrics::Metrics;
 use crate::authority::{AuthorityError, Desired};
 use crate::pki::Authority;
 use crate::rotation::{LeafPolicy, RolloverPolicy};
 
 pub const FIELD_MANAGER: &str = "cluster-proxy-cert-authority";
 pub const LEASE_NAME: &str = "cluster-proxy-cert-authority";
+/// Label on every Secret the authority creates; its watch selects by it.
+pub const MANAGED_BY_LABEL: &str = "app.kubernetes.io/managed-by";
+/// Sent on every request, so audit logs name the component.
+pub const USER_AGENT: &str = concat!("cert-authority/", env!("CARGO_PKG_VERSION"));
 
 #[derive(Debug, thiserror::Error)]
 pub enum KubeError {
     #[error("Kubernetes API: {0}")]
     Api(#[from] kube::Error),
+    #[error("Kubernetes client configuration: {0}")]
+    Config(String),
     #[error(transparent)]
     Authority(#[from] AuthorityError),
     #[error("Secret {name}: {detail}")]
     BadSecret { name: String, detail: String },
     #[error("another replica ({0}) holds the lease")]
     NotLeader(String),
+    #[error("signer Secret {namespace}/{name}: {source}")]
+    DamagedSigner {
+        namespace: String,
+        name: String,
+        #[source]
+        source: AuthorityError,
+    },
+}
+
+impl KubeError {
+    /// Whether the signer Secret holds damaged CA material: nothing is
+    /// written until a person repairs it.
+    pub fn is_damaged_signer(&self) -> bool {
+        matches!(self, KubeError::DamagedSigner { .. })
+    }
+}
+
+/// Makes every request of a client built from `config` carry
+/// [`USER_AGENT`].
+pub fn identify(config: &mut kube::Config) {
+    config.headers.push((
+        http::header::USER_AGENT,
+        http::HeaderValue::from_static(USER_AGENT),
+    ));
+}
+
+/// A client from the usual configuration inference (`KUBECONFIG`,
+/// `~/.kube/config`, in-cluster), identifying itself as [`USER_AGENT`].
+pub async fn client() -> Result<Client, KubeError> {
+    let mut config = kube::Config::infer()
+        .await
+        .map_err(|e| KubeError::Config(e.to_string()))?;
+    identify(&mut config);
+    Ok(Client::try_from(config)?)
 }
 
 /// What the backend keeps, and where.
@@ -107,48 +153,109 @@ impl KubeOptions {
     }
 }
 
-/// The signing CA as stored now (it changes on a rollover).
-async fn current_signer(
-    client: &Client,
-    options: &KubeOptions,
-) -> Result<Option<Authority>, KubeError> {
-    let api: Api<Secret> = Api::namespaced(client.clone(), &options.signer_secret_namespace);
-    let Some(secret) = api.get_opt(&options.signer_secret_name).await? else {
-        return Ok(None);
-    };
-    let data = secrets::texts(&secret)?;
-    let (Some(cert), Some(key)) = (data.get("ca.crt"), data.get("ca.key")) else {
-        return Ok(None);
-    };
-    Authority::from_pem(cert, key)
-        .map(Some)
-        .map_err(|e| KubeError::BadSecret {
-            name: options.signer_secret_name.clone(),
-            detail: e.to_string(),
-        })
+/// The signing CA as the last pass over the Secrets stored it. CSR events
+/// read it from here: the Secret is read once per pass, never per event.
+type SignerCache = Arc<RwLock<Option<Arc<Authority>>>>;
+
+/// What [`CsrSigner::handle`] did with one CSR.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CsrOutcome {
+    /// For another signer: not looked at further.
+    NotOurs,
+    /// Another replica leads and signs.
+    NotLeading,
+    /// No pass has stored and read the CA yet.
+    NoSignerYet,
+    Decided(csr::Decision),
 }
 
-/// Signs or refuses every pending CSR once.
+/// Signs or refuses CSRs with the cached signing CA while this replica
+/// leads.
+#[derive(Clone)]
+pub struct CsrSigner {
+    api: Api<CertificateSigningRequest>,
+    signer: SignerCache,
+    leading: Arc<AtomicBool>,
+    validity: Duration,
+    metrics: Metrics,
+}
+
+impl CsrSigner {
+    pub fn new(client: &Client, validity: Duration) -> Self {
+        CsrSigner {
+            api: Api::all(client.clone()),
+            signer: Arc::default(),
+            leading: Arc::default(),
+            validity,
+            metrics: Metrics::default(),
+        }
+    }
+
+    /// Counts decisions into `metrics`.
+    pub fn with_metrics(mut self, metrics: Metrics) -> Self {
+        self.metrics = metrics;
+        self
+    }
+
+    /// Replaces the cached signing CA (`None`: sign nothing).
+    pub fn set_signer(&self, signer: Option<Arc<Authority>>) {
+        *self.signer.write().unwrap_or_else(PoisonError::into_inner) = signer;
+    }
+
+    pub fn set_leading(&self, leading: bool) {
+        self.leading.store(leading, Ordering::SeqCst);
+    }
+
+    fn signer(&self) -> Option<Arc<Authority>> {
+        self.signer
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Acts on one CSR event. The signer name is checked before anything
+    /// else, so other signers' CSRs cost no request and no lock.
+    pub async fn handle(
+        &self,
+        object: Arc<CertificateSigningRequest>,
+    ) -> Result<CsrOutcome, KubeError> {
+        if object.spec.signer_name != csr::SIGNER_NAME {
+            return Ok(CsrOutcome::NotOurs);
+        }
+        if !self.leading.load(Ordering::SeqCst) {
+            return Ok(CsrOutcome::NotLeading);
+        }
+        let Some(signer) = self.signer() else {
+            return Ok(CsrOutcome::NoSignerYet);
+        };
+        let decision = csr::reconcile_csr(
+            &self.api,
+            object,
+            &signer,
+            self.validity,
+            OffsetDateTime::now_utc(),
+        )
+        .await?;
+        self.metrics.csr_decided(&decision);
+        Ok(CsrOutcome::Decided(decision))
+    }
+}
+
+/// Signs or refuses every pending CSR for our signer once, with `signer`.
 pub async fn sign_pending(
     client: &Client,
     options: &KubeOptions,
+    signer: Arc<Authority>,
 ) -> Result<Vec<csr::Decision>, KubeError> {
-    let Some(signer) = current_signer(client, options).await? else {
-        return Ok(Vec::new());
-    };
+    let signing = CsrSigner::new(client, options.leaf_policy.validity);
+    signing.set_signer(Some(signer));
+    signing.set_leading(true);
     let api: Api<CertificateSigningRequest> = Api::all(client.clone());
     let mut decisions = Vec::new();
-    for item in api.list(&Default::default()).await? {
-        decisions.push(
-            csr::reconcile_csr(
-                &api,
-                Arc::new(item),
-                &signer,
-                options.leaf_policy.validity,
-                OffsetDateTime::now_utc(),
-            )
-            .await?,
-        );
+    for item in api.list(&csr::own_signer_only()).await? {
+        if let CsrOutcome::Decided(decision) = signing.handle(Arc::new(item)).await? {
+            decisions.push(decision);
+        }
     }
     Ok(decisions)
 }
@@ -169,45 +276,32 @@ pub async fn run_once(
             .unwrap_or_default();
         return Err(KubeError::NotLeader(holder));
     }
-    let report = secrets::reconcile_secrets(
+    let pass = secrets::pass(
         client,
         options,
         &options.desired(),
         OffsetDateTime::now_utc(),
     )
     .await?;
-    sign_pending(client, options).await?;
+    sign_pending(client, options, pass.signer).await?;
     elector.release().await?;
-    Ok(report)
+    Ok(pass.report)
 }
 
 struct CsrContext {
-    client: Client,
-    options: KubeOptions,
-    leading: Arc<AtomicBool>,
+    signer: CsrSigner,
+    retry_after: Duration,
 }
 
 async fn reconcile_csr(
     object: Arc<CertificateSigningRequest>,
     ctx: Arc<CsrContext>,
 ) -> Result<Action, KubeError> {
-    if !ctx.leading.load(Ordering::SeqCst) {
-        // Another replica signs; look again in case we take over.
-        return Ok(Action::requeue(ctx.options.renew_every));
-    }
-    let Some(signer) = current_signer(&ctx.client, &ctx.options).await? else {
-        return Ok(Action::requeue(ctx.options.renew_every));
-    };
-    let api: Api<CertificateSigningRequest> = Api::all(ctx.client.clone());
-    csr::reconcile_csr(
-        &api,
-        object,
-        &signer,
-        ctx.options.leaf_policy.validity,
-        OffsetDateTime::now_utc(),
-    )
-    .await?;
-    Ok(Action::await_change())
+    Ok(match ctx.signer.handle(object).await? {
+        CsrOutcome::NotOurs | CsrOutcome::Decided(_) => Action::await_change(),
+        // Look again: this replica may take over, or a pass store the CA.
+        CsrOutcome::NotLeading | CsrOutcome::NoSignerYet => Action::requeue(ctx.retry_after),
+    })
 }
 
 fn csr_error_policy(
@@ -219,66 +313,181 @@ fn csr_error_policy(
     Action::requeue(Duration::from_secs(10))
 }
 
+/// Watches the Secrets this authority keeps (its own, by label, and the
+/// signer, by name) and wakes `kick` on every change, so that a deleted or
+/// edited Secret is repaired at once rather than at the next interval.
+async fn watch_owned_secrets(client: Client, options: KubeOptions, kick: Arc<Notify>) {
+    let owned = watcher(
+        Api::<Secret>::namespaced(client.clone(), &options.namespace),
+        watcher::Config::default().labels(&format!("{MANAGED_BY_LABEL}={FIELD_MANAGER}")),
+    )
+    .default_backoff();
+    let signer = watcher(
+        Api::<Secret>::namespaced(client, &options.signer_secret_namespace),
+        watcher::Config::default().fields(&format!("metadata.name={}", options.signer_secret_name)),
+    )
+    .default_backoff();
+    let mut events = std::pin::pin!(futures_util::stream::select(owned, signer));
+    while let Some(event) = events.next().await {
+        match event {
+            Ok(watcher::Event::Apply(_) | watcher::Event::Delete(_) | watcher::Event::InitDone) => {
+                kick.notify_one();
+            }
+            Ok(watcher::Event::Init | watcher::Event::InitApply(_)) => {}
+            Err(error) => tracing::warn!(%error, "watching the PKI Secrets failed; retrying"),
+        }
+    }
+}
+
+/// Puts a Warning Event on the signer Secret, so `kubectl describe` and
+/// event-based alerting show why nothing is written. Repeats become one
+/// Event series.
+async fn report_damaged_signer(recorder: &Recorder, options: &KubeOptions, error: &KubeError) {
+    let regarding = ObjectReference {
+        api_version: Some("v1".into()),
+        kind: Some("Secret".into()),
+        name: Some(options.signer_secret_name.clone()),
+        namespace: Some(options.signer_secret_namespace.clone()),
+        ..ObjectReference::default()
+    };
+    // An Event's note holds at most 1 kB.
+    let mut note = error.to_string();
+    if note.len() > EVENT_NOTE_LIMIT {
+        let mut end = EVENT_NOTE_LIMIT;
+        while !note.is_char_boundary(end) {
+            end -= 1;
+        }
+        note.truncate(end);
+    }
+    let event = Event {
+        type_: EventType::Warning,
+        reason: "SignerDamaged".into(),
+        note: Some(note),
+        action: "Reconcile".into(),
+        secondary: None,
+    };
+    if let Err(error) = recorder.publish(&event, &regarding).await {
+        tracing::warn!(%error, "could not record an Event about the damaged signer Secret");
+    }
+}
+
+const EVENT_NOTE_LIMIT: usize = 1024;
+
 /// Runs until `shutdown` completes: keeps the Lease, and while leading
-/// keeps the Secrets current every `interval` and signs approved CSRs as
-/// they come.
+/// keeps the Secrets current (every `interval`, and at once when one of
+/// them changes) and signs approved CSRs as they come.
 pub async fn run(
     client: Client,
     options: KubeOptions,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), KubeError> {
-    let leading = Arc::new(AtomicBool::new(false));
+    run_with_metrics(client, options, Metrics::default(), shutdown).await
+}
+
+/// [`run`], counting into `metrics` (see [`Metrics::register`]).
+pub async fn run_with_metrics(
+    client: Client,
+    options: KubeOptions,
+    metrics: Metrics,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), KubeError> {
+    let signing =
+        CsrSigner::new(&client, options.leaf_policy.validity).with_metrics(metrics.clone());
     let ctx = Arc::new(CsrContext {
-        client: client.clone(),
-        options: options.clone(),
-        leading: leading.clone(),
+        signer: signing.clone(),
+        retry_after: options.renew_every,
     });
     let csrs: Api<CertificateSigningRequest> = Api::all(client.clone());
-    let controller = Controller::new(csrs, watcher::Config::default())
-        .run(reconcile_csr, csr_error_policy, ctx)
-        .for_each(|_| async {});
+    let controller = Controller::new(
+        csrs,
+        watcher::Config::default().fields(&csr::own_signer_field_selector()),
+    )
+    .run(reconcile_csr, csr_error_policy, ctx)
+    .for_each(|_| async {});
     let controller = tokio::spawn(controller);
+    let kick = Arc::new(Notify::new());
+    let watch = tokio::spawn(watch_owned_secrets(
+        client.clone(),
+        options.clone(),
+        kick.clone(),
+    ));
+    let recorder = Recorder::new(
+        client.clone(),
+        Reporter {
+            controller: FIELD_MANAGER.into(),
+            instance: Some(options.identity.clone()),
+        },
+    );
     let elector = options.elector(&client);
     let desired = options.desired();
-    let mut last_pass: Option<tokio::time::Instant> = None;
+    let mut leading = false;
+    // When the next pass is due; `None`: at once.
+    let mut next_pass: Option<tokio::time::Instant> = None;
     let mut ticker = tokio::time::interval(options.renew_every);
     tokio::pin!(shutdown);
     loop {
-        tokio::select! {
+        let kicked = tokio::select! {
             _ = &mut shutdown => break,
-            _ = ticker.tick() => {}
-        }
-        let now = OffsetDateTime::now_utc();
-        let lead = match elector.try_lead(now).await {
-            Ok(lead) => lead,
-            Err(error) => {
-                // Cannot tell whether we still lead: stop writing at once.
-                tracing::warn!(%error, "cannot renew the lease");
-                false
-            }
+            _ = ticker.tick() => false,
+            _ = kick.notified() => true,
         };
-        if leading.swap(lead, Ordering::SeqCst) && !lead {
-            tracing::warn!("lost the lease; no longer writing");
+        if !kicked {
+            let lead = match elector.try_lead(OffsetDateTime::now_utc()).await {
+                Ok(lead) => lead,
+                Err(error) => {
+                    // Cannot tell whether we still lead: stop writing at once.
+                    tracing::warn!(%error, "cannot renew the lease");
+                    false
+                }
+            };
+            if lead && !leading {
+                tracing::info!(identity = %options.identity, "leading: keeping the PKI Secrets and signing CSRs");
+            } else if leading && !lead {
+                tracing::warn!(identity = %options.identity, "lost the lease; no longer writing or signing");
+                // Another leader may roll the CA over meanwhile.
+                signing.set_signer(None);
+            }
+            leading = lead;
+            signing.set_leading(lead);
+            metrics.set_leader(lead);
         }
-        if !lead {
-            last_pass = None;
+        if !leading {
+            next_pass = None;
             continue;
         }
-        if last_pass.is_none_or(|at| at.elapsed() >= options.interval) {
-            match secrets::reconcile_secrets(&client, &options, &desired, now).await {
-                Ok(report) => {
-                    if !report.renewed.is_empty() || report.rollover.is_some() {
-                        tracing::info!(renewed = ?report.renewed, rollover = ?report.rollover, "PKI updated");
-                    }
-                    last_pass = Some(tokio::time::Instant::now());
+        if !kicked && next_pass.is_some_and(|at| tokio::time::Instant::now() < at) {
+            continue;
+        }
+        let now = OffsetDateTime::now_utc();
+        match secrets::pass(&client, &options, &desired, now).await {
+            Ok(pass) => {
+                let report = pass.report;
+                metrics.pass_succeeded(&report, now);
+                if !report.renewed.is_empty() || report.rollover.is_some() {
+                    tracing::info!(renewed = ?report.renewed, rollover = ?report.rollover, "PKI updated");
                 }
-                Err(error) => {
-                    tracing::warn!(%error, "reconciling the PKI Secrets failed; retrying")
-                }
+                signing.set_signer(Some(pass.signer));
+                next_pass = Some(tokio::time::Instant::now() + options.interval);
+            }
+            Err(error) if error.is_damaged_signer() => {
+                metrics.pass_failed(true);
+                // Retrying cannot help until a person repairs the Secret;
+                // the signer watch wakes us as soon as it changes.
+                tracing::error!(%error, "the signer Secret is damaged: writing nothing and signing nothing until it is repaired");
+                signing.set_signer(None);
+                report_damaged_signer(&recorder, &options, &error).await;
+                next_pass = Some(tokio::time::Instant::now() + options.interval);
+            }
+            Err(error) => {
+                metrics.pass_failed(false);
+                tracing::warn!(%error, "reconciling the PKI Secrets failed; retrying");
+                next_pass = None;
             }
         }
     }
-    leading.store(false, Ordering::SeqCst);
+    signing.set_leading(false);
+    metrics.set_leader(false);
     controller.abort();
+    watch.abort();
     elector.release().await
 }

@@ -11,23 +11,27 @@
 
 use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
 use k8s_openapi::ByteString;
 use k8s_openapi::api::certificates::v1::CertificateSigningRequest;
 use k8s_openapi::api::core::v1::Secret;
-use kube::api::{Patch, PatchParams};
+use kube::api::{Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use time::OffsetDateTime;
 
 use super::{FIELD_MANAGER, KubeError, KubeOptions};
 use crate::authority::{
-    AuthorityError, CaSlot, Desired, Leaf, Report, Store, format_phase, parse_phase, reconcile,
+    AuthorityError, CaParts, CaSlot, Desired, Leaf, Report, Store, format_phase, parse_phase,
+    reconcile, stored_ca,
 };
 use crate::files;
 use crate::pki::{Authority, Credentials};
 use crate::rotation::RolloverPhase;
 
 pub const BUNDLE_SECRET: &str = "proxy-server-ca";
+/// The dirty-set entry of the signer Secret, whatever its configured name.
+const SIGNER: &str = "signer";
 const PHASE_KEY: &str = "rollover-phase";
 const LEAVES: [Leaf; 3] = [Leaf::ProxyServer, Leaf::AgentServer, Leaf::ProxyClient];
 
@@ -88,16 +92,17 @@ impl SecretSnapshot {
 }
 
 impl Store for SecretSnapshot {
-    fn load_ca(&self, slot: CaSlot) -> Result<Option<Credentials>, AuthorityError> {
+    fn load_ca(&self, slot: CaSlot) -> Result<CaParts, AuthorityError> {
         let (cert, key) = ca_keys(slot);
         let signer = self.signer.borrow();
-        Ok(match (signer.get(cert), signer.get(key)) {
-            (Some(cert_pem), Some(key_pem)) => Some(Credentials {
-                cert_pem: cert_pem.clone(),
-                key_pem: key_pem.clone(),
-            }),
-            _ => None,
+        Ok(CaParts {
+            cert_pem: signer.get(cert).cloned(),
+            key_pem: signer.get(key).cloned(),
         })
+    }
+
+    fn ca_part_names(&self, slot: CaSlot) -> (&'static str, &'static str) {
+        ca_keys(slot)
     }
 
     fn save_ca(&self, slot: CaSlot, ca: &Credentials) -> Result<(), AuthorityError> {
@@ -105,7 +110,7 @@ impl Store for SecretSnapshot {
         let mut signer = self.signer.borrow_mut();
         signer.insert(cert.into(), ca.cert_pem.clone());
         signer.insert(key.into(), ca.key_pem.clone());
-        self.mark("signer");
+        self.mark(SIGNER);
         Ok(())
     }
 
@@ -113,7 +118,7 @@ impl Store for SecretSnapshot {
         let (cert, key) = ca_keys(slot);
         let mut signer = self.signer.borrow_mut();
         if signer.remove(cert).is_some() | signer.remove(key).is_some() {
-            self.mark("signer");
+            self.mark(SIGNER);
         }
         Ok(())
     }
@@ -130,7 +135,7 @@ impl Store for SecretSnapshot {
         self.signer
             .borrow_mut()
             .insert(PHASE_KEY.into(), format_phase(phase));
-        self.mark("signer");
+        self.mark(SIGNER);
         Ok(())
     }
 
@@ -196,12 +201,21 @@ fn secret(name: &str, namespace: &str, type_: &str, data: &BTreeMap<String, Stri
     secret.metadata.namespace = Some(namespace.to_string());
     secret.metadata.labels = Some(
         [(
-            "app.kubernetes.io/managed-by".to_string(),
+            super::MANAGED_BY_LABEL.to_string(),
             FIELD_MANAGER.to_string(),
         )]
         .into(),
     );
     secret
+}
+
+/// What one pass over the Secrets did, and the CA that signs after it.
+#[derive(Debug)]
+pub struct Pass {
+    pub report: Report,
+    /// The signing CA as stored when the pass ended (a rollover may have
+    /// switched it): what CSRs are signed with until the next pass.
+    pub signer: Arc<Authority>,
 }
 
 /// One pass over the Secrets at `now`; returns what changed.
@@ -211,11 +225,115 @@ pub async fn reconcile_secrets(
     desired: &Desired,
     now: OffsetDateTime,
 ) -> Result<Report, KubeError> {
+    Ok(pass(client, options, desired, now).await?.report)
+}
+
+fn signer_error(options: &KubeOptions, source: AuthorityError) -> KubeError {
+    KubeError::DamagedSigner {
+        namespace: options.signer_secret_namespace.clone(),
+        name: options.signer_secret_name.clone(),
+        source,
+    }
+}
+
+/// Creates the signer Secret with a new CA and reads it back. A create,
+/// not an apply: it fails instead of replacing a Secret that appeared
+/// meanwhile. Nothing is issued from the CA before this returns.
+async fn create_signer(
+    signer_api: &Api<Secret>,
+    options: &KubeOptions,
+    desired: &Desired,
+    now: OffsetDateTime,
+) -> Result<BTreeMap<String, String>, KubeError> {
+    let ca = Authority::generate_at("cluster-proxy-ca", desired.rollover_policy.ca_validity, now)
+        .map_err(AuthorityError::from)?;
+    let (cert_key, key_key) = ca_keys(CaSlot::Current);
+    let data: BTreeMap<String, String> = [
+        (cert_key.to_string(), ca.cert_pem().to_string()),
+        (key_key.to_string(), ca.key_pem()),
+    ]
+    .into();
+    let object = secret(
+        &options.signer_secret_name,
+        &options.signer_secret_namespace,
+        "Opaque",
+        &data,
+    );
+    let params = PostParams {
+        field_manager: Some(FIELD_MANAGER.into()),
+        ..PostParams::default()
+    };
+    signer_api.create(&params, &object).await?;
+    let stored = signer_api
+        .get_opt(&options.signer_secret_name)
+        .await?
+        .ok_or_else(|| KubeError::BadSecret {
+            name: options.signer_secret_name.clone(),
+            detail: "created, but not there when read back".into(),
+        })?;
+    let stored = texts(&stored)?;
+    if stored.get(cert_key) != data.get(cert_key) || stored.get(key_key) != data.get(key_key) {
+        return Err(KubeError::BadSecret {
+            name: options.signer_secret_name.clone(),
+            detail: "created, but read back with a different CA; not using either".into(),
+        });
+    }
+    tracing::info!(
+        namespace = %options.signer_secret_namespace,
+        secret = %options.signer_secret_name,
+        "no signer Secret existed: created a new CA and stored it"
+    );
+    Ok(stored)
+}
+
+/// One pass over the Secrets at `now`.
+///
+/// Order matters, so that nothing ever trusts or carries a CA whose key is
+/// not stored: the signer Secret is created (or updated, during a
+/// rollover) first, then the trust bundle, then the leaves. A failed write
+/// ends the pass, and the next pass starts from what is stored.
+pub async fn pass(
+    client: &Client,
+    options: &KubeOptions,
+    desired: &Desired,
+    now: OffsetDateTime,
+) -> Result<Pass, KubeError> {
     let hub: Api<Secret> = Api::namespaced(client.clone(), &options.namespace);
     let signer_api: Api<Secret> = Api::namespaced(client.clone(), &options.signer_secret_namespace);
     let snapshot = SecretSnapshot::default();
-    if let Some(found) = signer_api.get_opt(&options.signer_secret_name).await? {
-        *snapshot.signer.borrow_mut() = texts(&found)?;
+    let mut report = Report::default();
+    match signer_api.get_opt(&options.signer_secret_name).await? {
+        Some(found) => {
+            let data = texts(&found).map_err(|e| {
+                signer_error(
+                    options,
+                    AuthorityError::UnusableCa {
+                        slot: CaSlot::Current,
+                        source: e.to_string().into(),
+                    },
+                )
+            })?;
+            let (cert_key, key_key) = ca_keys(CaSlot::Current);
+            if !data.contains_key(cert_key) && !data.contains_key(key_key) {
+                // Only a Secret that does not exist at all means "first
+                // start": this one may have been emptied by mistake.
+                return Err(signer_error(
+                    options,
+                    AuthorityError::EmptyCaStore(format!("{cert_key}, {key_key}")),
+                ));
+            }
+            *snapshot.signer.borrow_mut() = data;
+        }
+        None => {
+            *snapshot.signer.borrow_mut() =
+                create_signer(&signer_api, options, desired, now).await?;
+            report.renewed.push("CA: created".into());
+        }
+    }
+    // Every CA the Secret holds must be whole and usable before anything
+    // is issued or published.
+    for slot in [CaSlot::Current, CaSlot::Next, CaSlot::Previous] {
+        stored_ca(&snapshot, slot).map_err(|e| signer_error(options, e))?;
     }
     if let Some(found) = hub.get_opt(BUNDLE_SECRET).await? {
         *snapshot.bundle.borrow_mut() = texts(&found)?.remove("ca.crt");
@@ -228,83 +346,75 @@ pub async fn reconcile_secrets(
         }
     }
 
-    let mut report = Report::default();
-    if snapshot.load_ca(CaSlot::Current)?.is_none() {
-        // First start: a new CA. An existing one (also upstream's RSA CA)
-        // is adopted as it is.
-        let ca =
-            Authority::generate_at("cluster-proxy-ca", desired.rollover_policy.ca_validity, now)
-                .map_err(AuthorityError::from)?;
-        snapshot.save_ca(
-            CaSlot::Current,
-            &Credentials {
-                cert_pem: ca.cert_pem().to_string(),
-                key_pem: ca.key_pem(),
-            },
-        )?;
-        report.renewed.push("CA: created".into());
-    } else if let Some(current) = snapshot.load_ca(CaSlot::Current)? {
-        // Refuse to run on a CA we cannot sign with, with the reason.
-        Authority::from_pem(&current.cert_pem, &current.key_pem).map_err(|e| {
-            KubeError::BadSecret {
-                name: options.signer_secret_name.clone(),
-                detail: e.to_string(),
-            }
-        })?;
-    }
     let mut desired = desired.clone();
-    if let Some(previous) = snapshot.load_ca(CaSlot::Previous)? {
+    if let Some(previous) =
+        stored_ca(&snapshot, CaSlot::Previous).map_err(|e| signer_error(options, e))?
+    {
         desired.outside_leaves_on_previous =
             agent_certificates_signed_by(client, &previous.cert_pem, now).await?;
     }
-    let pass = reconcile(&snapshot, &desired, now)?;
-    report.rollover = pass.rollover;
-    report.renewed.extend(pass.renewed);
+    let outcome = reconcile(&snapshot, &desired, now).map_err(|e| {
+        if e.is_damaged_ca() {
+            signer_error(options, e)
+        } else {
+            KubeError::Authority(e)
+        }
+    })?;
+    report.rollover = outcome.rollover;
+    report.renewed.extend(outcome.renewed);
 
     let params = PatchParams::apply(FIELD_MANAGER).force();
-    for name in snapshot.dirty() {
-        let (api, object) = if name == "signer" {
-            (
-                &signer_api,
-                secret(
-                    &options.signer_secret_name,
-                    &options.signer_secret_namespace,
-                    "Opaque",
-                    &snapshot.signer.borrow(),
-                ),
-            )
-        } else if name == BUNDLE_SECRET {
-            let bundle = snapshot.bundle.borrow().clone().unwrap_or_default();
-            (
-                &hub,
-                secret(
-                    BUNDLE_SECRET,
-                    &options.namespace,
-                    "Opaque",
-                    &[("ca.crt".to_string(), bundle)].into(),
-                ),
-            )
-        } else {
-            let mut data = snapshot
-                .leaves
-                .borrow()
-                .get(name.as_str())
-                .cloned()
-                .unwrap_or_default();
-            if let Some(bundle) = snapshot.bundle.borrow().clone() {
-                data.insert("ca.crt".into(), bundle);
-            }
-            (
-                &hub,
-                secret(&name, &options.namespace, "kubernetes.io/tls", &data),
-            )
-        };
-        let object_name = object.metadata.name.clone().unwrap_or_default();
-        api.patch(&object_name, &params, &Patch::Apply(&object))
+    let dirty = snapshot.dirty();
+    if dirty.contains(SIGNER) {
+        let object = secret(
+            &options.signer_secret_name,
+            &options.signer_secret_namespace,
+            "Opaque",
+            &snapshot.signer.borrow(),
+        );
+        signer_api
+            .patch(&options.signer_secret_name, &params, &Patch::Apply(&object))
             .await?;
-        tracing::info!(secret = %object_name, "applied");
+        tracing::info!(secret = %options.signer_secret_name, "applied the signer Secret");
     }
-    Ok(report)
+    if dirty.contains(BUNDLE_SECRET) {
+        let bundle = snapshot.bundle.borrow().clone().unwrap_or_default();
+        let object = secret(
+            BUNDLE_SECRET,
+            &options.namespace,
+            "Opaque",
+            &[("ca.crt".to_string(), bundle)].into(),
+        );
+        hub.patch(BUNDLE_SECRET, &params, &Patch::Apply(&object))
+            .await?;
+        tracing::info!(secret = BUNDLE_SECRET, "applied");
+    }
+    for name in dirty
+        .iter()
+        .filter(|name| name.as_str() != SIGNER && name.as_str() != BUNDLE_SECRET)
+    {
+        let mut data = snapshot
+            .leaves
+            .borrow()
+            .get(name.as_str())
+            .cloned()
+            .unwrap_or_default();
+        if let Some(bundle) = snapshot.bundle.borrow().clone() {
+            data.insert("ca.crt".into(), bundle);
+        }
+        let object = secret(name, &options.namespace, "kubernetes.io/tls", &data);
+        hub.patch(name, &params, &Patch::Apply(&object)).await?;
+        tracing::info!(secret = %name, "applied");
+    }
+    let current = stored_ca(&snapshot, CaSlot::Current)
+        .map_err(|e| signer_error(options, e))?
+        .ok_or_else(|| signer_error(options, AuthorityError::NoCa))?;
+    let signer = Authority::from_pem(&current.cert_pem, &current.key_pem)
+        .map_err(|e| signer_error(options, AuthorityError::from(e)))?;
+    Ok(Pass {
+        report,
+        signer: Arc::new(signer),
+    })
 }
 
 /// How many proxy-agent certificates issued through CSRs are still valid at
@@ -329,7 +439,7 @@ async fn agent_certificates_signed_by(
     })?;
     let csrs: Api<CertificateSigningRequest> = Api::all(client.clone());
     let mut count = 0;
-    for csr in csrs.list(&Default::default()).await? {
+    for csr in csrs.list(&super::csr::own_signer_only()).await? {
         if csr.spec.signer_name != super::csr::SIGNER_NAME {
             continue;
         }
