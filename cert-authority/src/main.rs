@@ -5,7 +5,12 @@ use cert_authority::kubernetes::{self, KubeOptions};
 use cert_authority::rotation::{LeafPolicy, RolloverPolicy};
 use cert_authority::settings::{Backend, Cli, Command, InitSettings, RunSettings, cluster_names};
 use clap::CommandFactory;
-use cluster_proxy_runtime::{cli, logging, shutdown::Signals};
+use std::sync::Arc;
+
+use cluster_proxy_runtime::metrics::encode_registry;
+use cluster_proxy_runtime::{admin, cli, logging, net, shutdown::Signals};
+use prometheus_client::registry::Registry;
+use tokio_util::sync::CancellationToken;
 
 fn main() -> anyhow::Result<()> {
     // Defaults differ per subcommand; `--help` shows each subcommand's own.
@@ -111,12 +116,13 @@ fn run_kubernetes(settings: &RunSettings) -> anyhow::Result<()> {
     options.rollover_policy = rollover_policy(settings);
     options.interval = settings.interval;
     let once = settings.once;
+    let health = (settings.health_bind_address.clone(), settings.health_port);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .context("starting the async runtime")?;
     runtime.block_on(async move {
-        let client = kube::Client::try_default()
+        let client = kubernetes::client()
             .await
             .context("no Kubernetes API to talk to (set KUBECONFIG, or run in a cluster)")?;
         tracing::info!(
@@ -132,11 +138,24 @@ fn run_kubernetes(settings: &RunSettings) -> anyhow::Result<()> {
             return Ok(());
         }
         let mut signals = Signals::install().context("installing signal handlers")?;
+        let mut registry = Registry::default();
+        let metrics = kubernetes::metrics::Metrics::register(&mut registry);
+        let (listener, address) = net::bind("health port", &health.0, health.1).await?;
+        let registry = Arc::new(registry);
+        // Ready once the API answered; a standby replica (not the leader) is
+        // ready too, so a rollout does not wait on leadership.
+        let routes =
+            admin::Routes::probes(|| Ok(())).with_metrics(move || encode_registry(&registry));
+        let stop = CancellationToken::new();
+        tokio::spawn(admin::serve(listener, routes, stop.clone()));
+        tracing::info!(%address, "serving /healthz, /readyz and /metrics");
         let shutdown = async move {
             let signal = signals.recv().await;
             tracing::info!(signal, "stopping");
         };
-        kubernetes::run(client, options, shutdown).await?;
+        let result = kubernetes::run_with_metrics(client, options, metrics, shutdown).await;
+        stop.cancel();
+        result?;
         Ok(())
     })
 }

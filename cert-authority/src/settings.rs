@@ -115,6 +115,10 @@ pub struct InitFlags {
     pub pki: PkiFlags,
 }
 
+/// `/healthz`, `/readyz` and `/metrics` of `run --backend kubernetes` (next
+/// to the proxy-server's 8090–8095 and the agent's 8093–8094).
+pub const DEFAULT_HEALTH_PORT: u16 = 8096;
+
 /// `run`'s settings.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -138,6 +142,8 @@ pub struct RunSettings {
     #[serde(with = "serde_go")]
     pub bundle_propagation: Duration,
     pub once: bool,
+    pub health_port: u16,
+    pub health_bind_address: String,
     pub v: u8,
     pub log_format: LogFormat,
 }
@@ -159,6 +165,8 @@ impl Default for RunSettings {
             ca_prepare_before_expiry: rollover.prepare_before_expiry,
             bundle_propagation: rollover.bundle_propagation,
             once: false,
+            health_port: DEFAULT_HEALTH_PORT,
+            health_bind_address: String::new(),
             v: 0,
             log_format: LogFormat::Auto,
         }
@@ -208,6 +216,14 @@ pub struct RunFlags {
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub once: Option<bool>,
+    /// kubernetes: port of /healthz, /readyz and /metrics (0 picks a free one).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub health_port: Option<u16>,
+    /// kubernetes: address the health port listens on (empty: every address).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub health_bind_address: Option<String>,
     #[command(flatten)]
     #[serde(flatten)]
     pub pki: PkiFlags,

@@ -649,7 +649,7 @@ impl Environment {
                 "--namespace",
                 ADDON_NAMESPACE,
             ])
-            .args(["--interval", "30s"])
+            .args(["--interval", "30s", "--health-port", "0"])
             .env("KUBECONFIG", api.kubeconfig_path().display().to_string())
             .in_netns(hub_netns);
         Ok(Supervised::start(spec, logs)?)
