@@ -10,6 +10,7 @@
 //! * [`flow`] — the per-connection flow-control primitives (credit and bounded
 //!   receive buffers) that keep one slow connection from stalling a tunnel.
 //! * [`transport`] / [`client`] — mTLS gRPC channels and a tunnel dialer for Rust users.
+//! * `api` (feature `kube-api`) — the versioned Kubernetes API types: our CRD and the OCM types.
 #![forbid(unsafe_code)]
 
 #[allow(clippy::all, clippy::pedantic, missing_docs, rustdoc::all)]
@@ -18,6 +19,8 @@ pub mod konnectivity {
     include!("gen/konnectivity.rs");
 }
 
+#[cfg(feature = "kube-api")]
+pub mod api;
 pub mod client;
 pub mod duration;
 pub mod flow;
