@@ -2,10 +2,10 @@
 //! (`addon.open-cluster-management.io/v1alpha1`), as OCM publishes them.
 //!
 //! OCM also serves these kinds as `v1beta1` (upstream cluster-proxy moved to it
-//! in 2026); the hub converts between the two, so `v1alpha1` clients keep
-//! working. Every field of the three kinds is modelled except the deprecated
-//! `AddOnDeploymentConfig` conversion annotations' contents and
-//! `ManagedClusterAddOn` fields OCM may add later, which server-side apply keeps.
+//! in 2026, where `supportedConfigs` became `defaultConfigs`); the hub converts
+//! between the versions, so `v1alpha1` clients keep working. Every field of
+//! OCM's `v1alpha1` types is modelled, deprecated ones included; fields a later
+//! OCM adds are kept by server-side apply (see [`crate::api`]).
 
 use std::collections::BTreeMap;
 

@@ -1,8 +1,7 @@
 //! `ManagedCluster` (`cluster.open-cluster-management.io/v1`), as OCM
 //! publishes it. Cluster-scoped; the name is the cluster's name and also the
-//! name of its namespace on the hub. Fields not modelled here (none at the
-//! time of writing beyond `status.managedNamespaces[].conditions` details) are
-//! kept by server-side apply; see [`crate::api`].
+//! name of its namespace on the hub. Every field of OCM's type is modelled;
+//! fields a later OCM adds are kept by server-side apply (see [`crate::api`]).
 
 use std::collections::BTreeMap;
 

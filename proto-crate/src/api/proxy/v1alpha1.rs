@@ -8,7 +8,8 @@
 //!
 //! The schema is generated from these types (`crdgen`), so it differs from
 //! upstream's controller-gen output in these ways, none of which rejects an
-//! object upstream's CRD accepts with a non-empty `spec`:
+//! object upstream's CRD accepts, as long as it has a `spec` and no two
+//! conditions of one type:
 //!
 //! * `spec` is required (upstream: optional, yet its own `authentication`,
 //!   `proxyServer` and `proxyAgent` are required, so an MPC without a spec
@@ -27,6 +28,8 @@
 //! * `status.conditions[]` items use k8s-openapi's `Condition` schema, which
 //!   lacks the `enum`/`pattern`/`maxLength` checks controller-gen adds to
 //!   `status`, `type` and `reason`; only our controllers write them.
+//! * `entrypoint.port`'s minimum reads `1.0`: the CRD type stores numbers as
+//!   `f64`; the API server treats it as upstream's `1`.
 //! * No `listKind` in `spec.names`; the API server fills in
 //!   `ManagedProxyConfigurationList`, the same value upstream sets.
 //! * Printer columns `Entrypoint`, `Replicas`, `Deployed` and `Age`; upstream
