@@ -50,6 +50,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::api::Condition;
 
+pub mod validation;
+
+pub use validation::{InvalidSpec, REASON_INVALID_SPEC, SpecProblem};
+
 /// The name of the one `ManagedProxyConfiguration` the addon reads; upstream
 /// hard-codes it in the agent's rendering and the chart creates it.
 pub const MANAGED_PROXY_CONFIGURATION_NAME: &str = "cluster-proxy";
