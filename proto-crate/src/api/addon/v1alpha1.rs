@@ -74,11 +74,11 @@ pub const REASON_WORK_APPLY_FAILED: &str = "ManifestWorkApplyFailed";
 pub const REASON_SET_PERMISSION_APPLIED: &str = "SetPermissionApplied";
 /// `RegistrationApplied` reason: setting registration permissions failed.
 pub const REASON_SET_PERMISSION_FAILED: &str = "SetPermissionFailed";
-/// `Progressing` reasons.
+/// `Progressing` reason: a configuration is rolling out.
 pub const REASON_PROGRESSING: &str = "Progressing";
-/// `Progressing` reasons.
+/// `Progressing` reason: the rollout completed.
 pub const REASON_COMPLETED: &str = "Completed";
-/// `Progressing` reasons.
+/// `Progressing` reason: the rollout failed.
 pub const REASON_FAILED: &str = "Failed";
 
 /// The ManagedClusterAddOn default install namespace of OCM (deprecated field).

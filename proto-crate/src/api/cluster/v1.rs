@@ -38,11 +38,11 @@ pub const ANNOTATION_NODE_SELECTOR: &str = "open-cluster-management/nodeSelector
 pub const TAINT_UNAVAILABLE: &str = "cluster.open-cluster-management.io/unavailable";
 /// Taint key added while the cluster is unreachable.
 pub const TAINT_UNREACHABLE: &str = "cluster.open-cluster-management.io/unreachable";
-/// Taint effect values.
+/// Taint effect: placements must tolerate the taint to select the cluster.
 pub const TAINT_EFFECT_NO_SELECT: &str = "NoSelect";
-/// Taint effect values.
+/// Taint effect: placements avoid the cluster when they can.
 pub const TAINT_EFFECT_PREFER_NO_SELECT: &str = "PreferNoSelect";
-/// Taint effect values.
+/// Taint effect: only placements that already selected the cluster keep it.
 pub const TAINT_EFFECT_NO_SELECT_IF_NEW: &str = "NoSelectIfNew";
 
 ocm_kind! {

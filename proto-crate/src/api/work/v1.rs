@@ -27,13 +27,13 @@ pub const FEEDBACK_WELL_KNOWN_STATUS: &str = "WellKnownStatus";
 /// Feedback rule type: the listed JSON paths.
 pub const FEEDBACK_JSON_PATHS: &str = "JSONPaths";
 
-/// Feedback value type.
+/// Feedback value type: the value is in `integer`.
 pub const VALUE_INTEGER: &str = "Integer";
-/// Feedback value type.
+/// Feedback value type: the value is in `string`.
 pub const VALUE_STRING: &str = "String";
-/// Feedback value type.
+/// Feedback value type: the value is in `boolean`.
 pub const VALUE_BOOLEAN: &str = "Boolean";
-/// Feedback value type.
+/// Feedback value type: the value is in `jsonRaw` (a JSON document as text).
 pub const VALUE_JSON_RAW: &str = "JsonRaw";
 
 /// Update strategy: update the resource (OCM's default).
