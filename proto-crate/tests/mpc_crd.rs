@@ -295,3 +295,40 @@ fn printer_columns_show_entrypoint_replicas_and_deployment() {
         ]
     );
 }
+
+/// The item checks upstream's CRD has for `metav1.Condition`.
+#[test]
+fn conditions_are_validated_as_upstream() {
+    let schema = schema();
+    let item = |field: &str, key: &str| {
+        at(&schema, ".status.conditions")
+            .pointer(&format!("/items/properties/{field}/{key}"))
+            .cloned()
+    };
+    assert_eq!(
+        item("status", "enum"),
+        Some(json!(["True", "False", "Unknown"]))
+    );
+    assert_eq!(
+        item("lastTransitionTime", "format"),
+        Some(json!("date-time"))
+    );
+    assert_eq!(item("reason", "minLength"), Some(json!(1)));
+    assert_eq!(item("reason", "maxLength"), Some(json!(1024)));
+    assert_eq!(item("message", "maxLength"), Some(json!(32768)));
+    assert_eq!(item("type", "maxLength"), Some(json!(316)));
+    assert_eq!(
+        item("observedGeneration", "minimum").and_then(|value| value.as_f64()),
+        Some(0.0)
+    );
+    assert_eq!(
+        item("reason", "pattern"),
+        Some(json!("^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"))
+    );
+    assert_eq!(
+        item("type", "pattern"),
+        Some(json!(
+            r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])$"
+        ))
+    );
+}

@@ -25,11 +25,8 @@
 //!   atomic and written whole with `Update`.
 //! * Optional objects and strings are `nullable` (schemars' rendering of
 //!   `Option`); descriptions are this module's doc comments, not upstream's.
-//! * `status.conditions[]` items use k8s-openapi's `Condition` schema, which
-//!   lacks the `enum`/`pattern`/`maxLength` checks controller-gen adds to
-//!   `status`, `type` and `reason`; only our controllers write them.
-//! * `entrypoint.port`'s minimum reads `1.0`: the CRD type stores numbers as
-//!   `f64`; the API server treats it as upstream's `1`.
+//! * `minimum` values read `1.0` and `0.0`: the CRD type stores numbers as
+//!   `f64`; the API server treats them as upstream's `1` and `0`.
 //! * No `listKind` in `spec.names`; the API server fills in
 //!   `ManagedProxyConfigurationList`, the same value upstream sets.
 //! * Printer columns `Entrypoint`, `Replicas`, `Deployed` and `Age`; upstream
@@ -427,8 +424,61 @@ pub struct ManagedProxyConfigurationStatus {
     pub last_observed_generation: Option<i64>,
     /// Conditions, one per type; each writer owns its own types.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    #[schemars(schema_with = "conditions_schema")]
     pub conditions: Vec<Condition>,
+}
+
+/// The schema of `status.conditions`: a list map keyed by `type`, whose items
+/// carry the checks the API conventions give `metav1.Condition` (and that
+/// upstream's controller-gen CRD has), which k8s-openapi's schema lacks.
+fn conditions_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({
+        "description": "Conditions, one per type; each writer owns its own types.",
+        "type": "array",
+        "x-kubernetes-list-type": "map",
+        "x-kubernetes-list-map-keys": ["type"],
+        "items": {
+            "description": "One aspect of the observed state.",
+            "type": "object",
+            "required": ["lastTransitionTime", "message", "reason", "status", "type"],
+            "properties": {
+                "lastTransitionTime": {
+                    "description": "When the status last changed.",
+                    "type": "string",
+                    "format": "date-time"
+                },
+                "message": {
+                    "description": "Details for people; may be empty.",
+                    "type": "string",
+                    "maxLength": 32768
+                },
+                "observedGeneration": {
+                    "description": "The metadata.generation the condition describes.",
+                    "type": "integer",
+                    "format": "int64",
+                    "minimum": 0
+                },
+                "reason": {
+                    "description": "CamelCase identifier of why the status is what it is.",
+                    "type": "string",
+                    "minLength": 1,
+                    "maxLength": 1024,
+                    "pattern": "^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"
+                },
+                "status": {
+                    "description": "True, False or Unknown.",
+                    "type": "string",
+                    "enum": ["True", "False", "Unknown"]
+                },
+                "type": {
+                    "description": "The condition type, e.g. ProxyServerDeployed.",
+                    "type": "string",
+                    "maxLength": 316,
+                    "pattern": "^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])$"
+                }
+            }
+        }
+    })
 }
 
 fn default_proxy_server_secret_name() -> String {
