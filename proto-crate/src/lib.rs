@@ -11,6 +11,7 @@
 //!   receive buffers) that keep one slow connection from stalling a tunnel.
 //! * [`duration`] / [`strconv`] — Go's duration and boolean syntaxes, as upstream flags use them.
 //! * [`transport`] / [`client`] — mTLS gRPC channels and a tunnel dialer for Rust users.
+//! * `api` (feature `kube-api`) — the versioned Kubernetes API types: our CRD and the OCM types.
 #![forbid(unsafe_code)]
 
 #[allow(clippy::all, clippy::pedantic, missing_docs, rustdoc::all)]
@@ -19,6 +20,8 @@ pub mod konnectivity {
     include!("gen/konnectivity.rs");
 }
 
+#[cfg(feature = "kube-api")]
+pub mod api;
 pub mod client;
 pub mod duration;
 pub mod flow;
