@@ -218,10 +218,7 @@ async fn merge_json_and_server_side_apply_patches() {
         .into_iter()
         .find(|m| m.manager.as_deref() == Some("e2e-test"))
         .unwrap();
-    assert_eq!(
-        entry.fields_v1.unwrap().0,
-        json!({"f:data": {"f:b": {}}, "f:metadata": {}})
-    );
+    assert_eq!(entry.fields_v1.unwrap().0, json!({"f:data": {"f:b": {}}}));
     // Apply without a field manager is refused.
     let err = maps
         .patch(

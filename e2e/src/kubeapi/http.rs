@@ -229,7 +229,12 @@ async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<B
     let options = WriteOptions {
         field_manager: query.get("fieldManager").map(str::to_string),
         dry_run: query.get("dryRun").is_some(),
-        applied_fields: None,
+        force: query.flag("force"),
+        user_agent: request
+            .headers()
+            .get(header::USER_AGENT)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string),
     };
     let method = request.method().clone();
     let content_type = request

@@ -37,6 +37,7 @@
 //! * protobuf, tables (`as=Table`), aggregated discovery, `exec`/`logs`/
 //!   `portforward`, API priority and fairness, and persistence.
 
+pub mod fields;
 pub mod http;
 pub mod resources;
 pub mod selector;

@@ -1,8 +1,11 @@
 //! The resource types the API serves: built-in ones and CustomResourceDefinitions.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use serde_json::Value;
+
+use super::fields::Shape;
 
 /// One served group/version/resource.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -19,6 +22,8 @@ pub struct ResourceType {
     /// CertificateSigningRequests' `/approval`.
     pub approval: bool,
     pub short_names: Vec<String>,
+    /// How its objects merge (server-side apply and field ownership).
+    pub shape: Arc<Shape>,
 }
 
 impl ResourceType {
@@ -33,6 +38,7 @@ impl ResourceType {
             status: false,
             approval: false,
             short_names: Vec::new(),
+            shape: Arc::new(Shape::builtin()),
         }
     }
 
@@ -108,6 +114,10 @@ pub fn from_crd(crd: &Value) -> Result<Vec<ResourceType>, CrdError> {
             continue;
         }
         let name = text(version.get("name"), "spec.versions[].name")?;
+        let shape = version
+            .pointer("/schema/openAPIV3Schema")
+            .map_or_else(Shape::deduced, Shape::from_schema)
+            .with_object_meta();
         types.push(ResourceType {
             group: group.clone(),
             version: name,
@@ -118,6 +128,7 @@ pub fn from_crd(crd: &Value) -> Result<Vec<ResourceType>, CrdError> {
             status: version.pointer("/subresources/status").is_some(),
             approval: false,
             short_names: short_names.clone(),
+            shape: Arc::new(shape),
         });
     }
     if types.is_empty() {

@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use serde_json::{Map, Value, json};
 use tokio::sync::broadcast;
 
+use super::fields::{self, Conflicts, Manager, OwnershipError, Writer};
 use super::resources::{Registry, ResourceType, from_crd};
 use super::selector::{FieldSelector, LabelSelector};
 
@@ -19,6 +20,8 @@ pub struct ApiError {
     pub code: u16,
     pub reason: &'static str,
     pub message: String,
+    /// `details` of the Status (`name`, `group`, `kind`, `causes`), or null.
+    pub details: Value,
 }
 
 impl ApiError {
@@ -27,7 +30,21 @@ impl ApiError {
             code,
             reason,
             message: message.into(),
+            details: Value::Null,
         }
+    }
+
+    /// The same error, naming the object it is about.
+    pub fn about(mut self, t: &ResourceType, name: &str) -> Self {
+        let mut details = json!({"name": name, "kind": t.plural});
+        if !t.group.is_empty() {
+            details["group"] = json!(t.group);
+        }
+        if let Some(causes) = self.details.get("causes") {
+            details["causes"] = causes.clone();
+        }
+        self.details = details;
+        self
     }
 
     pub fn bad_request(message: impl Into<String>) -> Self {
@@ -40,6 +57,7 @@ impl ApiError {
             "NotFound",
             format!("{} \"{name}\" not found", group_resource(t)),
         )
+        .about(t, name)
     }
 
     pub fn invalid(message: impl Into<String>) -> Self {
@@ -56,10 +74,25 @@ impl ApiError {
                 group_resource(t)
             ),
         )
+        .about(t, name)
+    }
+
+    /// A server-side apply that changes fields other managers own.
+    pub fn apply_conflict(conflicts: &Conflicts) -> Self {
+        let causes: Vec<Value> = conflicts
+            .0
+            .iter()
+            .map(|(manager, path)| {
+                json!({"reason": "FieldManagerConflict", "message": format!("conflict with {manager}"), "field": path})
+            })
+            .collect();
+        let mut error = Self::new(409, "Conflict", conflicts.message());
+        error.details = json!({"causes": causes});
+        error
     }
 
     pub fn status(&self) -> Value {
-        json!({
+        let mut status = json!({
             "kind": "Status",
             "apiVersion": "v1",
             "metadata": {},
@@ -67,7 +100,11 @@ impl ApiError {
             "message": self.message,
             "reason": self.reason,
             "code": self.code,
-        })
+        });
+        if !self.details.is_null() {
+            status["details"] = self.details.clone();
+        }
+        status
     }
 }
 
@@ -124,6 +161,16 @@ pub enum Part {
     Approval,
 }
 
+impl Part {
+    fn subresource(self) -> Option<&'static str> {
+        match self {
+            Part::Main => None,
+            Part::Status => Some("status"),
+            Part::Approval => Some("approval"),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PatchKind {
     Merge,
@@ -146,8 +193,43 @@ pub struct Patched {
 pub struct WriteOptions {
     pub field_manager: Option<String>,
     pub dry_run: bool,
-    /// For an apply: the field set it applies (recorded in managedFields).
-    pub applied_fields: Option<Value>,
+    /// Server-side apply takes fields other managers own.
+    pub force: bool,
+    /// Names the manager of a write without `fieldManager`, as the real
+    /// server does (the part before the first `/`).
+    pub user_agent: Option<String>,
+}
+
+impl WriteOptions {
+    fn manager(&self) -> String {
+        match &self.field_manager {
+            Some(m) if !m.is_empty() => m.clone(),
+            _ => self
+                .user_agent
+                .as_deref()
+                .and_then(|ua| ua.split('/').next())
+                .filter(|m| !m.is_empty())
+                .map(|m| m.chars().take(128).collect())
+                .unwrap_or_else(|| "unknown".into()),
+        }
+    }
+
+    fn writer(&self, t: &ResourceType, part: Part) -> Writer {
+        Writer {
+            manager: self.manager(),
+            subresource: part.subresource().map(str::to_string),
+            api_version: t.api_version(),
+            time: now_rfc3339(),
+        }
+    }
+}
+
+/// Who owns the fields of a write's result.
+enum Ownership {
+    /// An update: its writer gets what it changed.
+    Update(Writer),
+    /// An apply: worked out with the merge.
+    Applied(Vec<Manager>),
 }
 
 type ObjectKey = (String, String);
@@ -221,115 +303,59 @@ fn has_finalizers(object: &Value) -> bool {
         .is_some_and(|f| !f.is_empty())
 }
 
-fn record_manager(
-    object: &mut Value,
-    t: &ResourceType,
-    manager: &str,
-    operation: &str,
-    part: Part,
-    fields: Value,
-) {
-    let Ok(metadata) = metadata_mut(object) else {
-        return;
-    };
-    let entries = metadata
-        .entry("managedFields")
-        .or_insert_with(|| Value::Array(Vec::new()));
-    if !entries.is_array() {
-        *entries = Value::Array(Vec::new());
+fn conflict_error(error: OwnershipError) -> ApiError {
+    match error {
+        OwnershipError::Conflicts(conflicts) => ApiError::apply_conflict(&conflicts),
+        OwnershipError::Shape(shape) => ApiError::invalid(shape.to_string()),
     }
-    let Some(entries) = entries.as_array_mut() else {
-        return;
-    };
-    let subresource = match part {
-        Part::Main => None,
-        Part::Status => Some("status"),
-        Part::Approval => Some("approval"),
-    };
-    entries.retain(|e| {
-        !(e.get("manager").and_then(Value::as_str) == Some(manager)
-            && e.get("operation").and_then(Value::as_str) == Some(operation)
-            && e.get("subresource").and_then(Value::as_str) == subresource)
-    });
-    let mut entry = json!({
-        "manager": manager,
-        "operation": operation,
-        "apiVersion": t.api_version(),
-        "time": now_rfc3339(),
-        "fieldsType": "FieldsV1",
-        "fieldsV1": fields,
-    });
-    if let Some(sub) = subresource {
-        entry["subresource"] = json!(sub);
-    }
-    entries.push(entry);
 }
 
-/// The field set (`fieldsV1`) of an applied configuration. Identity fields
-/// (apiVersion, kind, metadata.name/namespace) are not owned.
-pub fn field_set(applied: &Value) -> Value {
-    fn walk(value: &Value, top: bool, in_metadata: bool) -> Value {
-        let mut fields = Map::new();
-        if let Some(map) = value.as_object() {
-            for (key, child) in map {
-                if top && (key == "apiVersion" || key == "kind") {
-                    continue;
+/// What an apply to `part` may change: the main resource leaves a status
+/// subresource alone; `/status` changes only status.
+fn applicable_config(t: &ResourceType, config: &Value, part: Part) -> Value {
+    match part {
+        Part::Main => {
+            let mut config = config.clone();
+            if t.status
+                && let Some(map) = config.as_object_mut()
+            {
+                map.remove("status");
+            }
+            config
+        }
+        Part::Status | Part::Approval => {
+            let mut limited = json!({});
+            for field in ["apiVersion", "kind"] {
+                if let Some(v) = config.get(field) {
+                    limited[field] = v.clone();
                 }
-                if in_metadata && (key == "name" || key == "namespace") {
-                    continue;
-                }
-                let sub = match child {
-                    Value::Object(_) => walk(child, false, top && key == "metadata"),
-                    _ => json!({}),
-                };
-                fields.insert(format!("f:{key}"), sub);
+            }
+            if let Some(status) = config.get("status") {
+                limited["status"] = status.clone();
+            }
+            limited
+        }
+    }
+}
+
+/// `managedFields` without their times: a write that changes nothing else
+/// is a no-op even though it would stamp a new time.
+fn without_times(object: &Value) -> Value {
+    let mut object = object.clone();
+    if let Some(entries) = object
+        .pointer_mut("/metadata/managedFields")
+        .and_then(Value::as_array_mut)
+    {
+        for entry in entries {
+            if let Some(map) = entry.as_object_mut() {
+                map.remove("time");
             }
         }
-        Value::Object(fields)
     }
-    walk(applied, true, false)
-}
-
-fn applied_fields_of(object: &Value, manager: &str, part: Part) -> Option<Value> {
-    let subresource = match part {
-        Part::Main => None,
-        Part::Status => Some("status"),
-        Part::Approval => Some("approval"),
-    };
+    if let Some(m) = object.get_mut("metadata").and_then(Value::as_object_mut) {
+        m.remove("resourceVersion");
+    }
     object
-        .pointer("/metadata/managedFields")?
-        .as_array()?
-        .iter()
-        .find(|e| {
-            e.get("manager").and_then(Value::as_str) == Some(manager)
-                && e.get("operation").and_then(Value::as_str) == Some("Apply")
-                && e.get("subresource").and_then(Value::as_str) == subresource
-        })
-        .and_then(|e| e.get("fieldsV1").cloned())
-}
-
-/// Removes from `object` what `previous` (a field set) names and `applied`
-/// no longer contains.
-fn prune(object: &mut Value, previous: &Value, applied: &Value) {
-    let (Some(previous), Some(target)) = (previous.as_object(), object.as_object_mut()) else {
-        return;
-    };
-    for (field, sub) in previous {
-        let Some(key) = field.strip_prefix("f:") else {
-            continue;
-        };
-        match applied.get(key) {
-            None => {
-                target.remove(key);
-            }
-            Some(applied_child @ Value::Object(_)) => {
-                if let Some(child) = target.get_mut(key) {
-                    prune(child, sub, applied_child);
-                }
-            }
-            Some(_) => {}
-        }
-    }
 }
 
 impl Store {
@@ -511,9 +537,22 @@ impl Store {
         &self,
         t: &ResourceType,
         namespace: Option<&str>,
+        body: Value,
+        user: &User,
+        options: &WriteOptions,
+    ) -> Result<Value, ApiError> {
+        self.create_as(t, namespace, body, user, options, false)
+    }
+
+    /// Creates the object; `applied`: by a server-side apply of `body`.
+    fn create_as(
+        &self,
+        t: &ResourceType,
+        namespace: Option<&str>,
         mut body: Value,
         user: &User,
         options: &WriteOptions,
+        applied: bool,
     ) -> Result<Value, ApiError> {
         let mut inner = self.lock();
         let metadata = metadata_mut(&mut body)?;
@@ -586,6 +625,19 @@ impl Store {
             // Status is written through its subresource only.
             map.remove("status");
         }
+        // Ownership is of what the requester sent, before the server adds
+        // its own fields.
+        let writer = options.writer(t, Part::Main);
+        let managers = if applied {
+            fields::apply(&json!({}), &body, Vec::new(), &writer, true, &t.shape)
+                .map(|(_, managers)| managers)
+                .map_err(conflict_error)?
+        } else {
+            // As the real server, a body it cannot track fields of is
+            // stored all the same, without managedFields.
+            fields::record_update(&json!({}), &body, Vec::new(), &writer, &t.shape)
+                .unwrap_or_default()
+        };
         if t.plural == "certificatesigningrequests" && t.group == "certificates.k8s.io" {
             // As the real server: the requester is who authenticated, never
             // what the body claims.
@@ -619,15 +671,7 @@ impl Store {
                 }
             }
         }
-        if let Some(manager) = &options.field_manager {
-            let fields = options.applied_fields.clone().unwrap_or_else(|| json!({}));
-            let operation = if options.applied_fields.is_some() {
-                "Apply"
-            } else {
-                "Update"
-            };
-            record_manager(&mut body, t, manager, operation, Part::Main, fields);
-        }
+        fields::write_managers(&mut body, &managers);
         if options.dry_run {
             return Ok(body);
         }
@@ -660,7 +704,8 @@ impl Store {
             return Err(ApiError::stale(t, name));
         }
         let new = self.merge_part(t, &old, body, part)?;
-        self.finish_write(&mut inner, t, key, old, new, part, options, "Update")
+        let ownership = Ownership::Update(options.writer(t, part));
+        self.finish_write(&mut inner, t, key, old, new, options, ownership)
     }
 
     /// The new object of a write to `part`: the main resource keeps status
@@ -718,10 +763,15 @@ impl Store {
         key: ObjectKey,
         old: Value,
         mut new: Value,
-        part: Part,
         options: &WriteOptions,
-        operation: &str,
+        ownership: Ownership,
     ) -> Result<Value, ApiError> {
+        // Managers the client sent replace the recorded ones; none sent
+        // keeps them.
+        let sent_managers = new
+            .pointer("/metadata/managedFields")
+            .filter(|sent| Some(*sent) != old.pointer("/metadata/managedFields"))
+            .map(|_| fields::read_managers(&new));
         // Fields only the server sets.
         {
             let old_meta = old.get("metadata").cloned().unwrap_or(json!({}));
@@ -745,11 +795,6 @@ impl Store {
             if t.namespaced {
                 metadata.insert("namespace".into(), json!(key.0));
             }
-            if !metadata.contains_key("managedFields")
-                && let Some(m) = old_meta.get("managedFields")
-            {
-                metadata.insert("managedFields".into(), m.clone());
-            }
         }
         if let Some(map) = new.as_object_mut() {
             map.insert("apiVersion".into(), json!(t.api_version()));
@@ -762,10 +807,16 @@ impl Store {
                 .unwrap_or(1);
             new["metadata"]["generation"] = json!(generation + 1);
         }
-        if let Some(manager) = &options.field_manager {
-            let fields = options.applied_fields.clone().unwrap_or_else(|| json!({}));
-            record_manager(&mut new, t, manager, operation, part, fields);
-        }
+        let managers = match ownership {
+            Ownership::Applied(managers) => managers,
+            Ownership::Update(writer) => {
+                let base = sent_managers.unwrap_or_else(|| fields::read_managers(&old));
+                // Fields that cannot be tracked (say, a keyed list with
+                // duplicates) keep the managers as they were.
+                fields::record_update(&old, &new, base.clone(), &writer, &t.shape).unwrap_or(base)
+            }
+        };
+        fields::write_managers(&mut new, &managers);
         if t.plural == "customresourcedefinitions" && !options.dry_run {
             for crd_type in from_crd(&new).map_err(|e| ApiError::invalid(e.to_string()))? {
                 inner.registry.add(crd_type);
@@ -774,15 +825,7 @@ impl Store {
         if options.dry_run {
             return Ok(as_version(new, t));
         }
-        let mut unchanged_old = old.clone();
-        let mut unchanged_new = new.clone();
-        for o in [&mut unchanged_old, &mut unchanged_new] {
-            if let Some(m) = o.get_mut("metadata").and_then(Value::as_object_mut) {
-                m.remove("resourceVersion");
-                m.remove("managedFields");
-            }
-        }
-        if unchanged_old == unchanged_new {
+        if without_times(&old) == without_times(&new) {
             // A no-op write changes nothing, not even the resourceVersion.
             return Ok(as_version(old, t));
         }
@@ -809,15 +852,11 @@ impl Store {
         options: &WriteOptions,
     ) -> Result<Patched, ApiError> {
         if kind == PatchKind::Apply {
-            let manager = options
-                .field_manager
-                .clone()
-                .filter(|m| !m.is_empty())
-                .ok_or_else(|| {
-                    ApiError::bad_request(
-                        "PatchOptions.fieldManager: Required value: is required for apply patch",
-                    )
-                })?;
+            if options.field_manager.as_deref().is_none_or(str::is_empty) {
+                return Err(ApiError::bad_request(
+                    "PatchOptions.fieldManager: Required value: is required for apply patch",
+                ));
+            }
             for field in ["apiVersion", "kind"] {
                 if patch.get(field).and_then(Value::as_str).is_none() {
                     return Err(ApiError::bad_request(format!(
@@ -830,31 +869,16 @@ impl Store {
                 if part != Part::Main {
                     return Err(ApiError::not_found(t, name));
                 }
-                let create_options = WriteOptions {
-                    field_manager: Some(manager),
-                    dry_run: options.dry_run,
-                    applied_fields: Some(field_set(&patch)),
-                };
                 let mut body = patch;
                 metadata_mut(&mut body)?.insert("name".into(), json!(name));
                 return self
-                    .create(t, namespace, body, user, &create_options)
+                    .create_as(t, namespace, body, user, options, true)
                     .map(|object| Patched {
                         object,
                         created: true,
                     });
             }
         }
-        let apply_options;
-        let options = if kind == PatchKind::Apply {
-            apply_options = WriteOptions {
-                applied_fields: Some(field_set(&patch)),
-                ..options.clone()
-            };
-            &apply_options
-        } else {
-            options
-        };
         let mut inner = self.lock();
         let key = Self::key_of(t, namespace, name);
         let old = Self::stored(&inner, t, &key, name)?;
@@ -865,19 +889,26 @@ impl Store {
         {
             return Err(ApiError::stale(t, name));
         }
+        let writer = options.writer(t, part);
         let mut patched = old.clone();
+        let mut ownership = Ownership::Update(writer.clone());
         match kind {
             PatchKind::Merge | PatchKind::StrategicMerge => {
                 json_patch::merge(&mut patched, &patch);
             }
             PatchKind::Apply => {
-                json_patch::merge(&mut patched, &patch);
-                // What this manager applied before and no longer applies
-                // is removed, as server-side apply does for sole owners.
-                let manager = options.field_manager.as_deref().unwrap_or_default();
-                if let Some(previous) = applied_fields_of(&old, manager, part) {
-                    prune(&mut patched, &previous, &patch);
-                }
+                let config = applicable_config(t, &patch, part);
+                let (merged, managers) = fields::apply(
+                    &old,
+                    &config,
+                    fields::read_managers(&old),
+                    &writer,
+                    options.force,
+                    &t.shape,
+                )
+                .map_err(conflict_error)?;
+                patched = merged;
+                ownership = Ownership::Applied(managers);
             }
             PatchKind::Json => {
                 let operations: json_patch::Patch = serde_json::from_value(patch)
@@ -898,12 +929,7 @@ impl Store {
             }
         }
         let new = self.merge_part(t, &old, patched, part)?;
-        let operation = if kind == PatchKind::Apply {
-            "Apply"
-        } else {
-            "Update"
-        };
-        self.finish_write(&mut inner, t, key, old, new, part, options, operation)
+        self.finish_write(&mut inner, t, key, old, new, options, ownership)
             .map(|object| Patched {
                 object,
                 created: false,
