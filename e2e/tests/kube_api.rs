@@ -745,3 +745,322 @@ async fn watches_get_bookmarks_and_end_at_their_timeout() {
         "{bookmarks} bookmarks in 2 s at a 200 ms interval"
     );
 }
+
+const TRACKERS: &str = include_str!("kube_api/trackers.yaml");
+
+fn trackers(client: &Client) -> Api<kube::api::DynamicObject> {
+    let resource = kube::api::ApiResource {
+        group: "example.io".into(),
+        version: "v1".into(),
+        api_version: "example.io/v1".into(),
+        kind: "Tracker".into(),
+        plural: "trackers".into(),
+    };
+    Api::namespaced_with(client.clone(), "default", &resource)
+}
+
+fn tracker(spec: serde_json::Value) -> serde_json::Value {
+    json!({"apiVersion": "example.io/v1", "kind": "Tracker", "metadata": {"name": "t"}, "spec": spec})
+}
+
+fn api_status(err: kube::Error) -> kube::core::Status {
+    match err {
+        kube::Error::Api(status) => *status,
+        other => panic!("not an API error: {other}"),
+    }
+}
+
+/// The `fieldsV1` of one manager's entry.
+fn fields_of(object: &kube::api::DynamicObject, manager: &str) -> Option<serde_json::Value> {
+    object
+        .metadata
+        .managed_fields
+        .as_ref()?
+        .iter()
+        .find(|m| m.manager.as_deref() == Some(manager))
+        .and_then(|m| m.fields_v1.as_ref())
+        .map(|f| f.0.clone())
+}
+
+#[tokio::test]
+async fn apply_conflicts_with_another_managers_field_and_force_takes_it() {
+    let (api, client, _dir) = start().await;
+    api.register_crds_from_yaml(TRACKERS).unwrap();
+    let trackers = trackers(&client);
+    trackers
+        .patch(
+            "t",
+            &PatchParams::apply("A"),
+            &Patch::Apply(tracker(json!({"x": "1", "y": "1"}))),
+        )
+        .await
+        .unwrap();
+
+    let err = trackers
+        .patch(
+            "t",
+            &PatchParams::apply("B"),
+            &Patch::Apply(tracker(json!({"x": "2"}))),
+        )
+        .await
+        .unwrap_err();
+    let status = api_status(err);
+    assert_eq!((status.code, status.reason.as_str()), (409, "Conflict"));
+    assert_eq!(
+        status.message,
+        "Apply failed with 1 conflict: conflict with \"A\": .spec.x"
+    );
+    let causes = status.details.unwrap().causes;
+    assert_eq!(causes.len(), 1);
+    assert_eq!(causes[0].reason, "FieldManagerConflict");
+    assert_eq!(causes[0].field, ".spec.x");
+    assert_eq!(trackers.get("t").await.unwrap().data["spec"]["x"], "1");
+
+    // Two conflicts: the multi-line form, grouped by manager.
+    let err = trackers
+        .patch(
+            "t",
+            &PatchParams::apply("B"),
+            &Patch::Apply(tracker(json!({"x": "2", "y": "2"}))),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(
+        api_status(err).message,
+        "Apply failed with 2 conflicts: conflicts with \"A\":\n- .spec.x\n- .spec.y"
+    );
+
+    let forced = trackers
+        .patch(
+            "t",
+            &PatchParams::apply("B").force(),
+            &Patch::Apply(tracker(json!({"x": "2"}))),
+        )
+        .await
+        .unwrap();
+    assert_eq!(forced.data["spec"]["x"], "2");
+    assert_eq!(
+        fields_of(&forced, "A").unwrap(),
+        json!({"f:spec": {"f:y": {}}})
+    );
+    assert_eq!(
+        fields_of(&forced, "B").unwrap(),
+        json!({"f:spec": {"f:x": {}}})
+    );
+
+    // An update takes fields too, and an applier then conflicts with it.
+    trackers
+        .patch(
+            "t",
+            &PatchParams {
+                field_manager: Some("editor".into()),
+                ..Default::default()
+            },
+            &Patch::Merge(json!({"spec": {"y": "edited"}})),
+        )
+        .await
+        .unwrap();
+    let err = trackers
+        .patch(
+            "t",
+            &PatchParams::apply("A"),
+            &Patch::Apply(tracker(json!({"y": "1"}))),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(
+        api_status(err).message,
+        "Apply failed with 1 conflict: conflict with \"editor\" using example.io/v1: .spec.y"
+    );
+}
+
+#[tokio::test]
+async fn keyed_list_entries_belong_to_their_appliers() {
+    let (api, client, _dir) = start().await;
+    api.register_crds_from_yaml(TRACKERS).unwrap();
+    let trackers = trackers(&client);
+    let entry = |t: &str| json!({"entries": [{"type": t, "value": t}]});
+    trackers
+        .patch(
+            "t",
+            &PatchParams::apply("A"),
+            &Patch::Apply(tracker(entry("A"))),
+        )
+        .await
+        .unwrap();
+    let both = trackers
+        .patch(
+            "t",
+            &PatchParams::apply("B"),
+            &Patch::Apply(tracker(entry("B"))),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        both.data["spec"]["entries"],
+        json!([{"type": "A", "value": "A"}, {"type": "B", "value": "B"}])
+    );
+    assert_eq!(
+        fields_of(&both, "A").unwrap(),
+        json!({"f:spec": {"f:entries": {"k:{\"type\":\"A\"}": {".": {}, "f:type": {}, "f:value": {}}}}})
+    );
+
+    // A stops applying its entry: only A's entry goes.
+    let after = trackers
+        .patch(
+            "t",
+            &PatchParams::apply("A"),
+            &Patch::Apply(tracker(json!({"x": "a"}))),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        after.data["spec"]["entries"],
+        json!([{"type": "B", "value": "B"}])
+    );
+
+    // Status conditions, applied through /status by two controllers.
+    for (manager, kind) in [("probe-a", "A"), ("probe-b", "B")] {
+        trackers
+            .patch_status(
+                "t",
+                &PatchParams::apply(manager),
+                &Patch::Apply(json!({"apiVersion": "example.io/v1", "kind": "Tracker",
+                    "status": {"conditions": [{"type": kind, "status": "True"}]}})),
+            )
+            .await
+            .unwrap();
+    }
+    let object = trackers.get("t").await.unwrap();
+    assert_eq!(
+        object.data["status"]["conditions"]
+            .as_array()
+            .unwrap()
+            .len(),
+        2
+    );
+    let probe = object
+        .metadata
+        .managed_fields
+        .unwrap()
+        .into_iter()
+        .find(|m| m.manager.as_deref() == Some("probe-a"))
+        .unwrap();
+    assert_eq!(probe.subresource.as_deref(), Some("status"));
+}
+
+#[tokio::test]
+async fn a_field_another_manager_owns_survives_when_one_stops_applying_it() {
+    let (api, client, _dir) = start().await;
+    api.register_crds_from_yaml(TRACKERS).unwrap();
+    let trackers = trackers(&client);
+    let same = tracker(json!({"x": "1", "tags": ["a", "b"]}));
+    trackers
+        .patch("t", &PatchParams::apply("A"), &Patch::Apply(same.clone()))
+        .await
+        .unwrap();
+    // The same values: shared ownership, no conflict.
+    trackers
+        .patch("t", &PatchParams::apply("B"), &Patch::Apply(same))
+        .await
+        .unwrap();
+    let kept = trackers
+        .patch(
+            "t",
+            &PatchParams::apply("A"),
+            &Patch::Apply(tracker(json!({}))),
+        )
+        .await
+        .unwrap();
+    assert_eq!(kept.data["spec"]["x"], "1", "B still owns .spec.x");
+    assert_eq!(kept.data["spec"]["tags"], json!(["a", "b"]));
+    assert!(
+        fields_of(&kept, "A").is_none_or(|f| f.get("f:spec").and_then(|s| s.get("f:x")).is_none())
+    );
+
+    // An atomic list is owned whole: another value conflicts, force
+    // replaces it whole.
+    let err = trackers
+        .patch(
+            "t",
+            &PatchParams::apply("C"),
+            &Patch::Apply(tracker(json!({"tags": ["c"]}))),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(
+        api_status(err).message,
+        "Apply failed with 1 conflict: conflict with \"B\": .spec.tags"
+    );
+    let replaced = trackers
+        .patch(
+            "t",
+            &PatchParams::apply("C").force(),
+            &Patch::Apply(tracker(json!({"tags": ["c"]}))),
+        )
+        .await
+        .unwrap();
+    assert_eq!(replaced.data["spec"]["tags"], json!(["c"]));
+
+    // B gives up .spec.x too: nobody owns it, so it goes.
+    let gone = trackers
+        .patch(
+            "t",
+            &PatchParams::apply("B").force(),
+            &Patch::Apply(tracker(json!({}))),
+        )
+        .await
+        .unwrap();
+    assert!(gone.data["spec"].get("x").is_none(), "{:?}", gone.data);
+}
+
+#[tokio::test]
+async fn built_in_lists_merge_by_their_keys() {
+    let (_api, client, _dir) = start().await;
+    let deployments: Api<k8s_openapi::api::apps::v1::Deployment> =
+        Api::namespaced(client, "default");
+    let deployment = |container: &str, env: &str| {
+        json!({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "d"},
+            "spec": {"selector": {"matchLabels": {"app": "d"}},
+                "template": {"metadata": {"labels": {"app": "d"}},
+                    "spec": {"containers": [{"name": container, "image": "img",
+                        "env": [{"name": env, "value": "1"}]}]}}}})
+    };
+    deployments
+        .patch(
+            "d",
+            &PatchParams::apply("A"),
+            &Patch::Apply(deployment("main", "A")),
+        )
+        .await
+        .unwrap();
+    // A sidecar from another manager, and another env var in the same
+    // container by a third one.
+    deployments
+        .patch(
+            "d",
+            &PatchParams::apply("B"),
+            &Patch::Apply(deployment("sidecar", "B")),
+        )
+        .await
+        .unwrap();
+    let merged = deployments
+        .patch(
+            "d",
+            &PatchParams::apply("C"),
+            &Patch::Apply(deployment("main", "C")),
+        )
+        .await
+        .unwrap();
+    let containers = merged.spec.unwrap().template.spec.unwrap().containers;
+    let names: Vec<&str> = containers.iter().map(|c| c.name.as_str()).collect();
+    assert_eq!(names, ["main", "sidecar"]);
+    let env: Vec<String> = containers[0]
+        .env
+        .clone()
+        .unwrap()
+        .into_iter()
+        .map(|e| e.name)
+        .collect();
+    assert_eq!(env, ["A", "C"]);
+}

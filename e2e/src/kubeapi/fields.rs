@@ -627,10 +627,8 @@ pub fn from_fields_v1(fields: &Value) -> FieldSet {
         let Some(map) = node.as_object() else {
             return;
         };
-        if map.is_empty() || map.contains_key(".") {
-            if !path.is_empty() {
-                out.insert(path.clone());
-            }
+        if (map.is_empty() || map.contains_key(".")) && !path.is_empty() {
+            out.insert(path.clone());
         }
         for (key, child) in map {
             if let Some(step) = parse_step(key) {
