@@ -1064,3 +1064,296 @@ async fn built_in_lists_merge_by_their_keys() {
         .collect();
     assert_eq!(env, ["A", "C"]);
 }
+
+/// Waits (on a watch) until `condition` holds for object `name`.
+async fn until<K>(api: &Api<K>, name: &str, condition: impl kube::runtime::wait::Condition<K>)
+where
+    K: kube::Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + 'static,
+{
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        kube::runtime::wait::await_condition(api.clone(), name, condition),
+    )
+    .await
+    .unwrap_or_else(|_| panic!("{name}: condition not reached in 10 s"))
+    .unwrap();
+}
+
+fn owned_config_map(name: &str, owners: &[&ConfigMap], block: bool) -> ConfigMap {
+    let refs: Vec<serde_json::Value> = owners
+        .iter()
+        .map(|o| {
+            json!({"apiVersion": "v1", "kind": "ConfigMap", "name": o.name_any(),
+                "uid": o.uid().unwrap(), "blockOwnerDeletion": block})
+        })
+        .collect();
+    serde_json::from_value(json!({"metadata": {"name": name, "ownerReferences": refs}})).unwrap()
+}
+
+async fn config_map(maps: &Api<ConfigMap>, name: &str) -> ConfigMap {
+    let body: ConfigMap = serde_json::from_value(json!({"metadata": {"name": name}})).unwrap();
+    maps.create(&PostParams::default(), &body).await.unwrap()
+}
+
+#[tokio::test]
+async fn dependents_are_collected_in_the_background_and_orphaned_on_request() {
+    let (_api, client, _dir) = start().await;
+    let maps: Api<ConfigMap> = Api::namespaced(client, "default");
+
+    // An ownerReference without uid is invalid.
+    let no_uid: ConfigMap = serde_json::from_value(json!({"metadata": {"name": "bad",
+        "ownerReferences": [{"apiVersion": "v1", "kind": "ConfigMap", "name": "x", "uid": ""}]}}))
+    .unwrap();
+    let status = api_status(
+        maps.create(&PostParams::default(), &no_uid)
+            .await
+            .unwrap_err(),
+    );
+    assert_eq!((status.code, status.reason.as_str()), (422, "Invalid"));
+    assert_eq!(
+        status.message,
+        "ConfigMap \"bad\" is invalid: metadata.ownerReferences.uid: Invalid value: \"\": uid must not be empty"
+    );
+    assert_eq!(
+        status.details.unwrap().causes[0].field,
+        "metadata.ownerReferences.uid"
+    );
+
+    // Background (the default): the owner goes at once, its dependent after.
+    let owner = config_map(&maps, "owner").await;
+    let other = config_map(&maps, "other-owner").await;
+    let dependent = maps
+        .create(
+            &PostParams::default(),
+            &owned_config_map("dependent", &[&owner], false),
+        )
+        .await
+        .unwrap();
+    let shared = maps
+        .create(
+            &PostParams::default(),
+            &owned_config_map("shared", &[&owner, &other], false),
+        )
+        .await
+        .unwrap();
+    let answer = maps
+        .delete("owner", &DeleteParams::default())
+        .await
+        .unwrap();
+    let status = answer
+        .right()
+        .expect("a deleted ConfigMap answers a Status");
+    assert_eq!(status.details.unwrap().uid, owner.uid().unwrap());
+    until(
+        &maps,
+        "dependent",
+        kube::runtime::conditions::is_deleted(&dependent.uid().unwrap()),
+    )
+    .await;
+    // A dependent with an owner left keeps living, without the dangling reference.
+    until(&maps, "shared", |cm: Option<&ConfigMap>| {
+        cm.is_some_and(|cm| cm.owner_references().len() == 1)
+    })
+    .await;
+    assert_eq!(maps.get("shared").await.unwrap().uid(), shared.uid());
+
+    // Orphan: the dependent stays and loses its reference.
+    let kept = maps
+        .create(
+            &PostParams::default(),
+            &owned_config_map("kept", &[&other], false),
+        )
+        .await
+        .unwrap();
+    maps.delete("other-owner", &DeleteParams::orphan())
+        .await
+        .unwrap();
+    until(
+        &maps,
+        "other-owner",
+        kube::runtime::conditions::is_deleted(&other.uid().unwrap()),
+    )
+    .await;
+    for name in ["kept", "shared"] {
+        let left = maps.get(name).await.unwrap();
+        assert!(left.owner_references().is_empty(), "{name}: {left:?}");
+    }
+    assert_eq!(maps.get("kept").await.unwrap().uid(), kept.uid());
+}
+
+#[tokio::test]
+async fn foreground_deletion_waits_for_blocking_dependents() {
+    let (_api, client, _dir) = start().await;
+    let maps: Api<ConfigMap> = Api::namespaced(client, "default");
+    let owner = config_map(&maps, "owner").await;
+    let mut held = owned_config_map("held", &[&owner], true);
+    held.metadata.finalizers = Some(vec!["example.io/hold".into()]);
+    let held = maps.create(&PostParams::default(), &held).await.unwrap();
+
+    let answer = maps
+        .delete("owner", &DeleteParams::foreground())
+        .await
+        .unwrap();
+    let pending = answer
+        .left()
+        .expect("an owner held back answers the object");
+    assert!(pending.metadata.deletion_timestamp.is_some());
+    assert!(
+        pending
+            .finalizers()
+            .iter()
+            .any(|f| f == "foregroundDeletion")
+    );
+    // The dependent is being deleted; its own finalizer holds it, and it
+    // holds the owner.
+    until(&maps, "held", |cm: Option<&ConfigMap>| {
+        cm.is_some_and(|cm| cm.metadata.deletion_timestamp.is_some())
+    })
+    .await;
+    assert!(
+        maps.get("owner")
+            .await
+            .unwrap()
+            .metadata
+            .deletion_timestamp
+            .is_some()
+    );
+
+    maps.patch(
+        "held",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"metadata": {"finalizers": null}})),
+    )
+    .await
+    .unwrap();
+    until(
+        &maps,
+        "held",
+        kube::runtime::conditions::is_deleted(&held.uid().unwrap()),
+    )
+    .await;
+    until(
+        &maps,
+        "owner",
+        kube::runtime::conditions::is_deleted(&owner.uid().unwrap()),
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn delete_preconditions_must_match() {
+    let (_api, client, _dir) = start().await;
+    let maps: Api<ConfigMap> = Api::namespaced(client, "default");
+    let cm = config_map(&maps, "cm").await;
+    let wrong_uid = DeleteParams {
+        preconditions: Some(kube::api::Preconditions {
+            uid: Some("not-the-uid".into()),
+            resource_version: None,
+        }),
+        ..DeleteParams::default()
+    };
+    let status = api_status(maps.delete("cm", &wrong_uid).await.unwrap_err());
+    assert_eq!((status.code, status.reason.as_str()), (409, "Conflict"));
+    assert!(
+        status
+            .message
+            .contains("Precondition failed: UID in precondition: not-the-uid"),
+        "{}",
+        status.message
+    );
+    let stale_version = DeleteParams {
+        preconditions: Some(kube::api::Preconditions {
+            uid: None,
+            resource_version: Some("1".into()),
+        }),
+        ..DeleteParams::default()
+    };
+    assert_eq!(
+        code(maps.delete("cm", &stale_version).await.unwrap_err()),
+        409
+    );
+    let right = DeleteParams {
+        preconditions: Some(kube::api::Preconditions {
+            uid: cm.uid(),
+            resource_version: cm.resource_version(),
+        }),
+        ..DeleteParams::default()
+    };
+    maps.delete("cm", &right).await.unwrap();
+}
+
+#[tokio::test]
+async fn a_deleted_namespace_terminates_until_its_content_is_gone() {
+    use k8s_openapi::api::core::v1::Namespace;
+    let (_api, client, _dir) = start().await;
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": "doomed"}})).unwrap();
+    let created = namespaces
+        .create(&PostParams::default(), &ns)
+        .await
+        .unwrap();
+    assert_eq!(created.status.unwrap().phase.as_deref(), Some("Active"));
+    assert_eq!(created.spec.unwrap().finalizers.unwrap(), ["kubernetes"]);
+
+    let maps: Api<ConfigMap> = Api::namespaced(client.clone(), "doomed");
+    let mut held: ConfigMap =
+        serde_json::from_value(json!({"metadata": {"name": "held"}})).unwrap();
+    held.metadata.finalizers = Some(vec!["example.io/hold".into()]);
+    let held = maps.create(&PostParams::default(), &held).await.unwrap();
+    let plain = config_map(&maps, "plain").await;
+
+    let answer = namespaces
+        .delete("doomed", &DeleteParams::default())
+        .await
+        .unwrap();
+    let terminating = answer.left().expect("a namespace answers itself");
+    assert_eq!(
+        terminating.status.unwrap().phase.as_deref(),
+        Some("Terminating")
+    );
+    assert!(terminating.metadata.deletion_timestamp.is_some());
+
+    let body: ConfigMap = serde_json::from_value(json!({"metadata": {"name": "late"}})).unwrap();
+    let status = api_status(
+        maps.create(&PostParams::default(), &body)
+            .await
+            .unwrap_err(),
+    );
+    assert_eq!((status.code, status.reason.as_str()), (403, "Forbidden"));
+    assert_eq!(
+        status.message,
+        "configmaps \"late\" is forbidden: unable to create new content in namespace doomed because it is being terminated"
+    );
+
+    // The content goes; the finalized ConfigMap holds the namespace.
+    until(
+        &maps,
+        "plain",
+        kube::runtime::conditions::is_deleted(&plain.uid().unwrap()),
+    )
+    .await;
+    until(&maps, "held", |cm: Option<&ConfigMap>| {
+        cm.is_some_and(|cm| cm.metadata.deletion_timestamp.is_some())
+    })
+    .await;
+    assert!(namespaces.get("doomed").await.is_ok());
+    maps.patch(
+        "held",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"metadata": {"finalizers": null}})),
+    )
+    .await
+    .unwrap();
+    until(
+        &maps,
+        "held",
+        kube::runtime::conditions::is_deleted(&held.uid().unwrap()),
+    )
+    .await;
+    until(
+        &namespaces,
+        "doomed",
+        kube::runtime::conditions::is_deleted(&created.metadata.uid.unwrap()),
+    )
+    .await;
+}

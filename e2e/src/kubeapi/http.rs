@@ -17,7 +17,8 @@ use tokio::sync::{broadcast, mpsc, watch};
 use super::resources::ResourceType;
 use super::selector::{FieldSelector, LabelSelector};
 use super::store::{
-    ApiError, Event, EventType, Part, PatchKind, Store, User, WriteOptions, as_version,
+    ApiError, DeleteOptions, Deleted, Event, EventType, Part, PatchKind, Propagation, Store, User,
+    WriteOptions, as_version,
 };
 
 pub type Body = BoxBody<Bytes, Infallible>;
@@ -26,7 +27,7 @@ pub type Body = BoxBody<Bytes, Infallible>;
 const MAX_BODY: usize = 3 * 1024 * 1024;
 
 pub struct Shared {
-    pub store: Store,
+    pub store: Arc<Store>,
     pub tokens: Mutex<HashMap<String, User>>,
     pub bookmark_interval: Duration,
     pub shutdown: watch::Receiver<bool>,
@@ -292,11 +293,13 @@ async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<B
             };
             Ok(json_response(status, &patched.object))
         }
-        (Method::DELETE, Some(name)) => Ok(json_response(
-            StatusCode::OK,
-            &store.delete(t, ns, name, &options)?,
-        )),
+        (Method::DELETE, Some(name)) => {
+            let delete_options = delete_options(request, &query).await?;
+            let deleted = store.delete(t, ns, name, &delete_options)?;
+            Ok(json_response(StatusCode::OK, &deleted_body(t, deleted)))
+        }
         (Method::DELETE, None) => {
+            let delete_options = delete_options(request, &query).await?;
             let (labels, fields) = selectors(&query)?;
             let (items, _, _) = store.list(t, ns, &labels, &fields, 0, None);
             let mut deleted = Vec::new();
@@ -306,8 +309,9 @@ async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<B
                     .and_then(Value::as_str)
                     .unwrap_or_default();
                 let item_ns = item.pointer("/metadata/namespace").and_then(Value::as_str);
-                if let Ok(object) = store.delete(t, item_ns, name, &options) {
-                    deleted.push(object);
+                match store.delete(t, item_ns, name, &delete_options) {
+                    Ok(Deleted::Gone(object) | Deleted::Pending(object)) => deleted.push(object),
+                    Err(_) => {}
                 }
             }
             Ok(json_response(
@@ -321,6 +325,87 @@ async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<B
             "MethodNotAllowed",
             format!("{method} is not supported here"),
         )),
+    }
+}
+
+/// The `DeleteOptions` of a DELETE: its body (as kube-rs and kubectl send
+/// it) or the query.
+async fn delete_options(
+    request: Request<Incoming>,
+    query: &Query,
+) -> Result<DeleteOptions, ApiError> {
+    let bytes = Limited::new(request.into_body(), MAX_BODY)
+        .collect()
+        .await
+        .map_err(|e| {
+            ApiError::new(
+                413,
+                "RequestEntityTooLarge",
+                format!("reading the body: {e}"),
+            )
+        })?
+        .to_bytes();
+    let body: Value = if bytes.iter().all(u8::is_ascii_whitespace) {
+        json!({})
+    } else {
+        serde_json::from_slice(&bytes)
+            .map_err(|e| ApiError::bad_request(format!("invalid DeleteOptions: {e}")))?
+    };
+    let text = |pointer: &str| {
+        body.pointer(pointer)
+            .and_then(Value::as_str)
+            .map(str::to_string)
+    };
+    let mut propagation =
+        text("/propagationPolicy").or_else(|| query.get("propagationPolicy").map(str::to_string));
+    // The deprecated form of the same choice.
+    let orphan = body
+        .get("orphanDependents")
+        .and_then(Value::as_bool)
+        .or_else(|| query.get("orphanDependents").map(|v| v == "true"));
+    if propagation.is_none() {
+        propagation = orphan.map(|o| if o { "Orphan" } else { "Background" }.to_string());
+    }
+    let propagation = propagation
+        .map(|p| Propagation::parse(&p))
+        .transpose()?
+        .unwrap_or_default();
+    let dry_run = query.get("dryRun").is_some()
+        || body
+            .get("dryRun")
+            .and_then(Value::as_array)
+            .is_some_and(|d| !d.is_empty());
+    Ok(DeleteOptions {
+        propagation,
+        precondition_uid: text("/preconditions/uid"),
+        precondition_resource_version: text("/preconditions/resourceVersion"),
+        dry_run,
+    })
+}
+
+/// What a DELETE answers: the object while finalizers hold it; once gone,
+/// the object for the types that return it, else a `Status`.
+fn deleted_body(t: &ResourceType, deleted: Deleted) -> Value {
+    match deleted {
+        Deleted::Pending(object) => object,
+        Deleted::Gone(object) => {
+            let returns_object = t.group.is_empty()
+                && matches!(t.plural.as_str(), "namespaces" | "pods" | "services");
+            if returns_object {
+                return object;
+            }
+            let text = |field: &str| {
+                object
+                    .pointer(&format!("/metadata/{field}"))
+                    .cloned()
+                    .unwrap_or(Value::Null)
+            };
+            let mut details = json!({"name": text("name"), "kind": t.plural, "uid": text("uid")});
+            if !t.group.is_empty() {
+                details["group"] = json!(t.group);
+            }
+            json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "details": details})
+        }
     }
 }
 

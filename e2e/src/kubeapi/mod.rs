@@ -39,6 +39,7 @@
 
 pub mod fields;
 pub mod http;
+pub mod lifecycle;
 pub mod resources;
 pub mod selector;
 pub mod store;
@@ -150,7 +151,7 @@ impl KubeApi {
             crate::env::sample::tls_acceptor(&leaf.cert_pem, &leaf.key_pem, &[b"h2", b"http/1.1"])
                 .map_err(|e| KubeApiError::Pki(e.to_string()))?;
 
-        let store = Store::new(Registry::with_builtins(), options.history);
+        let store = Arc::new(Store::new(Registry::with_builtins(), options.history));
         let system = User {
             name: "system:apiserver".into(),
             uid: uuid::Uuid::new_v4().to_string(),
@@ -172,6 +173,7 @@ impl KubeApi {
             bookmark_interval: options.bookmark_interval,
             shutdown: shutdown_rx.clone(),
         });
+        tokio::spawn(lifecycle::run(shared.store.clone(), shutdown_rx.clone()));
         let task = tokio::spawn(serve(listener, acceptor, shared.clone(), shutdown_rx));
         std::fs::create_dir_all(&options.dir).map_err(|source| KubeApiError::Write {
             path: options.dir.clone(),

@@ -64,6 +64,36 @@ impl ApiError {
         Self::new(422, "Invalid", message)
     }
 
+    /// `422 Invalid` for field errors, as the API server words them:
+    /// `Kind.group "name" is invalid: field: Invalid value: …`, one cause
+    /// each. Each error is (field, cause reason, message).
+    pub fn invalid_fields(t: &ResourceType, name: &str, errors: &[(String, &str, String)]) -> Self {
+        let rendered: Vec<String> = errors
+            .iter()
+            .map(|(field, _, message)| format!("{field}: {message}"))
+            .collect();
+        let all = match rendered.as_slice() {
+            [one] => one.clone(),
+            many => format!("[{}]", many.join(", ")),
+        };
+        let group_kind = if t.group.is_empty() {
+            t.kind.clone()
+        } else {
+            format!("{}.{}", t.kind, t.group)
+        };
+        let mut error = Self::invalid(format!("{group_kind} {name:?} is invalid: {all}"));
+        let causes: Vec<Value> = errors
+            .iter()
+            .map(|(field, reason, message)| json!({"reason": reason, "message": message, "field": field}))
+            .collect();
+        let mut details = json!({"name": name, "kind": t.kind, "causes": causes});
+        if !t.group.is_empty() {
+            details["group"] = json!(t.group);
+        }
+        error.details = details;
+        error
+    }
+
     /// A write based on an outdated resourceVersion.
     pub fn stale(t: &ResourceType, name: &str) -> Self {
         Self::new(
@@ -296,11 +326,156 @@ fn random_suffix() -> String {
         .collect()
 }
 
+/// Finalizers that hold a deleted object back: `metadata.finalizers`, and
+/// a Namespace's `spec.finalizers` (the namespace controller's).
 fn has_finalizers(object: &Value) -> bool {
+    let any = |pointer: &str| {
+        object
+            .pointer(pointer)
+            .and_then(Value::as_array)
+            .is_some_and(|f| !f.is_empty())
+    };
+    any("/metadata/finalizers") || (is_namespace(object) && any("/spec/finalizers"))
+}
+
+fn is_namespace(object: &Value) -> bool {
+    object.get("kind").and_then(Value::as_str) == Some("Namespace")
+        && object.get("apiVersion").and_then(Value::as_str) == Some("v1")
+}
+
+/// Finalizers the garbage collector acts on.
+pub const ORPHAN_FINALIZER: &str = "orphan";
+pub const FOREGROUND_FINALIZER: &str = "foregroundDeletion";
+
+/// What happens to dependents when their owner is deleted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Propagation {
+    /// The owner goes now, the garbage collector deletes dependents after.
+    #[default]
+    Background,
+    /// The owner stays (`foregroundDeletion`) until blocking dependents are gone.
+    Foreground,
+    /// Dependents stay, their ownerReference to the owner is removed.
+    Orphan,
+}
+
+impl Propagation {
+    pub fn parse(text: &str) -> Result<Self, ApiError> {
+        match text {
+            "Background" => Ok(Propagation::Background),
+            "Foreground" => Ok(Propagation::Foreground),
+            "Orphan" => Ok(Propagation::Orphan),
+            other => Err(ApiError::bad_request(format!(
+                "propagationPolicy: Unsupported value: {other:?}: supported values: \"Foreground\", \"Background\", \"Orphan\""
+            ))),
+        }
+    }
+}
+
+/// The `DeleteOptions` of a request.
+#[derive(Debug, Clone, Default)]
+pub struct DeleteOptions {
+    pub propagation: Propagation,
+    pub precondition_uid: Option<String>,
+    pub precondition_resource_version: Option<String>,
+    pub dry_run: bool,
+}
+
+/// The result of a DELETE.
+#[derive(Debug)]
+pub enum Deleted {
+    /// Removed from the store.
+    Gone(Value),
+    /// Marked deleting; finalizers hold it.
+    Pending(Value),
+}
+
+/// The `uid`s an object's ownerReferences name.
+pub fn owner_uids(object: &Value) -> Vec<String> {
+    object
+        .pointer("/metadata/ownerReferences")
+        .and_then(Value::as_array)
+        .map(|refs| {
+            refs.iter()
+                .filter_map(|r| r.get("uid").and_then(Value::as_str))
+                .map(str::to_string)
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn finalizer_names(object: &Value) -> Vec<String> {
     object
         .pointer("/metadata/finalizers")
         .and_then(Value::as_array)
-        .is_some_and(|f| !f.is_empty())
+        .map(|f| {
+            f.iter()
+                .filter_map(Value::as_str)
+                .map(str::to_string)
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The API server's rules for `metadata.ownerReferences`.
+fn validate_owner_references(t: &ResourceType, name: &str, object: &Value) -> Result<(), ApiError> {
+    let Some(refs) = object.pointer("/metadata/ownerReferences") else {
+        return Ok(());
+    };
+    let Some(refs) = refs.as_array() else {
+        return Err(ApiError::bad_request(
+            "metadata.ownerReferences must be a list",
+        ));
+    };
+    let mut errors = Vec::new();
+    let mut controllers = 0;
+    for reference in refs {
+        for (field, what) in [
+            ("apiVersion", "version"),
+            ("kind", "kind"),
+            ("name", "name"),
+            ("uid", "uid"),
+        ] {
+            let value = reference
+                .get(field)
+                .and_then(Value::as_str)
+                .unwrap_or_default();
+            if value.is_empty() {
+                errors.push((
+                    format!("metadata.ownerReferences.{field}"),
+                    "FieldValueInvalid",
+                    format!("Invalid value: \"\": {what} must not be empty"),
+                ));
+            }
+        }
+        if reference.get("controller") == Some(&Value::Bool(true)) {
+            controllers += 1;
+        }
+    }
+    if controllers > 1 {
+        errors.push((
+            "metadata.ownerReferences".to_string(),
+            "FieldValueInvalid",
+            format!(
+                "Invalid value: {}: Only one reference can have Controller set to true",
+                serde_json::to_string(refs).unwrap_or_default()
+            ),
+        ));
+    }
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(ApiError::invalid_fields(t, name, &errors))
+    }
+}
+
+/// One stored object, where it lives.
+#[derive(Debug, Clone)]
+pub struct Located {
+    pub resource: ResourceType,
+    pub namespace: Option<String>,
+    pub name: String,
+    pub object: Value,
 }
 
 fn conflict_error(error: OwnershipError) -> ApiError {
@@ -433,15 +608,33 @@ impl Store {
         object
     }
 
-    fn check_namespace(inner: &Inner, t: &ResourceType, namespace: &str) -> Result<(), ApiError> {
+    fn check_namespace(
+        inner: &Inner,
+        t: &ResourceType,
+        namespace: &str,
+        name: &str,
+    ) -> Result<(), ApiError> {
         if !t.namespaced {
             return Ok(());
         }
-        let exists = inner
+        let found = inner
             .objects
             .get("/namespaces")
-            .is_some_and(|m| m.contains_key(&(String::new(), namespace.to_string())));
-        if exists {
+            .and_then(|m| m.get(&(String::new(), namespace.to_string())));
+        if let Some(ns) = found {
+            if ns.pointer("/metadata/deletionTimestamp").is_some() {
+                let message = format!(
+                    "unable to create new content in namespace {namespace} because it is being terminated"
+                );
+                let mut error = ApiError::new(
+                    403,
+                    "Forbidden",
+                    format!("{} \"{name}\" is forbidden: {message}", group_resource(t)),
+                )
+                .about(t, name);
+                error.details["causes"] = json!([{"reason": "NamespaceTerminating", "message": message, "field": "metadata.namespace"}]);
+                return Err(error);
+            }
             Ok(())
         } else {
             Err(ApiError::new(
@@ -604,8 +797,9 @@ impl Store {
             map.insert("apiVersion".into(), json!(t.api_version()));
             map.insert("kind".into(), json!(t.kind));
         }
+        validate_owner_references(t, &name, &body)?;
         if let Some(ns) = &ns_value {
-            Self::check_namespace(&inner, t, ns)?;
+            Self::check_namespace(&inner, t, ns, &name)?;
         }
         let key = Self::key_of(t, ns_value.as_deref(), &name);
         if inner
@@ -653,6 +847,13 @@ impl Store {
             if let Some(map) = body.as_object_mut() {
                 map.insert("status".into(), json!({}));
             }
+        }
+        if is_namespace(&body) {
+            // The namespace controller's finalizer, from birth.
+            if body.pointer("/spec/finalizers").is_none() {
+                body["spec"] = json!({"finalizers": ["kubernetes"]});
+            }
+            body["status"] = json!({"phase": "Active"});
         }
         if t.plural == "customresourcedefinitions" {
             let types = from_crd(&body).map_err(|e| ApiError::invalid(e.to_string()))?;
@@ -800,6 +1001,7 @@ impl Store {
             map.insert("apiVersion".into(), json!(t.api_version()));
             map.insert("kind".into(), json!(t.kind));
         }
+        validate_owner_references(t, &key.1, &new)?;
         if content(&new) != content(&old) {
             let generation = old
                 .pointer("/metadata/generation")
@@ -936,82 +1138,166 @@ impl Store {
             })
     }
 
-    /// Deletes the object, or marks it deleting while finalizers remain.
+    /// Deletes the object, or marks it deleting while finalizers remain
+    /// (the garbage collector's for Foreground and Orphan propagation, a
+    /// Namespace's `kubernetes` while its content goes).
     pub fn delete(
         &self,
         t: &ResourceType,
         namespace: Option<&str>,
         name: &str,
-        options: &WriteOptions,
-    ) -> Result<Value, ApiError> {
+        options: &DeleteOptions,
+    ) -> Result<Deleted, ApiError> {
         let mut inner = self.lock();
         let key = Self::key_of(t, namespace, name);
         let old = Self::stored(&inner, t, &key, name)?;
-        if options.dry_run {
-            return Ok(as_version(old, t));
+        let current_uid = meta(&old, "uid").unwrap_or_default();
+        if let Some(uid) = &options.precondition_uid
+            && *uid != current_uid
+        {
+            return Err(ApiError::new(
+                409,
+                "Conflict",
+                format!(
+                    "Operation cannot be fulfilled on {} \"{name}\": Precondition failed: UID in precondition: {uid}, UID in object meta: {current_uid}",
+                    group_resource(t)
+                ),
+            )
+            .about(t, name));
         }
-        if has_finalizers(&old) {
-            if old.pointer("/metadata/deletionTimestamp").is_some() {
-                return Ok(as_version(old, t));
+        let current_rv = meta(&old, "resourceVersion").unwrap_or_default();
+        if let Some(rv) = &options.precondition_resource_version
+            && *rv != current_rv
+        {
+            return Err(ApiError::new(
+                409,
+                "Conflict",
+                format!(
+                    "Operation cannot be fulfilled on {} \"{name}\": Precondition failed: ResourceVersion in precondition: {rv}, ResourceVersion in object meta: {current_rv}",
+                    group_resource(t)
+                ),
+            )
+            .about(t, name));
+        }
+        if options.dry_run {
+            return Ok(Deleted::Gone(as_version(old, t)));
+        }
+        let mut new = old.clone();
+        let gc_finalizer = match options.propagation {
+            Propagation::Background => None,
+            Propagation::Foreground => Some(FOREGROUND_FINALIZER),
+            Propagation::Orphan => Some(ORPHAN_FINALIZER),
+        };
+        if let Some(finalizer) = gc_finalizer {
+            let mut finalizers = finalizer_names(&new);
+            if !finalizers.iter().any(|f| f == finalizer) {
+                finalizers.push(finalizer.to_string());
             }
-            let mut new = old.clone();
+            new["metadata"]["finalizers"] = json!(finalizers);
+        }
+        if is_namespace(&new) {
+            new["status"] = json!({"phase": "Terminating"});
+        }
+        if !has_finalizers(&new) {
+            let stored = self.commit(
+                &mut inner,
+                t,
+                key,
+                EventType::Deleted,
+                old.clone(),
+                Some(old),
+            );
+            return Ok(Deleted::Gone(as_version(stored, t)));
+        }
+        if new.pointer("/metadata/deletionTimestamp").is_none() {
             new["metadata"]["deletionTimestamp"] = json!(now_rfc3339());
             new["metadata"]["deletionGracePeriodSeconds"] = json!(0);
-            let stored = self.commit(&mut inner, t, key, EventType::Modified, new, Some(old));
-            return Ok(as_version(stored, t));
         }
-        if t.plural == "namespaces" && t.group.is_empty() {
-            // Namespace deletion takes everything inside with it at once
-            // (the real server does this in the background).
-            let registry = inner.registry.clone();
-            let types: Vec<ResourceType> = registry
-                .groups()
-                .iter()
-                .flat_map(|(g, vs)| {
-                    vs.iter()
-                        .flat_map(|v| registry.in_group_version(g, v).cloned().collect::<Vec<_>>())
-                        .collect::<Vec<_>>()
-                })
-                .filter(|t| t.namespaced)
-                .collect();
-            let mut seen = std::collections::HashSet::new();
-            for inner_type in types {
-                if !seen.insert(inner_type.storage_key()) {
-                    continue;
-                }
-                let keys: Vec<ObjectKey> = inner
-                    .objects
-                    .get(&inner_type.storage_key())
-                    .map(|m| m.keys().filter(|(ns, _)| ns == name).cloned().collect())
-                    .unwrap_or_default();
-                for object_key in keys {
-                    if let Some(object) = inner
-                        .objects
-                        .get(&inner_type.storage_key())
-                        .and_then(|m| m.get(&object_key))
-                        .cloned()
-                    {
-                        self.commit(
-                            &mut inner,
-                            &inner_type,
-                            object_key,
-                            EventType::Deleted,
-                            object.clone(),
-                            Some(object),
-                        );
-                    }
+        if new == old {
+            return Ok(Deleted::Pending(as_version(old, t)));
+        }
+        let stored = self.commit(&mut inner, t, key, EventType::Modified, new, Some(old));
+        Ok(Deleted::Pending(as_version(stored, t)))
+    }
+
+    /// Changes a stored object as a controller of the server would (the
+    /// garbage collector, the namespace controller), recording `manager`.
+    /// Missing objects are fine: someone else got there first.
+    pub fn mutate(
+        &self,
+        t: &ResourceType,
+        namespace: Option<&str>,
+        name: &str,
+        manager: &str,
+        change: impl FnOnce(&mut Value),
+    ) -> Result<(), ApiError> {
+        let mut inner = self.lock();
+        let key = Self::key_of(t, namespace, name);
+        let Ok(old) = Self::stored(&inner, t, &key, name) else {
+            return Ok(());
+        };
+        let mut new = old.clone();
+        change(&mut new);
+        let options = WriteOptions {
+            field_manager: Some(manager.to_string()),
+            ..WriteOptions::default()
+        };
+        let ownership = Ownership::Update(options.writer(t, Part::Main));
+        self.finish_write(&mut inner, t, key, old, new, &options, ownership)
+            .map(|_| ())
+    }
+
+    /// One type per storage (every version of a resource shares one).
+    fn storage_types(inner: &Inner) -> Vec<ResourceType> {
+        let mut seen = std::collections::HashSet::new();
+        let registry = &inner.registry;
+        registry
+            .groups()
+            .iter()
+            .flat_map(|(g, vs)| {
+                vs.iter()
+                    .flat_map(|v| registry.in_group_version(g, v).cloned().collect::<Vec<_>>())
+                    .collect::<Vec<_>>()
+            })
+            .filter(|t| seen.insert(t.storage_key()))
+            .collect()
+    }
+
+    /// Every stored object matching `keep`.
+    pub fn find(&self, keep: impl Fn(&ResourceType, &Value) -> bool) -> Vec<Located> {
+        let inner = self.lock();
+        let mut found = Vec::new();
+        for t in Self::storage_types(&inner) {
+            let Some(objects) = inner.objects.get(&t.storage_key()) else {
+                continue;
+            };
+            for ((ns, name), object) in objects {
+                if keep(&t, object) {
+                    found.push(Located {
+                        resource: t.clone(),
+                        namespace: t.namespaced.then(|| ns.clone()),
+                        name: name.clone(),
+                        object: object.clone(),
+                    });
                 }
             }
         }
-        let stored = self.commit(
-            &mut inner,
-            t,
-            key,
-            EventType::Deleted,
-            old.clone(),
-            Some(old),
-        );
-        Ok(as_version(stored, t))
+        found
+    }
+
+    /// Whether an object with this uid is stored.
+    pub fn uid_exists(&self, uid: &str) -> bool {
+        let inner = self.lock();
+        inner.objects.values().any(|objects| {
+            objects
+                .values()
+                .any(|o| o.pointer("/metadata/uid").and_then(Value::as_str) == Some(uid))
+        })
+    }
+
+    /// Receives every change from now on.
+    pub fn subscribe(&self) -> broadcast::Receiver<Arc<Event>> {
+        self.events.subscribe()
     }
 
     /// Subscribes to changes and returns what a watch from
