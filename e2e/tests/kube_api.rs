@@ -621,6 +621,27 @@ async fn a_controller_with_a_finalizer_reconciles_and_cleans_up() {
     task.abort();
 }
 
+fn base64_of(text: &str) -> String {
+    use base64::Engine;
+    base64::engine::general_purpose::STANDARD.encode(text)
+}
+
+fn csr_pem() -> String {
+    let key = rcgen::KeyPair::generate().unwrap();
+    let params = rcgen::CertificateParams::new(vec!["agent".to_string()]).unwrap();
+    params.serialize_request(&key).unwrap().pem().unwrap()
+}
+
+fn certificate_pem() -> String {
+    static PEM: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    PEM.get_or_init(|| {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let params = rcgen::CertificateParams::new(vec!["agent".to_string()]).unwrap();
+        params.self_signed(&key).unwrap().pem()
+    })
+    .clone()
+}
+
 #[tokio::test]
 async fn csr_requester_comes_from_authentication_not_the_body() {
     let (api, _client, _dir) = start().await;
@@ -634,7 +655,7 @@ async fn csr_requester_comes_from_authentication_not_the_body() {
     let csrs: Api<CertificateSigningRequest> = Api::all(agent);
     let csr: CertificateSigningRequest = serde_json::from_value(json!({
         "metadata": {"name": "agent-csr"},
-        "spec": {"request": "aGVsbG8=", "signerName": "open-cluster-management.io/proxy-agent-signer",
+        "spec": {"request": base64_of(&csr_pem()), "signerName": "open-cluster-management.io/proxy-agent-signer",
                  "usages": ["client auth"], "username": "system:admin", "groups": ["system:masters"]}
     }))
     .unwrap();
@@ -658,12 +679,12 @@ async fn csr_requester_comes_from_authentication_not_the_body() {
         .patch_status(
             "agent-csr",
             &PatchParams::default(),
-            &Patch::Merge(json!({"status": {"certificate": "Y2VydA=="}})),
+            &Patch::Merge(json!({"status": {"certificate": base64_of(&certificate_pem())}})),
         )
         .await
         .unwrap();
     let status = signed.status.unwrap();
-    assert_eq!(status.certificate.unwrap().0, b"cert");
+    assert_eq!(status.certificate.unwrap().0, certificate_pem().as_bytes());
     assert_eq!(
         status.conditions.unwrap().len(),
         1,
@@ -1356,4 +1377,366 @@ async fn a_deleted_namespace_terminates_until_its_content_is_gone() {
         kube::runtime::conditions::is_deleted(&created.metadata.uid.unwrap()),
     )
     .await;
+}
+
+#[tokio::test]
+async fn invalid_csrs_are_refused_as_the_api_server_does() {
+    let (_api, client, _dir) = start().await;
+    let csrs: Api<CertificateSigningRequest> = Api::all(client);
+    let csr = |name: &str, spec: serde_json::Value| -> CertificateSigningRequest {
+        serde_json::from_value(json!({"metadata": {"name": name}, "spec": spec})).unwrap()
+    };
+    let good_spec = || {
+        json!({"request": base64_of(&csr_pem()), "signerName": "example.io/signer",
+            "usages": ["client auth"]})
+    };
+    let create = |c: CertificateSigningRequest| {
+        let csrs = csrs.clone();
+        async move { csrs.create(&PostParams::default(), &c).await }
+    };
+
+    let mut not_pem = good_spec();
+    not_pem["request"] = json!(base64_of("hello"));
+    let status = api_status(create(csr("not-pem", not_pem)).await.unwrap_err());
+    assert_eq!((status.code, status.reason.as_str()), (422, "Invalid"));
+    assert_eq!(
+        status.message,
+        "CertificateSigningRequest.certificates.k8s.io \"not-pem\" is invalid: spec.request: Invalid value: []byte{0x68, 0x65, 0x6c, 0x6c, 0x6f}: PEM block type must be CERTIFICATE REQUEST"
+    );
+
+    let mut no_usages = good_spec();
+    no_usages.as_object_mut().unwrap().remove("usages");
+    let status = api_status(create(csr("no-usages", no_usages)).await.unwrap_err());
+    assert!(
+        status
+            .message
+            .ends_with("spec.usages: Required value: usages must be provided"),
+        "{}",
+        status.message
+    );
+
+    let mut short = good_spec();
+    short["expirationSeconds"] = json!(599);
+    let status = api_status(create(csr("short", short)).await.unwrap_err());
+    assert!(
+        status.message.ends_with(
+            "spec.expirationSeconds: Invalid value: 599: may not specify a duration less than 600 seconds (10 minutes)"
+        ),
+        "{}",
+        status.message
+    );
+
+    create(csr("good", good_spec())).await.unwrap();
+    let both = json!({"apiVersion": "certificates.k8s.io/v1", "kind": "CertificateSigningRequest",
+        "metadata": {"name": "good"}, "status": {"conditions": [
+            {"type": "Approved", "status": "True"}, {"type": "Denied", "status": "True"}]}});
+    let status = api_status(
+        csrs.replace_subresource("approval", "good", &PostParams::default(), &both)
+            .await
+            .unwrap_err(),
+    );
+    assert!(
+        status.message.ends_with(
+            "status.conditions[1].type: Invalid value: \"Denied\": Approved and Denied conditions are mutually exclusive"
+        ),
+        "{}",
+        status.message
+    );
+    let approve = json!({"apiVersion": "certificates.k8s.io/v1", "kind": "CertificateSigningRequest",
+        "metadata": {"name": "good"}, "status": {"conditions": [{"type": "Approved", "status": "True"}]}});
+    let approved = csrs
+        .replace_subresource("approval", "good", &PostParams::default(), &approve)
+        .await
+        .unwrap();
+    let condition = &approved.status.unwrap().conditions.unwrap()[0];
+    assert!(condition.last_update_time.is_some() && condition.last_transition_time.is_some());
+
+    let status_patch =
+        |certificate: String| Patch::Merge(json!({"status": {"certificate": certificate}}));
+    let status = api_status(
+        csrs.patch_status(
+            "good",
+            &PatchParams::default(),
+            &status_patch(base64_of("junk")),
+        )
+        .await
+        .unwrap_err(),
+    );
+    assert!(
+        status
+            .message
+            .contains("status.certificate: Invalid value: \"<certificate data>\""),
+        "{}",
+        status.message
+    );
+    csrs.patch_status(
+        "good",
+        &PatchParams::default(),
+        &status_patch(base64_of(&certificate_pem())),
+    )
+    .await
+    .unwrap();
+    let other = {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let params = rcgen::CertificateParams::new(vec!["other".to_string()]).unwrap();
+        params.self_signed(&key).unwrap().pem()
+    };
+    let status = api_status(
+        csrs.patch_status(
+            "good",
+            &PatchParams::default(),
+            &status_patch(base64_of(&other)),
+        )
+        .await
+        .unwrap_err(),
+    );
+    assert!(
+        status.message.ends_with(
+            "status.certificate: Forbidden: updates may not modify existing certificate content"
+        ),
+        "{}",
+        status.message
+    );
+}
+
+#[tokio::test]
+async fn leases_need_micro_time_and_a_resource_version_to_update() {
+    use k8s_openapi::api::coordination::v1::Lease;
+    let (_api, client, _dir) = start().await;
+    let leases: Api<Lease> = Api::namespaced(client.clone(), "default");
+    let raw = |time: &str| {
+        let body = json!({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+            "metadata": {"name": "l"}, "spec": {"holderIdentity": "a", "leaseDurationSeconds": 10,
+            "renewTime": time}});
+        http::Request::post("/apis/coordination.k8s.io/v1/namespaces/default/leases")
+            .header("content-type", "application/json")
+            .body(serde_json::to_vec(&body).unwrap())
+            .unwrap()
+    };
+    for bad in ["2026-01-02T03:04:05Z", "2026-01-02T03:04:05.123Z"] {
+        let status = api_status(
+            client
+                .request::<serde_json::Value>(raw(bad))
+                .await
+                .unwrap_err(),
+        );
+        assert_eq!(
+            (status.code, status.reason.as_str()),
+            (400, "BadRequest"),
+            "{bad}"
+        );
+        assert!(
+            status
+                .message
+                .starts_with("Lease in version \"v1\" cannot be handled as a Lease")
+        );
+    }
+    client
+        .request::<serde_json::Value>(raw("2026-01-02T03:04:05.000000Z"))
+        .await
+        .unwrap();
+
+    let mut lease = leases.get("l").await.unwrap();
+    assert!(
+        lease.metadata.generation.is_none(),
+        "Leases have no generation"
+    );
+    lease.metadata.resource_version = None;
+    let status = api_status(
+        leases
+            .replace("l", &PostParams::default(), &lease)
+            .await
+            .unwrap_err(),
+    );
+    assert_eq!((status.code, status.reason.as_str()), (422, "Invalid"));
+    assert_eq!(
+        status.message,
+        "leases.coordination.k8s.io \"l\" is invalid: metadata.resourceVersion: Invalid value: 0: must be specified for an update"
+    );
+    let mut current = leases.get("l").await.unwrap();
+    if let Some(spec) = current.spec.as_mut() {
+        spec.holder_identity = Some("b".into());
+    }
+    leases
+        .replace("l", &PostParams::default(), &current)
+        .await
+        .unwrap();
+    // The version just replaced is stale now.
+    assert_eq!(
+        code(
+            leases
+                .replace("l", &PostParams::default(), &current)
+                .await
+                .unwrap_err()
+        ),
+        409
+    );
+}
+
+#[tokio::test]
+async fn custom_objects_refuse_strategic_merge_and_unknown_field_selectors() {
+    let (_api, client, _dir) = start().await;
+    let widgets: Api<Widget> = Api::namespaced(client.clone(), "default");
+    widgets
+        .create(
+            &PostParams::default(),
+            &Widget::new("w", WidgetSpec { size: 1 }),
+        )
+        .await
+        .unwrap();
+    let status = api_status(
+        widgets
+            .patch(
+                "w",
+                &PatchParams::default(),
+                &Patch::Strategic(json!({"spec": {"size": 2}})),
+            )
+            .await
+            .unwrap_err(),
+    );
+    assert_eq!(
+        (status.code, status.reason.as_str()),
+        (415, "UnsupportedMediaType")
+    );
+    let mut unversioned = widgets.get("w").await.unwrap();
+    unversioned.metadata.resource_version = None;
+    assert_eq!(
+        code(
+            widgets
+                .replace("w", &PostParams::default(), &unversioned)
+                .await
+                .unwrap_err()
+        ),
+        422
+    );
+
+    let status = api_status(
+        widgets
+            .list(&ListParams::default().fields("spec.size=1"))
+            .await
+            .unwrap_err(),
+    );
+    assert_eq!(status.code, 400);
+    assert_eq!(
+        status.message,
+        "\"spec.size\" is not a known field selector: only \"metadata.name\", \"metadata.namespace\""
+    );
+    let maps: Api<ConfigMap> = Api::namespaced(client, "default");
+    let status = api_status(
+        maps.list(&ListParams::default().fields("data.x=1"))
+            .await
+            .unwrap_err(),
+    );
+    assert_eq!(
+        (status.code, status.message.as_str()),
+        (400, "field label not supported: data.x")
+    );
+}
+
+#[tokio::test]
+async fn finalizer_rules_generation_secrets_and_immutability() {
+    let (_api, client, _dir) = start().await;
+    let maps: Api<ConfigMap> = Api::namespaced(client.clone(), "default");
+    let unqualified: ConfigMap =
+        serde_json::from_value(json!({"metadata": {"name": "u", "finalizers": ["hold"]}})).unwrap();
+    let status = api_status(
+        maps.create(&PostParams::default(), &unqualified)
+            .await
+            .unwrap_err(),
+    );
+    assert_eq!(
+        status.message,
+        "ConfigMap \"u\" is invalid: metadata.finalizers[0]: Invalid value: \"hold\": name is neither a standard finalizer name nor is it fully qualified"
+    );
+
+    let held: ConfigMap = serde_json::from_value(
+        json!({"metadata": {"name": "held", "finalizers": ["example.io/a"]}}),
+    )
+    .unwrap();
+    let created = maps.create(&PostParams::default(), &held).await.unwrap();
+    assert!(
+        created.metadata.generation.is_none(),
+        "ConfigMaps have no generation"
+    );
+    maps.delete("held", &DeleteParams::default()).await.unwrap();
+    let status = api_status(
+        maps.patch(
+            "held",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"finalizers": ["example.io/a", "example.io/b"]}})),
+        )
+        .await
+        .unwrap_err(),
+    );
+    assert_eq!(
+        status.message,
+        "ConfigMap \"held\" is invalid: metadata.finalizers: Forbidden: no new finalizers can be added if the object is being deleted, found new finalizers []string{\"example.io/b\"}"
+    );
+
+    // stringData goes into data and is never stored.
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), "default");
+    let stored = secrets
+        .create(&PostParams::default(), &secret("s"))
+        .await
+        .unwrap();
+    assert!(stored.string_data.is_none());
+    let data = stored.data.unwrap();
+    assert_eq!(data["k"].0, b"v");
+    assert_eq!(data["a"].0, b"a");
+
+    let frozen: ConfigMap = serde_json::from_value(
+        json!({"metadata": {"name": "frozen"}, "immutable": true, "data": {"a": "1"}}),
+    )
+    .unwrap();
+    maps.create(&PostParams::default(), &frozen).await.unwrap();
+    let status = api_status(
+        maps.patch(
+            "frozen",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"data": {"a": "2"}})),
+        )
+        .await
+        .unwrap_err(),
+    );
+    assert_eq!(
+        status.message,
+        "ConfigMap \"frozen\" is invalid: data: Forbidden: field is immutable when `immutable` is set"
+    );
+    // Labels may still change.
+    maps.patch(
+        "frozen",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"metadata": {"labels": {"x": "y"}}})),
+    )
+    .await
+    .unwrap();
+
+    // Deployments count annotation changes and the start of deletion.
+    let deployments: Api<k8s_openapi::api::apps::v1::Deployment> =
+        Api::namespaced(client, "default");
+    let deployment = serde_json::from_value(json!({"metadata": {"name": "d", "finalizers": ["example.io/hold"]},
+        "spec": {"selector": {"matchLabels": {"app": "d"}},
+            "template": {"metadata": {"labels": {"app": "d"}}, "spec": {"containers": [{"name": "c", "image": "i"}]}}}}))
+    .unwrap();
+    let created = deployments
+        .create(&PostParams::default(), &deployment)
+        .await
+        .unwrap();
+    assert_eq!(created.metadata.generation, Some(1));
+    let annotated = deployments
+        .patch(
+            "d",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"annotations": {"a": "b"}}})),
+        )
+        .await
+        .unwrap();
+    assert_eq!(annotated.metadata.generation, Some(2));
+    let deleting = deployments
+        .delete("d", &DeleteParams::default())
+        .await
+        .unwrap()
+        .left()
+        .unwrap();
+    assert_eq!(deleting.metadata.generation, Some(3));
 }

@@ -271,15 +271,21 @@ async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<B
         (Method::PATCH, Some(name)) => {
             let kind = match content_type.as_str() {
                 "application/merge-patch+json" => PatchKind::Merge,
-                "application/strategic-merge-patch+json" => PatchKind::StrategicMerge,
+                // Custom objects have no strategy to merge with.
+                "application/strategic-merge-patch+json" if !t.custom => PatchKind::StrategicMerge,
                 "application/json-patch+json" => PatchKind::Json,
                 "application/apply-patch+yaml" | "application/apply-patch+json" => PatchKind::Apply,
-                other => {
+                _ => {
+                    let accepted = if t.custom {
+                        "application/json-patch+json, application/merge-patch+json, application/apply-patch+yaml"
+                    } else {
+                        "application/json-patch+json, application/merge-patch+json, application/strategic-merge-patch+json, application/apply-patch+yaml"
+                    };
                     return Err(ApiError::new(
                         415,
                         "UnsupportedMediaType",
                         format!(
-                            "the body of the request was in an unknown format - accepted media types include: application/json-patch+json, application/merge-patch+json, application/apply-patch+yaml (got {other:?})"
+                            "the body of the request was in an unknown format - accepted media types include: {accepted}"
                         ),
                     ));
                 }
@@ -300,7 +306,7 @@ async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<B
         }
         (Method::DELETE, None) => {
             let delete_options = delete_options(request, &query).await?;
-            let (labels, fields) = selectors(&query)?;
+            let (labels, fields) = selectors(&query, t)?;
             let (items, _, _) = store.list(t, ns, &labels, &fields, 0, None);
             let mut deleted = Vec::new();
             for item in items {
@@ -481,11 +487,69 @@ async fn read_json(request: Request<Incoming>, content_type: &str) -> Result<Val
         .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
 }
 
-fn selectors(query: &Query) -> Result<(LabelSelector, FieldSelector), ApiError> {
+/// The fields a type can be selected by besides `metadata.name` and
+/// `metadata.namespace` (what the real server's field label conversions
+/// accept).
+fn selectable_fields(t: &ResourceType) -> &'static [&'static str] {
+    const EVENT: &[&str] = &[
+        "involvedObject.kind",
+        "involvedObject.namespace",
+        "involvedObject.name",
+        "involvedObject.uid",
+        "involvedObject.apiVersion",
+        "involvedObject.resourceVersion",
+        "involvedObject.fieldPath",
+        "reason",
+        "reportingComponent",
+        "source",
+        "type",
+        "regarding.kind",
+        "regarding.namespace",
+        "regarding.name",
+        "regarding.uid",
+        "regarding.apiVersion",
+        "regarding.resourceVersion",
+        "regarding.fieldPath",
+        "reportingController",
+    ];
+    match (t.group.as_str(), t.plural.as_str()) {
+        ("", "secrets") => &["type"],
+        ("", "namespaces") => &["status.phase"],
+        ("", "events") | ("events.k8s.io", "events") => EVENT,
+        ("", "pods") => &[
+            "spec.nodeName",
+            "spec.restartPolicy",
+            "spec.schedulerName",
+            "spec.serviceAccountName",
+            "spec.hostNetwork",
+            "status.phase",
+            "status.podIP",
+            "status.podIPs",
+            "status.nominatedNodeName",
+        ],
+        ("certificates.k8s.io", "certificatesigningrequests") => &["spec.signerName"],
+        _ => &[],
+    }
+}
+
+fn selectors(query: &Query, t: &ResourceType) -> Result<(LabelSelector, FieldSelector), ApiError> {
     let labels = LabelSelector::parse(query.get("labelSelector").unwrap_or_default())
         .map_err(|e| ApiError::bad_request(e.to_string()))?;
     let fields = FieldSelector::parse(query.get("fieldSelector").unwrap_or_default())
         .map_err(|e| ApiError::bad_request(e.to_string()))?;
+    let allowed = selectable_fields(t);
+    for field in fields.fields() {
+        if matches!(field, "metadata.name" | "metadata.namespace") || allowed.contains(&field) {
+            continue;
+        }
+        return Err(ApiError::bad_request(if t.custom {
+            format!(
+                "{field:?} is not a known field selector: only \"metadata.name\", \"metadata.namespace\""
+            )
+        } else {
+            format!("field label not supported: {field}")
+        }));
+    }
     Ok((labels, fields))
 }
 
@@ -494,7 +558,7 @@ fn list_response(
     target: &Target,
     query: &Query,
 ) -> Result<Response<Body>, ApiError> {
-    let (labels, fields) = selectors(query)?;
+    let (labels, fields) = selectors(query, &target.resource)?;
     let limit = query.number("limit")?.unwrap_or(0) as usize;
     let (items, rv, next) = shared.store.list(
         &target.resource,
@@ -569,7 +633,7 @@ fn watch_response(
     target: &Target,
     query: &Query,
 ) -> Result<Response<Body>, ApiError> {
-    let (labels, fields) = selectors(query)?;
+    let (labels, fields) = selectors(query, &target.resource)?;
     let send_initial = query.flag("sendInitialEvents");
     let requested = query.number("resourceVersion")?;
     let from = if send_initial { None } else { requested };

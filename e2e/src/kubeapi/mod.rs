@@ -43,6 +43,7 @@ pub mod lifecycle;
 pub mod resources;
 pub mod selector;
 pub mod store;
+pub mod validate;
 
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};

@@ -24,6 +24,10 @@ pub struct ResourceType {
     pub short_names: Vec<String>,
     /// How its objects merge (server-side apply and field ownership).
     pub shape: Arc<Shape>,
+    /// Served for a CustomResourceDefinition.
+    pub custom: bool,
+    /// The server keeps `metadata.generation` (not every type has one).
+    pub generation: bool,
 }
 
 impl ResourceType {
@@ -39,7 +43,14 @@ impl ResourceType {
             approval: false,
             short_names: Vec::new(),
             shape: Arc::new(Shape::builtin()),
+            custom: false,
+            generation: false,
         }
+    }
+
+    fn with_generation(mut self) -> Self {
+        self.generation = true;
+        self
     }
 
     fn with_status(mut self) -> Self {
@@ -129,6 +140,8 @@ pub fn from_crd(crd: &Value) -> Result<Vec<ResourceType>, CrdError> {
             approval: false,
             short_names: short_names.clone(),
             shape: Arc::new(shape),
+            custom: true,
+            generation: true,
         });
     }
     if types.is_empty() {
@@ -156,11 +169,16 @@ impl Registry {
             ("Event", "events", true, false),
         ];
         for (kind, plural, namespaced, status) in core {
-            let t = ResourceType::builtin("", "v1", kind, plural, namespaced);
+            let mut t = ResourceType::builtin("", "v1", kind, plural, namespaced);
+            if kind == "Pod" {
+                t = t.with_generation();
+            }
             registry.add(if status { t.with_status() } else { t });
         }
         registry.add(
-            ResourceType::builtin("apps", "v1", "Deployment", "deployments", true).with_status(),
+            ResourceType::builtin("apps", "v1", "Deployment", "deployments", true)
+                .with_status()
+                .with_generation(),
         );
         registry.add(ResourceType::builtin(
             "coordination.k8s.io",
@@ -195,7 +213,8 @@ impl Registry {
                 "customresourcedefinitions",
                 false,
             )
-            .with_status(),
+            .with_status()
+            .with_generation(),
         );
         registry
     }

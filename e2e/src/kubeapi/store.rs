@@ -12,6 +12,7 @@ use tokio::sync::broadcast;
 use super::fields::{self, Conflicts, Manager, OwnershipError, Writer};
 use super::resources::{Registry, ResourceType, from_crd};
 use super::selector::{FieldSelector, LabelSelector};
+use super::validate;
 
 /// A failed request, rendered as a `meta/v1 Status`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -305,18 +306,6 @@ fn metadata_mut(object: &mut Value) -> Result<&mut Map<String, Value>, ApiError>
     metadata
         .as_object_mut()
         .ok_or_else(|| ApiError::bad_request("metadata must be an object"))
-}
-
-/// Everything but metadata and status: what `metadata.generation` tracks.
-fn content(object: &Value) -> Value {
-    let mut content = object.clone();
-    if let Some(map) = content.as_object_mut() {
-        map.remove("metadata");
-        map.remove("status");
-        map.remove("apiVersion");
-        map.remove("kind");
-    }
-    content
 }
 
 fn random_suffix() -> String {
@@ -819,6 +808,7 @@ impl Store {
             // Status is written through its subresource only.
             map.remove("status");
         }
+        validate::on_create(t, &name, &mut body, &now_rfc3339())?;
         // Ownership is of what the requester sent, before the server adds
         // its own fields.
         let writer = options.writer(t, Part::Main);
@@ -899,6 +889,7 @@ impl Store {
                 "the name of the object ({body_name}) does not match the name on the URL ({name})"
             )));
         }
+        validate::unconditional_update(t, name, &body)?;
         if let Some(rv) = meta(&body, "resourceVersion").filter(|rv| !rv.is_empty())
             && Some(rv) != meta(&old, "resourceVersion")
         {
@@ -1002,13 +993,7 @@ impl Store {
             map.insert("kind".into(), json!(t.kind));
         }
         validate_owner_references(t, &key.1, &new)?;
-        if content(&new) != content(&old) {
-            let generation = old
-                .pointer("/metadata/generation")
-                .and_then(Value::as_i64)
-                .unwrap_or(1);
-            new["metadata"]["generation"] = json!(generation + 1);
-        }
+        validate::on_update(t, &key.1, &old, &mut new, &now_rfc3339())?;
         let managers = match ownership {
             Ownership::Applied(managers) => managers,
             Ownership::Update(writer) => {
@@ -1212,6 +1197,10 @@ impl Store {
         if new.pointer("/metadata/deletionTimestamp").is_none() {
             new["metadata"]["deletionTimestamp"] = json!(now_rfc3339());
             new["metadata"]["deletionGracePeriodSeconds"] = json!(0);
+            // Deletion starting is a change of the object's desired state.
+            if let Some(generation) = new.pointer("/metadata/generation").and_then(Value::as_i64) {
+                new["metadata"]["generation"] = json!(generation + 1);
+            }
         }
         if new == old {
             return Ok(Deleted::Pending(as_version(old, t)));
