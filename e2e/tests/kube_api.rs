@@ -1740,3 +1740,217 @@ async fn finalizer_rules_generation_secrets_and_immutability() {
         .unwrap();
     assert_eq!(deleting.metadata.generation, Some(3));
 }
+
+const DUALS: &str = r#"
+apiVersion: apiextensions.k8s.io/v1
+kind: CustomResourceDefinition
+metadata:
+  name: duals.example.org
+spec:
+  group: example.org
+  scope: Cluster
+  names: {kind: Dual, plural: duals}
+  versions:
+    - name: v1alpha1
+      served: true
+      storage: false
+      schema:
+        openAPIV3Schema:
+          type: object
+          properties:
+            spec:
+              type: object
+              properties:
+                a: {type: string}
+    - name: v1beta1
+      served: true
+      storage: true
+      schema:
+        openAPIV3Schema:
+          type: object
+          properties:
+            spec:
+              type: object
+              properties:
+                a: {type: string}
+                b: {type: string}
+"#;
+
+fn duals(client: &Client, version: &str) -> Api<kube::api::DynamicObject> {
+    let resource = kube::api::ApiResource {
+        group: "example.org".into(),
+        version: version.into(),
+        api_version: format!("example.org/{version}"),
+        kind: "Dual".into(),
+        plural: "duals".into(),
+    };
+    Api::all_with(client.clone(), &resource)
+}
+
+fn dual(version: &str, name: &str, spec: serde_json::Value) -> kube::api::DynamicObject {
+    serde_json::from_value(
+        json!({"apiVersion": format!("example.org/{version}"), "kind": "Dual",
+        "metadata": {"name": name}, "spec": spec}),
+    )
+    .unwrap()
+}
+
+#[tokio::test]
+async fn custom_objects_follow_their_versions_schema() {
+    let (api, client, _dir) = start().await;
+    api.register_crds_from_yaml(TRACKERS).unwrap();
+    let trackers = trackers(&client);
+    let created = trackers
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(tracker(json!({"x": "1", "unknown": true}))).unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        created.data["spec"],
+        json!({"x": "1", "mode": "auto"}),
+        "pruned and defaulted"
+    );
+
+    let status = api_status(
+        trackers
+            .patch(
+                "t",
+                &PatchParams::default(),
+                &Patch::Merge(json!({"spec": {"x": 5, "tags": "no"}})),
+            )
+            .await
+            .unwrap_err(),
+    );
+    assert_eq!((status.code, status.reason.as_str()), (422, "Invalid"));
+    assert_eq!(
+        status.message,
+        "Tracker.example.io \"t\" is invalid: [spec.tags: Invalid value: \"string\": spec.tags in body must be of type array: \"string\", spec.x: Invalid value: \"integer\": spec.x in body must be of type string: \"integer\"]"
+    );
+    let fields: Vec<String> = status
+        .details
+        .unwrap()
+        .causes
+        .into_iter()
+        .map(|c| c.field)
+        .collect();
+    assert_eq!(fields, ["spec.tags", "spec.x"]);
+
+    // Two served versions without conversion: each is read and written
+    // through its own schema.
+    api.register_crds_from_yaml(DUALS).unwrap();
+    let alpha = duals(&client, "v1alpha1");
+    let beta = duals(&client, "v1beta1");
+    let written = alpha
+        .create(
+            &PostParams::default(),
+            &dual("v1alpha1", "one", json!({"a": "1", "b": "2"})),
+        )
+        .await
+        .unwrap();
+    assert_eq!(written.data["spec"], json!({"a": "1"}));
+    beta.create(
+        &PostParams::default(),
+        &dual("v1beta1", "two", json!({"a": "1", "b": "2"})),
+    )
+    .await
+    .unwrap();
+    assert_eq!(beta.get("two").await.unwrap().data["spec"]["b"], "2");
+    assert!(
+        alpha.get("two").await.unwrap().data["spec"]
+            .get("b")
+            .is_none()
+    );
+
+    let group: serde_json::Value = client
+        .request(
+            http::Request::get("/apis/example.org")
+                .body(Vec::new())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(group["preferredVersion"]["version"], "v1beta1");
+    assert_eq!(group["versions"][1]["version"], "v1alpha1");
+}
+
+#[tokio::test]
+async fn invalid_crds_are_refused_and_a_deleted_crd_takes_its_objects_and_api() {
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    let (api, client, _dir) = start().await;
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let mut crd: serde_json::Value = serde_saphyr::from_str(DUALS).unwrap();
+    crd["spec"]["versions"][0]
+        .as_object_mut()
+        .unwrap()
+        .remove("schema");
+    crd["spec"]["versions"][1]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+        .as_object_mut()
+        .unwrap()
+        .remove("type");
+    let status = api_status(
+        crds.create(
+            &PostParams::default(),
+            &serde_json::from_value(crd).unwrap(),
+        )
+        .await
+        .unwrap_err(),
+    );
+    assert_eq!(status.code, 422);
+    let fields: Vec<String> = status
+        .details
+        .unwrap()
+        .causes
+        .into_iter()
+        .map(|c| c.field)
+        .collect();
+    assert_eq!(
+        fields,
+        [
+            "spec.versions[0].schema.openAPIV3Schema",
+            "spec.versions[1].schema.openAPIV3Schema.properties[spec].type"
+        ]
+    );
+
+    api.register_crds_from_yaml(DUALS).unwrap();
+    let beta = duals(&client, "v1beta1");
+    let object = beta
+        .create(
+            &PostParams::default(),
+            &dual("v1beta1", "doomed", json!({"a": "1"})),
+        )
+        .await
+        .unwrap();
+    let crd = crds.get("duals.example.org").await.unwrap();
+    crds.delete("duals.example.org", &DeleteParams::default())
+        .await
+        .unwrap();
+    until(
+        &crds,
+        "duals.example.org",
+        kube::runtime::conditions::is_deleted(&crd.uid().unwrap()),
+    )
+    .await;
+    // The objects went first; now the API is gone too.
+    assert!(object.uid().is_some());
+    assert_eq!(code(beta.get("doomed").await.unwrap_err()), 404);
+    let missing = client
+        .request::<serde_json::Value>(
+            http::Request::get("/apis/example.org")
+                .body(Vec::new())
+                .unwrap(),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(code(missing), 404);
+    // Created again, it starts empty.
+    api.register_crds_from_yaml(DUALS).unwrap();
+    assert!(
+        beta.list(&ListParams::default())
+            .await
+            .unwrap()
+            .items
+            .is_empty()
+    );
+}

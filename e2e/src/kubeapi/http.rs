@@ -156,6 +156,30 @@ async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<B
                 &json!({"kind": "APIGroupList", "apiVersion": "v1", "groups": groups}),
             ));
         }
+        ["apis", group] => {
+            let versions = shared
+                .store
+                .registry()
+                .groups()
+                .remove(*group)
+                .filter(|_| !group.is_empty())
+                .ok_or_else(|| {
+                    ApiError::new(
+                        404,
+                        "NotFound",
+                        format!("the server could not find the requested resource ({path})"),
+                    )
+                })?;
+            let versions: Vec<Value> = versions
+                .iter()
+                .map(|v| json!({"groupVersion": format!("{group}/{v}"), "version": v}))
+                .collect();
+            return Ok(json_response(
+                StatusCode::OK,
+                &json!({"kind": "APIGroup", "apiVersion": "v1", "name": group,
+                        "versions": versions, "preferredVersion": versions[0]}),
+            ));
+        }
         ["api", version] => return resource_list(shared, "", version),
         ["apis", group, version] => return resource_list(shared, group, version),
         _ => {}

@@ -13,8 +13,8 @@ use serde_json::{Value, json};
 use tokio::sync::{broadcast, watch};
 
 use super::store::{
-    DeleteOptions, Event, EventType, FOREGROUND_FINALIZER, Located, ORPHAN_FINALIZER, Propagation,
-    Store, owner_uids,
+    CRD_CLEANUP_FINALIZER, DeleteOptions, Event, EventType, FOREGROUND_FINALIZER, Located,
+    ORPHAN_FINALIZER, Propagation, Store, owner_uids,
 };
 
 const GC_MANAGER: &str = "generic-garbage-collector";
@@ -65,6 +65,54 @@ fn is_namespace(located: &Located) -> bool {
     located.resource.group.is_empty() && located.resource.plural == "namespaces"
 }
 
+fn is_crd(located: &Located) -> bool {
+    located.resource.group == "apiextensions.k8s.io"
+        && located.resource.plural == "customresourcedefinitions"
+}
+
+/// A deleted CRD: its objects go first, then its finalizer (and with the
+/// CRD, its API).
+fn cleanup_crd(store: &Store, crd: &Located) {
+    if !deleting(&crd.object) || !has_finalizer(&crd.object, CRD_CLEANUP_FINALIZER) {
+        return;
+    }
+    let text = |pointer: &str| {
+        crd.object
+            .pointer(pointer)
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_string()
+    };
+    let storage_key = format!("{}/{}", text("/spec/group"), text("/spec/names/plural"));
+    let objects = store.find(|t, _| t.custom && t.storage_key() == storage_key);
+    for object in &objects {
+        if !deleting(&object.object) {
+            let _ = store.delete(
+                &object.resource,
+                object.namespace.as_deref(),
+                &object.name,
+                &DeleteOptions::default(),
+            );
+        }
+    }
+    if store
+        .find(|t, _| t.custom && t.storage_key() == storage_key)
+        .is_empty()
+    {
+        remove_finalizer(store, crd, CRD_CLEANUP_FINALIZER);
+    }
+}
+
+fn on_lifecycle_object(store: &Store, located: &Located) {
+    finish_owner(store, located);
+    if is_namespace(located) {
+        terminate_namespace(store, located);
+    }
+    if is_crd(located) {
+        cleanup_crd(store, located);
+    }
+}
+
 fn on_event(store: &Store, event: &Event) {
     match event.kind {
         EventType::Deleted => {
@@ -76,6 +124,23 @@ fn on_event(store: &Store, event: &Event) {
                 if deleting(&owner.object) {
                     finish_owner(store, &owner);
                 }
+            }
+            // The last object of a deleted CRD releases it.
+            let storage_key = event.storage_key.clone();
+            for crd in store.find(|t, o| {
+                t.plural == "customresourcedefinitions"
+                    && deleting(o)
+                    && format!(
+                        "{}/{}",
+                        o.pointer("/spec/group")
+                            .and_then(Value::as_str)
+                            .unwrap_or_default(),
+                        o.pointer("/spec/names/plural")
+                            .and_then(Value::as_str)
+                            .unwrap_or_default()
+                    ) == storage_key
+            }) {
+                cleanup_crd(store, &crd);
             }
             if !event.namespace.is_empty() {
                 let namespace = event.namespace.clone();
@@ -93,10 +158,7 @@ fn on_event(store: &Store, event: &Event) {
             if deleting(&event.object) {
                 let target = uid(&event.object);
                 for located in store.find(|_, o| uid(o) == target) {
-                    finish_owner(store, &located);
-                    if is_namespace(&located) {
-                        terminate_namespace(store, &located);
-                    }
+                    on_lifecycle_object(store, &located);
                 }
             }
             // An object added with owners that are already gone is garbage.
@@ -112,10 +174,7 @@ fn on_event(store: &Store, event: &Event) {
 
 fn resync_all(store: &Store) {
     for located in store.find(|_, o| deleting(o)) {
-        finish_owner(store, &located);
-        if is_namespace(&located) {
-            terminate_namespace(store, &located);
-        }
+        on_lifecycle_object(store, &located);
     }
     for located in store.find(|_, o| !owner_uids(o).is_empty()) {
         collect_if_orphaned(store, &located);

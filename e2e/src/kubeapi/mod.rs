@@ -41,6 +41,7 @@ pub mod fields;
 pub mod http;
 pub mod lifecycle;
 pub mod resources;
+pub mod schema;
 pub mod selector;
 pub mod store;
 pub mod validate;

@@ -28,6 +28,8 @@ pub struct ResourceType {
     pub custom: bool,
     /// The server keeps `metadata.generation` (not every type has one).
     pub generation: bool,
+    /// A custom type's `openAPIV3Schema` for this version.
+    pub schema: Option<Arc<Value>>,
 }
 
 impl ResourceType {
@@ -45,6 +47,7 @@ impl ResourceType {
             shape: Arc::new(Shape::builtin()),
             custom: false,
             generation: false,
+            schema: None,
         }
     }
 
@@ -142,6 +145,10 @@ pub fn from_crd(crd: &Value) -> Result<Vec<ResourceType>, CrdError> {
             shape: Arc::new(shape),
             custom: true,
             generation: true,
+            schema: version
+                .pointer("/schema/openAPIV3Schema")
+                .cloned()
+                .map(Arc::new),
         });
     }
     if types.is_empty() {
@@ -229,7 +236,8 @@ impl Registry {
             .get(&(group.to_string(), version.to_string(), plural.to_string()))
     }
 
-    /// Every group with its versions (the core group is `""`).
+    /// Every group with its versions, preferred first (the core group is
+    /// `""`).
     pub fn groups(&self) -> BTreeMap<String, Vec<String>> {
         let mut groups: BTreeMap<String, Vec<String>> = BTreeMap::new();
         for (group, version, _) in self.types.keys() {
@@ -238,7 +246,16 @@ impl Registry {
                 versions.push(version.clone());
             }
         }
+        for versions in groups.values_mut() {
+            super::schema::by_priority(versions);
+        }
         groups
+    }
+
+    /// Stops serving every version of a custom resource.
+    pub fn remove_resource(&mut self, group: &str, plural: &str) {
+        self.types
+            .retain(|(g, _, p), t| !(g == group && p == plural && t.custom));
     }
 
     pub fn in_group_version<'a>(

@@ -12,7 +12,7 @@ use tokio::sync::broadcast;
 use super::fields::{self, Conflicts, Manager, OwnershipError, Writer};
 use super::resources::{Registry, ResourceType, from_crd};
 use super::selector::{FieldSelector, LabelSelector};
-use super::validate;
+use super::{schema, validate};
 
 /// A failed request, rendered as a `meta/v1 Status`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -575,6 +575,17 @@ impl Store {
         if let Ok(metadata) = metadata_mut(&mut object) {
             metadata.insert("resourceVersion".into(), json!(rv.to_string()));
         }
+        if kind == EventType::Deleted
+            && t.plural == "customresourcedefinitions"
+            && t.group == "apiextensions.k8s.io"
+        {
+            // Its API goes with it.
+            let group = object.pointer("/spec/group").and_then(Value::as_str);
+            let plural = object.pointer("/spec/names/plural").and_then(Value::as_str);
+            if let (Some(group), Some(plural)) = (group, plural) {
+                inner.registry.remove_resource(group, plural);
+            }
+        }
         let store = inner.objects.entry(t.storage_key()).or_default();
         if kind == EventType::Deleted {
             store.remove(&key);
@@ -810,18 +821,32 @@ impl Store {
         }
         validate::on_create(t, &name, &mut body, &now_rfc3339())?;
         // Ownership is of what the requester sent, before the server adds
-        // its own fields.
+        // its own fields; an applier does not own what defaulting adds.
         let writer = options.writer(t, Part::Main);
-        let managers = if applied {
-            fields::apply(&json!({}), &body, Vec::new(), &writer, true, &t.shape)
-                .map(|(_, managers)| managers)
-                .map_err(conflict_error)?
+        let applied_managers = if applied {
+            let (_, managers) =
+                fields::apply(&json!({}), &body, Vec::new(), &writer, true, &t.shape)
+                    .map_err(conflict_error)?;
+            Some(managers)
         } else {
+            None
+        };
+        conform(t, &name, &mut body)?;
+        let managers = match applied_managers {
+            Some(managers) => managers,
             // As the real server, a body it cannot track fields of is
             // stored all the same, without managedFields.
-            fields::record_update(&json!({}), &body, Vec::new(), &writer, &t.shape)
-                .unwrap_or_default()
+            None => fields::record_update(&json!({}), &body, Vec::new(), &writer, &t.shape)
+                .unwrap_or_default(),
         };
+        if t.plural == "customresourcedefinitions" {
+            check_crd(t, &name, &body)?;
+            let mut finalizers = finalizer_names(&body);
+            if !finalizers.iter().any(|f| f == CRD_CLEANUP_FINALIZER) {
+                finalizers.push(CRD_CLEANUP_FINALIZER.into());
+            }
+            body["metadata"]["finalizers"] = json!(finalizers);
+        }
         if t.plural == "certificatesigningrequests" && t.group == "certificates.k8s.io" {
             // As the real server: the requester is who authenticated, never
             // what the body claims.
@@ -994,6 +1019,10 @@ impl Store {
         }
         validate_owner_references(t, &key.1, &new)?;
         validate::on_update(t, &key.1, &old, &mut new, &now_rfc3339())?;
+        conform(t, &key.1, &mut new)?;
+        if t.plural == "customresourcedefinitions" {
+            check_crd(t, &key.1, &new)?;
+        }
         let managers = match ownership {
             Ownership::Applied(managers) => managers,
             Ownership::Update(writer) => {
@@ -1362,5 +1391,36 @@ pub fn as_version(mut object: Value, t: &ResourceType) -> Value {
     if let Some(map) = object.as_object_mut() {
         map.insert("apiVersion".into(), json!(t.api_version()));
     }
+    // Without a conversion webhook, each version shows what its own
+    // schema knows.
+    schema::present(t.schema.as_deref(), &mut object);
     object
 }
+
+/// A custom object as its version's schema has it: pruned, defaulted,
+/// valid (422 with one cause per field otherwise).
+fn conform(t: &ResourceType, name: &str, object: &mut Value) -> Result<(), ApiError> {
+    let Some(openapi) = t.schema.as_deref() else {
+        return Ok(());
+    };
+    schema::present(Some(openapi), object);
+    let errors = schema::validate(openapi, object);
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(ApiError::invalid_fields(t, name, &errors))
+    }
+}
+
+/// A CustomResourceDefinition the real server would accept.
+fn check_crd(t: &ResourceType, name: &str, crd: &Value) -> Result<(), ApiError> {
+    let errors = schema::crd_errors(crd);
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(ApiError::invalid_fields(t, name, &errors))
+    }
+}
+
+/// The finalizer that holds a deleted CRD until its objects are gone.
+pub const CRD_CLEANUP_FINALIZER: &str = "customresourcecleanup.apiextensions.k8s.io";
