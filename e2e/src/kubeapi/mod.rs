@@ -17,25 +17,23 @@
 //! CertificateSigningRequests get `spec.username`/`uid`/`groups` from the
 //! authenticated requester, as on the real server.
 //!
+//! Where a controller could be fooled it answers as kube-apiserver does:
+//! server-side apply with per-manager field sets ([`fields`]), garbage
+//! collection and namespace termination ([`lifecycle`]), CRD schemas
+//! ([`schema`]) and per-type write rules ([`validate`]).
+//!
 //! What it does **not** emulate:
 //! * authorization (RBAC): every authenticated user may do anything;
-//!   authentication is by bearer token only (no client certificates);
-//! * admission, defaulting and OpenAPI schema validation (CRD schemas are
-//!   not enforced; objects are stored as sent);
-//! * strategic merge patch (treated as a JSON merge patch: lists are
-//!   replaced, not merged by key);
-//! * server-side apply conflicts: an apply is a merge of the applied
-//!   configuration; `managedFields` records each manager's applied field
-//!   set, and fields a manager applied before and leaves out now are removed
-//!   as if it were their only owner; there are no conflicts between managers
-//!   and `force` changes nothing; list merge keys are ignored (lists are
-//!   replaced);
-//! * garbage collection by ownerReferences, and controllers of built-in
-//!   types (Deployments do not create Pods; nothing signs CSRs);
-//! * namespace deletion is immediate and takes the namespace's objects with
-//!   it (no `Terminating` phase);
-//! * protobuf, tables (`as=Table`), aggregated discovery, `exec`/`logs`/
-//!   `portforward`, API priority and fairness, and persistence.
+//!   authentication is by bearer token only (no client certificates,
+//!   impersonation or review APIs);
+//! * admission webhooks, CRD schema rules beyond types, `required`,
+//!   `enum`, ranges, lengths and item counts, and conversion webhooks;
+//! * strategic merge patch (treated as a JSON merge patch);
+//! * controllers of built-in types (Deployments do not create Pods;
+//!   nothing signs CSRs);
+//! * protobuf, tables (`as=Table`), OpenAPI documents, aggregated
+//!   discovery, `exec`/`logs`/`portforward`, API priority and fairness,
+//!   and persistence.
 
 pub mod fields;
 pub mod http;
