@@ -1954,3 +1954,77 @@ async fn invalid_crds_are_refused_and_a_deleted_crd_takes_its_objects_and_api() 
             .is_empty()
     );
 }
+
+#[tokio::test]
+async fn health_discovery_names_and_list_pages() {
+    let (api, client, dir) = start().await;
+    // Health endpoints answer without credentials.
+    let text = std::fs::read_to_string(api.kubeconfig_path()).unwrap();
+    let token_line = text
+        .lines()
+        .find(|l| l.trim_start().starts_with("token:"))
+        .unwrap();
+    let anonymous = dir.path().join("anonymous");
+    std::fs::write(&anonymous, text.replace(token_line, "    token: nobody")).unwrap();
+    let anonymous = KubeApi::client_from(&anonymous).await.unwrap();
+    for path in ["/healthz", "/readyz", "/livez"] {
+        let answer = anonymous
+            .request_text(http::Request::get(path).body(Vec::new()).unwrap())
+            .await
+            .unwrap();
+        assert_eq!(answer, "ok", "{path}");
+    }
+
+    let core: serde_json::Value = client
+        .request(http::Request::get("/api/v1").body(Vec::new()).unwrap())
+        .await
+        .unwrap();
+    let resource = |name: &str| {
+        core["resources"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["name"] == name)
+            .cloned()
+            .unwrap()
+    };
+    assert_eq!(resource("namespaces")["shortNames"], json!(["ns"]));
+    assert_eq!(resource("configmaps")["shortNames"], json!(["cm"]));
+    assert_eq!(resource("pods")["categories"], json!(["all"]));
+
+    let maps: Api<ConfigMap> = Api::namespaced(client.clone(), "default");
+    for name in ["a", "b", "c"] {
+        config_map(&maps, name).await;
+    }
+    let status = api_status(
+        maps.create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({"metadata": {"name": "a"}})).unwrap(),
+        )
+        .await
+        .unwrap_err(),
+    );
+    assert_eq!(status.reason, "AlreadyExists");
+    let details = status.details.unwrap();
+    assert_eq!(
+        (details.name.as_str(), details.kind.as_str()),
+        ("a", "configmaps")
+    );
+
+    let first = maps.list(&ListParams::default().limit(1)).await.unwrap();
+    assert_eq!(first.metadata.remaining_item_count, Some(2));
+    let token = first.metadata.continue_.clone().unwrap();
+    let second = maps
+        .list(&ListParams::default().limit(1).continue_token(&token))
+        .await
+        .unwrap();
+    assert_eq!(second.items[0].name_any(), "b");
+    assert_eq!(second.metadata.remaining_item_count, Some(1));
+    let status = api_status(
+        maps.list(&ListParams::default().limit(1).continue_token("not-a-token"))
+            .await
+            .unwrap_err(),
+    );
+    assert_eq!(status.code, 400);
+    assert!(status.message.starts_with("continue key is not valid"));
+}

@@ -116,8 +116,18 @@ struct Target {
 }
 
 async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<Body>, ApiError> {
-    let user = shared.authenticate(&request)?;
     let path = request.uri().path().to_string();
+    // Health endpoints answer anyone, as the real server's
+    // system:public-info-viewer role allows.
+    if matches!(path.as_str(), "/healthz" | "/readyz" | "/livez") {
+        let mut response = Response::new(Full::new(Bytes::from_static(b"ok")).boxed());
+        response.headers_mut().insert(
+            header::CONTENT_TYPE,
+            header::HeaderValue::from_static("text/plain; charset=utf-8"),
+        );
+        return Ok(response);
+    }
+    let user = shared.authenticate(&request)?;
     let segments: Vec<&str> = path.split('/').filter(|s| !s.is_empty()).collect();
     match segments.as_slice() {
         ["version"] => {
@@ -331,9 +341,9 @@ async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<B
         (Method::DELETE, None) => {
             let delete_options = delete_options(request, &query).await?;
             let (labels, fields) = selectors(&query, t)?;
-            let (items, _, _) = store.list(t, ns, &labels, &fields, 0, None);
+            let page = store.list(t, ns, &labels, &fields, 0, None);
             let mut deleted = Vec::new();
-            for item in items {
+            for item in page.items {
                 let name = item
                     .pointer("/metadata/name")
                     .and_then(Value::as_str)
@@ -456,7 +466,7 @@ fn resource_list(shared: &Shared, group: &str, version: &str) -> Result<Response
         verbs.sort_unstable();
         resources.push(
             json!({"name": t.plural, "singularName": t.singular, "namespaced": t.namespaced,
-            "kind": t.kind, "verbs": verbs, "shortNames": t.short_names}),
+            "kind": t.kind, "verbs": verbs, "shortNames": t.short_names, "categories": t.categories}),
         );
         if t.status {
             resources.push(json!({"name": format!("{}/status", t.plural), "singularName": "", "namespaced": t.namespaced,
@@ -584,23 +594,56 @@ fn list_response(
 ) -> Result<Response<Body>, ApiError> {
     let (labels, fields) = selectors(query, &target.resource)?;
     let limit = query.number("limit")?.unwrap_or(0) as usize;
-    let (items, rv, next) = shared.store.list(
+    let after = query.get("continue").map(decode_continue).transpose()?;
+    let page = shared.store.list(
         &target.resource,
         target.namespace.as_deref(),
         &labels,
         &fields,
         limit,
-        query.get("continue"),
+        after.as_deref(),
     );
-    let mut metadata = json!({"resourceVersion": rv.to_string()});
-    if let Some(next) = next {
-        metadata["continue"] = json!(next);
+    let mut metadata = json!({"resourceVersion": page.resource_version.to_string()});
+    if let Some(next) = page.next {
+        metadata["continue"] = json!(encode_continue(page.resource_version, &next));
+        // As the real server, only an unfiltered list counts what is left.
+        if query.get("labelSelector").is_none() && query.get("fieldSelector").is_none() {
+            metadata["remainingItemCount"] = json!(page.remaining);
+        }
     }
     Ok(json_response(
         StatusCode::OK,
         &json!({"kind": target.resource.list_kind(), "apiVersion": target.resource.api_version(),
-                "metadata": metadata, "items": items}),
+                "metadata": metadata, "items": page.items}),
     ))
+}
+
+/// A continue token shaped as the real server's: base64 of
+/// `{"v":"meta.k8s.io/v1","rv":…,"start":"…"}`.
+fn encode_continue(resource_version: u64, after: &str) -> String {
+    use base64::Engine;
+    let token =
+        json!({"v": "meta.k8s.io/v1", "rv": resource_version, "start": format!("{after}\u{0}")});
+    base64::engine::general_purpose::URL_SAFE.encode(token.to_string())
+}
+
+fn decode_continue(token: &str) -> Result<String, ApiError> {
+    use base64::Engine;
+    let invalid = |why: String| ApiError::bad_request(format!("continue key is not valid: {why}"));
+    let bytes = base64::engine::general_purpose::URL_SAFE
+        .decode(token)
+        .map_err(|e| invalid(e.to_string()))?;
+    let value: Value = serde_json::from_slice(&bytes).map_err(|e| invalid(e.to_string()))?;
+    if value.get("v").and_then(Value::as_str) != Some("meta.k8s.io/v1") {
+        return Err(invalid(
+            "incorrect encoded start resourceVersion (version meta.k8s.io/v1)".into(),
+        ));
+    }
+    value
+        .get("start")
+        .and_then(Value::as_str)
+        .map(|s| s.trim_end_matches('\u{0}').to_string())
+        .ok_or_else(|| invalid("no start key".into()))
 }
 
 /// How a change looks to one watcher: selector transitions turn into ADDED

@@ -22,6 +22,8 @@ pub struct ResourceType {
     /// CertificateSigningRequests' `/approval`.
     pub approval: bool,
     pub short_names: Vec<String>,
+    /// Discovery categories (`kubectl get all` lists the `all` category).
+    pub categories: Vec<String>,
     /// How its objects merge (server-side apply and field ownership).
     pub shape: Arc<Shape>,
     /// Served for a CustomResourceDefinition.
@@ -44,6 +46,7 @@ impl ResourceType {
             status: false,
             approval: false,
             short_names: Vec::new(),
+            categories: Vec::new(),
             shape: Arc::new(Shape::builtin()),
             custom: false,
             generation: false,
@@ -108,16 +111,20 @@ pub fn from_crd(crd: &Value) -> Result<Vec<ResourceType>, CrdError> {
         Some("Cluster") => false,
         _ => return Err(CrdError::Invalid("spec.scope (Namespaced or Cluster)")),
     };
-    let short_names: Vec<String> = names
-        .get("shortNames")
-        .and_then(Value::as_array)
-        .map(|a| {
-            a.iter()
-                .filter_map(Value::as_str)
-                .map(str::to_string)
-                .collect()
-        })
-        .unwrap_or_default();
+    let list = |field: &str| -> Vec<String> {
+        names
+            .get(field)
+            .and_then(Value::as_array)
+            .map(|a| {
+                a.iter()
+                    .filter_map(Value::as_str)
+                    .map(str::to_string)
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let short_names = list("shortNames");
+    let categories = list("categories");
     let versions = spec
         .get("versions")
         .and_then(Value::as_array)
@@ -142,6 +149,7 @@ pub fn from_crd(crd: &Value) -> Result<Vec<ResourceType>, CrdError> {
             status: version.pointer("/subresources/status").is_some(),
             approval: false,
             short_names: short_names.clone(),
+            categories: categories.clone(),
             shape: Arc::new(shape),
             custom: true,
             generation: true,
@@ -203,7 +211,6 @@ impl Registry {
         )
         .with_status();
         csr.approval = true;
-        csr.short_names = vec!["csr".into()];
         registry.add(csr);
         registry.add(ResourceType::builtin(
             "events.k8s.io",
@@ -226,7 +233,34 @@ impl Registry {
         registry
     }
 
+    /// The short names and categories kube-apiserver gives built-in types.
+    fn with_builtin_names(mut t: ResourceType) -> ResourceType {
+        let (short, categories): (&[&str], &[&str]) = match (t.group.as_str(), t.plural.as_str()) {
+            ("", "namespaces") => (&["ns"], &[]),
+            ("", "configmaps") => (&["cm"], &[]),
+            ("", "services") => (&["svc"], &["all"]),
+            ("", "serviceaccounts") => (&["sa"], &[]),
+            ("", "pods") => (&["po"], &["all"]),
+            ("", "events") => (&["ev"], &[]),
+            ("events.k8s.io", "events") => (&["ev"], &[]),
+            ("apps", "deployments") => (&["deploy"], &["all"]),
+            ("certificates.k8s.io", "certificatesigningrequests") => (&["csr"], &[]),
+            ("apiextensions.k8s.io", "customresourcedefinitions") => {
+                (&["crd", "crds"], &["api-extensions"])
+            }
+            _ => (&[], &[]),
+        };
+        t.short_names = short.iter().map(|s| s.to_string()).collect();
+        t.categories = categories.iter().map(|s| s.to_string()).collect();
+        t
+    }
+
     pub fn add(&mut self, t: ResourceType) {
+        let t = if t.custom {
+            t
+        } else {
+            Self::with_builtin_names(t)
+        };
         self.types
             .insert((t.group.clone(), t.version.clone(), t.plural.clone()), t);
     }

@@ -458,6 +458,17 @@ fn validate_owner_references(t: &ResourceType, name: &str, object: &Value) -> Re
     }
 }
 
+/// One page of a list.
+#[derive(Debug)]
+pub struct ListPage {
+    pub items: Vec<Value>,
+    pub resource_version: u64,
+    /// Where the next page starts after (`namespace/name`), if any.
+    pub next: Option<String>,
+    /// How many matching items the later pages hold.
+    pub remaining: usize,
+}
+
 /// One stored object, where it lives.
 #[derive(Debug, Clone)]
 pub struct Located {
@@ -694,10 +705,14 @@ impl Store {
         fields: &FieldSelector,
         limit: usize,
         continue_after: Option<&str>,
-    ) -> (Vec<Value>, u64, Option<String>) {
+    ) -> ListPage {
         let inner = self.lock();
-        let mut items = Vec::new();
-        let mut next = None;
+        let mut page = ListPage {
+            items: Vec::new(),
+            resource_version: inner.resource_version,
+            next: None,
+            remaining: 0,
+        };
         if let Some(objects) = inner.objects.get(&t.storage_key()) {
             for ((ns, name), object) in objects {
                 if t.namespaced && namespace.is_some_and(|want| want != ns) {
@@ -710,20 +725,23 @@ impl Store {
                 if !labels.matches(object) || !fields.matches(object) {
                     continue;
                 }
-                if limit > 0 && items.len() == limit {
-                    next = items.last().map(|o: &Value| {
-                        format!(
-                            "{}/{}",
-                            meta(o, "namespace").unwrap_or_default(),
-                            meta(o, "name").unwrap_or_default()
-                        )
-                    });
-                    break;
+                if limit > 0 && page.items.len() == limit {
+                    if page.next.is_none() {
+                        page.next = page.items.last().map(|o: &Value| {
+                            format!(
+                                "{}/{}",
+                                meta(o, "namespace").unwrap_or_default(),
+                                meta(o, "name").unwrap_or_default()
+                            )
+                        });
+                    }
+                    page.remaining += 1;
+                    continue;
                 }
-                items.push(as_version(object.clone(), t));
+                page.items.push(as_version(object.clone(), t));
             }
         }
-        (items, inner.resource_version, next)
+        page
     }
 
     pub fn create(
@@ -811,7 +829,8 @@ impl Store {
                 409,
                 "AlreadyExists",
                 format!("{} \"{name}\" already exists", group_resource(t)),
-            ));
+            )
+            .about(t, &name));
         }
         if t.status
             && let Some(map) = body.as_object_mut()
