@@ -2028,3 +2028,47 @@ async fn health_discovery_names_and_list_pages() {
     assert_eq!(status.code, 400);
     assert!(status.message.starts_with("continue key is not valid"));
 }
+
+#[tokio::test]
+async fn strategic_merge_patches_merge_containers_by_name() {
+    let (_api, client, _dir) = start().await;
+    let deployments: Api<k8s_openapi::api::apps::v1::Deployment> =
+        Api::namespaced(client, "default");
+    let deployment = serde_json::from_value(json!({"metadata": {"name": "d"},
+        "spec": {"selector": {"matchLabels": {"app": "d"}},
+            "template": {"metadata": {"labels": {"app": "d"}}, "spec": {"containers": [
+                {"name": "main", "image": "1"}, {"name": "old", "image": "1"}]}}}}))
+    .unwrap();
+    deployments
+        .create(&PostParams::default(), &deployment)
+        .await
+        .unwrap();
+    let patched = deployments
+        .patch(
+            "d",
+            &PatchParams::default(),
+            &Patch::Strategic(json!({"spec": {"template": {"spec": {"containers": [
+                {"name": "main", "image": "2"},
+                {"name": "old", "$patch": "delete"},
+                {"name": "sidecar", "image": "3"}]}}}})),
+        )
+        .await
+        .unwrap();
+    let containers: Vec<(String, Option<String>)> = patched
+        .spec
+        .unwrap()
+        .template
+        .spec
+        .unwrap()
+        .containers
+        .into_iter()
+        .map(|c| (c.name, c.image))
+        .collect();
+    assert_eq!(
+        containers,
+        [
+            ("main".to_string(), Some("2".to_string())),
+            ("sidecar".to_string(), Some("3".to_string()))
+        ]
+    );
+}

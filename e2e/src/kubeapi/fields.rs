@@ -524,6 +524,92 @@ pub fn merge(live: &Value, config: &Value, shape: &Shape) -> Value {
     }
 }
 
+/// A strategic merge patch applied to `live`: objects merge key by key
+/// (`null` deletes), keyed lists merge entry by entry (an entry with
+/// `$patch: delete` goes), sets are united, other lists are replaced, and
+/// `$patch: replace` replaces an object whole.
+pub fn strategic_merge(live: &Value, patch: &Value, shape: &Shape) -> Value {
+    match patch {
+        Value::Object(directives)
+            if directives.get("$patch").and_then(Value::as_str) == Some("replace") =>
+        {
+            without_directives(patch)
+        }
+        Value::Object(changes) if !shape.atomic_object() && !matches!(shape, Shape::Scalar) => {
+            let mut merged = live.as_object().cloned().unwrap_or_default();
+            for (name, value) in changes {
+                if name.starts_with('$') {
+                    continue;
+                }
+                if value.is_null() {
+                    merged.remove(name);
+                    continue;
+                }
+                let existing = merged.get(name).cloned().unwrap_or(Value::Null);
+                merged.insert(
+                    name.clone(),
+                    strategic_merge(&existing, value, &shape.field(name)),
+                );
+            }
+            Value::Object(merged)
+        }
+        Value::Array(changes) => {
+            let (item_shape, kind) = shape.list();
+            let Some(live_items) = live.as_array() else {
+                return without_directives(patch);
+            };
+            match kind {
+                ListKind::Atomic => without_directives(patch),
+                ListKind::Set => {
+                    let mut merged = live_items.clone();
+                    for item in changes {
+                        if !merged.contains(item) {
+                            merged.push(item.clone());
+                        }
+                    }
+                    Value::Array(merged)
+                }
+                ListKind::Map(_) => {
+                    let mut merged = live_items.clone();
+                    for item in changes {
+                        let step = item_step(item, &kind);
+                        let position = merged.iter().position(|existing| {
+                            step.is_some() && item_step(existing, &kind) == step
+                        });
+                        let delete = item.get("$patch").and_then(Value::as_str) == Some("delete");
+                        match (position, delete) {
+                            (Some(i), true) => {
+                                merged.remove(i);
+                            }
+                            (None, true) => {}
+                            (Some(i), false) => {
+                                merged[i] = strategic_merge(&merged[i], item, &item_shape);
+                            }
+                            (None, false) => merged.push(without_directives(item)),
+                        }
+                    }
+                    Value::Array(merged)
+                }
+            }
+        }
+        other => without_directives(other),
+    }
+}
+
+/// `value` without strategic-merge directives (`$patch`, `$retainKeys`, …).
+fn without_directives(value: &Value) -> Value {
+    match value {
+        Value::Object(map) => Value::Object(
+            map.iter()
+                .filter(|(k, _)| !k.starts_with('$'))
+                .map(|(k, v)| (k.clone(), without_directives(v)))
+                .collect(),
+        ),
+        Value::Array(items) => Value::Array(items.iter().map(without_directives).collect()),
+        other => other.clone(),
+    }
+}
+
 /// Removes the places `paths` name from `object` (the ones that exist).
 pub fn remove(object: &mut Value, paths: &FieldSet, shape: &Shape) {
     // A place whose parent goes too goes with it (removing a key field
@@ -1066,6 +1152,24 @@ mod tests {
         let err =
             applied_set(&json!({"spec": {"containers": [{"image": "x"}]}}), &shape).unwrap_err();
         assert!(matches!(err, ShapeError::MissingKey { .. }));
+    }
+
+    #[test]
+    fn strategic_merge_merges_keyed_lists_and_deletes_entries() {
+        let shape = Shape::builtin();
+        let live = json!({"metadata": {"finalizers": ["a/x"], "labels": {"k": "v"}},
+            "spec": {"containers": [{"name": "a", "image": "1"}, {"name": "b", "image": "1"}],
+                "args": ["x"]}});
+        let patch = json!({"metadata": {"finalizers": ["a/y"], "labels": {"k": null}},
+            "spec": {"containers": [{"name": "a", "image": "2"}, {"name": "b", "$patch": "delete"},
+                {"name": "c", "image": "3"}], "args": ["y"]}});
+        let merged = strategic_merge(&live, &patch, &shape);
+        assert_eq!(
+            merged,
+            json!({"metadata": {"finalizers": ["a/x", "a/y"], "labels": {}},
+                "spec": {"containers": [{"name": "a", "image": "2"}, {"name": "c", "image": "3"}],
+                    "args": ["y"]}})
+        );
     }
 
     #[test]

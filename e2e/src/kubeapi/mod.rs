@@ -28,7 +28,10 @@
 //!   impersonation or review APIs);
 //! * admission webhooks, CRD schema rules beyond types, `required`,
 //!   `enum`, ranges, lengths and item counts, and conversion webhooks;
-//! * strategic merge patch (treated as a JSON merge patch);
+//! * strategic merge beyond the common merge keys (no `$retainKeys`,
+//!   `$setElementOrder` or `$deleteFromPrimitiveList`);
+//! * continue tokens that read from a snapshot (a later page sees later
+//!   writes);
 //! * controllers of built-in types (Deployments do not create Pods;
 //!   nothing signs CSRs);
 //! * protobuf, tables (`as=Table`), OpenAPI documents, aggregated

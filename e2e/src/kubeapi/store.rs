@@ -205,7 +205,7 @@ impl Part {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PatchKind {
     Merge,
-    /// Strategic merge is treated as a JSON merge patch.
+    /// Built-in types only: keyed lists merge by their merge keys.
     StrategicMerge,
     Json,
     /// Server-side apply, treated as a merge with field-manager bookkeeping.
@@ -1128,8 +1128,16 @@ impl Store {
         let mut patched = old.clone();
         let mut ownership = Ownership::Update(writer.clone());
         match kind {
-            PatchKind::Merge | PatchKind::StrategicMerge => {
+            PatchKind::Merge => {
                 json_patch::merge(&mut patched, &patch);
+            }
+            PatchKind::StrategicMerge => {
+                if !patch.is_object() {
+                    return Err(ApiError::bad_request(
+                        "a strategic merge patch must be a JSON object",
+                    ));
+                }
+                patched = fields::strategic_merge(&old, &patch, &t.shape);
             }
             PatchKind::Apply => {
                 let config = applicable_config(t, &patch, part);
