@@ -1680,6 +1680,17 @@ async fn finalizer_rules_generation_secrets_and_immutability() {
         .await
         .unwrap();
     assert!(stored.string_data.is_none());
+    let request = http::Request::post("/api/v1/namespaces/default/secrets")
+        .header("content-type", "application/json")
+        .body(br#"{"metadata": {"name": "bad"}, "data": {"k": "not base64!"}}"#.to_vec())
+        .unwrap();
+    let status = api_status(
+        client
+            .request::<serde_json::Value>(request)
+            .await
+            .unwrap_err(),
+    );
+    assert_eq!((status.code, status.reason.as_str()), (400, "BadRequest"));
     let data = stored.data.unwrap();
     assert_eq!(data["k"].0, b"v");
     assert_eq!(data["a"].0, b"a");

@@ -241,7 +241,8 @@ impl WriteOptions {
                 .and_then(|ua| ua.split('/').next())
                 .filter(|m| !m.is_empty())
                 .map(|m| m.chars().take(128).collect())
-                .unwrap_or_else(|| "unknown".into()),
+                // Without either, the real server records an empty name.
+                .unwrap_or_default(),
         }
     }
 

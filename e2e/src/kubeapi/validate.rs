@@ -135,6 +135,18 @@ fn go_bytes(bytes: &[u8]) -> String {
 
 /// Values the real server cannot even decode: 400, before any validation.
 fn decode(t: &ResourceType, object: &Value) -> Result<(), ApiError> {
+    if is(t, "", "secrets") {
+        use base64::Engine;
+        let data = object.get("data").and_then(Value::as_object);
+        for value in data.into_iter().flat_map(|d| d.values()) {
+            let text = value.as_str().unwrap_or_default();
+            if let Err(e) = base64::engine::general_purpose::STANDARD.decode(text) {
+                return Err(ApiError::bad_request(format!(
+                    "Secret in version \"v1\" cannot be handled as a Secret: {e}"
+                )));
+            }
+        }
+    }
     if is(t, "coordination.k8s.io", "leases") {
         for field in ["renewTime", "acquireTime"] {
             let Some(value) = object.pointer(&format!("/spec/{field}")) else {
