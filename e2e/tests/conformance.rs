@@ -7,7 +7,9 @@
 //! A case runs in a namespace of its own (`{ns}`); `{id}` makes
 //! cluster-scoped names unique; `capture` keeps a value of an answer for
 //! later steps (`{name}`); `wait` repeats a step until its expectation
-//! holds (at most 30 s).
+//! holds (at most 30 s). An expectation names the status `code`, and may
+//! name the `reason`, the exact `message`, a `json` subset of the answer,
+//! and JSON pointers that must be `absent` or `present`.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -54,6 +56,9 @@ struct Expect {
     /// JSON pointers the answer must not have.
     #[serde(default)]
     absent: Vec<String>,
+    /// JSON pointers the answer must have, whatever their value.
+    #[serde(default)]
+    present: Vec<String>,
 }
 
 /// Whether `actual` has everything `expected` has (objects by key, lists
@@ -116,6 +121,11 @@ fn mismatch(
             problems.push(format!("answer has {pointer}"));
         }
     }
+    for pointer in &expect.present {
+        if body.pointer(pointer).is_none() {
+            problems.push(format!("answer lacks {pointer}"));
+        }
+    }
     if problems.is_empty() {
         None
     } else {
@@ -166,6 +176,7 @@ async fn run_case(client: &Client, index: usize, case: &Case) -> Result<(), Stri
             message: None,
             json: None,
             absent: Vec::new(),
+            present: Vec::new(),
         },
         capture: BTreeMap::new(),
         wait: false,
@@ -213,6 +224,7 @@ async fn run_case(client: &Client, index: usize, case: &Case) -> Result<(), Stri
             message: None,
             json: None,
             absent: Vec::new(),
+            present: Vec::new(),
         },
         capture: BTreeMap::new(),
         wait: false,
