@@ -2083,3 +2083,32 @@ async fn strategic_merge_patches_merge_containers_by_name() {
         ]
     );
 }
+
+#[tokio::test]
+async fn every_requester_is_authenticated_and_can_ask_who_it_is() {
+    let (api, _client, _dir) = start().await;
+    let kubeconfig = api.kubeconfig_for("someone", &["team"]).unwrap();
+    let someone = KubeApi::client_from(&kubeconfig).await.unwrap();
+    let review: serde_json::Value = someone
+        .request(
+            http::Request::post("/apis/authentication.k8s.io/v1/selfsubjectreviews")
+                .header("content-type", "application/json")
+                .body(
+                    br#"{"apiVersion":"authentication.k8s.io/v1","kind":"SelfSubjectReview"}"#
+                        .to_vec(),
+                )
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(review["status"]["userInfo"]["username"], "someone");
+    assert_eq!(
+        review["status"]["userInfo"]["groups"],
+        json!(["team", "system:authenticated"])
+    );
+    let discovery = kube::discovery::Discovery::new(someone)
+        .run()
+        .await
+        .unwrap();
+    assert!(discovery.has_group("authentication.k8s.io"));
+}

@@ -23,6 +23,9 @@ use super::store::{
 
 pub type Body = BoxBody<Bytes, Infallible>;
 
+/// The group every authenticated requester belongs to.
+const AUTHENTICATED: &str = "system:authenticated";
+
 /// Largest request body accepted (the real server's limit is 3 MiB).
 const MAX_BODY: usize = 3 * 1024 * 1024;
 
@@ -42,9 +45,14 @@ impl Shared {
             .and_then(|v| v.strip_prefix("Bearer "))
             .map(str::trim);
         let tokens = self.tokens.lock().unwrap_or_else(|p| p.into_inner());
-        token
+        let mut user = token
             .and_then(|t| tokens.get(t).cloned())
-            .ok_or_else(|| ApiError::new(401, "Unauthorized", "Unauthorized"))
+            .ok_or_else(|| ApiError::new(401, "Unauthorized", "Unauthorized"))?;
+        // As the real server: whoever authenticates is also in this group.
+        if !user.groups.iter().any(|g| g == AUTHENTICATED) {
+            user.groups.push(AUTHENTICATED.to_string());
+        }
+        Ok(user)
     }
 }
 
@@ -146,7 +154,7 @@ async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<B
             ));
         }
         ["apis"] => {
-            let groups: Vec<Value> = shared
+            let mut groups: Vec<Value> = shared
                 .store
                 .registry()
                 .groups()
@@ -161,6 +169,12 @@ async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<B
                     json!({"name": group, "versions": versions, "preferredVersion": preferred})
                 })
                 .collect();
+            let authentication =
+                json!({"groupVersion": "authentication.k8s.io/v1", "version": "v1"});
+            groups.push(
+                json!({"name": "authentication.k8s.io", "versions": [authentication],
+                "preferredVersion": authentication}),
+            );
             return Ok(json_response(
                 StatusCode::OK,
                 &json!({"kind": "APIGroupList", "apiVersion": "v1", "groups": groups}),
@@ -188,6 +202,25 @@ async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<B
                 StatusCode::OK,
                 &json!({"kind": "APIGroup", "apiVersion": "v1", "name": group,
                         "versions": versions, "preferredVersion": versions[0]}),
+            ));
+        }
+        ["apis", "authentication.k8s.io", "v1", "selfsubjectreviews"]
+            if request.method() == Method::POST =>
+        {
+            // `kubectl auth whoami`: who the server takes the requester for.
+            return Ok(json_response(
+                StatusCode::CREATED,
+                &json!({"kind": "SelfSubjectReview", "apiVersion": "authentication.k8s.io/v1",
+                        "metadata": {"creationTimestamp": null},
+                        "status": {"userInfo": {"username": user.name, "uid": user.uid, "groups": user.groups}}}),
+            ));
+        }
+        ["apis", "authentication.k8s.io", "v1"] => {
+            return Ok(json_response(
+                StatusCode::OK,
+                &json!({"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": "authentication.k8s.io/v1",
+                        "resources": [{"name": "selfsubjectreviews", "singularName": "selfsubjectreview",
+                            "namespaced": false, "kind": "SelfSubjectReview", "verbs": ["create"]}]}),
             ));
         }
         ["api", version] => return resource_list(shared, "", version),

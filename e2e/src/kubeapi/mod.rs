@@ -23,9 +23,10 @@
 //! ([`schema`]) and per-type write rules ([`validate`]).
 //!
 //! What it does **not** emulate:
-//! * authorization (RBAC): every authenticated user may do anything;
+//! * authorization (RBAC): every authenticated user (all are in
+//!   `system:authenticated`; `SelfSubjectReview` answers) may do anything;
 //!   authentication is by bearer token only (no client certificates,
-//!   impersonation or review APIs);
+//!   impersonation, access reviews or TokenRequest);
 //! * admission webhooks, CRD schema rules beyond types, `required`,
 //!   `enum`, ranges, lengths and item counts, and conversion webhooks;
 //! * strategic merge beyond the common merge keys (no `$retainKeys`,
