@@ -14,6 +14,7 @@ use hyper::body::{Frame, Incoming};
 use serde_json::{Value, json};
 use tokio::sync::{broadcast, mpsc, watch};
 
+use super::rbac;
 use super::resources::ResourceType;
 use super::selector::{FieldSelector, LabelSelector};
 use super::store::{
@@ -33,6 +34,8 @@ pub struct Shared {
     pub store: Arc<Store>,
     pub tokens: Mutex<HashMap<String, User>>,
     pub bookmark_interval: Duration,
+    /// Requests are authorized by RBAC.
+    pub rbac: bool,
     pub shutdown: watch::Receiver<bool>,
 }
 
@@ -52,7 +55,73 @@ impl Shared {
         if !user.groups.iter().any(|g| g == AUTHENTICATED) {
             user.groups.push(AUTHENTICATED.to_string());
         }
-        Ok(user)
+        self.impersonate(request, user)
+    }
+
+    /// Whether `user` may do this (always, without RBAC).
+    fn allowed(&self, user: &User, attributes: &rbac::Attributes) -> bool {
+        !self.rbac || rbac::allowed(&self.store, user, attributes)
+    }
+
+    fn authorize(&self, user: &User, attributes: &rbac::Attributes) -> Result<(), ApiError> {
+        if self.allowed(user, attributes) {
+            Ok(())
+        } else {
+            Err(rbac::forbidden(user, attributes))
+        }
+    }
+
+    /// The user a request acts as: the authenticated one, or the one its
+    /// `Impersonate-User`/`Impersonate-Group` headers name when it may
+    /// impersonate them.
+    fn impersonate(&self, request: &Request<Incoming>, user: User) -> Result<User, ApiError> {
+        let header_values = |name: &str| -> Vec<String> {
+            request
+                .headers()
+                .get_all(name)
+                .iter()
+                .filter_map(|v| v.to_str().ok())
+                .map(str::to_string)
+                .collect()
+        };
+        let Some(target) = header_values("impersonate-user").into_iter().next() else {
+            if header_values("impersonate-group").is_empty() {
+                return Ok(user);
+            }
+            return Err(ApiError::new(
+                500,
+                "InternalError",
+                "Internal error occurred: requested [{Kind: Group}] without impersonating a user",
+            ));
+        };
+        let check = |resource: &str, name: &str| {
+            self.authorize(
+                &user,
+                &rbac::Attributes::Resource {
+                    verb: "impersonate".into(),
+                    group: String::new(),
+                    resource: resource.into(),
+                    namespace: None,
+                    name: Some(name.to_string()),
+                },
+            )
+        };
+        check("users", &target)?;
+        let mut groups = header_values("impersonate-group");
+        for group in &groups {
+            check("groups", group)?;
+        }
+        if !groups.iter().any(|g| g == AUTHENTICATED) {
+            groups.push(AUTHENTICATED.to_string());
+        }
+        Ok(User {
+            name: target,
+            uid: header_values("impersonate-uid")
+                .into_iter()
+                .next()
+                .unwrap_or_default(),
+            groups,
+        })
     }
 }
 
@@ -137,6 +206,20 @@ async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<B
     }
     let user = shared.authenticate(&request)?;
     let segments: Vec<&str> = path.split('/').filter(|s| !s.is_empty()).collect();
+    let discovery = match segments.as_slice() {
+        ["version"] | ["api"] | ["apis"] | ["apis", _] => true,
+        ["api", _] | ["apis", _, _] => request.method() == Method::GET,
+        _ => false,
+    };
+    if discovery {
+        shared.authorize(
+            &user,
+            &rbac::Attributes::Path {
+                verb: "get".into(),
+                path: path.clone(),
+            },
+        )?;
+    }
     match segments.as_slice() {
         ["version"] => {
             return Ok(json_response(
@@ -204,9 +287,58 @@ async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<B
                         "versions": versions, "preferredVersion": versions[0]}),
             ));
         }
+        [
+            "apis",
+            "authorization.k8s.io",
+            "v1",
+            "selfsubjectaccessreviews",
+        ] if request.method() == Method::POST => {
+            shared.authorize(
+                &user,
+                &rbac::Attributes::Resource {
+                    verb: "create".into(),
+                    group: "authorization.k8s.io".into(),
+                    resource: "selfsubjectaccessreviews".into(),
+                    namespace: None,
+                    name: None,
+                },
+            )?;
+            let content_type = request
+                .headers()
+                .get(header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("application/json")
+                .to_string();
+            let review = read_json(request, &content_type).await?;
+            let attributes = access_review_attributes(&review)?;
+            let allowed = shared.allowed(&user, &attributes);
+            let mut answer = review.clone();
+            answer["apiVersion"] = json!("authorization.k8s.io/v1");
+            answer["kind"] = json!("SelfSubjectAccessReview");
+            answer["status"] = json!({"allowed": allowed});
+            return Ok(json_response(StatusCode::CREATED, &answer));
+        }
+        ["apis", "authorization.k8s.io", "v1"] => {
+            return Ok(json_response(
+                StatusCode::OK,
+                &json!({"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": "authorization.k8s.io/v1",
+                        "resources": [{"name": "selfsubjectaccessreviews", "singularName": "selfsubjectaccessreview",
+                            "namespaced": false, "kind": "SelfSubjectAccessReview", "verbs": ["create"]}]}),
+            ));
+        }
         ["apis", "authentication.k8s.io", "v1", "selfsubjectreviews"]
             if request.method() == Method::POST =>
         {
+            shared.authorize(
+                &user,
+                &rbac::Attributes::Resource {
+                    verb: "create".into(),
+                    group: "authentication.k8s.io".into(),
+                    resource: "selfsubjectreviews".into(),
+                    namespace: None,
+                    name: None,
+                },
+            )?;
             // `kubectl auth whoami`: who the server takes the requester for.
             return Ok(json_response(
                 StatusCode::CREATED,
@@ -294,6 +426,17 @@ async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<B
         part,
     };
     let query = Query::parse(request.uri().query());
+    let verb = rbac::verb(request.method(), target.name.is_some(), query.flag("watch"));
+    shared.authorize(
+        &user,
+        &rbac::resource_attributes(
+            &target.resource,
+            verb,
+            sub,
+            target.namespace.as_deref(),
+            target.name.as_deref(),
+        ),
+    )?;
     let options = WriteOptions {
         field_manager: query.get("fieldManager").map(str::to_string),
         dry_run: query.get("dryRun").is_some(),
@@ -399,6 +542,42 @@ async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<B
             format!("{method} is not supported here"),
         )),
     }
+}
+
+/// What a SelfSubjectAccessReview asks about.
+fn access_review_attributes(review: &Value) -> Result<rbac::Attributes, ApiError> {
+    let text = |pointer: &str| {
+        review
+            .pointer(pointer)
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_string()
+    };
+    if review.pointer("/spec/resourceAttributes").is_some() {
+        let resource = text("/spec/resourceAttributes/resource");
+        let subresource = text("/spec/resourceAttributes/subresource");
+        let optional = |v: String| (!v.is_empty()).then_some(v);
+        return Ok(rbac::Attributes::Resource {
+            verb: text("/spec/resourceAttributes/verb"),
+            group: text("/spec/resourceAttributes/group"),
+            resource: if subresource.is_empty() {
+                resource
+            } else {
+                format!("{resource}/{subresource}")
+            },
+            namespace: optional(text("/spec/resourceAttributes/namespace")),
+            name: optional(text("/spec/resourceAttributes/name")),
+        });
+    }
+    if review.pointer("/spec/nonResourceAttributes").is_some() {
+        return Ok(rbac::Attributes::Path {
+            verb: text("/spec/nonResourceAttributes/verb"),
+            path: text("/spec/nonResourceAttributes/path"),
+        });
+    }
+    Err(ApiError::invalid(
+        "SelfSubjectAccessReview.authorization.k8s.io \"\" is invalid: spec.resourceAttributes: Invalid value: \"null\": exactly one of nonResourceAttributes or resourceAttributes must be specified",
+    ))
 }
 
 /// The `DeleteOptions` of a DELETE: its body (as kube-rs and kubectl send

@@ -42,6 +42,7 @@
 pub mod fields;
 pub mod http;
 pub mod lifecycle;
+pub mod rbac;
 pub mod resources;
 pub mod schema;
 pub mod selector;
@@ -98,6 +99,9 @@ pub struct KubeApiOptions {
     /// How many past changes a watch can resume from.
     pub history: usize,
     pub bookmark_interval: Duration,
+    /// Authorize every request by RBAC (off: any authenticated user may do
+    /// anything).
+    pub rbac: bool,
 }
 
 impl KubeApiOptions {
@@ -107,6 +111,7 @@ impl KubeApiOptions {
             dir: dir.into(),
             history: 1000,
             bookmark_interval: Duration::from_secs(5),
+            rbac: false,
         }
     }
 }
@@ -170,11 +175,13 @@ impl KubeApi {
             let body = serde_json::json!({"metadata": {"name": ns}});
             let _ = store.create(&namespaces, None, body, &system, &Default::default());
         }
+        rbac::bootstrap(&store, &system);
         let (shutdown, shutdown_rx) = watch::channel(false);
         let shared = Arc::new(Shared {
             store,
             tokens: Mutex::new(HashMap::new()),
             bookmark_interval: options.bookmark_interval,
+            rbac: options.rbac,
             shutdown: shutdown_rx.clone(),
         });
         tokio::spawn(lifecycle::run(shared.store.clone(), shutdown_rx.clone()));

@@ -212,6 +212,20 @@ impl Registry {
         .with_status();
         csr.approval = true;
         registry.add(csr);
+        for (kind, plural, namespaced) in [
+            ("Role", "roles", true),
+            ("ClusterRole", "clusterroles", false),
+            ("RoleBinding", "rolebindings", true),
+            ("ClusterRoleBinding", "clusterrolebindings", false),
+        ] {
+            registry.add(ResourceType::builtin(
+                "rbac.authorization.k8s.io",
+                "v1",
+                kind,
+                plural,
+                namespaced,
+            ));
+        }
         registry.add(ResourceType::builtin(
             "events.k8s.io",
             "v1",
