@@ -7,7 +7,8 @@
 //! A case runs in a namespace of its own (`{ns}`); `{id}` makes
 //! cluster-scoped names unique; `capture` keeps a value of an answer for
 //! later steps (`{name}`); `wait` repeats a step until its expectation
-//! holds (at most 30 s). An expectation names the status `code`, and may
+//! holds (at most 30 s); `headers` adds request headers (the
+//! administrator impersonating an unprivileged user, for RBAC cases). An expectation names the status `code`, and may
 //! name the `reason`, the exact `message`, a `json` subset of the answer,
 //! and JSON pointers that must be `absent` or `present`.
 
@@ -36,6 +37,9 @@ struct Step {
     content_type: Option<String>,
     #[serde(default)]
     body: Option<Value>,
+    /// Extra request headers (`Impersonate-User` to ask as someone else).
+    #[serde(default)]
+    headers: BTreeMap<String, String>,
     expect: Expect,
     #[serde(default)]
     capture: BTreeMap<String, String>,
@@ -144,13 +148,15 @@ async fn send(client: &Client, step: &Step, vars: &BTreeMap<String, String>) -> 
         .content_type
         .clone()
         .unwrap_or_else(|| "application/json".into());
-    let request = http::Request::builder()
+    let mut request = http::Request::builder()
         .method(step.method.as_str())
         .uri(path)
         .header("content-type", content_type)
-        .header("accept", "application/json")
-        .body(kube::client::Body::from(body))
-        .unwrap();
+        .header("accept", "application/json");
+    for (name, value) in &step.headers {
+        request = request.header(name.as_str(), substitute(value, vars));
+    }
+    let request = request.body(kube::client::Body::from(body)).unwrap();
     let response = client.send(request).await.unwrap();
     let code = response.status().as_u16();
     let bytes = response.into_body().collect_bytes().await.unwrap();
@@ -170,6 +176,7 @@ async fn run_case(client: &Client, index: usize, case: &Case) -> Result<(), Stri
         path: "/api/v1/namespaces".into(),
         content_type: None,
         body: Some(serde_json::json!({"metadata": {"name": "{ns}"}})),
+        headers: BTreeMap::new(),
         expect: Expect {
             code: 201,
             reason: None,
@@ -218,6 +225,7 @@ async fn run_case(client: &Client, index: usize, case: &Case) -> Result<(), Stri
         path: "/api/v1/namespaces/{ns}".into(),
         content_type: None,
         body: None,
+        headers: BTreeMap::new(),
         expect: Expect {
             code: 200,
             reason: None,
@@ -245,9 +253,10 @@ async fn the_api_answers_as_kube_apiserver_does() {
             (client, None, format!("the cluster of {path}"))
         }
         _ => {
-            let api = KubeApi::start(KubeApiOptions::new(dir.path()))
-                .await
-                .unwrap();
+            // A real cluster authorizes by RBAC; so does the stand-in here.
+            let mut options = KubeApiOptions::new(dir.path());
+            options.rbac = true;
+            let api = KubeApi::start(options).await.unwrap();
             (
                 api.client().await.unwrap(),
                 Some(api),

@@ -2112,3 +2112,109 @@ async fn every_requester_is_authenticated_and_can_ask_who_it_is() {
         .unwrap();
     assert!(discovery.has_group("authentication.k8s.io"));
 }
+
+#[tokio::test]
+async fn with_rbac_a_client_without_bindings_is_forbidden() {
+    use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+    let dir = tempfile::tempdir().unwrap();
+    let mut options = KubeApiOptions::new(dir.path());
+    options.rbac = true;
+    let api = KubeApi::start(options).await.unwrap();
+    let admin = api.client().await.unwrap();
+    let alice = KubeApi::client_from(&api.kubeconfig_for("alice", &["team"]).unwrap())
+        .await
+        .unwrap();
+    let alice_maps: Api<ConfigMap> = Api::namespaced(alice.clone(), "default");
+
+    let status = api_status(alice_maps.list(&ListParams::default()).await.unwrap_err());
+    assert_eq!((status.code, status.reason.as_str()), (403, "Forbidden"));
+    assert_eq!(
+        status.message,
+        "configmaps is forbidden: User \"alice\" cannot list resource \"configmaps\" in API group \"\" in the namespace \"default\""
+    );
+    // Discovery and asking who one is are everyone's.
+    kube::discovery::Discovery::new(alice.clone())
+        .run()
+        .await
+        .unwrap();
+    let can_i = |client: Client, verb: &str, namespace: &str| {
+        let body = json!({"apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectAccessReview",
+            "spec": {"resourceAttributes": {"verb": verb, "resource": "configmaps", "namespace": namespace}}});
+        async move {
+            let answer: serde_json::Value = client
+                .request(
+                    http::Request::post("/apis/authorization.k8s.io/v1/selfsubjectaccessreviews")
+                        .header("content-type", "application/json")
+                        .body(serde_json::to_vec(&body).unwrap())
+                        .unwrap(),
+                )
+                .await
+                .unwrap();
+            answer["status"]["allowed"] == json!(true)
+        }
+    };
+    assert!(!can_i(alice.clone(), "list", "default").await);
+
+    let role: Role = serde_json::from_value(json!({"metadata": {"name": "reader"},
+        "rules": [{"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "list", "watch"]}]}))
+    .unwrap();
+    Api::<Role>::namespaced(admin.clone(), "default")
+        .create(&PostParams::default(), &role)
+        .await
+        .unwrap();
+    let binding: RoleBinding = serde_json::from_value(json!({"metadata": {"name": "alice-reads"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "reader"},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": "team"}]}))
+    .unwrap();
+    Api::<RoleBinding>::namespaced(admin.clone(), "default")
+        .create(&PostParams::default(), &binding)
+        .await
+        .unwrap();
+    alice_maps.list(&ListParams::default()).await.unwrap();
+    assert!(can_i(alice.clone(), "list", "default").await);
+    assert!(!can_i(alice.clone(), "list", "kube-system").await);
+    let body: ConfigMap = serde_json::from_value(json!({"metadata": {"name": "x"}})).unwrap();
+    assert_eq!(
+        code(
+            alice_maps
+                .create(&PostParams::default(), &body)
+                .await
+                .unwrap_err()
+        ),
+        403
+    );
+    let elsewhere: Api<ConfigMap> = Api::namespaced(alice.clone(), "kube-system");
+    assert_eq!(
+        code(elsewhere.list(&ListParams::default()).await.unwrap_err()),
+        403
+    );
+
+    // The administrator may act as alice; alice may not act as anyone.
+    let as_alice = http::Request::post("/api/v1/namespaces/default/configmaps")
+        .header("content-type", "application/json")
+        .header("impersonate-user", "alice")
+        .header("impersonate-group", "team")
+        .body(serde_json::to_vec(&body).unwrap())
+        .unwrap();
+    let status = api_status(
+        admin
+            .request::<serde_json::Value>(as_alice)
+            .await
+            .unwrap_err(),
+    );
+    assert_eq!(status.code, 403, "{}", status.message);
+    let as_bob = http::Request::get("/api/v1/namespaces/default/configmaps")
+        .header("impersonate-user", "bob")
+        .body(Vec::new())
+        .unwrap();
+    let status = api_status(
+        alice
+            .request::<serde_json::Value>(as_bob)
+            .await
+            .unwrap_err(),
+    );
+    assert_eq!(
+        status.message,
+        "users \"bob\" is forbidden: User \"alice\" cannot impersonate resource \"users\" in API group \"\" at the cluster scope"
+    );
+}

@@ -20,13 +20,13 @@
 //! Where a controller could be fooled it answers as kube-apiserver does:
 //! server-side apply with per-manager field sets ([`fields`]), garbage
 //! collection and namespace termination ([`lifecycle`]), CRD schemas
-//! ([`schema`]) and per-type write rules ([`validate`]).
+//! ([`schema`]), per-type write rules ([`validate`]) and, when asked for,
+//! RBAC ([`rbac`]).
 //!
 //! What it does **not** emulate:
-//! * authorization (RBAC): every authenticated user (all are in
-//!   `system:authenticated`; `SelfSubjectReview` answers) may do anything;
-//!   authentication is by bearer token only (no client certificates,
-//!   impersonation, access reviews or TokenRequest);
+//! * authorization unless [`KubeApiOptions::rbac`] is on (then [`rbac`]
+//!   decides); authentication is by bearer token only (no client
+//!   certificates, no TokenRequest), and RBAC has no escalation checks;
 //! * admission webhooks, CRD schema rules beyond types, `required`,
 //!   `enum`, ranges, lengths and item counts, and conversion webhooks;
 //! * strategic merge beyond the common merge keys (no `$retainKeys`,
