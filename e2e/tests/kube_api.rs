@@ -2025,12 +2025,30 @@ async fn health_discovery_names_and_list_pages() {
     let first = maps.list(&ListParams::default().limit(1)).await.unwrap();
     assert_eq!(first.metadata.remaining_item_count, Some(2));
     let token = first.metadata.continue_.clone().unwrap();
+    // Later pages read the state of the first one.
+    config_map(&maps, "ab").await;
     let second = maps
         .list(&ListParams::default().limit(1).continue_token(&token))
         .await
         .unwrap();
     assert_eq!(second.items[0].name_any(), "b");
     assert_eq!(second.metadata.remaining_item_count, Some(1));
+    assert_eq!(
+        second.metadata.resource_version,
+        first.metadata.resource_version
+    );
+    // A token whose snapshot is gone is too old.
+    let stale = {
+        use base64::Engine;
+        base64::engine::general_purpose::URL_SAFE
+            .encode(r#"{"v":"meta.k8s.io/v1","rv":1,"start":"default/a\u0000"}"#)
+    };
+    let status = api_status(
+        maps.list(&ListParams::default().limit(1).continue_token(&stale))
+            .await
+            .unwrap_err(),
+    );
+    assert_eq!((status.code, status.reason.as_str()), (410, "Expired"));
     let status = api_status(
         maps.list(&ListParams::default().limit(1).continue_token("not-a-token"))
             .await

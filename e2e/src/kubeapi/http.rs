@@ -33,6 +33,8 @@ const MAX_BODY: usize = 3 * 1024 * 1024;
 pub struct Shared {
     pub store: Arc<Store>,
     pub tokens: Mutex<HashMap<String, User>>,
+    /// Paginated lists' snapshots, newest last.
+    pub snapshots: Mutex<std::collections::VecDeque<Snapshot>>,
     pub bookmark_interval: Duration,
     /// Requests are authorized by RBAC.
     pub rbac: bool,
@@ -799,6 +801,19 @@ fn selectors(query: &Query, t: &ResourceType) -> Result<(LabelSelector, FieldSel
     Ok((labels, fields))
 }
 
+/// How many paginated lists keep their snapshot for later pages.
+const SNAPSHOTS: usize = 64;
+
+/// The full result of a paginated list, kept so that its later pages read
+/// the same state (as the real server reads them at the first page's
+/// resourceVersion).
+pub struct Snapshot {
+    /// Type, namespace and selectors of the list.
+    key: String,
+    resource_version: u64,
+    items: Arc<Vec<Value>>,
+}
+
 fn list_response(
     shared: &Shared,
     target: &Target,
@@ -806,27 +821,89 @@ fn list_response(
 ) -> Result<Response<Body>, ApiError> {
     let (labels, fields) = selectors(query, &target.resource)?;
     let limit = query.number("limit")?.unwrap_or(0) as usize;
-    let after = query.get("continue").map(decode_continue).transpose()?;
-    let page = shared.store.list(
-        &target.resource,
-        target.namespace.as_deref(),
-        &labels,
-        &fields,
-        limit,
-        after.as_deref(),
+    let key = format!(
+        "{}|{}|{}|{}",
+        target.resource.storage_key(),
+        target.namespace.as_deref().unwrap_or_default(),
+        query.get("labelSelector").unwrap_or_default(),
+        query.get("fieldSelector").unwrap_or_default()
     );
-    let mut metadata = json!({"resourceVersion": page.resource_version.to_string()});
-    if let Some(next) = page.next {
-        metadata["continue"] = json!(encode_continue(page.resource_version, &next));
+    let item_key = |o: &Value| {
+        format!(
+            "{}/{}",
+            o.pointer("/metadata/namespace")
+                .and_then(Value::as_str)
+                .unwrap_or_default(),
+            o.pointer("/metadata/name")
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+        )
+    };
+    let (resource_version, items, after) = match query.get("continue") {
+        Some(token) => {
+            let (token_rv, after) = decode_continue(token)?;
+            let snapshots = shared.snapshots.lock().unwrap_or_else(|p| p.into_inner());
+            let found = snapshots
+                .iter()
+                .find(|s| s.key == key && s.resource_version == token_rv)
+                .map(|s| s.items.clone());
+            let items = found.ok_or_else(|| {
+                ApiError::new(
+                    410,
+                    "Expired",
+                    "The provided continue parameter is too old to display a consistent list result. You can start a new list without the continue parameter.",
+                )
+            })?;
+            (token_rv, items, Some(after))
+        }
+        None => {
+            let page = shared.store.list(
+                &target.resource,
+                target.namespace.as_deref(),
+                &labels,
+                &fields,
+                0,
+                None,
+            );
+            let items = Arc::new(page.items);
+            if limit > 0 && items.len() > limit {
+                let mut snapshots = shared.snapshots.lock().unwrap_or_else(|p| p.into_inner());
+                snapshots.push_back(Snapshot {
+                    key: key.clone(),
+                    resource_version: page.resource_version,
+                    items: items.clone(),
+                });
+                while snapshots.len() > SNAPSHOTS {
+                    snapshots.pop_front();
+                }
+            }
+            (page.resource_version, items, None)
+        }
+    };
+    let rest: Vec<&Value> = items
+        .iter()
+        .filter(|o| after.as_deref().is_none_or(|a| item_key(o).as_str() > a))
+        .collect();
+    let take = if limit == 0 {
+        rest.len()
+    } else {
+        limit.min(rest.len())
+    };
+    let page: Vec<Value> = rest[..take].iter().map(|o| (*o).clone()).collect();
+    let mut metadata = json!({"resourceVersion": resource_version.to_string()});
+    if take < rest.len()
+        && let Some(last) = page.last()
+    {
+        metadata["continue"] = json!(encode_continue(resource_version, &item_key(last)));
         // As the real server, only an unfiltered list counts what is left.
         if query.get("labelSelector").is_none() && query.get("fieldSelector").is_none() {
-            metadata["remainingItemCount"] = json!(page.remaining);
+            metadata["remainingItemCount"] = json!(rest.len() - take);
         }
     }
     Ok(json_response(
         StatusCode::OK,
         &json!({"kind": target.resource.list_kind(), "apiVersion": target.resource.api_version(),
-                "metadata": metadata, "items": page.items}),
+                "metadata": metadata, "items": page}),
     ))
 }
 
@@ -839,7 +916,7 @@ fn encode_continue(resource_version: u64, after: &str) -> String {
     base64::engine::general_purpose::URL_SAFE.encode(token.to_string())
 }
 
-fn decode_continue(token: &str) -> Result<String, ApiError> {
+fn decode_continue(token: &str) -> Result<(u64, String), ApiError> {
     use base64::Engine;
     let invalid = |why: String| ApiError::bad_request(format!("continue key is not valid: {why}"));
     let bytes = base64::engine::general_purpose::URL_SAFE
@@ -851,11 +928,16 @@ fn decode_continue(token: &str) -> Result<String, ApiError> {
             "incorrect encoded start resourceVersion (version meta.k8s.io/v1)".into(),
         ));
     }
-    value
+    let resource_version = value
+        .get("rv")
+        .and_then(Value::as_u64)
+        .ok_or_else(|| invalid("no resourceVersion".into()))?;
+    let start = value
         .get("start")
         .and_then(Value::as_str)
         .map(|s| s.trim_end_matches('\u{0}').to_string())
-        .ok_or_else(|| invalid("no start key".into()))
+        .ok_or_else(|| invalid("no start key".into()))?;
+    Ok((resource_version, start))
 }
 
 /// How a change looks to one watcher: selector transitions turn into ADDED

@@ -31,8 +31,6 @@
 //!   `enum`, ranges, lengths and item counts, and conversion webhooks;
 //! * strategic merge beyond the common merge keys (no `$retainKeys`,
 //!   `$setElementOrder` or `$deleteFromPrimitiveList`);
-//! * continue tokens that read from a snapshot (a later page sees later
-//!   writes);
 //! * controllers of built-in types (Deployments do not create Pods;
 //!   nothing signs CSRs);
 //! * protobuf, tables (`as=Table`), OpenAPI documents, aggregated
@@ -180,6 +178,7 @@ impl KubeApi {
         let shared = Arc::new(Shared {
             store,
             tokens: Mutex::new(HashMap::new()),
+            snapshots: Mutex::new(Default::default()),
             bookmark_interval: options.bookmark_interval,
             rbac: options.rbac,
             shutdown: shutdown_rx.clone(),
