@@ -2129,6 +2129,7 @@ async fn every_requester_is_authenticated_and_can_ask_who_it_is() {
         .await
         .unwrap();
     assert!(discovery.has_group("authentication.k8s.io"));
+    assert!(discovery.has_group("authorization.k8s.io"));
 }
 
 #[tokio::test]

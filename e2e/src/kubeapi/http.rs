@@ -254,12 +254,13 @@ async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<B
                     json!({"name": group, "versions": versions, "preferredVersion": preferred})
                 })
                 .collect();
-            let authentication =
-                json!({"groupVersion": "authentication.k8s.io/v1", "version": "v1"});
-            groups.push(
-                json!({"name": "authentication.k8s.io", "versions": [authentication],
-                "preferredVersion": authentication}),
-            );
+            // The review APIs, which have no stored objects.
+            for group in ["authentication.k8s.io", "authorization.k8s.io"] {
+                let version = json!({"groupVersion": format!("{group}/v1"), "version": "v1"});
+                groups.push(
+                    json!({"name": group, "versions": [version], "preferredVersion": version}),
+                );
+            }
             return Ok(json_response(
                 StatusCode::OK,
                 &json!({"kind": "APIGroupList", "apiVersion": "v1", "groups": groups}),
