@@ -151,8 +151,14 @@ async fn send(client: &Client, step: &Step, vars: &BTreeMap<String, String>) -> 
     let mut request = http::Request::builder()
         .method(step.method.as_str())
         .uri(path)
-        .header("content-type", content_type)
-        .header("accept", "application/json");
+        .header("content-type", content_type);
+    if !step
+        .headers
+        .keys()
+        .any(|h| h.eq_ignore_ascii_case("accept"))
+    {
+        request = request.header("accept", "application/json");
+    }
     for (name, value) in &step.headers {
         request = request.header(name.as_str(), substitute(value, vars));
     }

@@ -2237,3 +2237,64 @@ async fn with_rbac_a_client_without_bindings_is_forbidden() {
         "users \"bob\" is forbidden: User \"alice\" cannot impersonate resource \"users\" in API group \"\" at the cluster scope"
     );
 }
+
+#[tokio::test]
+async fn kubectl_gets_tables_with_a_crds_printer_columns() {
+    let (api, client, _dir) = start().await;
+    api.register_crds_from_yaml(TRACKERS).unwrap();
+    let trackers = trackers(&client);
+    trackers
+        .patch(
+            "t",
+            &PatchParams::apply("A"),
+            &Patch::Apply(tracker(json!({"x": "one"}))),
+        )
+        .await
+        .unwrap();
+    trackers
+        .patch_status(
+            "t",
+            &PatchParams::apply("A"),
+            &Patch::Apply(json!({"apiVersion": "example.io/v1", "kind": "Tracker",
+                "status": {"conditions": [{"type": "A", "status": "True"}]}})),
+        )
+        .await
+        .unwrap();
+    let accept = "application/json;as=Table;v=v1;g=meta.k8s.io,application/json";
+    let table: serde_json::Value = client
+        .request(
+            http::Request::get("/apis/example.io/v1/namespaces/default/trackers")
+                .header("accept", accept)
+                .body(Vec::new())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(table["kind"], "Table");
+    let columns: Vec<&str> = table["columnDefinitions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|c| c["name"].as_str())
+        .collect();
+    assert_eq!(columns, ["Name", "X", "A", "Age"]);
+    let cells = &table["rows"][0]["cells"];
+    assert_eq!(
+        (&cells[0], &cells[1], &cells[2]),
+        (&json!("t"), &json!("one"), &json!("True"))
+    );
+    assert_eq!(table["rows"][0]["object"]["kind"], "PartialObjectMetadata");
+
+    // One object, and built-in types (Name and Age).
+    let one: serde_json::Value = client
+        .request(
+            http::Request::get("/api/v1/namespaces/kube-system")
+                .header("accept", accept)
+                .body(Vec::new())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(one["rows"][0]["cells"][0], "kube-system");
+    assert_eq!(one["columnDefinitions"].as_array().unwrap().len(), 2);
+}

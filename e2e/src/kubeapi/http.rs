@@ -14,13 +14,13 @@ use hyper::body::{Frame, Incoming};
 use serde_json::{Value, json};
 use tokio::sync::{broadcast, mpsc, watch};
 
-use super::rbac;
 use super::resources::ResourceType;
 use super::selector::{FieldSelector, LabelSelector};
 use super::store::{
     ApiError, DeleteOptions, Deleted, Event, EventType, Part, PatchKind, Propagation, Store, User,
     WriteOptions, as_version,
 };
+use super::{rbac, table};
 
 pub type Body = BoxBody<Bytes, Infallible>;
 
@@ -451,6 +451,11 @@ async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<B
             .map(str::to_string),
     };
     let method = request.method().clone();
+    let as_table = request
+        .headers()
+        .get(header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(table::wanted);
     let content_type = request
         .headers()
         .get(header::CONTENT_TYPE)
@@ -461,9 +466,18 @@ async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<B
     let t = &target.resource;
     let ns = target.namespace.as_deref();
     match (method, target.name.as_deref()) {
-        (Method::GET, Some(name)) => Ok(json_response(StatusCode::OK, &store.get(t, ns, name)?)),
+        (Method::GET, Some(name)) => {
+            let object = store.get(t, ns, name)?;
+            if as_table {
+                return Ok(json_response(
+                    StatusCode::OK,
+                    &table::render(t, std::slice::from_ref(&object), None),
+                ));
+            }
+            Ok(json_response(StatusCode::OK, &object))
+        }
         (Method::GET, None) if query.flag("watch") => watch_response(shared, &target, &query),
-        (Method::GET, None) => list_response(shared, &target, &query),
+        (Method::GET, None) => list_response(shared, &target, &query, as_table),
         (Method::POST, None) => {
             if t.namespaced && ns.is_none() {
                 return Err(ApiError::new(
@@ -819,6 +833,7 @@ fn list_response(
     shared: &Shared,
     target: &Target,
     query: &Query,
+    as_table: bool,
 ) -> Result<Response<Body>, ApiError> {
     let (labels, fields) = selectors(query, &target.resource)?;
     let limit = query.number("limit")?.unwrap_or(0) as usize;
@@ -900,6 +915,11 @@ fn list_response(
         if query.get("labelSelector").is_none() && query.get("fieldSelector").is_none() {
             metadata["remainingItemCount"] = json!(rest.len() - take);
         }
+    }
+    if as_table {
+        let mut rendered = table::render(&target.resource, &page, None);
+        rendered["metadata"] = metadata;
+        return Ok(json_response(StatusCode::OK, &rendered));
     }
     Ok(json_response(
         StatusCode::OK,

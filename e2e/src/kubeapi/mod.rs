@@ -33,7 +33,8 @@
 //!   `$setElementOrder` or `$deleteFromPrimitiveList`);
 //! * controllers of built-in types (Deployments do not create Pods;
 //!   nothing signs CSRs);
-//! * protobuf, tables (`as=Table`), OpenAPI documents, aggregated
+//! * protobuf, server-side printing of built-in types' own columns
+//!   (their Tables show Name and Age), OpenAPI documents, aggregated
 //!   discovery, `exec`/`logs`/`portforward`, API priority and fairness,
 //!   and persistence.
 
@@ -45,6 +46,7 @@ pub mod resources;
 pub mod schema;
 pub mod selector;
 pub mod store;
+pub mod table;
 pub mod validate;
 
 use std::collections::HashMap;

@@ -32,6 +32,8 @@ pub struct ResourceType {
     pub generation: bool,
     /// A custom type's `openAPIV3Schema` for this version.
     pub schema: Option<Arc<Value>>,
+    /// A custom type's `additionalPrinterColumns` for this version.
+    pub printer_columns: Vec<Value>,
 }
 
 impl ResourceType {
@@ -51,6 +53,7 @@ impl ResourceType {
             custom: false,
             generation: false,
             schema: None,
+            printer_columns: Vec::new(),
         }
     }
 
@@ -157,6 +160,11 @@ pub fn from_crd(crd: &Value) -> Result<Vec<ResourceType>, CrdError> {
                 .pointer("/schema/openAPIV3Schema")
                 .cloned()
                 .map(Arc::new),
+            printer_columns: version
+                .get("additionalPrinterColumns")
+                .and_then(Value::as_array)
+                .cloned()
+                .unwrap_or_default(),
         });
     }
     if types.is_empty() {
