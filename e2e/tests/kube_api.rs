@@ -2298,3 +2298,25 @@ async fn kubectl_gets_tables_with_a_crds_printer_columns() {
     assert_eq!(one["rows"][0]["cells"][0], "kube-system");
     assert_eq!(one["columnDefinitions"].as_array().unwrap().len(), 2);
 }
+
+#[tokio::test]
+async fn a_crd_applied_twice_keeps_its_cleanup_finalizer() {
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    let (_api, client, _dir) = start().await;
+    let crds: Api<CustomResourceDefinition> = Api::all(client);
+    let crd: serde_json::Value = serde_saphyr::from_str(DUALS).unwrap();
+    for _ in 0..2 {
+        let applied = crds
+            .patch(
+                "duals.example.org",
+                &PatchParams::apply("kubectl"),
+                &Patch::Apply(&crd),
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            applied.metadata.finalizers.unwrap(),
+            ["customresourcecleanup.apiextensions.k8s.io"]
+        );
+    }
+}

@@ -29,7 +29,7 @@ pub fn on_create(
     decode(t, object)?;
     normalise(t, object, None, now);
     let mut errors = Vec::new();
-    errors.extend(finalizer_names(object));
+    errors.extend(finalizer_names(t, object));
     errors.extend(type_rules(t, None, object));
     if !t.generation
         && let Some(metadata) = object.get_mut("metadata").and_then(Value::as_object_mut)
@@ -50,7 +50,7 @@ pub fn on_update(
     decode(t, new)?;
     normalise(t, new, Some(old), now);
     let mut errors = Vec::new();
-    errors.extend(finalizer_names(new));
+    errors.extend(finalizer_names(t, new));
     if old.pointer("/metadata/deletionTimestamp").is_some() {
         let before = strings(old.pointer("/metadata/finalizers"));
         let added: Vec<String> = strings(new.pointer("/metadata/finalizers"))
@@ -251,7 +251,14 @@ fn normalise(t: &ResourceType, object: &mut Value, old: Option<&Value>, now: &st
     }
 }
 
-fn finalizer_names(object: &Value) -> Vec<FieldError> {
+/// Built-in types want a domain in a finalizer's name unless it is a
+/// standard one; CRDs and custom objects are validated by the generic
+/// rules, which accept any qualified name (the server's own
+/// `customresourcecleanup.apiextensions.k8s.io` included).
+fn finalizer_names(t: &ResourceType, object: &Value) -> Vec<FieldError> {
+    if t.custom || is(t, "apiextensions.k8s.io", "customresourcedefinitions") {
+        return Vec::new();
+    }
     strings(object.pointer("/metadata/finalizers"))
         .iter()
         .enumerate()
