@@ -17,18 +17,27 @@ use tokio::sync::{broadcast, mpsc, watch};
 use super::resources::ResourceType;
 use super::selector::{FieldSelector, LabelSelector};
 use super::store::{
-    ApiError, Event, EventType, Part, PatchKind, Store, User, WriteOptions, as_version,
+    ApiError, DeleteOptions, Deleted, Event, EventType, Part, PatchKind, Propagation, Store, User,
+    WriteOptions, as_version,
 };
+use super::{rbac, table};
 
 pub type Body = BoxBody<Bytes, Infallible>;
+
+/// The group every authenticated requester belongs to.
+const AUTHENTICATED: &str = "system:authenticated";
 
 /// Largest request body accepted (the real server's limit is 3 MiB).
 const MAX_BODY: usize = 3 * 1024 * 1024;
 
 pub struct Shared {
-    pub store: Store,
+    pub store: Arc<Store>,
     pub tokens: Mutex<HashMap<String, User>>,
+    /// Paginated lists' snapshots, newest last.
+    pub snapshots: Mutex<std::collections::VecDeque<Snapshot>>,
     pub bookmark_interval: Duration,
+    /// Requests are authorized by RBAC.
+    pub rbac: bool,
     pub shutdown: watch::Receiver<bool>,
 }
 
@@ -41,9 +50,80 @@ impl Shared {
             .and_then(|v| v.strip_prefix("Bearer "))
             .map(str::trim);
         let tokens = self.tokens.lock().unwrap_or_else(|p| p.into_inner());
-        token
+        let mut user = token
             .and_then(|t| tokens.get(t).cloned())
-            .ok_or_else(|| ApiError::new(401, "Unauthorized", "Unauthorized"))
+            .ok_or_else(|| ApiError::new(401, "Unauthorized", "Unauthorized"))?;
+        // As the real server: whoever authenticates is also in this group.
+        if !user.groups.iter().any(|g| g == AUTHENTICATED) {
+            user.groups.push(AUTHENTICATED.to_string());
+        }
+        self.impersonate(request, user)
+    }
+
+    /// Whether `user` may do this (always, without RBAC).
+    fn allowed(&self, user: &User, attributes: &rbac::Attributes) -> bool {
+        !self.rbac || rbac::allowed(&self.store, user, attributes)
+    }
+
+    fn authorize(&self, user: &User, attributes: &rbac::Attributes) -> Result<(), ApiError> {
+        if self.allowed(user, attributes) {
+            Ok(())
+        } else {
+            Err(rbac::forbidden(user, attributes))
+        }
+    }
+
+    /// The user a request acts as: the authenticated one, or the one its
+    /// `Impersonate-User`/`Impersonate-Group` headers name when it may
+    /// impersonate them.
+    fn impersonate(&self, request: &Request<Incoming>, user: User) -> Result<User, ApiError> {
+        let header_values = |name: &str| -> Vec<String> {
+            request
+                .headers()
+                .get_all(name)
+                .iter()
+                .filter_map(|v| v.to_str().ok())
+                .map(str::to_string)
+                .collect()
+        };
+        let Some(target) = header_values("impersonate-user").into_iter().next() else {
+            if header_values("impersonate-group").is_empty() {
+                return Ok(user);
+            }
+            return Err(ApiError::new(
+                500,
+                "InternalError",
+                "Internal error occurred: requested [{Kind: Group}] without impersonating a user",
+            ));
+        };
+        let check = |resource: &str, name: &str| {
+            self.authorize(
+                &user,
+                &rbac::Attributes::Resource {
+                    verb: "impersonate".into(),
+                    group: String::new(),
+                    resource: resource.into(),
+                    namespace: None,
+                    name: Some(name.to_string()),
+                },
+            )
+        };
+        check("users", &target)?;
+        let mut groups = header_values("impersonate-group");
+        for group in &groups {
+            check("groups", group)?;
+        }
+        if !groups.iter().any(|g| g == AUTHENTICATED) {
+            groups.push(AUTHENTICATED.to_string());
+        }
+        Ok(User {
+            name: target,
+            uid: header_values("impersonate-uid")
+                .into_iter()
+                .next()
+                .unwrap_or_default(),
+            groups,
+        })
     }
 }
 
@@ -115,9 +195,33 @@ struct Target {
 }
 
 async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<Body>, ApiError> {
-    let user = shared.authenticate(&request)?;
     let path = request.uri().path().to_string();
+    // Health endpoints answer anyone, as the real server's
+    // system:public-info-viewer role allows.
+    if matches!(path.as_str(), "/healthz" | "/readyz" | "/livez") {
+        let mut response = Response::new(Full::new(Bytes::from_static(b"ok")).boxed());
+        response.headers_mut().insert(
+            header::CONTENT_TYPE,
+            header::HeaderValue::from_static("text/plain; charset=utf-8"),
+        );
+        return Ok(response);
+    }
+    let user = shared.authenticate(&request)?;
     let segments: Vec<&str> = path.split('/').filter(|s| !s.is_empty()).collect();
+    let discovery = match segments.as_slice() {
+        ["version"] | ["api"] | ["apis"] | ["apis", _] => true,
+        ["api", _] | ["apis", _, _] => request.method() == Method::GET,
+        _ => false,
+    };
+    if discovery {
+        shared.authorize(
+            &user,
+            &rbac::Attributes::Path {
+                verb: "get".into(),
+                path: path.clone(),
+            },
+        )?;
+    }
     match segments.as_slice() {
         ["version"] => {
             return Ok(json_response(
@@ -135,7 +239,7 @@ async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<B
             ));
         }
         ["apis"] => {
-            let groups: Vec<Value> = shared
+            let mut groups: Vec<Value> = shared
                 .store
                 .registry()
                 .groups()
@@ -150,9 +254,108 @@ async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<B
                     json!({"name": group, "versions": versions, "preferredVersion": preferred})
                 })
                 .collect();
+            // The review APIs, which have no stored objects.
+            for group in ["authentication.k8s.io", "authorization.k8s.io"] {
+                let version = json!({"groupVersion": format!("{group}/v1"), "version": "v1"});
+                groups.push(
+                    json!({"name": group, "versions": [version], "preferredVersion": version}),
+                );
+            }
             return Ok(json_response(
                 StatusCode::OK,
                 &json!({"kind": "APIGroupList", "apiVersion": "v1", "groups": groups}),
+            ));
+        }
+        ["apis", group] => {
+            let versions = shared
+                .store
+                .registry()
+                .groups()
+                .remove(*group)
+                .filter(|_| !group.is_empty())
+                .ok_or_else(|| {
+                    ApiError::new(
+                        404,
+                        "NotFound",
+                        format!("the server could not find the requested resource ({path})"),
+                    )
+                })?;
+            let versions: Vec<Value> = versions
+                .iter()
+                .map(|v| json!({"groupVersion": format!("{group}/{v}"), "version": v}))
+                .collect();
+            return Ok(json_response(
+                StatusCode::OK,
+                &json!({"kind": "APIGroup", "apiVersion": "v1", "name": group,
+                        "versions": versions, "preferredVersion": versions[0]}),
+            ));
+        }
+        [
+            "apis",
+            "authorization.k8s.io",
+            "v1",
+            "selfsubjectaccessreviews",
+        ] if request.method() == Method::POST => {
+            shared.authorize(
+                &user,
+                &rbac::Attributes::Resource {
+                    verb: "create".into(),
+                    group: "authorization.k8s.io".into(),
+                    resource: "selfsubjectaccessreviews".into(),
+                    namespace: None,
+                    name: None,
+                },
+            )?;
+            let content_type = request
+                .headers()
+                .get(header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("application/json")
+                .to_string();
+            let review = read_json(request, &content_type).await?;
+            let attributes = access_review_attributes(&review)?;
+            let allowed = shared.allowed(&user, &attributes);
+            let mut answer = review.clone();
+            answer["apiVersion"] = json!("authorization.k8s.io/v1");
+            answer["kind"] = json!("SelfSubjectAccessReview");
+            answer["status"] = json!({"allowed": allowed});
+            return Ok(json_response(StatusCode::CREATED, &answer));
+        }
+        ["apis", "authorization.k8s.io", "v1"] => {
+            return Ok(json_response(
+                StatusCode::OK,
+                &json!({"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": "authorization.k8s.io/v1",
+                        "resources": [{"name": "selfsubjectaccessreviews", "singularName": "selfsubjectaccessreview",
+                            "namespaced": false, "kind": "SelfSubjectAccessReview", "verbs": ["create"]}]}),
+            ));
+        }
+        ["apis", "authentication.k8s.io", "v1", "selfsubjectreviews"]
+            if request.method() == Method::POST =>
+        {
+            shared.authorize(
+                &user,
+                &rbac::Attributes::Resource {
+                    verb: "create".into(),
+                    group: "authentication.k8s.io".into(),
+                    resource: "selfsubjectreviews".into(),
+                    namespace: None,
+                    name: None,
+                },
+            )?;
+            // `kubectl auth whoami`: who the server takes the requester for.
+            return Ok(json_response(
+                StatusCode::CREATED,
+                &json!({"kind": "SelfSubjectReview", "apiVersion": "authentication.k8s.io/v1",
+                        "metadata": {"creationTimestamp": null},
+                        "status": {"userInfo": {"username": user.name, "uid": user.uid, "groups": user.groups}}}),
+            ));
+        }
+        ["apis", "authentication.k8s.io", "v1"] => {
+            return Ok(json_response(
+                StatusCode::OK,
+                &json!({"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": "authentication.k8s.io/v1",
+                        "resources": [{"name": "selfsubjectreviews", "singularName": "selfsubjectreview",
+                            "namespaced": false, "kind": "SelfSubjectReview", "verbs": ["create"]}]}),
             ));
         }
         ["api", version] => return resource_list(shared, "", version),
@@ -226,12 +429,33 @@ async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<B
         part,
     };
     let query = Query::parse(request.uri().query());
+    let verb = rbac::verb(request.method(), target.name.is_some(), query.flag("watch"));
+    shared.authorize(
+        &user,
+        &rbac::resource_attributes(
+            &target.resource,
+            verb,
+            sub,
+            target.namespace.as_deref(),
+            target.name.as_deref(),
+        ),
+    )?;
     let options = WriteOptions {
         field_manager: query.get("fieldManager").map(str::to_string),
         dry_run: query.get("dryRun").is_some(),
-        applied_fields: None,
+        force: query.flag("force"),
+        user_agent: request
+            .headers()
+            .get(header::USER_AGENT)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string),
     };
     let method = request.method().clone();
+    let as_table = request
+        .headers()
+        .get(header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(table::wanted);
     let content_type = request
         .headers()
         .get(header::CONTENT_TYPE)
@@ -242,9 +466,18 @@ async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<B
     let t = &target.resource;
     let ns = target.namespace.as_deref();
     match (method, target.name.as_deref()) {
-        (Method::GET, Some(name)) => Ok(json_response(StatusCode::OK, &store.get(t, ns, name)?)),
+        (Method::GET, Some(name)) => {
+            let object = store.get(t, ns, name)?;
+            if as_table {
+                return Ok(json_response(
+                    StatusCode::OK,
+                    &table::render(t, std::slice::from_ref(&object), None),
+                ));
+            }
+            Ok(json_response(StatusCode::OK, &object))
+        }
         (Method::GET, None) if query.flag("watch") => watch_response(shared, &target, &query),
-        (Method::GET, None) => list_response(shared, &target, &query),
+        (Method::GET, None) => list_response(shared, &target, &query, as_table),
         (Method::POST, None) => {
             if t.namespaced && ns.is_none() {
                 return Err(ApiError::new(
@@ -265,15 +498,21 @@ async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<B
         (Method::PATCH, Some(name)) => {
             let kind = match content_type.as_str() {
                 "application/merge-patch+json" => PatchKind::Merge,
-                "application/strategic-merge-patch+json" => PatchKind::StrategicMerge,
+                // Custom objects have no strategy to merge with.
+                "application/strategic-merge-patch+json" if !t.custom => PatchKind::StrategicMerge,
                 "application/json-patch+json" => PatchKind::Json,
                 "application/apply-patch+yaml" | "application/apply-patch+json" => PatchKind::Apply,
-                other => {
+                _ => {
+                    let accepted = if t.custom {
+                        "application/json-patch+json, application/merge-patch+json, application/apply-patch+yaml"
+                    } else {
+                        "application/json-patch+json, application/merge-patch+json, application/strategic-merge-patch+json, application/apply-patch+yaml"
+                    };
                     return Err(ApiError::new(
                         415,
                         "UnsupportedMediaType",
                         format!(
-                            "the body of the request was in an unknown format - accepted media types include: application/json-patch+json, application/merge-patch+json, application/apply-patch+yaml (got {other:?})"
+                            "the body of the request was in an unknown format - accepted media types include: {accepted}"
                         ),
                     ));
                 }
@@ -287,22 +526,25 @@ async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<B
             };
             Ok(json_response(status, &patched.object))
         }
-        (Method::DELETE, Some(name)) => Ok(json_response(
-            StatusCode::OK,
-            &store.delete(t, ns, name, &options)?,
-        )),
+        (Method::DELETE, Some(name)) => {
+            let delete_options = delete_options(request, &query).await?;
+            let deleted = store.delete(t, ns, name, &delete_options)?;
+            Ok(json_response(StatusCode::OK, &deleted_body(t, deleted)))
+        }
         (Method::DELETE, None) => {
-            let (labels, fields) = selectors(&query)?;
-            let (items, _, _) = store.list(t, ns, &labels, &fields, 0, None);
+            let delete_options = delete_options(request, &query).await?;
+            let (labels, fields) = selectors(&query, t)?;
+            let page = store.list(t, ns, &labels, &fields, 0, None);
             let mut deleted = Vec::new();
-            for item in items {
+            for item in page.items {
                 let name = item
                     .pointer("/metadata/name")
                     .and_then(Value::as_str)
                     .unwrap_or_default();
                 let item_ns = item.pointer("/metadata/namespace").and_then(Value::as_str);
-                if let Ok(object) = store.delete(t, item_ns, name, &options) {
-                    deleted.push(object);
+                match store.delete(t, item_ns, name, &delete_options) {
+                    Ok(Deleted::Gone(object) | Deleted::Pending(object)) => deleted.push(object),
+                    Err(_) => {}
                 }
             }
             Ok(json_response(
@@ -316,6 +558,123 @@ async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<B
             "MethodNotAllowed",
             format!("{method} is not supported here"),
         )),
+    }
+}
+
+/// What a SelfSubjectAccessReview asks about.
+fn access_review_attributes(review: &Value) -> Result<rbac::Attributes, ApiError> {
+    let text = |pointer: &str| {
+        review
+            .pointer(pointer)
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_string()
+    };
+    if review.pointer("/spec/resourceAttributes").is_some() {
+        let resource = text("/spec/resourceAttributes/resource");
+        let subresource = text("/spec/resourceAttributes/subresource");
+        let optional = |v: String| (!v.is_empty()).then_some(v);
+        return Ok(rbac::Attributes::Resource {
+            verb: text("/spec/resourceAttributes/verb"),
+            group: text("/spec/resourceAttributes/group"),
+            resource: if subresource.is_empty() {
+                resource
+            } else {
+                format!("{resource}/{subresource}")
+            },
+            namespace: optional(text("/spec/resourceAttributes/namespace")),
+            name: optional(text("/spec/resourceAttributes/name")),
+        });
+    }
+    if review.pointer("/spec/nonResourceAttributes").is_some() {
+        return Ok(rbac::Attributes::Path {
+            verb: text("/spec/nonResourceAttributes/verb"),
+            path: text("/spec/nonResourceAttributes/path"),
+        });
+    }
+    Err(ApiError::invalid(
+        "SelfSubjectAccessReview.authorization.k8s.io \"\" is invalid: spec.resourceAttributes: Invalid value: \"null\": exactly one of nonResourceAttributes or resourceAttributes must be specified",
+    ))
+}
+
+/// The `DeleteOptions` of a DELETE: its body (as kube-rs and kubectl send
+/// it) or the query.
+async fn delete_options(
+    request: Request<Incoming>,
+    query: &Query,
+) -> Result<DeleteOptions, ApiError> {
+    let bytes = Limited::new(request.into_body(), MAX_BODY)
+        .collect()
+        .await
+        .map_err(|e| {
+            ApiError::new(
+                413,
+                "RequestEntityTooLarge",
+                format!("reading the body: {e}"),
+            )
+        })?
+        .to_bytes();
+    let body: Value = if bytes.iter().all(u8::is_ascii_whitespace) {
+        json!({})
+    } else {
+        serde_json::from_slice(&bytes)
+            .map_err(|e| ApiError::bad_request(format!("invalid DeleteOptions: {e}")))?
+    };
+    let text = |pointer: &str| {
+        body.pointer(pointer)
+            .and_then(Value::as_str)
+            .map(str::to_string)
+    };
+    let mut propagation =
+        text("/propagationPolicy").or_else(|| query.get("propagationPolicy").map(str::to_string));
+    // The deprecated form of the same choice.
+    let orphan = body
+        .get("orphanDependents")
+        .and_then(Value::as_bool)
+        .or_else(|| query.get("orphanDependents").map(|v| v == "true"));
+    if propagation.is_none() {
+        propagation = orphan.map(|o| if o { "Orphan" } else { "Background" }.to_string());
+    }
+    let propagation = propagation
+        .map(|p| Propagation::parse(&p))
+        .transpose()?
+        .unwrap_or_default();
+    let dry_run = query.get("dryRun").is_some()
+        || body
+            .get("dryRun")
+            .and_then(Value::as_array)
+            .is_some_and(|d| !d.is_empty());
+    Ok(DeleteOptions {
+        propagation,
+        precondition_uid: text("/preconditions/uid"),
+        precondition_resource_version: text("/preconditions/resourceVersion"),
+        dry_run,
+    })
+}
+
+/// What a DELETE answers: the object while finalizers hold it; once gone,
+/// the object for the types that return it, else a `Status`.
+fn deleted_body(t: &ResourceType, deleted: Deleted) -> Value {
+    match deleted {
+        Deleted::Pending(object) => object,
+        Deleted::Gone(object) => {
+            let returns_object = t.group.is_empty()
+                && matches!(t.plural.as_str(), "namespaces" | "pods" | "services");
+            if returns_object {
+                return object;
+            }
+            let text = |field: &str| {
+                object
+                    .pointer(&format!("/metadata/{field}"))
+                    .cloned()
+                    .unwrap_or(Value::Null)
+            };
+            let mut details = json!({"name": text("name"), "kind": t.plural, "uid": text("uid")});
+            if !t.group.is_empty() {
+                details["group"] = json!(t.group);
+            }
+            json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "details": details})
+        }
     }
 }
 
@@ -336,7 +695,7 @@ fn resource_list(shared: &Shared, group: &str, version: &str) -> Result<Response
         verbs.sort_unstable();
         resources.push(
             json!({"name": t.plural, "singularName": t.singular, "namespaced": t.namespaced,
-            "kind": t.kind, "verbs": verbs, "shortNames": t.short_names}),
+            "kind": t.kind, "verbs": verbs, "shortNames": t.short_names, "categories": t.categories}),
         );
         if t.status {
             resources.push(json!({"name": format!("{}/status", t.plural), "singularName": "", "namespaced": t.namespaced,
@@ -391,38 +750,215 @@ async fn read_json(request: Request<Incoming>, content_type: &str) -> Result<Val
         .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
 }
 
-fn selectors(query: &Query) -> Result<(LabelSelector, FieldSelector), ApiError> {
+/// The fields a type can be selected by besides `metadata.name` and
+/// `metadata.namespace` (what the real server's field label conversions
+/// accept).
+fn selectable_fields(t: &ResourceType) -> &'static [&'static str] {
+    const EVENT: &[&str] = &[
+        "involvedObject.kind",
+        "involvedObject.namespace",
+        "involvedObject.name",
+        "involvedObject.uid",
+        "involvedObject.apiVersion",
+        "involvedObject.resourceVersion",
+        "involvedObject.fieldPath",
+        "reason",
+        "reportingComponent",
+        "source",
+        "type",
+        "regarding.kind",
+        "regarding.namespace",
+        "regarding.name",
+        "regarding.uid",
+        "regarding.apiVersion",
+        "regarding.resourceVersion",
+        "regarding.fieldPath",
+        "reportingController",
+    ];
+    match (t.group.as_str(), t.plural.as_str()) {
+        ("", "secrets") => &["type"],
+        ("", "namespaces") => &["status.phase"],
+        ("", "events") | ("events.k8s.io", "events") => EVENT,
+        ("", "pods") => &[
+            "spec.nodeName",
+            "spec.restartPolicy",
+            "spec.schedulerName",
+            "spec.serviceAccountName",
+            "spec.hostNetwork",
+            "status.phase",
+            "status.podIP",
+            "status.podIPs",
+            "status.nominatedNodeName",
+        ],
+        ("certificates.k8s.io", "certificatesigningrequests") => &["spec.signerName"],
+        _ => &[],
+    }
+}
+
+fn selectors(query: &Query, t: &ResourceType) -> Result<(LabelSelector, FieldSelector), ApiError> {
     let labels = LabelSelector::parse(query.get("labelSelector").unwrap_or_default())
         .map_err(|e| ApiError::bad_request(e.to_string()))?;
     let fields = FieldSelector::parse(query.get("fieldSelector").unwrap_or_default())
         .map_err(|e| ApiError::bad_request(e.to_string()))?;
+    let allowed = selectable_fields(t);
+    for field in fields.fields() {
+        if matches!(field, "metadata.name" | "metadata.namespace") || allowed.contains(&field) {
+            continue;
+        }
+        return Err(ApiError::bad_request(if t.custom {
+            format!(
+                "{field:?} is not a known field selector: only \"metadata.name\", \"metadata.namespace\""
+            )
+        } else {
+            format!("field label not supported: {field}")
+        }));
+    }
     Ok((labels, fields))
+}
+
+/// How many paginated lists keep their snapshot for later pages.
+const SNAPSHOTS: usize = 64;
+
+/// The full result of a paginated list, kept so that its later pages read
+/// the same state (as the real server reads them at the first page's
+/// resourceVersion).
+pub struct Snapshot {
+    /// Type, namespace and selectors of the list.
+    key: String,
+    resource_version: u64,
+    items: Arc<Vec<Value>>,
 }
 
 fn list_response(
     shared: &Shared,
     target: &Target,
     query: &Query,
+    as_table: bool,
 ) -> Result<Response<Body>, ApiError> {
-    let (labels, fields) = selectors(query)?;
+    let (labels, fields) = selectors(query, &target.resource)?;
     let limit = query.number("limit")?.unwrap_or(0) as usize;
-    let (items, rv, next) = shared.store.list(
-        &target.resource,
-        target.namespace.as_deref(),
-        &labels,
-        &fields,
-        limit,
-        query.get("continue"),
+    let key = format!(
+        "{}|{}|{}|{}",
+        target.resource.storage_key(),
+        target.namespace.as_deref().unwrap_or_default(),
+        query.get("labelSelector").unwrap_or_default(),
+        query.get("fieldSelector").unwrap_or_default()
     );
-    let mut metadata = json!({"resourceVersion": rv.to_string()});
-    if let Some(next) = next {
-        metadata["continue"] = json!(next);
+    let item_key = |o: &Value| {
+        format!(
+            "{}/{}",
+            o.pointer("/metadata/namespace")
+                .and_then(Value::as_str)
+                .unwrap_or_default(),
+            o.pointer("/metadata/name")
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+        )
+    };
+    let (resource_version, items, after) = match query.get("continue") {
+        Some(token) => {
+            let (token_rv, after) = decode_continue(token)?;
+            let snapshots = shared.snapshots.lock().unwrap_or_else(|p| p.into_inner());
+            let found = snapshots
+                .iter()
+                .find(|s| s.key == key && s.resource_version == token_rv)
+                .map(|s| s.items.clone());
+            let items = found.ok_or_else(|| {
+                ApiError::new(
+                    410,
+                    "Expired",
+                    "The provided continue parameter is too old to display a consistent list result. You can start a new list without the continue parameter.",
+                )
+            })?;
+            (token_rv, items, Some(after))
+        }
+        None => {
+            let page = shared.store.list(
+                &target.resource,
+                target.namespace.as_deref(),
+                &labels,
+                &fields,
+                0,
+                None,
+            );
+            let items = Arc::new(page.items);
+            if limit > 0 && items.len() > limit {
+                let mut snapshots = shared.snapshots.lock().unwrap_or_else(|p| p.into_inner());
+                snapshots.push_back(Snapshot {
+                    key: key.clone(),
+                    resource_version: page.resource_version,
+                    items: items.clone(),
+                });
+                while snapshots.len() > SNAPSHOTS {
+                    snapshots.pop_front();
+                }
+            }
+            (page.resource_version, items, None)
+        }
+    };
+    let rest: Vec<&Value> = items
+        .iter()
+        .filter(|o| after.as_deref().is_none_or(|a| item_key(o).as_str() > a))
+        .collect();
+    let take = if limit == 0 {
+        rest.len()
+    } else {
+        limit.min(rest.len())
+    };
+    let page: Vec<Value> = rest[..take].iter().map(|o| (*o).clone()).collect();
+    let mut metadata = json!({"resourceVersion": resource_version.to_string()});
+    if take < rest.len()
+        && let Some(last) = page.last()
+    {
+        metadata["continue"] = json!(encode_continue(resource_version, &item_key(last)));
+        // As the real server, only an unfiltered list counts what is left.
+        if query.get("labelSelector").is_none() && query.get("fieldSelector").is_none() {
+            metadata["remainingItemCount"] = json!(rest.len() - take);
+        }
+    }
+    if as_table {
+        let mut rendered = table::render(&target.resource, &page, None);
+        rendered["metadata"] = metadata;
+        return Ok(json_response(StatusCode::OK, &rendered));
     }
     Ok(json_response(
         StatusCode::OK,
         &json!({"kind": target.resource.list_kind(), "apiVersion": target.resource.api_version(),
-                "metadata": metadata, "items": items}),
+                "metadata": metadata, "items": page}),
     ))
+}
+
+/// A continue token shaped as the real server's: base64 of
+/// `{"v":"meta.k8s.io/v1","rv":…,"start":"…"}`.
+fn encode_continue(resource_version: u64, after: &str) -> String {
+    use base64::Engine;
+    let token =
+        json!({"v": "meta.k8s.io/v1", "rv": resource_version, "start": format!("{after}\u{0}")});
+    base64::engine::general_purpose::URL_SAFE.encode(token.to_string())
+}
+
+fn decode_continue(token: &str) -> Result<(u64, String), ApiError> {
+    use base64::Engine;
+    let invalid = |why: String| ApiError::bad_request(format!("continue key is not valid: {why}"));
+    let bytes = base64::engine::general_purpose::URL_SAFE
+        .decode(token)
+        .map_err(|e| invalid(e.to_string()))?;
+    let value: Value = serde_json::from_slice(&bytes).map_err(|e| invalid(e.to_string()))?;
+    if value.get("v").and_then(Value::as_str) != Some("meta.k8s.io/v1") {
+        return Err(invalid(
+            "incorrect encoded start resourceVersion (version meta.k8s.io/v1)".into(),
+        ));
+    }
+    let resource_version = value
+        .get("rv")
+        .and_then(Value::as_u64)
+        .ok_or_else(|| invalid("no resourceVersion".into()))?;
+    let start = value
+        .get("start")
+        .and_then(Value::as_str)
+        .map(|s| s.trim_end_matches('\u{0}').to_string())
+        .ok_or_else(|| invalid("no start key".into()))?;
+    Ok((resource_version, start))
 }
 
 /// How a change looks to one watcher: selector transitions turn into ADDED
@@ -479,7 +1015,7 @@ fn watch_response(
     target: &Target,
     query: &Query,
 ) -> Result<Response<Body>, ApiError> {
-    let (labels, fields) = selectors(query)?;
+    let (labels, fields) = selectors(query, &target.resource)?;
     let send_initial = query.flag("sendInitialEvents");
     let requested = query.number("resourceVersion")?;
     let from = if send_initial { None } else { requested };

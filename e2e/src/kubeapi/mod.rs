@@ -17,30 +17,37 @@
 //! CertificateSigningRequests get `spec.username`/`uid`/`groups` from the
 //! authenticated requester, as on the real server.
 //!
+//! Where a controller could be fooled it answers as kube-apiserver does:
+//! server-side apply with per-manager field sets ([`fields`]), garbage
+//! collection and namespace termination ([`lifecycle`]), CRD schemas
+//! ([`schema`]), per-type write rules ([`validate`]) and, when asked for,
+//! RBAC ([`rbac`]).
+//!
 //! What it does **not** emulate:
-//! * authorization (RBAC): every authenticated user may do anything;
-//!   authentication is by bearer token only (no client certificates);
-//! * admission, defaulting and OpenAPI schema validation (CRD schemas are
-//!   not enforced; objects are stored as sent);
-//! * strategic merge patch (treated as a JSON merge patch: lists are
-//!   replaced, not merged by key);
-//! * server-side apply conflicts: an apply is a merge of the applied
-//!   configuration; `managedFields` records each manager's applied field
-//!   set, and fields a manager applied before and leaves out now are removed
-//!   as if it were their only owner; there are no conflicts between managers
-//!   and `force` changes nothing; list merge keys are ignored (lists are
-//!   replaced);
-//! * garbage collection by ownerReferences, and controllers of built-in
-//!   types (Deployments do not create Pods; nothing signs CSRs);
-//! * namespace deletion is immediate and takes the namespace's objects with
-//!   it (no `Terminating` phase);
-//! * protobuf, tables (`as=Table`), aggregated discovery, `exec`/`logs`/
-//!   `portforward`, API priority and fairness, and persistence.
+//! * authorization unless [`KubeApiOptions::rbac`] is on (then [`rbac`]
+//!   decides); authentication is by bearer token only (no client
+//!   certificates, no TokenRequest), and RBAC has no escalation checks;
+//! * admission webhooks, CRD schema rules beyond types, `required`,
+//!   `enum`, ranges, lengths and item counts, and conversion webhooks;
+//! * strategic merge beyond the common merge keys (no `$retainKeys`,
+//!   `$setElementOrder` or `$deleteFromPrimitiveList`);
+//! * controllers of built-in types (Deployments do not create Pods;
+//!   nothing signs CSRs);
+//! * protobuf, server-side printing of built-in types' own columns
+//!   (their Tables show Name and Age), OpenAPI documents, aggregated
+//!   discovery, `exec`/`logs`/`portforward`, API priority and fairness,
+//!   and persistence.
 
+pub mod fields;
 pub mod http;
+pub mod lifecycle;
+pub mod rbac;
 pub mod resources;
+pub mod schema;
 pub mod selector;
 pub mod store;
+pub mod table;
+pub mod validate;
 
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -92,6 +99,9 @@ pub struct KubeApiOptions {
     /// How many past changes a watch can resume from.
     pub history: usize,
     pub bookmark_interval: Duration,
+    /// Authorize every request by RBAC (off: any authenticated user may do
+    /// anything).
+    pub rbac: bool,
 }
 
 impl KubeApiOptions {
@@ -101,6 +111,7 @@ impl KubeApiOptions {
             dir: dir.into(),
             history: 1000,
             bookmark_interval: Duration::from_secs(5),
+            rbac: false,
         }
     }
 }
@@ -149,7 +160,7 @@ impl KubeApi {
             crate::env::sample::tls_acceptor(&leaf.cert_pem, &leaf.key_pem, &[b"h2", b"http/1.1"])
                 .map_err(|e| KubeApiError::Pki(e.to_string()))?;
 
-        let store = Store::new(Registry::with_builtins(), options.history);
+        let store = Arc::new(Store::new(Registry::with_builtins(), options.history));
         let system = User {
             name: "system:apiserver".into(),
             uid: uuid::Uuid::new_v4().to_string(),
@@ -164,13 +175,17 @@ impl KubeApi {
             let body = serde_json::json!({"metadata": {"name": ns}});
             let _ = store.create(&namespaces, None, body, &system, &Default::default());
         }
+        rbac::bootstrap(&store, &system);
         let (shutdown, shutdown_rx) = watch::channel(false);
         let shared = Arc::new(Shared {
             store,
             tokens: Mutex::new(HashMap::new()),
+            snapshots: Mutex::new(Default::default()),
             bookmark_interval: options.bookmark_interval,
+            rbac: options.rbac,
             shutdown: shutdown_rx.clone(),
         });
+        tokio::spawn(lifecycle::run(shared.store.clone(), shutdown_rx.clone()));
         let task = tokio::spawn(serve(listener, acceptor, shared.clone(), shutdown_rx));
         std::fs::create_dir_all(&options.dir).map_err(|source| KubeApiError::Write {
             path: options.dir.clone(),

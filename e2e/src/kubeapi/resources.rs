@@ -1,8 +1,11 @@
 //! The resource types the API serves: built-in ones and CustomResourceDefinitions.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use serde_json::Value;
+
+use super::fields::Shape;
 
 /// One served group/version/resource.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -19,6 +22,18 @@ pub struct ResourceType {
     /// CertificateSigningRequests' `/approval`.
     pub approval: bool,
     pub short_names: Vec<String>,
+    /// Discovery categories (`kubectl get all` lists the `all` category).
+    pub categories: Vec<String>,
+    /// How its objects merge (server-side apply and field ownership).
+    pub shape: Arc<Shape>,
+    /// Served for a CustomResourceDefinition.
+    pub custom: bool,
+    /// The server keeps `metadata.generation` (not every type has one).
+    pub generation: bool,
+    /// A custom type's `openAPIV3Schema` for this version.
+    pub schema: Option<Arc<Value>>,
+    /// A custom type's `additionalPrinterColumns` for this version.
+    pub printer_columns: Vec<Value>,
 }
 
 impl ResourceType {
@@ -33,7 +48,18 @@ impl ResourceType {
             status: false,
             approval: false,
             short_names: Vec::new(),
+            categories: Vec::new(),
+            shape: Arc::new(Shape::builtin()),
+            custom: false,
+            generation: false,
+            schema: None,
+            printer_columns: Vec::new(),
         }
+    }
+
+    fn with_generation(mut self) -> Self {
+        self.generation = true;
+        self
     }
 
     fn with_status(mut self) -> Self {
@@ -88,16 +114,20 @@ pub fn from_crd(crd: &Value) -> Result<Vec<ResourceType>, CrdError> {
         Some("Cluster") => false,
         _ => return Err(CrdError::Invalid("spec.scope (Namespaced or Cluster)")),
     };
-    let short_names: Vec<String> = names
-        .get("shortNames")
-        .and_then(Value::as_array)
-        .map(|a| {
-            a.iter()
-                .filter_map(Value::as_str)
-                .map(str::to_string)
-                .collect()
-        })
-        .unwrap_or_default();
+    let list = |field: &str| -> Vec<String> {
+        names
+            .get(field)
+            .and_then(Value::as_array)
+            .map(|a| {
+                a.iter()
+                    .filter_map(Value::as_str)
+                    .map(str::to_string)
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let short_names = list("shortNames");
+    let categories = list("categories");
     let versions = spec
         .get("versions")
         .and_then(Value::as_array)
@@ -108,6 +138,10 @@ pub fn from_crd(crd: &Value) -> Result<Vec<ResourceType>, CrdError> {
             continue;
         }
         let name = text(version.get("name"), "spec.versions[].name")?;
+        let shape = version
+            .pointer("/schema/openAPIV3Schema")
+            .map_or_else(Shape::deduced, Shape::from_schema)
+            .with_object_meta();
         types.push(ResourceType {
             group: group.clone(),
             version: name,
@@ -118,6 +152,19 @@ pub fn from_crd(crd: &Value) -> Result<Vec<ResourceType>, CrdError> {
             status: version.pointer("/subresources/status").is_some(),
             approval: false,
             short_names: short_names.clone(),
+            categories: categories.clone(),
+            shape: Arc::new(shape),
+            custom: true,
+            generation: true,
+            schema: version
+                .pointer("/schema/openAPIV3Schema")
+                .cloned()
+                .map(Arc::new),
+            printer_columns: version
+                .get("additionalPrinterColumns")
+                .and_then(Value::as_array)
+                .cloned()
+                .unwrap_or_default(),
         });
     }
     if types.is_empty() {
@@ -145,11 +192,16 @@ impl Registry {
             ("Event", "events", true, false),
         ];
         for (kind, plural, namespaced, status) in core {
-            let t = ResourceType::builtin("", "v1", kind, plural, namespaced);
+            let mut t = ResourceType::builtin("", "v1", kind, plural, namespaced);
+            if kind == "Pod" {
+                t = t.with_generation();
+            }
             registry.add(if status { t.with_status() } else { t });
         }
         registry.add(
-            ResourceType::builtin("apps", "v1", "Deployment", "deployments", true).with_status(),
+            ResourceType::builtin("apps", "v1", "Deployment", "deployments", true)
+                .with_status()
+                .with_generation(),
         );
         registry.add(ResourceType::builtin(
             "coordination.k8s.io",
@@ -167,8 +219,21 @@ impl Registry {
         )
         .with_status();
         csr.approval = true;
-        csr.short_names = vec!["csr".into()];
         registry.add(csr);
+        for (kind, plural, namespaced) in [
+            ("Role", "roles", true),
+            ("ClusterRole", "clusterroles", false),
+            ("RoleBinding", "rolebindings", true),
+            ("ClusterRoleBinding", "clusterrolebindings", false),
+        ] {
+            registry.add(ResourceType::builtin(
+                "rbac.authorization.k8s.io",
+                "v1",
+                kind,
+                plural,
+                namespaced,
+            ));
+        }
         registry.add(ResourceType::builtin(
             "events.k8s.io",
             "v1",
@@ -184,12 +249,40 @@ impl Registry {
                 "customresourcedefinitions",
                 false,
             )
-            .with_status(),
+            .with_status()
+            .with_generation(),
         );
         registry
     }
 
+    /// The short names and categories kube-apiserver gives built-in types.
+    fn with_builtin_names(mut t: ResourceType) -> ResourceType {
+        let (short, categories): (&[&str], &[&str]) = match (t.group.as_str(), t.plural.as_str()) {
+            ("", "namespaces") => (&["ns"], &[]),
+            ("", "configmaps") => (&["cm"], &[]),
+            ("", "services") => (&["svc"], &["all"]),
+            ("", "serviceaccounts") => (&["sa"], &[]),
+            ("", "pods") => (&["po"], &["all"]),
+            ("", "events") => (&["ev"], &[]),
+            ("events.k8s.io", "events") => (&["ev"], &[]),
+            ("apps", "deployments") => (&["deploy"], &["all"]),
+            ("certificates.k8s.io", "certificatesigningrequests") => (&["csr"], &[]),
+            ("apiextensions.k8s.io", "customresourcedefinitions") => {
+                (&["crd", "crds"], &["api-extensions"])
+            }
+            _ => (&[], &[]),
+        };
+        t.short_names = short.iter().map(|s| s.to_string()).collect();
+        t.categories = categories.iter().map(|s| s.to_string()).collect();
+        t
+    }
+
     pub fn add(&mut self, t: ResourceType) {
+        let t = if t.custom {
+            t
+        } else {
+            Self::with_builtin_names(t)
+        };
         self.types
             .insert((t.group.clone(), t.version.clone(), t.plural.clone()), t);
     }
@@ -199,7 +292,8 @@ impl Registry {
             .get(&(group.to_string(), version.to_string(), plural.to_string()))
     }
 
-    /// Every group with its versions (the core group is `""`).
+    /// Every group with its versions, preferred first (the core group is
+    /// `""`).
     pub fn groups(&self) -> BTreeMap<String, Vec<String>> {
         let mut groups: BTreeMap<String, Vec<String>> = BTreeMap::new();
         for (group, version, _) in self.types.keys() {
@@ -208,7 +302,16 @@ impl Registry {
                 versions.push(version.clone());
             }
         }
+        for versions in groups.values_mut() {
+            super::schema::by_priority(versions);
+        }
         groups
+    }
+
+    /// Stops serving every version of a custom resource.
+    pub fn remove_resource(&mut self, group: &str, plural: &str) {
+        self.types
+            .retain(|(g, _, p), t| !(g == group && p == plural && t.custom));
     }
 
     pub fn in_group_version<'a>(

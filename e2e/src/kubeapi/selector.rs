@@ -153,6 +153,11 @@ impl FieldSelector {
         Ok(FieldSelector(terms))
     }
 
+    /// The field paths the selector names.
+    pub fn fields(&self) -> impl Iterator<Item = &str> {
+        self.0.iter().map(|(path, _, _)| path.as_str())
+    }
+
     pub fn matches(&self, object: &Value) -> bool {
         self.0.iter().all(|(path, equal, value)| {
             let mut current = Some(object);

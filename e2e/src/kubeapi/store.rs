@@ -9,8 +9,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use serde_json::{Map, Value, json};
 use tokio::sync::broadcast;
 
+use super::fields::{self, Conflicts, Manager, OwnershipError, Writer};
 use super::resources::{Registry, ResourceType, from_crd};
 use super::selector::{FieldSelector, LabelSelector};
+use super::{schema, validate};
 
 /// A failed request, rendered as a `meta/v1 Status`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -19,6 +21,8 @@ pub struct ApiError {
     pub code: u16,
     pub reason: &'static str,
     pub message: String,
+    /// `details` of the Status (`name`, `group`, `kind`, `causes`), or null.
+    pub details: Value,
 }
 
 impl ApiError {
@@ -27,7 +31,21 @@ impl ApiError {
             code,
             reason,
             message: message.into(),
+            details: Value::Null,
         }
+    }
+
+    /// The same error, naming the object it is about.
+    pub fn about(mut self, t: &ResourceType, name: &str) -> Self {
+        let mut details = json!({"name": name, "kind": t.plural});
+        if !t.group.is_empty() {
+            details["group"] = json!(t.group);
+        }
+        if let Some(causes) = self.details.get("causes") {
+            details["causes"] = causes.clone();
+        }
+        self.details = details;
+        self
     }
 
     pub fn bad_request(message: impl Into<String>) -> Self {
@@ -40,10 +58,41 @@ impl ApiError {
             "NotFound",
             format!("{} \"{name}\" not found", group_resource(t)),
         )
+        .about(t, name)
     }
 
     pub fn invalid(message: impl Into<String>) -> Self {
         Self::new(422, "Invalid", message)
+    }
+
+    /// `422 Invalid` for field errors, as the API server words them:
+    /// `Kind.group "name" is invalid: field: Invalid value: …`, one cause
+    /// each. Each error is (field, cause reason, message).
+    pub fn invalid_fields(t: &ResourceType, name: &str, errors: &[(String, &str, String)]) -> Self {
+        let rendered: Vec<String> = errors
+            .iter()
+            .map(|(field, _, message)| format!("{field}: {message}"))
+            .collect();
+        let all = match rendered.as_slice() {
+            [one] => one.clone(),
+            many => format!("[{}]", many.join(", ")),
+        };
+        let group_kind = if t.group.is_empty() {
+            t.kind.clone()
+        } else {
+            format!("{}.{}", t.kind, t.group)
+        };
+        let mut error = Self::invalid(format!("{group_kind} {name:?} is invalid: {all}"));
+        let causes: Vec<Value> = errors
+            .iter()
+            .map(|(field, reason, message)| json!({"reason": reason, "message": message, "field": field}))
+            .collect();
+        let mut details = json!({"name": name, "kind": t.kind, "causes": causes});
+        if !t.group.is_empty() {
+            details["group"] = json!(t.group);
+        }
+        error.details = details;
+        error
     }
 
     /// A write based on an outdated resourceVersion.
@@ -56,10 +105,25 @@ impl ApiError {
                 group_resource(t)
             ),
         )
+        .about(t, name)
+    }
+
+    /// A server-side apply that changes fields other managers own.
+    pub fn apply_conflict(conflicts: &Conflicts) -> Self {
+        let causes: Vec<Value> = conflicts
+            .0
+            .iter()
+            .map(|(manager, path)| {
+                json!({"reason": "FieldManagerConflict", "message": format!("conflict with {manager}"), "field": path})
+            })
+            .collect();
+        let mut error = Self::new(409, "Conflict", conflicts.message());
+        error.details = json!({"causes": causes});
+        error
     }
 
     pub fn status(&self) -> Value {
-        json!({
+        let mut status = json!({
             "kind": "Status",
             "apiVersion": "v1",
             "metadata": {},
@@ -67,7 +131,11 @@ impl ApiError {
             "message": self.message,
             "reason": self.reason,
             "code": self.code,
-        })
+        });
+        if !self.details.is_null() {
+            status["details"] = self.details.clone();
+        }
+        status
     }
 }
 
@@ -124,10 +192,20 @@ pub enum Part {
     Approval,
 }
 
+impl Part {
+    fn subresource(self) -> Option<&'static str> {
+        match self {
+            Part::Main => None,
+            Part::Status => Some("status"),
+            Part::Approval => Some("approval"),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PatchKind {
     Merge,
-    /// Strategic merge is treated as a JSON merge patch.
+    /// Built-in types only: keyed lists merge by their merge keys.
     StrategicMerge,
     Json,
     /// Server-side apply, treated as a merge with field-manager bookkeeping.
@@ -146,8 +224,44 @@ pub struct Patched {
 pub struct WriteOptions {
     pub field_manager: Option<String>,
     pub dry_run: bool,
-    /// For an apply: the field set it applies (recorded in managedFields).
-    pub applied_fields: Option<Value>,
+    /// Server-side apply takes fields other managers own.
+    pub force: bool,
+    /// Names the manager of a write without `fieldManager`, as the real
+    /// server does (the part before the first `/`).
+    pub user_agent: Option<String>,
+}
+
+impl WriteOptions {
+    fn manager(&self) -> String {
+        match &self.field_manager {
+            Some(m) if !m.is_empty() => m.clone(),
+            _ => self
+                .user_agent
+                .as_deref()
+                .and_then(|ua| ua.split('/').next())
+                .filter(|m| !m.is_empty())
+                .map(|m| m.chars().take(128).collect())
+                // Without either, the real server records an empty name.
+                .unwrap_or_default(),
+        }
+    }
+
+    fn writer(&self, t: &ResourceType, part: Part) -> Writer {
+        Writer {
+            manager: self.manager(),
+            subresource: part.subresource().map(str::to_string),
+            api_version: t.api_version(),
+            time: now_rfc3339(),
+        }
+    }
+}
+
+/// Who owns the fields of a write's result.
+enum Ownership {
+    /// An update: its writer gets what it changed.
+    Update(Writer),
+    /// An apply: worked out with the merge.
+    Applied(Vec<Manager>),
 }
 
 type ObjectKey = (String, String);
@@ -195,18 +309,6 @@ fn metadata_mut(object: &mut Value) -> Result<&mut Map<String, Value>, ApiError>
         .ok_or_else(|| ApiError::bad_request("metadata must be an object"))
 }
 
-/// Everything but metadata and status: what `metadata.generation` tracks.
-fn content(object: &Value) -> Value {
-    let mut content = object.clone();
-    if let Some(map) = content.as_object_mut() {
-        map.remove("metadata");
-        map.remove("status");
-        map.remove("apiVersion");
-        map.remove("kind");
-    }
-    content
-}
-
 fn random_suffix() -> String {
     const ALPHABET: &[u8] = b"bcdfghjklmnpqrstvwxz2456789";
     (0..5)
@@ -214,122 +316,222 @@ fn random_suffix() -> String {
         .collect()
 }
 
+/// Finalizers that hold a deleted object back: `metadata.finalizers`, and
+/// a Namespace's `spec.finalizers` (the namespace controller's).
 fn has_finalizers(object: &Value) -> bool {
+    let any = |pointer: &str| {
+        object
+            .pointer(pointer)
+            .and_then(Value::as_array)
+            .is_some_and(|f| !f.is_empty())
+    };
+    any("/metadata/finalizers") || (is_namespace(object) && any("/spec/finalizers"))
+}
+
+fn is_namespace(object: &Value) -> bool {
+    object.get("kind").and_then(Value::as_str) == Some("Namespace")
+        && object.get("apiVersion").and_then(Value::as_str) == Some("v1")
+}
+
+/// Finalizers the garbage collector acts on.
+pub const ORPHAN_FINALIZER: &str = "orphan";
+pub const FOREGROUND_FINALIZER: &str = "foregroundDeletion";
+
+/// What happens to dependents when their owner is deleted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Propagation {
+    /// The owner goes now, the garbage collector deletes dependents after.
+    #[default]
+    Background,
+    /// The owner stays (`foregroundDeletion`) until blocking dependents are gone.
+    Foreground,
+    /// Dependents stay, their ownerReference to the owner is removed.
+    Orphan,
+}
+
+impl Propagation {
+    pub fn parse(text: &str) -> Result<Self, ApiError> {
+        match text {
+            "Background" => Ok(Propagation::Background),
+            "Foreground" => Ok(Propagation::Foreground),
+            "Orphan" => Ok(Propagation::Orphan),
+            other => Err(ApiError::bad_request(format!(
+                "propagationPolicy: Unsupported value: {other:?}: supported values: \"Foreground\", \"Background\", \"Orphan\""
+            ))),
+        }
+    }
+}
+
+/// The `DeleteOptions` of a request.
+#[derive(Debug, Clone, Default)]
+pub struct DeleteOptions {
+    pub propagation: Propagation,
+    pub precondition_uid: Option<String>,
+    pub precondition_resource_version: Option<String>,
+    pub dry_run: bool,
+}
+
+/// The result of a DELETE.
+#[derive(Debug)]
+pub enum Deleted {
+    /// Removed from the store.
+    Gone(Value),
+    /// Marked deleting; finalizers hold it.
+    Pending(Value),
+}
+
+/// The `uid`s an object's ownerReferences name.
+pub fn owner_uids(object: &Value) -> Vec<String> {
+    object
+        .pointer("/metadata/ownerReferences")
+        .and_then(Value::as_array)
+        .map(|refs| {
+            refs.iter()
+                .filter_map(|r| r.get("uid").and_then(Value::as_str))
+                .map(str::to_string)
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn finalizer_names(object: &Value) -> Vec<String> {
     object
         .pointer("/metadata/finalizers")
         .and_then(Value::as_array)
-        .is_some_and(|f| !f.is_empty())
-}
-
-fn record_manager(
-    object: &mut Value,
-    t: &ResourceType,
-    manager: &str,
-    operation: &str,
-    part: Part,
-    fields: Value,
-) {
-    let Ok(metadata) = metadata_mut(object) else {
-        return;
-    };
-    let entries = metadata
-        .entry("managedFields")
-        .or_insert_with(|| Value::Array(Vec::new()));
-    if !entries.is_array() {
-        *entries = Value::Array(Vec::new());
-    }
-    let Some(entries) = entries.as_array_mut() else {
-        return;
-    };
-    let subresource = match part {
-        Part::Main => None,
-        Part::Status => Some("status"),
-        Part::Approval => Some("approval"),
-    };
-    entries.retain(|e| {
-        !(e.get("manager").and_then(Value::as_str) == Some(manager)
-            && e.get("operation").and_then(Value::as_str) == Some(operation)
-            && e.get("subresource").and_then(Value::as_str) == subresource)
-    });
-    let mut entry = json!({
-        "manager": manager,
-        "operation": operation,
-        "apiVersion": t.api_version(),
-        "time": now_rfc3339(),
-        "fieldsType": "FieldsV1",
-        "fieldsV1": fields,
-    });
-    if let Some(sub) = subresource {
-        entry["subresource"] = json!(sub);
-    }
-    entries.push(entry);
-}
-
-/// The field set (`fieldsV1`) of an applied configuration. Identity fields
-/// (apiVersion, kind, metadata.name/namespace) are not owned.
-pub fn field_set(applied: &Value) -> Value {
-    fn walk(value: &Value, top: bool, in_metadata: bool) -> Value {
-        let mut fields = Map::new();
-        if let Some(map) = value.as_object() {
-            for (key, child) in map {
-                if top && (key == "apiVersion" || key == "kind") {
-                    continue;
-                }
-                if in_metadata && (key == "name" || key == "namespace") {
-                    continue;
-                }
-                let sub = match child {
-                    Value::Object(_) => walk(child, false, top && key == "metadata"),
-                    _ => json!({}),
-                };
-                fields.insert(format!("f:{key}"), sub);
-            }
-        }
-        Value::Object(fields)
-    }
-    walk(applied, true, false)
-}
-
-fn applied_fields_of(object: &Value, manager: &str, part: Part) -> Option<Value> {
-    let subresource = match part {
-        Part::Main => None,
-        Part::Status => Some("status"),
-        Part::Approval => Some("approval"),
-    };
-    object
-        .pointer("/metadata/managedFields")?
-        .as_array()?
-        .iter()
-        .find(|e| {
-            e.get("manager").and_then(Value::as_str) == Some(manager)
-                && e.get("operation").and_then(Value::as_str) == Some("Apply")
-                && e.get("subresource").and_then(Value::as_str) == subresource
+        .map(|f| {
+            f.iter()
+                .filter_map(Value::as_str)
+                .map(str::to_string)
+                .collect()
         })
-        .and_then(|e| e.get("fieldsV1").cloned())
+        .unwrap_or_default()
 }
 
-/// Removes from `object` what `previous` (a field set) names and `applied`
-/// no longer contains.
-fn prune(object: &mut Value, previous: &Value, applied: &Value) {
-    let (Some(previous), Some(target)) = (previous.as_object(), object.as_object_mut()) else {
-        return;
+/// The API server's rules for `metadata.ownerReferences`.
+fn validate_owner_references(t: &ResourceType, name: &str, object: &Value) -> Result<(), ApiError> {
+    let Some(refs) = object.pointer("/metadata/ownerReferences") else {
+        return Ok(());
     };
-    for (field, sub) in previous {
-        let Some(key) = field.strip_prefix("f:") else {
-            continue;
-        };
-        match applied.get(key) {
-            None => {
-                target.remove(key);
+    let Some(refs) = refs.as_array() else {
+        return Err(ApiError::bad_request(
+            "metadata.ownerReferences must be a list",
+        ));
+    };
+    let mut errors = Vec::new();
+    let mut controllers = 0;
+    for reference in refs {
+        for (field, what) in [
+            ("apiVersion", "version"),
+            ("kind", "kind"),
+            ("name", "name"),
+            ("uid", "uid"),
+        ] {
+            let value = reference
+                .get(field)
+                .and_then(Value::as_str)
+                .unwrap_or_default();
+            if value.is_empty() {
+                errors.push((
+                    format!("metadata.ownerReferences.{field}"),
+                    "FieldValueInvalid",
+                    format!("Invalid value: \"\": {what} must not be empty"),
+                ));
             }
-            Some(applied_child @ Value::Object(_)) => {
-                if let Some(child) = target.get_mut(key) {
-                    prune(child, sub, applied_child);
-                }
-            }
-            Some(_) => {}
+        }
+        if reference.get("controller") == Some(&Value::Bool(true)) {
+            controllers += 1;
         }
     }
+    if controllers > 1 {
+        errors.push((
+            "metadata.ownerReferences".to_string(),
+            "FieldValueInvalid",
+            format!(
+                "Invalid value: {}: Only one reference can have Controller set to true",
+                serde_json::to_string(refs).unwrap_or_default()
+            ),
+        ));
+    }
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(ApiError::invalid_fields(t, name, &errors))
+    }
+}
+
+/// One page of a list.
+#[derive(Debug)]
+pub struct ListPage {
+    pub items: Vec<Value>,
+    pub resource_version: u64,
+    /// Where the next page starts after (`namespace/name`), if any.
+    pub next: Option<String>,
+    /// How many matching items the later pages hold.
+    pub remaining: usize,
+}
+
+/// One stored object, where it lives.
+#[derive(Debug, Clone)]
+pub struct Located {
+    pub resource: ResourceType,
+    pub namespace: Option<String>,
+    pub name: String,
+    pub object: Value,
+}
+
+fn conflict_error(error: OwnershipError) -> ApiError {
+    match error {
+        OwnershipError::Conflicts(conflicts) => ApiError::apply_conflict(&conflicts),
+        OwnershipError::Shape(shape) => ApiError::invalid(shape.to_string()),
+    }
+}
+
+/// What an apply to `part` may change: the main resource leaves a status
+/// subresource alone; `/status` changes only status.
+fn applicable_config(t: &ResourceType, config: &Value, part: Part) -> Value {
+    match part {
+        Part::Main => {
+            let mut config = config.clone();
+            if t.status
+                && let Some(map) = config.as_object_mut()
+            {
+                map.remove("status");
+            }
+            config
+        }
+        Part::Status | Part::Approval => {
+            let mut limited = json!({});
+            for field in ["apiVersion", "kind"] {
+                if let Some(v) = config.get(field) {
+                    limited[field] = v.clone();
+                }
+            }
+            if let Some(status) = config.get("status") {
+                limited["status"] = status.clone();
+            }
+            limited
+        }
+    }
+}
+
+/// `managedFields` without their times: a write that changes nothing else
+/// is a no-op even though it would stamp a new time.
+fn without_times(object: &Value) -> Value {
+    let mut object = object.clone();
+    if let Some(entries) = object
+        .pointer_mut("/metadata/managedFields")
+        .and_then(Value::as_array_mut)
+    {
+        for entry in entries {
+            if let Some(map) = entry.as_object_mut() {
+                map.remove("time");
+            }
+        }
+    }
+    if let Some(m) = object.get_mut("metadata").and_then(Value::as_object_mut) {
+        m.remove("resourceVersion");
+    }
+    object
 }
 
 impl Store {
@@ -385,6 +587,17 @@ impl Store {
         if let Ok(metadata) = metadata_mut(&mut object) {
             metadata.insert("resourceVersion".into(), json!(rv.to_string()));
         }
+        if kind == EventType::Deleted
+            && t.plural == "customresourcedefinitions"
+            && t.group == "apiextensions.k8s.io"
+        {
+            // Its API goes with it.
+            let group = object.pointer("/spec/group").and_then(Value::as_str);
+            let plural = object.pointer("/spec/names/plural").and_then(Value::as_str);
+            if let (Some(group), Some(plural)) = (group, plural) {
+                inner.registry.remove_resource(group, plural);
+            }
+        }
         let store = inner.objects.entry(t.storage_key()).or_default();
         if kind == EventType::Deleted {
             store.remove(&key);
@@ -407,15 +620,33 @@ impl Store {
         object
     }
 
-    fn check_namespace(inner: &Inner, t: &ResourceType, namespace: &str) -> Result<(), ApiError> {
+    fn check_namespace(
+        inner: &Inner,
+        t: &ResourceType,
+        namespace: &str,
+        name: &str,
+    ) -> Result<(), ApiError> {
         if !t.namespaced {
             return Ok(());
         }
-        let exists = inner
+        let found = inner
             .objects
             .get("/namespaces")
-            .is_some_and(|m| m.contains_key(&(String::new(), namespace.to_string())));
-        if exists {
+            .and_then(|m| m.get(&(String::new(), namespace.to_string())));
+        if let Some(ns) = found {
+            if ns.pointer("/metadata/deletionTimestamp").is_some() {
+                let message = format!(
+                    "unable to create new content in namespace {namespace} because it is being terminated"
+                );
+                let mut error = ApiError::new(
+                    403,
+                    "Forbidden",
+                    format!("{} \"{name}\" is forbidden: {message}", group_resource(t)),
+                )
+                .about(t, name);
+                error.details["causes"] = json!([{"reason": "NamespaceTerminating", "message": message, "field": "metadata.namespace"}]);
+                return Err(error);
+            }
             Ok(())
         } else {
             Err(ApiError::new(
@@ -475,10 +706,14 @@ impl Store {
         fields: &FieldSelector,
         limit: usize,
         continue_after: Option<&str>,
-    ) -> (Vec<Value>, u64, Option<String>) {
+    ) -> ListPage {
         let inner = self.lock();
-        let mut items = Vec::new();
-        let mut next = None;
+        let mut page = ListPage {
+            items: Vec::new(),
+            resource_version: inner.resource_version,
+            next: None,
+            remaining: 0,
+        };
         if let Some(objects) = inner.objects.get(&t.storage_key()) {
             for ((ns, name), object) in objects {
                 if t.namespaced && namespace.is_some_and(|want| want != ns) {
@@ -491,29 +726,45 @@ impl Store {
                 if !labels.matches(object) || !fields.matches(object) {
                     continue;
                 }
-                if limit > 0 && items.len() == limit {
-                    next = items.last().map(|o: &Value| {
-                        format!(
-                            "{}/{}",
-                            meta(o, "namespace").unwrap_or_default(),
-                            meta(o, "name").unwrap_or_default()
-                        )
-                    });
-                    break;
+                if limit > 0 && page.items.len() == limit {
+                    if page.next.is_none() {
+                        page.next = page.items.last().map(|o: &Value| {
+                            format!(
+                                "{}/{}",
+                                meta(o, "namespace").unwrap_or_default(),
+                                meta(o, "name").unwrap_or_default()
+                            )
+                        });
+                    }
+                    page.remaining += 1;
+                    continue;
                 }
-                items.push(as_version(object.clone(), t));
+                page.items.push(as_version(object.clone(), t));
             }
         }
-        (items, inner.resource_version, next)
+        page
     }
 
     pub fn create(
         &self,
         t: &ResourceType,
         namespace: Option<&str>,
+        body: Value,
+        user: &User,
+        options: &WriteOptions,
+    ) -> Result<Value, ApiError> {
+        self.create_as(t, namespace, body, user, options, false)
+    }
+
+    /// Creates the object; `applied`: by a server-side apply of `body`.
+    fn create_as(
+        &self,
+        t: &ResourceType,
+        namespace: Option<&str>,
         mut body: Value,
         user: &User,
         options: &WriteOptions,
+        applied: bool,
     ) -> Result<Value, ApiError> {
         let mut inner = self.lock();
         let metadata = metadata_mut(&mut body)?;
@@ -565,8 +816,9 @@ impl Store {
             map.insert("apiVersion".into(), json!(t.api_version()));
             map.insert("kind".into(), json!(t.kind));
         }
+        validate_owner_references(t, &name, &body)?;
         if let Some(ns) = &ns_value {
-            Self::check_namespace(&inner, t, ns)?;
+            Self::check_namespace(&inner, t, ns, &name)?;
         }
         let key = Self::key_of(t, ns_value.as_deref(), &name);
         if inner
@@ -578,13 +830,42 @@ impl Store {
                 409,
                 "AlreadyExists",
                 format!("{} \"{name}\" already exists", group_resource(t)),
-            ));
+            )
+            .about(t, &name));
         }
         if t.status
             && let Some(map) = body.as_object_mut()
         {
             // Status is written through its subresource only.
             map.remove("status");
+        }
+        validate::on_create(t, &name, &mut body, &now_rfc3339())?;
+        // Ownership is of what the requester sent, before the server adds
+        // its own fields; an applier does not own what defaulting adds.
+        let writer = options.writer(t, Part::Main);
+        let applied_managers = if applied {
+            let (_, managers) =
+                fields::apply(&json!({}), &body, Vec::new(), &writer, true, &t.shape)
+                    .map_err(conflict_error)?;
+            Some(managers)
+        } else {
+            None
+        };
+        conform(t, &name, &mut body)?;
+        let managers = match applied_managers {
+            Some(managers) => managers,
+            // As the real server, a body it cannot track fields of is
+            // stored all the same, without managedFields.
+            None => fields::record_update(&json!({}), &body, Vec::new(), &writer, &t.shape)
+                .unwrap_or_default(),
+        };
+        if t.plural == "customresourcedefinitions" {
+            check_crd(t, &name, &body)?;
+            let mut finalizers = finalizer_names(&body);
+            if !finalizers.iter().any(|f| f == CRD_CLEANUP_FINALIZER) {
+                finalizers.push(CRD_CLEANUP_FINALIZER.into());
+            }
+            body["metadata"]["finalizers"] = json!(finalizers);
         }
         if t.plural == "certificatesigningrequests" && t.group == "certificates.k8s.io" {
             // As the real server: the requester is who authenticated, never
@@ -601,6 +882,13 @@ impl Store {
             if let Some(map) = body.as_object_mut() {
                 map.insert("status".into(), json!({}));
             }
+        }
+        if is_namespace(&body) {
+            // The namespace controller's finalizer, from birth.
+            if body.pointer("/spec/finalizers").is_none() {
+                body["spec"] = json!({"finalizers": ["kubernetes"]});
+            }
+            body["status"] = json!({"phase": "Active"});
         }
         if t.plural == "customresourcedefinitions" {
             let types = from_crd(&body).map_err(|e| ApiError::invalid(e.to_string()))?;
@@ -619,15 +907,7 @@ impl Store {
                 }
             }
         }
-        if let Some(manager) = &options.field_manager {
-            let fields = options.applied_fields.clone().unwrap_or_else(|| json!({}));
-            let operation = if options.applied_fields.is_some() {
-                "Apply"
-            } else {
-                "Update"
-            };
-            record_manager(&mut body, t, manager, operation, Part::Main, fields);
-        }
+        fields::write_managers(&mut body, &managers);
         if options.dry_run {
             return Ok(body);
         }
@@ -654,13 +934,15 @@ impl Store {
                 "the name of the object ({body_name}) does not match the name on the URL ({name})"
             )));
         }
+        validate::unconditional_update(t, name, &body)?;
         if let Some(rv) = meta(&body, "resourceVersion").filter(|rv| !rv.is_empty())
             && Some(rv) != meta(&old, "resourceVersion")
         {
             return Err(ApiError::stale(t, name));
         }
         let new = self.merge_part(t, &old, body, part)?;
-        self.finish_write(&mut inner, t, key, old, new, part, options, "Update")
+        let ownership = Ownership::Update(options.writer(t, part));
+        self.finish_write(&mut inner, t, key, old, new, options, ownership)
     }
 
     /// The new object of a write to `part`: the main resource keeps status
@@ -718,10 +1000,15 @@ impl Store {
         key: ObjectKey,
         old: Value,
         mut new: Value,
-        part: Part,
         options: &WriteOptions,
-        operation: &str,
+        ownership: Ownership,
     ) -> Result<Value, ApiError> {
+        // Managers the client sent replace the recorded ones; none sent
+        // keeps them.
+        let sent_managers = new
+            .pointer("/metadata/managedFields")
+            .filter(|sent| Some(*sent) != old.pointer("/metadata/managedFields"))
+            .map(|_| fields::read_managers(&new));
         // Fields only the server sets.
         {
             let old_meta = old.get("metadata").cloned().unwrap_or(json!({}));
@@ -745,27 +1032,27 @@ impl Store {
             if t.namespaced {
                 metadata.insert("namespace".into(), json!(key.0));
             }
-            if !metadata.contains_key("managedFields")
-                && let Some(m) = old_meta.get("managedFields")
-            {
-                metadata.insert("managedFields".into(), m.clone());
-            }
         }
         if let Some(map) = new.as_object_mut() {
             map.insert("apiVersion".into(), json!(t.api_version()));
             map.insert("kind".into(), json!(t.kind));
         }
-        if content(&new) != content(&old) {
-            let generation = old
-                .pointer("/metadata/generation")
-                .and_then(Value::as_i64)
-                .unwrap_or(1);
-            new["metadata"]["generation"] = json!(generation + 1);
+        validate_owner_references(t, &key.1, &new)?;
+        validate::on_update(t, &key.1, &old, &mut new, &now_rfc3339())?;
+        conform(t, &key.1, &mut new)?;
+        if t.plural == "customresourcedefinitions" {
+            check_crd(t, &key.1, &new)?;
         }
-        if let Some(manager) = &options.field_manager {
-            let fields = options.applied_fields.clone().unwrap_or_else(|| json!({}));
-            record_manager(&mut new, t, manager, operation, part, fields);
-        }
+        let managers = match ownership {
+            Ownership::Applied(managers) => managers,
+            Ownership::Update(writer) => {
+                let base = sent_managers.unwrap_or_else(|| fields::read_managers(&old));
+                // Fields that cannot be tracked (say, a keyed list with
+                // duplicates) keep the managers as they were.
+                fields::record_update(&old, &new, base.clone(), &writer, &t.shape).unwrap_or(base)
+            }
+        };
+        fields::write_managers(&mut new, &managers);
         if t.plural == "customresourcedefinitions" && !options.dry_run {
             for crd_type in from_crd(&new).map_err(|e| ApiError::invalid(e.to_string()))? {
                 inner.registry.add(crd_type);
@@ -774,15 +1061,7 @@ impl Store {
         if options.dry_run {
             return Ok(as_version(new, t));
         }
-        let mut unchanged_old = old.clone();
-        let mut unchanged_new = new.clone();
-        for o in [&mut unchanged_old, &mut unchanged_new] {
-            if let Some(m) = o.get_mut("metadata").and_then(Value::as_object_mut) {
-                m.remove("resourceVersion");
-                m.remove("managedFields");
-            }
-        }
-        if unchanged_old == unchanged_new {
+        if without_times(&old) == without_times(&new) {
             // A no-op write changes nothing, not even the resourceVersion.
             return Ok(as_version(old, t));
         }
@@ -809,15 +1088,11 @@ impl Store {
         options: &WriteOptions,
     ) -> Result<Patched, ApiError> {
         if kind == PatchKind::Apply {
-            let manager = options
-                .field_manager
-                .clone()
-                .filter(|m| !m.is_empty())
-                .ok_or_else(|| {
-                    ApiError::bad_request(
-                        "PatchOptions.fieldManager: Required value: is required for apply patch",
-                    )
-                })?;
+            if options.field_manager.as_deref().is_none_or(str::is_empty) {
+                return Err(ApiError::bad_request(
+                    "PatchOptions.fieldManager: Required value: is required for apply patch",
+                ));
+            }
             for field in ["apiVersion", "kind"] {
                 if patch.get(field).and_then(Value::as_str).is_none() {
                     return Err(ApiError::bad_request(format!(
@@ -830,31 +1105,16 @@ impl Store {
                 if part != Part::Main {
                     return Err(ApiError::not_found(t, name));
                 }
-                let create_options = WriteOptions {
-                    field_manager: Some(manager),
-                    dry_run: options.dry_run,
-                    applied_fields: Some(field_set(&patch)),
-                };
                 let mut body = patch;
                 metadata_mut(&mut body)?.insert("name".into(), json!(name));
                 return self
-                    .create(t, namespace, body, user, &create_options)
+                    .create_as(t, namespace, body, user, options, true)
                     .map(|object| Patched {
                         object,
                         created: true,
                     });
             }
         }
-        let apply_options;
-        let options = if kind == PatchKind::Apply {
-            apply_options = WriteOptions {
-                applied_fields: Some(field_set(&patch)),
-                ..options.clone()
-            };
-            &apply_options
-        } else {
-            options
-        };
         let mut inner = self.lock();
         let key = Self::key_of(t, namespace, name);
         let old = Self::stored(&inner, t, &key, name)?;
@@ -865,19 +1125,34 @@ impl Store {
         {
             return Err(ApiError::stale(t, name));
         }
+        let writer = options.writer(t, part);
         let mut patched = old.clone();
+        let mut ownership = Ownership::Update(writer.clone());
         match kind {
-            PatchKind::Merge | PatchKind::StrategicMerge => {
+            PatchKind::Merge => {
                 json_patch::merge(&mut patched, &patch);
             }
-            PatchKind::Apply => {
-                json_patch::merge(&mut patched, &patch);
-                // What this manager applied before and no longer applies
-                // is removed, as server-side apply does for sole owners.
-                let manager = options.field_manager.as_deref().unwrap_or_default();
-                if let Some(previous) = applied_fields_of(&old, manager, part) {
-                    prune(&mut patched, &previous, &patch);
+            PatchKind::StrategicMerge => {
+                if !patch.is_object() {
+                    return Err(ApiError::bad_request(
+                        "a strategic merge patch must be a JSON object",
+                    ));
                 }
+                patched = fields::strategic_merge(&old, &patch, &t.shape);
+            }
+            PatchKind::Apply => {
+                let config = applicable_config(t, &patch, part);
+                let (merged, managers) = fields::apply(
+                    &old,
+                    &config,
+                    fields::read_managers(&old),
+                    &writer,
+                    options.force,
+                    &t.shape,
+                )
+                .map_err(conflict_error)?;
+                patched = merged;
+                ownership = Ownership::Applied(managers);
             }
             PatchKind::Json => {
                 let operations: json_patch::Patch = serde_json::from_value(patch)
@@ -898,94 +1173,177 @@ impl Store {
             }
         }
         let new = self.merge_part(t, &old, patched, part)?;
-        let operation = if kind == PatchKind::Apply {
-            "Apply"
-        } else {
-            "Update"
-        };
-        self.finish_write(&mut inner, t, key, old, new, part, options, operation)
+        self.finish_write(&mut inner, t, key, old, new, options, ownership)
             .map(|object| Patched {
                 object,
                 created: false,
             })
     }
 
-    /// Deletes the object, or marks it deleting while finalizers remain.
+    /// Deletes the object, or marks it deleting while finalizers remain
+    /// (the garbage collector's for Foreground and Orphan propagation, a
+    /// Namespace's `kubernetes` while its content goes).
     pub fn delete(
         &self,
         t: &ResourceType,
         namespace: Option<&str>,
         name: &str,
-        options: &WriteOptions,
-    ) -> Result<Value, ApiError> {
+        options: &DeleteOptions,
+    ) -> Result<Deleted, ApiError> {
         let mut inner = self.lock();
         let key = Self::key_of(t, namespace, name);
         let old = Self::stored(&inner, t, &key, name)?;
-        if options.dry_run {
-            return Ok(as_version(old, t));
+        let current_uid = meta(&old, "uid").unwrap_or_default();
+        if let Some(uid) = &options.precondition_uid
+            && *uid != current_uid
+        {
+            return Err(ApiError::new(
+                409,
+                "Conflict",
+                format!(
+                    "Operation cannot be fulfilled on {} \"{name}\": Precondition failed: UID in precondition: {uid}, UID in object meta: {current_uid}",
+                    group_resource(t)
+                ),
+            )
+            .about(t, name));
         }
-        if has_finalizers(&old) {
-            if old.pointer("/metadata/deletionTimestamp").is_some() {
-                return Ok(as_version(old, t));
+        let current_rv = meta(&old, "resourceVersion").unwrap_or_default();
+        if let Some(rv) = &options.precondition_resource_version
+            && *rv != current_rv
+        {
+            return Err(ApiError::new(
+                409,
+                "Conflict",
+                format!(
+                    "Operation cannot be fulfilled on {} \"{name}\": Precondition failed: ResourceVersion in precondition: {rv}, ResourceVersion in object meta: {current_rv}",
+                    group_resource(t)
+                ),
+            )
+            .about(t, name));
+        }
+        if options.dry_run {
+            return Ok(Deleted::Gone(as_version(old, t)));
+        }
+        let mut new = old.clone();
+        let gc_finalizer = match options.propagation {
+            Propagation::Background => None,
+            Propagation::Foreground => Some(FOREGROUND_FINALIZER),
+            Propagation::Orphan => Some(ORPHAN_FINALIZER),
+        };
+        if let Some(finalizer) = gc_finalizer {
+            let mut finalizers = finalizer_names(&new);
+            if !finalizers.iter().any(|f| f == finalizer) {
+                finalizers.push(finalizer.to_string());
             }
-            let mut new = old.clone();
+            new["metadata"]["finalizers"] = json!(finalizers);
+        }
+        if is_namespace(&new) {
+            new["status"] = json!({"phase": "Terminating"});
+        }
+        if !has_finalizers(&new) {
+            let stored = self.commit(
+                &mut inner,
+                t,
+                key,
+                EventType::Deleted,
+                old.clone(),
+                Some(old),
+            );
+            return Ok(Deleted::Gone(as_version(stored, t)));
+        }
+        if new.pointer("/metadata/deletionTimestamp").is_none() {
             new["metadata"]["deletionTimestamp"] = json!(now_rfc3339());
             new["metadata"]["deletionGracePeriodSeconds"] = json!(0);
-            let stored = self.commit(&mut inner, t, key, EventType::Modified, new, Some(old));
-            return Ok(as_version(stored, t));
+            // Deletion starting is a change of the object's desired state.
+            if let Some(generation) = new.pointer("/metadata/generation").and_then(Value::as_i64) {
+                new["metadata"]["generation"] = json!(generation + 1);
+            }
         }
-        if t.plural == "namespaces" && t.group.is_empty() {
-            // Namespace deletion takes everything inside with it at once
-            // (the real server does this in the background).
-            let registry = inner.registry.clone();
-            let types: Vec<ResourceType> = registry
-                .groups()
-                .iter()
-                .flat_map(|(g, vs)| {
-                    vs.iter()
-                        .flat_map(|v| registry.in_group_version(g, v).cloned().collect::<Vec<_>>())
-                        .collect::<Vec<_>>()
-                })
-                .filter(|t| t.namespaced)
-                .collect();
-            let mut seen = std::collections::HashSet::new();
-            for inner_type in types {
-                if !seen.insert(inner_type.storage_key()) {
-                    continue;
-                }
-                let keys: Vec<ObjectKey> = inner
-                    .objects
-                    .get(&inner_type.storage_key())
-                    .map(|m| m.keys().filter(|(ns, _)| ns == name).cloned().collect())
-                    .unwrap_or_default();
-                for object_key in keys {
-                    if let Some(object) = inner
-                        .objects
-                        .get(&inner_type.storage_key())
-                        .and_then(|m| m.get(&object_key))
-                        .cloned()
-                    {
-                        self.commit(
-                            &mut inner,
-                            &inner_type,
-                            object_key,
-                            EventType::Deleted,
-                            object.clone(),
-                            Some(object),
-                        );
-                    }
+        if new == old {
+            return Ok(Deleted::Pending(as_version(old, t)));
+        }
+        let stored = self.commit(&mut inner, t, key, EventType::Modified, new, Some(old));
+        Ok(Deleted::Pending(as_version(stored, t)))
+    }
+
+    /// Changes a stored object as a controller of the server would (the
+    /// garbage collector, the namespace controller), recording `manager`.
+    /// Missing objects are fine: someone else got there first.
+    pub fn mutate(
+        &self,
+        t: &ResourceType,
+        namespace: Option<&str>,
+        name: &str,
+        manager: &str,
+        change: impl FnOnce(&mut Value),
+    ) -> Result<(), ApiError> {
+        let mut inner = self.lock();
+        let key = Self::key_of(t, namespace, name);
+        let Ok(old) = Self::stored(&inner, t, &key, name) else {
+            return Ok(());
+        };
+        let mut new = old.clone();
+        change(&mut new);
+        let options = WriteOptions {
+            field_manager: Some(manager.to_string()),
+            ..WriteOptions::default()
+        };
+        let ownership = Ownership::Update(options.writer(t, Part::Main));
+        self.finish_write(&mut inner, t, key, old, new, &options, ownership)
+            .map(|_| ())
+    }
+
+    /// One type per storage (every version of a resource shares one).
+    fn storage_types(inner: &Inner) -> Vec<ResourceType> {
+        let mut seen = std::collections::HashSet::new();
+        let registry = &inner.registry;
+        registry
+            .groups()
+            .iter()
+            .flat_map(|(g, vs)| {
+                vs.iter()
+                    .flat_map(|v| registry.in_group_version(g, v).cloned().collect::<Vec<_>>())
+                    .collect::<Vec<_>>()
+            })
+            .filter(|t| seen.insert(t.storage_key()))
+            .collect()
+    }
+
+    /// Every stored object matching `keep`.
+    pub fn find(&self, keep: impl Fn(&ResourceType, &Value) -> bool) -> Vec<Located> {
+        let inner = self.lock();
+        let mut found = Vec::new();
+        for t in Self::storage_types(&inner) {
+            let Some(objects) = inner.objects.get(&t.storage_key()) else {
+                continue;
+            };
+            for ((ns, name), object) in objects {
+                if keep(&t, object) {
+                    found.push(Located {
+                        resource: t.clone(),
+                        namespace: t.namespaced.then(|| ns.clone()),
+                        name: name.clone(),
+                        object: object.clone(),
+                    });
                 }
             }
         }
-        let stored = self.commit(
-            &mut inner,
-            t,
-            key,
-            EventType::Deleted,
-            old.clone(),
-            Some(old),
-        );
-        Ok(as_version(stored, t))
+        found
+    }
+
+    /// Whether an object with this uid is stored.
+    pub fn uid_exists(&self, uid: &str) -> bool {
+        let inner = self.lock();
+        inner.objects.values().any(|objects| {
+            objects
+                .values()
+                .any(|o| o.pointer("/metadata/uid").and_then(Value::as_str) == Some(uid))
+        })
+    }
+
+    /// Receives every change from now on.
+    pub fn subscribe(&self) -> broadcast::Receiver<Arc<Event>> {
+        self.events.subscribe()
     }
 
     /// Subscribes to changes and returns what a watch from
@@ -1061,5 +1419,36 @@ pub fn as_version(mut object: Value, t: &ResourceType) -> Value {
     if let Some(map) = object.as_object_mut() {
         map.insert("apiVersion".into(), json!(t.api_version()));
     }
+    // Without a conversion webhook, each version shows what its own
+    // schema knows.
+    schema::present(t.schema.as_deref(), &mut object);
     object
 }
+
+/// A custom object as its version's schema has it: pruned, defaulted,
+/// valid (422 with one cause per field otherwise).
+fn conform(t: &ResourceType, name: &str, object: &mut Value) -> Result<(), ApiError> {
+    let Some(openapi) = t.schema.as_deref() else {
+        return Ok(());
+    };
+    schema::present(Some(openapi), object);
+    let errors = schema::validate(openapi, object);
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(ApiError::invalid_fields(t, name, &errors))
+    }
+}
+
+/// A CustomResourceDefinition the real server would accept.
+fn check_crd(t: &ResourceType, name: &str, crd: &Value) -> Result<(), ApiError> {
+    let errors = schema::crd_errors(crd);
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(ApiError::invalid_fields(t, name, &errors))
+    }
+}
+
+/// The finalizer that holds a deleted CRD until its objects are gone.
+pub const CRD_CLEANUP_FINALIZER: &str = "customresourcecleanup.apiextensions.k8s.io";
