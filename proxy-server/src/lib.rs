@@ -22,6 +22,7 @@ use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use cert_authority::reload::{self, Watched};
@@ -187,6 +188,7 @@ pub struct RunningServer {
     registry: Arc<Registry>,
     metrics: Arc<Metrics>,
     shutdown: CancellationToken,
+    draining: Arc<AtomicBool>,
     tasks: TaskTracker,
     grace: Duration,
 }
@@ -210,15 +212,52 @@ impl RunningServer {
         self.metrics.encode()
     }
 
-    /// Stops accepting, closes agent tunnels, and waits (up to the graceful
-    /// shutdown timeout) for connections to finish.
+    /// Whether [`RunningServer::shutdown`] has started draining.
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::SeqCst)
+    }
+
+    /// Drains, then stops: `/readyz` fails, both ports stop accepting (new
+    /// connections are refused, so a load balancer sends clients and agents
+    /// to the other replicas), every agent is sent DRAIN, and dials on
+    /// connections already accepted are still served. Once no tunneled
+    /// connection or dial is left, or `--graceful-shutdown-timeout` has
+    /// passed, the tunnels close.
     pub async fn shutdown(self) {
+        self.draining.store(true, Ordering::SeqCst);
         self.shutdown.cancel();
+        let tunnels = self.registry.all();
+        for tunnel in &tunnels {
+            tunnel.announce_drain();
+        }
+        info!(
+            server_id = self.server_id,
+            agents = tunnels.len(),
+            grace = ?self.grace,
+            "draining: sent DRAIN to every agent, no longer accepting connections"
+        );
+        let deadline = tokio::time::Instant::now() + self.grace;
+        let mut busy = self.busy_count();
+        while busy > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            busy = self.busy_count();
+        }
+        if busy > 0 {
+            warn!(
+                connections = busy,
+                "graceful shutdown timeout passed; closing the remaining connections"
+            );
+        }
         for tunnel in self.registry.all() {
             tunnel.close("server shutting down");
         }
         self.tasks.close();
         let _ = tokio::time::timeout(self.grace + Duration::from_secs(1), self.tasks.wait()).await;
+    }
+
+    /// Tunneled connections and unanswered dials across all agents.
+    fn busy_count(&self) -> usize {
+        self.registry.all().iter().map(|t| t.busy_count()).sum()
     }
 }
 
@@ -338,6 +377,7 @@ pub async fn start_with_tls(
         bind("admin port", &config.admin_bind_address, config.admin_port).await?;
 
     let shutdown = CancellationToken::new();
+    let draining = Arc::new(AtomicBool::new(false));
     let tasks = TaskTracker::new();
     let grace = config.graceful_shutdown_timeout;
 
@@ -403,10 +443,17 @@ pub async fn start_with_tls(
 
     let health_registry = registry.clone();
     let health_metrics = metrics.clone();
+    let health_draining = draining.clone();
     let health: Arc<health::Handler> = Arc::new(move |path: &str| match path {
         "/healthz" => (StatusCode::OK, health::TEXT, "ok".into()),
         "/readyz" | "/ready" => {
-            if health_registry.tunnel_count() > 0 {
+            if health_draining.load(Ordering::SeqCst) {
+                (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    health::TEXT,
+                    "draining".into(),
+                )
+            } else if health_registry.tunnel_count() > 0 {
                 (StatusCode::OK, health::TEXT, "ok".into())
             } else {
                 (
@@ -446,6 +493,7 @@ pub async fn start_with_tls(
         registry,
         metrics,
         shutdown,
+        draining,
         tasks,
         grace,
     })
