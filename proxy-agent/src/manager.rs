@@ -523,31 +523,33 @@ pub(crate) async fn run(shared: Arc<Shared>) {
         };
         let server_count = shared.last_server_count.load(Ordering::Relaxed).max(1);
         let missing = shared.active_tunnel_count() < server_count;
-        let pause = match result {
-            // With every replica held, only --sync-forever gets here: it
-            // probes for new replicas at upstream's pace.
+        // With every replica held, the next attempt is only a probe for new
+        // replicas (--sync-forever) and waits upstream's pace, unless a
+        // tunnel closes or a server announces DRAIN meanwhile.
+        let (pause, wake_on_change) = match result {
             Ok(_) if !missing => {
                 backoff.reset();
                 quick.reset();
-                jitter(config.sync_interval)
+                (jitter(config.sync_interval), true)
             }
             Ok(Outcome::Added) => {
                 backoff.reset();
                 quick.reset();
-                quick.next(server_count)
+                (quick.next(server_count), false)
             }
             Ok(Outcome::Duplicate) => {
                 backoff.reset();
-                quick.next(server_count)
+                (quick.next(server_count), false)
             }
             Err(e) => {
                 tracing::warn!(%server, error = %error_chain(&e), "cannot connect to proxy-server");
-                backoff.next()
+                (backoff.next(), false)
             }
         };
         tokio::select! {
             _ = &mut cancelled => return,
             _ = tokio::time::sleep(pause) => {}
+            _ = shared.changed.notified(), if wake_on_change => {}
         }
     }
 }

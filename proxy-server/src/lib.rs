@@ -189,6 +189,8 @@ pub struct RunningServer {
     metrics: Arc<Metrics>,
     shutdown: CancellationToken,
     draining: Arc<AtomicBool>,
+    /// Ends once every accepted client connection is done with its requests.
+    client_listener: tokio::task::JoinHandle<()>,
     tasks: TaskTracker,
     grace: Duration,
 }
@@ -223,7 +225,7 @@ impl RunningServer {
     /// connections already accepted are still served. Once no tunneled
     /// connection or dial is left, or `--graceful-shutdown-timeout` has
     /// passed, the tunnels close.
-    pub async fn shutdown(self) {
+    pub async fn shutdown(mut self) {
         self.draining.store(true, Ordering::SeqCst);
         self.shutdown.cancel();
         let tunnels = self.registry.all();
@@ -237,6 +239,9 @@ impl RunningServer {
             "draining: sent DRAIN to every agent, no longer accepting connections"
         );
         let deadline = tokio::time::Instant::now() + self.grace;
+        // A client connection accepted just before the stop may not have
+        // sent its dial yet; the tunnels must outlive it.
+        let _ = tokio::time::timeout_at(deadline, &mut self.client_listener).await;
         let mut busy = self.busy_count();
         while busy > 0 && tokio::time::Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(50)).await;
@@ -431,7 +436,7 @@ pub async fn start_with_tls(
         Protocols::Http1And2
     };
     let client_service = ClientPortService { grpc, connect };
-    tasks.spawn(listener::serve(
+    let client_listener = tasks.spawn(listener::serve(
         "client",
         client_listener,
         tls.frontend,
@@ -494,6 +499,7 @@ pub async fn start_with_tls(
         metrics,
         shutdown,
         draining,
+        client_listener,
         tasks,
         grace,
     })
