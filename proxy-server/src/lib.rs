@@ -398,6 +398,7 @@ pub async fn start_with_tls(
         },
         registry: registry.clone(),
         metrics: metrics.clone(),
+        draining: draining.clone(),
     };
     let agent_routes = Routes::new(
         AgentServiceServer::new(agent_endpoint)
