@@ -10,8 +10,8 @@
 //!    through a round-robin balancer in front of the client ports: failed
 //!    dials, dial latency, and how long agents take to hold each replacement.
 //!
-//! `cargo run --release -p e2e --example ha_convergence` (an example rather
-//! than a bench target: it measures seconds-long behaviour, not throughput)
+//! `cargo run -p e2e --example ha_convergence` (an example rather than a
+//! bench target: it measures seconds-long behaviour, not throughput)
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
