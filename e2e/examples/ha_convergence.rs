@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, anyhow};
 use cluster_proxy_proto::transport::ALPN_HTTP11;
 use e2e::env::balancer::{self, Selection};
-use e2e::harness::{http_connect, test_server_config};
+use e2e::harness::http_connect;
 use e2e::pki::TestPki;
 use e2e::replicas::{Replicas, start_agents, wait_full_mesh};
 use e2e::targets::EchoServer;
@@ -255,32 +255,15 @@ async fn rolling_restart(
     let mut bound = Vec::new();
     for index in 0..replica_count {
         let old = replicas.servers.remove(index);
-        let (client_port, agent_port) = (old.client_addr.port(), old.agent_addr.port());
+        let (client_addr, agent_addr) = (old.client_addr, old.agent_addr);
         route.set_ready(old.client_addr, false);
         let draining = tokio::spawn(old.shutdown());
-        // The old replica releases its ports as soon as it starts draining.
-        let mut config = test_server_config();
-        config.server_id = format!("server-{index}-next");
-        config.server_count = u32::try_from(replica_count)?;
-        config.server_port = client_port;
-        config.agent_port = agent_port;
-        configure(&mut config);
         let replaced_at = Instant::now();
-        // The ports are free once the old replica's listeners have stopped.
-        let next = loop {
-            match proxy_server::start_with_tls(config.clone(), pki.server_tls()?).await {
-                Ok(server) => break server,
-                Err(proxy_server::ServerError::Bind { .. })
-                    if replaced_at.elapsed() < Duration::from_secs(10) =>
-                {
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                }
-                Err(e) => return Err(e.into()),
-            }
-        };
-        let id = next.server_id.clone();
+        let id = format!("server-{index}-next");
+        replicas
+            .replace(pki, index, client_addr, agent_addr, &id, configure)
+            .await?;
         bound.push(replaced_at.elapsed());
-        replicas.servers.insert(index, next);
         loop {
             if agents.iter().all(|a| a.server_ids().contains(&id)) {
                 break;

@@ -87,6 +87,42 @@ impl Replicas {
         Ok(config)
     }
 
+    /// Starts a replacement for the replica taken out of `servers` at
+    /// `index` (and draining or gone), back at `index`: the same client and
+    /// agent ports, so balancers in front of them reach it, `server_id` as
+    /// given, `configure` applied. Binding is retried until the old replica
+    /// has let go of the ports (at most 10 s).
+    pub async fn replace(
+        &mut self,
+        pki: &TestPki,
+        index: usize,
+        client_addr: SocketAddr,
+        agent_addr: SocketAddr,
+        server_id: &str,
+        configure: impl Fn(&mut ServerConfig),
+    ) -> Result<(), ReplicasError> {
+        let mut config = test_server_config();
+        config.server_id = server_id.to_owned();
+        config.server_count = u32::try_from(self.servers.len() + 1).unwrap_or(u32::MAX);
+        config.server_port = client_addr.port();
+        config.agent_port = agent_addr.port();
+        configure(&mut config);
+        let started = Instant::now();
+        let server = loop {
+            match proxy_server::start_with_tls(config.clone(), pki.server_tls()?).await {
+                Ok(server) => break server,
+                Err(proxy_server::ServerError::Bind { .. })
+                    if started.elapsed() < Duration::from_secs(10) =>
+                {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                Err(source) => return Err(ReplicasError::Server { index, source }),
+            }
+        };
+        self.servers.insert(index.min(self.servers.len()), server);
+        Ok(())
+    }
+
     /// Stops every replica and the balancer.
     pub async fn shutdown(self) {
         self.balancer.abort();

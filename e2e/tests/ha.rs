@@ -351,3 +351,75 @@ async fn a_draining_replica_fails_no_dial() {
     }
     replicas.shutdown().await;
 }
+
+/// A replacement that comes back under the draining replica's server id (a
+/// restarted pod with a fixed `--server-id`) is a new replica to the agent,
+/// not a duplicate: the agent holds it while the old one still drains.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replacement_reusing_the_server_id_is_reached_while_the_old_one_drains() {
+    let grace = Duration::from_secs(60);
+    let configure = |config: &mut proxy_server::config::ServerConfig| {
+        config.graceful_shutdown_timeout = grace;
+    };
+    let pki = TestPki::new(&["cluster-a"]).unwrap();
+    let mut replicas = Replicas::start(&pki, 2, Selection::RoundRobin, configure)
+        .await
+        .unwrap();
+    let mut config = replicas.agent_config(&pki, "cluster-a").unwrap();
+    loopback_aliases(&mut config, "cluster-a");
+    let agents = start_agents(vec![config]).await.unwrap();
+    let agent = &agents[0];
+    assert!(
+        wait_full_mesh(&agents, 2, Instant::now(), Duration::from_secs(10))
+            .await
+            .is_some()
+    );
+    let echo = EchoServer::start().await.unwrap();
+    let target = format!("cluster-a:{}", echo.addr.port());
+    // Keeps the old replica draining for as long as the test needs.
+    let tls = pki.client_tls_alpn(&[ALPN_HTTP11]).unwrap();
+    let mut long_lived = http_connect(tls, replicas.servers[0].client_addr, &target)
+        .await
+        .unwrap();
+
+    let old = replicas.servers.remove(0);
+    let (client_addr, agent_addr) = (old.client_addr, old.agent_addr);
+    let drained = tokio::spawn(old.shutdown());
+    assert!(
+        wait_until(Duration::from_secs(10), || agent.active_tunnel_count() == 1).await,
+        "the agent did not take DRAIN"
+    );
+    replicas
+        .replace(&pki, 0, client_addr, agent_addr, "server-0", configure)
+        .await
+        .unwrap();
+    assert!(
+        wait_until(Duration::from_secs(10), || agent.active_tunnel_count() == 2).await,
+        "the agent does not hold the replacement; it holds {:?}",
+        agent.server_ids()
+    );
+    assert!(
+        !drained.is_finished(),
+        "the old replica stopped draining early"
+    );
+    // Both the old replica's connection and the replacement carry traffic.
+    long_lived.write_all(b"old").await.unwrap();
+    let mut back = [0u8; 3];
+    long_lived.read_exact(&mut back).await.unwrap();
+    assert_eq!(&back, b"old");
+    echo_once(&pki, replicas.servers[0].client_addr, &target, 0)
+        .await
+        .unwrap();
+    drop(long_lived);
+    tokio::time::timeout(Duration::from_secs(15), drained)
+        .await
+        .expect("the old replica stops once its connection is done")
+        .unwrap();
+    echo_once(&pki, replicas.servers[0].client_addr, &target, 1)
+        .await
+        .unwrap();
+    for agent in agents {
+        agent.shutdown().await;
+    }
+    replicas.shutdown().await;
+}

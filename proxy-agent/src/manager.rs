@@ -161,8 +161,16 @@ impl Shared {
         self.changed.notify_one();
     }
 
-    fn remove_tunnel(&self, server_id: &str) {
-        self.tunnels().remove(server_id);
+    /// Removes `server_id`'s entry if it is still the tunnel whose control
+    /// channel is `control` (a replacement may have taken the id over).
+    fn remove_tunnel(&self, server_id: &str, control: &mpsc::UnboundedSender<Packet>) {
+        let mut tunnels = self.tunnels();
+        if tunnels
+            .get(server_id)
+            .is_some_and(|t| t.control.same_channel(control))
+        {
+            tunnels.remove(server_id);
+        }
     }
 
     pub(crate) fn cancel(&self) {
@@ -312,7 +320,13 @@ async fn connect_once(shared: Arc<Shared>) -> Result<Outcome, ConnectError> {
     let server_draining = Arc::new(AtomicBool::new(false));
     let duplicate = {
         let mut tunnels = shared.tunnels();
-        let duplicate = tunnels.contains_key(&server_id);
+        // A draining server accepts no connections, so reaching its id again
+        // means a replacement reuses the id (a restarted pod with a fixed
+        // --server-id): it takes the entry, the draining tunnel finishes
+        // unlisted.
+        let duplicate = tunnels
+            .get(&server_id)
+            .is_some_and(|t| !t.server_draining.load(Ordering::SeqCst));
         if !duplicate {
             tunnels.insert(
                 server_id.clone(),
@@ -382,10 +396,10 @@ async fn run_tunnel(
     _client: AgentServiceClient<tonic::transport::Channel>,
 ) {
     let metrics = shared.metrics.clone();
+    let control = out.control.clone();
     let end = tunnel::serve(params, out, incoming, cancel.clone(), metrics).await;
     cancel.cancel();
-    // Duplicates are never registered, so the entry is this tunnel's.
-    shared.remove_tunnel(&server_id);
+    shared.remove_tunnel(&server_id, &control);
     shared.update_gauges();
     tracing::info!(%server_id, reason = %end, "disconnected from proxy-server");
     shared.changed.notify_one();
