@@ -9,4 +9,5 @@ pub mod harness;
 pub mod kubeapi;
 pub mod loadgen;
 pub mod pki;
+pub mod replicas;
 pub mod targets;

@@ -118,6 +118,8 @@ enum Command {
         listen: SocketAddr,
         #[arg(long = "backend", required = true)]
         backends: Vec<SocketAddr>,
+        #[arg(long, value_enum, default_value_t)]
+        selection: e2e::env::balancer::Selection,
     },
     /// (internal) Exit 0 if a TCP connection to ADDR succeeds.
     #[command(hide = true)]
@@ -180,13 +182,17 @@ async fn main() -> anyhow::Result<()> {
             sample::serve(cluster, ip, tls).await?;
             Ok(())
         }
-        Command::Balance { listen, backends } => {
+        Command::Balance {
+            listen,
+            backends,
+            selection,
+        } => {
             init_logging();
             let listener = tokio::net::TcpListener::bind(listen)
                 .await
                 .with_context(|| format!("binding {listen}"))?;
-            tracing::info!(%listen, ?backends, "balancing agent connections");
-            e2e::env::balancer::serve(listener, backends).await?;
+            tracing::info!(%listen, ?backends, %selection, "balancing agent connections");
+            e2e::env::balancer::serve(listener, backends, selection).await?;
             Ok(())
         }
         Command::Probe { addr, timeout } => {

@@ -329,6 +329,12 @@ impl RunningAgent {
         self.shared.tunnel_count()
     }
 
+    /// Tunnels to servers that have not announced a drain: those count
+    /// towards holding every replica.
+    pub fn active_tunnel_count(&self) -> usize {
+        self.shared.active_tunnel_count()
+    }
+
     /// Ids of the proxy-servers this agent holds tunnels to, sorted.
     pub fn server_ids(&self) -> Vec<String> {
         self.shared.server_ids()

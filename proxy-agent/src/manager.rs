@@ -3,7 +3,12 @@
 //!
 //! Each attempt opens a new HTTP/2 connection, so the load balancer may land
 //! it on any replica; the `serverid` response header tells which one it
-//! reached, and duplicates are closed at once (upstream's algorithm).
+//! reached (upstream's algorithm). Unlike upstream, an attempt that lands on
+//! a replica we already hold is followed at once by another, after a short
+//! random delay: with a round-robin balancer and agents that retry on the
+//! same period, waiting a whole `--sync-interval` after each duplicate lets
+//! agents keep drawing the replica they already have for minutes. Failures
+//! still back off as upstream does.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -51,6 +56,9 @@ pub enum ConnectError {
 
 struct TunnelHandle {
     control: mpsc::UnboundedSender<Packet>,
+    /// The server sent DRAIN: it is stopping, so this tunnel no longer
+    /// counts towards holding every replica.
+    server_draining: Arc<AtomicBool>,
 }
 
 pub(crate) struct Shared {
@@ -62,7 +70,7 @@ pub(crate) struct Shared {
     tunnels: Mutex<HashMap<String, TunnelHandle>>,
     draining: AtomicBool,
     last_server_count: AtomicUsize,
-    changed: Notify,
+    changed: Arc<Notify>,
     root: CancellationToken,
 }
 
@@ -79,7 +87,7 @@ impl Shared {
             tunnels: Mutex::new(HashMap::new()),
             draining: AtomicBool::new(false),
             last_server_count: AtomicUsize::new(0),
-            changed: Notify::new(),
+            changed: Arc::new(Notify::new()),
             root,
         }
     }
@@ -111,6 +119,15 @@ impl Shared {
         self.tunnels().len()
     }
 
+    /// Tunnels to servers that are not draining: the ones that count
+    /// towards holding every replica.
+    pub(crate) fn active_tunnel_count(&self) -> usize {
+        self.tunnels()
+            .values()
+            .filter(|t| !t.server_draining.load(Ordering::SeqCst))
+            .count()
+    }
+
     pub(crate) fn server_ids(&self) -> Vec<String> {
         let mut ids: Vec<String> = self.tunnels().keys().cloned().collect();
         ids.sort();
@@ -134,8 +151,16 @@ impl Shared {
         self.changed.notify_one();
     }
 
-    fn remove_tunnel(&self, server_id: &str) {
-        self.tunnels().remove(server_id);
+    /// Removes `server_id`'s entry if it is still the tunnel whose control
+    /// channel is `control` (a replacement may have taken the id over).
+    fn remove_tunnel(&self, server_id: &str, control: &mpsc::UnboundedSender<Packet>) {
+        let mut tunnels = self.tunnels();
+        if tunnels
+            .get(server_id)
+            .is_some_and(|t| t.control.same_channel(control))
+        {
+            tunnels.remove(server_id);
+        }
     }
 
     pub(crate) fn cancel(&self) {
@@ -222,6 +247,10 @@ enum Outcome {
     Duplicate,
 }
 
+/// How often a duplicate tunnel checks whether the dials that crossed its
+/// DRAIN are done.
+const RETIRE_CHECK: Duration = Duration::from_millis(500);
+
 async fn connect_once(shared: Arc<Shared>) -> Result<Outcome, ConnectError> {
     let config = &shared.config;
     let timeout = config.connect_timeout;
@@ -277,24 +306,61 @@ async fn connect_once(shared: Arc<Shared>) -> Result<Outcome, ConnectError> {
         }
         None => None,
     };
-    {
+    shared.last_server_count.store(count, Ordering::Relaxed);
+    let server_draining = Arc::new(AtomicBool::new(false));
+    let duplicate = {
         let mut tunnels = shared.tunnels();
-        if tunnels.contains_key(&server_id) {
-            tracing::debug!(%server_id, "already connected to this proxy-server; closing duplicate");
-            return Ok(Outcome::Duplicate);
+        // A draining server accepts no connections, so reaching its id again
+        // means a replacement reuses the id (a restarted pod with a fixed
+        // --server-id): it takes the entry, the draining tunnel finishes
+        // unlisted.
+        let duplicate = tunnels
+            .get(&server_id)
+            .is_some_and(|t| !t.server_draining.load(Ordering::SeqCst));
+        if !duplicate {
+            tunnels.insert(
+                server_id.clone(),
+                TunnelHandle {
+                    control: out.control.clone(),
+                    server_draining: server_draining.clone(),
+                },
+            );
         }
-        tunnels.insert(
-            server_id.clone(),
-            TunnelHandle {
-                control: out.control.clone(),
-            },
-        );
+        duplicate
+    };
+    let mut params = TunnelParams {
+        server_id: server_id.clone(),
+        our_window: config.flow_control_window,
+        server_window,
+        plain_peer_buffer: config.plain_peer_buffer,
+        dial_timeout: config.dial_timeout,
+        host_aliases: std::sync::Arc::new(config.host_aliases.clone()),
+        server_draining,
+        changed: shared.changed.clone(),
+        retire_when_idle: None,
+    };
+    let incoming = response.into_inner();
+    if duplicate {
+        // The server already routes dials to this tunnel. Closing it now
+        // would fail those; DRAIN turns the server to our first tunnel, and
+        // this one serves what crossed the DRAIN, then closes.
+        tracing::debug!(%server_id, "already connected to this proxy-server; retiring the duplicate");
+        let _ = out.control.send(packet::drain());
+        params.retire_when_idle = Some(RETIRE_CHECK);
+        _guard.disarm();
+        let metrics = shared.metrics.clone();
+        tokio::spawn(async move {
+            let _client = client;
+            let end = tunnel::serve(params, out, incoming, cancel.clone(), metrics).await;
+            cancel.cancel();
+            tracing::debug!(%server_id, reason = %end, "duplicate tunnel closed");
+        });
+        return Ok(Outcome::Duplicate);
     }
     // A tunnel opened while a drain started must announce it too.
     if shared.draining.load(Ordering::SeqCst) {
         let _ = out.control.send(packet::drain());
     }
-    shared.last_server_count.store(count, Ordering::Relaxed);
     shared.update_gauges();
     tracing::info!(
         %server_id,
@@ -302,15 +368,6 @@ async fn connect_once(shared: Arc<Shared>) -> Result<Outcome, ConnectError> {
         flow_control = server_window.is_some(),
         "connected to proxy-server"
     );
-    let params = TunnelParams {
-        server_id: server_id.clone(),
-        our_window: config.flow_control_window,
-        server_window,
-        plain_peer_buffer: config.plain_peer_buffer,
-        dial_timeout: config.dial_timeout,
-        host_aliases: std::sync::Arc::new(config.host_aliases.clone()),
-    };
-    let incoming = response.into_inner();
     _guard.disarm();
     tokio::spawn(run_tunnel(
         shared, server_id, params, out, incoming, cancel, client,
@@ -329,10 +386,10 @@ async fn run_tunnel(
     _client: AgentServiceClient<tonic::transport::Channel>,
 ) {
     let metrics = shared.metrics.clone();
+    let control = out.control.clone();
     let end = tunnel::serve(params, out, incoming, cancel.clone(), metrics).await;
     cancel.cancel();
-    // Duplicates are never registered, so the entry is this tunnel's.
-    shared.remove_tunnel(&server_id);
+    shared.remove_tunnel(&server_id, &control);
     shared.update_gauges();
     tracing::info!(%server_id, reason = %end, "disconnected from proxy-server");
     shared.changed.notify_one();
@@ -382,6 +439,57 @@ impl Backoff {
     }
 }
 
+/// The longest delay before another attempt while the balancer seems to
+/// spread connections; the delay is uniformly random below it.
+const QUICK_RETRY_CEILING: Duration = Duration::from_millis(20);
+
+/// Duplicates in a row, per replica, that a spreading balancer makes
+/// unlikely: with one replica of `n` missing, a random pick misses it `4n`
+/// times in a row with probability `(1 - 1/n)^(4n)` < 2 %.
+const PATIENCE_PER_REPLICA: u32 = 4;
+
+/// Pacing of attempts while replicas are missing and the balancer keeps
+/// handing out ones we hold. A uniformly random delay below a ceiling ("full
+/// jitter") breaks the lockstep of agents that started together. After more
+/// duplicates in a row than a spreading balancer would plausibly give, the
+/// ceiling doubles per duplicate up to `--sync-interval` (upstream's pace),
+/// so a balancer with client affinity, which never hands out another
+/// replica, costs no more than upstream.
+struct QuickRetry {
+    streak: u32,
+    cap: Duration,
+}
+
+impl QuickRetry {
+    fn new(cap: Duration) -> Self {
+        QuickRetry { streak: 0, cap }
+    }
+
+    fn ceiling(&self, server_count: usize) -> Duration {
+        let patience = u32::try_from(server_count)
+            .unwrap_or(u32::MAX)
+            .saturating_mul(PATIENCE_PER_REPLICA);
+        let beyond = self
+            .streak
+            .saturating_add(1)
+            .saturating_sub(patience)
+            .min(20);
+        QUICK_RETRY_CEILING
+            .saturating_mul(1u32 << beyond)
+            .min(self.cap)
+    }
+
+    fn next(&mut self, server_count: usize) -> Duration {
+        let ceiling = self.ceiling(server_count);
+        self.streak = self.streak.saturating_add(1);
+        ceiling.mul_f64(rand::random::<f64>())
+    }
+
+    fn reset(&mut self) {
+        self.streak = 0;
+    }
+}
+
 fn jitter(d: Duration) -> Duration {
     let factor = 1.0 + (rand::random::<f64>() * 0.2 - 0.1);
     d.mul_f64(factor)
@@ -390,6 +498,7 @@ fn jitter(d: Duration) -> Duration {
 pub(crate) async fn run(shared: Arc<Shared>) {
     let config = &shared.config;
     let mut backoff = Backoff::new(config.sync_interval, config.sync_interval_cap);
+    let mut quick = QuickRetry::new(config.sync_interval);
     let server = shared.server_address();
     // Owned, not borrowed: see tunnel::serve.
     let cancelled = shared.root.clone().cancelled_owned();
@@ -404,7 +513,7 @@ pub(crate) async fn run(shared: Arc<Shared>) {
             return;
         }
         let want = shared.last_server_count.load(Ordering::Relaxed).max(1);
-        if !config.sync_forever && shared.tunnel_count() >= want {
+        if !config.sync_forever && shared.active_tunnel_count() >= want {
             tokio::select! {
                 _ = &mut cancelled => return,
                 _ = shared.changed.notified() => {}
@@ -416,19 +525,35 @@ pub(crate) async fn run(shared: Arc<Shared>) {
             _ = &mut cancelled => return,
             r = connect_once(shared.clone()) => r,
         };
-        let pause = match result {
-            Ok(_) => {
+        let server_count = shared.last_server_count.load(Ordering::Relaxed).max(1);
+        let missing = shared.active_tunnel_count() < server_count;
+        // With every replica held, the next attempt is only a probe for new
+        // replicas (--sync-forever) and waits upstream's pace, unless a
+        // tunnel closes or a server announces DRAIN meanwhile.
+        let (pause, wake_on_change) = match result {
+            Ok(_) if !missing => {
                 backoff.reset();
-                jitter(config.sync_interval)
+                quick.reset();
+                (jitter(config.sync_interval), true)
+            }
+            Ok(Outcome::Added) => {
+                backoff.reset();
+                quick.reset();
+                (quick.next(server_count), false)
+            }
+            Ok(Outcome::Duplicate) => {
+                backoff.reset();
+                (quick.next(server_count), false)
             }
             Err(e) => {
                 tracing::warn!(%server, error = %error_chain(&e), "cannot connect to proxy-server");
-                backoff.next()
+                (backoff.next(), false)
             }
         };
         tokio::select! {
             _ = &mut cancelled => return,
             _ = tokio::time::sleep(pause) => {}
+            _ = shared.changed.notified(), if wake_on_change => {}
         }
     }
 }
@@ -449,5 +574,29 @@ mod tests {
         assert_eq!(b.current, Duration::from_secs(3));
         b.reset();
         assert_eq!(b.current, Duration::from_secs(1));
+    }
+
+    #[test]
+    fn quick_retries_stay_short_while_a_balancer_spreads_then_slow_to_the_sync_interval() {
+        let sync = Duration::from_secs(1);
+        let mut quick = QuickRetry::new(sync);
+        // Two replicas: 8 short retries before the delays start to grow.
+        for _ in 0..8 {
+            assert_eq!(quick.ceiling(2), QUICK_RETRY_CEILING);
+            assert!(quick.next(2) <= QUICK_RETRY_CEILING);
+        }
+        assert_eq!(quick.ceiling(2), QUICK_RETRY_CEILING * 2);
+        for _ in 0..100 {
+            assert!(quick.next(2) <= sync);
+        }
+        // A balancer that never hands out another replica (client
+        // affinity) costs no more than upstream's pace.
+        assert_eq!(quick.ceiling(2), sync);
+        quick.reset();
+        assert_eq!(quick.ceiling(2), QUICK_RETRY_CEILING);
+        // Delays are spread, not fixed, so agents in step fall out of it.
+        let delays: std::collections::HashSet<Duration> =
+            (0..20).map(|_| quick.next(1000)).collect();
+        assert!(delays.len() > 10, "{delays:?}");
     }
 }

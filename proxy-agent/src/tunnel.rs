@@ -13,7 +13,7 @@
 //! full (upstream behaviour, only much later).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -25,6 +25,7 @@ use cluster_proxy_proto::flow::{
 use cluster_proxy_proto::packet::{self, Frame, PROTOCOL_TCP};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use crate::dial::dial_tcp;
@@ -56,6 +57,16 @@ pub struct TunnelParams {
     pub plain_peer_buffer: u32,
     pub dial_timeout: Duration,
     pub host_aliases: std::sync::Arc<crate::dial::HostAliases>,
+    /// Set when the server announces with DRAIN that it is stopping, so the
+    /// manager stops counting this tunnel and looks for a replacement.
+    pub server_draining: Arc<AtomicBool>,
+    /// Woken when `server_draining` gets set.
+    pub changed: Arc<Notify>,
+    /// `Some` for a duplicate tunnel (a second one to a server we already
+    /// hold): it has told the server DRAIN and only serves the dials that
+    /// crossed that, so it ends at the first check, this often, that finds
+    /// it without connections.
+    pub retire_when_idle: Option<Duration>,
 }
 
 enum Event {
@@ -116,6 +127,8 @@ pub enum TunnelEnd {
     Error(tonic::Status),
     /// We closed it (shutdown or duplicate).
     Cancelled,
+    /// A duplicate tunnel finished serving the dials that raced its DRAIN.
+    Retired,
 }
 
 impl std::fmt::Display for TunnelEnd {
@@ -124,6 +137,7 @@ impl std::fmt::Display for TunnelEnd {
             TunnelEnd::ServerClosed => f.write_str("server closed the stream"),
             TunnelEnd::Error(s) => write!(f, "stream error: {} {}", s.code(), s.message()),
             TunnelEnd::Cancelled => f.write_str("closed by the agent"),
+            TunnelEnd::Retired => f.write_str("duplicate retired once idle"),
         }
     }
 }
@@ -185,6 +199,13 @@ impl Tunnel {
                     None => {
                         tracing::debug!(server_id = %self.params.server_id, connect_id, "WINDOW_UPDATE for unknown connection")
                     }
+                }
+            }
+            Frame::Drain => {
+                // Upstream servers never send it; ours do when stopping.
+                if !self.params.server_draining.swap(true, Ordering::SeqCst) {
+                    tracing::info!(server_id = %self.params.server_id, "proxy-server is draining; looking for its replacement");
+                    self.params.changed.notify_one();
                 }
             }
             Frame::CloseDial { random } => {
@@ -425,6 +446,11 @@ impl Tunnel {
         }
     }
 
+    fn idle(&self) -> bool {
+        let tables = self.tables();
+        tables.conns.is_empty() && tables.pending.is_empty()
+    }
+
     fn teardown(&self) {
         self.cancel.cancel();
         let tables = std::mem::take(&mut *self.tables());
@@ -455,9 +481,27 @@ pub async fn serve(
     // trips rustc's higher-ranked Send check when this is spawned.
     let cancelled = tunnel.cancel.clone().cancelled_owned();
     tokio::pin!(cancelled);
+    let mut retire_ticks = tunnel
+        .params
+        .retire_when_idle
+        .map(|every| tokio::time::interval_at(tokio::time::Instant::now() + every, every));
     let end = loop {
+        let retire_tick = async {
+            match retire_ticks.as_mut() {
+                Some(ticks) => {
+                    ticks.tick().await;
+                }
+                None => std::future::pending().await,
+            }
+        };
         let message = tokio::select! {
             _ = &mut cancelled => break TunnelEnd::Cancelled,
+            _ = retire_tick => {
+                if tunnel.idle() {
+                    break TunnelEnd::Retired;
+                }
+                continue;
+            }
             m = incoming.message() => m,
         };
         match message {

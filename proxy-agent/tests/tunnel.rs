@@ -481,8 +481,16 @@ async fn keeps_one_tunnel_per_server_and_drops_duplicates() {
     }
     assert!(agent.wait_for_tunnels(2, STEP).await);
     assert_eq!(agent.server_ids(), ["server-a", "server-b"]);
-    // The duplicate's stream was closed by the agent.
+    // The duplicate is told DRAIN (dials the server sent it before that
+    // would still be served), then closed by the agent once idle.
     let dup = &mut kept[1].1;
+    let drain = tokio::time::timeout(STEP, dup.inbound.message())
+        .await
+        .unwrap();
+    assert!(
+        matches!(&drain, Ok(Some(p)) if matches!(Frame::from_packet(p.clone()), Frame::Drain)),
+        "{drain:?}"
+    );
     let end = tokio::time::timeout(STEP, dup.inbound.message())
         .await
         .unwrap();

@@ -40,6 +40,9 @@ pub struct AgentEndpoint {
     pub settings: AgentEndpointSettings,
     pub registry: Arc<Registry>,
     pub metrics: Arc<Metrics>,
+    /// Set once the server drains; an agent connection accepted just before
+    /// is told DRAIN as soon as it registers.
+    pub draining: Arc<std::sync::atomic::AtomicBool>,
 }
 
 fn single_value<'a>(md: &'a MetadataMap, key: &str) -> Result<Option<&'a str>, Status> {
@@ -143,6 +146,9 @@ impl AgentService for AgentEndpoint {
             "agent connected"
         );
         self.registry.register(tunnel.clone());
+        if self.draining.load(std::sync::atomic::Ordering::SeqCst) {
+            tunnel.announce_drain();
+        }
         self.update_backend_gauges();
         let inbound = request.into_inner();
         let registry = self.registry.clone();

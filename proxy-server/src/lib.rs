@@ -21,6 +21,7 @@ use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use cluster_proxy_proto::konnectivity::agent_service_server::AgentServiceServer;
@@ -182,6 +183,9 @@ pub struct RunningServer {
     registry: Arc<Registry>,
     metrics: Arc<Metrics>,
     shutdown: CancellationToken,
+    draining: Arc<AtomicBool>,
+    /// Ends once every accepted client connection is done with its requests.
+    client_listener: tokio::task::JoinHandle<()>,
     tasks: TaskTracker,
     grace: Duration,
 }
@@ -205,15 +209,55 @@ impl RunningServer {
         self.metrics.encode()
     }
 
-    /// Stops accepting, closes agent tunnels, and waits (up to the graceful
-    /// shutdown timeout) for connections to finish.
-    pub async fn shutdown(self) {
+    /// Whether [`RunningServer::shutdown`] has started draining.
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::SeqCst)
+    }
+
+    /// Drains, then stops: `/readyz` fails, both ports stop accepting (new
+    /// connections are refused, so a load balancer sends clients and agents
+    /// to the other replicas), every agent is sent DRAIN, and dials on
+    /// connections already accepted are still served. Once no tunneled
+    /// connection or dial is left, or `--graceful-shutdown-timeout` has
+    /// passed, the tunnels close.
+    pub async fn shutdown(mut self) {
+        self.draining.store(true, Ordering::SeqCst);
         self.shutdown.cancel();
+        let tunnels = self.registry.all();
+        for tunnel in &tunnels {
+            tunnel.announce_drain();
+        }
+        info!(
+            server_id = self.server_id,
+            agents = tunnels.len(),
+            grace = ?self.grace,
+            "draining: sent DRAIN to every agent, no longer accepting connections"
+        );
+        let deadline = tokio::time::Instant::now() + self.grace;
+        // A client connection accepted just before the stop may not have
+        // sent its dial yet; the tunnels must outlive it.
+        let _ = tokio::time::timeout_at(deadline, &mut self.client_listener).await;
+        let mut busy = self.busy_count();
+        while busy > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            busy = self.busy_count();
+        }
+        if busy > 0 {
+            warn!(
+                connections = busy,
+                "graceful shutdown timeout passed; closing the remaining connections"
+            );
+        }
         for tunnel in self.registry.all() {
             tunnel.close("server shutting down");
         }
         self.tasks.close();
         let _ = tokio::time::timeout(self.grace + Duration::from_secs(1), self.tasks.wait()).await;
+    }
+
+    /// Tunneled connections and unanswered dials across all agents.
+    fn busy_count(&self) -> usize {
+        self.registry.all().iter().map(|t| t.busy_count()).sum()
     }
 }
 
@@ -307,6 +351,7 @@ pub async fn start_with_tls(
         bind("admin port", &config.admin_bind_address, config.admin_port).await?;
 
     let shutdown = CancellationToken::new();
+    let draining = Arc::new(AtomicBool::new(false));
     let tasks = TaskTracker::new();
     let grace = config.graceful_shutdown_timeout;
 
@@ -322,6 +367,7 @@ pub async fn start_with_tls(
         },
         registry: registry.clone(),
         metrics: metrics.clone(),
+        draining: draining.clone(),
     };
     let agent_routes = Routes::new(
         AgentServiceServer::new(agent_endpoint)
@@ -360,7 +406,7 @@ pub async fn start_with_tls(
         Protocols::Http1And2
     };
     let client_service = ClientPortService { grpc, connect };
-    tasks.spawn(listener::serve(
+    let client_listener = tasks.spawn(listener::serve(
         "client",
         client_listener,
         tls.frontend,
@@ -372,8 +418,14 @@ pub async fn start_with_tls(
 
     let health_registry = registry.clone();
     let health_metrics = metrics.clone();
+    let health_draining = draining.clone();
     let health = admin::Routes::probes(move || {
-        if health_registry.tunnel_count() > 0 {
+        if health_draining.load(Ordering::SeqCst) {
+            Err(NotReady {
+                status: StatusCode::SERVICE_UNAVAILABLE,
+                body: "draining".into(),
+            })
+        } else if health_registry.tunnel_count() > 0 {
             Ok(())
         } else {
             Err(NotReady {
@@ -407,6 +459,8 @@ pub async fn start_with_tls(
         registry,
         metrics,
         shutdown,
+        draining,
+        client_listener,
         tasks,
         grace,
     })

@@ -27,6 +27,11 @@ use tracing::{debug, info};
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Time an HTTP/1.1 client gets to send its request head (upstream: 60 s).
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(60);
+/// On shutdown, a connection accepted this recently may still send its first
+/// request before it is asked to finish: an HTTP/1.1 connection asked to
+/// finish before its request arrived would be closed unanswered, and its
+/// client would see a failed dial.
+const FIRST_REQUEST_WINDOW: Duration = Duration::from_secs(2);
 
 /// The verified client certificate behind a request.
 #[derive(Debug, Clone)]
@@ -74,8 +79,10 @@ fn peer_info(remote: SocketAddr, conn: &rustls::ServerConnection) -> PeerInfo {
     }
 }
 
-/// Serves `listener` until `shutdown` fires, then stops accepting and lets
-/// open connections finish within `grace` before dropping them.
+/// Serves `listener` until `shutdown` fires, then stops accepting (closing
+/// the socket, so new connections are refused and a load balancer moves them
+/// to another replica) and lets open connections finish within `grace`
+/// before dropping them.
 pub async fn serve<S, F, B>(
     name: &'static str,
     listener: TcpListener,
@@ -114,19 +121,34 @@ pub async fn serve<S, F, B>(
     let builder = Arc::new(builder);
     let make_service = Arc::new(make_service);
     let connections = TaskTracker::new();
+    let mut stopping = false;
     loop {
-        let (tcp, remote) = tokio::select! {
-            _ = shutdown.cancelled() => break,
-            accepted = listener.accept() => match accepted {
-                Ok(a) => a,
-                Err(e) => {
-                    // EMFILE and friends: back off instead of spinning.
-                    tracing::warn!(listener = name, error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
+        let accepted = if stopping {
+            // Connections the kernel completed before we stopped are
+            // served, not reset with the socket; polled without waiting.
+            match tokio::time::timeout(Duration::ZERO, listener.accept()).await {
+                Ok(Ok(a)) => a,
+                Ok(Err(_)) | Err(_) => break,
+            }
+        } else {
+            tokio::select! {
+                _ = shutdown.cancelled() => {
+                    stopping = true;
                     continue;
                 }
-            },
+                accepted = listener.accept() => match accepted {
+                    Ok(a) => a,
+                    Err(e) => {
+                        // EMFILE and friends: back off instead of spinning.
+                        tracing::warn!(listener = name, error = %e, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    }
+                },
+            }
         };
+        let (tcp, remote) = accepted;
+        let accepted_at = tokio::time::Instant::now();
         let _ = tcp.set_nodelay(true);
         // The newest credentials for each handshake: rotation needs no restart.
         let acceptor = TlsAcceptor::from(tls.borrow().clone());
@@ -163,6 +185,7 @@ pub async fn serve<S, F, B>(
                         remote,
                         builder.serve_connection(io, service),
                         shutdown,
+                        accepted_at,
                     )
                     .await;
                 }
@@ -172,12 +195,14 @@ pub async fn serve<S, F, B>(
                         remote,
                         builder.serve_connection_with_upgrades(io, service),
                         shutdown,
+                        accepted_at,
                     )
                     .await;
                 }
             }
         });
     }
+    drop(listener);
     connections.close();
     if tokio::time::timeout(grace, connections.wait())
         .await
@@ -191,20 +216,30 @@ pub async fn serve<S, F, B>(
 }
 
 /// Runs one connection; on shutdown asks it to finish gracefully (GOAWAY /
-/// close after the current response) and waits for that.
-async fn drive<C>(name: &'static str, remote: SocketAddr, conn: C, shutdown: CancellationToken)
-where
+/// close after the current response), once it had [`FIRST_REQUEST_WINDOW`]
+/// to send its first request, and waits for that.
+async fn drive<C>(
+    name: &'static str,
+    remote: SocketAddr,
+    conn: C,
+    shutdown: CancellationToken,
+    accepted_at: tokio::time::Instant,
+) where
     C: GracefulConnection,
     C::Error: std::fmt::Display,
 {
     tokio::pin!(conn);
+    let finish_from = async {
+        shutdown.cancelled().await;
+        tokio::time::sleep_until(accepted_at + FIRST_REQUEST_WINDOW).await;
+    };
     tokio::select! {
         result = conn.as_mut() => {
             if let Err(e) = result {
                 debug!(listener = name, %remote, error = %e, "connection ended with an error");
             }
         }
-        _ = shutdown.cancelled() => {
+        _ = finish_from => {
             conn.as_mut().graceful_shutdown();
             let _ = conn.await;
         }

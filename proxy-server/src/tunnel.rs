@@ -175,6 +175,19 @@ impl AgentTunnel {
         self.state().conns.len()
     }
 
+    /// Connections plus dials still waiting for the agent's answer.
+    pub fn busy_count(&self) -> usize {
+        let state = self.state();
+        state.conns.len() + state.pending.len()
+    }
+
+    /// Tells the agent this server is stopping (DRAIN, server to agent): our
+    /// agents look for the replacement replica at once; upstream agents
+    /// ignore the packet.
+    pub fn announce_drain(&self) {
+        self.send_control(packet::drain());
+    }
+
     /// Registers a dial id; the reader delivers the agent's answer to the receiver.
     pub(crate) fn register_pending(
         &self,

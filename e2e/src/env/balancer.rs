@@ -1,8 +1,11 @@
 //! A TCP load balancer standing in for the Kubernetes Service in front of the
-//! proxy-server replicas' agent ports: each new connection goes to the next
-//! backend in turn, skipping backends that refuse, so an agent that keeps
-//! connecting meets every live replica (it learns how many exist from the
-//! `servercount` header).
+//! proxy-server replicas' agent ports. Each new connection goes to the next
+//! backend in turn ([`Selection::RoundRobin`], like IPVS and many cloud
+//! balancers) or to a random one ([`Selection::Random`], like kube-proxy's
+//! iptables mode), skipping backends that refuse. Agents learn how many
+//! replicas exist from the `servercount` header and must reach each through
+//! this one address; round-robin is the harder case for them, since agents
+//! that retry in alternation keep drawing the replica they already hold.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -13,16 +16,48 @@ use tokio::net::{TcpListener, TcpStream};
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// Accepts on `listener` forever and splices each connection to a backend.
-pub async fn serve(listener: TcpListener, backends: Vec<SocketAddr>) -> std::io::Result<()> {
+/// How the balancer picks the backend of a new connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum Selection {
+    /// The next backend in turn.
+    #[default]
+    RoundRobin,
+    /// A uniformly random backend.
+    Random,
+}
+
+impl Selection {
+    pub fn name(self) -> &'static str {
+        match self {
+            Selection::RoundRobin => "round-robin",
+            Selection::Random => "random",
+        }
+    }
+}
+
+impl std::fmt::Display for Selection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Accepts on `listener` forever and splices each connection to a backend
+/// chosen by `selection`.
+pub async fn serve(
+    listener: TcpListener,
+    backends: Vec<SocketAddr>,
+    selection: Selection,
+) -> std::io::Result<()> {
     let backends = Arc::new(backends);
     let next = Arc::new(AtomicUsize::new(0));
     loop {
         let (inbound, peer) = listener.accept().await?;
         let backends = backends.clone();
-        let next = next.clone();
+        let start = match selection {
+            Selection::RoundRobin => next.fetch_add(1, Ordering::Relaxed),
+            Selection::Random => rand::random_range(0..backends.len().max(1)),
+        };
         tokio::spawn(async move {
-            let start = next.fetch_add(1, Ordering::Relaxed);
             let Some(mut outbound) = connect_any(&backends, start).await else {
                 tracing::warn!(%peer, "no backend accepts connections; closing");
                 return;
@@ -77,11 +112,37 @@ mod tests {
         let dead = crate::targets::closed_port().await.unwrap();
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let front = listener.local_addr().unwrap();
-        tokio::spawn(serve(listener, vec![a, dead, b]));
+        tokio::spawn(serve(listener, vec![a, dead, b], Selection::RoundRobin));
         let mut seen = Vec::new();
         for _ in 0..6 {
             seen.push(first_byte(front).await);
         }
+        // In turn: a, (dead, so) b, b, a, b, b — never the dead one.
+        assert_eq!(seen, [1, 2, 2, 1, 2, 2]);
+    }
+
+    #[tokio::test]
+    async fn random_selection_reaches_every_live_backend() {
+        let a = tagged_backend(1).await;
+        let b = tagged_backend(2).await;
+        let dead = crate::targets::closed_port().await.unwrap();
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let front = listener.local_addr().unwrap();
+        tokio::spawn(serve(listener, vec![a, dead, b], Selection::Random));
+        let mut seen = Vec::new();
+        // b also takes the dead one's share: (2/3)^64 < 1e-11 to miss a.
+        for _ in 0..64 {
+            seen.push(first_byte(front).await);
+        }
         assert!(seen.contains(&1) && seen.contains(&2), "{seen:?}");
+    }
+
+    #[test]
+    fn selection_names_are_the_command_line_values() {
+        use clap::ValueEnum;
+        for selection in [Selection::RoundRobin, Selection::Random] {
+            assert_eq!(Selection::from_str(selection.name(), false), Ok(selection));
+        }
+        assert!(Selection::from_str("sticky", false).is_err());
     }
 }

@@ -149,6 +149,8 @@ pub struct EnvOptions {
     pub credential_reload_interval: String,
     /// Start the in-memory Kubernetes API for the control plane.
     pub kube_api: bool,
+    /// How the agent Service picks a replica for each agent connection.
+    pub agent_balancer: balancer::Selection,
 }
 
 impl EnvOptions {
@@ -179,6 +181,7 @@ impl EnvOptions {
             ca_interval: "1m".into(),
             credential_reload_interval: "10s".into(),
             kube_api: true,
+            agent_balancer: balancer::Selection::RoundRobin,
         }
     }
 }
@@ -497,6 +500,7 @@ impl Environment {
                             SocketAddr::new(hub_addr, ReplicaPorts::of(r).agent).to_string(),
                         ]
                     }))
+                    .args(["--selection", options.agent_balancer.name()])
                     .in_netns(hub_netns.clone()),
                 &logs,
             )?,
@@ -542,6 +546,8 @@ impl Environment {
                         "--credential-reload-interval={}",
                         options.credential_reload_interval
                     ),
+                    // SIGTERM drains: connections in flight get this long.
+                    "--graceful-shutdown-timeout=10s".into(),
                 ])
                 .in_netns(hub_netns.clone());
             environment.replicas.push(Replica {

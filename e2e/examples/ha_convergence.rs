@@ -1,0 +1,335 @@
+//! HA measurements on loopback, in one process: proxy-server replicas behind
+//! the environment's round-robin balancer, agents that know only its address.
+//!
+//! 1. Convergence: for 2, 3 and 5 replicas, `CP_HA_AGENTS` agents (default
+//!    50) started at the same instant; the time until each holds a tunnel to
+//!    every replica, over `CP_HA_ROUNDS` rounds (default 5).
+//! 2. Rolling restart: 3 replicas, `CP_HA_ROLLING_AGENTS` agents (default
+//!    10), every replica in turn drained and replaced (same ports, new server
+//!    id) while a client dials `CP_HA_DIAL_RATE` times a second (default 100)
+//!    through a round-robin balancer in front of the client ports: failed
+//!    dials, dial latency, and how long agents take to hold each replacement.
+//!
+//! `cargo run -p e2e --example ha_convergence` (an example rather than a
+//! bench target: it measures seconds-long behaviour, not throughput)
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, anyhow};
+use cluster_proxy_proto::transport::ALPN_HTTP11;
+use e2e::env::balancer::{self, Selection};
+use e2e::harness::http_connect;
+use e2e::pki::TestPki;
+use e2e::replicas::{Replicas, start_agents, wait_full_mesh};
+use e2e::targets::EchoServer;
+use proxy_agent::{AgentConfig, RunningAgent};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::Mutex;
+
+const GRACE: Duration = Duration::from_secs(10);
+
+fn env_usize(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let rank = ((sorted.len() as f64) * p).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.0} ms", d.as_secs_f64() * 1000.0)
+}
+
+fn agent_configs(
+    replicas: &Replicas,
+    pki: &TestPki,
+    clusters: &[String],
+) -> anyhow::Result<Vec<AgentConfig>> {
+    clusters
+        .iter()
+        .map(|cluster| {
+            let mut config = replicas.agent_config(pki, cluster)?;
+            config
+                .host_aliases
+                .insert(cluster.clone(), IpAddr::V4(Ipv4Addr::LOCALHOST));
+            Ok(config)
+        })
+        .collect()
+}
+
+async fn stop_agents(agents: Vec<RunningAgent>) {
+    futures_util::future::join_all(agents.into_iter().map(RunningAgent::shutdown)).await;
+}
+
+async fn convergence(pki: &TestPki, clusters: &[String], rounds: usize) -> anyhow::Result<()> {
+    println!(
+        "convergence to a full mesh: {} agents started at once, round-robin balancer, \
+         --sync-interval 1s, {rounds} rounds",
+        clusters.len()
+    );
+    println!(
+        "{:<9} {:>9} {:>9} {:>9} {:>9}",
+        "replicas", "p50", "p99", "max", "samples"
+    );
+    for replica_count in [2usize, 3, 5] {
+        let mut all = Vec::new();
+        for _ in 0..rounds {
+            let replicas =
+                Replicas::start(pki, replica_count, Selection::RoundRobin, |_| {}).await?;
+            let configs = agent_configs(&replicas, pki, clusters)?;
+            let started = Instant::now();
+            let agents = start_agents(configs).await?;
+            let took = wait_full_mesh(&agents, replica_count, started, Duration::from_secs(120))
+                .await
+                .ok_or_else(|| anyhow!("{replica_count} replicas: no full mesh within 120 s"))?;
+            all.extend(took);
+            stop_agents(agents).await;
+            replicas.shutdown().await;
+        }
+        all.sort();
+        println!(
+            "{:<9} {:>9} {:>9} {:>9} {:>9}",
+            replica_count,
+            ms(percentile(&all, 0.5)),
+            ms(percentile(&all, 0.99)),
+            ms(*all.last().unwrap_or(&Duration::ZERO)),
+            all.len()
+        );
+    }
+    Ok(())
+}
+
+#[derive(Default)]
+struct DialRecord {
+    latencies: Vec<Duration>,
+    failures: Vec<String>,
+}
+
+async fn dial_once(
+    tls: Arc<rustls::ClientConfig>,
+    via: SocketAddr,
+    target: &str,
+) -> Result<(), String> {
+    let mut stream = http_connect(tls, via, target)
+        .await
+        .map_err(|e| e.to_string())?;
+    stream.write_all(b"x").await.map_err(|e| e.to_string())?;
+    let mut back = [0u8; 1];
+    stream
+        .read_exact(&mut back)
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(())
+}
+
+/// Where the clients' dials go: through a balancer over every replica's
+/// client port, or, with a readiness gate, straight to a replica picked in
+/// turn among the ready ones (a Kubernetes Service whose endpoints follow
+/// readiness: a stopping replica leaves at once, a new one joins once every
+/// agent holds a tunnel to it).
+#[derive(Clone)]
+enum Route {
+    Balancer(SocketAddr),
+    Ready(Arc<std::sync::Mutex<ReadySet>>),
+}
+
+#[derive(Default)]
+struct ReadySet {
+    addrs: Vec<SocketAddr>,
+    next: usize,
+}
+
+impl Route {
+    fn pick(&self) -> SocketAddr {
+        match self {
+            Route::Balancer(addr) => *addr,
+            Route::Ready(set) => {
+                let mut set = set.lock().unwrap_or_else(|p| p.into_inner());
+                set.next = set.next.wrapping_add(1);
+                set.addrs[set.next % set.addrs.len()]
+            }
+        }
+    }
+
+    fn set_ready(&self, addr: SocketAddr, ready: bool) {
+        if let Route::Ready(set) = self {
+            let mut set = set.lock().unwrap_or_else(|p| p.into_inner());
+            set.addrs.retain(|a| *a != addr);
+            if ready {
+                set.addrs.push(addr);
+            }
+        }
+    }
+}
+
+async fn rolling_restart(
+    pki: &TestPki,
+    clusters: &[String],
+    rate: usize,
+    gated: bool,
+) -> anyhow::Result<()> {
+    let replica_count = 3;
+    let configure = |config: &mut proxy_server::config::ServerConfig| {
+        config.graceful_shutdown_timeout = GRACE;
+    };
+    let mut replicas =
+        Replicas::start(pki, replica_count, Selection::RoundRobin, configure).await?;
+    let agents = start_agents(agent_configs(&replicas, pki, clusters)?).await?;
+    wait_full_mesh(
+        &agents,
+        replica_count,
+        Instant::now(),
+        Duration::from_secs(60),
+    )
+    .await
+    .context("no full mesh before the rollout")?;
+    let echo = EchoServer::start().await?;
+    let targets: Vec<String> = clusters
+        .iter()
+        .map(|c| format!("{c}:{}", echo.addr.port()))
+        .collect();
+    let hub_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let hub_service = hub_listener.local_addr()?;
+    let frontends: Vec<SocketAddr> = replicas.servers.iter().map(|s| s.client_addr).collect();
+    let route = if gated {
+        Route::Ready(Arc::new(std::sync::Mutex::new(ReadySet {
+            addrs: frontends,
+            next: 0,
+        })))
+    } else {
+        Route::Balancer(hub_service)
+    };
+    let hub_balancer = tokio::spawn(balancer::serve(
+        hub_listener,
+        replicas.servers.iter().map(|s| s.client_addr).collect(),
+        Selection::RoundRobin,
+    ));
+
+    // Open-loop dialing: one dial every 1/rate s, each in its own task, so a
+    // slow dial does not lower the rate.
+    let record = Arc::new(Mutex::new(DialRecord::default()));
+    let stop = Arc::new(AtomicBool::new(false));
+    let dialer = {
+        let (record, stop, route) = (record.clone(), stop.clone(), route.clone());
+        let tls = pki.client_tls_alpn(&[ALPN_HTTP11])?;
+        let period = Duration::from_secs_f64(1.0 / rate.max(1) as f64);
+        tokio::spawn(async move {
+            let mut ticks = tokio::time::interval(period);
+            let mut inflight = Vec::new();
+            let mut n = 0usize;
+            while !stop.load(Ordering::SeqCst) {
+                ticks.tick().await;
+                let (tls, record) = (tls.clone(), record.clone());
+                let target = targets[n % targets.len()].clone();
+                let via = route.pick();
+                n += 1;
+                inflight.push(tokio::spawn(async move {
+                    let started = Instant::now();
+                    let result = dial_once(tls, via, &target).await;
+                    let mut record = record.lock().await;
+                    match result {
+                        Ok(()) => record.latencies.push(started.elapsed()),
+                        Err(e) => record.failures.push(format!("{target}: {e}")),
+                    }
+                }));
+            }
+            for task in inflight {
+                let _ = task.await;
+            }
+        })
+    };
+
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let rollout_started = Instant::now();
+    let mut rejoin = Vec::new();
+    let mut bound = Vec::new();
+    for index in 0..replica_count {
+        let old = replicas.servers.remove(index);
+        let (client_addr, agent_addr) = (old.client_addr, old.agent_addr);
+        route.set_ready(old.client_addr, false);
+        let draining = tokio::spawn(old.shutdown());
+        let replaced_at = Instant::now();
+        let id = format!("server-{index}-next");
+        replicas
+            .replace(pki, index, client_addr, agent_addr, &id, configure)
+            .await?;
+        bound.push(replaced_at.elapsed());
+        loop {
+            if agents.iter().all(|a| a.server_ids().contains(&id)) {
+                break;
+            }
+            if replaced_at.elapsed() > Duration::from_secs(60) {
+                return Err(anyhow!("agents did not reach {id} within 60 s"));
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        rejoin.push(replaced_at.elapsed());
+        route.set_ready(replicas.servers[index].client_addr, true);
+        draining.await?;
+    }
+    let rollout = rollout_started.elapsed();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop.store(true, Ordering::SeqCst);
+    dialer.await?;
+    hub_balancer.abort();
+    stop_agents(agents).await;
+    replicas.shutdown().await;
+
+    let mut record = record.lock().await;
+    record.latencies.sort();
+    let total = record.latencies.len() + record.failures.len();
+    let route = if gated {
+        "straight to the ready replicas (readiness gate: a new replica once every agent holds it)"
+    } else {
+        "through a round-robin balancer over every client port (no readiness gate)"
+    };
+    println!(
+        "\nrolling restart of {replica_count} replicas (each drained, then replaced on its ports), \
+         {} agents, {rate} dials/s (HTTP CONNECT + 1-byte echo) {route}",
+        clusters.len()
+    );
+    println!("rollout took {}", ms(rollout));
+    println!(
+        "dials: {total}, failed: {}, latency p50 {} p99 {} max {}",
+        record.failures.len(),
+        ms(percentile(&record.latencies, 0.5)),
+        ms(percentile(&record.latencies, 0.99)),
+        ms(*record.latencies.last().unwrap_or(&Duration::ZERO)),
+    );
+    println!(
+        "replacement listening after: {}; every agent held it after: {}",
+        bound.iter().map(|d| ms(*d)).collect::<Vec<_>>().join(", "),
+        rejoin.iter().map(|d| ms(*d)).collect::<Vec<_>>().join(", ")
+    );
+    for failure in record.failures.iter().take(10) {
+        println!("  failed: {failure}");
+    }
+    Ok(())
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let agents = env_usize("CP_HA_AGENTS", 50);
+    let rounds = env_usize("CP_HA_ROUNDS", 5);
+    let rolling_agents = env_usize("CP_HA_ROLLING_AGENTS", 10);
+    let rate = env_usize("CP_HA_DIAL_RATE", 100);
+    let clusters: Vec<String> = (0..agents.max(rolling_agents))
+        .map(|i| format!("cluster-{i}"))
+        .collect();
+    let names: Vec<&str> = clusters.iter().map(String::as_str).collect();
+    let pki = TestPki::new(&names)?;
+    convergence(&pki, &clusters[..agents], rounds).await?;
+    rolling_restart(&pki, &clusters[..rolling_agents], rate, false).await?;
+    rolling_restart(&pki, &clusters[..rolling_agents], rate, true).await?;
+    Ok(())
+}

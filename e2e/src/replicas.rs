@@ -1,0 +1,171 @@
+//! Several proxy-server replicas in one process behind the environment's
+//! load balancer ([`crate::env::balancer`]), and agents that reach them only
+//! through it: the HA tests (`tests/ha.rs`) and the `convergence` example.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use proxy_agent::{AgentConfig, RunningAgent, TlsSource};
+use proxy_server::RunningServer;
+use proxy_server::config::ServerConfig;
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+
+use crate::env::balancer::{self, Selection};
+use crate::harness::test_server_config;
+use crate::pki::{TestPki, TestPkiError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReplicasError {
+    #[error(transparent)]
+    Pki(#[from] TestPkiError),
+    #[error("starting proxy-server replica {index}: {source}")]
+    Server {
+        index: usize,
+        #[source]
+        source: proxy_server::ServerError,
+    },
+    #[error("starting the proxy-agent of {cluster}: {source}")]
+    Agent {
+        cluster: String,
+        #[source]
+        source: proxy_agent::AgentError,
+    },
+    #[error("load balancer: {0}")]
+    Balancer(#[from] std::io::Error),
+}
+
+/// `count` replicas (`server-0` …, each told `--server-count=count`), every
+/// agent port behind one balancer on 127.0.0.1.
+pub struct Replicas {
+    pub servers: Vec<RunningServer>,
+    /// The agent Service: the only address agents are given.
+    pub agent_service: SocketAddr,
+    balancer: JoinHandle<std::io::Result<()>>,
+}
+
+impl Replicas {
+    /// Starts the replicas with `configure` applied to each one's
+    /// configuration, then the balancer in front of their agent ports.
+    pub async fn start(
+        pki: &TestPki,
+        count: usize,
+        selection: Selection,
+        configure: impl Fn(&mut ServerConfig),
+    ) -> Result<Self, ReplicasError> {
+        let mut servers = Vec::with_capacity(count);
+        for index in 0..count {
+            let mut config = test_server_config();
+            config.server_id = format!("server-{index}");
+            config.server_count = u32::try_from(count).unwrap_or(u32::MAX);
+            configure(&mut config);
+            let server = proxy_server::start_with_tls(config, pki.server_tls()?)
+                .await
+                .map_err(|source| ReplicasError::Server { index, source })?;
+            servers.push(server);
+        }
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let agent_service = listener.local_addr()?;
+        let backends = servers.iter().map(|s| s.agent_addr).collect();
+        let balancer = tokio::spawn(balancer::serve(listener, backends, selection));
+        Ok(Replicas {
+            servers,
+            agent_service,
+            balancer,
+        })
+    }
+
+    /// An agent configuration for `cluster` (identifiers `host=<cluster>`)
+    /// dialing the agent Service.
+    pub fn agent_config(&self, pki: &TestPki, cluster: &str) -> Result<AgentConfig, ReplicasError> {
+        let mut config =
+            AgentConfig::new(TlsSource::Config(pki.agent_tls(cluster)?)).with_ephemeral_ports();
+        config.proxy_server_host = "localhost".into();
+        config.proxy_server_port = self.agent_service.port();
+        config.agent_id = format!("{cluster}-agent");
+        config.agent_identifiers = format!("host={cluster}");
+        Ok(config)
+    }
+
+    /// Starts a replacement for the replica taken out of `servers` at
+    /// `index` (and draining or gone), back at `index`: the same client and
+    /// agent ports, so balancers in front of them reach it, `server_id` as
+    /// given, `configure` applied. Binding is retried until the old replica
+    /// has let go of the ports (at most 10 s).
+    pub async fn replace(
+        &mut self,
+        pki: &TestPki,
+        index: usize,
+        client_addr: SocketAddr,
+        agent_addr: SocketAddr,
+        server_id: &str,
+        configure: impl Fn(&mut ServerConfig),
+    ) -> Result<(), ReplicasError> {
+        let mut config = test_server_config();
+        config.server_id = server_id.to_owned();
+        config.server_count = u32::try_from(self.servers.len() + 1).unwrap_or(u32::MAX);
+        config.server_port = client_addr.port();
+        config.agent_port = agent_addr.port();
+        configure(&mut config);
+        let started = Instant::now();
+        let server = loop {
+            match proxy_server::start_with_tls(config.clone(), pki.server_tls()?).await {
+                Ok(server) => break server,
+                Err(proxy_server::ServerError::Bind { .. })
+                    if started.elapsed() < Duration::from_secs(10) =>
+                {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                Err(source) => return Err(ReplicasError::Server { index, source }),
+            }
+        };
+        self.servers.insert(index.min(self.servers.len()), server);
+        Ok(())
+    }
+
+    /// Stops every replica and the balancer.
+    pub async fn shutdown(self) {
+        self.balancer.abort();
+        for server in self.servers {
+            server.shutdown().await;
+        }
+    }
+}
+
+/// Starts one agent per configuration, all at once (the "in step" case).
+pub async fn start_agents(configs: Vec<AgentConfig>) -> Result<Vec<RunningAgent>, ReplicasError> {
+    let starts = configs.into_iter().map(|config| async move {
+        let cluster = config.agent_identifiers.clone();
+        proxy_agent::start(config)
+            .await
+            .map_err(|source| ReplicasError::Agent { cluster, source })
+    });
+    futures_util::future::try_join_all(starts).await
+}
+
+/// Waits until every agent holds a tunnel to `replicas` distinct servers;
+/// how long each agent took from `since` (in agent order), or `None` on
+/// timeout. Polls every 5 ms.
+pub async fn wait_full_mesh(
+    agents: &[RunningAgent],
+    replicas: usize,
+    since: Instant,
+    timeout: Duration,
+) -> Option<Vec<Duration>> {
+    let mut done: Vec<Option<Duration>> = vec![None; agents.len()];
+    let deadline = since + timeout;
+    loop {
+        for (agent, slot) in agents.iter().zip(done.iter_mut()) {
+            if slot.is_none() && agent.server_ids().len() >= replicas {
+                *slot = Some(since.elapsed());
+            }
+        }
+        if done.iter().all(Option::is_some) {
+            return Some(done.into_iter().flatten().collect());
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
