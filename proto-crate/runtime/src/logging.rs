@@ -55,57 +55,54 @@ pub struct LogFlags {
     #[arg(long, value_enum)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub log_format: Option<LogFormat>,
+    /// The klog flags upstream's binaries take (boxed: they are rarely given).
+    #[command(flatten)]
+    #[serde(skip)]
+    pub klog: Box<KlogFlags>,
+}
+
+/// klog's flags, as upstream's binaries register them; accepted so that
+/// existing manifests keep working (see [`LogFlags::ignored`]).
+#[derive(Debug, Default, Clone, clap::Args)]
+pub struct KlogFlags {
     /// klog: log to stderr instead of files; accepted, logs always go to stderr.
     #[arg(long, hide = true, num_args = 0..=1, default_missing_value = "true", value_parser = crate::cli::parse_go_bool)]
-    #[serde(skip)]
     pub logtostderr: Option<bool>,
     /// klog: log to stderr as well as files; accepted, logs always go to stderr.
     #[arg(long, hide = true, num_args = 0..=1, default_missing_value = "true", value_parser = crate::cli::parse_go_bool)]
-    #[serde(skip)]
     pub alsologtostderr: Option<bool>,
     /// klog: directory of log files; accepted, no effect (logs go to stderr).
     #[arg(long, hide = true, alias = "log_dir")]
-    #[serde(skip)]
     pub log_dir: Option<String>,
     /// klog: log file; accepted, no effect (logs go to stderr).
     #[arg(long, hide = true, alias = "log_file")]
-    #[serde(skip)]
     pub log_file: Option<String>,
     /// klog: maximum log file size in MB; accepted, no effect.
     #[arg(long, hide = true, alias = "log_file_max_size")]
-    #[serde(skip)]
     pub log_file_max_size: Option<u64>,
     /// klog: file path in log headers; accepted, no effect.
     #[arg(long, hide = true, alias = "add_dir_header", num_args = 0..=1, default_missing_value = "true", value_parser = crate::cli::parse_go_bool)]
-    #[serde(skip)]
     pub add_dir_header: Option<bool>,
     /// klog: no header prefixes; accepted, no effect.
     #[arg(long, hide = true, alias = "skip_headers", num_args = 0..=1, default_missing_value = "true", value_parser = crate::cli::parse_go_bool)]
-    #[serde(skip)]
     pub skip_headers: Option<bool>,
     /// klog: no headers in log files; accepted, no effect.
     #[arg(long, hide = true, alias = "skip_log_headers", num_args = 0..=1, default_missing_value = "true", value_parser = crate::cli::parse_go_bool)]
-    #[serde(skip)]
     pub skip_log_headers: Option<bool>,
     /// klog: one log file for every severity; accepted, no effect.
     #[arg(long, hide = true, alias = "one_output", num_args = 0..=1, default_missing_value = "true", value_parser = crate::cli::parse_go_bool)]
-    #[serde(skip)]
     pub one_output: Option<bool>,
     /// klog: severity also written to stderr when logging to files; accepted, no effect.
     #[arg(long, hide = true)]
-    #[serde(skip)]
     pub stderrthreshold: Option<String>,
     /// klog: stderrthreshold semantics switch; accepted, no effect.
     #[arg(long, hide = true, alias = "legacy_stderr_threshold_behavior", num_args = 0..=1, default_missing_value = "true", value_parser = crate::cli::parse_go_bool)]
-    #[serde(skip)]
     pub legacy_stderr_threshold_behavior: Option<bool>,
     /// klog: per-file verbosity; accepted, no effect (use RUST_LOG=module=level).
     #[arg(long, hide = true)]
-    #[serde(skip)]
     pub vmodule: Option<String>,
     /// klog: stack trace at file:line; accepted, no effect.
     #[arg(long, hide = true, alias = "log_backtrace_at")]
-    #[serde(skip)]
     pub log_backtrace_at: Option<String>,
 }
 
@@ -115,31 +112,32 @@ impl LogFlags {
     /// `--logtostderr=true` or `--alsologtostderr`, which describe what
     /// happens anyway, is not reported.
     pub fn ignored(&self) -> Vec<&'static str> {
+        let klog = &self.klog;
         let mut ignored = Vec::new();
         let mut check = |given: bool, name: &'static str| {
             if given {
                 ignored.push(name);
             }
         };
-        check(self.logtostderr == Some(false), "logtostderr");
+        check(klog.logtostderr == Some(false), "logtostderr");
         check(
-            self.log_dir.as_deref().is_some_and(|d| !d.is_empty()),
+            klog.log_dir.as_deref().is_some_and(|d| !d.is_empty()),
             "log-dir",
         );
         check(
-            self.log_file.as_deref().is_some_and(|f| !f.is_empty()),
+            klog.log_file.as_deref().is_some_and(|f| !f.is_empty()),
             "log-file",
         );
-        check(self.add_dir_header == Some(true), "add-dir-header");
-        check(self.skip_headers == Some(true), "skip-headers");
-        check(self.skip_log_headers == Some(true), "skip-log-headers");
-        check(self.one_output == Some(true), "one-output");
+        check(klog.add_dir_header == Some(true), "add-dir-header");
+        check(klog.skip_headers == Some(true), "skip-headers");
+        check(klog.skip_log_headers == Some(true), "skip-log-headers");
+        check(klog.one_output == Some(true), "one-output");
         check(
-            self.vmodule.as_deref().is_some_and(|v| !v.is_empty()),
+            klog.vmodule.as_deref().is_some_and(|v| !v.is_empty()),
             "vmodule",
         );
         check(
-            self.log_backtrace_at
+            klog.log_backtrace_at
                 .as_deref()
                 .is_some_and(|v| !v.is_empty() && v != ":0"),
             "log-backtrace-at",
