@@ -10,7 +10,9 @@ use clap::Parser;
 use cluster_proxy_proto::duration::serde_go;
 use cluster_proxy_proto::flow::{DEFAULT_WINDOW, MIN_WINDOW};
 use cluster_proxy_proto::identifiers::AgentIdentifiers;
-use cluster_proxy_runtime::cli::{GoList, parse_go_bool, parse_go_list, serialize_go_lists};
+use cluster_proxy_runtime::cli::{
+    GoList, parse_go_bool, parse_go_list, parse_path, serialize_go_lists,
+};
 pub use cluster_proxy_runtime::config::ConfigError;
 use cluster_proxy_runtime::config::{self, EnvSpec, invalid};
 use cluster_proxy_runtime::logging::{LogFlags, LogFormat};
@@ -144,15 +146,15 @@ pub struct Cli {
     #[serde(skip)]
     pub config: Option<PathBuf>,
     /// Client certificate presented to the proxy-server.
-    #[arg(long)]
+    #[arg(long, value_parser = parse_path)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub agent_cert: Option<PathBuf>,
     /// Private key of --agent-cert.
-    #[arg(long)]
+    #[arg(long, value_parser = parse_path)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub agent_key: Option<PathBuf>,
     /// CA bundle the proxy-server's certificate must chain to.
-    #[arg(long)]
+    #[arg(long, value_parser = parse_path)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ca_cert: Option<PathBuf>,
     /// Host of the proxy-server agent endpoint (a Service or load balancer in front of every replica).
@@ -303,8 +305,19 @@ impl AgentSettings {
             // Of the two spellings, clap keeps only the one given last.
             flags.lease_label_selector.get_or_insert(label);
         }
-        let settings: AgentSettings =
+        let mut settings: AgentSettings =
             config::load_with_env(ENV, cli.config.as_deref(), &flags, vars)?;
+        // Upstream's empty `--agent-cert=` (as its tooling renders an unset
+        // path) means "not given".
+        for path in [
+            &mut settings.agent_cert,
+            &mut settings.agent_key,
+            &mut settings.ca_cert,
+        ] {
+            if path.as_ref().is_some_and(|p| p.as_os_str().is_empty()) {
+                *path = None;
+            }
+        }
         settings.validate()?;
         Ok(settings)
     }

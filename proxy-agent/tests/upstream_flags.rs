@@ -227,3 +227,10 @@ fn bad_values_are_clear_errors() {
         "{err}"
     );
 }
+
+#[test]
+fn empty_paths_are_not_given() {
+    let s = load(&["--ca-cert=/ca.crt", "--agent-cert=", "--agent-key="]).unwrap();
+    assert_eq!((s.agent_cert.as_ref(), s.agent_key.as_ref()), (None, None));
+    s.to_agent_config().unwrap();
+}

@@ -155,6 +155,13 @@ pub fn parse_go_bool(value: &str) -> Result<bool, String> {
     })
 }
 
+/// The clap `value_parser` of a path flag that, like pflag, takes an empty
+/// value (`--server-cert=`, as upstream's tooling renders an unset path);
+/// the settings treat an empty path as not given.
+pub fn parse_path(value: &str) -> Result<std::path::PathBuf, String> {
+    Ok(std::path::PathBuf::from(value))
+}
+
 /// One occurrence of a pflag string-slice flag, in every form upstream's
 /// tooling renders one: `a,b`, `[a,b]` (pflag's own rendering of a value,
 /// which upstream's test harness passes back), `[]` and the empty string
