@@ -4,6 +4,15 @@
 //! `cluster_proxy_proto::identity`), and the agent may only register
 //! identifiers that belong to that cluster. Upstream trusts the
 //! `agentidentifiers` header blindly; here that is an explicit opt-out.
+//!
+//! A refused agent is told why in the gRPC status. A Go agent never reads
+//! that status: it calls `stream.Header()`, which for a trailers-only error
+//! answers no metadata, and logs only `expected one server ID in the
+//! context, got []`. So a peer whose `user-agent` is grpc-go's gets the
+//! response headers first, with the reason as a second `serverid` value:
+//! it logs `expected one server ID in the context, got [refused: <why>]`,
+//! closes, and retries as after any failed connect; the status follows as
+//! usual. Other peers (ours, tonic, grpcio) get the plain status.
 
 use std::sync::Arc;
 
@@ -115,7 +124,11 @@ impl AgentService for AgentEndpoint {
         &self,
         request: Request<Streaming<Packet>>,
     ) -> Result<Response<Self::ConnectStream>, Status> {
-        let (agent_id, identifiers, peer) = self.admit(&request)?;
+        let (agent_id, identifiers, peer) = match self.admit(&request) {
+            Ok(admitted) => admitted,
+            Err(status) if is_go_grpc(request.metadata()) => return Ok(refusal_for_go(status)),
+            Err(status) => return Err(status),
+        };
         let peer_window = single_value(request.metadata(), metadata::FLOW_CONTROL_WINDOW)?
             .map(parse_window)
             .transpose()
@@ -184,6 +197,43 @@ impl AgentService for AgentEndpoint {
         }
         Ok(response)
     }
+}
+
+/// The first `serverid` value of a refusal sent to a Go agent.
+pub const REFUSED_SERVER_ID: &str = "refused:";
+
+/// Whether the peer is grpc-go (its `user-agent` starts `grpc-go/`).
+fn is_go_grpc(md: &MetadataMap) -> bool {
+    md.get("user-agent")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ua| ua.starts_with("grpc-go/"))
+}
+
+/// A refusal a Go agent logs (see the module docs): headers whose two
+/// `serverid` values are [`REFUSED_SERVER_ID`] and the reason, then `status`.
+fn refusal_for_go(status: Status) -> Response<OutboundStream> {
+    let reason: String = status
+        .message()
+        .chars()
+        .map(|c| {
+            if c == ' ' || c.is_ascii_graphic() {
+                c
+            } else {
+                '?'
+            }
+        })
+        .collect();
+    let stream: OutboundStream = Box::pin(futures_util::stream::once(async move { Err(status) }));
+    let mut response = Response::new(stream);
+    let md = response.metadata_mut();
+    md.append(
+        metadata::SERVER_ID,
+        MetadataValue::from_static(REFUSED_SERVER_ID),
+    );
+    if let Ok(value) = MetadataValue::try_from(reason.as_str()) {
+        md.append(metadata::SERVER_ID, value);
+    }
+    response
 }
 
 impl AgentEndpoint {
