@@ -498,6 +498,21 @@ impl ServerConfig {
         if self.xfr_channel_size != defaults.xfr_channel_size {
             ignored.push("xfr-channel-size");
         }
+        if self.lease_namespace != defaults.lease_namespace {
+            ignored.push("lease-namespace");
+        }
+        if self.lease_label != defaults.lease_label {
+            ignored.push("lease-label");
+        }
+        if self.kubeconfig_qps != defaults.kubeconfig_qps {
+            ignored.push("kubeconfig-qps");
+        }
+        if self.kubeconfig_burst != defaults.kubeconfig_burst {
+            ignored.push("kubeconfig-burst");
+        }
+        if self.kube_api_content_type != defaults.kube_api_content_type {
+            ignored.push("kube-api-content-type");
+        }
         ignored
     }
 }
