@@ -53,44 +53,44 @@ impl Metrics {
         let dial_duration = Histogram::new(exponential_buckets(0.000_005, 2.5, 16));
         registry.register(
             "dial_duration_seconds",
-            "Latency of dial requests, from DIAL_REQ to the agent's DIAL_RSP",
+            "Latency of dial to the remote endpoint in seconds",
             dial_duration.clone(),
         );
         let dial_failures = Family::<Labels, Counter>::default();
         register_counter(
             registry,
             "dial_failure_count",
-            "Failed dials by reason",
+            "Number of dial failures observed. Multiple failures can occur for a single dial request.",
             dial_failures.clone(),
         );
         let pending_dials = Gauge::default();
         registry.register(
             "pending_backend_dials",
-            "Dials waiting for the agent's answer",
+            "Current number of pending backend dial requests",
             pending_dials.clone(),
         );
         let established = Gauge::default();
         registry.register(
             "established_connections",
-            "Tunneled connections open now",
+            "Current number of established end-to-end connections (post-dial).",
             established.clone(),
         );
         let grpc_connections = Family::<Labels, Gauge>::default();
         registry.register(
             "grpc_connections",
-            "Open gRPC streams by method",
+            "Number of current grpc connections, partitioned by service method.",
             grpc_connections.clone(),
         );
         let http_connections = Gauge::default();
         registry.register(
             "http_connections",
-            "Open HTTP CONNECT tunnels",
+            "Number of current HTTP CONNECT connections",
             http_connections.clone(),
         );
         let ready_backends = Family::<Labels, Gauge>::default();
         registry.register(
             "ready_backends",
-            "Routable backend keys per strategy",
+            "Number of konnectivity agent connected to the proxy server",
             ready_backends.clone(),
         );
         let agent_tunnels = Gauge::default();
@@ -102,8 +102,8 @@ impl Metrics {
         let packet_family = Family::<Labels, Counter>::default();
         register_counter(
             registry,
-            "stream_packets",
-            "Packets by segment and type",
+            "stream_packets_total",
+            "Count of packets processed, by segment and packet type (example: from_client, DIAL_REQ)",
             packet_family.clone(),
         );
         let packets = SEGMENTS
@@ -161,7 +161,8 @@ impl Metrics {
             .set(i64::try_from(n).unwrap_or(i64::MAX));
     }
 
-    /// Prometheus text exposition.
+    /// The OpenMetrics text exposition (`/metrics` converts it to the
+    /// Prometheus text format unless asked for OpenMetrics).
     pub fn encode(&self) -> String {
         encode_registry(&self.registry)
     }
