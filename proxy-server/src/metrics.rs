@@ -93,12 +93,6 @@ impl Metrics {
             "Number of konnectivity agent connected to the proxy server",
             ready_backends.clone(),
         );
-        let agent_tunnels = Gauge::default();
-        registry.register(
-            "agent_tunnels",
-            "Connected agent tunnels",
-            agent_tunnels.clone(),
-        );
         let packet_family = Family::<Labels, Counter>::default();
         register_counter(
             registry,
@@ -119,6 +113,14 @@ impl Metrics {
                     .collect()
             })
             .collect();
+        // Ours, under our own prefix: upstream has no such metric.
+        let agent_tunnels = Gauge::default();
+        root.sub_registry_with_prefix("cluster_proxy_server")
+            .register(
+                "agent_tunnels",
+                "Connected agent tunnels (gRPC Connect streams)",
+                agent_tunnels.clone(),
+            );
         Metrics {
             registry: root,
             dial_duration,
