@@ -39,6 +39,11 @@ pub struct Metrics {
     dial_failures: Family<Labels, Counter>,
     pub pending_dials: Gauge,
     pub established: Gauge,
+    /// How long established connections lived, observed when they close.
+    pub connection_duration: Histogram,
+    /// Upstream's lease garbage collector's count; there is no lease
+    /// controller here, so it stays 0 for dashboards that sum it.
+    pub culled_leases: Counter,
     grpc_connections: Family<Labels, Gauge>,
     pub http_connections: Gauge,
     ready_backends: Family<Labels, Gauge>,
@@ -74,6 +79,22 @@ impl Metrics {
             "established_connections",
             "Current number of established end-to-end connections (post-dial).",
             established.clone(),
+        );
+        // Upstream's buckets: 1 s to a day.
+        let connection_duration = Histogram::new([
+            1.0, 5.0, 15.0, 30.0, 60.0, 300.0, 900.0, 1800.0, 3600.0, 14400.0, 43200.0, 86400.0,
+        ]);
+        registry.register(
+            "connection_duration_seconds",
+            "Duration in seconds a proxied end-to-end connection was established (post-dial) before being closed.",
+            connection_duration.clone(),
+        );
+        let culled_leases = Counter::default();
+        register_counter(
+            registry,
+            "culled_leases_count",
+            "Count of expired leases that the lease garbage collection controller has culled.",
+            culled_leases.clone(),
         );
         let grpc_connections = Family::<Labels, Gauge>::default();
         registry.register(
@@ -127,6 +148,8 @@ impl Metrics {
             dial_failures,
             pending_dials,
             established,
+            connection_duration,
+            culled_leases,
             grpc_connections,
             http_connections,
             ready_backends,
@@ -155,6 +178,12 @@ impl Metrics {
             .get_or_create(&vec![("service_method", method)])
             .clone();
         GaugeGuard::new(gauge)
+    }
+
+    /// An established connection closed after `lived`.
+    pub fn connection_closed(&self, lived: std::time::Duration) {
+        self.established.dec();
+        self.connection_duration.observe(lived.as_secs_f64());
     }
 
     pub fn set_ready_backends(&self, strategy: &'static str, n: usize) {
