@@ -5,7 +5,7 @@ use cluster_proxy_runtime::metrics::{encode_registry, register_counter};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
 type Labels = Vec<(&'static str, &'static str)>;
@@ -71,7 +71,7 @@ impl Metrics {
             "Number of failures dialing the remote endpoint, by reason (example: timeout).",
             dial_failures.clone(),
         );
-        let dial_duration = Histogram::new(exponential_buckets(0.000_005, 2.5, 16));
+        let dial_duration = Histogram::new([0.005, 0.025, 0.1, 0.5, 2.5, 10.0, 30.0]);
         registry.register(
             "dial_duration_seconds",
             "Latency of dial to the remote endpoint in seconds",

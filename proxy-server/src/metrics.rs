@@ -6,7 +6,7 @@ use cluster_proxy_runtime::metrics::{encode_registry, register_counter};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
 type Labels = Vec<(&'static str, &'static str)>;
@@ -55,7 +55,9 @@ impl Metrics {
     pub fn new() -> Self {
         let mut root = Registry::default();
         let registry = root.sub_registry_with_prefix("konnectivity_network_proxy_server");
-        let dial_duration = Histogram::new(exponential_buckets(0.000_005, 2.5, 16));
+        let dial_duration = Histogram::new([
+            0.000_001, 0.000_01, 0.000_1, 0.005, 0.025, 0.1, 0.5, 2.5, 12.5,
+        ]);
         registry.register(
             "dial_duration_seconds",
             "Latency of dial to the remote endpoint in seconds",

@@ -104,16 +104,68 @@ pub fn to_prometheus_text(text: &str) -> String {
                 continue;
             }
             if sample_of(line, sample) {
-                out.push_str(exposed);
-                out.push_str(&line[sample.len()..]);
+                out.push_str(&go_floats(&format!("{exposed}{}", &line[sample.len()..])));
                 out.push('\n');
                 continue;
             }
         }
-        out.push_str(line);
+        out.push_str(&go_floats(line));
         out.push('\n');
     }
     out
+}
+
+/// A sample line with its floats written as Go's client writes them
+/// (`strconv.FormatFloat(v, 'g', -1, 64)`): `le="10"` not `le="10.0"`,
+/// `1e-06` not `0.000001`. Series differ by the exact `le` text, so a
+/// dashboard or alert naming a bucket must see upstream's spelling.
+fn go_floats(line: &str) -> String {
+    let mut line = line.to_owned();
+    for label in ["le=\"", "quantile=\""] {
+        let Some(start) = line.find(label).map(|i| i + label.len()) else {
+            continue;
+        };
+        let Some(len) = line[start..].find('"') else {
+            continue;
+        };
+        if let Ok(v) = line[start..start + len].parse::<f64>() {
+            line.replace_range(start..start + len, &go_float(v));
+        }
+    }
+    let value = line
+        .rsplit_once(' ')
+        .filter(|(_, value)| value.contains(['.', 'e']))
+        .and_then(|(series, value)| Some((series, value.parse::<f64>().ok()?)));
+    match value {
+        Some((series, v)) => format!("{series} {}", go_float(v)),
+        None => line,
+    }
+}
+
+/// Go's `strconv.FormatFloat(v, 'g', -1, 64)`, with Prometheus' `+Inf`.
+pub fn go_float(v: f64) -> String {
+    if v.is_nan() {
+        return "NaN".into();
+    }
+    if v.is_infinite() {
+        return if v > 0.0 { "+Inf" } else { "-Inf" }.into();
+    }
+    if v == 0.0 {
+        return "0".into();
+    }
+    let scientific = format!("{v:e}");
+    let (mantissa, exponent) = scientific
+        .split_once('e')
+        .unwrap_or((scientific.as_str(), "0"));
+    let exponent: i32 = exponent.parse().unwrap_or(0);
+    // Go: %e when the exponent is below -4 or at least the shortest
+    // precision's 6 (then at least two exponent digits, with a sign).
+    if !(-4..6).contains(&exponent) {
+        let sign = if exponent < 0 { '-' } else { '+' };
+        format!("{mantissa}e{sign}{:02}", exponent.abs())
+    } else {
+        format!("{v}")
+    }
 }
 
 /// Whether `line` is a sample of the metric named exactly `name`.
@@ -227,9 +279,35 @@ mod tests {
              konnectivity_network_proxy_server_dial_duration_seconds_sum 0.7\n\
              konnectivity_network_proxy_server_dial_duration_seconds_count 1\n\
              konnectivity_network_proxy_server_dial_duration_seconds_bucket{le=\"0.5\"} 0\n\
-             konnectivity_network_proxy_server_dial_duration_seconds_bucket{le=\"1.0\"} 1\n\
+             konnectivity_network_proxy_server_dial_duration_seconds_bucket{le=\"1\"} 1\n\
              konnectivity_network_proxy_server_dial_duration_seconds_bucket{le=\"+Inf\"} 1\n"
         );
+    }
+
+    #[test]
+    fn floats_are_written_as_gos_client_writes_them() {
+        for (v, go) in [
+            (10.0, "10"),
+            (12.5, "12.5"),
+            (0.000_001, "1e-06"),
+            (0.000_01, "1e-05"),
+            (0.000_1, "0.0001"),
+            (0.005, "0.005"),
+            (86_400.0, "86400"),
+            (1_000_000.0, "1e+06"),
+            (123_456_789.0, "1.23456789e+08"),
+            (-2.5, "-2.5"),
+            (0.0, "0"),
+            (f64::INFINITY, "+Inf"),
+        ] {
+            assert_eq!(go_float(v), go, "{v}");
+        }
+        assert_eq!(
+            go_floats("x_bucket{le=\"0.000001\"} 3"),
+            "x_bucket{le=\"1e-06\"} 3"
+        );
+        assert_eq!(go_floats("x_sum 0.000012"), "x_sum 1.2e-05");
+        assert_eq!(go_floats("x_count 12"), "x_count 12");
     }
 
     #[test]
