@@ -164,7 +164,7 @@ impl AgentService for AgentEndpoint {
         tokio::spawn(async move {
             let _stream_gauge = metrics.grpc_stream("Connect");
             let _tunnel_gauge = GaugeGuard::new(metrics.agent_tunnels.clone());
-            let reason = read_agent(&reader_tunnel, inbound).await;
+            let reason = read_agent(&reader_tunnel, inbound, &metrics).await;
             registry.unregister(&reader_tunnel);
             reader_tunnel.close(&reason);
             for s in registry.strategies() {
@@ -246,13 +246,20 @@ impl AgentEndpoint {
 }
 
 /// Dispatches the agent's packets until its stream ends; returns why it ended.
-async fn read_agent(tunnel: &Arc<AgentTunnel>, mut inbound: Streaming<Packet>) -> String {
+async fn read_agent(
+    tunnel: &Arc<AgentTunnel>,
+    mut inbound: Streaming<Packet>,
+    metrics: &Metrics,
+) -> String {
     loop {
         tokio::select! {
             message = inbound.message() => match message {
                 Ok(Some(p)) => tunnel.handle(Frame::from_packet(p)).await,
                 Ok(None) => return "agent closed the stream".into(),
-                Err(status) => return format!("agent stream failed: {}", status.message()),
+                Err(status) => {
+                    metrics.stream_error_no_packet(crate::metrics::Segment::FromAgent, status.code());
+                    return format!("agent stream failed: {}", status.message());
+                }
             },
             _ = tunnel.closed() => return "server closed the tunnel".into(),
         }

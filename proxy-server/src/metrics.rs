@@ -11,6 +11,31 @@ use prometheus_client::registry::Registry;
 
 type Labels = Vec<(&'static str, &'static str)>;
 
+/// A gRPC code as Go's `codes.Code.String()` names it (tonic's Debug
+/// spells `Cancelled`; Go and upstream's label say `Canceled`).
+pub fn go_code_name(code: tonic::Code) -> &'static str {
+    use tonic::Code;
+    match code {
+        Code::Ok => "OK",
+        Code::Cancelled => "Canceled",
+        Code::Unknown => "Unknown",
+        Code::InvalidArgument => "InvalidArgument",
+        Code::DeadlineExceeded => "DeadlineExceeded",
+        Code::NotFound => "NotFound",
+        Code::AlreadyExists => "AlreadyExists",
+        Code::PermissionDenied => "PermissionDenied",
+        Code::ResourceExhausted => "ResourceExhausted",
+        Code::FailedPrecondition => "FailedPrecondition",
+        Code::Aborted => "Aborted",
+        Code::OutOfRange => "OutOfRange",
+        Code::Unimplemented => "Unimplemented",
+        Code::Internal => "Internal",
+        Code::Unavailable => "Unavailable",
+        Code::DataLoss => "DataLoss",
+        Code::Unauthenticated => "Unauthenticated",
+    }
+}
+
 /// Where a packet crossed the server.
 #[derive(Debug, Clone, Copy)]
 pub enum Segment {
@@ -48,6 +73,8 @@ pub struct Metrics {
     pub http_connections: Gauge,
     ready_backends: Family<Labels, Gauge>,
     pub agent_tunnels: Gauge,
+    /// gRPC stream errors by segment, Go's code name and packet type.
+    pub stream_errors: Family<Labels, Counter>,
     packets: Vec<Vec<Counter>>,
 }
 
@@ -136,6 +163,13 @@ impl Metrics {
                     .collect()
             })
             .collect();
+        let stream_errors = Family::<Labels, Counter>::default();
+        register_counter(
+            registry,
+            "stream_errors_total",
+            "Count of gRPC stream errors, by segment, grpc Code, packet type. (example: from_agent, Code.Unavailable, DIAL_RSP)",
+            stream_errors.clone(),
+        );
         // Ours, under our own prefix: upstream has no such metric.
         let agent_tunnels = Gauge::default();
         root.sub_registry_with_prefix("cluster_proxy_server")
@@ -156,6 +190,7 @@ impl Metrics {
             http_connections,
             ready_backends,
             agent_tunnels,
+            stream_errors,
             packets,
         }
     }
@@ -166,6 +201,18 @@ impl Metrics {
             .position(|t| *t == type_name)
             .unwrap_or(PACKET_TYPES.len() - 1);
         self.packets[segment as usize][kind].inc();
+    }
+
+    /// A stream failed while receiving, so no packet is known (upstream's
+    /// `ObserveStreamErrorNoPacket`: packet type `Unknown`).
+    pub fn stream_error_no_packet(&self, segment: Segment, code: tonic::Code) {
+        self.stream_errors
+            .get_or_create(&vec![
+                ("segment", SEGMENTS[segment as usize]),
+                ("code", go_code_name(code)),
+                ("packet_type", "Unknown"),
+            ])
+            .inc();
     }
 
     pub fn dial_failed(&self, reason: &'static str) {
@@ -208,3 +255,26 @@ impl Default for Metrics {
 }
 
 pub use cluster_proxy_runtime::metrics::GaugeGuard;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stream_errors_carry_gos_code_names() {
+        let m = Metrics::new();
+        m.stream_error_no_packet(Segment::FromAgent, tonic::Code::Cancelled);
+        m.stream_error_no_packet(Segment::FromClient, tonic::Code::Unavailable);
+        let text = cluster_proxy_runtime::metrics::to_prometheus_text(&m.encode());
+        for line in [
+            "# TYPE konnectivity_network_proxy_server_stream_errors_total counter",
+            r#"konnectivity_network_proxy_server_stream_errors_total{segment="from_agent",code="Canceled",packet_type="Unknown"} 1"#,
+            r#"konnectivity_network_proxy_server_stream_errors_total{segment="from_client",code="Unavailable",packet_type="Unknown"} 1"#,
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "{line} missing from\n{text}"
+            );
+        }
+    }
+}
