@@ -65,6 +65,19 @@ impl RawAgent {
         identifiers: &str,
         flow_window: Option<u32>,
     ) -> Result<RawAgent, RawAgentError> {
+        Self::connect_as(None, tls, agent_addr, agent_id, identifiers, flow_window).await
+    }
+
+    /// [`RawAgent::connect`] sending `user_agent` first in its `user-agent`
+    /// header (e.g. `grpc-go/1.72.0`, to be taken for a Go agent).
+    pub async fn connect_as(
+        user_agent: Option<&str>,
+        tls: Arc<rustls::ClientConfig>,
+        agent_addr: SocketAddr,
+        agent_id: &str,
+        identifiers: &str,
+        flow_window: Option<u32>,
+    ) -> Result<RawAgent, RawAgentError> {
         let channel =
             connect_channel("localhost", agent_addr.port(), tls, Duration::from_secs(5)).await?;
         let (to_server, rx) = mpsc::channel(64);
@@ -78,6 +91,9 @@ impl RawAgent {
         }
         if let Some(w) = flow_window {
             md.insert(metadata::FLOW_CONTROL_WINDOW, MetadataValue::from(w));
+        }
+        if let Some(v) = user_agent.and_then(|ua| MetadataValue::try_from(ua).ok()) {
+            md.insert("user-agent", v);
         }
         let response = AgentServiceClient::new(channel).connect(request).await?;
         let headers = response.metadata().clone();

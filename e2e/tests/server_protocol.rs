@@ -123,6 +123,77 @@ async fn agent_claiming_another_clusters_identity_is_refused() {
 }
 
 #[tokio::test]
+async fn a_go_agent_refused_for_its_identity_is_told_why_where_it_looks() {
+    let pki = TestPki::new(&["cluster-a", "cluster-b"]).unwrap();
+    let server = server(&pki).await;
+    // grpc-go's `stream.Header()` is all a Go agent reads before giving up.
+    let mut refused = RawAgent::connect_as(
+        Some("grpc-go/1.72.0"),
+        pki.agent_tls("cluster-a").unwrap(),
+        server.agent_addr,
+        "a",
+        "host=cluster-b",
+        None,
+    )
+    .await
+    .expect("a Go agent gets headers, then the status");
+    let server_ids: Vec<&str> = refused
+        .headers
+        .get_all(metadata::SERVER_ID)
+        .iter()
+        .map(|v| v.to_str().unwrap())
+        .collect();
+    assert_eq!(server_ids.len(), 2, "{server_ids:?}");
+    assert_eq!(
+        server_ids[0],
+        proxy_server::agent_service::REFUSED_SERVER_ID
+    );
+    // What the Go agent logs: `expected one server ID in the context, got %v`.
+    let logged = format!(
+        "expected one server ID in the context, got [{}]",
+        server_ids.join(" ")
+    );
+    assert!(
+        logged.contains("refused: ") && logged.contains("does not belong to cluster \"cluster-a\""),
+        "{logged}"
+    );
+    assert!(refused.headers.get(metadata::SERVER_COUNT).is_none());
+    let status = refused.from_server.message().await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::PermissionDenied);
+    assert_eq!(status.message(), server_ids[1]);
+    assert_eq!(server.tunnel_count(), 0);
+    // Everyone else gets the plain status, as before.
+    let err = RawAgent::connect(
+        pki.agent_tls("cluster-a").unwrap(),
+        server.agent_addr,
+        "a",
+        "host=cluster-b",
+        None,
+    )
+    .await
+    .err()
+    .expect("refused");
+    assert!(matches!(err, RawAgentError::Refused(s) if s.code() == tonic::Code::PermissionDenied));
+    // A Go agent with its own identifiers is admitted as usual.
+    let admitted = RawAgent::connect_as(
+        Some("grpc-go/1.72.0"),
+        pki.agent_tls("cluster-a").unwrap(),
+        server.agent_addr,
+        "a",
+        "host=cluster-a",
+        None,
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        admitted.headers.get_all(metadata::SERVER_ID).iter().count(),
+        1
+    );
+    assert!(wait_until(STEP, || server.tunnel_count() == 1).await);
+    server.shutdown().await;
+}
+
+#[tokio::test]
 async fn agent_certificate_naming_no_cluster_needs_the_opt_out() {
     let pki = TestPki::new(&[]).unwrap();
     let server = server(&pki).await;

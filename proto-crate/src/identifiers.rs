@@ -154,6 +154,19 @@ impl AgentIdentifiers {
         Ok(ids)
     }
 
+    /// Parses identifiers as upstream's agent validates its flag: unknown
+    /// keys and malformed queries are rejected, but addresses are not checked
+    /// (upstream's own e2e manifests pass `ipv4=${HOST_IP}` unexpanded, and
+    /// upstream's agent starts with it). [`AgentIdentifiers::parse_strict`]
+    /// tells what is wrong with such a value, for a warning.
+    pub fn parse_like_upstream(query: &str) -> Result<Self, IdentifiersError> {
+        let ids = Self::parse(query)?;
+        if let Some((key, _)) = ids.unknown.first() {
+            return Err(IdentifiersError::UnknownKey(key.clone()));
+        }
+        Ok(ids)
+    }
+
     /// The strings the `destHost` strategy matches dial hosts against.
     pub fn destination_keys(&self) -> impl Iterator<Item = &str> {
         self.hosts

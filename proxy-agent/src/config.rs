@@ -10,7 +10,9 @@ use clap::Parser;
 use cluster_proxy_proto::duration::serde_go;
 use cluster_proxy_proto::flow::{DEFAULT_WINDOW, MIN_WINDOW};
 use cluster_proxy_proto::identifiers::AgentIdentifiers;
-use cluster_proxy_proto::strconv;
+use cluster_proxy_runtime::cli::{
+    GoList, parse_go_bool, parse_go_list, parse_path, serialize_go_lists,
+};
 pub use cluster_proxy_runtime::config::ConfigError;
 use cluster_proxy_runtime::config::{self, EnvSpec, invalid};
 use cluster_proxy_runtime::logging::{LogFlags, LogFormat};
@@ -30,6 +32,7 @@ pub struct AgentSettings {
     pub ca_cert: Option<PathBuf>,
     pub proxy_server_host: String,
     pub proxy_server_port: u16,
+    /// ALPN protocols offered in addition to `h2` (upstream's meaning).
     pub alpn_proto: Vec<String>,
     /// Empty: all interfaces.
     pub health_server_host: String,
@@ -125,18 +128,17 @@ impl Default for AgentSettings {
     }
 }
 
-/// Go's `strconv.ParseBool`, which pflag uses for `--flag=value`.
-fn parse_go_bool(value: &str) -> Result<bool, String> {
-    strconv::parse_bool(value).ok_or_else(|| format!("invalid boolean {value:?}"))
-}
-
 /// Command-line flags. Every field is optional so that only flags actually
-/// given override the lower layers.
-#[derive(Debug, Default, Parser, Serialize)]
+/// given override the lower layers. As with upstream's pflag, a flag given
+/// twice keeps its last value (`args_override_self`), list flags append, and
+/// the deprecated `--lease-label` and `--lease-label-selector` set the same
+/// setting, the later one winning.
+#[derive(Debug, Default, Clone, Parser, Serialize)]
 #[command(
     name = "proxy-agent",
     version,
-    about = "cluster-proxy agent (konnectivity compatible)"
+    about = "cluster-proxy agent (konnectivity compatible)",
+    args_override_self = true
 )]
 pub struct Cli {
     /// TOML configuration file (keys as the flags, with underscores).
@@ -144,15 +146,15 @@ pub struct Cli {
     #[serde(skip)]
     pub config: Option<PathBuf>,
     /// Client certificate presented to the proxy-server.
-    #[arg(long)]
+    #[arg(long, value_parser = parse_path)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub agent_cert: Option<PathBuf>,
     /// Private key of --agent-cert.
-    #[arg(long)]
+    #[arg(long, value_parser = parse_path)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub agent_key: Option<PathBuf>,
     /// CA bundle the proxy-server's certificate must chain to.
-    #[arg(long)]
+    #[arg(long, value_parser = parse_path)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ca_cert: Option<PathBuf>,
     /// Host of the proxy-server agent endpoint (a Service or load balancer in front of every replica).
@@ -163,10 +165,13 @@ pub struct Cli {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub proxy_server_port: Option<u16>,
-    /// ALPN protocols offered to the proxy-server (default: h2).
-    #[arg(long, value_delimiter = ',')]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub alpn_proto: Option<Vec<String>>,
+    /// ALPN protocols offered in addition to h2, which is always offered (comma-separated; [] is none).
+    #[arg(long, value_name = "PROTOS", value_parser = parse_go_list)]
+    #[serde(
+        skip_serializing_if = "Option::is_none",
+        serialize_with = "serialize_go_lists"
+    )]
+    pub alpn_proto: Option<Vec<GoList>>,
     /// Address the health port listens on (empty: every address).
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -240,9 +245,13 @@ pub struct Cli {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lease_namespace: Option<String>,
     /// Label selector of the replica Leases (with --count-server-leases).
-    #[arg(long, alias = "lease-label")]
+    #[arg(long, overrides_with = "lease_label")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lease_label_selector: Option<String>,
+    /// Deprecated upstream spelling of --lease-label-selector.
+    #[arg(long, hide = true, overrides_with = "lease_label_selector")]
+    #[serde(skip)]
+    pub lease_label: Option<String>,
     /// default or max.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -291,7 +300,24 @@ impl AgentSettings {
         cli: &Cli,
         vars: impl IntoIterator<Item = (String, String)>,
     ) -> Result<Self, ConfigError> {
-        let settings: AgentSettings = config::load_with_env(ENV, cli.config.as_deref(), cli, vars)?;
+        let mut flags = cli.clone();
+        if let Some(label) = flags.lease_label.take() {
+            // Of the two spellings, clap keeps only the one given last.
+            flags.lease_label_selector.get_or_insert(label);
+        }
+        let mut settings: AgentSettings =
+            config::load_with_env(ENV, cli.config.as_deref(), &flags, vars)?;
+        // Upstream's empty `--agent-cert=` (as its tooling renders an unset
+        // path) means "not given".
+        for path in [
+            &mut settings.agent_cert,
+            &mut settings.agent_key,
+            &mut settings.ca_cert,
+        ] {
+            if path.as_ref().is_some_and(|p| p.as_os_str().is_empty()) {
+                *path = None;
+            }
+        }
         settings.validate()?;
         Ok(settings)
     }
@@ -319,7 +345,7 @@ impl AgentSettings {
         if self.dial_timeout.is_zero() {
             return Err(invalid("dial-timeout", "must be greater than 0"));
         }
-        AgentIdentifiers::parse_strict(&self.agent_identifiers)
+        AgentIdentifiers::parse_like_upstream(&self.agent_identifiers)
             .map_err(|e| invalid("agent-identifiers", e.to_string()))?;
         if self.agent_id.contains(|c: char| !c.is_ascii_graphic()) {
             return Err(invalid(
@@ -357,6 +383,18 @@ impl AgentSettings {
             ));
         }
         Ok(())
+    }
+
+    /// Settings that are accepted, as upstream accepts them, but are
+    /// probably mistakes: each is a sentence for a warning.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut warnings = Vec::new();
+        if let Err(e) = AgentIdentifiers::parse_strict(&self.agent_identifiers) {
+            warnings.push(format!(
+                "--agent-identifiers: {e}; it can only match a dial to that literal host"
+            ));
+        }
+        warnings
     }
 
     /// Upstream flags this implementation accepts but does not act on.

@@ -56,10 +56,6 @@ pub async fn dial_tcp(
     timeout: Duration,
     aliases: &HostAliases,
 ) -> Result<TcpStream, DialError> {
-    let timed_out = || DialError {
-        message: format!("dial tcp {address}: i/o timeout"),
-        reason: DialFailure::Timeout,
-    };
     let Some((host, port)) = split_host_port(address) else {
         return Err(unknown(format!(
             "dial tcp: address {address}: missing port in address"
@@ -70,6 +66,10 @@ pub async fn dial_tcp(
             "dial tcp: address {address}: invalid port"
         )));
     };
+    // The address being connected to, for the timeout text: Go names the
+    // resolved address (`dial tcp 10.0.0.1:443: i/o timeout`), or the lookup
+    // when resolving took the time (`dial tcp: lookup host: i/o timeout`).
+    let current = std::sync::Mutex::new(None::<SocketAddr>);
     let attempt = async {
         // Resolve separately so a DNS failure reads like Go's resolver error
         // rather than getaddrinfo's.
@@ -86,6 +86,9 @@ pub async fn dial_tcp(
         let mut last = None;
         // Like Go, try each resolved address in turn and report the last error.
         for addr in addrs {
+            if let Ok(mut current) = current.lock() {
+                *current = Some(addr);
+            }
             match TcpStream::connect(addr).await {
                 Ok(tcp) => return Ok(tcp),
                 Err(e) => last = Some((addr, e)),
@@ -98,9 +101,19 @@ pub async fn dial_tcp(
             None => format!("dial tcp {addr}: {e}"),
         }))
     };
-    let tcp = tokio::time::timeout(timeout, attempt)
-        .await
-        .map_err(|_| timed_out())??;
+    let tcp = match tokio::time::timeout(timeout, attempt).await {
+        Ok(result) => result?,
+        Err(_) => {
+            let connecting = current.lock().ok().and_then(|c| *c);
+            return Err(DialError {
+                message: match connecting {
+                    Some(addr) => format!("dial tcp {addr}: i/o timeout"),
+                    None => format!("dial tcp: lookup {host}: i/o timeout"),
+                },
+                reason: DialFailure::Timeout,
+            });
+        }
+    };
     // Interactive protocols (kubectl exec, TLS handshakes) need small writes
     // to leave at once; a failure here only costs latency.
     let _ = tcp.set_nodelay(true);
@@ -153,9 +166,39 @@ mod tests {
         // A sandbox without DNS may time out instead; both are Go texts.
         assert!(
             err.message == "dial tcp: lookup does-not-exist.invalid: no such host"
-                || err.message == "dial tcp does-not-exist.invalid:80: i/o timeout",
+                || err.message == "dial tcp: lookup does-not-exist.invalid: i/o timeout",
             "{err}"
         );
+    }
+
+    #[tokio::test]
+    async fn a_timeout_names_the_resolved_address_like_go() {
+        // A listener whose accept queue is full: the kernel drops further
+        // SYNs, so a connect neither succeeds nor fails.
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let listener = socket.listen(0).unwrap();
+        let target = listener.local_addr().unwrap();
+        let mut fillers = Vec::new();
+        loop {
+            match tokio::time::timeout(Duration::from_millis(200), TcpStream::connect(target)).await
+            {
+                Ok(Ok(tcp)) => fillers.push(tcp),
+                Ok(Err(e)) => panic!("filling the accept queue: {e}"),
+                Err(_) => break,
+            }
+            assert!(fillers.len() < 64, "the accept queue never filled");
+        }
+        let aliases = HostAliases::from([("cluster-a".to_owned(), target.ip())]);
+        let err = dial_tcp(
+            &format!("cluster-a:{}", target.port()),
+            Duration::from_millis(300),
+            &aliases,
+        )
+        .await
+        .unwrap_err();
+        assert_eq!(err.message, format!("dial tcp {target}: i/o timeout"));
+        assert_eq!(err.reason, DialFailure::Timeout);
     }
 
     #[tokio::test]

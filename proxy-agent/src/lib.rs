@@ -44,7 +44,8 @@ pub enum TlsSource {
         ca_cert: PathBuf,
         agent_cert: Option<PathBuf>,
         agent_key: Option<PathBuf>,
-        /// ALPN protocols to offer; empty means `h2`.
+        /// ALPN protocols offered in addition to `h2`, which gRPC always
+        /// offers (upstream's `--alpn-proto`).
         alpn: Vec<String>,
     },
     /// A ready configuration; it must offer ALPN `h2`.
@@ -92,15 +93,20 @@ impl TlsSource {
                         });
                     }
                 };
-                let alpn: Vec<&[u8]> = if alpn.is_empty() {
-                    vec![ALPN_H2]
-                } else {
-                    alpn.iter().map(|p| p.as_bytes()).collect()
-                };
-                Ok(tls::client_config(roots, identity, &alpn)?)
+                Ok(tls::client_config(roots, identity, &offered_alpn(alpn))?)
             }
         }
     }
+}
+
+/// The ALPN protocols an agent offers for `--alpn-proto` values `extra`:
+/// those, then `h2` unless already listed, as grpc-go appends it.
+pub fn offered_alpn(extra: &[String]) -> Vec<&[u8]> {
+    let mut offered: Vec<&[u8]> = extra.iter().map(|p| p.as_bytes()).collect();
+    if !offered.contains(&ALPN_H2) {
+        offered.push(ALPN_H2);
+    }
+    offered
 }
 
 /// Runtime configuration of an agent. [`AgentConfig::new`] gives upstream's
@@ -199,9 +205,11 @@ pub enum AgentError {
 pub const NOT_READY_BODY: &str = "[+]ping ok\n[-]server-connected failed: no servers connected\n";
 
 fn validate(config: &AgentConfig) -> Result<(), AgentError> {
-    AgentIdentifiers::parse_strict(&config.agent_identifiers).map_err(|e| AgentError::Invalid {
-        field: "agent-identifiers",
-        reason: e.to_string(),
+    AgentIdentifiers::parse_like_upstream(&config.agent_identifiers).map_err(|e| {
+        AgentError::Invalid {
+            field: "agent-identifiers",
+            reason: e.to_string(),
+        }
     })?;
     if config.agent_id.is_empty() || config.agent_id.contains(|c: char| !c.is_ascii_graphic()) {
         return Err(AgentError::Invalid {

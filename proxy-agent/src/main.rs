@@ -7,8 +7,18 @@ async fn main() -> anyhow::Result<()> {
     let cli: Cli = cli::parse(&AgentSettings::default());
     let settings = AgentSettings::load(&cli)?;
     logging::init(settings.v, settings.log_format);
-    for flag in settings.ignored_settings() {
+    for flag in settings
+        .ignored_settings()
+        .into_iter()
+        .chain(cli.logging.ignored())
+    {
         tracing::warn!(flag, "flag is accepted for compatibility but has no effect");
+    }
+    if cli.lease_label.is_some() {
+        tracing::warn!("--lease-label is deprecated: use --lease-label-selector");
+    }
+    for warning in settings.warnings() {
+        tracing::warn!("{warning}");
     }
     let config = settings.to_agent_config()?;
     let mut signals = Signals::install().context("installing signal handlers")?;

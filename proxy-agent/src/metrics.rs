@@ -5,7 +5,7 @@ use cluster_proxy_runtime::metrics::{encode_registry, register_counter};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
 type Labels = Vec<(&'static str, &'static str)>;
@@ -49,32 +49,32 @@ impl Metrics {
         let open_server_connections = Gauge::default();
         registry.register(
             "open_server_connections",
-            "Tunnels (gRPC Connect streams) open to proxy-servers",
+            "Current number of open server connections.",
             open_server_connections.clone(),
         );
         let known_server_count = Gauge::default();
         registry.register(
             "known_server_count",
-            "Number of proxy-servers the agent believes exist (last servercount header)",
+            "Current number of servers agent is trying to connect to.",
             known_server_count.clone(),
         );
         let open_endpoint_connections = Gauge::default();
         registry.register(
             "open_endpoint_connections",
-            "Connections to endpoints inside the cluster open now",
+            "Current number of open endpoint connections.",
             open_endpoint_connections.clone(),
         );
         let dial_failures = Family::<Labels, Counter>::default();
         register_counter(
             registry,
-            "endpoint_dial_failure",
-            "Failed endpoint dials by reason",
+            "endpoint_dial_failure_total",
+            "Number of failures dialing the remote endpoint, by reason (example: timeout).",
             dial_failures.clone(),
         );
-        let dial_duration = Histogram::new(exponential_buckets(0.000_005, 2.5, 16));
+        let dial_duration = Histogram::new([0.005, 0.025, 0.1, 0.5, 2.5, 10.0, 30.0]);
         registry.register(
             "dial_duration_seconds",
-            "Latency of endpoint dials",
+            "Latency of dial to the remote endpoint in seconds",
             dial_duration.clone(),
         );
         Metrics {
@@ -93,7 +93,8 @@ impl Metrics {
             .inc();
     }
 
-    /// The Prometheus/OpenMetrics text exposition.
+    /// The OpenMetrics text exposition (`/metrics` converts it to the
+    /// Prometheus text format unless asked for OpenMetrics).
     pub fn encode(&self) -> String {
         encode_registry(&self.registry)
     }

@@ -4,6 +4,15 @@
 //! `cluster_proxy_proto::identity`), and the agent may only register
 //! identifiers that belong to that cluster. Upstream trusts the
 //! `agentidentifiers` header blindly; here that is an explicit opt-out.
+//!
+//! A refused agent is told why in the gRPC status. A Go agent never reads
+//! that status: it calls `stream.Header()`, which for a trailers-only error
+//! answers no metadata, and logs only `expected one server ID in the
+//! context, got []`. So a peer whose `user-agent` is grpc-go's gets the
+//! response headers first, with the reason as a second `serverid` value:
+//! it logs `expected one server ID in the context, got [refused: <why>]`,
+//! closes, and retries as after any failed connect; the status follows as
+//! usual. Other peers (ours, tonic, grpcio) get the plain status.
 
 use std::sync::Arc;
 
@@ -118,7 +127,11 @@ impl AgentService for AgentEndpoint {
         &self,
         request: Request<Streaming<Packet>>,
     ) -> Result<Response<Self::ConnectStream>, Status> {
-        let (agent_id, identifiers, peer) = self.admit(&request)?;
+        let (agent_id, identifiers, peer) = match self.admit(&request) {
+            Ok(admitted) => admitted,
+            Err(status) if is_go_grpc(request.metadata()) => return Ok(refusal_for_go(status)),
+            Err(status) => return Err(status),
+        };
         let peer_window = single_value(request.metadata(), metadata::FLOW_CONTROL_WINDOW)?
             .map(parse_window)
             .transpose()
@@ -157,7 +170,7 @@ impl AgentService for AgentEndpoint {
         tokio::spawn(async move {
             let _stream_gauge = metrics.grpc_stream("Connect");
             let _tunnel_gauge = GaugeGuard::new(metrics.agent_tunnels.clone());
-            let reason = read_agent(&reader_tunnel, inbound).await;
+            let reason = read_agent(&reader_tunnel, inbound, &metrics).await;
             registry.unregister(&reader_tunnel);
             reader_tunnel.close(&reason);
             for s in registry.strategies() {
@@ -192,6 +205,43 @@ impl AgentService for AgentEndpoint {
     }
 }
 
+/// The first `serverid` value of a refusal sent to a Go agent.
+pub const REFUSED_SERVER_ID: &str = "refused:";
+
+/// Whether the peer is grpc-go (its `user-agent` starts `grpc-go/`).
+fn is_go_grpc(md: &MetadataMap) -> bool {
+    md.get("user-agent")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ua| ua.starts_with("grpc-go/"))
+}
+
+/// A refusal a Go agent logs (see the module docs): headers whose two
+/// `serverid` values are [`REFUSED_SERVER_ID`] and the reason, then `status`.
+fn refusal_for_go(status: Status) -> Response<OutboundStream> {
+    let reason: String = status
+        .message()
+        .chars()
+        .map(|c| {
+            if c == ' ' || c.is_ascii_graphic() {
+                c
+            } else {
+                '?'
+            }
+        })
+        .collect();
+    let stream: OutboundStream = Box::pin(futures_util::stream::once(async move { Err(status) }));
+    let mut response = Response::new(stream);
+    let md = response.metadata_mut();
+    md.append(
+        metadata::SERVER_ID,
+        MetadataValue::from_static(REFUSED_SERVER_ID),
+    );
+    if let Ok(value) = MetadataValue::try_from(reason.as_str()) {
+        md.append(metadata::SERVER_ID, value);
+    }
+    response
+}
+
 impl AgentEndpoint {
     fn update_backend_gauges(&self) {
         for s in self.registry.strategies() {
@@ -202,13 +252,20 @@ impl AgentEndpoint {
 }
 
 /// Dispatches the agent's packets until its stream ends; returns why it ended.
-async fn read_agent(tunnel: &Arc<AgentTunnel>, mut inbound: Streaming<Packet>) -> String {
+async fn read_agent(
+    tunnel: &Arc<AgentTunnel>,
+    mut inbound: Streaming<Packet>,
+    metrics: &Metrics,
+) -> String {
     loop {
         tokio::select! {
             message = inbound.message() => match message {
                 Ok(Some(p)) => tunnel.handle(Frame::from_packet(p)).await,
                 Ok(None) => return "agent closed the stream".into(),
-                Err(status) => return format!("agent stream failed: {}", status.message()),
+                Err(status) => {
+                    metrics.stream_error_no_packet(crate::metrics::Segment::FromAgent, status.code());
+                    return format!("agent stream failed: {}", status.message());
+                }
             },
             _ = tunnel.closed() => return "server closed the tunnel".into(),
         }

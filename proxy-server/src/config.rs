@@ -8,6 +8,9 @@ use std::time::Duration;
 use clap::Parser;
 use cluster_proxy_proto::duration::serde_go;
 use cluster_proxy_proto::flow::{DEFAULT_WINDOW, MIN_WINDOW};
+use cluster_proxy_runtime::cli::{
+    GoList, parse_go_bool, parse_go_list, parse_path, serialize_go_lists,
+};
 pub use cluster_proxy_runtime::config::ConfigError;
 use cluster_proxy_runtime::config::{self, EnvSpec, invalid};
 use cluster_proxy_runtime::logging::{LogFlags, LogFormat};
@@ -154,12 +157,15 @@ impl Default for ServerConfig {
 }
 
 /// Command-line flags. Every field is optional so that only flags actually
-/// given override the lower layers.
+/// given override the lower layers. As with upstream's pflag, a flag given
+/// twice keeps its last value (`args_override_self`; upstream's own e2e
+/// passes `--mode` twice), list flags append, booleans take Go's spellings.
 #[derive(Debug, Default, Parser, Serialize)]
 #[command(
     name = "proxy-server",
     version,
-    about = "cluster-proxy tunnel server (konnectivity compatible)"
+    about = "cluster-proxy tunnel server (konnectivity compatible)",
+    args_override_self = true
 )]
 pub struct Cli {
     /// TOML configuration file (keys as the flags, with underscores).
@@ -175,7 +181,7 @@ pub struct Cli {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub uds_name: Option<String>,
     /// Remove an existing --uds-name file first (upstream; no effect here).
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub delete_existing_uds_file: Option<bool>,
     /// Client port: gRPC ProxyService and HTTP CONNECT over mTLS.
@@ -187,15 +193,15 @@ pub struct Cli {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub server_bind_address: Option<String>,
     /// Certificate the client port presents (PEM).
-    #[arg(long)]
+    #[arg(long, value_parser = parse_path)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub server_cert: Option<PathBuf>,
     /// Private key of --server-cert (PEM).
-    #[arg(long)]
+    #[arg(long, value_parser = parse_path)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub server_key: Option<PathBuf>,
     /// CA bundle that hub clients' certificates must chain to.
-    #[arg(long)]
+    #[arg(long, value_parser = parse_path)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub server_ca_cert: Option<PathBuf>,
     /// Agent port: AgentService.Connect tunnels from proxy-agents over mTLS.
@@ -207,15 +213,15 @@ pub struct Cli {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub agent_bind_address: Option<String>,
     /// Certificate the agent port presents (PEM).
-    #[arg(long)]
+    #[arg(long, value_parser = parse_path)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cluster_cert: Option<PathBuf>,
     /// Private key of --cluster-cert (PEM).
-    #[arg(long)]
+    #[arg(long, value_parser = parse_path)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cluster_key: Option<PathBuf>,
     /// CA bundle that agents' certificates must chain to.
-    #[arg(long)]
+    #[arg(long, value_parser = parse_path)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cluster_ca_cert: Option<PathBuf>,
     /// Admin port serving /metrics.
@@ -243,11 +249,11 @@ pub struct Cli {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub frontend_keepalive_time: Option<String>,
     /// Go pprof endpoints (upstream); accepted, no effect here.
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub enable_profiling: Option<bool>,
     /// Go contention profiling (upstream); accepted, no effect here.
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub enable_contention_profiling: Option<bool>,
     /// This replica's id sent to agents (empty: $PROXY_SERVER_ID, else a random UUID).
@@ -291,9 +297,12 @@ pub struct Cli {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub proxy_strategies: Option<String>,
     /// TLS 1.2 cipher suites (upstream, comma-separated); accepted, the ring provider's safe defaults are used.
-    #[arg(long, value_delimiter = ',')]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub cipher_suites: Option<Vec<String>>,
+    #[arg(long, value_name = "SUITES", value_parser = parse_go_list)]
+    #[serde(
+        skip_serializing_if = "Option::is_none",
+        serialize_with = "serialize_go_lists"
+    )]
+    pub cipher_suites: Option<Vec<GoList>>,
     /// Oldest TLS version accepted: VersionTLS12 or VersionTLS13 (empty: TLS 1.2).
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -303,7 +312,7 @@ pub struct Cli {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub xfr_channel_size: Option<u32>,
     /// Publish a Lease per replica (upstream); accepted, no effect yet.
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub enable_lease_controller: Option<bool>,
     /// Namespace of the replica Leases (with --enable-lease-controller).
@@ -324,7 +333,7 @@ pub struct Cli {
     pub backend_dial_timeout: Option<String>,
     /// Accept agents whose certificate names no cluster, trusting the
     /// identifiers they claim (upstream behaviour, for upstream-issued certs).
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub allow_unbound_agents: Option<bool>,
     /// Per-connection flow-control window in bytes.
@@ -347,7 +356,7 @@ pub struct Cli {
     #[serde(flatten)]
     pub logging: LogFlags,
     /// Hidden, deprecated upstream flag; accepted and ignored.
-    #[arg(long, hide = true, num_args = 0..=1, default_missing_value = "true")]
+    #[arg(long, hide = true, num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
     #[serde(skip)]
     pub warn_on_channel_limit: Option<bool>,
 }
@@ -355,7 +364,30 @@ pub struct Cli {
 impl ServerConfig {
     /// Layers defaults, the TOML file, the environment and the flags.
     pub fn load(cli: &Cli) -> Result<Self, ConfigError> {
-        let config: ServerConfig = config::load(ENV, cli.config.as_deref(), cli)?;
+        Self::load_with_env(cli, std::env::vars())
+    }
+
+    /// [`ServerConfig::load`] with an explicit environment (tests).
+    pub fn load_with_env(
+        cli: &Cli,
+        vars: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Self, ConfigError> {
+        let mut config: ServerConfig =
+            config::load_with_env(ENV, cli.config.as_deref(), cli, vars)?;
+        // Upstream's empty `--server-cert=` (as its tooling renders an unset
+        // path) means "not given".
+        for path in [
+            &mut config.server_cert,
+            &mut config.server_key,
+            &mut config.server_ca_cert,
+            &mut config.cluster_cert,
+            &mut config.cluster_key,
+            &mut config.cluster_ca_cert,
+        ] {
+            if path.as_ref().is_some_and(|p| p.as_os_str().is_empty()) {
+                *path = None;
+            }
+        }
         config.validate()?;
         Ok(config)
     }
@@ -465,6 +497,21 @@ impl ServerConfig {
         }
         if self.xfr_channel_size != defaults.xfr_channel_size {
             ignored.push("xfr-channel-size");
+        }
+        if self.lease_namespace != defaults.lease_namespace {
+            ignored.push("lease-namespace");
+        }
+        if self.lease_label != defaults.lease_label {
+            ignored.push("lease-label");
+        }
+        if self.kubeconfig_qps != defaults.kubeconfig_qps {
+            ignored.push("kubeconfig-qps");
+        }
+        if self.kubeconfig_burst != defaults.kubeconfig_burst {
+            ignored.push("kubeconfig-burst");
+        }
+        if self.kube_api_content_type != defaults.kube_api_content_type {
+            ignored.push("kube-api-content-type");
         }
         ignored
     }

@@ -78,6 +78,8 @@ impl Session {
             Ok(None) => None,
             Err(status) => {
                 debug!(error = %status.message(), "client stream failed");
+                self.metrics
+                    .stream_error_no_packet(Segment::FromClient, status.code());
                 None
             }
         }

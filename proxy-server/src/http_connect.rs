@@ -1,6 +1,11 @@
 //! The HTTP CONNECT frontend (HTTP/1.1), as upstream's `--mode=http-connect`:
 //! `CONNECT host:port` → dial through the agent → `200` and raw bytes both ways.
 //! Failures map to status codes by the agent's error text, as upstream does.
+//!
+//! Status lines and bodies are upstream's, byte for byte, because clients
+//! parse them: success is exactly `HTTP/1.1 200 Connection Established\r\n\r\n`
+//! (Go's `http.ReadResponse` in kube-apiserver's egress dialer refuses any
+//! byte buffered after it), and error bodies are the texts upstream writes.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,15 +32,35 @@ pub struct ConnectFrontend {
     pub metrics: Arc<Metrics>,
 }
 
+/// The success response, whose bytes on the wire are exactly [`ESTABLISHED`].
+pub const ESTABLISHED: &[u8] = b"HTTP/1.1 200 Connection Established\r\n\r\n";
+
+/// Upstream's body when the dial stays unanswered past `--backend-dial-timeout`.
+pub const DIAL_TIMEOUT_BODY: &str = "Backend dial timeout: timed out waiting for backend dial\r\n";
+
+/// Upstream's body when the agent's tunnel ends before the dial is answered.
+pub const TUNNEL_CLOSED_BODY: &str = "Backend context error: context canceled\r\n";
+
 fn text_response(status: StatusCode, body: String) -> Response<Body> {
+    typed_response(status, "text/plain; charset=utf-8", body)
+}
+
+fn typed_response(status: StatusCode, content_type: &'static str, body: String) -> Response<Body> {
     let mut response = Response::new(Body::new(Full::new(Bytes::from(body))));
     *response.status_mut() = status;
     let headers = response.headers_mut();
-    headers.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/plain; charset=utf-8"),
-    );
+    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
     headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
+    response
+}
+
+fn established_response() -> Response<Body> {
+    let mut response = Response::new(Body::empty());
+    response
+        .extensions_mut()
+        .insert(hyper::ext::ReasonPhrase::from_static(
+            b"Connection Established",
+        ));
     response
 }
 
@@ -58,13 +83,7 @@ impl ConnectFrontend {
             Ok(established) => established,
             Err(failure) => {
                 debug!(address, error = %failure.message(), "CONNECT dial failed");
-                let body = match &failure {
-                    DialFailure::NoAgent => {
-                        format!("currently no tunnels available: {}", failure.message())
-                    }
-                    other => other.message(),
-                };
-                return text_response(failure.http_status(), body);
+                return failure_response(&failure);
             }
         };
         let metrics = self.metrics.clone();
@@ -74,7 +93,24 @@ impl ConnectFrontend {
                 Err(e) => debug!(address, error = %e, "CONNECT upgrade failed"),
             }
         });
-        Response::new(Body::empty())
+        established_response()
+    }
+}
+
+/// The response to a failed dial, as upstream writes it.
+fn failure_response(failure: &DialFailure) -> Response<Body> {
+    let status = failure.http_status();
+    match failure {
+        // Upstream writes this one with a bare `text/plain`.
+        DialFailure::NoAgent => typed_response(
+            status,
+            "text/plain",
+            format!("currently no tunnels available: {}", failure.message()),
+        ),
+        DialFailure::Timeout(_) => text_response(status, DIAL_TIMEOUT_BODY.into()),
+        DialFailure::TunnelClosed(_) => text_response(status, TUNNEL_CLOSED_BODY.into()),
+        // The agent's dial error, verbatim (upstream: the DIAL_RSP error).
+        other => text_response(status, other.message()),
     }
 }
 

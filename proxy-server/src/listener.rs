@@ -113,11 +113,16 @@ pub async fn serve<S, F, B>(
         .max_concurrent_streams(None::<u32>)
         .keep_alive_interval(Some(Duration::from_secs(30)))
         .keep_alive_timeout(Duration::from_secs(20));
+    // HTTP/1.1 serves only CONNECT: responses as upstream writes them, with
+    // no `date` header (a `200 Connection Established` is the status line
+    // alone) and header names in Go's canonical case.
     builder
         .http1()
         .timer(TokioTimer::new())
         .header_read_timeout(HEADER_READ_TIMEOUT)
-        .keep_alive(true);
+        .keep_alive(true)
+        .auto_date_header(false)
+        .title_case_headers(true);
     let builder = Arc::new(builder);
     let make_service = Arc::new(make_service);
     let connections = TaskTracker::new();

@@ -6,10 +6,35 @@ use cluster_proxy_runtime::metrics::{encode_registry, register_counter};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
 type Labels = Vec<(&'static str, &'static str)>;
+
+/// A gRPC code as Go's `codes.Code.String()` names it (tonic's Debug
+/// spells `Cancelled`; Go and upstream's label say `Canceled`).
+pub fn go_code_name(code: tonic::Code) -> &'static str {
+    use tonic::Code;
+    match code {
+        Code::Ok => "OK",
+        Code::Cancelled => "Canceled",
+        Code::Unknown => "Unknown",
+        Code::InvalidArgument => "InvalidArgument",
+        Code::DeadlineExceeded => "DeadlineExceeded",
+        Code::NotFound => "NotFound",
+        Code::AlreadyExists => "AlreadyExists",
+        Code::PermissionDenied => "PermissionDenied",
+        Code::ResourceExhausted => "ResourceExhausted",
+        Code::FailedPrecondition => "FailedPrecondition",
+        Code::Aborted => "Aborted",
+        Code::OutOfRange => "OutOfRange",
+        Code::Unimplemented => "Unimplemented",
+        Code::Internal => "Internal",
+        Code::Unavailable => "Unavailable",
+        Code::DataLoss => "DataLoss",
+        Code::Unauthenticated => "Unauthenticated",
+    }
+}
 
 /// Where a packet crossed the server.
 #[derive(Debug, Clone, Copy)]
@@ -39,10 +64,17 @@ pub struct Metrics {
     dial_failures: Family<Labels, Counter>,
     pub pending_dials: Gauge,
     pub established: Gauge,
+    /// How long established connections lived, observed when they close.
+    pub connection_duration: Histogram,
+    /// Upstream's lease garbage collector's count; there is no lease
+    /// controller here, so it stays 0 for dashboards that sum it.
+    pub culled_leases: Counter,
     grpc_connections: Family<Labels, Gauge>,
     pub http_connections: Gauge,
     ready_backends: Family<Labels, Gauge>,
     pub agent_tunnels: Gauge,
+    /// gRPC stream errors by segment, Go's code name and packet type.
+    pub stream_errors: Family<Labels, Counter>,
     packets: Vec<Vec<Counter>>,
 }
 
@@ -50,60 +82,72 @@ impl Metrics {
     pub fn new() -> Self {
         let mut root = Registry::default();
         let registry = root.sub_registry_with_prefix("konnectivity_network_proxy_server");
-        let dial_duration = Histogram::new(exponential_buckets(0.000_005, 2.5, 16));
+        let dial_duration = Histogram::new([
+            0.000_001, 0.000_01, 0.000_1, 0.005, 0.025, 0.1, 0.5, 2.5, 12.5,
+        ]);
         registry.register(
             "dial_duration_seconds",
-            "Latency of dial requests, from DIAL_REQ to the agent's DIAL_RSP",
+            "Latency of dial to the remote endpoint in seconds",
             dial_duration.clone(),
         );
         let dial_failures = Family::<Labels, Counter>::default();
         register_counter(
             registry,
             "dial_failure_count",
-            "Failed dials by reason",
+            "Number of dial failures observed. Multiple failures can occur for a single dial request.",
             dial_failures.clone(),
         );
         let pending_dials = Gauge::default();
         registry.register(
             "pending_backend_dials",
-            "Dials waiting for the agent's answer",
+            "Current number of pending backend dial requests",
             pending_dials.clone(),
         );
         let established = Gauge::default();
         registry.register(
             "established_connections",
-            "Tunneled connections open now",
+            "Current number of established end-to-end connections (post-dial).",
             established.clone(),
+        );
+        // Upstream's buckets: 1 s to a day.
+        let connection_duration = Histogram::new([
+            1.0, 5.0, 15.0, 30.0, 60.0, 300.0, 900.0, 1800.0, 3600.0, 14400.0, 43200.0, 86400.0,
+        ]);
+        registry.register(
+            "connection_duration_seconds",
+            "Duration in seconds a proxied end-to-end connection was established (post-dial) before being closed.",
+            connection_duration.clone(),
+        );
+        let culled_leases = Counter::default();
+        register_counter(
+            registry,
+            "culled_leases_count",
+            "Count of expired leases that the lease garbage collection controller has culled.",
+            culled_leases.clone(),
         );
         let grpc_connections = Family::<Labels, Gauge>::default();
         registry.register(
             "grpc_connections",
-            "Open gRPC streams by method",
+            "Number of current grpc connections, partitioned by service method.",
             grpc_connections.clone(),
         );
         let http_connections = Gauge::default();
         registry.register(
             "http_connections",
-            "Open HTTP CONNECT tunnels",
+            "Number of current HTTP CONNECT connections",
             http_connections.clone(),
         );
         let ready_backends = Family::<Labels, Gauge>::default();
         registry.register(
             "ready_backends",
-            "Routable backend keys per strategy",
+            "Number of konnectivity agent connected to the proxy server",
             ready_backends.clone(),
-        );
-        let agent_tunnels = Gauge::default();
-        registry.register(
-            "agent_tunnels",
-            "Connected agent tunnels",
-            agent_tunnels.clone(),
         );
         let packet_family = Family::<Labels, Counter>::default();
         register_counter(
             registry,
-            "stream_packets",
-            "Packets by segment and type",
+            "stream_packets_total",
+            "Count of packets processed, by segment and packet type (example: from_client, DIAL_REQ)",
             packet_family.clone(),
         );
         let packets = SEGMENTS
@@ -119,16 +163,34 @@ impl Metrics {
                     .collect()
             })
             .collect();
+        let stream_errors = Family::<Labels, Counter>::default();
+        register_counter(
+            registry,
+            "stream_errors_total",
+            "Count of gRPC stream errors, by segment, grpc Code, packet type. (example: from_agent, Code.Unavailable, DIAL_RSP)",
+            stream_errors.clone(),
+        );
+        // Ours, under our own prefix: upstream has no such metric.
+        let agent_tunnels = Gauge::default();
+        root.sub_registry_with_prefix("cluster_proxy_server")
+            .register(
+                "agent_tunnels",
+                "Connected agent tunnels (gRPC Connect streams)",
+                agent_tunnels.clone(),
+            );
         Metrics {
             registry: root,
             dial_duration,
             dial_failures,
             pending_dials,
             established,
+            connection_duration,
+            culled_leases,
             grpc_connections,
             http_connections,
             ready_backends,
             agent_tunnels,
+            stream_errors,
             packets,
         }
     }
@@ -139,6 +201,18 @@ impl Metrics {
             .position(|t| *t == type_name)
             .unwrap_or(PACKET_TYPES.len() - 1);
         self.packets[segment as usize][kind].inc();
+    }
+
+    /// A stream failed while receiving, so no packet is known (upstream's
+    /// `ObserveStreamErrorNoPacket`: packet type `Unknown`).
+    pub fn stream_error_no_packet(&self, segment: Segment, code: tonic::Code) {
+        self.stream_errors
+            .get_or_create(&vec![
+                ("segment", SEGMENTS[segment as usize]),
+                ("code", go_code_name(code)),
+                ("packet_type", "Unknown"),
+            ])
+            .inc();
     }
 
     pub fn dial_failed(&self, reason: &'static str) {
@@ -155,13 +229,20 @@ impl Metrics {
         GaugeGuard::new(gauge)
     }
 
+    /// An established connection closed after `lived`.
+    pub fn connection_closed(&self, lived: std::time::Duration) {
+        self.established.dec();
+        self.connection_duration.observe(lived.as_secs_f64());
+    }
+
     pub fn set_ready_backends(&self, strategy: &'static str, n: usize) {
         self.ready_backends
             .get_or_create(&vec![("proxy_strategy", strategy)])
             .set(i64::try_from(n).unwrap_or(i64::MAX));
     }
 
-    /// Prometheus text exposition.
+    /// The OpenMetrics text exposition (`/metrics` converts it to the
+    /// Prometheus text format unless asked for OpenMetrics).
     pub fn encode(&self) -> String {
         encode_registry(&self.registry)
     }
@@ -174,3 +255,26 @@ impl Default for Metrics {
 }
 
 pub use cluster_proxy_runtime::metrics::GaugeGuard;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stream_errors_carry_gos_code_names() {
+        let m = Metrics::new();
+        m.stream_error_no_packet(Segment::FromAgent, tonic::Code::Cancelled);
+        m.stream_error_no_packet(Segment::FromClient, tonic::Code::Unavailable);
+        let text = cluster_proxy_runtime::metrics::to_prometheus_text(&m.encode());
+        for line in [
+            "# TYPE konnectivity_network_proxy_server_stream_errors_total counter",
+            r#"konnectivity_network_proxy_server_stream_errors_total{segment="from_agent",code="Canceled",packet_type="Unknown"} 1"#,
+            r#"konnectivity_network_proxy_server_stream_errors_total{segment="from_client",code="Unavailable",packet_type="Unknown"} 1"#,
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "{line} missing from\n{text}"
+            );
+        }
+    }
+}

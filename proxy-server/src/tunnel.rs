@@ -66,6 +66,8 @@ pub enum DialReply {
 struct ConnEntry {
     queue: ReceiveQueue<FrontendEvent>,
     credit: SendCredit,
+    /// When DIAL_RSP established it, for `connection_duration_seconds`.
+    established_at: std::time::Instant,
 }
 
 #[derive(Default)]
@@ -241,7 +243,8 @@ impl AgentTunnel {
             )));
         }
         for (_, conn) in state.conns {
-            self.metrics.established.dec();
+            self.metrics
+                .connection_closed(conn.established_at.elapsed());
             conn.credit.close();
             let _ = conn.queue.push(FrontendEvent::Closed(String::new()));
         }
@@ -249,8 +252,9 @@ impl AgentTunnel {
 
     fn remove_conn(&self, connect_id: i64) -> Option<ConnEntry> {
         let entry = self.state().conns.remove(&connect_id);
-        if entry.is_some() {
-            self.metrics.established.dec();
+        if let Some(entry) = &entry {
+            self.metrics
+                .connection_closed(entry.established_at.elapsed());
         }
         entry
     }
@@ -390,6 +394,7 @@ impl AgentTunnel {
             ConnEntry {
                 queue,
                 credit: credit.clone(),
+                established_at: std::time::Instant::now(),
             },
         );
         drop(state);

@@ -19,7 +19,7 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::metrics::OPENMETRICS;
+use crate::metrics::{OPENMETRICS, PROMETHEUS_TEXT, to_prometheus_text, wants_openmetrics};
 
 pub const TEXT: &str = "text/plain; charset=utf-8";
 /// Go's `http.NotFound` body, as upstream answers unknown paths.
@@ -65,15 +65,33 @@ impl Routes {
         self
     }
 
-    /// The answer to a GET of `path`: status, content type, body.
+    /// The answer to a GET of `path` without an `Accept` header: status,
+    /// content type, body.
     pub fn answer(&self, path: &str) -> (StatusCode, &'static str, String) {
+        self.answer_to(path, None)
+    }
+
+    /// The answer to a GET of `path` with `accept`: `/metrics` is the
+    /// Prometheus text format unless `accept` asks for OpenMetrics.
+    pub fn answer_to(
+        &self,
+        path: &str,
+        accept: Option<&str>,
+    ) -> (StatusCode, &'static str, String) {
         match (path, &self.probes, &self.metrics) {
             ("/healthz" | "/livez", Some(_), _) => (StatusCode::OK, TEXT, "ok".into()),
             ("/readyz" | "/ready", Some(ready), _) => match ready() {
                 Ok(()) => (StatusCode::OK, TEXT, "ok".into()),
                 Err(not_ready) => (not_ready.status, TEXT, not_ready.body),
             },
-            ("/metrics", _, Some(exposition)) => (StatusCode::OK, OPENMETRICS, exposition()),
+            ("/metrics", _, Some(exposition)) if wants_openmetrics(accept) => {
+                (StatusCode::OK, OPENMETRICS, exposition())
+            }
+            ("/metrics", _, Some(exposition)) => (
+                StatusCode::OK,
+                PROMETHEUS_TEXT,
+                to_prometheus_text(&exposition()),
+            ),
             _ => (StatusCode::NOT_FOUND, TEXT, NOT_FOUND_BODY.into()),
         }
     }
@@ -100,7 +118,11 @@ pub async fn serve(listener: TcpListener, routes: Routes, shutdown: Cancellation
         let shutdown = shutdown.clone();
         tokio::spawn(async move {
             let service = hyper::service::service_fn(move |request: Request<Incoming>| {
-                let (status, content_type, body) = routes.answer(request.uri().path());
+                let accept = request
+                    .headers()
+                    .get(header::ACCEPT)
+                    .and_then(|v| v.to_str().ok());
+                let (status, content_type, body) = routes.answer_to(request.uri().path(), accept);
                 let mut response = Response::new(Full::new(Bytes::from(body)));
                 *response.status_mut() = status;
                 response
@@ -154,6 +176,13 @@ mod tests {
         assert_eq!(r.answer("/ready").0, StatusCode::OK);
         assert_eq!(
             r.answer("/metrics"),
+            (StatusCode::OK, PROMETHEUS_TEXT, String::new())
+        );
+        assert_eq!(
+            r.answer_to(
+                "/metrics",
+                Some("application/openmetrics-text; version=1.0.0")
+            ),
             (StatusCode::OK, OPENMETRICS, "# EOF\n".into())
         );
         assert_eq!(r.answer("/nope").2, NOT_FOUND_BODY);

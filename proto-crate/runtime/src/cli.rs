@@ -145,6 +145,65 @@ fn collect_undocumented(cmd: &Command, path: &str, missing: &mut Vec<String>) {
     }
 }
 
+/// Go's `strconv.ParseBool`, which pflag applies to `--flag=value`: a clap
+/// `value_parser` for boolean flags (`num_args = 0..=1`,
+/// `default_missing_value = "true"`), so `--flag`, `--flag=True` and
+/// `--flag=0` all work as they do upstream.
+pub fn parse_go_bool(value: &str) -> Result<bool, String> {
+    cluster_proxy_proto::strconv::parse_bool(value).ok_or_else(|| {
+        format!("invalid boolean {value:?} (use one of 1, t, T, TRUE, true, True, 0, f, F, FALSE, false, False)")
+    })
+}
+
+/// The clap `value_parser` of a path flag that, like pflag, takes an empty
+/// value (`--server-cert=`, as upstream's tooling renders an unset path);
+/// the settings treat an empty path as not given.
+pub fn parse_path(value: &str) -> Result<std::path::PathBuf, String> {
+    Ok(std::path::PathBuf::from(value))
+}
+
+/// One occurrence of a pflag string-slice flag, in every form upstream's
+/// tooling renders one: `a,b`, `[a,b]` (pflag's own rendering of a value,
+/// which upstream's test harness passes back), `[]` and the empty string
+/// (both an empty list). Empty elements are dropped. Occurrences append, as
+/// pflag's do; [`serialize_go_lists`] flattens them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GoList(pub Vec<String>);
+
+/// The clap `value_parser` of a [`GoList`] flag.
+pub fn parse_go_list(value: &str) -> Result<GoList, String> {
+    let inner = value
+        .strip_prefix('[')
+        .and_then(|rest| rest.strip_suffix(']'))
+        .unwrap_or(value);
+    if inner.contains(['[', ']']) {
+        return Err(format!("invalid list {value:?}: expected a,b or [a,b]"));
+    }
+    Ok(GoList(
+        inner
+            .split(',')
+            .map(str::trim)
+            .filter(|item| !item.is_empty())
+            .map(str::to_owned)
+            .collect(),
+    ))
+}
+
+/// Serializes the occurrences of a [`GoList`] flag as one list, for
+/// `#[serde(serialize_with = "...")]` on an `Option<Vec<GoList>>` field that
+/// is skipped when `None`.
+pub fn serialize_go_lists<S: serde::Serializer>(
+    lists: &Option<Vec<GoList>>,
+    serializer: S,
+) -> Result<S::Ok, S::Error> {
+    let items: Vec<&String> = lists
+        .iter()
+        .flatten()
+        .flat_map(|list| list.0.iter())
+        .collect();
+    serializer.collect_seq(items)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -209,5 +268,50 @@ mod tests {
         );
         let parsed: Demo = parse_from(&DEFAULTS, ["demo", "--port", "1"]);
         assert_eq!(parsed.port, Some(1));
+    }
+
+    #[test]
+    fn go_lists_in_every_rendered_form() {
+        let list = |v: &str| parse_go_list(v).map(|l| l.0);
+        assert_eq!(list("").unwrap(), Vec::<String>::new());
+        assert_eq!(list("[]").unwrap(), Vec::<String>::new());
+        assert_eq!(list("a").unwrap(), ["a"]);
+        assert_eq!(list("a,b").unwrap(), ["a", "b"]);
+        assert_eq!(list("[a,b]").unwrap(), ["a", "b"]);
+        assert_eq!(list("a,,b").unwrap(), ["a", "b"]);
+        assert!(list("[a").is_err());
+        assert!(list("a]").is_err());
+        assert!(list("[[a]]").is_err());
+
+        #[derive(Parser, Serialize)]
+        struct Lists {
+            /// A list.
+            #[arg(long, value_parser = parse_go_list)]
+            #[serde(
+                skip_serializing_if = "Option::is_none",
+                serialize_with = "serialize_go_lists"
+            )]
+            items: Option<Vec<GoList>>,
+        }
+        let parsed = Lists::try_parse_from(["x", "--items=[a,b]", "--items", "c"]).unwrap();
+        assert_eq!(
+            serde_json::to_value(&parsed).unwrap(),
+            serde_json::json!({"items": ["a", "b", "c"]})
+        );
+        let empty = Lists::try_parse_from(["x", "--items=[]"]).unwrap();
+        assert_eq!(
+            serde_json::to_value(&empty).unwrap(),
+            serde_json::json!({"items": []})
+        );
+        let none = Lists::try_parse_from(["x"]).unwrap();
+        assert_eq!(serde_json::to_value(&none).unwrap(), serde_json::json!({}));
+    }
+
+    #[test]
+    fn go_booleans() {
+        assert_eq!(parse_go_bool("True"), Ok(true));
+        assert_eq!(parse_go_bool("0"), Ok(false));
+        let err = parse_go_bool("yes").unwrap_err();
+        assert!(err.contains("yes"), "{err}");
     }
 }
