@@ -114,6 +114,15 @@ impl TestPki {
 
     /// TLS for an agent of `cluster`.
     pub fn agent_tls(&self, cluster: &str) -> Result<Arc<rustls::ClientConfig>, TestPkiError> {
+        self.agent_tls_alpn(cluster, &[ALPN_H2])
+    }
+
+    /// TLS presenting the agent certificate of `cluster`, offering `alpn`.
+    pub fn agent_tls_alpn(
+        &self,
+        cluster: &str,
+        alpn: &[&[u8]],
+    ) -> Result<Arc<rustls::ClientConfig>, TestPkiError> {
         let creds = self
             .agents
             .iter()
@@ -123,7 +132,7 @@ impl TestPki {
         Ok(tls::client_config(
             self.roots()?,
             Some(identity(creds, "agent")?),
-            &[ALPN_H2],
+            alpn,
         )?)
     }
 

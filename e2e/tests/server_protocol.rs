@@ -555,6 +555,58 @@ async fn client_without_a_certificate_is_refused() {
     server.shutdown().await;
 }
 
+/// Agents and hub clients share the CA: an agent's certificate on the client
+/// port must not reach any cluster, not even its own, over either frontend.
+#[tokio::test]
+async fn an_agent_certificate_cannot_dial_through_the_client_port() {
+    let pki = TestPki::new(&["cluster-a", "cluster-b"]).unwrap();
+    let server = server(&pki).await;
+    let port = 8443;
+    let mut agent_a = agent(&pki, &server, "cluster-a", None).await;
+    let mut agent_b = agent(&pki, &server, "cluster-b", None).await;
+
+    let impostor = tunnel_client(pki.agent_tls("cluster-a").unwrap(), server.client_addr)
+        .await
+        .unwrap();
+    for host in ["cluster-b", "cluster-a"] {
+        let err = impostor
+            .dial(&format!("{host}:{port}"))
+            .await
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(
+            err.contains("names cluster cluster-a"),
+            "gRPC dial to {host} with an agent certificate: {err:?}"
+        );
+    }
+    let connect_tls = pki.agent_tls_alpn("cluster-a", &[ALPN_HTTP11]).unwrap();
+    let refusal = match e2e::harness::http_connect(
+        connect_tls,
+        server.client_addr,
+        &format!("cluster-b:{port}"),
+    )
+    .await
+    {
+        Err(e2e::harness::ConnectError::Status(response)) => response,
+        other => panic!("CONNECT with an agent certificate: {:?}", other.map(|_| ())),
+    };
+    assert!(refusal.starts_with("HTTP/1.1 403"), "{refusal}");
+    assert!(refusal.contains("names cluster cluster-a"), "{refusal}");
+
+    // Neither agent was asked to dial; the hub client certificate still is.
+    assert!(agent_a.recv(Duration::from_millis(200)).await.is_none());
+    let client = tunnel_client(pki.client_tls().unwrap(), server.client_addr)
+        .await
+        .unwrap();
+    let _dial = tokio::spawn(async move { client.dial(&format!("cluster-b:{port}")).await });
+    assert!(
+        matches!(frame(agent_b.recv(STEP).await), Frame::DialRequest { .. }),
+        "the hub client's dial did not reach cluster-b"
+    );
+    server.shutdown().await;
+}
+
 async fn raw_http(pki: &TestPki, server: &RunningServer, request: &[u8]) -> String {
     let tls = pki.client_tls_alpn(&[ALPN_HTTP11]).unwrap();
     let tcp = tokio::net::TcpStream::connect(server.client_addr)

@@ -268,6 +268,30 @@ type BoxFuture<T> = Pin<Box<dyn std::future::Future<Output = T> + Send>>;
 struct ClientPortService {
     grpc: Option<Routes>,
     connect: Option<Arc<ConnectFrontend>>,
+    /// Why this connection's peer may not dial, if it may not.
+    refused: Option<Arc<str>>,
+}
+
+impl ClientPortService {
+    /// The service for one connection. A certificate that names a cluster
+    /// is an agent's: agents and hub clients share the CA, so without this
+    /// check one managed cluster's agent key would reach every other cluster
+    /// through the client port.
+    fn for_peer(&self, peer: &PeerInfo) -> Self {
+        let mut service = self.clone();
+        if let Some(cluster) = &peer.cluster {
+            warn!(
+                remote = %peer.remote,
+                subject = peer.subject,
+                %cluster,
+                "refusing an agent certificate on the client port"
+            );
+            service.refused = Some(Arc::from(format!(
+                "the client certificate names cluster {cluster}: agent certificates may not dial through the client port; use a hub client certificate"
+            )));
+        }
+        service
+    }
 }
 
 impl tower::Service<Request<Incoming>> for ClientPortService {
@@ -284,6 +308,18 @@ impl tower::Service<Request<Incoming>> for ClientPortService {
 
     fn call(&mut self, request: Request<Incoming>) -> Self::Future {
         let http2 = request.version() == Version::HTTP_2;
+        if let Some(reason) = &self.refused {
+            let response = if http2 {
+                tonic::Status::permission_denied(reason.to_string()).into_http()
+            } else {
+                let mut response = Response::new(Body::new(http_body_util::Full::new(
+                    bytes::Bytes::from(format!("{reason}\n")),
+                )));
+                *response.status_mut() = StatusCode::FORBIDDEN;
+                response
+            };
+            return Box::pin(async move { Ok(response) });
+        }
         match (http2, &mut self.grpc, &self.connect) {
             (true, Some(routes), _) => {
                 let future = tower::Service::call(routes, request);
@@ -405,13 +441,17 @@ pub async fn start_with_tls(
     } else {
         Protocols::Http1And2
     };
-    let client_service = ClientPortService { grpc, connect };
+    let client_service = ClientPortService {
+        grpc,
+        connect,
+        refused: None,
+    };
     let client_listener = tasks.spawn(listener::serve(
         "client",
         client_listener,
         tls.frontend,
         protocols,
-        move |_peer: Arc<PeerInfo>| client_service.clone(),
+        move |peer: Arc<PeerInfo>| client_service.for_peer(&peer),
         shutdown.clone(),
         grace,
     ));
