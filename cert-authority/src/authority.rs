@@ -541,20 +541,7 @@ mod tests {
         let store = FileStore {
             layout: layout.clone(),
         };
-        let desired = Desired {
-            outside_leaves_on_previous: 0,
-            clusters: vec![cluster.clone()],
-            server_sans: LOCAL_SANS.iter().map(|s| (*s).to_owned()).collect(),
-            leaf_policy: LeafPolicy {
-                validity: 90 * DAY,
-                renew_fraction: 2.0 / 3.0,
-            },
-            rollover_policy: RolloverPolicy {
-                ca_validity: 365 * DAY,
-                prepare_before_expiry: 30 * DAY,
-                bundle_propagation: 7 * DAY,
-            },
-        };
+        let desired = small_desired(&cluster);
         let t0 = OffsetDateTime::now_utc();
         let at = |days: u32| t0 + time::Duration::try_from(DAY * days).unwrap();
 
