@@ -1,7 +1,9 @@
-//! addon-manager: the kube-runtime controllers that install proxy-servers on
-//! the hub and agents on managed clusters.
-//!
-//! The controllers are not built yet. So far the crate holds only the `crdgen`
-//! binary, which writes the `ManagedProxyConfiguration` CRD from the API types
-//! in `cluster-proxy-proto` (feature `kube-api`) into `charts/`.
+//! addon-manager: the kube-runtime controllers that install cluster-proxy as
+//! an OCM addon — proxy-servers on the hub from the `ManagedProxyConfiguration`
+//! ([`hub`]), and an agent on every selected managed cluster through a
+//! `ManifestWork` ([`addon`]). It also holds the `crdgen` binary, which writes
+//! the `ManagedProxyConfiguration` CRD from the API types in
+//! `cluster-proxy-proto` (feature `kube-api`) into `charts/`.
 #![forbid(unsafe_code)]
+
+pub mod apply;
