@@ -75,6 +75,30 @@ enum Command {
         /// (tests) Third octet of the environment's addresses.
         #[arg(long, hide = true, default_value_t = 0)]
         slot: u8,
+        /// Start servers and agents by hand with a files PKI, without the
+        /// control plane (addon-manager, OCM objects).
+        #[arg(long = "static")]
+        static_mode: bool,
+    },
+    /// Add a managed cluster to the running environment: creates its
+    /// ManagedCluster (accepted); the control plane installs the agent.
+    Join {
+        name: String,
+        /// The environment's state directory (default: the one `up` runs).
+        #[arg(long)]
+        state: Option<PathBuf>,
+    },
+    /// Remove a managed cluster from the running environment (deletes its
+    /// ManagedCluster; its agent and hub objects go).
+    Leave {
+        name: String,
+        #[arg(long)]
+        state: Option<PathBuf>,
+    },
+    /// The cluster-proxy addon status of every managed cluster.
+    Status {
+        #[arg(long)]
+        state: Option<PathBuf>,
     },
     /// Stop every environment and remove its processes, network namespaces
     /// and veths (also after a crash).
@@ -146,7 +170,39 @@ async fn main() -> anyhow::Result<()> {
             quiet,
             id,
             slot,
-        } => up(clusters, replicas, state, isolation, quiet, id, slot).await,
+            static_mode,
+        } => {
+            up(
+                clusters,
+                replicas,
+                state,
+                isolation,
+                quiet,
+                id,
+                slot,
+                static_mode,
+            )
+            .await
+        }
+        Command::Join { name, state } => {
+            cluster_proxy_proto::identity::ClusterName::new(name.as_str())
+                .map_err(|e| anyhow!("{name:?} cannot be a managed cluster name: {e}"))?;
+            let client = admin_client(state).await?;
+            e2e::env::control_plane::join(&client, &name).await?;
+            println!("ManagedCluster {name} created; `cargo run -p e2e -- status` shows it join");
+            Ok(())
+        }
+        Command::Leave { name, state } => {
+            let client = admin_client(state).await?;
+            e2e::env::control_plane::leave(&client, &name).await?;
+            println!("ManagedCluster {name} deleted; its agent and hub objects go");
+            Ok(())
+        }
+        Command::Status { state } => {
+            let client = admin_client(state).await?;
+            print_addon_status(&e2e::env::control_plane::addon_status(&client).await?);
+            Ok(())
+        }
         Command::Down { id } => {
             let done = match id {
                 Some(id) => registry::find(&id)
@@ -216,6 +272,37 @@ async fn main() -> anyhow::Result<()> {
     }
 }
 
+/// The running environment's admin client, from its env.json.
+async fn admin_client(state: Option<PathBuf>) -> anyhow::Result<kube::Client> {
+    let state = match state {
+        Some(dir) => dir,
+        None => registry::find(UP_ID).map(|r| r.state_dir).ok_or_else(|| {
+            anyhow!("no environment is running (start one with `cargo run -p e2e -- up`)")
+        })?,
+    };
+    let summary = Summary::load(&state)?;
+    let kubeconfig = summary
+        .kubeconfig
+        .ok_or_else(|| anyhow!("that environment runs no Kubernetes API"))?;
+    Ok(e2e::kubeapi::KubeApi::client_from(&kubeconfig).await?)
+}
+
+fn print_addon_status(rows: &[e2e::env::control_plane::ClusterRow]) {
+    println!(
+        "{:<16} {:<44} OTHER CONDITIONS",
+        "CLUSTER", "ADDON AVAILABLE"
+    );
+    for row in rows {
+        println!(
+            "{:<16} {:<44} {}",
+            row.name,
+            row.available,
+            row.conditions.join(" ")
+        );
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
 async fn up(
     clusters: usize,
     replicas: usize,
@@ -224,6 +311,7 @@ async fn up(
     quiet: bool,
     id: String,
     slot: u8,
+    static_mode: bool,
 ) -> anyhow::Result<()> {
     if clusters == 0 || clusters > 200 {
         bail!("--clusters must be between 1 and 200");
@@ -246,6 +334,8 @@ async fn up(
     options.progress = Progress::Show;
     options.id = Some(id);
     options.slot = Some(slot);
+    options.control_plane = !static_mode;
+    let names = options.clusters.clone();
     println!("building the workspace binaries (cargo build)…");
     let mut env = Environment::start(options).await?;
     match &env.summary.isolation {
@@ -256,9 +346,27 @@ async fn up(
             "NOTE: no network isolation ({reason}); every component runs on loopback addresses 127.18.0.x"
         ),
     }
-    println!("waiting for every agent to connect to every proxy-server replica…");
+    let ready = if static_mode {
+        println!("waiting for every agent to connect to every proxy-server replica…");
+        None
+    } else {
+        println!(
+            "the control plane installs cluster-proxy: addon-manager deploys the proxy-servers, \
+             each cluster's agent comes through its ManifestWork and reports Available…"
+        );
+        Some(())
+    };
+    let wait = async {
+        match ready {
+            None => env.wait_ready(Duration::from_secs(60)).await,
+            Some(()) => {
+                env.wait_clusters_ready(&names, replicas, Duration::from_secs(120))
+                    .await
+            }
+        }
+    };
     let ready = tokio::select! {
-        ready = env.wait_ready(Duration::from_secs(60)) => ready,
+        ready = wait => ready,
         _ = shutdown_signal() => {
             env.shutdown().await;
             println!("stopped before it was ready; nothing left running");
@@ -273,8 +381,23 @@ async fn up(
             return Err(err.into());
         }
     }
-    print_table(&mut env);
+    let admin = if static_mode {
+        print_table(&mut env);
+        None
+    } else {
+        env.refresh_cluster_summaries().await?;
+        let admin = env.admin_client().await?;
+        print_addon_status(&e2e::env::control_plane::addon_status(&admin).await?);
+        Some(admin)
+    };
     print_commands(&env.summary);
+    if admin.is_some() {
+        println!(
+            "add or remove a managed cluster while this runs: `cargo run -p e2e -- join cluster-x`, \
+             `cargo run -p e2e -- leave cluster-x`, `cargo run -p e2e -- status`"
+        );
+    }
+    let mut last_rows = Vec::new();
 
     let mut interval = tokio::time::interval(Duration::from_secs(1));
     let mut reported = std::collections::HashSet::new();
@@ -282,6 +405,26 @@ async fn up(
         tokio::select! {
             _ = shutdown_signal() => break,
             _ = interval.tick() => {
+                if let Some(admin) = &admin
+                    && let Ok(rows) = e2e::env::control_plane::addon_status(admin).await
+                    && rows != last_rows
+                {
+                    for row in &rows {
+                        if !last_rows.contains(row) {
+                            println!("{}: addon Available {}", row.name, row.available);
+                        }
+                    }
+                    for row in &last_rows {
+                        if !rows.iter().any(|r| r.name == row.name) {
+                            println!("{}: left", row.name);
+                        }
+                    }
+                    last_rows = rows;
+                    let _ = env.refresh_cluster_summaries().await;
+                }
+                // Clusters and replicas come and go with the control plane:
+                // keep the record `e2e down` cleans up after a crash current.
+                env.processes_changed();
                 for (name, state) in states(&mut env) {
                     if let ProcessState::Exited(status) = state
                         && reported.insert(name.clone())
@@ -331,6 +474,9 @@ fn states(env: &mut Environment) -> Vec<(String, ProcessState)> {
     ];
     if let Some(ca) = env.control_plane_ca.as_mut() {
         states.push((ca.name().to_string(), ca.state()));
+    }
+    if let Some(manager) = env.addon_manager.as_mut() {
+        states.push((manager.name().to_string(), manager.state()));
     }
     for replica in &mut env.replicas {
         states.push((replica.name.clone(), replica.process.state()));
@@ -526,6 +672,12 @@ async fn fetch(
                 .iter()
                 .find(|c| c.name == host)
                 .map(|c| c.apiserver_ca.clone())
+                .or_else(|| {
+                    // With the control plane, clusters join at any time.
+                    let ca = e2e::env::control_plane::cluster_dir(&summary.state_dir, host)
+                        .join("ca.crt");
+                    ca.is_file().then_some(ca)
+                })
                 .ok_or_else(|| {
                     anyhow!("no --cacert given and {host:?} is no cluster of the environment")
                 })?,

@@ -1,5 +1,7 @@
-//! The `e2e up` / `fetch` / `down` commands as a user runs them: a process
-//! that prints its table, answers `fetch`, cleans up after itself on
+//! The `e2e up` / `fetch` / `join` / `leave` / `status` / `down` commands
+//! as a user runs them: a process that installs cluster-proxy through the
+//! control plane and prints each cluster's addon status, answers `fetch`,
+//! lets clusters join and leave while it runs, cleans up after itself on
 //! Ctrl-C, and leaves `down` something to clean when it is killed.
 
 use std::path::Path;
@@ -72,6 +74,38 @@ async fn fetch(state: &Path, url: &str, via: &str) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// Runs an `e2e` subcommand with `--state DIR` last; it must succeed.
+async fn run(args: &[&str], state: &Path) -> String {
+    let out = Command::new(E2E)
+        .args(args)
+        .arg(state)
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "e2e {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Waits (up to two minutes) until `e2e status` prints what `wanted` accepts.
+async fn wait_for_status(state: &Path, wanted: impl Fn(&str) -> bool) {
+    let started = std::time::Instant::now();
+    loop {
+        let status = run(&["status", "--state"], state).await;
+        if wanted(&status) {
+            return;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "e2e status never got there:\n{status}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
 fn namespaces_of(id: &str) -> Vec<String> {
     let prefix = format!("{}{id}-", netns::NETNS_PREFIX);
     netns::existing()
@@ -105,10 +139,10 @@ async fn up_prints_how_to_reach_clusters_and_cleans_up_on_ctrl_c() {
     let state = tempfile::tempdir().unwrap();
     let (mut child, printed) = up(&id, state.path()).await;
     for expected in [
-        "COMPONENT",
-        "proxy-server-1",
-        "cluster-b/proxy-agent",
+        "ADDON AVAILABLE",
+        "cluster-b        True (ManagedClusterAddOnLeaseUpdated)",
         "curl -p -x https://",
+        "cargo run -p e2e -- join",
     ] {
         assert!(
             printed.contains(expected),
@@ -123,6 +157,25 @@ async fn up_prints_how_to_reach_clusters_and_cleans_up_on_ctrl_c() {
         fetch(state.path(), "https://cluster-a:6443/healthz", "connect").await,
         "ok\n"
     );
+
+    // A newcomer joins while `up` runs, and leaves again.
+    run(&["join", "cluster-c", "--state"], state.path()).await;
+    wait_for_status(state.path(), |status| {
+        status.lines().any(|l| {
+            l.starts_with("cluster-c ") && l.contains("True (ManagedClusterAddOnLeaseUpdated)")
+        })
+    })
+    .await;
+    assert_eq!(
+        fetch(state.path(), "http://cluster-c:8080/", "grpc").await,
+        "hello from cluster-c\n"
+    );
+    run(&["leave", "cluster-c", "--state"], state.path()).await;
+    wait_for_status(state.path(), |status| {
+        !status.lines().any(|l| l.starts_with("cluster-c "))
+    })
+    .await;
+
     let record = registry::find(&id).expect("a running environment is recorded");
     let pids: Vec<u32> = record.processes.iter().map(|p| p.pid).collect();
     assert!(!pids.is_empty());
@@ -144,7 +197,12 @@ async fn up_prints_how_to_reach_clusters_and_cleans_up_on_ctrl_c() {
     assert!(registry::find(&id).is_none(), "the record is left behind");
     // --state keeps PKI and logs.
     assert!(state.path().join("pki/ca-bundle.crt").exists());
-    assert!(state.path().join("logs/proxy-server-0.log").exists());
+    assert!(
+        state
+            .path()
+            .join("logs/hub/cluster-proxy-0/proxy-server.log")
+            .exists()
+    );
 }
 
 #[tokio::test]

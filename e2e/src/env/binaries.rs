@@ -10,6 +10,7 @@ pub const PACKAGES: &[(&str, &str)] = &[
     ("proxy-server", "proxy-server"),
     ("proxy-agent", "proxy-agent"),
     ("cert-authority", "cert-authority"),
+    ("addon-manager", "addon-manager"),
     ("e2e", "e2e"),
 ];
 

@@ -15,7 +15,10 @@
 pub mod balancer;
 pub mod binaries;
 pub mod client;
+pub mod control_plane;
+pub mod kubelet;
 pub mod netns;
+pub mod ocm;
 pub mod process;
 pub mod registry;
 pub mod sample;
@@ -151,6 +154,13 @@ pub struct EnvOptions {
     pub kube_api: bool,
     /// How the agent Service picks a replica for each agent connection.
     pub agent_balancer: balancer::Selection,
+    /// Run the real control plane (addon-manager, cert-authority's
+    /// kubernetes backend, OCM played by the environment) instead of
+    /// starting servers and agents by hand with the files PKI.
+    pub control_plane: bool,
+    /// With the control plane: machines kept free for clusters that join
+    /// later (`e2e join`).
+    pub spare_machines: usize,
 }
 
 impl EnvOptions {
@@ -182,6 +192,8 @@ impl EnvOptions {
             credential_reload_interval: "10s".into(),
             kube_api: true,
             agent_balancer: balancer::Selection::RoundRobin,
+            control_plane: false,
+            spare_machines: 2,
         }
     }
 }
@@ -269,9 +281,20 @@ pub struct Environment {
     pub clusters: Vec<Cluster>,
     /// The control plane's Kubernetes API (in this process).
     pub kube_api: Option<KubeApi>,
+    /// With the control plane: addon-manager, the API forwarder the
+    /// clusters use, and the emulated OCM agents and kubelets.
+    pub addon_manager: Option<Supervised>,
+    pub kube_forwarder: Option<Supervised>,
+    pub control_plane: Option<control_plane::ControlPlane>,
     topology: Option<Topology>,
     record: Record,
     _temporary_state: Option<tempfile::TempDir>,
+}
+
+/// addon-manager's command line in the environment (besides `KUBECONFIG`
+/// and `POD_NAMESPACE`).
+fn addon_manager_args() -> Vec<String> {
+    vec!["--health-port=0".into()]
 }
 
 fn random_id() -> String {
@@ -393,9 +416,23 @@ impl Environment {
             temporary_state: temporary_state.as_ref().map(|d| d.path().to_path_buf()),
         };
 
+        // With the control plane, clusters come and go: the namespaces are
+        // machines that a joining cluster takes.
+        let machine_names: Vec<String> = if options.control_plane {
+            (0..options.clusters.len() + options.spare_machines)
+                .map(|i| format!("m{i}"))
+                .collect()
+        } else {
+            options.clusters.clone()
+        };
+        if options.control_plane && !options.kube_api {
+            return Err(EnvError::KubeApi(
+                "the control plane needs the in-memory Kubernetes API".into(),
+            ));
+        }
         let topology = match isolation {
             Isolation::Netns => {
-                let topology = Topology::new(&id, slot, &options.clusters);
+                let topology = Topology::new(&id, slot, &machine_names);
                 record.netns.push(topology.hub_netns());
                 record
                     .netns
@@ -430,6 +467,11 @@ impl Environment {
                 None => IpAddr::V4(Ipv4Addr::new(127, 18, slot, 3)),
             };
             let mut api_options = KubeApiOptions::new(&state_dir);
+            if let Some(t) = &topology {
+                // Clusters reach the API through a forwarder on the hub's
+                // agent address.
+                api_options.extra_sans.push(t.hub_agent_addr().to_string());
+            }
             api_options.bind = SocketAddr::new(ip, KUBE_API_PORT);
             Some(
                 KubeApi::start(api_options)
@@ -494,17 +536,28 @@ impl Environment {
                         "--listen".into(),
                         agent_service_addr.to_string(),
                     ])
-                    .args((0..options.replicas).flat_map(|r| {
-                        [
-                            "--backend".to_string(),
-                            SocketAddr::new(hub_addr, ReplicaPorts::of(r).agent).to_string(),
-                        ]
-                    }))
+                    .args(
+                        (0..if options.control_plane {
+                            control_plane::MAX_REPLICAS
+                        } else {
+                            options.replicas
+                        })
+                            .flat_map(|r| {
+                                [
+                                    "--backend".to_string(),
+                                    SocketAddr::new(hub_addr, ReplicaPorts::of(r).agent)
+                                        .to_string(),
+                                ]
+                            }),
+                    )
                     .args(["--selection", options.agent_balancer.name()])
                     .in_netns(hub_netns.clone()),
                 &logs,
             )?,
             control_plane_ca: None,
+            addon_manager: None,
+            kube_forwarder: None,
+            control_plane: None,
             replicas: Vec::new(),
             clusters: Vec::new(),
             kube_api,
@@ -519,6 +572,18 @@ impl Environment {
                 Some(Self::start_control_plane_ca(api, &binaries, &logs, hub_netns.clone()).await?);
         }
         environment.remember_processes();
+
+        if options.control_plane {
+            environment
+                .start_control_plane(&options, &machine_names, slot)
+                .await?;
+            environment.remember_processes();
+            let summary_path = Summary::file(&state_dir);
+            let text = serde_json::to_string_pretty(&environment.summary)
+                .map_err(|e| EnvError::Pki(e.to_string()))?;
+            std::fs::write(&summary_path, text).map_err(io(summary_path.display().to_string()))?;
+            return Ok(environment);
+        }
 
         for r in 0..options.replicas {
             let name = format!("proxy-server-{r}");
@@ -715,6 +780,10 @@ impl Environment {
             add(ca);
         }
         add(&self.balancer);
+        for process in self.addon_manager.iter().chain(self.kube_forwarder.iter()) {
+            add(process);
+        }
+
         for replica in &self.replicas {
             add(&replica.process);
         }
@@ -722,8 +791,14 @@ impl Environment {
             add(&cluster.agent);
             add(&cluster.services);
         }
-        self.record.processes = processes;
-        let _ = self.record.save();
+        if let Some(control_plane) = &self.control_plane {
+            let pids = control_plane.pids.lock().unwrap_or_else(|p| p.into_inner());
+            processes.extend(pids.values().flatten().cloned());
+        }
+        if self.record.processes != processes {
+            self.record.processes = processes;
+            let _ = self.record.save();
+        }
     }
 
     /// Starts an extra proxy-agent inside cluster `cert_of`'s network with
@@ -862,6 +937,15 @@ impl Environment {
     /// the hub, then removes the namespaces and the record.
     pub async fn shutdown(mut self) {
         let grace = Duration::from_secs(5);
+        if let Some(addon_manager) = self.addon_manager.as_mut() {
+            addon_manager.stop(grace).await;
+        }
+        if let Some(control_plane) = self.control_plane.take() {
+            control_plane.shutdown().await;
+        }
+        if let Some(forwarder) = self.kube_forwarder.as_mut() {
+            forwarder.stop(grace).await;
+        }
         for cluster in &mut self.clusters {
             cluster.agent.stop(grace).await;
             cluster.services.stop(grace).await;

@@ -90,6 +90,57 @@ pub enum KubeApiError {
     Client(String),
 }
 
+/// Writes kubeconfigs that authenticate as users of one [`KubeApi`].
+#[derive(Clone)]
+pub struct KubeconfigWriter {
+    shared: Arc<Shared>,
+    ca_pem: String,
+    dir: PathBuf,
+    server: SocketAddr,
+}
+
+impl KubeconfigWriter {
+    /// Adds a user with `groups` and writes a kubeconfig that authenticates
+    /// as it. Kubeconfigs for another server address than the API's own
+    /// are named after that address too.
+    pub fn write(&self, user: &str, groups: &[&str]) -> Result<PathBuf, KubeApiError> {
+        let token = format!("{:032x}", rand::random::<u128>());
+        self.shared
+            .tokens
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(
+                token.clone(),
+                User {
+                    name: user.to_string(),
+                    uid: uuid::Uuid::new_v4().to_string(),
+                    groups: groups.iter().map(|g| g.to_string()).collect(),
+                },
+            );
+        let ca = base64::engine::general_purpose::STANDARD.encode(&self.ca_pem);
+        let text = format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: cluster-proxy-e2e\n  cluster:\n    server: https://{addr}\n    certificate-authority-data: {ca}\nusers:\n- name: {user:?}\n  user:\n    token: {token}\ncontexts:\n- name: {user:?}\n  context:\n    cluster: cluster-proxy-e2e\n    user: {user:?}\ncurrent-context: {user:?}\n",
+            addr = self.server,
+        );
+        let file = if user == ADMIN_USER {
+            "kubeconfig".to_string()
+        } else {
+            format!(
+                "kubeconfig-{}",
+                user.replace(|c: char| !c.is_ascii_alphanumeric() && c != '-', "_")
+            )
+        };
+        let path = self.dir.join(file);
+        cert_authority::files::write_atomically(&path, &text, true).map_err(|e| {
+            KubeApiError::Write {
+                path: path.clone(),
+                source: std::io::Error::other(e.to_string()),
+            }
+        })?;
+        Ok(path)
+    }
+}
+
 /// How to start the API.
 #[derive(Debug, Clone)]
 pub struct KubeApiOptions {
@@ -102,6 +153,9 @@ pub struct KubeApiOptions {
     /// Authorize every request by RBAC (off: any authenticated user may do
     /// anything).
     pub rbac: bool,
+    /// More names and addresses for the serving certificate (forwarders
+    /// that clients dial instead of `bind`).
+    pub extra_sans: Vec<String>,
 }
 
 impl KubeApiOptions {
@@ -112,6 +166,7 @@ impl KubeApiOptions {
             history: 1000,
             bookmark_interval: Duration::from_secs(5),
             rbac: false,
+            extra_sans: Vec::new(),
         }
     }
 }
@@ -150,11 +205,15 @@ impl KubeApi {
         )
         .map_err(|e| KubeApiError::Pki(e.to_string()))?;
         let ip = addr.ip().to_string();
+        let mut sans = vec![
+            "localhost",
+            "127.0.0.1",
+            ip.as_str(),
+            "kubernetes.default.svc",
+        ];
+        sans.extend(options.extra_sans.iter().map(String::as_str));
         let leaf = ca
-            .issue(&LeafRequest::server(
-                "kube-apiserver",
-                &["localhost", "127.0.0.1", &ip, "kubernetes.default.svc"],
-            ))
+            .issue(&LeafRequest::server("kube-apiserver", &sans))
             .map_err(|e| KubeApiError::Pki(e.to_string()))?;
         let acceptor =
             crate::env::sample::tls_acceptor(&leaf.cert_pem, &leaf.key_pem, &[b"h2", b"http/1.1"])
@@ -217,40 +276,20 @@ impl KubeApi {
     /// as it (`kubeconfig-<user>` in the directory; the admin's is
     /// `kubeconfig`).
     pub fn kubeconfig_for(&self, user: &str, groups: &[&str]) -> Result<PathBuf, KubeApiError> {
-        let token = format!("{:032x}", rand::random::<u128>());
-        self.shared
-            .tokens
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(
-                token.clone(),
-                User {
-                    name: user.to_string(),
-                    uid: uuid::Uuid::new_v4().to_string(),
-                    groups: groups.iter().map(|g| g.to_string()).collect(),
-                },
-            );
-        let ca = base64::engine::general_purpose::STANDARD.encode(&self.ca_pem);
-        let text = format!(
-            "apiVersion: v1\nkind: Config\nclusters:\n- name: cluster-proxy-e2e\n  cluster:\n    server: https://{addr}\n    certificate-authority-data: {ca}\nusers:\n- name: {user:?}\n  user:\n    token: {token}\ncontexts:\n- name: {user:?}\n  context:\n    cluster: cluster-proxy-e2e\n    user: {user:?}\ncurrent-context: {user:?}\n",
-            addr = self.addr,
-        );
-        let file = if user == ADMIN_USER {
-            "kubeconfig".to_string()
-        } else {
-            format!(
-                "kubeconfig-{}",
-                user.replace(|c: char| !c.is_ascii_alphanumeric() && c != '-', "_")
-            )
-        };
-        let path = self.dir.join(file);
-        cert_authority::files::write_atomically(&path, &text, true).map_err(|e| {
-            KubeApiError::Write {
-                path: path.clone(),
-                source: std::io::Error::other(e.to_string()),
-            }
-        })?;
-        Ok(path)
+        self.kubeconfigs(None).write(user, groups)
+    }
+
+    /// A writer of kubeconfigs for this server that outlives a borrow of
+    /// it; `server` is the address clients dial when it is not
+    /// [`KubeApi::addr`] (a forwarder; it must be among
+    /// [`KubeApiOptions::extra_sans`]).
+    pub fn kubeconfigs(&self, server: Option<SocketAddr>) -> KubeconfigWriter {
+        KubeconfigWriter {
+            shared: self.shared.clone(),
+            ca_pem: self.ca_pem.clone(),
+            dir: self.dir.clone(),
+            server: server.unwrap_or(self.addr),
+        }
     }
 
     /// A kube client from a kubeconfig this server wrote.

@@ -1,0 +1,206 @@
+//! `addon-manager`'s command line and settings, layered like every other
+//! binary's: defaults < TOML file (`--config`) < environment
+//! (`ADDON_MANAGER_<FLAG>`) < flags.
+
+use std::path::PathBuf;
+
+use clap::Parser;
+pub use cluster_proxy_runtime::config::ConfigError;
+use cluster_proxy_runtime::config::{self, EnvSpec, invalid};
+use cluster_proxy_runtime::logging::{LogFlags, LogFormat};
+use serde::{Deserialize, Serialize};
+
+/// The environment layer.
+pub const ENV: EnvSpec = EnvSpec {
+    prefix: "ADDON_MANAGER_",
+    aliases: &[],
+};
+
+/// Upstream's probe port (`--health-probe-bind-address=:58081`); here the
+/// same port also serves `/metrics`.
+pub const DEFAULT_HEALTH_PORT: u16 = 58081;
+
+/// The hub namespace when neither `--namespace` nor `POD_NAMESPACE` says.
+pub const DEFAULT_NAMESPACE: &str = "open-cluster-management-addon";
+
+#[derive(Parser, Debug, Default, Serialize)]
+#[command(
+    name = "addon-manager",
+    version,
+    about = "Installs cluster-proxy as an OCM addon: proxy-servers on the hub from the \
+             ManagedProxyConfiguration, an agent on every selected managed cluster"
+)]
+pub struct Cli {
+    /// TOML configuration file (keys as the flags, with underscores).
+    #[arg(long)]
+    #[serde(skip)]
+    pub config: Option<PathBuf>,
+    /// The hub namespace of the addon's own objects (the Placement, the
+    /// leader-election Lease); the pod's namespace (`POD_NAMESPACE`) by default.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub namespace: Option<String>,
+    /// The cluster-scoped ManagedProxyConfiguration to follow.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub managed_proxy_configuration: Option<String>,
+    /// Where agents are installed on managed clusters unless an
+    /// AddOnDeploymentConfig's agentInstallNamespace says otherwise.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub agent_install_namespace: Option<String>,
+    /// The agent image; empty: the ManagedProxyConfiguration's
+    /// proxyAgent.image.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub agent_image_name: Option<String>,
+    /// Make each cluster's kube-apiserver reachable by the cluster's name
+    /// (agent identifiers `host=<cluster>`, `host=<cluster>.<namespace>`, and
+    /// the ExternalName Service).
+    #[arg(long, value_parser = cluster_proxy_runtime::cli::parse_go_bool, num_args = 0..=1, default_missing_value = "true")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub enable_kube_api_proxy: Option<bool>,
+    /// The Placement (in --namespace) whose clusters get the addon.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub placement_name: Option<String>,
+    /// Elect a leader on Lease `cluster-proxy-addon-manager` so that of
+    /// several replicas exactly one writes.
+    #[arg(long, value_parser = cluster_proxy_runtime::cli::parse_go_bool, num_args = 0..=1, default_missing_value = "true")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub leader_elect: Option<bool>,
+    /// Port of `/healthz`, `/readyz` and `/metrics` (0: any free port).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub health_port: Option<u16>,
+    /// Address of the health and metrics port (empty: every address).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub health_bind_address: Option<String>,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub logging: LogFlags,
+}
+
+/// The effective settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Settings {
+    pub namespace: String,
+    pub managed_proxy_configuration: String,
+    pub agent_install_namespace: String,
+    pub agent_image_name: String,
+    pub enable_kube_api_proxy: bool,
+    pub placement_name: String,
+    pub leader_elect: bool,
+    pub health_port: u16,
+    pub health_bind_address: String,
+    pub v: u8,
+    pub log_format: LogFormat,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            namespace: std::env::var("POD_NAMESPACE")
+                .ok()
+                .filter(|ns| !ns.is_empty())
+                .unwrap_or_else(|| DEFAULT_NAMESPACE.to_string()),
+            managed_proxy_configuration: "cluster-proxy".into(),
+            agent_install_namespace: "open-cluster-management-cluster-proxy".into(),
+            agent_image_name: String::new(),
+            enable_kube_api_proxy: true,
+            placement_name: "cluster-proxy-placement".into(),
+            leader_elect: true,
+            health_port: DEFAULT_HEALTH_PORT,
+            health_bind_address: String::new(),
+            v: 0,
+            log_format: LogFormat::Auto,
+        }
+    }
+}
+
+impl Settings {
+    pub fn load(flags: &Cli) -> Result<Self, ConfigError> {
+        Self::load_with_env(flags, std::env::vars())
+    }
+
+    pub fn load_with_env(
+        flags: &Cli,
+        vars: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Self, ConfigError> {
+        let settings: Settings = config::load_with_env(ENV, flags.config.as_deref(), flags, vars)?;
+        settings.validate()?;
+        Ok(settings)
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let label = cluster_proxy_proto::identity::is_dns1123_label;
+        if !label(&self.namespace) {
+            return Err(invalid("namespace", "must be a DNS-1123 label"));
+        }
+        if !label(&self.agent_install_namespace) {
+            return Err(invalid(
+                "agent_install_namespace",
+                "must be a DNS-1123 label",
+            ));
+        }
+        if self.managed_proxy_configuration.is_empty() {
+            return Err(invalid("managed_proxy_configuration", "must not be empty"));
+        }
+        if self.placement_name.is_empty() {
+            return Err(invalid("placement_name", "must not be empty"));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    fn load(args: &[&str], vars: &[(&str, &str)]) -> Result<Settings, ConfigError> {
+        let mut argv = vec!["addon-manager"];
+        argv.extend(args);
+        let cli = Cli::try_parse_from(argv).map_err(|e| invalid("flags", e.to_string()))?;
+        Settings::load_with_env(
+            &cli,
+            vars.iter().map(|(k, v)| (k.to_string(), v.to_string())),
+        )
+    }
+
+    #[test]
+    fn flags_beat_the_environment_which_beats_defaults() {
+        let settings = load(
+            &["--agent-install-namespace=agents"],
+            &[
+                ("ADDON_MANAGER_AGENT_INSTALL_NAMESPACE", "ignored"),
+                ("ADDON_MANAGER_LEADER_ELECT", "false"),
+            ],
+        )
+        .unwrap();
+        assert_eq!(settings.agent_install_namespace, "agents");
+        assert!(!settings.leader_elect);
+        assert_eq!(settings.health_port, DEFAULT_HEALTH_PORT);
+        assert!(settings.enable_kube_api_proxy);
+    }
+
+    #[test]
+    fn bad_settings_are_refused_with_the_flag_named() {
+        let err = load(&["--namespace=Not_A_Label"], &[]).unwrap_err();
+        assert!(err.to_string().contains("namespace"), "{err}");
+        let err = load(&[], &[("ADDON_MANAGER_HEALTH_PORT", "many")]).unwrap_err();
+        assert!(
+            err.to_string().contains("ADDON_MANAGER_HEALTH_PORT"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn every_flag_is_described_with_its_default() {
+        let problems = cluster_proxy_runtime::cli::help_problems::<Cli>(&Settings::default(), &[]);
+        assert!(problems.is_empty(), "{problems:?}");
+        let _ = Cli::command();
+    }
+}

@@ -1,0 +1,905 @@
+//! The environment with the real control plane: cert-authority (kubernetes
+//! backend) and addon-manager run against the in-memory API, and the
+//! environment plays only what a real hub and real clusters would run
+//! besides them — the kubelet of the hub's proxy-server Deployment, OCM's
+//! placement controller, and each managed cluster's registration and work
+//! agents ([`ocm`](super::ocm)).
+//!
+//! A managed cluster is a `ManagedCluster` object: creating one (`e2e join`)
+//! gives it a machine (a network namespace or a loopback address) with its
+//! sample services, and from then on OCM's flow — placement decision,
+//! `ManagedClusterAddOn`, CSR, `ManifestWork`, agent, Lease, `Available` —
+//! runs through the real addon-manager and cert-authority. Deleting it
+//! (`e2e leave`) stops its processes and removes its hub namespace.
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use cluster_proxy_proto::api::cluster::v1::ManagedCluster;
+use cluster_proxy_proto::api::proxy::v1alpha1::LABEL_COMPONENT_NAME;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::Secret;
+use kube::api::{ListParams, Patch, PatchParams};
+use kube::{Api, Client, ResourceExt};
+use serde_json::json;
+use tokio::sync::{Mutex, watch};
+use tokio::task::JoinHandle;
+
+use super::kubelet::{DeploymentRunner, PodPlacement, RunnerStatus, SecretVolumes};
+use super::ocm::{self, Klusterlet, Klusterlets, Machine, OcmContext};
+use super::process::{ProcessSpec, Supervised};
+use super::registry::ProcessRecord;
+use super::{ReplicaPorts, write_apiserver_pki};
+
+/// How often the emulated controllers look at the API. The real ones
+/// watch; a second here keeps every reaction within a couple of seconds.
+const PASS: Duration = Duration::from_millis(500);
+
+/// The most proxy-server replicas the agent load balancer knows ports for.
+pub const MAX_REPLICAS: usize = 6;
+
+/// The replicas the hub kubelet runs, by pod name.
+pub type HubPods = Arc<Mutex<HubState>>;
+
+/// What the hub's kubelet runs.
+#[derive(Default)]
+pub struct HubState {
+    runners: BTreeMap<String, DeploymentRunner>,
+    pub status: BTreeMap<String, RunnerStatus>,
+}
+
+impl HubState {
+    /// The running proxy-server processes.
+    pub fn processes(&self) -> impl Iterator<Item = &Supervised> {
+        self.runners.values().flat_map(|r| r.processes())
+    }
+
+    /// The processes of pod `index` of Deployment `name` (tests kill them).
+    pub fn pod_processes(&mut self, name: &str, index: usize) -> Option<&mut Vec<Supervised>> {
+        self.runners.get_mut(name)?.pod_processes(index)
+    }
+}
+
+struct ServerPlacement {
+    hub_ip: IpAddr,
+    netns: Option<String>,
+    credential_reload_interval: String,
+}
+
+impl PodPlacement for ServerPlacement {
+    fn extra_args(&self, index: usize, container: &str) -> Vec<String> {
+        if container != "proxy-server" {
+            return Vec::new();
+        }
+        let ip = self.hub_ip;
+        let ports = ReplicaPorts::of(index);
+        vec![
+            format!("--server-bind-address={ip}"),
+            format!("--server-port={}", ports.client),
+            format!("--agent-bind-address={ip}"),
+            format!("--agent-port={}", ports.agent),
+            format!("--health-bind-address={ip}"),
+            format!("--health-port={}", ports.health),
+            format!("--admin-bind-address={ip}"),
+            format!("--admin-port={}", ports.admin),
+            format!(
+                "--credential-reload-interval={}",
+                self.credential_reload_interval
+            ),
+            "--graceful-shutdown-timeout=10s".into(),
+        ]
+    }
+
+    fn netns(&self) -> Option<String> {
+        self.netns.clone()
+    }
+}
+
+/// Machines for managed clusters, handed out as clusters join.
+pub struct MachinePool {
+    free: Vec<(usize, Machine)>,
+    taken: BTreeMap<String, (usize, Machine)>,
+}
+
+impl MachinePool {
+    pub fn new(machines: Vec<Machine>) -> Self {
+        MachinePool {
+            free: machines.into_iter().enumerate().rev().collect(),
+            taken: BTreeMap::new(),
+        }
+    }
+
+    fn take(&mut self, cluster: &str) -> Option<Machine> {
+        let (index, machine) = self.free.pop()?;
+        self.taken
+            .insert(cluster.to_string(), (index, machine.clone()));
+        Some(machine)
+    }
+
+    fn give_back(&mut self, cluster: &str) {
+        if let Some(entry) = self.taken.remove(cluster) {
+            self.free.push(entry);
+            self.free.sort_by_key(|(i, _)| std::cmp::Reverse(*i));
+        }
+    }
+}
+
+/// Everything the emulation needs.
+pub struct ControlPlaneSetup {
+    pub ocm: OcmContext,
+    pub hub_namespace: String,
+    pub hub_ip: IpAddr,
+    pub hub_netns: Option<String>,
+    pub machines: MachinePool,
+    /// Where hub clients find the proxy-client credentials and the CA
+    /// bundle, in `cert-authority init`'s layout.
+    pub client_pki: PathBuf,
+}
+
+/// The processes the emulation runs, by owner (`hub` or a cluster), so a
+/// crashed `up` leaves `e2e down` a record of them.
+pub type ProcessPids = Arc<std::sync::Mutex<BTreeMap<String, Vec<ProcessRecord>>>>;
+
+fn records<'a>(processes: impl Iterator<Item = &'a Supervised>) -> Vec<ProcessRecord> {
+    processes
+        .filter_map(|p| {
+            Some(ProcessRecord {
+                pid: p.pid()?,
+                exe: p.spec.program.clone(),
+            })
+        })
+        .collect()
+}
+
+/// The running emulation.
+pub struct ControlPlane {
+    pub klusterlets: Klusterlets,
+    pub hub: HubPods,
+    pub pids: ProcessPids,
+    shutdown: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+async fn every_pass<F, Fut>(mut shutdown: watch::Receiver<bool>, mut pass: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    loop {
+        pass().await;
+        tokio::select! {
+            _ = tokio::time::sleep(PASS) => {}
+            _ = shutdown.changed() => return,
+        }
+    }
+}
+
+impl ControlPlane {
+    pub fn start(setup: ControlPlaneSetup) -> Self {
+        let (shutdown, shutdown_rx) = watch::channel(false);
+        let klusterlets: Klusterlets = Arc::default();
+        let hub: HubPods = Arc::default();
+        let pids: ProcessPids = Arc::default();
+        let mut tasks = Vec::new();
+
+        let client = setup.ocm.admin.clone();
+        tasks.push(tokio::spawn(every_pass(shutdown_rx.clone(), move || {
+            let client = client.clone();
+            async move {
+                if let Err(err) = ocm::sync_placements(&client).await {
+                    tracing::warn!("placement: {err}");
+                }
+            }
+        })));
+
+        let hub_volumes = SecretVolumes::new(setup.ocm.state_dir.join("hub").join("secrets"));
+        let placement = Arc::new(ServerPlacement {
+            hub_ip: setup.hub_ip,
+            netns: setup.hub_netns.clone(),
+            credential_reload_interval: setup.ocm.credential_reload_interval.clone(),
+        });
+        {
+            let ctx = setup.ocm.clone();
+            let hub = hub.clone();
+            let namespace = setup.hub_namespace.clone();
+            let client_pki = setup.client_pki.clone();
+            let pids = pids.clone();
+            tasks.push(tokio::spawn(every_pass(shutdown_rx.clone(), move || {
+                let ctx = ctx.clone();
+                let hub = hub.clone();
+                let namespace = namespace.clone();
+                let volumes = hub_volumes.clone();
+                let placement = placement.clone();
+                let client_pki = client_pki.clone();
+                let pids = pids.clone();
+                async move {
+                    if let Err(err) =
+                        run_hub_pods(&ctx, &namespace, &hub, &volumes, placement.as_ref()).await
+                    {
+                        tracing::warn!("hub kubelet: {err}");
+                    }
+                    if let Err(err) = write_client_pki(&ctx, &namespace, &client_pki).await {
+                        tracing::debug!("hub client credentials: {err}");
+                    }
+                    let running = records(hub.lock().await.processes());
+                    pids.lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .insert("hub".into(), running);
+                }
+            })));
+        }
+
+        let machines = Arc::new(Mutex::new(setup.machines));
+        {
+            let ctx = setup.ocm.clone();
+            let klusterlets = klusterlets.clone();
+            let pids = pids.clone();
+            tasks.push(tokio::spawn(every_pass(shutdown_rx.clone(), move || {
+                let ctx = ctx.clone();
+                let klusterlets = klusterlets.clone();
+                let machines = machines.clone();
+                let pids = pids.clone();
+                async move {
+                    if let Err(err) = run_clusters(&ctx, &klusterlets, &machines).await {
+                        tracing::warn!("managed clusters: {err}");
+                    }
+                    let klusterlets = klusterlets.lock().await;
+                    let mut pids = pids.lock().unwrap_or_else(|p| p.into_inner());
+                    pids.retain(|owner, _| owner == "hub");
+                    for (name, klusterlet) in klusterlets.iter() {
+                        pids.insert(name.clone(), records(klusterlet.processes()));
+                    }
+                }
+            })));
+        }
+        ControlPlane {
+            klusterlets,
+            hub,
+            pids,
+            shutdown,
+            tasks,
+        }
+    }
+
+    /// Stops the emulation and every process it runs.
+    pub async fn shutdown(mut self) {
+        let _ = self.shutdown.send(true);
+        for task in self.tasks.drain(..) {
+            let _ = task.await;
+        }
+        for (_, mut klusterlet) in std::mem::take(&mut *self.klusterlets.lock().await) {
+            klusterlet.stop().await;
+        }
+        let mut hub = self.hub.lock().await;
+        for runner in hub.runners.values_mut() {
+            runner.stop_all().await;
+        }
+    }
+}
+
+async fn run_hub_pods(
+    ctx: &OcmContext,
+    namespace: &str,
+    hub: &HubPods,
+    volumes: &SecretVolumes,
+    placement: &ServerPlacement,
+) -> Result<(), ocm::OcmError> {
+    let deployments: Api<Deployment> = Api::namespaced(ctx.admin.clone(), namespace);
+    let list = deployments
+        .list(&ListParams::default().labels(&format!("{LABEL_COMPONENT_NAME}=proxy-server")))
+        .await?;
+    let secrets: Api<Secret> = Api::namespaced(ctx.admin.clone(), namespace);
+    let mut wanted = std::collections::BTreeSet::new();
+    for deployment in &list.items {
+        wanted.extend(super::kubelet::required_secrets(deployment));
+        for volume in deployment
+            .spec
+            .iter()
+            .filter_map(|s| s.template.spec.as_ref())
+            .flat_map(|s| s.volumes.iter().flatten())
+        {
+            if let Some(name) = volume.secret.as_ref().and_then(|s| s.secret_name.clone()) {
+                wanted.insert(name);
+            }
+        }
+    }
+    for name in &wanted {
+        match secrets.get_opt(name).await? {
+            Some(secret) => {
+                volumes
+                    .write(&secret)
+                    .map_err(|e| ocm::OcmError::Other(e.to_string()))?;
+            }
+            None => volumes.remove(name),
+        }
+    }
+    let mut hub = hub.lock().await;
+    let names: Vec<String> = list.items.iter().map(|d| d.name_any()).collect();
+    let gone: Vec<String> = hub
+        .runners
+        .keys()
+        .filter(|n| !names.contains(n))
+        .cloned()
+        .collect();
+    for name in gone {
+        if let Some(mut runner) = hub.runners.remove(&name) {
+            runner.stop_all().await;
+        }
+        hub.status.remove(&name);
+    }
+    for deployment in &list.items {
+        let name = deployment.name_any();
+        let status = {
+            let runner = hub
+                .runners
+                .entry(name.clone())
+                .or_insert_with(|| DeploymentRunner::new("hub"));
+            runner
+                .sync(
+                    Some(deployment),
+                    &ctx.binaries,
+                    &ctx.logs,
+                    volumes,
+                    placement,
+                )
+                .await
+        };
+        if hub.status.get(&name) != Some(&status)
+            || deployment
+                .status
+                .as_ref()
+                .and_then(|s| s.observed_generation)
+                != deployment.metadata.generation
+        {
+            // The Deployment controller's part: status.
+            let patch = json!({
+                "status": {
+                    "observedGeneration": deployment.metadata.generation,
+                    "replicas": status.running,
+                    "updatedReplicas": status.running,
+                    "readyReplicas": status.running,
+                    "availableReplicas": status.running,
+                }
+            });
+            if let Err(err) = deployments
+                .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+            {
+                tracing::debug!("Deployment {name} status: {err}");
+            }
+            hub.status.insert(name, status);
+        }
+    }
+    Ok(())
+}
+
+/// Keeps the hub client's credentials (Secret `proxy-client` and the
+/// bundle in `proxy-server-ca`) in `dir`, in `cert-authority init`'s
+/// layout, as a hub client mounting those Secrets would see them.
+async fn write_client_pki(
+    ctx: &OcmContext,
+    namespace: &str,
+    dir: &std::path::Path,
+) -> Result<(), ocm::OcmError> {
+    let secrets: Api<Secret> = Api::namespaced(ctx.admin.clone(), namespace);
+    let (Some(client), Some(bundle)) = (
+        secrets.get_opt("proxy-client").await?,
+        secrets.get_opt("proxy-server-ca").await?,
+    ) else {
+        return Ok(());
+    };
+    let key = |secret: &Secret, key: &str| {
+        secret
+            .data
+            .as_ref()
+            .and_then(|d| d.get(key))
+            .map(|v| String::from_utf8_lossy(&v.0).into_owned())
+    };
+    let (Some(cert), Some(private), Some(ca)) = (
+        key(&client, "tls.crt"),
+        key(&client, "tls.key"),
+        key(&bundle, "ca.crt"),
+    ) else {
+        return Ok(());
+    };
+    let write = |path: PathBuf, text: &str, private: bool| {
+        if std::fs::read_to_string(&path).ok().as_deref() == Some(text) {
+            return Ok(());
+        }
+        cert_authority::files::write_atomically(&path, text, private)
+            .map_err(|e| ocm::OcmError::Other(e.to_string()))
+    };
+    write(dir.join("proxy-client/tls.crt"), &cert, false)?;
+    write(dir.join("proxy-client/tls.key"), &private, true)?;
+    write(dir.join("ca-bundle.crt"), &ca, false)
+}
+
+async fn run_clusters(
+    ctx: &OcmContext,
+    klusterlets: &Klusterlets,
+    machines: &Mutex<MachinePool>,
+) -> Result<(), ocm::OcmError> {
+    let clusters = Api::<ManagedCluster>::all(ctx.admin.clone())
+        .list(&ListParams::default())
+        .await?;
+    let present: Vec<String> = clusters
+        .items
+        .iter()
+        .filter(|c| c.metadata.deletion_timestamp.is_none())
+        .map(|c| c.name_any())
+        .collect();
+    let mut klusterlets = klusterlets.lock().await;
+    let gone: Vec<String> = klusterlets
+        .keys()
+        .filter(|n| !present.contains(n))
+        .cloned()
+        .collect();
+    for name in gone {
+        if let Some(mut klusterlet) = klusterlets.remove(&name) {
+            tracing::info!("{name}: left; stopping its agents and services");
+            klusterlet.stop().await;
+        }
+        machines.lock().await.give_back(&name);
+        ocm::forget_cluster(&ctx.admin, &name).await?;
+    }
+    for name in &present {
+        if klusterlets.contains_key(name) {
+            continue;
+        }
+        // A name that cannot be a namespace or a DNS label never gets a
+        // machine; the ManagedCluster stays as it is.
+        if cluster_proxy_proto::identity::ClusterName::new(name.as_str()).is_err() {
+            continue;
+        }
+        let Some(machine) = machines.lock().await.take(name) else {
+            tracing::warn!("{name}: no free machine for another managed cluster");
+            continue;
+        };
+        match start_cluster(ctx, name, machine.clone()).await {
+            Ok(klusterlet) => {
+                tracing::info!("{name}: joined");
+                klusterlets.insert(name.clone(), klusterlet);
+            }
+            Err(err) => {
+                tracing::warn!("{name}: {err}");
+                machines.lock().await.give_back(name);
+            }
+        }
+    }
+    for klusterlet in klusterlets.values_mut() {
+        klusterlet.sync(ctx).await;
+    }
+    Ok(())
+}
+
+/// The cluster directory of `name` in the state directory.
+pub fn cluster_dir(state_dir: &std::path::Path, name: &str) -> PathBuf {
+    state_dir.join("clusters").join(name)
+}
+
+async fn start_cluster(
+    ctx: &OcmContext,
+    name: &str,
+    machine: Machine,
+) -> Result<Klusterlet, ocm::OcmError> {
+    let dir = cluster_dir(&ctx.state_dir, name);
+    let apiserver_ca = write_apiserver_pki(&dir, name, machine.service_ip)
+        .map_err(|e| ocm::OcmError::Other(e.to_string()))?;
+    let _ = apiserver_ca;
+    let services = Supervised::start(
+        ProcessSpec::new(&format!("{name}/services"), &ctx.binaries.e2e)
+            .args([
+                "sample".to_string(),
+                "--cluster".into(),
+                name.to_string(),
+                "--ip".into(),
+                machine.service_ip.to_string(),
+                "--cert".into(),
+                dir.join("tls.crt").display().to_string(),
+                "--key".into(),
+                dir.join("tls.key").display().to_string(),
+            ])
+            .in_netns(machine.netns.clone()),
+        &ctx.logs,
+    )
+    .map_err(|e| ocm::OcmError::Other(e.to_string()))?;
+    let klusterlet = Klusterlet::new(name, machine, services, dir);
+    klusterlet.accept(ctx).await?;
+    Ok(klusterlet)
+}
+
+/// Creates (or keeps) a ManagedCluster as a cluster administrator accepting
+/// it on the hub: `hubAcceptsClient: true`, label `cluster.open-cluster-management.io/clusterset=global`.
+pub async fn join(client: &Client, name: &str) -> Result<(), kube::Error> {
+    let object = json!({
+        "apiVersion": "cluster.open-cluster-management.io/v1",
+        "kind": "ManagedCluster",
+        "metadata": {"name": name, "labels": {
+            "cluster.open-cluster-management.io/clusterset": "global",
+            "name": name,
+        }},
+        "spec": {"hubAcceptsClient": true, "leaseDurationSeconds": 60},
+    });
+    Api::<ManagedCluster>::all(client.clone())
+        .patch(
+            name,
+            &PatchParams::apply("cluster-admin"),
+            &Patch::Apply(&object),
+        )
+        .await?;
+    Ok(())
+}
+
+/// Deletes a ManagedCluster (the cluster leaves the hub).
+pub async fn leave(client: &Client, name: &str) -> Result<(), kube::Error> {
+    match Api::<ManagedCluster>::all(client.clone())
+        .delete(name, &Default::default())
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
+        Err(err) => Err(err),
+    }
+}
+
+/// The proxy-server client address of replica `index` (pod `<mpc>-<index>`).
+pub fn replica_client_addr(hub_ip: IpAddr, index: usize) -> SocketAddr {
+    SocketAddr::new(hub_ip, ReplicaPorts::of(index).client)
+}
+
+/// The proxy-server image name the environment's MPC names (the kubelet
+/// runs the workspace's binary whatever the tag).
+pub const DEV_IMAGE: &str = "localhost/cluster-proxy/proxy-server:dev";
+/// The same for the agent.
+pub const DEV_AGENT_IMAGE: &str = "localhost/cluster-proxy/proxy-agent:dev";
+/// How long the environment's addon-agents make their Leases.
+pub const ENV_LEASE_DURATION: Duration = Duration::from_secs(4);
+
+/// The `ManagedProxyConfiguration` the environment installs, as a user's
+/// values file would render it.
+pub fn managed_proxy_configuration(
+    replicas: usize,
+    agent_entry: SocketAddr,
+    additional_sans: &[String],
+) -> serde_json::Value {
+    json!({
+        "apiVersion": "proxy.open-cluster-management.io/v1alpha1",
+        "kind": "ManagedProxyConfiguration",
+        "metadata": {"name": "cluster-proxy"},
+        "spec": {
+            "authentication": {
+                "signer": {"type": "SelfSigned", "selfSigned": {"additionalSANs": additional_sans}},
+                "dump": {"secrets": {}},
+            },
+            "proxyServer": {
+                "image": DEV_IMAGE,
+                "replicas": replicas,
+                "namespace": super::ADDON_NAMESPACE,
+                "inClusterServiceName": "proxy-entrypoint",
+                "entrypoint": {
+                    "type": "Hostname",
+                    "hostname": {"value": agent_entry.ip().to_string()},
+                    "port": agent_entry.port(),
+                },
+            },
+            "proxyAgent": {"image": DEV_AGENT_IMAGE, "replicas": 1},
+        },
+    })
+}
+
+impl super::Environment {
+    /// The control plane and OCM's stand-ins, then the initial clusters
+    /// join through it.
+    pub(super) async fn start_control_plane(
+        &mut self,
+        options: &super::EnvOptions,
+        machine_names: &[String],
+        slot: u8,
+    ) -> Result<(), super::EnvError> {
+        use super::EnvError;
+        let api_err = |e: String| EnvError::KubeApi(e);
+        let Some(api) = self.kube_api.as_ref() else {
+            return Err(api_err("no in-memory API".into()));
+        };
+        api.register_crds_from_yaml(include_str!(
+            "../../../charts/cluster-proxy/crds/managedproxyconfigurations.yaml"
+        ))
+        .map_err(|e| api_err(e.to_string()))?;
+        api.register_crds_from_yaml(include_str!("../../crds/ocm.yaml"))
+            .map_err(|e| api_err(e.to_string()))?;
+        let admin = api.client().await.map_err(|e| api_err(e.to_string()))?;
+
+        // Where clusters reach the API: a forwarder on the hub's agent
+        // address (network namespaces), or the API itself (loopback).
+        let cluster_api_addr = match &self.topology {
+            Some(t) => {
+                let listen = SocketAddr::new(IpAddr::V4(t.hub_agent_addr()), super::KUBE_API_PORT);
+                self.kube_forwarder = Some(Supervised::start(
+                    ProcessSpec::new("kube-api-forwarder", &self.binaries.e2e)
+                        .args([
+                            "balance".to_string(),
+                            "--listen".into(),
+                            listen.to_string(),
+                            "--backend".into(),
+                            api.addr().to_string(),
+                        ])
+                        .in_netns(self.summary.hub_netns.clone()),
+                    &self.logs,
+                )?);
+                listen
+            }
+            None => api.addr(),
+        };
+        let direct = api.kubeconfigs(None);
+        let for_clusters = api.kubeconfigs(Some(cluster_api_addr));
+
+        // What a user's `helm install` puts on the hub besides the
+        // addon-manager's own objects: the MPC and the placement.
+        let mut sans = vec![
+            self.summary.hub_addr.to_string(),
+            self.summary.agent_service_addr.ip().to_string(),
+        ];
+        sans.dedup();
+        let mpc =
+            managed_proxy_configuration(options.replicas, self.summary.agent_service_addr, &sans);
+        let mpcs: Api<cluster_proxy_proto::api::proxy::v1alpha1::ManagedProxyConfiguration> =
+            Api::all(admin.clone());
+        mpcs.patch(
+            "cluster-proxy",
+            &PatchParams::apply("helm"),
+            &Patch::Apply(&mpc),
+        )
+        .await
+        .map_err(|e| api_err(format!("applying the ManagedProxyConfiguration: {e}")))?;
+        let placement = json!({
+            "apiVersion": "cluster.open-cluster-management.io/v1beta1",
+            "kind": "Placement",
+            "metadata": {"name": "cluster-proxy-placement", "namespace": super::ADDON_NAMESPACE},
+            "spec": {"clusterSets": ["global"]},
+        });
+        Api::<cluster_proxy_proto::api::cluster::v1beta1::Placement>::namespaced(
+            admin.clone(),
+            super::ADDON_NAMESPACE,
+        )
+        .patch(
+            "cluster-proxy-placement",
+            &PatchParams::apply("helm"),
+            &Patch::Apply(&placement),
+        )
+        .await
+        .map_err(|e| api_err(format!("applying the Placement: {e}")))?;
+
+        let addon_manager = self.binaries.dir.join("addon-manager");
+        self.addon_manager = Some(Supervised::start(
+            ProcessSpec::new("addon-manager", &addon_manager)
+                .args(super::addon_manager_args())
+                .env("KUBECONFIG", api.kubeconfig_path().display().to_string())
+                .env("POD_NAMESPACE", super::ADDON_NAMESPACE)
+                .in_netns(self.summary.hub_netns.clone()),
+            &self.logs,
+        )?);
+
+        let machines = machine_names
+            .iter()
+            .enumerate()
+            .map(|(i, _)| match &self.topology {
+                Some(t) => Machine {
+                    netns: Some(t.cluster_netns(i)),
+                    service_ip: IpAddr::V4(super::netns::CLUSTER_SERVICE_ADDR),
+                },
+                None => Machine {
+                    netns: None,
+                    service_ip: IpAddr::V4(std::net::Ipv4Addr::new(127, 18, slot, 10 + i as u8)),
+                },
+            })
+            .collect();
+        let client_pki = self.summary.state_dir.join("hub").join("client-pki");
+        let ocm = OcmContext {
+            admin: admin.clone(),
+            kubeconfig_for: Arc::new(move |user, groups| {
+                direct.write(user, groups).map_err(|e| e.to_string())
+            }),
+            cluster_kubeconfig_for: Arc::new(move |user, groups| {
+                for_clusters.write(user, groups).map_err(|e| e.to_string())
+            }),
+            binaries: self.binaries.clone(),
+            logs: self.logs.clone(),
+            state_dir: self.summary.state_dir.clone(),
+            credential_reload_interval: options.credential_reload_interval.clone(),
+            lease_duration: ENV_LEASE_DURATION,
+        };
+        self.control_plane = Some(ControlPlane::start(ControlPlaneSetup {
+            ocm,
+            hub_namespace: super::ADDON_NAMESPACE.to_string(),
+            hub_ip: self.summary.hub_addr,
+            hub_netns: self.summary.hub_netns.clone(),
+            machines: MachinePool::new(machines),
+            client_pki: client_pki.clone(),
+        }));
+        for name in &options.clusters {
+            join(&admin, name)
+                .await
+                .map_err(|e| api_err(format!("ManagedCluster {name}: {e}")))?;
+        }
+        self.summary.pki_dir = client_pki;
+        self.summary.servers = (0..options.replicas)
+            .map(|i| (format!("cluster-proxy-{i}"), ReplicaPorts::of(i)))
+            .collect();
+        Ok(())
+    }
+}
+
+/// One managed cluster as `up` and `e2e status` show it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClusterRow {
+    pub name: String,
+    /// The addon's `Available` condition: status and reason.
+    pub available: String,
+    /// The addon's other conditions, `Type=Status` each.
+    pub conditions: Vec<String>,
+}
+
+/// The addon status of every ManagedCluster, from the hub API.
+pub async fn addon_status(client: &Client) -> Result<Vec<ClusterRow>, kube::Error> {
+    use cluster_proxy_proto::api::addon::v1alpha1::ManagedClusterAddOn;
+    let clusters = Api::<ManagedCluster>::all(client.clone())
+        .list(&ListParams::default())
+        .await?;
+    let mut rows = Vec::new();
+    for cluster in clusters.items {
+        let name = cluster.name_any();
+        let addon = Api::<ManagedClusterAddOn>::namespaced(client.clone(), &name)
+            .get_opt(ocm::ADDON_NAME)
+            .await
+            .unwrap_or(None);
+        let conditions: Vec<_> = addon
+            .as_ref()
+            .and_then(|a| a.status.as_ref())
+            .map(|s| s.conditions.clone().unwrap_or_default())
+            .unwrap_or_default();
+        let available = conditions
+            .iter()
+            .find(|c| c.type_ == "Available")
+            .map(|c| format!("{} ({})", c.status, c.reason))
+            .unwrap_or_else(|| match addon {
+                Some(_) => "no condition yet".into(),
+                None => "not installed".into(),
+            });
+        rows.push(ClusterRow {
+            name,
+            available,
+            conditions: conditions
+                .iter()
+                .filter(|c| c.type_ != "Available")
+                .map(|c| format!("{}={}", c.type_, c.status))
+                .collect(),
+        });
+    }
+    Ok(rows)
+}
+
+impl super::Environment {
+    /// The admin client of the in-memory API.
+    pub async fn admin_client(&self) -> Result<Client, super::EnvError> {
+        let api = self
+            .kube_api
+            .as_ref()
+            .ok_or_else(|| super::EnvError::KubeApi("no in-memory API".into()))?;
+        api.client()
+            .await
+            .map_err(|e| super::EnvError::KubeApi(e.to_string()))
+    }
+
+    /// The machine (service address) a joined cluster runs on.
+    pub async fn machine_of(&self, cluster: &str) -> Option<Machine> {
+        let control_plane = self.control_plane.as_ref()?;
+        let klusterlets = control_plane.klusterlets.lock().await;
+        klusterlets.get(cluster).map(|k| k.machine.clone())
+    }
+
+    /// Waits until the addon of every cluster in `clusters` is `Available`
+    /// and each answers through every one of `replicas` proxy-server
+    /// replicas: the whole control-plane path, end to end.
+    pub async fn wait_clusters_ready(
+        &self,
+        clusters: &[String],
+        replicas: usize,
+        timeout: Duration,
+    ) -> Result<Duration, super::EnvError> {
+        let started = std::time::Instant::now();
+        let admin = self.admin_client().await?;
+        loop {
+            let mut missing = Vec::new();
+            let rows = addon_status(&admin).await.unwrap_or_default();
+            for name in clusters {
+                match rows.iter().find(|r| &r.name == name) {
+                    Some(row) if row.available.starts_with("True") => {}
+                    Some(row) => missing.push(format!("{name}: addon Available {}", row.available)),
+                    None => missing.push(format!("{name}: no ManagedCluster")),
+                }
+            }
+            if missing.is_empty() {
+                match self.hub_client() {
+                    Ok(client) => {
+                        let client = client.with_timeout(Duration::from_secs(2));
+                        for replica in 0..replicas {
+                            let addr = replica_client_addr(self.summary.hub_addr, replica);
+                            for name in clusters {
+                                if let Err(err) = reachable(&client, addr, name).await {
+                                    missing
+                                        .push(format!("{name} via cluster-proxy-{replica}: {err}"));
+                                }
+                            }
+                        }
+                    }
+                    Err(err) => missing.push(format!("hub client credentials: {err}")),
+                }
+            }
+            if missing.is_empty() {
+                return Ok(started.elapsed());
+            }
+            if started.elapsed() > timeout {
+                return Err(super::EnvError::NotReady(format!(
+                    "not ready after {timeout:?}:\n  {}",
+                    missing.join("\n  ")
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+    }
+}
+
+/// Whether cluster `name`'s sample HTTP service answers through the
+/// replica at `addr` over gRPC.
+pub async fn reachable(
+    client: &super::client::HubClient,
+    addr: SocketAddr,
+    name: &str,
+) -> Result<(), String> {
+    let target = format!("{name}:{}", super::sample::HTTP_PORT);
+    match client
+        .http_get(super::client::Frontend::Grpc, addr, &target, "/")
+        .await
+    {
+        Ok(body) if body == super::sample::greeting(name) => Ok(()),
+        Ok(body) => Err(format!("{target} answered {body:?}")),
+        Err(err) => Err(err.to_string()),
+    }
+}
+
+impl super::Environment {
+    /// With the control plane: `summary.clusters` (and `env.json`) from the
+    /// clusters that have joined so far.
+    pub async fn refresh_cluster_summaries(&mut self) -> Result<(), super::EnvError> {
+        let Some(control_plane) = &self.control_plane else {
+            return Ok(());
+        };
+        let clusters: Vec<super::ClusterSummary> = control_plane
+            .klusterlets
+            .lock()
+            .await
+            .values()
+            .map(|k| super::ClusterSummary {
+                name: k.name.clone(),
+                netns: k.machine.netns.clone(),
+                service_ip: k.machine.service_ip,
+                apiserver_ca: cluster_dir(&self.summary.state_dir, &k.name).join("ca.crt"),
+            })
+            .collect();
+        if clusters
+            .iter()
+            .map(|c| &c.name)
+            .ne(self.summary.clusters.iter().map(|c| &c.name))
+        {
+            self.summary.clusters = clusters;
+            let path = super::Summary::file(&self.summary.state_dir);
+            let text = serde_json::to_string_pretty(&self.summary)
+                .map_err(|e| super::EnvError::Pki(e.to_string()))?;
+            std::fs::write(&path, text).map_err(super::io(path.display().to_string()))?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,832 @@
+//! The parts of OCM that no cluster here runs, played by the environment so
+//! that the real control plane (addon-manager, cert-authority) can install
+//! cluster-proxy on "managed clusters" that are only processes:
+//!
+//! * the **placement controller**: every `Placement` gets a
+//!   `PlacementDecision` (`<placement>-decision-1`, labelled with the
+//!   placement) listing the `ManagedCluster`s its predicates' label
+//!   selectors match (all clusters when it has none);
+//! * the **registration agent** of each managed cluster: it accepts the
+//!   cluster (`hubAcceptsClient`, the cluster namespace, the cluster's
+//!   conditions), asks for the addon's agent certificate with a CSR made as
+//!   the cluster's own identity and with the subject the addon's
+//!   `status.registrations` asks for (a changed subject — after a CA
+//!   rollover — asks again), writes the addon's hub kubeconfig, and turns
+//!   the addon Lease into the `Available` condition as OCM does (True while
+//!   `renewTime` is within 5 lease durations, False after, Unknown without
+//!   a Lease);
+//! * the **work agent** of each managed cluster: it applies the addon's
+//!   `ManifestWork` — its Secrets become Secret volumes, its Deployment runs
+//!   through [`kubelet`](super::kubelet) — and reports `Applied`/`Available`
+//!   on the work.
+//!
+//! The managed clusters have no API server of their own here, so the
+//! addon-agent renews the hub Lease `<cluster>/cluster-proxy` (upstream's
+//! fallback) and the registration agent reads that one.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use cluster_proxy_proto::api::addon::v1alpha1::{
+    CONDITION_AVAILABLE, ManagedClusterAddOn, REASON_LEASE_NOT_FOUND, REASON_LEASE_UPDATE_STOPPED,
+    REASON_LEASE_UPDATED,
+};
+use cluster_proxy_proto::api::cluster::v1::ManagedCluster;
+use cluster_proxy_proto::api::cluster::v1beta1::{LABEL_PLACEMENT, Placement, PlacementDecision};
+use cluster_proxy_proto::api::work::v1::ManifestWork;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::certificates::v1::CertificateSigningRequest;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{Namespace, Secret};
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::{Api, Client, ResourceExt};
+use serde_json::{Value, json};
+use time::OffsetDateTime;
+
+use super::binaries::Binaries;
+use super::kubelet::{DeploymentRunner, PodPlacement, RunnerStatus, SecretVolumes};
+use super::process::{Logs, Supervised};
+use crate::kubeapi::selector::LabelSelector;
+
+/// The addon this environment installs.
+pub const ADDON_NAME: &str = "cluster-proxy";
+/// The ManifestWork addon-framework names for the addon's agent.
+pub const AGENT_WORK_NAME: &str = "addon-cluster-proxy-deploy-0";
+/// The agent Deployment in that work.
+pub const AGENT_DEPLOYMENT: &str = "cluster-proxy-proxy-agent";
+/// The Secret the registration agent keeps the agent certificate in.
+pub const AGENT_CERT_SECRET: &str =
+    "cluster-proxy-open-cluster-management.io-proxy-agent-signer-client-cert";
+/// The Secret the registration agent keeps the addon's hub kubeconfig in.
+pub const HUB_KUBECONFIG_SECRET: &str = "cluster-proxy-hub-kubeconfig";
+const PROXY_AGENT_SIGNER: &str = "open-cluster-management.io/proxy-agent-signer";
+const KUBE_CLIENT_SIGNER: &str = "kubernetes.io/kube-apiserver-client";
+/// Field managers of the emulated OCM agents.
+const REGISTRATION_MANAGER: &str = "registration-agent";
+const WORK_MANAGER: &str = "work-agent";
+const PLACEMENT_MANAGER: &str = "placement-controller";
+/// OCM's grace: an addon is unavailable after this many lease durations.
+const LEASE_GRACE_DURATIONS: i64 = 5;
+
+#[derive(Debug, thiserror::Error)]
+pub enum OcmError {
+    #[error("Kubernetes API: {0}")]
+    Api(#[from] kube::Error),
+    #[error("{0}")]
+    Other(String),
+}
+
+fn is_not_found(err: &kube::Error) -> bool {
+    matches!(err, kube::Error::Api(s) if s.code == 404)
+}
+
+fn is_conflict(err: &kube::Error) -> bool {
+    matches!(err, kube::Error::Api(s) if s.code == 409)
+}
+
+fn rfc3339(t: OffsetDateTime) -> String {
+    t.format(&time::format_description::well_known::Rfc3339)
+        .unwrap_or_default()
+}
+
+/// A label selector object (`matchLabels`, `matchExpressions`) in the text
+/// form the in-memory API's selector parses.
+fn selector_text(selector: &Value) -> String {
+    let mut terms = Vec::new();
+    if let Some(labels) = selector.get("matchLabels").and_then(Value::as_object) {
+        for (k, v) in labels {
+            terms.push(format!("{k}={}", v.as_str().unwrap_or_default()));
+        }
+    }
+    for expression in selector
+        .get("matchExpressions")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
+        let key = expression.get("key").and_then(Value::as_str).unwrap_or("");
+        let values: Vec<&str> = expression
+            .get("values")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+            .filter_map(Value::as_str)
+            .collect();
+        match expression.get("operator").and_then(Value::as_str) {
+            Some("In") => terms.push(format!("{key} in ({})", values.join(","))),
+            Some("NotIn") => terms.push(format!("{key} notin ({})", values.join(","))),
+            Some("Exists") => terms.push(key.to_string()),
+            Some("DoesNotExist") => terms.push(format!("!{key}")),
+            _ => {}
+        }
+    }
+    terms.join(",")
+}
+
+/// The clusters `placement` selects among `clusters` (JSON objects).
+pub fn placement_selects(placement: &Value, clusters: &[Value]) -> BTreeSet<String> {
+    let predicates: Vec<&Value> = placement
+        .pointer("/spec/predicates")
+        .and_then(Value::as_array)
+        .map(|p| p.iter().collect())
+        .unwrap_or_default();
+    let selectors: Vec<Option<LabelSelector>> = predicates
+        .iter()
+        .map(|p| {
+            let selector = p.pointer("/requiredClusterSelector/labelSelector")?;
+            LabelSelector::parse(&selector_text(selector)).ok()
+        })
+        .collect();
+    clusters
+        .iter()
+        .filter(|c| c.pointer("/metadata/deletionTimestamp").is_none())
+        .filter(|c| {
+            selectors.is_empty()
+                || selectors
+                    .iter()
+                    .any(|s| s.as_ref().is_none_or(|s| s.matches(c)))
+        })
+        .filter_map(|c| c.pointer("/metadata/name")?.as_str().map(String::from))
+        .collect()
+}
+
+/// One pass of the placement controller.
+pub async fn sync_placements(client: &Client) -> Result<(), OcmError> {
+    let clusters: Vec<Value> = Api::<ManagedCluster>::all(client.clone())
+        .list(&ListParams::default())
+        .await?
+        .items
+        .iter()
+        .filter_map(|c| serde_json::to_value(c).ok())
+        .collect();
+    let placements = Api::<Placement>::all(client.clone())
+        .list(&ListParams::default())
+        .await?;
+    for placement in placements.items {
+        let (Some(name), Some(namespace)) = (
+            placement.metadata.name.clone(),
+            placement.metadata.namespace.clone(),
+        ) else {
+            continue;
+        };
+        let value = serde_json::to_value(&placement).unwrap_or(Value::Null);
+        let selected = placement_selects(&value, &clusters);
+        let decisions: Api<PlacementDecision> = Api::namespaced(client.clone(), &namespace);
+        let decision_name = format!("{name}-decision-1");
+        let wanted: Vec<Value> = selected
+            .iter()
+            .map(|c| json!({"clusterName": c, "reason": ""}))
+            .collect();
+        let current = decisions.get_opt(&decision_name).await?;
+        let current_names: BTreeSet<String> = current
+            .as_ref()
+            .and_then(|d| d.status.as_ref())
+            .map(|s| {
+                s.decisions
+                    .iter()
+                    .flatten()
+                    .map(|d| d.cluster_name.clone())
+                    .collect()
+            })
+            .unwrap_or_default();
+        let params = PatchParams::apply(PLACEMENT_MANAGER).force();
+        if current.is_none() {
+            let object = json!({
+                "apiVersion": "cluster.open-cluster-management.io/v1beta1",
+                "kind": "PlacementDecision",
+                "metadata": {"name": decision_name, "namespace": namespace,
+                    "labels": {LABEL_PLACEMENT: name}},
+            });
+            decisions
+                .patch(&decision_name, &params, &Patch::Apply(&object))
+                .await?;
+        }
+        if current.is_none() || current_names != selected {
+            let status = json!({
+                "apiVersion": "cluster.open-cluster-management.io/v1beta1",
+                "kind": "PlacementDecision",
+                "metadata": {"name": decision_name, "namespace": namespace},
+                "status": {"decisions": wanted},
+            });
+            decisions
+                .patch_status(&decision_name, &params, &Patch::Apply(&status))
+                .await?;
+            let placements: Api<Placement> = Api::namespaced(client.clone(), &namespace);
+            let status = json!({
+                "apiVersion": "cluster.open-cluster-management.io/v1beta1",
+                "kind": "Placement",
+                "metadata": {"name": name, "namespace": namespace},
+                "status": {"numberOfSelectedClusters": selected.len()},
+            });
+            placements
+                .patch_status(&name, &params, &Patch::Apply(&status))
+                .await?;
+        }
+    }
+    Ok(())
+}
+
+/// Writes a kubeconfig for a user in groups and returns its path.
+pub type KubeconfigFn = Arc<dyn Fn(&str, &[&str]) -> Result<PathBuf, String> + Send + Sync>;
+
+/// Where a managed cluster's processes live.
+#[derive(Debug, Clone)]
+pub struct Machine {
+    pub netns: Option<String>,
+    /// Where its services (and its agent's ports) listen.
+    pub service_ip: IpAddr,
+}
+
+/// What the emulated agents need to know about the environment.
+#[derive(Clone)]
+pub struct OcmContext {
+    /// The hub API as administrator (the OCM controllers' own rights).
+    pub admin: Client,
+    /// Makes a kubeconfig for `user` in `groups` (for this process).
+    pub kubeconfig_for: KubeconfigFn,
+    /// The same, with the API's address as the managed clusters reach it
+    /// (for the agents' processes).
+    pub cluster_kubeconfig_for: KubeconfigFn,
+    pub binaries: Binaries,
+    pub logs: Logs,
+    pub state_dir: PathBuf,
+    /// How often servers and agents look for new credential files.
+    pub credential_reload_interval: String,
+    /// The addon Lease duration the environment gives addon-agents (short,
+    /// so `Available` follows quickly).
+    pub lease_duration: Duration,
+}
+
+/// The status of one managed cluster, as `up` prints it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ClusterStatus {
+    pub agent: RunnerStatus,
+    pub certificate: Option<String>,
+    pub available: Option<String>,
+}
+
+/// The registration and work agents of one managed cluster.
+pub struct Klusterlet {
+    pub name: String,
+    pub machine: Machine,
+    pub services: Supervised,
+    volumes: SecretVolumes,
+    runner: DeploymentRunner,
+    /// The agent key and the subject of the CSR in flight, if any.
+    pending_csr: Option<(String, String, String)>,
+    /// The subject the current agent certificate was issued for.
+    issued_subject: Option<String>,
+    cert_not_after: Option<OffsetDateTime>,
+    cert_not_before: Option<OffsetDateTime>,
+    hub_kubeconfig_written: bool,
+    pub status: ClusterStatus,
+}
+
+struct AgentPlacement {
+    cluster: String,
+    machine: Machine,
+    namespace: String,
+    credential_reload_interval: String,
+    lease_duration: Duration,
+}
+
+/// The proxy-agent's health and admin ports of pod `index`.
+pub fn agent_ports(index: usize) -> (u16, u16) {
+    let step = 10 * index as u16;
+    (super::AGENT_PORTS.0 + step, super::AGENT_PORTS.1 + step)
+}
+
+impl PodPlacement for AgentPlacement {
+    fn extra_args(&self, index: usize, container: &str) -> Vec<String> {
+        let ip = self.machine.service_ip;
+        let (health, admin) = agent_ports(index);
+        match container {
+            "proxy-agent" => vec![
+                format!("--health-server-host={ip}"),
+                format!("--health-server-port={health}"),
+                format!("--admin-bind-address={ip}"),
+                format!("--admin-server-port={admin}"),
+                // The ExternalName Service `<cluster>` and its namespaced
+                // name lead to the cluster's (stand-in) kube-apiserver.
+                format!("--host-alias={}={ip}", self.cluster),
+                format!("--host-alias={}.{}={ip}", self.cluster, self.namespace),
+                format!(
+                    "--credential-reload-interval={}",
+                    self.credential_reload_interval
+                ),
+                "--keepalive-time=10s".into(),
+            ],
+            "addon-agent" => vec![
+                format!("--proxy-agent-health-url=http://{ip}:{health}/readyz"),
+                format!("--lease-duration={}s", self.lease_duration.as_secs().max(1)),
+                "--health-port=0".into(),
+            ],
+            _ => Vec::new(),
+        }
+    }
+
+    fn netns(&self) -> Option<String> {
+        self.machine.netns.clone()
+    }
+}
+
+impl Klusterlet {
+    pub fn new(name: &str, machine: Machine, services: Supervised, dir: PathBuf) -> Self {
+        Klusterlet {
+            name: name.to_string(),
+            machine,
+            services,
+            volumes: SecretVolumes::new(dir.join("secrets")),
+            runner: DeploymentRunner::new(name),
+            pending_csr: None,
+            issued_subject: None,
+            cert_not_after: None,
+            cert_not_before: None,
+            hub_kubeconfig_written: false,
+            status: ClusterStatus::default(),
+        }
+    }
+
+    /// The cluster's own registration identity on the hub.
+    fn registration_user(&self) -> String {
+        format!(
+            "system:open-cluster-management:{}:registration-agent",
+            self.name
+        )
+    }
+
+    /// Accepts the cluster as OCM's hub controllers and the cluster admin
+    /// do: the cluster namespace, and the cluster's conditions.
+    pub async fn accept(&self, ctx: &OcmContext) -> Result<(), OcmError> {
+        let namespaces: Api<Namespace> = Api::all(ctx.admin.clone());
+        let namespace = json!({"apiVersion": "v1", "kind": "Namespace",
+            "metadata": {"name": self.name}});
+        namespaces
+            .patch(
+                &self.name,
+                &PatchParams::apply(REGISTRATION_MANAGER),
+                &Patch::Apply(&namespace),
+            )
+            .await?;
+        let now = rfc3339(OffsetDateTime::now_utc());
+        let condition = |type_: &str, reason: &str| {
+            json!({"type": type_, "status": "True", "reason": reason,
+                "message": reason, "lastTransitionTime": now})
+        };
+        let status = json!({
+            "apiVersion": "cluster.open-cluster-management.io/v1",
+            "kind": "ManagedCluster",
+            "metadata": {"name": self.name},
+            "status": {"conditions": [
+                condition("HubAcceptedManagedCluster", "HubClusterAdminAccepted"),
+                condition("ManagedClusterJoined", "ManagedClusterJoined"),
+                condition("ManagedClusterConditionAvailable", "ManagedClusterAvailable"),
+            ]},
+        });
+        let clusters: Api<ManagedCluster> = Api::all(ctx.admin.clone());
+        let current = clusters.get(&self.name).await?;
+        let joined = current.status.as_ref().is_some_and(|s| {
+            s.conditions
+                .iter()
+                .flatten()
+                .any(|c| c.type_ == "ManagedClusterJoined")
+        });
+        if !joined {
+            clusters
+                .patch_status(
+                    &self.name,
+                    &PatchParams::apply(REGISTRATION_MANAGER).force(),
+                    &Patch::Apply(&status),
+                )
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// One pass of the cluster's registration and work agents.
+    pub async fn sync(&mut self, ctx: &OcmContext) {
+        let addon = match Api::<ManagedClusterAddOn>::namespaced(ctx.admin.clone(), &self.name)
+            .get_opt(ADDON_NAME)
+            .await
+        {
+            Ok(addon) => addon,
+            Err(err) => {
+                tracing::debug!("{}: reading the addon: {err}", self.name);
+                return;
+            }
+        };
+        if let Some(addon) = &addon {
+            if let Err(err) = self.register(ctx, addon).await {
+                tracing::warn!("{}: registration: {err}", self.name);
+            }
+        }
+        if let Err(err) = self.apply_work(ctx).await {
+            tracing::warn!("{}: work: {err}", self.name);
+        }
+        if let Some(addon) = &addon {
+            if let Err(err) = self.report_lease(ctx, addon).await {
+                tracing::warn!("{}: lease: {err}", self.name);
+            }
+        }
+    }
+
+    /// The subject the addon's proxy-agent-signer registration asks for:
+    /// (common name, organizations, organizational units).
+    fn wanted_subject(addon: &ManagedClusterAddOn) -> Option<(String, Vec<String>, Vec<String>)> {
+        let registrations = serde_json::to_value(addon.status.as_ref()?)
+            .ok()?
+            .get("registrations")?
+            .clone();
+        let registration = registrations
+            .as_array()?
+            .iter()
+            .find(|r| r.get("signerName").and_then(Value::as_str) == Some(PROXY_AGENT_SIGNER))?
+            .clone();
+        let subject = registration.get("subject")?;
+        let strings = |key: &str| -> Vec<String> {
+            subject
+                .get(key)
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten()
+                .filter_map(Value::as_str)
+                .map(String::from)
+                .collect()
+        };
+        Some((
+            subject.get("user").and_then(Value::as_str)?.to_string(),
+            strings("groups"),
+            strings("organizationUnit"),
+        ))
+    }
+
+    fn wants_kube_client(addon: &ManagedClusterAddOn) -> bool {
+        serde_json::to_value(addon.status.as_ref())
+            .ok()
+            .and_then(|s| s.get("registrations").cloned())
+            .and_then(|r| r.as_array().cloned())
+            .is_some_and(|r| {
+                r.iter().any(|r| {
+                    r.get("signerName").and_then(Value::as_str) == Some(KUBE_CLIENT_SIGNER)
+                })
+            })
+    }
+
+    async fn register(
+        &mut self,
+        ctx: &OcmContext,
+        addon: &ManagedClusterAddOn,
+    ) -> Result<(), OcmError> {
+        if Self::wants_kube_client(addon) && !self.hub_kubeconfig_written {
+            // OCM gets this through a kube-apiserver-client CSR; the
+            // in-memory API authenticates by token, so the registration
+            // agent writes a token kubeconfig for the same identity.
+            let user = format!(
+                "system:open-cluster-management:cluster:{}:addon:{ADDON_NAME}:agent:addon-agent",
+                self.name
+            );
+            let group = format!(
+                "system:open-cluster-management:cluster:{}:addon:{ADDON_NAME}",
+                self.name
+            );
+            let path = (ctx.cluster_kubeconfig_for)(
+                &user,
+                &[
+                    &group,
+                    &format!("system:open-cluster-management:addon:{ADDON_NAME}"),
+                    "system:authenticated",
+                ],
+            )
+            .map_err(OcmError::Other)?;
+            let text = std::fs::read(&path)
+                .map_err(|e| OcmError::Other(format!("{}: {e}", path.display())))?;
+            let data: BTreeMap<String, Vec<u8>> = [("kubeconfig".to_string(), text)].into();
+            self.volumes
+                .write_data(HUB_KUBECONFIG_SECRET, &data)
+                .map_err(|e| OcmError::Other(e.to_string()))?;
+            self.hub_kubeconfig_written = true;
+        }
+
+        let Some((user, groups, units)) = Self::wanted_subject(addon) else {
+            return Ok(());
+        };
+        let subject = format!("{user}|{}|{}", groups.join(","), units.join(","));
+        let now = OffsetDateTime::now_utc();
+        let renew_due = match (self.cert_not_before, self.cert_not_after) {
+            // The klusterlet renews when 20 % or less of the life is left.
+            (Some(from), Some(to)) => now >= to - (to - from) * 0.2,
+            _ => true,
+        };
+        let current = self.issued_subject.as_deref() == Some(subject.as_str())
+            && self.volumes.exists(AGENT_CERT_SECRET);
+        if current && !renew_due {
+            self.pending_csr = None;
+            return Ok(());
+        }
+        let client = crate::kubeapi::KubeApi::client_from(
+            &(ctx.kubeconfig_for)(
+                &self.registration_user(),
+                &[
+                    &format!("system:open-cluster-management:{}", self.name),
+                    "system:open-cluster-management:managed-clusters",
+                    "system:authenticated",
+                ],
+            )
+            .map_err(OcmError::Other)?,
+        )
+        .await
+        .map_err(|e| OcmError::Other(e.to_string()))?;
+        let csrs: Api<CertificateSigningRequest> = Api::all(client);
+        match self.pending_csr.clone() {
+            Some((name, key_pem, pending_subject)) if pending_subject == subject => {
+                let Some(csr) = csrs.get_opt(&name).await? else {
+                    self.pending_csr = None;
+                    return Ok(());
+                };
+                let Some(cert) = csr.status.as_ref().and_then(|s| s.certificate.as_ref()) else {
+                    return Ok(());
+                };
+                let pem = String::from_utf8_lossy(&cert.0).into_owned();
+                let (from, to) = validity(&pem).ok_or_else(|| {
+                    OcmError::Other(format!("CSR {name}: the issued certificate does not parse"))
+                })?;
+                let data: BTreeMap<String, Vec<u8>> = [
+                    ("tls.crt".to_string(), cert.0.clone()),
+                    ("tls.key".to_string(), key_pem.into_bytes()),
+                ]
+                .into();
+                self.volumes
+                    .write_data(AGENT_CERT_SECRET, &data)
+                    .map_err(|e| OcmError::Other(e.to_string()))?;
+                self.issued_subject = Some(subject);
+                self.cert_not_before = Some(from);
+                self.cert_not_after = Some(to);
+                self.pending_csr = None;
+                self.status.certificate = Some(format!("issued, valid until {}", rfc3339(to)));
+            }
+            _ => {
+                let (csr_pem, key_pem) = make_csr(&user, &groups, &units)?;
+                let object: CertificateSigningRequest = serde_json::from_value(json!({
+                    "metadata": {
+                        "generateName": format!("addon-{}-{ADDON_NAME}-", self.name),
+                        "labels": {
+                            "open-cluster-management.io/cluster-name": self.name,
+                            "open-cluster-management.io/addon-name": ADDON_NAME,
+                        },
+                    },
+                    "spec": {
+                        "signerName": PROXY_AGENT_SIGNER,
+                        "request": base64_encode(csr_pem.as_bytes()),
+                        "usages": ["digital signature", "key encipherment", "client auth"],
+                    },
+                }))
+                .map_err(|e| OcmError::Other(e.to_string()))?;
+                let created = csrs.create(&PostParams::default(), &object).await?;
+                self.status.certificate = Some(format!(
+                    "requested (CSR {}), waiting for approval and signing",
+                    created.name_any()
+                ));
+                self.pending_csr = Some((created.name_any(), key_pem, subject));
+            }
+        }
+        Ok(())
+    }
+
+    async fn apply_work(&mut self, ctx: &OcmContext) -> Result<(), OcmError> {
+        let works: Api<ManifestWork> = Api::namespaced(ctx.admin.clone(), &self.name);
+        let work = works.get_opt(AGENT_WORK_NAME).await?;
+        let work = work.filter(|w| w.metadata.deletion_timestamp.is_none());
+        let mut deployment: Option<Deployment> = None;
+        let mut namespace = String::new();
+        if let Some(work) = &work {
+            for manifest in work
+                .spec
+                .workload
+                .iter()
+                .flat_map(|w| w.manifests.iter().flatten())
+            {
+                let value = &manifest.0;
+                match value.get("kind").and_then(Value::as_str) {
+                    Some("Secret") => {
+                        if let Ok(secret) = serde_json::from_value::<Secret>(value.clone()) {
+                            self.volumes
+                                .write(&secret)
+                                .map_err(|e| OcmError::Other(e.to_string()))?;
+                        }
+                    }
+                    Some("Deployment")
+                        if value.pointer("/metadata/name").and_then(Value::as_str)
+                            == Some(AGENT_DEPLOYMENT) =>
+                    {
+                        let parsed: Deployment = serde_json::from_value(value.clone())
+                            .map_err(|e| OcmError::Other(format!("agent Deployment: {e}")))?;
+                        namespace = parsed.metadata.namespace.clone().unwrap_or_default();
+                        deployment = Some(parsed);
+                    }
+                    _ => {}
+                }
+            }
+        }
+        let placement = AgentPlacement {
+            cluster: self.name.clone(),
+            machine: self.machine.clone(),
+            namespace,
+            credential_reload_interval: ctx.credential_reload_interval.clone(),
+            lease_duration: ctx.lease_duration,
+        };
+        let status = self
+            .runner
+            .sync(
+                deployment.as_ref(),
+                &ctx.binaries,
+                &ctx.logs,
+                &self.volumes,
+                &placement,
+            )
+            .await;
+        let changed = status != self.status.agent;
+        self.status.agent = status.clone();
+        if let (Some(work), true) = (work, changed) {
+            let now = rfc3339(OffsetDateTime::now_utc());
+            let available = status.waiting.is_none() && status.running == status.desired;
+            let condition = |type_: &str, ok: bool, reason: &str, message: &str| {
+                json!({"type": type_, "status": if ok {"True"} else {"False"},
+                    "reason": reason, "message": message, "lastTransitionTime": now,
+                    "observedGeneration": work.metadata.generation})
+            };
+            let message = status.waiting.clone().unwrap_or_else(|| {
+                format!(
+                    "{} of {} agent pods running",
+                    status.running, status.desired
+                )
+            });
+            let patch = json!({
+                "apiVersion": "work.open-cluster-management.io/v1",
+                "kind": "ManifestWork",
+                "metadata": {"name": AGENT_WORK_NAME, "namespace": self.name},
+                "status": {"conditions": [
+                    condition("Applied", true, "AppliedManifestWorkComplete", "Apply manifest work complete"),
+                    condition("Available", available,
+                        if available {"ResourcesAvailable"} else {"ResourcesNotAvailable"}, &message),
+                ]},
+            });
+            match works
+                .patch_status(
+                    AGENT_WORK_NAME,
+                    &PatchParams::apply(WORK_MANAGER).force(),
+                    &Patch::Apply(&patch),
+                )
+                .await
+            {
+                Ok(_) => {}
+                Err(err) if is_not_found(&err) || is_conflict(&err) => {}
+                Err(err) => return Err(err.into()),
+            }
+        }
+        Ok(())
+    }
+
+    async fn report_lease(
+        &mut self,
+        ctx: &OcmContext,
+        addon: &ManagedClusterAddOn,
+    ) -> Result<(), OcmError> {
+        let leases: Api<Lease> = Api::namespaced(ctx.admin.clone(), &self.name);
+        let lease = leases.get_opt(ADDON_NAME).await?;
+        let now = OffsetDateTime::now_utc();
+        let (status, reason, message) = match lease.as_ref().and_then(|l| l.spec.as_ref()) {
+            None => (
+                "Unknown",
+                REASON_LEASE_NOT_FOUND,
+                format!("The status of {ADDON_NAME} add-on is unknown."),
+            ),
+            Some(spec) => {
+                let duration = i64::from(spec.lease_duration_seconds.unwrap_or(60));
+                let renewed = spec
+                    .renew_time
+                    .as_ref()
+                    .map(|t| t.0.as_second())
+                    .unwrap_or(0);
+                if renewed + LEASE_GRACE_DURATIONS * duration > now.unix_timestamp() {
+                    (
+                        "True",
+                        REASON_LEASE_UPDATED,
+                        format!("{ADDON_NAME} add-on is available."),
+                    )
+                } else {
+                    (
+                        "False",
+                        REASON_LEASE_UPDATE_STOPPED,
+                        format!("{ADDON_NAME} add-on is not available."),
+                    )
+                }
+            }
+        };
+        self.status.available = Some(format!("{status} ({reason})"));
+        let current = addon.status.as_ref().and_then(|s| {
+            s.conditions
+                .iter()
+                .flatten()
+                .find(|c| c.type_ == CONDITION_AVAILABLE)
+                .cloned()
+        });
+        if current
+            .as_ref()
+            .is_some_and(|c| c.status == status && c.reason == reason)
+        {
+            return Ok(());
+        }
+        let patch = json!({
+            "apiVersion": "addon.open-cluster-management.io/v1alpha1",
+            "kind": "ManagedClusterAddOn",
+            "metadata": {"name": ADDON_NAME, "namespace": self.name},
+            "status": {"conditions": [{
+                "type": CONDITION_AVAILABLE, "status": status, "reason": reason,
+                "message": message, "lastTransitionTime": rfc3339(now),
+            }]},
+        });
+        Api::<ManagedClusterAddOn>::namespaced(ctx.admin.clone(), &self.name)
+            .patch_status(
+                ADDON_NAME,
+                &PatchParams::apply(REGISTRATION_MANAGER).force(),
+                &Patch::Apply(&patch),
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// Stops the cluster's agents and services.
+    pub async fn stop(&mut self) {
+        self.runner.stop_all().await;
+        self.services.stop(Duration::from_secs(5)).await;
+    }
+
+    /// The agent pods' processes.
+    pub fn agent_processes(&self) -> impl Iterator<Item = &Supervised> {
+        self.runner.processes()
+    }
+
+    /// Every process of the cluster: its services and its agent pods.
+    pub fn processes(&self) -> impl Iterator<Item = &Supervised> {
+        std::iter::once(&self.services).chain(self.runner.processes())
+    }
+}
+
+/// Deletes the hub objects a departed cluster leaves behind, as OCM's hub
+/// controllers do when a ManagedCluster goes: its namespace (with the
+/// addon, the work and the Lease in it).
+pub async fn forget_cluster(client: &Client, name: &str) -> Result<(), OcmError> {
+    match Api::<Namespace>::all(client.clone())
+        .delete(name, &DeleteParams::default())
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(err) if is_not_found(&err) => Ok(()),
+        Err(err) => Err(err.into()),
+    }
+}
+
+fn base64_encode(bytes: &[u8]) -> String {
+    use base64::Engine;
+    base64::engine::general_purpose::STANDARD.encode(bytes)
+}
+
+/// A new key and a PEM CSR for the given subject.
+fn make_csr(user: &str, groups: &[String], units: &[String]) -> Result<(String, String), OcmError> {
+    let key = rcgen::KeyPair::generate().map_err(|e| OcmError::Other(e.to_string()))?;
+    let mut params = rcgen::CertificateParams::default();
+    params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, user);
+    for group in groups {
+        params
+            .distinguished_name
+            .push(rcgen::DnType::OrganizationName, group.as_str());
+    }
+    for unit in units {
+        params
+            .distinguished_name
+            .push(rcgen::DnType::OrganizationalUnitName, unit.as_str());
+    }
+    let csr = params
+        .serialize_request(&key)
+        .and_then(|csr| csr.pem())
+        .map_err(|e| OcmError::Other(e.to_string()))?;
+    Ok((csr, key.serialize_pem()))
+}
+
+/// The validity of a PEM certificate.
+fn validity(pem: &str) -> Option<(OffsetDateTime, OffsetDateTime)> {
+    let (_, der) = x509_parser::pem::parse_x509_pem(pem.as_bytes()).ok()?;
+    let cert = der.parse_x509().ok()?;
+    Some((
+        cert.validity().not_before.to_datetime(),
+        cert.validity().not_after.to_datetime(),
+    ))
+}
+
+/// Shared view of every klusterlet, for status printing and tests.
+pub type Klusterlets = Arc<tokio::sync::Mutex<BTreeMap<String, Klusterlet>>>;
