@@ -546,6 +546,81 @@ mod tests {
         assert_eq!(expand("$(UNCLOSED", &env), "$(UNCLOSED");
     }
 
+    fn binaries_in(dir: &Path) -> Binaries {
+        for name in ["proxy-server", "proxy-agent", "cert-authority", "e2e"] {
+            std::fs::write(dir.join(name), b"").unwrap();
+        }
+        Binaries::in_dir(dir).unwrap()
+    }
+
+    #[test]
+    fn a_pod_runs_the_named_binary_with_mounts_and_env_resolved() {
+        let bin = tempfile::tempdir().unwrap();
+        let volumes_dir = tempfile::tempdir().unwrap();
+        let volumes = SecretVolumes::new(volumes_dir.path());
+        let binaries = binaries_in(bin.path());
+        let deployment: Deployment = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "cluster-proxy", "namespace": "hub"},
+            "spec": {"replicas": 2, "selector": {}, "template": {"spec": {
+                "containers": [{
+                    "name": "proxy-server",
+                    "command": ["/proxy-server"],
+                    "args": ["--server-id=$(POD_NAME)", "--server-cert=/etc/server-pki/tls.crt",
+                             "--server-ca-cert=/etc/server-ca-pki/ca.crt", "--ns=$(NS)"],
+                    "env": [
+                        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                        {"name": "NS", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+                    ],
+                    "volumeMounts": [
+                        {"name": "server", "mountPath": "/etc/server-pki"},
+                        {"name": "ca", "mountPath": "/etc/server-ca-pki/"},
+                    ],
+                }],
+                "volumes": [
+                    {"name": "server", "secret": {"secretName": "proxy-server"}},
+                    {"name": "ca", "secret": {"secretName": "proxy-server-ca"}},
+                ],
+            }}},
+        }))
+        .unwrap();
+        assert_eq!(
+            required_secrets(&deployment),
+            BTreeSet::from(["proxy-server".to_string(), "proxy-server-ca".to_string()])
+        );
+        let plans = plan(&deployment, "cluster-proxy-1", &binaries, &volumes).unwrap();
+        assert_eq!(plans.len(), 1);
+        let plan = &plans[0];
+        assert_eq!(plan.program, bin.path().join("proxy-server"));
+        let server = volumes_dir.path().join("proxy-server/tls.crt");
+        let ca = volumes_dir.path().join("proxy-server-ca/ca.crt");
+        assert_eq!(
+            plan.args,
+            vec![
+                "--server-id=cluster-proxy-1".to_string(),
+                format!("--server-cert={}", server.display()),
+                format!("--server-ca-cert={}", ca.display()),
+                "--ns=hub".to_string(),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_container_without_a_known_binary_is_an_error_not_a_guess() {
+        let bin = tempfile::tempdir().unwrap();
+        let binaries = binaries_in(bin.path());
+        let volumes = SecretVolumes::new(bin.path().join("volumes"));
+        let deployment: Deployment = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "x"},
+            "spec": {"selector": {}, "template": {"spec": {"containers": [
+                {"name": "nginx", "image": "nginx"},
+                {"name": "other", "command": ["/usr/bin/unknown-tool"]},
+            ]}}},
+        }))
+        .unwrap();
+        let err = plan(&deployment, "x-0", &binaries, &volumes).unwrap_err();
+        assert!(err.to_string().contains("no command"), "{err}");
+    }
+
     #[test]
     fn secret_volume_keys_cannot_escape_and_stale_keys_go() {
         let dir = tempfile::tempdir().unwrap();

@@ -830,3 +830,70 @@ fn validity(pem: &str) -> Option<(OffsetDateTime, OffsetDateTime)> {
 
 /// Shared view of every klusterlet, for status printing and tests.
 pub type Klusterlets = Arc<tokio::sync::Mutex<BTreeMap<String, Klusterlet>>>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cluster(name: &str, labels: Value) -> Value {
+        json!({"metadata": {"name": name, "labels": labels}})
+    }
+
+    #[test]
+    fn a_placement_selects_by_its_predicates_label_selectors() {
+        let clusters = vec![
+            cluster("a", json!({"env": "prod", "name": "a"})),
+            cluster("b", json!({"env": "dev", "name": "b"})),
+            json!({"metadata": {"name": "gone", "deletionTimestamp": "2026-01-01T00:00:00Z"}}),
+        ];
+        let all = json!({"spec": {"clusterSets": ["global"]}});
+        assert_eq!(
+            placement_selects(&all, &clusters),
+            BTreeSet::from(["a".to_string(), "b".to_string()])
+        );
+        let prod = json!({"spec": {"predicates": [{"requiredClusterSelector": {"labelSelector":
+            {"matchLabels": {"env": "prod"}}}}]}});
+        assert_eq!(
+            placement_selects(&prod, &clusters),
+            BTreeSet::from(["a".to_string()])
+        );
+        let not_b = json!({"spec": {"predicates": [{"requiredClusterSelector": {"labelSelector":
+            {"matchExpressions": [{"key": "name", "operator": "NotIn", "values": ["b"]}]}}}]}});
+        assert_eq!(
+            placement_selects(&not_b, &clusters),
+            BTreeSet::from(["a".to_string()])
+        );
+        let either = json!({"spec": {"predicates": [
+            {"requiredClusterSelector": {"labelSelector": {"matchLabels": {"env": "dev"}}}},
+            {"requiredClusterSelector": {"labelSelector": {"matchExpressions":
+                [{"key": "env", "operator": "In", "values": ["prod"]}]}}},
+        ]}});
+        assert_eq!(placement_selects(&either, &clusters).len(), 2);
+    }
+
+    #[test]
+    fn an_agent_csr_carries_the_requested_subject() {
+        let (csr, key) = make_csr(
+            "open-cluster-management:cluster-proxy:proxy-agent",
+            &["open-cluster-management:cluster-proxy".to_string()],
+            &["signer-abc".to_string()],
+        )
+        .unwrap();
+        assert!(key.contains("PRIVATE KEY"));
+        let (_, der) = x509_parser::pem::parse_x509_pem(csr.as_bytes()).unwrap();
+        use x509_parser::prelude::FromDer;
+        let (_, request) =
+            x509_parser::certification_request::X509CertificationRequest::from_der(&der.contents)
+                .unwrap();
+        let subject = request.certification_request_info.subject.to_string();
+        assert!(
+            subject.contains("CN=open-cluster-management:cluster-proxy:proxy-agent"),
+            "{subject}"
+        );
+        assert!(subject.contains("OU=signer-abc"), "{subject}");
+        assert!(
+            subject.contains("O=open-cluster-management:cluster-proxy"),
+            "{subject}"
+        );
+    }
+}

@@ -1,0 +1,145 @@
+//! The OCM CustomResourceDefinitions the environment loads (`e2e/crds/ocm.yaml`)
+//! into the in-memory API: every kind the control plane uses is served with
+//! the real group, version, scope and status subresource, parses into the
+//! shared API types, and keeps each field manager's conditions when two
+//! managers write the same status — as the real CRDs' list-map conditions do.
+
+use cluster_proxy_proto::api::addon::v1alpha1::{
+    AddOnDeploymentConfig, ClusterManagementAddOn, ManagedClusterAddOn,
+};
+use cluster_proxy_proto::api::cluster::v1::ManagedCluster;
+use cluster_proxy_proto::api::cluster::v1beta1::{Placement, PlacementDecision};
+use cluster_proxy_proto::api::work::v1::ManifestWork;
+use e2e::kubeapi::{KubeApi, KubeApiOptions};
+use kube::Api;
+use kube::api::{ListParams, Patch, PatchParams};
+use serde_json::json;
+
+const OCM_CRDS: &str = include_str!("../crds/ocm.yaml");
+
+async fn api() -> (tempfile::TempDir, KubeApi, kube::Client) {
+    let dir = tempfile::tempdir().unwrap();
+    let api = KubeApi::start(KubeApiOptions::new(dir.path()))
+        .await
+        .unwrap();
+    assert_eq!(api.register_crds_from_yaml(OCM_CRDS).unwrap(), 9);
+    let client = api.client().await.unwrap();
+    (dir, api, client)
+}
+
+#[tokio::test]
+async fn every_ocm_kind_the_control_plane_uses_is_served() {
+    let (_dir, _api, client) = api().await;
+    // Cluster-scoped kinds list across the cluster, namespaced ones in a
+    // namespace: a wrong scope in the CRD would make one of these fail.
+    Api::<ManagedCluster>::all(client.clone())
+        .list(&ListParams::default())
+        .await
+        .unwrap();
+    Api::<ClusterManagementAddOn>::all(client.clone())
+        .list(&ListParams::default())
+        .await
+        .unwrap();
+    Api::<ManagedClusterAddOn>::namespaced(client.clone(), "default")
+        .list(&ListParams::default())
+        .await
+        .unwrap();
+    Api::<AddOnDeploymentConfig>::namespaced(client.clone(), "default")
+        .list(&ListParams::default())
+        .await
+        .unwrap();
+    Api::<ManifestWork>::namespaced(client.clone(), "default")
+        .list(&ListParams::default())
+        .await
+        .unwrap();
+    Api::<Placement>::namespaced(client.clone(), "default")
+        .list(&ListParams::default())
+        .await
+        .unwrap();
+    Api::<PlacementDecision>::namespaced(client.clone(), "default")
+        .list(&ListParams::default())
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn two_managers_conditions_on_one_addon_both_survive() {
+    let (_dir, _api, client) = api().await;
+    let addons: Api<ManagedClusterAddOn> = Api::namespaced(client, "default");
+    let object = |conditions: serde_json::Value| {
+        json!({
+            "apiVersion": "addon.open-cluster-management.io/v1alpha1",
+            "kind": "ManagedClusterAddOn",
+            "metadata": {"name": "cluster-proxy", "namespace": "default"},
+            "status": {"conditions": conditions},
+        })
+    };
+    addons
+        .patch(
+            "cluster-proxy",
+            &PatchParams::apply("addon-manager"),
+            &Patch::Apply(json!({
+                "apiVersion": "addon.open-cluster-management.io/v1alpha1",
+                "kind": "ManagedClusterAddOn",
+                "metadata": {"name": "cluster-proxy", "namespace": "default"},
+                "spec": {"installNamespace": "open-cluster-management-cluster-proxy"},
+            })),
+        )
+        .await
+        .unwrap();
+    let condition = |type_: &str, status: &str| {
+        json!({"type": type_, "status": status, "reason": "R", "message": "m",
+            "lastTransitionTime": "2026-11-23T00:00:00Z"})
+    };
+    addons
+        .patch_status(
+            "cluster-proxy",
+            &PatchParams::apply("addon-manager"),
+            &Patch::Apply(object(json!([condition("ManifestApplied", "True")]))),
+        )
+        .await
+        .unwrap();
+    addons
+        .patch_status(
+            "cluster-proxy",
+            &PatchParams::apply("registration-agent"),
+            &Patch::Apply(object(json!([condition("Available", "True")]))),
+        )
+        .await
+        .unwrap();
+    // The first manager writes its condition again, without the other's.
+    let addon = addons
+        .patch_status(
+            "cluster-proxy",
+            &PatchParams::apply("addon-manager"),
+            &Patch::Apply(object(json!([condition("ManifestApplied", "False")]))),
+        )
+        .await
+        .unwrap();
+    let conditions = addon.status.unwrap().conditions.unwrap_or_default();
+    let find = |t: &str| {
+        conditions
+            .iter()
+            .find(|c| c.type_ == t)
+            .map(|c| c.status.clone())
+    };
+    assert_eq!(find("ManifestApplied").as_deref(), Some("False"));
+    assert_eq!(
+        find("Available").as_deref(),
+        Some("True"),
+        "another manager's condition was dropped: {conditions:?}"
+    );
+    // A condition with a status outside True/False/Unknown is refused.
+    let err = addons
+        .patch_status(
+            "cluster-proxy",
+            &PatchParams::apply("addon-manager"),
+            &Patch::Apply(object(json!([condition("ManifestApplied", "Maybe")]))),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, kube::Error::Api(s) if s.code == 422),
+        "{err}"
+    );
+}
