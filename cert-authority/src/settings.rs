@@ -41,7 +41,7 @@ pub enum Command {
     Init(InitFlags),
     /// Keep a PKI current: renew leaves at 2/3 of their life or when their
     /// SANs change, and roll the CA over ahead of its expiry without an outage.
-    Run(RunFlags),
+    Run(Box<RunFlags>),
 }
 
 /// Where the PKI lives.
