@@ -433,7 +433,10 @@ const EVENT_NOTE_LIMIT: usize = 1024;
 
 /// Runs until `shutdown` completes: keeps the Lease, and while leading
 /// keeps the Secrets current (every `interval`, and at once when one of
-/// them changes) and signs approved CSRs as they come.
+/// them or the followed ManagedProxyConfiguration changes), writes the
+/// certificate conditions, and signs approved CSRs as they come. While the
+/// followed configuration is missing or unusable nothing is written or
+/// signed.
 pub async fn run(
     client: Client,
     options: KubeOptions,
