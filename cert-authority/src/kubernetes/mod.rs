@@ -435,8 +435,7 @@ const EVENT_NOTE_LIMIT: usize = 1024;
 /// keeps the Secrets current (every `interval`, and at once when one of
 /// them or the followed ManagedProxyConfiguration changes), writes the
 /// certificate conditions, and signs approved CSRs as they come. While the
-/// followed configuration is missing or unusable nothing is written or
-/// signed.
+/// followed configuration is missing or unusable no Secret is written.
 pub async fn run(
     client: Client,
     options: KubeOptions,
@@ -546,14 +545,14 @@ pub async fn run_with_metrics(
             Following::Missing(reason) => {
                 metrics.set_waiting_for_configuration(true);
                 if newly {
-                    tracing::warn!(%reason, "waiting for the ManagedProxyConfiguration: writing and signing nothing until it exists");
+                    tracing::warn!(%reason, "waiting for the ManagedProxyConfiguration: writing no Secret until it exists");
                 }
                 continue;
             }
             Following::Invalid { reason, generation } => {
                 metrics.set_waiting_for_configuration(true);
                 if newly {
-                    tracing::error!(%reason, "the ManagedProxyConfiguration cannot be followed: writing and signing nothing until it is fixed");
+                    tracing::error!(%reason, "the ManagedProxyConfiguration cannot be followed: writing no Secret until it is fixed");
                 }
                 let name = options
                     .managed_proxy_configuration
