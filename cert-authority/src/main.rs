@@ -112,6 +112,8 @@ fn run_kubernetes(settings: &RunSettings) -> anyhow::Result<()> {
     options.signer_secret_name = settings.signer_secret_name.clone();
     options.signer_secret_namespace = settings.signer_namespace().to_owned();
     options.additional_sans = settings.additional_san.clone();
+    options.managed_proxy_configuration =
+        Some(settings.managed_proxy_configuration.clone()).filter(|name| !name.is_empty());
     options.leaf_policy = leaf_policy(settings);
     options.rollover_policy = rollover_policy(settings);
     options.interval = settings.interval;
@@ -128,6 +130,7 @@ fn run_kubernetes(settings: &RunSettings) -> anyhow::Result<()> {
         tracing::info!(
             namespace = %options.namespace,
             identity = %options.identity,
+            managed_proxy_configuration = options.managed_proxy_configuration.as_deref().unwrap_or("(none)"),
             "kubernetes backend starting"
         );
         if once {

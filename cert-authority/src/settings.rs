@@ -41,7 +41,7 @@ pub enum Command {
     Init(InitFlags),
     /// Keep a PKI current: renew leaves at 2/3 of their life or when their
     /// SANs change, and roll the CA over ahead of its expiry without an outage.
-    Run(RunFlags),
+    Run(Box<RunFlags>),
 }
 
 /// Where the PKI lives.
@@ -115,6 +115,10 @@ pub struct InitFlags {
     pub pki: PkiFlags,
 }
 
+/// The ManagedProxyConfiguration followed unless told otherwise: the one
+/// the addon reads.
+pub const DEFAULT_MANAGED_PROXY_CONFIGURATION: &str = "cluster-proxy";
+
 /// `/healthz`, `/readyz` and `/metrics` of `run --backend kubernetes` (next
 /// to the proxy-server's 8090–8095 and the agent's 8093–8094).
 pub const DEFAULT_HEALTH_PORT: u16 = 8096;
@@ -126,6 +130,9 @@ pub struct RunSettings {
     pub backend: Backend,
     pub dir: Option<PathBuf>,
     pub namespace: String,
+    /// kubernetes: the cluster-scoped ManagedProxyConfiguration to follow;
+    /// empty: none (Secrets in `namespace`, SANs from the flags only).
+    pub managed_proxy_configuration: String,
     pub signer_secret_name: String,
     /// Empty: `namespace`.
     pub signer_secret_namespace: String,
@@ -155,6 +162,7 @@ impl Default for RunSettings {
             backend: Backend::Files,
             dir: None,
             namespace: "open-cluster-management-addon".into(),
+            managed_proxy_configuration: DEFAULT_MANAGED_PROXY_CONFIGURATION.into(),
             signer_secret_name: "cluster-proxy-signer".into(),
             signer_secret_namespace: String::new(),
             clusters: Vec::new(),
@@ -184,10 +192,14 @@ pub struct RunFlags {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub dir: Option<PathBuf>,
-    /// kubernetes: namespace of the hub Secrets and the leader Lease.
+    /// kubernetes: namespace of the leader Lease and the signer Secret, and of the hub Secrets unless a ManagedProxyConfiguration names theirs.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub namespace: Option<String>,
+    /// kubernetes: the ManagedProxyConfiguration whose namespace, Secret names and SANs the hub certificates follow and whose status gets their conditions (empty: none).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub managed_proxy_configuration: Option<String>,
     /// kubernetes: the Secret holding the CA.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -285,6 +297,16 @@ impl RunSettings {
                 "is for the files backend: with --backend kubernetes agents get their certificates through CSRs",
             )),
             _ if self.interval.is_zero() => Err(invalid("interval", "must be greater than zero")),
+            _ if !self.managed_proxy_configuration.is_empty()
+                && !crate::kubernetes::secrets::is_dns_subdomain(
+                    &self.managed_proxy_configuration,
+                ) =>
+            {
+                Err(invalid(
+                    "managed-proxy-configuration",
+                    "is not a valid object name (lower-case DNS subdomain)",
+                ))
+            }
             _ => Ok(()),
         }
     }
@@ -360,5 +382,22 @@ mod tests {
         assert!(err.contains("interval"), "{err}");
         let s = run(&["--backend=kubernetes", "--namespace=hub"], &[]).unwrap();
         assert_eq!(s.signer_namespace(), "hub");
+        assert_eq!(s.managed_proxy_configuration, "cluster-proxy");
+        let err = run(
+            &[
+                "--backend=kubernetes",
+                "--managed-proxy-configuration=Not A Name",
+            ],
+            &[],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("--managed-proxy-configuration"), "{err}");
+        let off = run(
+            &["--backend=kubernetes", "--managed-proxy-configuration="],
+            &[],
+        )
+        .unwrap();
+        assert_eq!(off.managed_proxy_configuration, "");
     }
 }

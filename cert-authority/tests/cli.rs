@@ -140,3 +140,118 @@ fn init_then_run_and_refusals() {
         stderr(&uninitialized)
     );
 }
+
+/// `run --backend kubernetes --once` against the in-memory API, as a process.
+async fn run_once_against(kubeconfig: &std::path::Path, extra: &[&str]) -> Output {
+    let mut args = vec![
+        "run".to_string(),
+        "--backend=kubernetes".into(),
+        "--namespace=ca-home".into(),
+        "--once".into(),
+    ];
+    args.extend(extra.iter().map(|a| (*a).to_string()));
+    let kubeconfig = kubeconfig.to_path_buf();
+    tokio::task::spawn_blocking(move || {
+        Command::new(env!("CARGO_BIN_EXE_cert-authority"))
+            .args(&args)
+            .env("KUBECONFIG", kubeconfig)
+            .env_remove("KUBERNETES_SERVICE_HOST")
+            .env_remove("RUST_BACKTRACE")
+            .output()
+            .expect("run cert-authority")
+    })
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_kubernetes_backend_follows_the_named_managed_proxy_configuration() {
+    use cluster_proxy_proto::api::proxy::v1alpha1::ManagedProxyConfiguration;
+    use e2e::kubeapi::{KubeApi, KubeApiOptions};
+    use k8s_openapi::api::core::v1::{Namespace, Secret};
+    use kube::Api;
+    use kube::api::{Patch, PatchParams, PostParams};
+    use serde_json::json;
+
+    let dir = tempfile::tempdir().unwrap();
+    let api = KubeApi::start(KubeApiOptions::new(dir.path()))
+        .await
+        .unwrap();
+    let admin = api.client().await.unwrap();
+    for name in ["ca-home", "proxy-home"] {
+        let namespace: Namespace =
+            serde_json::from_value(json!({"metadata": {"name": name}})).unwrap();
+        Api::<Namespace>::all(admin.clone())
+            .create(&PostParams::default(), &namespace)
+            .await
+            .unwrap();
+    }
+    let secrets = |namespace: &str| Api::<Secret>::namespaced(admin.clone(), namespace);
+
+    // The default, `cluster-proxy`, does not exist (nor its CRD): a clear
+    // error, and nothing written.
+    let missing = run_once_against(api.kubeconfig_path(), &[]).await;
+    assert!(!missing.status.success());
+    assert!(
+        stderr(&missing).contains("ManagedProxyConfiguration cluster-proxy does not exist"),
+        "{}",
+        stderr(&missing)
+    );
+    assert!(
+        secrets("ca-home")
+            .get_opt("proxy-server")
+            .await
+            .unwrap()
+            .is_none()
+    );
+
+    // Following none: the flags alone, as before.
+    let off = run_once_against(api.kubeconfig_path(), &["--managed-proxy-configuration="]).await;
+    assert!(off.status.success(), "{}", stderr(&off));
+    assert!(
+        secrets("ca-home")
+            .get_opt("proxy-server")
+            .await
+            .unwrap()
+            .is_some()
+    );
+
+    // A named one: its namespace, and the conditions on its status.
+    api.register_crds_from_yaml(include_str!(
+        "../../charts/cluster-proxy/crds/managedproxyconfigurations.yaml"
+    ))
+    .unwrap();
+    let mpc = json!({
+        "apiVersion": "proxy.open-cluster-management.io/v1alpha1",
+        "kind": "ManagedProxyConfiguration",
+        "metadata": {"name": "other"},
+        "spec": {
+            "authentication": {},
+            "proxyServer": {"image": "proxy-server:dev", "namespace": "proxy-home"},
+            "proxyAgent": {"image": "proxy-agent:dev"},
+        },
+    });
+    let mpcs: Api<ManagedProxyConfiguration> = Api::all(admin.clone());
+    mpcs.patch("other", &PatchParams::apply("helm"), &Patch::Apply(&mpc))
+        .await
+        .unwrap();
+    let named = run_once_against(
+        api.kubeconfig_path(),
+        &["--managed-proxy-configuration=other"],
+    )
+    .await;
+    assert!(named.status.success(), "{}", stderr(&named));
+    assert!(
+        secrets("proxy-home")
+            .get_opt("agent-server")
+            .await
+            .unwrap()
+            .is_some()
+    );
+    let conditions = mpcs.get("other").await.unwrap().status.unwrap().conditions;
+    assert_eq!(conditions.len(), 3, "{conditions:?}");
+    assert!(
+        conditions.iter().all(|c| c.status == "True"),
+        "{conditions:?}"
+    );
+}

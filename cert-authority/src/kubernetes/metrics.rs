@@ -21,6 +21,7 @@ pub struct Metrics {
     csr_decisions: Family<Labels, Counter>,
     leader: Gauge,
     signer_damaged: Gauge,
+    waiting_for_configuration: Gauge,
     pass_failures: Counter,
     last_successful_pass: Gauge<f64, AtomicU64>,
 }
@@ -51,6 +52,11 @@ impl Metrics {
             metrics.signer_damaged.clone(),
         );
         registry.register(
+            "waiting_for_configuration",
+            "1 while the followed ManagedProxyConfiguration is missing or cannot be followed and nothing is written",
+            metrics.waiting_for_configuration.clone(),
+        );
+        registry.register(
             "pass_failures",
             "Passes over the Secrets that failed",
             metrics.pass_failures.clone(),
@@ -61,6 +67,10 @@ impl Metrics {
             metrics.last_successful_pass.clone(),
         );
         metrics
+    }
+
+    pub fn set_waiting_for_configuration(&self, waiting: bool) {
+        self.waiting_for_configuration.set(i64::from(waiting));
     }
 
     pub fn set_leader(&self, leading: bool) {
@@ -132,6 +142,7 @@ mod tests {
         let mut registry = Registry::default();
         let metrics = Metrics::register(&mut registry);
         metrics.set_leader(true);
+        metrics.set_waiting_for_configuration(true);
         let at = OffsetDateTime::from_unix_timestamp(1_800_000_000).unwrap();
         metrics.pass_succeeded(
             &Report {
@@ -158,6 +169,7 @@ mod tests {
             r#"cert_authority_csr_decisions_total{decision="refused",reason="ClusterMismatch"} 1"#,
             r#"cert_authority_csr_decisions_total{decision="ignored",reason="not approved yet"} 1"#,
             "cert_authority_signer_damaged 1",
+            "cert_authority_waiting_for_configuration 1",
             "cert_authority_pass_failures_total 1",
             "cert_authority_last_successful_pass_timestamp_seconds 1800000000",
         ] {

@@ -2,9 +2,12 @@
 //! certificates through CertificateSigningRequests ([`csr`]), and leader
 //! election on a Lease ([`leader`]) so that of several replicas exactly one
 //! writes. Every write is a server-side apply by field manager
-//! [`FIELD_MANAGER`].
+//! [`FIELD_MANAGER`]. With a ManagedProxyConfiguration to follow
+//! ([`follow`]), the hub leaf Secrets' namespace, names and SANs come from
+//! it, and their conditions go onto its status.
 
 pub mod csr;
+pub mod follow;
 pub mod leader;
 pub mod metrics;
 pub mod rbac;
@@ -25,9 +28,11 @@ use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client};
 use time::OffsetDateTime;
-use tokio::sync::Notify;
+use tokio::sync::{Notify, watch};
 
+use self::follow::{Following, Target};
 use self::metrics::Metrics;
+use self::secrets::LeafSecretNames;
 use crate::authority::{AuthorityError, Desired};
 use crate::pki::Authority;
 use crate::rotation::{LeafPolicy, RolloverPolicy};
@@ -51,6 +56,8 @@ pub enum KubeError {
     BadSecret { name: String, detail: String },
     #[error("another replica ({0}) holds the lease")]
     NotLeader(String),
+    #[error("cannot follow the ManagedProxyConfiguration: {0}")]
+    Configuration(String),
     #[error("signer Secret {namespace}/{name}: {source}")]
     DamagedSigner {
         namespace: String,
@@ -90,8 +97,14 @@ pub async fn client() -> Result<Client, KubeError> {
 /// What the backend keeps, and where.
 #[derive(Debug, Clone)]
 pub struct KubeOptions {
-    /// Where the hub Secrets and the Lease live.
+    /// Where the Lease lives, and the hub Secrets unless a followed
+    /// ManagedProxyConfiguration names their namespace.
     pub namespace: String,
+    /// The names of the three hub leaf Secrets.
+    pub secret_names: LeafSecretNames,
+    /// The cluster-scoped ManagedProxyConfiguration to follow; `None`:
+    /// everything comes from these options.
+    pub managed_proxy_configuration: Option<String>,
     pub signer_secret_name: String,
     pub signer_secret_namespace: String,
     /// Extra SANs of both server certificates.
@@ -115,6 +128,8 @@ impl KubeOptions {
             .unwrap_or_else(|_| "cert-authority".into());
         KubeOptions {
             namespace: namespace.to_string(),
+            secret_names: LeafSecretNames::default(),
+            managed_proxy_configuration: None,
             signer_secret_name: "cluster-proxy-signer".into(),
             signer_secret_namespace: namespace.to_string(),
             additional_sans: Vec::new(),
@@ -141,6 +156,22 @@ impl KubeOptions {
             leaf_policy: self.leaf_policy.clone(),
             rollover_policy: self.rollover_policy.clone(),
         }
+    }
+
+    /// These options with what `target` asks for: its namespace for the hub
+    /// Secrets, its Secret names and Service name, and its SANs after the
+    /// ones given here. The Lease and the signer Secret stay where they are.
+    pub fn following(&self, target: &Target) -> KubeOptions {
+        let mut options = self.clone();
+        options.namespace = target.namespace.clone();
+        options.service_name = target.service_name.clone();
+        options.secret_names = target.secret_names.clone();
+        for san in &target.sans {
+            if !options.additional_sans.contains(san) {
+                options.additional_sans.push(san.clone());
+            }
+        }
+        options
     }
 
     fn elector(&self, client: &Client) -> leader::Elector {
@@ -276,16 +307,43 @@ pub async fn run_once(
             .unwrap_or_default();
         return Err(KubeError::NotLeader(holder));
     }
-    let pass = secrets::pass(
-        client,
-        options,
-        &options.desired(),
-        OffsetDateTime::now_utc(),
-    )
-    .await?;
-    sign_pending(client, options, pass.signer).await?;
+    let result = pass_once(client, options).await;
     elector.release().await?;
-    Ok(pass.report)
+    result
+}
+
+async fn pass_once(
+    client: &Client,
+    options: &KubeOptions,
+) -> Result<crate::authority::Report, KubeError> {
+    let now = OffsetDateTime::now_utc();
+    let Some(name) = &options.managed_proxy_configuration else {
+        let pass = secrets::pass(client, options, &options.desired(), now).await?;
+        sign_pending(client, options, pass.signer).await?;
+        return Ok(pass.report);
+    };
+    match follow::read(client, name).await? {
+        Following::Missing(reason) => Err(KubeError::Configuration(reason)),
+        Following::Invalid { reason, generation } => {
+            follow::publish_conditions(
+                client,
+                name,
+                &follow::unsigned_conditions(&reason),
+                generation,
+                now,
+            )
+            .await?;
+            Err(KubeError::Configuration(reason))
+        }
+        Following::Ready(target) => {
+            let effective = options.following(&target);
+            let pass = secrets::pass(client, &effective, &effective.desired(), now).await?;
+            let conditions = follow::certificate_conditions(&target, &pass.certificates);
+            follow::publish_conditions(client, name, &conditions, target.generation, now).await?;
+            sign_pending(client, options, pass.signer).await?;
+            Ok(pass.report)
+        }
+    }
 }
 
 struct CsrContext {
@@ -375,7 +433,9 @@ const EVENT_NOTE_LIMIT: usize = 1024;
 
 /// Runs until `shutdown` completes: keeps the Lease, and while leading
 /// keeps the Secrets current (every `interval`, and at once when one of
-/// them changes) and signs approved CSRs as they come.
+/// them or the followed ManagedProxyConfiguration changes), writes the
+/// certificate conditions, and signs approved CSRs as they come. While the
+/// followed configuration is missing or unusable no Secret is written.
 pub async fn run(
     client: Client,
     options: KubeOptions,
@@ -406,11 +466,6 @@ pub async fn run_with_metrics(
     .for_each(|_| async {});
     let controller = tokio::spawn(controller);
     let kick = Arc::new(Notify::new());
-    let watch = tokio::spawn(watch_owned_secrets(
-        client.clone(),
-        options.clone(),
-        kick.clone(),
-    ));
     let recorder = Recorder::new(
         client.clone(),
         Reporter {
@@ -419,7 +474,28 @@ pub async fn run_with_metrics(
         },
     );
     let elector = options.elector(&client);
-    let desired = options.desired();
+    let initial = match &options.managed_proxy_configuration {
+        Some(name) => Following::Missing(format!("ManagedProxyConfiguration {name} not read yet")),
+        None => Following::Ready(Target {
+            namespace: options.namespace.clone(),
+            service_name: options.service_name.clone(),
+            secret_names: options.secret_names.clone(),
+            sans: Vec::new(),
+            ignored_sans: Vec::new(),
+            generation: None,
+        }),
+    };
+    let (follow_tx, mut follow_rx) = watch::channel(initial);
+    let follow_tx = Arc::new(follow_tx);
+    let follower = options
+        .managed_proxy_configuration
+        .clone()
+        .map(|name| tokio::spawn(follow::follow(client.clone(), name, follow_tx.clone())));
+    // The Secret watch, and the namespace it watches: restarted when the
+    // followed configuration moves the Secrets.
+    let mut secret_watch: Option<(String, tokio::task::JoinHandle<()>)> = None;
+    // The configuration state last logged, so a wait is said once.
+    let mut logged: Option<Following> = None;
     let mut leading = false;
     // When the next pass is due; `None`: at once.
     let mut next_pass: Option<tokio::time::Instant> = None;
@@ -430,6 +506,8 @@ pub async fn run_with_metrics(
             _ = &mut shutdown => break,
             _ = ticker.tick() => false,
             _ = kick.notified() => true,
+            // Never an error: `follow_tx` lives as long as this loop.
+            _ = follow_rx.changed() => true,
         };
         if !kicked {
             let lead = match elector.try_lead(OffsetDateTime::now_utc()).await {
@@ -458,8 +536,67 @@ pub async fn run_with_metrics(
         if !kicked && next_pass.is_some_and(|at| tokio::time::Instant::now() < at) {
             continue;
         }
+        let following = follow_rx.borrow_and_update().clone();
+        let newly = logged.as_ref() != Some(&following);
+        logged = Some(following.clone());
         let now = OffsetDateTime::now_utc();
-        match secrets::pass(&client, &options, &desired, now).await {
+        let target = match following {
+            Following::Ready(target) => target,
+            Following::Missing(reason) => {
+                metrics.set_waiting_for_configuration(true);
+                if newly {
+                    tracing::warn!(%reason, "waiting for the ManagedProxyConfiguration: writing no Secret until it exists");
+                }
+                continue;
+            }
+            Following::Invalid { reason, generation } => {
+                metrics.set_waiting_for_configuration(true);
+                if newly {
+                    tracing::error!(%reason, "the ManagedProxyConfiguration cannot be followed: writing no Secret until it is fixed");
+                }
+                let name = options
+                    .managed_proxy_configuration
+                    .as_deref()
+                    .unwrap_or_default();
+                let conditions = follow::unsigned_conditions(&reason);
+                next_pass = match follow::publish_conditions(
+                    &client,
+                    name,
+                    &conditions,
+                    generation,
+                    now,
+                )
+                .await
+                {
+                    Ok(_) => Some(tokio::time::Instant::now() + options.interval),
+                    Err(error) => {
+                        tracing::warn!(%error, "writing the certificate conditions failed; retrying");
+                        None
+                    }
+                };
+                continue;
+            }
+        };
+        metrics.set_waiting_for_configuration(false);
+        if newly && options.managed_proxy_configuration.is_some() {
+            tracing::info!(namespace = %target.namespace, sans = ?target.sans, "following the ManagedProxyConfiguration");
+            if !target.ignored_sans.is_empty() {
+                tracing::warn!(ignored = ?target.ignored_sans, "SANs of the ManagedProxyConfiguration that are neither an IP address nor a DNS name are left out of the certificates");
+            }
+        }
+        let effective = options.following(&target);
+        if secret_watch.as_ref().map(|(namespace, _)| namespace) != Some(&effective.namespace) {
+            if let Some((_, old)) = secret_watch.take() {
+                old.abort();
+            }
+            let task = tokio::spawn(watch_owned_secrets(
+                client.clone(),
+                effective.clone(),
+                kick.clone(),
+            ));
+            secret_watch = Some((effective.namespace.clone(), task));
+        }
+        match secrets::pass(&client, &effective, &effective.desired(), now).await {
             Ok(pass) => {
                 let report = pass.report;
                 metrics.pass_succeeded(&report, now);
@@ -468,6 +605,21 @@ pub async fn run_with_metrics(
                 }
                 signing.set_signer(Some(pass.signer));
                 next_pass = Some(tokio::time::Instant::now() + options.interval);
+                if let Some(name) = &options.managed_proxy_configuration {
+                    let conditions = follow::certificate_conditions(&target, &pass.certificates);
+                    if let Err(error) = follow::publish_conditions(
+                        &client,
+                        name,
+                        &conditions,
+                        target.generation,
+                        now,
+                    )
+                    .await
+                    {
+                        tracing::warn!(%error, "writing the certificate conditions failed; retrying");
+                        next_pass = None;
+                    }
+                }
             }
             Err(error) if error.is_damaged_signer() => {
                 metrics.pass_failed(true);
@@ -488,6 +640,11 @@ pub async fn run_with_metrics(
     signing.set_leading(false);
     metrics.set_leader(false);
     controller.abort();
-    watch.abort();
+    if let Some((_, task)) = secret_watch {
+        task.abort();
+    }
+    if let Some(task) = follower {
+        task.abort();
+    }
     elector.release().await
 }

@@ -13,7 +13,8 @@ pub struct Rule {
     pub resource: &'static str,
     pub verbs: &'static [&'static str],
     /// `true`: a Role in the authority's namespace (and in the signer's,
-    /// when that differs); `false`: a ClusterRole.
+    /// and in the followed ManagedProxyConfiguration's proxy-server
+    /// namespace, when those differ); `false`: a ClusterRole.
     pub namespaced: bool,
     /// Empty: any name.
     pub resource_names: &'static [&'static str],
@@ -26,6 +27,15 @@ pub const RULES: &[Rule] = &[
         // create: the signer is created, never applied over; list and
         // watch: deleted or edited Secrets are repaired at once.
         verbs: &["get", "list", "watch", "create", "patch"],
+        namespaced: true,
+        resource_names: &[],
+    },
+    Rule {
+        api_group: "",
+        resource: "services",
+        // The LoadBalancer entrypoint's published address goes into the
+        // server certificates' SANs.
+        verbs: &["get", "list", "watch"],
         namespaced: true,
         resource_names: &[],
     },
@@ -54,6 +64,21 @@ pub const RULES: &[Rule] = &[
     Rule {
         api_group: "certificates.k8s.io",
         resource: "certificatesigningrequests/status",
+        verbs: &["patch"],
+        namespaced: false,
+        resource_names: &[],
+    },
+    Rule {
+        api_group: "proxy.open-cluster-management.io",
+        resource: "managedproxyconfigurations",
+        verbs: &["get", "list", "watch"],
+        namespaced: false,
+        resource_names: &[],
+    },
+    Rule {
+        api_group: "proxy.open-cluster-management.io",
+        resource: "managedproxyconfigurations/status",
+        // The certificate conditions, by server-side apply.
         verbs: &["patch"],
         namespaced: false,
         resource_names: &[],
@@ -220,6 +245,15 @@ mod tests {
         let csrs = "/apis/certificates.k8s.io/v1/certificatesigningrequests";
         check("GET", csrs).unwrap();
         check("PATCH", &format!("{csrs}/x/status")).unwrap();
+        let mpcs = "/apis/proxy.open-cluster-management.io/v1alpha1/managedproxyconfigurations";
+        check("GET", &format!("{mpcs}/cluster-proxy")).unwrap();
+        check("GET", &format!("{mpcs}?watch=true")).unwrap();
+        check("PATCH", &format!("{mpcs}/cluster-proxy/status")).unwrap();
+        check(
+            "GET",
+            "/api/v1/namespaces/ns/services/proxy-agent-entrypoint",
+        )
+        .unwrap();
 
         // What the rules do not grant.
         assert!(check("DELETE", secret).unwrap_err().contains("delete"));
@@ -228,6 +262,11 @@ mod tests {
         assert!(check("PATCH", &format!("{csrs}/x")).is_err());
         assert!(check("PUT", &format!("{csrs}/x/approval")).is_err());
         assert!(check("GET", "/api/v1/secrets").is_err(), "cluster-wide");
+        assert!(
+            check("PATCH", &format!("{mpcs}/cluster-proxy")).is_err(),
+            "spec"
+        );
+        assert!(check("PATCH", "/api/v1/namespaces/ns/services/x").is_err());
         assert!(check("GET", "/version").is_err());
     }
 

@@ -30,8 +30,9 @@ use crate::pki::{Authority, Credentials};
 use crate::rotation::RolloverPhase;
 
 pub const BUNDLE_SECRET: &str = "proxy-server-ca";
-/// The dirty-set entry of the signer Secret, whatever its configured name.
-const SIGNER: &str = "signer";
+/// The dirty-set entry of the signer Secret, whatever its configured name;
+/// `#` keeps it apart from every valid Secret name.
+const SIGNER: &str = "#signer";
 const PHASE_KEY: &str = "rollover-phase";
 const LEAVES: [Leaf; 3] = [Leaf::ProxyServer, Leaf::AgentServer, Leaf::ProxyClient];
 
@@ -43,14 +44,81 @@ fn ca_keys(slot: CaSlot) -> (&'static str, &'static str) {
     }
 }
 
-fn leaf_secret(leaf: &Leaf) -> Option<&'static str> {
-    match leaf {
-        Leaf::ProxyServer => Some(files::PROXY_SERVER),
-        Leaf::AgentServer => Some(files::AGENT_SERVER),
-        Leaf::ProxyClient => Some(files::PROXY_CLIENT),
-        // Agents get their certificates through CSRs in this backend.
-        Leaf::Agent(_) => None,
+/// The names of the three hub leaf Secrets (upstream's
+/// `spec.authentication.dump.secrets`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeafSecretNames {
+    pub proxy_server: String,
+    pub agent_server: String,
+    pub proxy_client: String,
+}
+
+impl Default for LeafSecretNames {
+    fn default() -> Self {
+        LeafSecretNames {
+            proxy_server: files::PROXY_SERVER.into(),
+            agent_server: files::AGENT_SERVER.into(),
+            proxy_client: files::PROXY_CLIENT.into(),
+        }
     }
+}
+
+impl LeafSecretNames {
+    /// The Secret holding `leaf`; `None` for agents, which get their
+    /// certificates through CSRs in this backend.
+    pub fn of(&self, leaf: &Leaf) -> Option<&str> {
+        match leaf {
+            Leaf::ProxyServer => Some(&self.proxy_server),
+            Leaf::AgentServer => Some(&self.agent_server),
+            Leaf::ProxyClient => Some(&self.proxy_client),
+            Leaf::Agent(_) => None,
+        }
+    }
+
+    /// Every name is a valid Secret name and names one Secret only, so no
+    /// two certificates (or a certificate and the bundle) overwrite each
+    /// other.
+    pub fn validate(&self) -> Result<(), String> {
+        let names = [
+            ("signingProxyServerSecretName", &self.proxy_server),
+            ("signingAgentServerSecretName", &self.agent_server),
+            ("signingProxyClientSecretName", &self.proxy_client),
+        ];
+        for (field, name) in names {
+            if !is_dns_subdomain(name) {
+                return Err(format!(
+                    "{field} {name:?} is not a valid Secret name (lower-case DNS subdomain)"
+                ));
+            }
+            if name == BUNDLE_SECRET {
+                return Err(format!(
+                    "{field} {name:?} is the trust bundle's Secret; choose another name"
+                ));
+            }
+        }
+        for (i, (field, name)) in names.iter().enumerate() {
+            if let Some((other, _)) = names[i + 1..].iter().find(|(_, n)| n == name) {
+                return Err(format!(
+                    "{field} and {other} are both {name:?}; each certificate needs its own Secret"
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A Kubernetes object name (RFC 1123 subdomain).
+pub(crate) fn is_dns_subdomain(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 253
+        && name.split('.').all(|label| {
+            !label.is_empty()
+                && label
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+        })
 }
 
 /// A Secret's data as text (PEM); non-UTF-8 data is an error naming the key.
@@ -74,13 +142,28 @@ pub(crate) fn texts(secret: &Secret) -> Result<BTreeMap<String, String>, KubeErr
 /// The Secrets as read, plus the writes a reconcile pass made to them.
 #[derive(Debug, Default)]
 pub struct SecretSnapshot {
+    names: LeafSecretNames,
     signer: RefCell<BTreeMap<String, String>>,
     bundle: RefCell<Option<String>>,
-    leaves: RefCell<BTreeMap<&'static str, BTreeMap<String, String>>>,
+    leaves: RefCell<BTreeMap<String, BTreeMap<String, String>>>,
     dirty: RefCell<BTreeSet<String>>,
 }
 
 impl SecretSnapshot {
+    /// An empty snapshot whose leaves live in the Secrets `names`.
+    pub fn new(names: LeafSecretNames) -> Self {
+        SecretSnapshot {
+            names,
+            ..SecretSnapshot::default()
+        }
+    }
+
+    /// The certificate (`tls.crt`) of `leaf` as the pass left it.
+    pub fn certificate(&self, leaf: &Leaf) -> Option<String> {
+        let name = self.names.of(leaf)?;
+        self.leaves.borrow().get(name)?.get("tls.crt").cloned()
+    }
+
     fn mark(&self, name: &str) {
         self.dirty.borrow_mut().insert(name.to_string());
     }
@@ -147,7 +230,7 @@ impl Store for SecretSnapshot {
         }
         // Every leaf Secret carries the bundle too.
         for leaf in LEAVES {
-            let Some(name) = leaf_secret(&leaf) else {
+            let Some(name) = self.names.of(&leaf) else {
                 continue;
             };
             let mut leaves = self.leaves.borrow_mut();
@@ -162,7 +245,7 @@ impl Store for SecretSnapshot {
     }
 
     fn load_leaf(&self, leaf: &Leaf) -> Result<Option<Credentials>, AuthorityError> {
-        let Some(name) = leaf_secret(leaf) else {
+        let Some(name) = self.names.of(leaf) else {
             return Ok(None);
         };
         let leaves = self.leaves.borrow();
@@ -175,11 +258,11 @@ impl Store for SecretSnapshot {
     }
 
     fn save_leaf(&self, leaf: &Leaf, credentials: &Credentials) -> Result<(), AuthorityError> {
-        let Some(name) = leaf_secret(leaf) else {
+        let Some(name) = self.names.of(leaf) else {
             return Ok(());
         };
         let mut leaves = self.leaves.borrow_mut();
-        let data = leaves.entry(name).or_default();
+        let data = leaves.entry(name.to_owned()).or_default();
         data.insert("tls.crt".into(), credentials.cert_pem.clone());
         data.insert("tls.key".into(), credentials.key_pem.clone());
         self.mark(name);
@@ -216,6 +299,17 @@ pub struct Pass {
     /// The signing CA as stored when the pass ended (a rollover may have
     /// switched it): what CSRs are signed with until the next pass.
     pub signer: Arc<Authority>,
+    /// The hub leaf certificates (PEM) as stored when the pass ended;
+    /// `None`: the Secret has none.
+    pub certificates: LeafCertificates,
+}
+
+/// The three hub leaf certificates after a pass.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LeafCertificates {
+    pub proxy_server: Option<String>,
+    pub agent_server: Option<String>,
+    pub proxy_client: Option<String>,
 }
 
 /// One pass over the Secrets at `now`; returns what changed.
@@ -300,7 +394,7 @@ pub async fn pass(
 ) -> Result<Pass, KubeError> {
     let hub: Api<Secret> = Api::namespaced(client.clone(), &options.namespace);
     let signer_api: Api<Secret> = Api::namespaced(client.clone(), &options.signer_secret_namespace);
-    let snapshot = SecretSnapshot::default();
+    let snapshot = SecretSnapshot::new(options.secret_names.clone());
     let mut report = Report::default();
     match signer_api.get_opt(&options.signer_secret_name).await? {
         Some(found) => {
@@ -339,10 +433,13 @@ pub async fn pass(
         *snapshot.bundle.borrow_mut() = texts(&found)?.remove("ca.crt");
     }
     for leaf in LEAVES {
-        if let Some(name) = leaf_secret(&leaf)
+        if let Some(name) = options.secret_names.of(&leaf)
             && let Some(found) = hub.get_opt(name).await?
         {
-            snapshot.leaves.borrow_mut().insert(name, texts(&found)?);
+            snapshot
+                .leaves
+                .borrow_mut()
+                .insert(name.to_owned(), texts(&found)?);
         }
     }
 
@@ -414,6 +511,11 @@ pub async fn pass(
     Ok(Pass {
         report,
         signer: Arc::new(signer),
+        certificates: LeafCertificates {
+            proxy_server: snapshot.certificate(&Leaf::ProxyServer),
+            agent_server: snapshot.certificate(&Leaf::AgentServer),
+            proxy_client: snapshot.certificate(&Leaf::ProxyClient),
+        },
     })
 }
 
