@@ -569,7 +569,14 @@ impl Environment {
         };
         if let Some(api) = &environment.kube_api {
             environment.control_plane_ca =
-                Some(Self::start_control_plane_ca(api, &binaries, &logs, hub_netns.clone()).await?);
+                Some(Self::start_control_plane_ca(
+                    api,
+                    &binaries,
+                    &logs,
+                    hub_netns.clone(),
+                    options.control_plane,
+                )
+                .await?);
         }
         environment.remember_processes();
 
@@ -698,6 +705,7 @@ impl Environment {
         binaries: &Binaries,
         logs: &Logs,
         hub_netns: Option<String>,
+        follow_configuration: bool,
     ) -> Result<Supervised, EnvError> {
         let client = api
             .client()
@@ -721,6 +729,13 @@ impl Environment {
                 ADDON_NAMESPACE,
             ])
             .args(["--interval", "30s", "--health-port", "0"])
+            // With the control plane it follows the ManagedProxyConfiguration
+            // (namespace, Secret names, SANs); without, there is none.
+            .arg(if follow_configuration {
+                "--managed-proxy-configuration=cluster-proxy"
+            } else {
+                "--managed-proxy-configuration="
+            })
             .env("KUBECONFIG", api.kubeconfig_path().display().to_string())
             .in_netns(hub_netns);
         Ok(Supervised::start(spec, logs)?)
