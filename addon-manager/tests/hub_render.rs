@@ -111,8 +111,7 @@ fn objects_carry_upstream_names_labels_and_owner() {
         "proxy-server"
     );
     assert_eq!(
-        spec.selector.match_labels.as_ref().unwrap()
-            ["proxy.open-cluster-management.io/component-name"],
+        spec.selector.match_labels.as_ref().unwrap()["proxy.open-cluster-management.io/component-name"],
         "proxy-server"
     );
     let strategy = spec.strategy.as_ref().unwrap();
@@ -260,13 +259,7 @@ fn secret_names_come_from_the_dump_spec() {
         "signingAgentServerSecretName": "my-agent-server"
     }}}})))
     .unwrap();
-    let pod = objects
-        .deployment
-        .spec
-        .unwrap()
-        .template
-        .spec
-        .unwrap();
+    let pod = objects.deployment.spec.unwrap().template.spec.unwrap();
     let secrets: Vec<String> = pod
         .volumes
         .unwrap()
@@ -345,13 +338,7 @@ fn node_placement_reaches_the_pods() {
         "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "infra", "effect": "NoSchedule"}]
     }}})))
     .unwrap();
-    let pod = objects
-        .deployment
-        .spec
-        .unwrap()
-        .template
-        .spec
-        .unwrap();
+    let pod = objects.deployment.spec.unwrap().template.spec.unwrap();
     assert_eq!(
         pod.node_selector.unwrap()["node-role.kubernetes.io/infra"],
         ""
@@ -422,7 +409,10 @@ fn port_forward_entrypoint_renders_the_rbac() {
     let role = objects.port_forward_role.expect("a Role");
     assert_eq!(role.metadata.name.as_deref(), Some(PORT_FORWARD_RBAC_NAME));
     let rules = role.rules.unwrap();
-    assert_eq!(rules[0].resources.as_deref(), Some(&["pods".to_owned()][..]));
+    assert_eq!(
+        rules[0].resources.as_deref(),
+        Some(&["pods".to_owned()][..])
+    );
     assert_eq!(rules[0].verbs, ["get", "list"]);
     assert_eq!(
         rules[1].resources.as_deref(),
@@ -471,12 +461,11 @@ fn entrypoint_address_per_type() {
         Ok(Some(("127.0.0.1".to_owned(), 8443)))
     );
 
-    let lb = mpc(json!({"proxyServer": {"entrypoint": {"type": "LoadBalancerService", "hostname": null}}}));
-    assert_eq!(entrypoint_address(&lb, None), Ok(None));
-    assert_eq!(
-        entrypoint_address(&lb, Some(&lb_service(vec![]))),
-        Ok(None)
+    let lb = mpc(
+        json!({"proxyServer": {"entrypoint": {"type": "LoadBalancerService", "hostname": null}}}),
     );
+    assert_eq!(entrypoint_address(&lb, None), Ok(None));
+    assert_eq!(entrypoint_address(&lb, Some(&lb_service(vec![]))), Ok(None));
     let ip = LoadBalancerIngress {
         ip: Some("203.0.113.7".into()),
         ..LoadBalancerIngress::default()
