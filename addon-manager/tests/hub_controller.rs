@@ -740,3 +740,113 @@ async fn server_errors_are_backed_off_exponentially_and_reported() {
     assert!(hub.metrics.reconciles(ReconcileResult::Error) >= 6);
     hub.stop().await;
 }
+
+#[tokio::test]
+async fn problems_outside_the_hub_deployment_do_not_stop_it() {
+    let hub = Hub::start(quick_settings()).await;
+    hub.create_mpc("cluster-proxy", json!({"proxyAgent": {"image": ""}}))
+        .await;
+    hub.wait_condition("cluster-proxy", "True", "SuccessfullyDeployed")
+        .await;
+    assert!(exists(&hub.deployments(), "cluster-proxy").await);
+    hub.stop().await;
+}
+
+#[tokio::test]
+async fn a_deleted_namespace_is_recreated_with_its_objects() {
+    let hub = Hub::start(quick_settings()).await;
+    hub.create_mpc("cluster-proxy", json!({})).await;
+    hub.wait_condition("cluster-proxy", "True", "SuccessfullyDeployed")
+        .await;
+    let namespaces = Api::<Namespace>::all(hub.client.clone());
+    let old = namespaces.get(NS).await.unwrap();
+    namespaces
+        .delete(NS, &DeleteParams::default())
+        .await
+        .unwrap();
+    let deployments = hub.deployments();
+    eventually("the namespace and the Deployment back", || async {
+        let namespace = namespaces.get_opt(NS).await.ok()??;
+        let fresh = namespace.uid() != old.uid() && namespace.metadata.deletion_timestamp.is_none();
+        (fresh && exists(&deployments, "cluster-proxy").await).then_some(())
+    })
+    .await;
+    hub.stop().await;
+}
+
+#[test]
+fn retry_delays_double_up_to_the_maximum_and_conflicts_go_at_once() {
+    let settings = HubSettings {
+        backoff_initial: Duration::from_millis(500),
+        backoff_max: Duration::from_secs(5),
+        immediate_conflict_retries: 2,
+        ..HubSettings::default()
+    };
+    let delays: Vec<Duration> = (1..=6)
+        .map(|failures| hub::retry_delay(&settings, false, failures))
+        .collect();
+    assert_eq!(
+        delays,
+        [500, 1000, 2000, 4000, 5000, 5000].map(Duration::from_millis)
+    );
+    assert_eq!(hub::retry_delay(&settings, true, 1), Duration::ZERO);
+    assert_eq!(hub::retry_delay(&settings, true, 2), Duration::ZERO);
+    assert_eq!(
+        hub::retry_delay(&settings, true, 3),
+        Duration::from_secs(2),
+        "conflicts that keep coming back off like any error"
+    );
+    assert_eq!(
+        hub::retry_delay(&settings, false, u32::MAX),
+        Duration::from_secs(5)
+    );
+}
+
+#[test]
+fn metrics_are_registered_under_the_hub_prefix() {
+    let mut registry = prometheus_client::registry::Registry::default();
+    let metrics = HubMetrics::register(&mut registry);
+    metrics.observe(ReconcileResult::Success, Duration::from_millis(20));
+    metrics.observe(ReconcileResult::Invalid, Duration::from_millis(1));
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+    assert!(
+        text.contains("addon_manager_hub_reconciles_total{result=\"success\"} 1"),
+        "{text}"
+    );
+    assert!(
+        text.contains("addon_manager_hub_reconciles_total{result=\"invalid\"} 1"),
+        "{text}"
+    );
+    assert!(
+        text.contains("addon_manager_hub_reconcile_duration_seconds_count 2"),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn an_edited_namespace_is_healed_from_its_own_watch_event() {
+    let hub = Hub::start(quick_settings()).await;
+    hub.create_mpc("cluster-proxy", json!({})).await;
+    hub.wait_condition("cluster-proxy", "True", "SuccessfullyDeployed")
+        .await;
+    let namespaces = Api::<Namespace>::all(hub.client.clone());
+    namespaces
+        .patch(
+            NS,
+            &PatchParams::default(),
+            &Patch::Merge(
+                json!({"metadata": {"labels": {"open-cluster-management.io/addon": null}}}),
+            ),
+        )
+        .await
+        .unwrap();
+    eventually("the namespace label back", || async {
+        let namespace = namespaces.get(NS).await.ok()?;
+        (namespace.labels().get("open-cluster-management.io/addon")
+            == Some(&"cluster-proxy".to_owned()))
+        .then_some(())
+    })
+    .await;
+    hub.stop().await;
+}

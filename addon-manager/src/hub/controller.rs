@@ -250,7 +250,7 @@ async fn reconcile_inner(
         // Garbage collection removes what the MPC owns.
         return Ok(Outcome::Deployed(Action::await_change()));
     }
-    if let Err(invalid) = mpc.spec.validate() {
+    if let Some(invalid) = mpc.spec.validate().err().and_then(hub_problems) {
         tracing::info!(configuration = %mpc.name_any(), %invalid, "not deploying an invalid configuration");
         write_status(context, mpc, invalid_condition(&invalid)).await?;
         return Ok(Outcome::Invalid);
@@ -340,12 +340,55 @@ async fn apply_all(
     Ok(action)
 }
 
+/// Fields whose problems stop the proxy-server deployment. The rest of the
+/// spec (the agent, the signer, SANs) is read by the addon controller and
+/// cert-authority, which report their own problems; a bad agent image must
+/// not take the hub's proxy-servers down with it.
+const HUB_FIELDS: &[&str] = &[
+    "spec.proxyServer",
+    "spec.deploy",
+    "spec.authentication.dump",
+];
+
+/// The problems of `invalid` that concern what this controller deploys.
+pub fn hub_problems(invalid: InvalidSpec) -> Option<InvalidSpec> {
+    let problems: Vec<_> = invalid
+        .problems
+        .into_iter()
+        .filter(|problem| {
+            HUB_FIELDS.iter().any(|prefix| {
+                problem
+                    .field
+                    .strip_prefix(prefix)
+                    .is_some_and(|rest| rest.is_empty() || rest.starts_with(['.', '[']))
+            })
+        })
+        .collect();
+    (!problems.is_empty()).then_some(InvalidSpec { problems })
+}
+
+/// Longest condition message we write; the CRD allows 32768 and people read
+/// it in `kubectl describe`.
+const MAX_MESSAGE_BYTES: usize = 4096;
+
+fn truncate_message(mut message: String) -> String {
+    if message.len() > MAX_MESSAGE_BYTES {
+        let mut end = MAX_MESSAGE_BYTES;
+        while !message.is_char_boundary(end) {
+            end -= 1;
+        }
+        message.truncate(end);
+        message.push_str(" …");
+    }
+    message
+}
+
 fn invalid_condition(invalid: &InvalidSpec) -> Condition {
     Condition {
         type_: CONDITION_PROXY_SERVER_DEPLOYED.to_owned(),
         status: CONDITION_FALSE.to_owned(),
         reason: REASON_INVALID_SPEC.to_owned(),
-        message: invalid.to_string(),
+        message: truncate_message(invalid.to_string()),
         observed_generation: None,
         last_transition_time: Time(k8s_openapi::jiff::Timestamp::now()),
     }
@@ -357,7 +400,7 @@ fn not_yet_deployed_condition(message: String) -> Condition {
         type_: CONDITION_PROXY_SERVER_DEPLOYED.to_owned(),
         status: CONDITION_FALSE.to_owned(),
         reason: REASON_NOT_YET_DEPLOYED.to_owned(),
-        message,
+        message: truncate_message(message),
         observed_generation: None,
         last_transition_time: Time(k8s_openapi::jiff::Timestamp::now()),
     }

@@ -2,14 +2,14 @@
 
 use std::time::Duration;
 
-use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
 /// How a reconcile ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, EncodeLabelValue)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ReconcileResult {
     /// Every object applied and the status written.
     Success,
@@ -17,6 +17,23 @@ pub enum ReconcileResult {
     Invalid,
     /// An API call failed; the object is retried with backoff.
     Error,
+}
+
+impl ReconcileResult {
+    /// The `result` label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReconcileResult::Success => "success",
+            ReconcileResult::Invalid => "invalid",
+            ReconcileResult::Error => "error",
+        }
+    }
+}
+
+impl EncodeLabelValue for ReconcileResult {
+    fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
+        EncodeLabelValue::encode(&self.as_str(), encoder)
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]

@@ -19,7 +19,10 @@
 //!   …: `ManagedProxyConfigurationSpec::validate`) sets
 //!   `ProxyServerDeployed=False`, reason `InvalidSpec`, with every problem in
 //!   the message, and leaves what is deployed alone. Upstream panics on a
-//!   missing entrypoint and deploys the rest as given.
+//!   missing entrypoint and deploys the rest as given. Only problems in
+//!   `spec.proxyServer`, `spec.deploy` and `spec.authentication.dump` stop
+//!   the proxy-servers ([`hub_problems`]); the agent, signer and SAN fields
+//!   are reported by the controllers that use them.
 //! * **LoadBalancer annotations**: keys that are qualified names are kept;
 //!   upstream's check is inverted and keeps only invalid ones. The Service is
 //!   applied on every reconcile, so changed annotations reach it (upstream
@@ -61,6 +64,6 @@ pub mod controller;
 pub mod metrics;
 pub mod render;
 
-pub use controller::{HubError, HubSettings, retry_delay, run};
+pub use controller::{HubError, HubSettings, hub_problems, retry_delay, run};
 pub use metrics::{HubMetrics, ReconcileResult};
 pub use render::{EntrypointError, HubObjects, RenderError, entrypoint_address, render};
