@@ -7,4 +7,5 @@
 #![forbid(unsafe_code)]
 
 pub mod apply;
+pub mod hub;
 pub mod settings;

@@ -1,0 +1,510 @@
+//! The hub objects rendered from a ManagedProxyConfiguration: upstream's
+//! names and labels, the proxy-server arguments, honoured ports, node
+//! placement, annotation keys, and the entrypoint address.
+
+use addon_manager::hub::render::{
+    ADDON_AGENT_GROUP, PORT_FORWARD_RBAC_NAME, SERVER_ID_ENV, proxy_server_args,
+};
+use addon_manager::hub::{EntrypointError, entrypoint_address, render};
+use cluster_proxy_proto::api::proxy::v1alpha1::ManagedProxyConfiguration;
+use k8s_openapi::api::core::v1::{
+    Container, LoadBalancerIngress, LoadBalancerStatus, Service, ServiceStatus,
+};
+use serde_json::{Value, json};
+
+fn mpc(spec_patch: Value) -> ManagedProxyConfiguration {
+    let mut object = json!({
+        "apiVersion": "proxy.open-cluster-management.io/v1alpha1",
+        "kind": "ManagedProxyConfiguration",
+        "metadata": {"name": "cluster-proxy", "uid": "uid-1", "generation": 4},
+        "spec": {
+            "authentication": {},
+            "proxyServer": {
+                "image": "quay.io/ocm/cluster-proxy:v1",
+                "replicas": 2,
+                "entrypoint": {"type": "Hostname", "hostname": {"value": "proxy.example.com"}}
+            },
+            "proxyAgent": {"image": "quay.io/ocm/cluster-proxy:v1"}
+        }
+    });
+    merge(&mut object["spec"], spec_patch);
+    serde_json::from_value(object).expect("a valid MPC")
+}
+
+fn merge(target: &mut Value, patch: Value) {
+    match (target, patch) {
+        (Value::Object(target), Value::Object(patch)) => {
+            for (key, value) in patch {
+                merge(target.entry(key).or_insert(Value::Null), value);
+            }
+        }
+        (target, patch) => *target = patch,
+    }
+}
+
+fn container(objects: &addon_manager::hub::HubObjects) -> &Container {
+    &objects
+        .deployment
+        .spec
+        .as_ref()
+        .and_then(|spec| spec.template.spec.as_ref())
+        .expect("a pod spec")
+        .containers[0]
+}
+
+#[test]
+fn objects_carry_upstream_names_labels_and_owner() {
+    let objects = render(&mpc(json!({}))).unwrap();
+    let ns = "open-cluster-management-cluster-proxy";
+    assert_eq!(objects.namespace.metadata.name.as_deref(), Some(ns));
+    assert_eq!(
+        objects.namespace.metadata.owner_references, None,
+        "the namespace outlives the MPC"
+    );
+    assert_eq!(
+        objects.service_account.metadata.name.as_deref(),
+        Some("cluster-proxy")
+    );
+    assert_eq!(
+        objects.deployment.metadata.name.as_deref(),
+        Some("cluster-proxy")
+    );
+    assert_eq!(
+        objects.in_cluster_service.metadata.name.as_deref(),
+        Some("proxy-entrypoint")
+    );
+    assert!(objects.load_balancer_service.is_none());
+    assert!(objects.port_forward_role.is_none());
+    assert!(objects.port_forward_role_binding.is_none());
+
+    for meta in [
+        &objects.service_account.metadata,
+        &objects.deployment.metadata,
+        &objects.in_cluster_service.metadata,
+    ] {
+        assert_eq!(meta.namespace.as_deref(), Some(ns));
+        let labels = meta.labels.as_ref().unwrap();
+        assert_eq!(labels["open-cluster-management.io/addon"], "cluster-proxy");
+        let owners = meta.owner_references.as_ref().unwrap();
+        assert_eq!(owners.len(), 1);
+        assert_eq!(owners[0].kind, "ManagedProxyConfiguration");
+        assert_eq!(
+            owners[0].api_version,
+            "proxy.open-cluster-management.io/v1alpha1"
+        );
+        assert_eq!(owners[0].uid, "uid-1");
+        assert_eq!(owners[0].controller, Some(true));
+    }
+
+    let deployment = &objects.deployment;
+    let generation_key = "proxy.open-cluster-management.io/configuration-generation";
+    assert_eq!(
+        deployment.metadata.annotations.as_ref().unwrap()[generation_key],
+        "4"
+    );
+    let spec = deployment.spec.as_ref().unwrap();
+    assert_eq!(spec.replicas, Some(2));
+    let template = spec.template.metadata.as_ref().unwrap();
+    assert_eq!(template.annotations.as_ref().unwrap()[generation_key], "4");
+    assert_eq!(
+        template.labels.as_ref().unwrap()["proxy.open-cluster-management.io/component-name"],
+        "proxy-server"
+    );
+    assert_eq!(
+        spec.selector.match_labels.as_ref().unwrap()["proxy.open-cluster-management.io/component-name"],
+        "proxy-server"
+    );
+    let strategy = spec.strategy.as_ref().unwrap();
+    assert_eq!(strategy.type_.as_deref(), Some("RollingUpdate"));
+    let pod = spec.template.spec.as_ref().unwrap();
+    assert_eq!(pod.service_account_name.as_deref(), Some("cluster-proxy"));
+}
+
+#[test]
+fn proxy_server_container_has_the_fixed_args_mounts_and_hardening() {
+    let objects = render(&mpc(json!({}))).unwrap();
+    let container = container(&objects);
+    assert_eq!(container.name, "proxy-server");
+    assert_eq!(
+        container.image.as_deref(),
+        Some("quay.io/ocm/cluster-proxy:v1")
+    );
+    assert_eq!(
+        container.command.as_deref(),
+        Some(&["/proxy-server".to_owned()][..])
+    );
+    assert_eq!(
+        container.args.as_ref().unwrap(),
+        &[
+            "--server-count=2",
+            "--proxy-strategies=destHost",
+            "--server-ca-cert=/etc/server-ca-pki/ca.crt",
+            "--server-cert=/etc/server-pki/tls.crt",
+            "--server-key=/etc/server-pki/tls.key",
+            "--cluster-ca-cert=/etc/server-ca-pki/ca.crt",
+            "--cluster-cert=/etc/agent-pki/tls.crt",
+            "--cluster-key=/etc/agent-pki/tls.key",
+        ],
+        "no port flags unless spec.deploy.ports is set"
+    );
+    let env = &container.env.as_ref().unwrap()[0];
+    assert_eq!(env.name, SERVER_ID_ENV);
+    assert_eq!(
+        env.value_from
+            .as_ref()
+            .and_then(|source| source.field_ref.as_ref())
+            .map(|field| field.field_path.as_str()),
+        Some("metadata.name")
+    );
+
+    let pod = objects
+        .deployment
+        .spec
+        .as_ref()
+        .unwrap()
+        .template
+        .spec
+        .as_ref()
+        .unwrap();
+    let volumes: Vec<(&str, &str)> = pod
+        .volumes
+        .as_ref()
+        .unwrap()
+        .iter()
+        .map(|volume| {
+            (
+                volume.name.as_str(),
+                volume
+                    .secret
+                    .as_ref()
+                    .unwrap()
+                    .secret_name
+                    .as_deref()
+                    .unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        volumes,
+        [
+            ("server-ca-pki", "proxy-server-ca"),
+            ("server-pki", "proxy-server"),
+            ("agent-pki", "agent-server")
+        ]
+    );
+    let mounts: Vec<(&str, &str, Option<bool>)> = container
+        .volume_mounts
+        .as_ref()
+        .unwrap()
+        .iter()
+        .map(|mount| {
+            (
+                mount.name.as_str(),
+                mount.mount_path.as_str(),
+                mount.read_only,
+            )
+        })
+        .collect();
+    assert_eq!(
+        mounts,
+        [
+            ("server-ca-pki", "/etc/server-ca-pki", Some(true)),
+            ("server-pki", "/etc/server-pki", Some(true)),
+            ("agent-pki", "/etc/agent-pki", Some(true))
+        ]
+    );
+
+    let security = container.security_context.as_ref().unwrap();
+    assert_eq!(security.run_as_user, Some(65532));
+    assert_eq!(security.run_as_non_root, Some(true));
+    assert_eq!(security.read_only_root_filesystem, Some(true));
+    assert_eq!(security.allow_privilege_escalation, Some(false));
+    assert_eq!(
+        security.capabilities.as_ref().unwrap().drop.as_deref(),
+        Some(&["ALL".to_owned()][..])
+    );
+
+    let readiness = container.readiness_probe.as_ref().unwrap();
+    let liveness = container.liveness_probe.as_ref().unwrap();
+    assert_eq!(
+        readiness.http_get.as_ref().unwrap().path.as_deref(),
+        Some("/readyz")
+    );
+    assert_eq!(
+        liveness.http_get.as_ref().unwrap().path.as_deref(),
+        Some("/healthz")
+    );
+    let ports: Vec<(Option<&str>, i32)> = container
+        .ports
+        .as_ref()
+        .unwrap()
+        .iter()
+        .map(|port| (port.name.as_deref(), port.container_port))
+        .collect();
+    assert_eq!(
+        ports,
+        [
+            (Some("proxy-server"), 8090),
+            (Some("agent-server"), 8091),
+            (Some("health"), 8092),
+            (Some("admin"), 8095)
+        ]
+    );
+}
+
+#[test]
+fn secret_names_come_from_the_dump_spec() {
+    let objects = render(&mpc(json!({"authentication": {"dump": {"secrets": {
+        "signingProxyServerSecretName": "my-server",
+        "signingAgentServerSecretName": "my-agent-server"
+    }}}})))
+    .unwrap();
+    let pod = objects.deployment.spec.unwrap().template.spec.unwrap();
+    let secrets: Vec<String> = pod
+        .volumes
+        .unwrap()
+        .into_iter()
+        .map(|volume| volume.secret.unwrap().secret_name.unwrap())
+        .collect();
+    assert_eq!(secrets, ["proxy-server-ca", "my-server", "my-agent-server"]);
+}
+
+#[test]
+fn deploy_ports_are_honoured_everywhere_and_additional_args_come_last_in_order() {
+    let configuration = mpc(json!({
+        "deploy": {"ports": {"proxyServer": 9000, "agentServer": 9001, "healthServer": 9002, "adminServer": 9005}},
+        "proxyServer": {
+            "additionalArgs": ["--keepalive-time=1m", "--server-count=7", "-v=4"],
+            "inClusterServiceName": "my-entry"
+        }
+    }));
+    let args = proxy_server_args(&configuration);
+    let tail = &args[args.len() - 7..];
+    assert_eq!(
+        tail,
+        [
+            "--server-port=9000",
+            "--agent-port=9001",
+            "--health-port=9002",
+            "--admin-port=9005",
+            "--keepalive-time=1m",
+            "--server-count=7",
+            "-v=4"
+        ]
+    );
+    let objects = render(&configuration).unwrap();
+    let container = container(&objects);
+    let ports: Vec<i32> = container
+        .ports
+        .as_ref()
+        .unwrap()
+        .iter()
+        .map(|port| port.container_port)
+        .collect();
+    assert_eq!(ports, [9000, 9001, 9002, 9005]);
+    assert_eq!(
+        container
+            .readiness_probe
+            .as_ref()
+            .unwrap()
+            .http_get
+            .as_ref()
+            .unwrap()
+            .port,
+        k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String("health".into())
+    );
+    let service = &objects.in_cluster_service;
+    assert_eq!(service.metadata.name.as_deref(), Some("my-entry"));
+    let service_ports: Vec<(Option<&str>, i32)> = service
+        .spec
+        .as_ref()
+        .unwrap()
+        .ports
+        .as_ref()
+        .unwrap()
+        .iter()
+        .map(|port| (port.name.as_deref(), port.port))
+        .collect();
+    assert_eq!(
+        service_ports,
+        [(Some("proxy-server"), 9000), (Some("agent-server"), 9001)]
+    );
+}
+
+#[test]
+fn node_placement_reaches_the_pods() {
+    let objects = render(&mpc(json!({"proxyServer": {"nodePlacement": {
+        "nodeSelector": {"node-role.kubernetes.io/infra": ""},
+        "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "infra", "effect": "NoSchedule"}]
+    }}})))
+    .unwrap();
+    let pod = objects.deployment.spec.unwrap().template.spec.unwrap();
+    assert_eq!(
+        pod.node_selector.unwrap()["node-role.kubernetes.io/infra"],
+        ""
+    );
+    let tolerations = pod.tolerations.unwrap();
+    assert_eq!(tolerations.len(), 1);
+    assert_eq!(tolerations[0].key.as_deref(), Some("dedicated"));
+    assert_eq!(tolerations[0].effect.as_deref(), Some("NoSchedule"));
+
+    let bare = render(&mpc(json!({}))).unwrap();
+    let bare_pod = bare.deployment.spec.unwrap().template.spec.unwrap();
+    assert_eq!(bare_pod.node_selector, None);
+    assert_eq!(bare_pod.tolerations, None);
+}
+
+#[test]
+fn load_balancer_entrypoint_keeps_valid_annotation_keys_only() {
+    let configuration = mpc(json!({"proxyServer": {"entrypoint": {
+        "type": "LoadBalancerService",
+        "hostname": null,
+        "loadBalancerService": {"annotations": [
+            {"key": "service.beta.kubernetes.io/aws-load-balancer-type", "value": "nlb"},
+            {"key": "plain-key", "value": "1"},
+            {"key": "not a key!", "value": "x"},
+            {"key": "-leading-dash", "value": "y"}
+        ]}
+    }}}));
+    let objects = render(&configuration).unwrap();
+    let service = objects.load_balancer_service.expect("an LB Service");
+    assert_eq!(
+        service.metadata.name.as_deref(),
+        Some("proxy-agent-entrypoint")
+    );
+    let annotations = service.metadata.annotations.unwrap();
+    assert_eq!(
+        annotations.keys().map(String::as_str).collect::<Vec<_>>(),
+        [
+            "plain-key",
+            "service.beta.kubernetes.io/aws-load-balancer-type"
+        ]
+    );
+    let spec = service.spec.unwrap();
+    assert_eq!(spec.type_.as_deref(), Some("LoadBalancer"));
+    let ports: Vec<i32> = spec.ports.unwrap().iter().map(|port| port.port).collect();
+    assert_eq!(ports, [8090, 8091]);
+
+    let problems = configuration.spec.validate().unwrap_err().problems;
+    let fields: Vec<&str> = problems
+        .iter()
+        .map(|problem| problem.field.as_str())
+        .collect();
+    assert_eq!(
+        fields,
+        [
+            "spec.proxyServer.entrypoint.loadBalancerService.annotations[2].key",
+            "spec.proxyServer.entrypoint.loadBalancerService.annotations[3].key"
+        ]
+    );
+}
+
+#[test]
+fn port_forward_entrypoint_renders_the_rbac() {
+    let objects = render(&mpc(json!({"proxyServer": {"entrypoint": {
+        "type": "PortForward", "hostname": null
+    }}})))
+    .unwrap();
+    assert!(objects.load_balancer_service.is_none());
+    let role = objects.port_forward_role.expect("a Role");
+    assert_eq!(role.metadata.name.as_deref(), Some(PORT_FORWARD_RBAC_NAME));
+    let rules = role.rules.unwrap();
+    assert_eq!(
+        rules[0].resources.as_deref(),
+        Some(&["pods".to_owned()][..])
+    );
+    assert_eq!(rules[0].verbs, ["get", "list"]);
+    assert_eq!(
+        rules[1].resources.as_deref(),
+        Some(&["pods/portforward".to_owned()][..])
+    );
+    assert_eq!(rules[1].verbs, ["create"]);
+    let binding = objects.port_forward_role_binding.expect("a RoleBinding");
+    assert_eq!(binding.role_ref.name, PORT_FORWARD_RBAC_NAME);
+    let subjects = binding.subjects.unwrap();
+    assert_eq!(subjects[0].kind, "Group");
+    assert_eq!(subjects[0].name, ADDON_AGENT_GROUP);
+}
+
+#[test]
+fn render_refuses_an_mpc_not_read_from_the_api() {
+    let mut configuration = mpc(json!({}));
+    configuration.metadata.uid = None;
+    assert!(render(&configuration).is_err());
+}
+
+fn lb_service(ingress: Vec<LoadBalancerIngress>) -> Service {
+    Service {
+        status: Some(ServiceStatus {
+            load_balancer: Some(LoadBalancerStatus {
+                ingress: Some(ingress),
+            }),
+            ..ServiceStatus::default()
+        }),
+        ..Service::default()
+    }
+}
+
+#[test]
+fn entrypoint_address_per_type() {
+    assert_eq!(
+        entrypoint_address(&mpc(json!({})), None),
+        Ok(Some(("proxy.example.com".to_owned(), 8091)))
+    );
+    assert_eq!(
+        entrypoint_address(
+            &mpc(
+                json!({"proxyServer": {"entrypoint": {"type": "PortForward", "hostname": null, "port": 8443}}})
+            ),
+            None
+        ),
+        Ok(Some(("127.0.0.1".to_owned(), 8443)))
+    );
+
+    let lb = mpc(
+        json!({"proxyServer": {"entrypoint": {"type": "LoadBalancerService", "hostname": null}}}),
+    );
+    assert_eq!(entrypoint_address(&lb, None), Ok(None));
+    assert_eq!(entrypoint_address(&lb, Some(&lb_service(vec![]))), Ok(None));
+    let ip = LoadBalancerIngress {
+        ip: Some("203.0.113.7".into()),
+        ..LoadBalancerIngress::default()
+    };
+    let hostname = LoadBalancerIngress {
+        hostname: Some("abc.elb.amazonaws.com".into()),
+        ..LoadBalancerIngress::default()
+    };
+    assert_eq!(
+        entrypoint_address(&lb, Some(&lb_service(vec![ip.clone(), hostname.clone()]))),
+        Ok(Some(("203.0.113.7".to_owned(), 8091)))
+    );
+    assert_eq!(
+        entrypoint_address(&lb, Some(&lb_service(vec![hostname]))),
+        Ok(Some(("abc.elb.amazonaws.com".to_owned(), 8091))),
+        "a load balancer that publishes only a hostname is an address"
+    );
+}
+
+#[test]
+fn entrypoint_address_errors() {
+    let mut missing = mpc(json!({}));
+    missing.spec.proxy_server.entrypoint = None;
+    assert_eq!(
+        entrypoint_address(&missing, None),
+        Err(EntrypointError::Missing)
+    );
+    assert_eq!(
+        entrypoint_address(
+            &mpc(json!({"proxyServer": {"entrypoint": {"hostname": null}}})),
+            None
+        ),
+        Err(EntrypointError::NoHostname)
+    );
+    assert_eq!(
+        entrypoint_address(
+            &mpc(json!({"proxyServer": {"entrypoint": {"port": 70000}}})),
+            None
+        ),
+        Err(EntrypointError::BadPort(70000))
+    );
+}
