@@ -489,5 +489,5 @@ pub async fn run_with_metrics(
     metrics.set_leader(false);
     controller.abort();
     watch.abort();
-    elector.release().await
+    Ok(elector.release().await?)
 }
