@@ -50,31 +50,74 @@ pub fn in_cluster(user_agent: &str) -> Result<Client, ClientError> {
     Ok(Client::try_from(config)?)
 }
 
-/// A client from the current context of the kubeconfig at `path`.
+/// A client from the current context of the kubeconfig at `path`; files it
+/// names by relative paths are found next to it, as kubectl finds them.
 pub async fn client_from(path: &Path, user_agent: &str) -> Result<Client, ClientError> {
-    let text = std::fs::read_to_string(path).map_err(|source| ClientError::ReadKubeconfig {
+    let kubeconfig = read_kubeconfig(path)?;
+    client_from_kubeconfig(path, kubeconfig, user_agent).await
+}
+
+fn read_kubeconfig(path: &Path) -> Result<Kubeconfig, ClientError> {
+    // Read once first so that a missing file is an I/O error, not a parse error.
+    std::fs::metadata(path).map_err(|source| ClientError::ReadKubeconfig {
         path: path.to_path_buf(),
         source,
     })?;
-    client_from_text(path, &text, user_agent).await
+    Kubeconfig::read_from(path).map_err(|e| ClientError::BadKubeconfig {
+        path: path.to_path_buf(),
+        detail: e.to_string(),
+    })
 }
 
-async fn client_from_text(
+async fn client_from_kubeconfig(
     path: &Path,
-    text: &str,
+    kubeconfig: Kubeconfig,
     user_agent: &str,
 ) -> Result<Client, ClientError> {
-    let bad = |detail: String| ClientError::BadKubeconfig {
-        path: path.to_path_buf(),
-        detail,
-    };
-    let kubeconfig = Kubeconfig::from_yaml(text).map_err(|e| bad(e.to_string()))?;
     let mut config =
         kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
             .await
-            .map_err(|e| bad(e.to_string()))?;
+            .map_err(|e| ClientError::BadKubeconfig {
+                path: path.to_path_buf(),
+                detail: e.to_string(),
+            })?;
     identify(&mut config, user_agent)?;
     Ok(Client::try_from(config)?)
+}
+
+/// The kubeconfig's bytes and those of every file it names (CA, client
+/// certificate and key, token file): the klusterlet rotates the client
+/// certificate files without touching the kubeconfig itself.
+fn fingerprint(path: &Path, kubeconfig: &Kubeconfig) -> Result<Vec<u8>, ClientError> {
+    let mut bytes = std::fs::read(path).map_err(|source| ClientError::ReadKubeconfig {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let clusters = kubeconfig
+        .clusters
+        .iter()
+        .filter_map(|named| named.cluster.as_ref())
+        .filter_map(|cluster| cluster.certificate_authority.clone());
+    let auth_files = kubeconfig
+        .auth_infos
+        .iter()
+        .filter_map(|named| named.auth_info.as_ref())
+        .flat_map(|auth| {
+            [
+                auth.client_certificate.clone(),
+                auth.client_key.clone(),
+                auth.token_file.clone(),
+            ]
+        })
+        .flatten();
+    for file in clusters.chain(auth_files) {
+        bytes.extend_from_slice(b"\0");
+        bytes.extend_from_slice(file.as_bytes());
+        bytes.extend_from_slice(b"\0");
+        // A missing file is left for the client build to report.
+        bytes.extend(std::fs::read(&file).unwrap_or_default());
+    }
+    Ok(bytes)
 }
 
 /// A client from a kubeconfig file that another component rotates (the
@@ -85,7 +128,7 @@ async fn client_from_text(
 pub struct KubeconfigClient {
     path: PathBuf,
     user_agent: String,
-    current: Option<(String, Client)>,
+    current: Option<(Vec<u8>, Client)>,
 }
 
 impl std::fmt::Debug for KubeconfigClient {
@@ -111,23 +154,20 @@ impl KubeconfigClient {
         &self.path
     }
 
-    /// The client for the file's current content.
+    /// The client for the current content of the file and the files it names.
     pub async fn get(&mut self) -> Result<Client, ClientError> {
-        let text =
-            std::fs::read_to_string(&self.path).map_err(|source| ClientError::ReadKubeconfig {
-                path: self.path.clone(),
-                source,
-            })?;
+        let kubeconfig = read_kubeconfig(&self.path)?;
+        let seen_now = fingerprint(&self.path, &kubeconfig)?;
         if let Some((seen, client)) = &self.current
-            && *seen == text
+            && *seen == seen_now
         {
             return Ok(client.clone());
         }
-        let client = client_from_text(&self.path, &text, &self.user_agent).await?;
+        let client = client_from_kubeconfig(&self.path, kubeconfig, &self.user_agent).await?;
         if self.current.is_some() {
-            tracing::info!(kubeconfig = %self.path.display(), "kubeconfig changed; using the new one");
+            tracing::info!(kubeconfig = %self.path.display(), "kubeconfig or its credentials changed; using the new ones");
         }
-        self.current = Some((text, client.clone()));
+        self.current = Some((seen_now, client.clone()));
         Ok(client)
     }
 }
@@ -176,5 +216,24 @@ mod tests {
             panic!("a client from no usable kubeconfig")
         };
         assert!(matches!(err, ClientError::BadKubeconfig { .. }), "{err}");
+    }
+
+    #[test]
+    fn rotating_a_credential_file_named_by_a_relative_path_changes_the_fingerprint() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("kubeconfig");
+        std::fs::write(
+            &path,
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: hub\n  cluster:\n    server: https://127.0.0.1:1\nusers:\n- name: agent\n  user:\n    client-certificate: tls.crt\n    client-key: tls.key\ncontexts:\n- name: agent\n  context:\n    cluster: hub\n    user: agent\ncurrent-context: agent\n",
+        )
+        .unwrap();
+        std::fs::write(dir.path().join("tls.crt"), "first certificate").unwrap();
+        std::fs::write(dir.path().join("tls.key"), "first key").unwrap();
+        let kubeconfig = read_kubeconfig(&path).unwrap();
+        let first = fingerprint(&path, &kubeconfig).unwrap();
+        assert_eq!(fingerprint(&path, &kubeconfig).unwrap(), first);
+        std::fs::write(dir.path().join("tls.crt"), "second certificate").unwrap();
+        let kubeconfig = read_kubeconfig(&path).unwrap();
+        assert_ne!(fingerprint(&path, &kubeconfig).unwrap(), first);
     }
 }
