@@ -96,6 +96,8 @@ pub enum RenewError {
         #[source]
         source: kube::Error,
     },
+    #[error("no managed cluster API and no hub kubeconfig: there is no Lease to renew")]
+    NoLease,
     #[error("renewing took longer than {0:?}")]
     Timeout(Duration),
 }
@@ -197,14 +199,10 @@ impl Renewer {
 
     async fn renew_hub(&mut self, not_found: Option<kube::Error>) -> Result<Renewed, RenewError> {
         let Some(hub) = self.hub.as_mut() else {
+            // Settings refuse this combination; named should that change.
             return Err(match not_found {
                 Some(source) => RenewError::NoFallback { source },
-                // Settings require a hub kubeconfig when there is no
-                // managed API; this names the case should that change.
-                None => RenewError::Client {
-                    target: "hub",
-                    source: ClientError::Config("no hub kubeconfig is configured".into()),
-                },
+                None => RenewError::NoLease,
             });
         };
         let client = hub.get().await.map_err(|source| RenewError::Client {
