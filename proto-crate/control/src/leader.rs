@@ -226,42 +226,61 @@ impl LeaderElection {
         shutdown: impl Future<Output = ()>,
     ) -> Result<(), LeaderError> {
         let renew_deadline = self.lease_duration - self.renew_every;
+        // When the last successful attempt started: the renewTime it wrote
+        // is no later, and other replicas count the expiry from that.
         let mut last_renewed: Option<Instant> = None;
         let mut leading = false;
         let mut ticker = tokio::time::interval(self.renew_every);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         tokio::pin!(shutdown);
         loop {
-            tokio::select! {
-                biased;
-                _ = &mut shutdown => break,
-                _ = ticker.tick() => {}
-            }
-            let attempt = tokio::time::timeout(
-                self.renew_every,
-                self.elector.try_lead(OffsetDateTime::now_utc()),
-            );
+            // While leading, the deadline ends leadership even when attempts
+            // hang, so no tick's delay can make it late.
+            let deadline = last_renewed
+                .filter(|_| leading)
+                .map(|at| at + renew_deadline);
+            let expired = async move {
+                match deadline {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::pin!(expired);
             let outcome = tokio::select! {
                 biased;
                 _ = &mut shutdown => break,
-                outcome = attempt => outcome,
+                _ = &mut expired => None,
+                _ = ticker.tick() => {
+                    let started = Instant::now();
+                    let attempt = tokio::time::timeout(
+                        self.renew_every,
+                        self.elector.try_lead(OffsetDateTime::now_utc()),
+                    );
+                    tokio::select! {
+                        biased;
+                        _ = &mut shutdown => break,
+                        _ = &mut expired => None,
+                        outcome = attempt => Some((started, outcome)),
+                    }
+                }
             };
-            let now = Instant::now();
-            let still_in_time =
-                last_renewed.is_some_and(|at| now.duration_since(at) < renew_deadline);
             let lead = match outcome {
-                Ok(Ok(true)) => {
-                    last_renewed = Some(now);
+                None => {
+                    tracing::warn!(lease = %self.elector.name, deadline = ?renew_deadline, "no successful renewal within the deadline");
+                    false
+                }
+                Some((started, Ok(Ok(true)))) => {
+                    last_renewed = Some(started);
                     true
                 }
-                Ok(Ok(false)) => false,
-                Ok(Err(error)) => {
+                Some((_, Ok(Ok(false)))) => false,
+                Some((_, Ok(Err(error)))) => {
                     tracing::warn!(lease = %self.elector.name, %error, "cannot renew the lease");
-                    leading && still_in_time
+                    leading
                 }
-                Err(_) => {
+                Some((_, Err(_))) => {
                     tracing::warn!(lease = %self.elector.name, timeout = ?self.renew_every, "renewing the lease timed out");
-                    leading && still_in_time
+                    leading
                 }
             };
             if lead != leading {
