@@ -646,5 +646,5 @@ pub async fn run_with_metrics(
     if let Some(task) = follower {
         task.abort();
     }
-    elector.release().await
+    Ok(elector.release().await?)
 }
