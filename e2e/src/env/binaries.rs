@@ -11,6 +11,7 @@ pub const PACKAGES: &[(&str, &str)] = &[
     ("proxy-agent", "proxy-agent"),
     ("cert-authority", "cert-authority"),
     ("addon-manager", "addon-manager"),
+    ("addon-agent", "addon-agent"),
     ("e2e", "e2e"),
 ];
 
