@@ -6,4 +6,5 @@
 //! `cluster-proxy-proto` (feature `kube-api`) into `charts/`.
 #![forbid(unsafe_code)]
 
+pub mod addon;
 pub mod apply;
