@@ -191,6 +191,13 @@ impl AddonMetrics {
             .inc();
     }
 
+    /// Proxy-agent CSRs decided `decision` (`approved` or `left`) so far.
+    pub fn csr_decision_count(&self, decision: &str) -> u64 {
+        self.csr_decisions
+            .get_or_create(&vec![("decision".to_owned(), decision.to_owned())])
+            .get()
+    }
+
     /// Reconciliations of `controller` so far (for tests and diagnostics).
     pub fn reconciliation_count(&self, controller: &str) -> u64 {
         self.reconciliations
