@@ -20,6 +20,7 @@ use cluster_proxy_proto::api::{CONDITION_FALSE, CONDITION_TRUE, CONDITION_UNKNOW
 use cluster_proxy_proto::identity::{ClusterName, is_dns1123_label};
 use futures_util::{Stream, StreamExt, stream};
 use k8s_openapi::api::core::v1::{Secret, Service};
+use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::reflector::ObjectRef;
@@ -36,8 +37,8 @@ use super::status::{
     REASON_MANIFEST_APPLYING,
 };
 use super::{
-    ADDON_NAME, AddonError, CA_BUNDLE_KEY, CA_BUNDLE_SECRET, Context, MANIFEST_WORK_NAME,
-    retry_after,
+    ADDON_NAME, AGENT_RBAC_NAME, AddonError, CA_BUNDLE_KEY, CA_BUNDLE_SECRET, Context,
+    MANIFEST_WORK_NAME, retry_after,
 };
 use crate::apply;
 
@@ -283,10 +284,23 @@ async fn evaluate(
     status.namespace = Some(install_namespace.clone());
     let owner = apply::owner_reference(addon);
     let (role, binding) = render::hub_agent_rbac(cluster, owner.clone());
-    let roles = Api::namespaced(client.clone(), cluster);
-    let bindings = Api::namespaced(client.clone(), cluster);
-    apply::apply(&roles, &role).await?;
-    apply::apply(&bindings, &binding).await?;
+    let roles = Api::<Role>::namespaced(client.clone(), cluster);
+    let current_role = get_opt(&roles, AGENT_RBAC_NAME).await?;
+    if !current_role.is_some_and(|current| {
+        current.rules == role.rules
+            && current.metadata.owner_references == role.metadata.owner_references
+    }) {
+        apply::apply(&roles, &role).await?;
+    }
+    let bindings = Api::<RoleBinding>::namespaced(client.clone(), cluster);
+    let current_binding = get_opt(&bindings, AGENT_RBAC_NAME).await?;
+    if !current_binding.is_some_and(|current| {
+        current.subjects == binding.subjects
+            && current.role_ref == binding.role_ref
+            && current.metadata.owner_references == binding.metadata.owner_references
+    }) {
+        apply::apply(&bindings, &binding).await?;
+    }
     status.set(
         Decided::new(
             CONDITION_REGISTRATION_APPLIED,
