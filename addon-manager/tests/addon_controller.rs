@@ -800,3 +800,46 @@ async fn only_an_accepted_clusters_own_agent_csr_is_approved() {
     assert!(!is_approved(&csrs.get("stolen").await.unwrap()));
     hub.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_default_deployment_config_applies_to_addons_naming_none() {
+    let mut hub = Hub::new(true).await;
+    hub.cluster("cluster-a", true).await;
+    hub.decide(&["cluster-a"]).await;
+    let adc: AddOnDeploymentConfig = object(json!({
+        "apiVersion": "addon.open-cluster-management.io/v1alpha1",
+        "kind": "AddOnDeploymentConfig",
+        "metadata": {"name": "fleet", "namespace": HUB},
+        "spec": {"customizedVariables": [{"name": "serviceDomain", "value": "svc.fleet.local"}]},
+    }));
+    Api::<AddOnDeploymentConfig>::namespaced(hub.admin.clone(), HUB)
+        .create(&PostParams::default(), &adc)
+        .await
+        .unwrap();
+    let mut settings = AddonSettings::new(HUB);
+    settings.default_deployment_config = Some((HUB.to_owned(), "fleet".to_owned()));
+    hub.start(settings);
+
+    let work = eventually("cluster-a's work", || hub.work("cluster-a")).await;
+    let manifests = work.spec.workload.unwrap().manifests.unwrap();
+    let service = manifests
+        .iter()
+        .find(|m| m.kind() == Some("Service") && m.name() == Some("cluster-a"))
+        .unwrap();
+    assert_eq!(
+        service.0["spec"]["externalName"],
+        "kubernetes.default.svc.fleet.local"
+    );
+    let addon = hub
+        .wait_condition(
+            "cluster-a",
+            "Configured",
+            "True",
+            "ConfigurationsConfigured",
+        )
+        .await;
+    let references = addon.status.unwrap().config_references.unwrap();
+    assert_eq!(references[1].namespace.as_deref(), Some(HUB));
+    assert_eq!(references[1].name.as_deref(), Some("fleet"));
+    hub.stop().await;
+}

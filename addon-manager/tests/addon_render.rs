@@ -621,8 +621,16 @@ fn cluster_management_addon_declares_upstreams_shape() {
     );
     let manual = AddonSettings {
         install_strategy: InstallStrategy::Manual,
+        default_deployment_config: Some((
+            "open-cluster-management-addon".into(),
+            "defaults".into(),
+        )),
         ..settings
     };
     let cma = serde_json::to_value(cluster_management_addon(&manual)).unwrap();
     assert_eq!(cma["spec"]["installStrategy"], json!({"type": "Manual"}));
+    assert_eq!(
+        cma["spec"]["supportedConfigs"][1]["defaultConfig"],
+        json!({"namespace": "open-cluster-management-addon", "name": "defaults"})
+    );
 }

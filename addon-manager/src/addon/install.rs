@@ -75,7 +75,12 @@ pub fn cluster_management_addon(settings: &AddonSettings) -> ClusterManagementAd
                 ConfigMeta {
                     group: ADC_GROUP.into(),
                     resource: ADC_RESOURCE.into(),
-                    default_config: None,
+                    default_config: settings.default_deployment_config.as_ref().map(
+                        |(namespace, name)| ConfigReferent {
+                            namespace: Some(namespace.clone()),
+                            name: name.clone(),
+                        },
+                    ),
                 },
             ]),
             install_strategy: Some(install_strategy),

@@ -91,6 +91,10 @@ pub struct AddonSettings {
     pub agent_install_namespace: String,
     /// The ClusterManagementAddOn's install strategy.
     pub install_strategy: InstallStrategy,
+    /// The AddOnDeploymentConfig (namespace, name) every addon uses unless
+    /// its `spec.configs` names one; declared as the ClusterManagementAddOn's
+    /// default.
+    pub default_deployment_config: Option<(String, String)>,
 }
 
 impl AddonSettings {
@@ -104,6 +108,7 @@ impl AddonSettings {
                 namespace: hub_namespace.to_owned(),
                 name: DEFAULT_PLACEMENT.to_owned(),
             }]),
+            default_deployment_config: None,
         }
     }
 }
