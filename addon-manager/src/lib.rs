@@ -6,6 +6,7 @@
 //! `cluster-proxy-proto` (feature `kube-api`) into `charts/`.
 #![forbid(unsafe_code)]
 
+pub mod addon;
 pub mod apply;
 pub mod hub;
 pub mod settings;

@@ -568,15 +568,16 @@ impl Environment {
             _temporary_state: temporary_state,
         };
         if let Some(api) = &environment.kube_api {
-            environment.control_plane_ca =
-                Some(Self::start_control_plane_ca(
+            environment.control_plane_ca = Some(
+                Self::start_control_plane_ca(
                     api,
                     &binaries,
                     &logs,
                     hub_netns.clone(),
                     options.control_plane,
                 )
-                .await?);
+                .await?,
+            );
         }
         environment.remember_processes();
 

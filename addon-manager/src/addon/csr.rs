@@ -1,0 +1,326 @@
+//! Approval of proxy-agent CertificateSigningRequests.
+//!
+//! A CSR for `open-cluster-management.io/proxy-agent-signer` labelled for
+//! the addon and a cluster is approved only when all of these hold:
+//!
+//! * the requester the API server authenticated (`spec.username`) is the
+//!   cluster's own registration identity,
+//!   `system:open-cluster-management:<cluster>:<agent>` in group
+//!   `system:open-cluster-management:<cluster>`;
+//! * the cluster label names that same cluster;
+//! * the ManagedCluster exists and the hub accepts it (`hubAcceptsClient`);
+//! * the request's subject is the one the addon's registration asks for:
+//!   user, group and the organizational unit of the current CA.
+//!
+//! Anything else is left for a human (never denied) and the reason logged.
+//! Signing is cert-authority's job.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use cluster_proxy_proto::api::addon::v1alpha1::LABEL_ADDON_NAME;
+use cluster_proxy_proto::api::cluster::v1::{LABEL_CLUSTER_NAME, ManagedCluster};
+use cluster_proxy_proto::identity::ClusterName;
+use futures_util::{Stream, StreamExt};
+use k8s_openapi::api::certificates::v1::{
+    CertificateSigningRequest, CertificateSigningRequestCondition,
+};
+use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::api::PostParams;
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::watcher;
+use kube::{Api, ResourceExt};
+use x509_parser::prelude::{FromDer, X509CertificationRequest};
+
+use super::reconcile::get_opt;
+use super::render::{CLUSTER_PROXY_GROUP, PROXY_AGENT_SIGNER, PROXY_AGENT_USER};
+use super::{ADDON_NAME, AddonError, CA_BUNDLE_KEY, CA_BUNDLE_SECRET, Context, retry_after};
+
+const CONTROLLER: &str = "csr";
+const OCM_USER_PREFIX: &str = "system:open-cluster-management:";
+/// The reason of the `Approved` condition we write.
+pub const REASON_APPROVED: &str = "AutoApprovedByClusterProxyAddonManager";
+
+/// What to do with one CSR.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Approval {
+    /// Not ours, or decided already.
+    Ignore(&'static str),
+    /// Approve: it is `cluster`'s own agent asking for its certificate.
+    Approve { cluster: ClusterName },
+    /// Leave it for a human; the reason is logged.
+    Leave(String),
+}
+
+/// The cluster of an OCM registration identity:
+/// `system:open-cluster-management:<cluster>:<agent>` in group
+/// `system:open-cluster-management:<cluster>`.
+pub fn requester_cluster(username: &str, groups: &[String]) -> Result<ClusterName, String> {
+    let rest = username.strip_prefix(OCM_USER_PREFIX).ok_or_else(|| {
+        format!("requester {username:?} is not a managed cluster's registration identity")
+    })?;
+    let (cluster, agent) = rest
+        .split_once(':')
+        .filter(|(_, agent)| !agent.is_empty() && !agent.contains(':'))
+        .ok_or_else(|| format!("requester {username:?} does not name one cluster and one agent"))?;
+    let cluster =
+        ClusterName::new(cluster).map_err(|error| format!("requester {username:?}: {error}"))?;
+    let group = format!("{OCM_USER_PREFIX}{cluster}");
+    if !groups.contains(&group) {
+        return Err(format!(
+            "requester {username:?} (agent {agent:?}) is not in group {group:?}"
+        ));
+    }
+    Ok(cluster)
+}
+
+fn has_condition(csr: &CertificateSigningRequest, type_: &str) -> bool {
+    csr.status
+        .as_ref()
+        .and_then(|status| status.conditions.as_ref())
+        .is_some_and(|conditions| conditions.iter().any(|condition| condition.type_ == type_))
+}
+
+/// The subject attributes of a certificate request the approval checks.
+#[derive(Debug, Default)]
+struct RequestSubject {
+    common_names: Vec<String>,
+    organizations: Vec<String>,
+    units: Vec<String>,
+}
+
+/// The subject of a PEM-encoded PKCS#10 request.
+fn request_subject(pem: &[u8]) -> Result<RequestSubject, String> {
+    let (_, block) = x509_parser::pem::parse_x509_pem(pem)
+        .map_err(|error| format!("spec.request is not PEM: {error}"))?;
+    let (_, request) = X509CertificationRequest::from_der(&block.contents)
+        .map_err(|error| format!("spec.request is not a PKCS#10 request: {error}"))?;
+    let subject = &request.certification_request_info.subject;
+    let text = |values: Vec<Result<&str, _>>| -> Result<Vec<String>, String> {
+        values
+            .into_iter()
+            .map(|value| {
+                value
+                    .map(str::to_owned)
+                    .map_err(|_| "a subject attribute is not text".to_owned())
+            })
+            .collect()
+    };
+    Ok(RequestSubject {
+        common_names: text(
+            subject
+                .iter_common_name()
+                .map(|attribute| attribute.as_str())
+                .collect(),
+        )?,
+        organizations: text(
+            subject
+                .iter_organization()
+                .map(|attribute| attribute.as_str())
+                .collect(),
+        )?,
+        units: text(
+            subject
+                .iter_organizational_unit()
+                .map(|attribute| attribute.as_str())
+                .collect(),
+        )?,
+    })
+}
+
+/// Decides about `csr`. `cluster` is the ManagedCluster its requester
+/// belongs to (None: it does not exist); `expected_unit` the organizational
+/// unit of the current CA (None: no CA published yet).
+pub fn decide(
+    csr: &CertificateSigningRequest,
+    cluster: Option<&ManagedCluster>,
+    expected_unit: Option<&str>,
+) -> Approval {
+    if csr.spec.signer_name != PROXY_AGENT_SIGNER {
+        return Approval::Ignore("another signer");
+    }
+    if has_condition(csr, "Approved")
+        || has_condition(csr, "Denied")
+        || has_condition(csr, "Failed")
+    {
+        return Approval::Ignore("decided already");
+    }
+    let labels = csr.labels();
+    if labels.get(LABEL_ADDON_NAME).map(String::as_str) != Some(ADDON_NAME) {
+        return Approval::Leave(format!("label {LABEL_ADDON_NAME} is not {ADDON_NAME}"));
+    }
+    let Some(label_cluster) = labels.get(LABEL_CLUSTER_NAME) else {
+        return Approval::Leave(format!("no label {LABEL_CLUSTER_NAME}"));
+    };
+    let username = csr.spec.username.as_deref().unwrap_or_default();
+    let groups = csr.spec.groups.as_deref().unwrap_or_default();
+    let requester = match requester_cluster(username, groups) {
+        Ok(requester) => requester,
+        Err(why) => return Approval::Leave(why),
+    };
+    if label_cluster != requester.as_str() {
+        return Approval::Leave(format!(
+            "label {LABEL_CLUSTER_NAME}={label_cluster} but the requester belongs to cluster {requester}"
+        ));
+    }
+    let Some(managed_cluster) = cluster.filter(|found| found.name_any() == requester.as_str())
+    else {
+        return Approval::Leave(format!("ManagedCluster {requester} does not exist"));
+    };
+    if !managed_cluster.hub_accepts_client() {
+        return Approval::Leave(format!(
+            "the hub does not accept cluster {requester} (hubAcceptsClient)"
+        ));
+    }
+    let Some(expected_unit) = expected_unit else {
+        return Approval::Leave(
+            "the hub CA is not published yet; the subject cannot be checked".into(),
+        );
+    };
+    let RequestSubject {
+        common_names,
+        organizations,
+        units,
+    } = match request_subject(&csr.spec.request.0) {
+        Ok(subject) => subject,
+        Err(why) => return Approval::Leave(why),
+    };
+    if common_names != [PROXY_AGENT_USER] {
+        return Approval::Leave(format!(
+            "subject common name {common_names:?} is not {PROXY_AGENT_USER:?}"
+        ));
+    }
+    if organizations != [CLUSTER_PROXY_GROUP] {
+        return Approval::Leave(format!(
+            "subject organizations {organizations:?} are not [{CLUSTER_PROXY_GROUP:?}]"
+        ));
+    }
+    if units != [expected_unit] {
+        return Approval::Leave(format!(
+            "subject organizational units {units:?} are not those of the current CA ([{expected_unit:?}])"
+        ));
+    }
+    Approval::Approve { cluster: requester }
+}
+
+/// `csr` with an `Approved` condition added.
+pub fn approved(
+    csr: &CertificateSigningRequest,
+    cluster: &ClusterName,
+    now: Time,
+) -> CertificateSigningRequest {
+    let mut csr = csr.clone();
+    let status = csr.status.get_or_insert_with(Default::default);
+    status
+        .conditions
+        .get_or_insert_with(Vec::new)
+        .push(CertificateSigningRequestCondition {
+            type_: "Approved".into(),
+            status: "True".into(),
+            reason: Some(REASON_APPROVED.into()),
+            message: Some(format!(
+                "cluster-proxy addon-manager approved the proxy-agent certificate of cluster {cluster}"
+            )),
+            last_update_time: Some(now.clone()),
+            last_transition_time: Some(now),
+        });
+    csr
+}
+
+/// Reconciles one CSR.
+pub async fn reconcile(
+    csr: Arc<CertificateSigningRequest>,
+    context: Arc<Context>,
+) -> Result<Action, AddonError> {
+    context.metrics.reconciled(CONTROLLER);
+    let client = &context.client;
+    let name = csr.name_any();
+    // Cheap checks first: most CSRs were decided long ago.
+    if let Approval::Ignore(_) = decide(&csr, None, None) {
+        return Ok(Action::await_change());
+    }
+    let requester = requester_cluster(
+        csr.spec.username.as_deref().unwrap_or_default(),
+        csr.spec.groups.as_deref().unwrap_or_default(),
+    );
+    let cluster = match &requester {
+        Ok(cluster) => {
+            get_opt(
+                &Api::<ManagedCluster>::all(client.clone()),
+                cluster.as_str(),
+            )
+            .await?
+        }
+        Err(_) => None,
+    };
+    let secrets = Api::<Secret>::namespaced(client.clone(), &context.settings.hub_namespace);
+    let expected_unit = get_opt(&secrets, CA_BUNDLE_SECRET)
+        .await?
+        .and_then(|secret| secret.data)
+        .and_then(|mut data| data.remove(CA_BUNDLE_KEY))
+        .filter(|pem| !pem.0.is_empty())
+        .map(|pem| super::render::signer_organization_unit(&pem.0));
+    match decide(&csr, cluster.as_ref(), expected_unit.as_deref()) {
+        Approval::Ignore(_) => {}
+        Approval::Leave(why) => {
+            context.metrics.csr_decision("left");
+            tracing::warn!(csr = %name, reason = %why, "not approving a proxy-agent CSR; left for an administrator");
+        }
+        Approval::Approve { cluster } => {
+            let api = Api::<CertificateSigningRequest>::all(client.clone());
+            let now = Time(k8s_openapi::jiff::Timestamp::now());
+            api.replace_subresource(
+                "approval",
+                &name,
+                &PostParams::default(),
+                &approved(&csr, &cluster, now),
+            )
+            .await
+            .map_err(AddonError::api(format!("approving CSR {name}")))?;
+            context.metrics.csr_decision("approved");
+            tracing::info!(csr = %name, %cluster, "approved a proxy-agent CSR");
+        }
+    }
+    Ok(Action::await_change())
+}
+
+fn error_policy(
+    csr: Arc<CertificateSigningRequest>,
+    error: &AddonError,
+    context: Arc<Context>,
+) -> Action {
+    context.metrics.failed(CONTROLLER);
+    tracing::warn!(csr = %csr.name_any(), %error, "deciding about a CSR failed; retrying");
+    Action::requeue(retry_after(error))
+}
+
+/// The CSR approval controller, as a stream of reconcile results. It
+/// watches only our signer's CSRs labelled for the addon; a ManagedCluster
+/// change (say, `hubAcceptsClient` turning true) looks at them all again.
+pub fn controller(
+    context: Arc<Context>,
+    shutdown: impl Future<Output = ()> + Send + Sync + 'static,
+) -> impl Stream<Item = ()> + Send {
+    use kube::runtime::WatchStreamExt;
+    let client = context.client.clone();
+    let ours = watcher::Config::default()
+        .fields(&format!("spec.signerName={PROXY_AGENT_SIGNER}"))
+        .labels(&format!("{LABEL_ADDON_NAME}={ADDON_NAME}"));
+    let clusters = watcher(
+        Api::<ManagedCluster>::all(client.clone()),
+        watcher::Config::default(),
+    )
+    .default_backoff()
+    .touched_objects()
+    .filter_map(|result| async move { result.ok().map(|_| ()) });
+    Controller::new(Api::<CertificateSigningRequest>::all(client), ours)
+        .reconcile_all_on(clusters)
+        .graceful_shutdown_on(shutdown)
+        .run(reconcile, error_policy, context)
+        .map(|result| {
+            if let Err(error) = result {
+                tracing::debug!(%error, "CSR controller event");
+            }
+        })
+}

@@ -1,0 +1,266 @@
+//! Installation: the ClusterManagementAddOn `cluster-proxy` and, with the
+//! `Placements` strategy, a ManagedClusterAddOn for every cluster the
+//! placements' decisions select.
+//!
+//! The controller reconciles ManagedClusters; any change of a
+//! PlacementDecision or of the ClusterManagementAddOn reconciles them all.
+//! ManagedClusterAddOns it creates are owned by the ClusterManagementAddOn;
+//! only those are ever deleted (when their cluster leaves the placements or
+//! is deleting; a deleted cluster's addon is removed by the addon
+//! controller). Addons users created are left alone.
+
+use std::collections::BTreeSet;
+use std::future::Future;
+use std::sync::Arc;
+
+use cluster_proxy_proto::api::addon::v1alpha1::{
+    ANNOTATION_LIFECYCLE, AddOnConfig, ClusterManagementAddOn, ClusterManagementAddOnSpec,
+    ConfigMeta, ConfigReferent, INSTALL_STRATEGY_MANUAL, INSTALL_STRATEGY_PLACEMENTS,
+    InstallStrategy as OcmInstallStrategy, LIFECYCLE_ADDON_MANAGER, ManagedClusterAddOn,
+    ManagedClusterAddOnSpec, PlacementStrategy,
+};
+use cluster_proxy_proto::api::cluster::v1::ManagedCluster;
+use cluster_proxy_proto::api::cluster::v1beta1::{LABEL_PLACEMENT, PlacementDecision};
+use cluster_proxy_proto::api::proxy::v1alpha1::MANAGED_PROXY_CONFIGURATION_NAME;
+use futures_util::{Stream, StreamExt, stream};
+use kube::api::{DeleteParams, ListParams};
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Api, Resource, ResourceExt};
+
+use super::config::{ADC_GROUP, ADC_RESOURCE, MPC_GROUP, MPC_RESOURCE};
+use super::reconcile::get_opt;
+use super::status::addon_meta;
+use super::{ADDON_NAME, AddonError, AddonSettings, Context, InstallStrategy, retry_after};
+use crate::apply;
+
+const CONTROLLER: &str = "install";
+
+/// The ClusterManagementAddOn `cluster-proxy` as addon-manager declares it
+/// (upstream §8): lifecycle annotation, metadata, supported configurations
+/// with the MPC `cluster-proxy` as default, and the install strategy.
+pub fn cluster_management_addon(settings: &AddonSettings) -> ClusterManagementAddOn {
+    let install_strategy = match &settings.install_strategy {
+        InstallStrategy::Manual => OcmInstallStrategy {
+            type_: Some(INSTALL_STRATEGY_MANUAL.into()),
+            placements: None,
+        },
+        InstallStrategy::Placements(placements) => OcmInstallStrategy {
+            type_: Some(INSTALL_STRATEGY_PLACEMENTS.into()),
+            placements: Some(
+                placements
+                    .iter()
+                    .map(|placement| PlacementStrategy {
+                        namespace: placement.namespace.clone(),
+                        name: placement.name.clone(),
+                        ..PlacementStrategy::default()
+                    })
+                    .collect(),
+            ),
+        },
+    };
+    let mut addon = ClusterManagementAddOn::new(
+        ADDON_NAME,
+        ClusterManagementAddOnSpec {
+            add_on_meta: Some(addon_meta()),
+            supported_configs: Some(vec![
+                ConfigMeta {
+                    group: MPC_GROUP.into(),
+                    resource: MPC_RESOURCE.into(),
+                    default_config: Some(ConfigReferent {
+                        namespace: None,
+                        name: MANAGED_PROXY_CONFIGURATION_NAME.into(),
+                    }),
+                },
+                ConfigMeta {
+                    group: ADC_GROUP.into(),
+                    resource: ADC_RESOURCE.into(),
+                    default_config: settings.default_deployment_config.as_ref().map(
+                        |(namespace, name)| ConfigReferent {
+                            namespace: Some(namespace.clone()),
+                            name: name.clone(),
+                        },
+                    ),
+                },
+            ]),
+            install_strategy: Some(install_strategy),
+            ..ClusterManagementAddOnSpec::default()
+        },
+    );
+    addon.metadata.annotations = Some(
+        [(
+            ANNOTATION_LIFECYCLE.to_owned(),
+            LIFECYCLE_ADDON_MANAGER.to_owned(),
+        )]
+        .into_iter()
+        .collect(),
+    );
+    addon
+}
+
+/// Whether the ClusterManagementAddOn `current` already says what
+/// `desired` says (fields others set are not compared).
+fn management_is_current(
+    current: &ClusterManagementAddOn,
+    desired: &ClusterManagementAddOn,
+) -> bool {
+    current.spec.add_on_meta == desired.spec.add_on_meta
+        && current.spec.supported_configs == desired.spec.supported_configs
+        && current.spec.install_strategy == desired.spec.install_strategy
+        && desired
+            .annotations()
+            .iter()
+            .all(|(key, value)| current.annotations().get(key) == Some(value))
+}
+
+/// Applies the ClusterManagementAddOn if it is missing or differs; returns
+/// it as stored.
+pub async fn ensure_cluster_management_addon(
+    client: &kube::Client,
+    settings: &AddonSettings,
+) -> Result<ClusterManagementAddOn, AddonError> {
+    let api = Api::<ClusterManagementAddOn>::all(client.clone());
+    let desired = cluster_management_addon(settings);
+    match get_opt(&api, ADDON_NAME).await? {
+        Some(current) if management_is_current(&current, &desired) => Ok(current),
+        _ => Ok(apply::apply(&api, &desired).await?),
+    }
+}
+
+/// The clusters the placements' decisions select now.
+pub async fn selected_clusters(
+    client: &kube::Client,
+    settings: &AddonSettings,
+) -> Result<BTreeSet<String>, AddonError> {
+    let mut clusters = BTreeSet::new();
+    let InstallStrategy::Placements(placements) = &settings.install_strategy else {
+        return Ok(clusters);
+    };
+    for placement in placements {
+        let api = Api::<PlacementDecision>::namespaced(client.clone(), &placement.namespace);
+        let decisions = api
+            .list(&ListParams::default().labels(&format!("{LABEL_PLACEMENT}={}", placement.name)))
+            .await
+            .map_err(AddonError::api(format!(
+                "listing the decisions of placement {}/{}",
+                placement.namespace, placement.name
+            )))?;
+        for decision in &decisions.items {
+            clusters.extend(decision.cluster_names().map(str::to_owned));
+        }
+    }
+    Ok(clusters)
+}
+
+/// Whether `addon` was created by the installer (owned by `management`).
+pub fn installed_by(addon: &ManagedClusterAddOn, management: &ClusterManagementAddOn) -> bool {
+    let Some(uid) = management.meta().uid.as_deref() else {
+        return false;
+    };
+    addon
+        .owner_references()
+        .iter()
+        .any(|owner| owner.uid == uid && owner.kind == ClusterManagementAddOn::kind(&()))
+}
+
+/// The ManagedClusterAddOn the installer creates for `cluster`.
+pub fn installed_addon(
+    cluster: &str,
+    settings: &AddonSettings,
+    management: &ClusterManagementAddOn,
+) -> ManagedClusterAddOn {
+    let mut addon = ManagedClusterAddOn::new(
+        ADDON_NAME,
+        ManagedClusterAddOnSpec {
+            install_namespace: Some(settings.agent_install_namespace.clone()),
+            configs: None::<Vec<AddOnConfig>>,
+        },
+    );
+    addon.metadata.namespace = Some(cluster.to_owned());
+    addon.metadata.owner_references = apply::owner_reference(management).map(|owner| vec![owner]);
+    addon
+}
+
+/// Reconciles one ManagedCluster's installation.
+pub async fn reconcile(
+    cluster: Arc<ManagedCluster>,
+    context: Arc<Context>,
+) -> Result<Action, AddonError> {
+    context.metrics.reconciled(CONTROLLER);
+    let client = &context.client;
+    let settings = &context.settings;
+    let management = ensure_cluster_management_addon(client, settings).await?;
+    if settings.install_strategy == InstallStrategy::Manual {
+        return Ok(Action::await_change());
+    }
+    let name = cluster.name_any();
+    let wanted = cluster.metadata.deletion_timestamp.is_none()
+        && selected_clusters(client, settings).await?.contains(&name);
+    let api = Api::<ManagedClusterAddOn>::namespaced(client.clone(), &name);
+    let current = get_opt(&api, ADDON_NAME).await?;
+    match current {
+        None if wanted => {
+            tracing::info!(cluster = %name, "installing the addon");
+            apply::apply(&api, &installed_addon(&name, settings, &management)).await?;
+        }
+        Some(addon) if !wanted && installed_by(&addon, &management) => {
+            tracing::info!(cluster = %name, "the cluster left the placements; removing the addon");
+            delete_addon(&api).await?;
+        }
+        _ => {}
+    }
+    Ok(Action::await_change())
+}
+
+/// Deletes the addon `cluster-proxy` through `api`; gone already is fine.
+pub async fn delete_addon(api: &Api<ManagedClusterAddOn>) -> Result<(), AddonError> {
+    match api.delete(ADDON_NAME, &DeleteParams::background()).await {
+        Ok(_) => Ok(()),
+        Err(error) if apply::is_not_found(&error) => Ok(()),
+        Err(error) => Err(AddonError::api("deleting the addon")(error)),
+    }
+}
+
+fn error_policy(cluster: Arc<ManagedCluster>, error: &AddonError, context: Arc<Context>) -> Action {
+    context.metrics.failed(CONTROLLER);
+    tracing::warn!(cluster = %cluster.name_any(), %error, "installing the addon failed; retrying");
+    Action::requeue(retry_after(error))
+}
+
+/// The installation controller, as a stream of reconcile results.
+pub fn controller(
+    context: Arc<Context>,
+    shutdown: impl Future<Output = ()> + Send + Sync + 'static,
+) -> impl Stream<Item = ()> + Send {
+    let client = context.client.clone();
+    let everything = stream::select_all(vec![
+        watcher(
+            Api::<PlacementDecision>::all(client.clone()),
+            watcher::Config::default(),
+        )
+        .default_backoff()
+        .touched_objects()
+        .filter_map(|result| async move { result.ok().map(|_| ()) })
+        .boxed(),
+        watcher(
+            Api::<ClusterManagementAddOn>::all(client.clone()),
+            watcher::Config::default().fields(&format!("metadata.name={ADDON_NAME}")),
+        )
+        .default_backoff()
+        .touched_objects()
+        .filter_map(|result| async move { result.ok().map(|_| ()) })
+        .boxed(),
+    ]);
+    Controller::new(
+        Api::<ManagedCluster>::all(client),
+        watcher::Config::default(),
+    )
+    .reconcile_all_on(everything)
+    .graceful_shutdown_on(shutdown)
+    .run(reconcile, error_policy, context)
+    .map(|result| {
+        if let Err(error) = result {
+            tracing::debug!(%error, "install controller event");
+        }
+    })
+}

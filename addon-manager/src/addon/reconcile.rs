@@ -1,0 +1,534 @@
+//! The ManagedClusterAddOn controller: for each addon `cluster-proxy`, the
+//! agent's ManifestWork, its hub RBAC and the status fields the addon
+//! manager owns.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use cluster_proxy_proto::api::addon::v1alpha1::{
+    AddOnDeploymentConfig, CONDITION_CONFIGURED, CONDITION_MANIFEST_APPLIED,
+    CONDITION_REGISTRATION_APPLIED, ClusterManagementAddOn, ManagedClusterAddOn,
+    REASON_MANIFESTS_APPLIED, REASON_MANIFESTS_APPLY_FAILED, REASON_SET_PERMISSION_APPLIED,
+};
+use cluster_proxy_proto::api::cluster::v1::ManagedCluster;
+use cluster_proxy_proto::api::proxy::v1alpha1::{
+    MANAGED_PROXY_CONFIGURATION_NAME, ManagedProxyConfiguration,
+};
+use cluster_proxy_proto::api::work::v1::{self as work, ManifestWork};
+use cluster_proxy_proto::api::{CONDITION_FALSE, CONDITION_TRUE, CONDITION_UNKNOWN};
+use cluster_proxy_proto::identity::{ClusterName, is_dns1123_label};
+use futures_util::{Stream, StreamExt, stream};
+use k8s_openapi::api::core::v1::{Secret, Service};
+use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::reflector::ObjectRef;
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Api, Resource, ResourceExt};
+
+use super::config::{self, DeploymentConfigRef};
+use super::install;
+use super::render::{self, AgentInputs};
+use super::status::{
+    Decided, OwnedStatus, REASON_CA_NOT_FOUND, REASON_CLUSTER_NOT_FOUND,
+    REASON_CONFIGURATION_NOT_FOUND, REASON_CONFIGURED, REASON_ENTRYPOINT_NOT_READY,
+    REASON_INVALID_CLUSTER_NAME, REASON_INVALID_CONFIGURATION, REASON_INVALID_INSTALL_NAMESPACE,
+    REASON_MANIFEST_APPLYING,
+};
+use super::{
+    ADDON_NAME, AGENT_RBAC_NAME, AddonError, CA_BUNDLE_KEY, CA_BUNDLE_SECRET, Context,
+    MANIFEST_WORK_NAME, retry_after,
+};
+use crate::apply;
+
+const CONTROLLER: &str = "managedclusteraddon";
+/// How often a pending load balancer is looked at again, in case its
+/// Service is outside the watched namespace.
+const ENTRYPOINT_RETRY: Duration = Duration::from_secs(15);
+
+pub(crate) async fn get_opt<K>(api: &Api<K>, name: &str) -> Result<Option<K>, AddonError>
+where
+    K: Resource<DynamicType = ()> + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    api.get_opt(name)
+        .await
+        .map_err(AddonError::api(format!("reading {} {name}", K::kind(&()))))
+}
+
+fn now() -> Time {
+    Time(k8s_openapi::jiff::Timestamp::now())
+}
+
+/// What one reconcile decided, before the status is written.
+struct Outcome {
+    status: OwnedStatus,
+    requeue: Option<Duration>,
+    /// The addon was deleted: nothing to write.
+    deleted: bool,
+}
+
+/// Reconciles one ManagedClusterAddOn.
+pub async fn reconcile(
+    addon: Arc<ManagedClusterAddOn>,
+    context: Arc<Context>,
+) -> Result<Action, AddonError> {
+    context.metrics.reconciled(CONTROLLER);
+    if addon.name_any() != ADDON_NAME || addon.metadata.deletion_timestamp.is_some() {
+        return Ok(Action::await_change());
+    }
+    let namespace = addon
+        .metadata
+        .namespace
+        .clone()
+        .ok_or(AddonError::Incomplete("metadata.namespace"))?;
+    let outcome = evaluate(&addon, &namespace, &context).await?;
+    if !outcome.deleted && !outcome.status.is_current(&addon) {
+        let mut patch = ManagedClusterAddOn::new(ADDON_NAME, Default::default());
+        patch.metadata.namespace = Some(namespace.clone());
+        patch.status = Some(outcome.status.to_status());
+        let api = Api::<ManagedClusterAddOn>::namespaced(context.client.clone(), &namespace);
+        apply::apply_status(&api, &patch).await?;
+    }
+    Ok(match outcome.requeue {
+        Some(after) => Action::requeue(after),
+        None => Action::await_change(),
+    })
+}
+
+async fn evaluate(
+    addon: &ManagedClusterAddOn,
+    cluster: &str,
+    context: &Context,
+) -> Result<Outcome, AddonError> {
+    let client = &context.client;
+    let now = now();
+    let mut status = OwnedStatus::from_current(addon);
+    let stop = |mut status: OwnedStatus, decided: Vec<Decided>, requeue: Option<Duration>| {
+        for decided in decided {
+            status.set(decided, &now);
+        }
+        Ok(Outcome {
+            status,
+            requeue,
+            deleted: false,
+        })
+    };
+
+    if !render::is_dns1035_label(cluster) {
+        let message = format!(
+            "cluster name {cluster:?} is not a DNS-1035 label (a lowercase letter, then lowercase alphanumerics and '-', at most 63): the agent's Service cannot be named after it"
+        );
+        return stop(
+            status,
+            vec![
+                Decided::new(
+                    CONDITION_MANIFEST_APPLIED,
+                    CONDITION_FALSE,
+                    REASON_INVALID_CLUSTER_NAME,
+                    &message,
+                ),
+                Decided::new(
+                    CONDITION_REGISTRATION_APPLIED,
+                    CONDITION_FALSE,
+                    REASON_INVALID_CLUSTER_NAME,
+                    message,
+                ),
+            ],
+            None,
+        );
+    }
+    let cluster_name =
+        ClusterName::new(cluster).map_err(|_| AddonError::Incomplete("a valid cluster name"))?;
+
+    let managed_cluster = get_opt(&Api::<ManagedCluster>::all(client.clone()), cluster).await?;
+    if managed_cluster.is_none() {
+        let management = get_opt(
+            &Api::<ClusterManagementAddOn>::all(client.clone()),
+            ADDON_NAME,
+        )
+        .await?;
+        if management
+            .as_ref()
+            .is_some_and(|management| install::installed_by(addon, management))
+        {
+            tracing::info!(%cluster, "the ManagedCluster is gone; removing the addon installed for it");
+            install::delete_addon(&Api::namespaced(client.clone(), cluster)).await?;
+            return Ok(Outcome {
+                status,
+                requeue: None,
+                deleted: true,
+            });
+        }
+        return stop(
+            status,
+            vec![Decided::new(
+                CONDITION_MANIFEST_APPLIED,
+                CONDITION_FALSE,
+                REASON_CLUSTER_NOT_FOUND,
+                format!("ManagedCluster {cluster} does not exist"),
+            )],
+            None,
+        );
+    }
+
+    // Configurations: the MPC, and the AddOnDeploymentConfig if one applies.
+    let mpc = get_opt(
+        &Api::<ManagedProxyConfiguration>::all(client.clone()),
+        MANAGED_PROXY_CONFIGURATION_NAME,
+    )
+    .await?;
+    let Some(mpc) = mpc else {
+        return stop(
+            status,
+            vec![Decided::new(
+                CONDITION_CONFIGURED,
+                CONDITION_FALSE,
+                REASON_CONFIGURATION_NOT_FOUND,
+                format!(
+                    "ManagedProxyConfiguration {MANAGED_PROXY_CONFIGURATION_NAME} does not exist"
+                ),
+            )],
+            None,
+        );
+    };
+    let management = get_opt(
+        &Api::<ClusterManagementAddOn>::all(client.clone()),
+        ADDON_NAME,
+    )
+    .await?;
+    let adc_ref = config::deployment_config_ref(addon, management.as_ref());
+    let adc = match &adc_ref {
+        None => None,
+        Some(reference) => {
+            let api =
+                Api::<AddOnDeploymentConfig>::namespaced(client.clone(), &reference.namespace);
+            match get_opt(&api, &reference.name).await? {
+                Some(adc) => Some(adc),
+                None => {
+                    return stop(
+                        status,
+                        vec![Decided::new(
+                            CONDITION_CONFIGURED,
+                            CONDITION_FALSE,
+                            REASON_CONFIGURATION_NOT_FOUND,
+                            format!("AddOnDeploymentConfig {reference} does not exist"),
+                        )],
+                        None,
+                    );
+                }
+            }
+        }
+    };
+    status.config_references = Some(config_references(&mpc, adc_ref.as_ref(), adc.as_ref())?);
+    status.set(
+        Decided::new(
+            CONDITION_CONFIGURED,
+            CONDITION_TRUE,
+            REASON_CONFIGURED,
+            "Configurations configured",
+        ),
+        &now,
+    );
+
+    // Registration: needs the hub CA, whose hash is in the agent's subject.
+    let secrets = Api::<Secret>::namespaced(client.clone(), &context.settings.hub_namespace);
+    let ca_pem = get_opt(&secrets, CA_BUNDLE_SECRET)
+        .await?
+        .and_then(|secret| secret.data)
+        .and_then(|mut data| data.remove(CA_BUNDLE_KEY))
+        .map(|bytes| bytes.0)
+        .filter(|pem| !pem.is_empty());
+    let Some(ca_pem) = ca_pem else {
+        let message = format!(
+            "Secret {}/{CA_BUNDLE_SECRET} has no {CA_BUNDLE_KEY} yet",
+            context.settings.hub_namespace
+        );
+        return stop(
+            status,
+            vec![
+                Decided::new(
+                    CONDITION_REGISTRATION_APPLIED,
+                    CONDITION_FALSE,
+                    REASON_CA_NOT_FOUND,
+                    &message,
+                ),
+                Decided::new(
+                    CONDITION_MANIFEST_APPLIED,
+                    CONDITION_FALSE,
+                    REASON_CA_NOT_FOUND,
+                    message,
+                ),
+            ],
+            None,
+        );
+    };
+    let install_namespace = render::install_namespace(
+        addon,
+        adc.as_ref(),
+        &context.settings.agent_install_namespace,
+    );
+    if !is_dns1123_label(&install_namespace) {
+        return stop(
+            status,
+            vec![Decided::new(
+                CONDITION_MANIFEST_APPLIED,
+                CONDITION_FALSE,
+                REASON_INVALID_INSTALL_NAMESPACE,
+                format!("install namespace {install_namespace:?} is not a DNS-1123 label"),
+            )],
+            None,
+        );
+    }
+    status.registrations = Some(render::registrations(&ca_pem));
+    status.namespace = Some(install_namespace.clone());
+    let owner = apply::owner_reference(addon);
+    let (role, binding) = render::hub_agent_rbac(cluster, owner.clone());
+    let roles = Api::<Role>::namespaced(client.clone(), cluster);
+    let current_role = get_opt(&roles, AGENT_RBAC_NAME).await?;
+    if !current_role.is_some_and(|current| {
+        current.rules == role.rules
+            && current.metadata.owner_references == role.metadata.owner_references
+    }) {
+        apply::apply(&roles, &role).await?;
+    }
+    let bindings = Api::<RoleBinding>::namespaced(client.clone(), cluster);
+    let current_binding = get_opt(&bindings, AGENT_RBAC_NAME).await?;
+    if !current_binding.is_some_and(|current| {
+        current.subjects == binding.subjects
+            && current.role_ref == binding.role_ref
+            && current.metadata.owner_references == binding.metadata.owner_references
+    }) {
+        apply::apply(&bindings, &binding).await?;
+    }
+    status.set(
+        Decided::new(
+            CONDITION_REGISTRATION_APPLIED,
+            CONDITION_TRUE,
+            REASON_SET_PERMISSION_APPLIED,
+            "Registration of the addon agent is configured",
+        ),
+        &now,
+    );
+
+    // Deployment: a valid MPC and a known entrypoint.
+    if let Err(invalid) = mpc.spec.validate() {
+        return stop(
+            status,
+            vec![Decided::new(
+                CONDITION_MANIFEST_APPLIED,
+                CONDITION_FALSE,
+                REASON_INVALID_CONFIGURATION,
+                invalid.to_string(),
+            )],
+            None,
+        );
+    }
+    let load_balancer = match render::load_balancer_service(&mpc) {
+        None => None,
+        Some((namespace, name)) => {
+            get_opt(
+                &Api::<Service>::namespaced(client.clone(), &namespace),
+                &name,
+            )
+            .await?
+        }
+    };
+    let entrypoint = match render::entrypoint(&mpc, load_balancer.as_ref()) {
+        Ok(entrypoint) => entrypoint,
+        Err(pending) => {
+            return stop(
+                status,
+                vec![Decided::new(
+                    CONDITION_MANIFEST_APPLIED,
+                    CONDITION_FALSE,
+                    REASON_ENTRYPOINT_NOT_READY,
+                    pending.to_string(),
+                )],
+                Some(ENTRYPOINT_RETRY),
+            );
+        }
+    };
+    let inputs = AgentInputs {
+        cluster: &cluster_name,
+        install_namespace: &install_namespace,
+        mpc: &mpc,
+        deployment_config: adc.as_ref(),
+        entrypoint: &entrypoint,
+        ca_pem: &ca_pem,
+    };
+    let desired = render::manifest_work(&inputs, owner)?;
+    let works = Api::<ManifestWork>::namespaced(client.clone(), cluster);
+    let current = get_opt(&works, MANIFEST_WORK_NAME).await?;
+    let up_to_date = current.as_ref().is_some_and(|current| {
+        current.spec == desired.spec
+            && current.metadata.owner_references == desired.metadata.owner_references
+            && desired
+                .metadata
+                .labels
+                .iter()
+                .flatten()
+                .all(|(key, value)| current.labels().get(key) == Some(value))
+    });
+    let work = if up_to_date {
+        current
+    } else {
+        tracing::info!(%cluster, "applying the agent ManifestWork");
+        Some(apply::apply(&works, &desired).await?)
+    };
+    status.set(manifest_applied(work.as_ref()), &now);
+    Ok(Outcome {
+        status,
+        requeue: None,
+        deleted: false,
+    })
+}
+
+fn config_references(
+    mpc: &ManagedProxyConfiguration,
+    adc_ref: Option<&DeploymentConfigRef>,
+    adc: Option<&AddOnDeploymentConfig>,
+) -> Result<Vec<cluster_proxy_proto::api::addon::v1alpha1::ConfigReference>, AddonError> {
+    let hash = |result: Result<String, serde_json::Error>| {
+        result.map_err(|error| {
+            AddonError::Render(cluster_proxy_proto::api::work::v1::ManifestError::Serialize(error))
+        })
+    };
+    let mut references = vec![config::mpc_reference(
+        MANAGED_PROXY_CONFIGURATION_NAME,
+        hash(config::spec_hash(&mpc.spec))?,
+    )];
+    if let (Some(reference), Some(adc)) = (adc_ref, adc) {
+        references.push(config::adc_reference(
+            reference,
+            hash(config::spec_hash(&adc.spec))?,
+        ));
+    }
+    Ok(references)
+}
+
+/// `ManifestApplied` from the work's `Applied` condition, which the
+/// cluster's work agent writes.
+fn manifest_applied(work: Option<&ManifestWork>) -> Decided {
+    let applied = work
+        .and_then(|work| work.status.as_ref())
+        .and_then(|status| status.conditions.as_deref())
+        .and_then(|conditions| {
+            cluster_proxy_proto::api::find_condition(conditions, work::CONDITION_APPLIED)
+        });
+    match applied {
+        Some(condition) if condition.status == CONDITION_TRUE => Decided::new(
+            CONDITION_MANIFEST_APPLIED,
+            CONDITION_TRUE,
+            REASON_MANIFESTS_APPLIED,
+            "manifests of addon are applied successfully",
+        ),
+        Some(condition) if condition.status == CONDITION_FALSE => Decided::new(
+            CONDITION_MANIFEST_APPLIED,
+            CONDITION_FALSE,
+            REASON_MANIFESTS_APPLY_FAILED,
+            format!(
+                "work {MANIFEST_WORK_NAME} is not applied: {}",
+                condition.message
+            ),
+        ),
+        _ => Decided::new(
+            CONDITION_MANIFEST_APPLIED,
+            CONDITION_UNKNOWN,
+            REASON_MANIFEST_APPLYING,
+            format!("work {MANIFEST_WORK_NAME} is created; its agent has not reported yet"),
+        ),
+    }
+}
+
+/// Retries: at once after a conflict, else with a short backoff.
+pub fn error_policy(
+    addon: Arc<ManagedClusterAddOn>,
+    error: &AddonError,
+    context: Arc<Context>,
+) -> Action {
+    context.metrics.failed(CONTROLLER);
+    tracing::warn!(
+        addon = %addon.name_any(),
+        namespace = addon.metadata.namespace.as_deref().unwrap_or_default(),
+        %error,
+        "reconciling the addon failed; retrying"
+    );
+    Action::requeue(retry_after(error))
+}
+
+fn touched<K, S>(stream: S) -> impl Stream<Item = ()> + Send + 'static
+where
+    K: Resource + Clone + std::fmt::Debug + Send + 'static,
+    S: Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
+{
+    stream
+        .default_backoff()
+        .touched_objects()
+        .filter_map(|result| async move { result.ok().map(|_| ()) })
+}
+
+/// The ManagedClusterAddOn controller, as a stream of reconcile results.
+pub fn controller(
+    context: Arc<Context>,
+    shutdown: impl Future<Output = ()> + Send + Sync + 'static,
+) -> impl Stream<Item = ()> + Send {
+    let client = context.client.clone();
+    let by_name = watcher::Config::default().fields(&format!("metadata.name={ADDON_NAME}"));
+    let hub_namespace = context.settings.hub_namespace.clone();
+    let ca_secret = watcher::Config::default().fields(&format!("metadata.name={CA_BUNDLE_SECRET}"));
+    // Any of these changes every addon's rendering.
+    let everything = stream::select_all(vec![
+        touched(watcher(
+            Api::<ManagedProxyConfiguration>::all(client.clone()),
+            watcher::Config::default(),
+        ))
+        .boxed(),
+        touched(watcher(
+            Api::<Secret>::namespaced(client.clone(), &hub_namespace),
+            ca_secret,
+        ))
+        .boxed(),
+        touched(watcher(
+            Api::<AddOnDeploymentConfig>::all(client.clone()),
+            watcher::Config::default(),
+        ))
+        .boxed(),
+        touched(watcher(
+            Api::<ClusterManagementAddOn>::all(client.clone()),
+            by_name.clone(),
+        ))
+        .boxed(),
+        touched(watcher(
+            Api::<Service>::namespaced(client.clone(), &hub_namespace),
+            watcher::Config::default(),
+        ))
+        .boxed(),
+    ]);
+    Controller::new(
+        Api::<ManagedClusterAddOn>::all(client.clone()),
+        by_name.clone(),
+    )
+    .owns(
+        Api::<ManifestWork>::all(client.clone()),
+        watcher::Config::default().labels(&format!(
+            "{}={ADDON_NAME}",
+            cluster_proxy_proto::api::addon::v1alpha1::LABEL_ADDON_NAME
+        )),
+    )
+    .watches(
+        Api::<ManagedCluster>::all(client),
+        watcher::Config::default(),
+        |cluster| {
+            Some(ObjectRef::<ManagedClusterAddOn>::new(ADDON_NAME).within(&cluster.name_any()))
+        },
+    )
+    .reconcile_all_on(everything)
+    .graceful_shutdown_on(shutdown)
+    .run(reconcile, error_policy, context)
+    .map(|result| {
+        if let Err(error) = result {
+            tracing::debug!(%error, "addon controller event");
+        }
+    })
+}

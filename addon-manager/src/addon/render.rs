@@ -1,0 +1,640 @@
+//! Pure rendering: what the addon controller writes for one managed cluster,
+//! computed from its inputs without touching the API. Every name, label and
+//! argument here is part of a contract with OCM (upstream object names) or
+//! with the local environment, which starts the agents from these fields.
+
+use std::collections::BTreeMap;
+
+use base64::Engine;
+use cluster_proxy_proto::api::addon::v1alpha1::{
+    ANNOTATION_DELETION_ORPHAN, AddOnDeploymentConfig, LABEL_ADDON_NAME, LABEL_ADDON_NAMESPACE,
+    ManagedClusterAddOn, RegistrationConfig, Subject,
+};
+use cluster_proxy_proto::api::proxy::v1alpha1::{
+    ANNOTATION_CONFIGURATION_GENERATION, COMPONENT_PROXY_AGENT, DEFAULT_AGENT_SERVER_PORT,
+    EntrypointType, LABEL_COMPONENT_NAME, ManagedProxyConfiguration,
+};
+use cluster_proxy_proto::api::work::v1::{
+    DeleteOption, Manifest, ManifestError, ManifestWork, ManifestWorkSpec, ManifestsTemplate,
+    PROPAGATION_FOREGROUND,
+};
+use cluster_proxy_proto::identity::ClusterName;
+use k8s_openapi::ByteString;
+use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
+use k8s_openapi::api::core::v1::{
+    Capabilities, Container, EnvVar, EnvVarSource, HTTPGetAction, LocalObjectReference, Namespace,
+    ObjectFieldSelector, PodSpec, PodTemplateSpec, Probe, SecretVolumeSource, SecurityContext,
+    Service, ServiceAccount, ServiceSpec, Toleration, Volume, VolumeMount,
+};
+use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject as RbacSubject};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use sha2::{Digest, Sha256};
+
+use super::{
+    ADDON_NAME, AGENT_CA_SECRET, AGENT_CLIENT_CERT_SECRET, AGENT_DEPLOYMENT, AGENT_RBAC_NAME,
+    AGENT_SERVICE_ACCOUNT, HUB_KUBECONFIG_SECRET, MANIFEST_WORK_NAME,
+};
+
+/// Signer of the proxy-agent's client certificate (upstream F15).
+pub const PROXY_AGENT_SIGNER: &str = "open-cluster-management.io/proxy-agent-signer";
+/// Signer of the addon-agent's hub kubeconfig certificate.
+pub const KUBE_APISERVER_CLIENT_SIGNER: &str = "kubernetes.io/kube-apiserver-client";
+/// Subject user of the proxy-agent's certificate.
+pub const PROXY_AGENT_USER: &str = "open-cluster-management:cluster-proxy:proxy-agent";
+/// Subject user of the addon-agent's hub kubeconfig (upstream F16).
+pub const ADDON_AGENT_USER: &str = "open-cluster-management:cluster-proxy:addon-agent";
+/// Group of both agent identities.
+pub const CLUSTER_PROXY_GROUP: &str = "open-cluster-management:cluster-proxy";
+/// Label naming the addon on the agent's pods (upstream's selector).
+pub const LABEL_ADDON: &str = "open-cluster-management.io/addon";
+/// Pod annotation that lets OpenShift's workload partitioning place the agent.
+pub const ANNOTATION_WORKLOAD_MANAGEMENT: &str = "target.workload.openshift.io/management";
+/// ADC customized variable naming the managed cluster's service DNS domain.
+pub const VARIABLE_SERVICE_DOMAIN: &str = "serviceDomain";
+/// The service DNS domain when the ADC names none.
+pub const DEFAULT_SERVICE_DOMAIN: &str = "svc.cluster.local";
+/// The proxy-agent's health port (konnectivity default).
+pub const AGENT_HEALTH_PORT: i32 = 8093;
+/// Where the agents run as a non-root user (distroless `nonroot`).
+const NON_ROOT_UID: i64 = 65532;
+
+/// Where the agent dials the proxy-servers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Entrypoint {
+    pub host: String,
+    pub port: i32,
+}
+
+/// Why the entrypoint cannot be told yet.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EntrypointError {
+    #[error("spec.proxyServer.entrypoint is not set: agents have no address to dial")]
+    NotSet,
+    #[error("entrypoint type Hostname has no hostname.value")]
+    NoHostname,
+    #[error("load balancer Service {namespace}/{name} does not exist yet")]
+    LoadBalancerMissing { namespace: String, name: String },
+    #[error("load balancer Service {namespace}/{name} has no ingress address yet")]
+    LoadBalancerPending { namespace: String, name: String },
+}
+
+/// The load balancer Service an MPC's entrypoint names, if its type is
+/// `LoadBalancerService`: `(namespace, name)`.
+pub fn load_balancer_service(mpc: &ManagedProxyConfiguration) -> Option<(String, String)> {
+    let entrypoint = mpc.spec.proxy_server.entrypoint.as_ref()?;
+    if entrypoint.type_ != EntrypointType::LoadBalancerService {
+        return None;
+    }
+    let name = entrypoint
+        .load_balancer_service
+        .as_ref()
+        .map(|service| service.name.clone())
+        .unwrap_or_else(|| {
+            cluster_proxy_proto::api::proxy::v1alpha1::DEFAULT_LOAD_BALANCER_SERVICE_NAME.into()
+        });
+    Some((mpc.spec.proxy_server.namespace.clone(), name))
+}
+
+/// The address agents dial: the hostname, the load balancer's first ingress
+/// (IP, or hostname for balancers that publish only one), or loopback for
+/// `PortForward` (the addon-agent forwards it to the hub). Port 0 means 8091.
+pub fn entrypoint(
+    mpc: &ManagedProxyConfiguration,
+    load_balancer: Option<&Service>,
+) -> Result<Entrypoint, EntrypointError> {
+    let spec = mpc
+        .spec
+        .proxy_server
+        .entrypoint
+        .as_ref()
+        .ok_or(EntrypointError::NotSet)?;
+    let port = if spec.port == 0 {
+        DEFAULT_AGENT_SERVER_PORT
+    } else {
+        spec.port
+    };
+    let host = match spec.type_ {
+        EntrypointType::Hostname => spec
+            .hostname
+            .as_ref()
+            .map(|hostname| hostname.value.clone())
+            .filter(|value| !value.is_empty())
+            .ok_or(EntrypointError::NoHostname)?,
+        EntrypointType::PortForward => "127.0.0.1".to_owned(),
+        EntrypointType::LoadBalancerService => {
+            let (namespace, name) = load_balancer_service(mpc).unwrap_or_default();
+            let service = load_balancer.ok_or_else(|| EntrypointError::LoadBalancerMissing {
+                namespace: namespace.clone(),
+                name: name.clone(),
+            })?;
+            service
+                .status
+                .as_ref()
+                .and_then(|status| status.load_balancer.as_ref())
+                .and_then(|lb| lb.ingress.as_ref())
+                .and_then(|ingress| ingress.first())
+                .and_then(|first| {
+                    first
+                        .ip
+                        .clone()
+                        .filter(|ip| !ip.is_empty())
+                        .or_else(|| first.hostname.clone().filter(|host| !host.is_empty()))
+                })
+                .ok_or(EntrypointError::LoadBalancerPending { namespace, name })?
+        }
+    };
+    Ok(Entrypoint { host, port })
+}
+
+/// The organizational unit that ties agent certificates to one CA:
+/// `signer-` + hex of the ASCII of base64(sha256(CA PEM)), exactly as
+/// upstream (§11.6), so a CA rollover changes the requested subject and the
+/// klusterlet asks for a new certificate.
+pub fn signer_organization_unit(ca_pem: &[u8]) -> String {
+    let digest = Sha256::digest(ca_pem);
+    let encoded = base64::engine::general_purpose::STANDARD.encode(digest);
+    format!("signer-{}", hex::encode(encoded.as_bytes()))
+}
+
+/// The credentials the klusterlet requests for the agents:
+/// the proxy-agent's client certificate from our signer and the
+/// addon-agent's hub kubeconfig.
+pub fn registrations(ca_pem: &[u8]) -> Vec<RegistrationConfig> {
+    vec![
+        RegistrationConfig {
+            signer_name: PROXY_AGENT_SIGNER.to_owned(),
+            subject: Some(Subject {
+                user: Some(PROXY_AGENT_USER.to_owned()),
+                groups: Some(vec![CLUSTER_PROXY_GROUP.to_owned()]),
+                organization_units: Some(vec![signer_organization_unit(ca_pem)]),
+            }),
+        },
+        RegistrationConfig {
+            signer_name: KUBE_APISERVER_CLIENT_SIGNER.to_owned(),
+            subject: Some(Subject {
+                user: Some(ADDON_AGENT_USER.to_owned()),
+                groups: Some(vec![CLUSTER_PROXY_GROUP.to_owned()]),
+                organization_units: None,
+            }),
+        },
+    ]
+}
+
+/// Whether `name` is a DNS-1035 label (a valid Service name): the cluster's
+/// name becomes the ExternalName Service the agent resolves.
+pub fn is_dns1035_label(name: &str) -> bool {
+    cluster_proxy_proto::identity::is_dns1123_label(name)
+        && name.bytes().next().is_some_and(|b| b.is_ascii_lowercase())
+}
+
+/// Everything the agent's objects are rendered from.
+#[derive(Debug, Clone)]
+pub struct AgentInputs<'a> {
+    pub cluster: &'a ClusterName,
+    pub install_namespace: &'a str,
+    pub mpc: &'a ManagedProxyConfiguration,
+    pub deployment_config: Option<&'a AddOnDeploymentConfig>,
+    pub entrypoint: &'a Entrypoint,
+    /// The hub CA bundle (PEM) the agent verifies the proxy-servers with.
+    pub ca_pem: &'a [u8],
+}
+
+fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+    pairs
+        .iter()
+        .map(|(key, value)| ((*key).to_owned(), (*value).to_owned()))
+        .collect()
+}
+
+fn meta(name: &str, namespace: Option<&str>) -> ObjectMeta {
+    ObjectMeta {
+        name: Some(name.to_owned()),
+        namespace: namespace.map(str::to_owned),
+        ..ObjectMeta::default()
+    }
+}
+
+fn agent_labels() -> BTreeMap<String, String> {
+    labels(&[
+        (LABEL_ADDON, ADDON_NAME),
+        (LABEL_COMPONENT_NAME, COMPONENT_PROXY_AGENT),
+    ])
+}
+
+/// Tolerations upstream's agent chart sets unless the ADC names its own.
+pub fn default_tolerations() -> Vec<Toleration> {
+    vec![
+        Toleration {
+            key: Some("dedicated".into()),
+            operator: Some("Equal".into()),
+            value: Some("infra".into()),
+            effect: Some("NoSchedule".into()),
+            ..Toleration::default()
+        },
+        Toleration {
+            key: Some("node-role.kubernetes.io/infra".into()),
+            operator: Some("Exists".into()),
+            effect: Some("NoSchedule".into()),
+            ..Toleration::default()
+        },
+    ]
+}
+
+/// The service DNS domain of the managed cluster.
+pub fn service_domain(deployment_config: Option<&AddOnDeploymentConfig>) -> String {
+    deployment_config
+        .and_then(|adc| adc.variable(VARIABLE_SERVICE_DOMAIN))
+        .filter(|domain| !domain.is_empty())
+        .unwrap_or(DEFAULT_SERVICE_DOMAIN)
+        .to_owned()
+}
+
+/// The CA bundle the agent trusts: the hub CA, plus the ADC proxy's CA when
+/// the agent reaches the hub through an HTTPS proxy (upstream F10).
+pub fn agent_ca_bundle(
+    ca_pem: &[u8],
+    deployment_config: Option<&AddOnDeploymentConfig>,
+) -> Vec<u8> {
+    let proxy = deployment_config.and_then(|adc| adc.spec.proxy_config.as_ref());
+    let https_proxy = proxy
+        .and_then(|proxy| proxy.https_proxy.as_deref())
+        .is_some_and(|url| url.starts_with("https://"));
+    let proxy_ca = proxy
+        .and_then(|proxy| proxy.ca_bundle.as_ref())
+        .map(|bundle| bundle.0.as_slice())
+        .filter(|bundle| !bundle.is_empty());
+    let mut bundle = ca_pem.to_vec();
+    if let (true, Some(extra)) = (https_proxy, proxy_ca) {
+        if !bundle.ends_with(b"\n") {
+            bundle.push(b'\n');
+        }
+        bundle.extend_from_slice(extra);
+    }
+    bundle
+}
+
+fn proxy_env(deployment_config: Option<&AddOnDeploymentConfig>) -> Vec<EnvVar> {
+    let Some(proxy) = deployment_config.and_then(|adc| adc.spec.proxy_config.as_ref()) else {
+        return Vec::new();
+    };
+    [
+        ("HTTP_PROXY", &proxy.http_proxy),
+        ("HTTPS_PROXY", &proxy.https_proxy),
+        ("NO_PROXY", &proxy.no_proxy),
+    ]
+    .into_iter()
+    .filter_map(|(name, value)| {
+        value
+            .as_ref()
+            .filter(|value| !value.is_empty())
+            .map(|value| EnvVar {
+                name: name.to_owned(),
+                value: Some(value.clone()),
+                value_from: None,
+            })
+    })
+    .collect()
+}
+
+fn hardened() -> SecurityContext {
+    SecurityContext {
+        run_as_non_root: Some(true),
+        run_as_user: Some(NON_ROOT_UID),
+        read_only_root_filesystem: Some(true),
+        allow_privilege_escalation: Some(false),
+        capabilities: Some(Capabilities {
+            drop: Some(vec!["ALL".into()]),
+            add: None,
+        }),
+        ..SecurityContext::default()
+    }
+}
+
+fn http_probe(path: &str, port: i32) -> Probe {
+    Probe {
+        http_get: Some(HTTPGetAction {
+            path: Some(path.to_owned()),
+            port: IntOrString::Int(port),
+            ..HTTPGetAction::default()
+        }),
+        ..Probe::default()
+    }
+}
+
+fn mount(name: &str, path: &str) -> VolumeMount {
+    VolumeMount {
+        name: name.to_owned(),
+        mount_path: path.to_owned(),
+        read_only: Some(true),
+        ..VolumeMount::default()
+    }
+}
+
+fn secret_volume(name: &str, secret: &str) -> Volume {
+    Volume {
+        name: name.to_owned(),
+        secret: Some(SecretVolumeSource {
+            secret_name: Some(secret.to_owned()),
+            ..SecretVolumeSource::default()
+        }),
+        ..Volume::default()
+    }
+}
+
+/// The proxy-agent's arguments, in the fixed order the local environment
+/// and upstream's chart use, then `spec.proxyAgent.additionalArgs`.
+pub fn proxy_agent_args(inputs: &AgentInputs<'_>) -> Vec<String> {
+    let identifiers = inputs
+        .cluster
+        .default_identifiers(inputs.install_namespace)
+        .to_query();
+    let mut args = vec![
+        format!("--proxy-server-host={}", inputs.entrypoint.host),
+        format!("--proxy-server-port={}", inputs.entrypoint.port),
+        "--ca-cert=/etc/ca/ca.crt".to_owned(),
+        "--agent-cert=/etc/tls/tls.crt".to_owned(),
+        "--agent-key=/etc/tls/tls.key".to_owned(),
+        format!("--agent-identifiers={identifiers}"),
+    ];
+    args.extend(inputs.mpc.spec.proxy_agent.additional_args.iter().cloned());
+    args
+}
+
+/// The agent Deployment `cluster-proxy-proxy-agent`.
+pub fn agent_deployment(inputs: &AgentInputs<'_>) -> Deployment {
+    let generation = inputs.mpc.metadata.generation.unwrap_or(0).to_string();
+    let generation_annotation = labels(&[(ANNOTATION_CONFIGURATION_GENERATION, &generation)]);
+    let mut pod_annotations = generation_annotation.clone();
+    pod_annotations.insert(
+        ANNOTATION_WORKLOAD_MANAGEMENT.to_owned(),
+        r#"{"effect":"PreferredDuringScheduling"}"#.to_owned(),
+    );
+    let image = inputs.mpc.spec.proxy_agent.image.clone();
+    let placement = inputs
+        .deployment_config
+        .and_then(|adc| adc.spec.node_placement.as_ref());
+    let tolerations = placement
+        .and_then(|placement| placement.tolerations.clone())
+        .unwrap_or_else(default_tolerations);
+    let node_selector = placement
+        .and_then(|placement| placement.node_selector.clone())
+        .filter(|selector| !selector.is_empty());
+    let env = proxy_env(inputs.deployment_config);
+    let image_pull_secrets: Vec<LocalObjectReference> = inputs
+        .mpc
+        .spec
+        .proxy_agent
+        .image_pull_secrets
+        .iter()
+        .map(|name| LocalObjectReference { name: name.clone() })
+        .collect();
+
+    let proxy_agent = Container {
+        name: "proxy-agent".into(),
+        image: Some(image.clone()),
+        command: Some(vec!["/proxy-agent".into()]),
+        args: Some(proxy_agent_args(inputs)),
+        env: (!env.is_empty()).then_some(env),
+        volume_mounts: Some(vec![mount("ca", "/etc/ca"), mount("tls", "/etc/tls")]),
+        readiness_probe: Some(http_probe("/readyz", AGENT_HEALTH_PORT)),
+        liveness_probe: Some(http_probe("/healthz", AGENT_HEALTH_PORT)),
+        security_context: Some(hardened()),
+        ..Container::default()
+    };
+    let addon_agent = Container {
+        name: "addon-agent".into(),
+        image: Some(image),
+        command: Some(vec!["/addon-agent".into()]),
+        args: Some(vec![
+            "--hub-kubeconfig=/etc/kubeconfig/kubeconfig".into(),
+            format!("--cluster-name={}", inputs.cluster),
+            format!("--lease-name={ADDON_NAME}"),
+        ]),
+        env: Some(vec![EnvVar {
+            name: "POD_NAMESPACE".into(),
+            value: None,
+            value_from: Some(EnvVarSource {
+                field_ref: Some(ObjectFieldSelector {
+                    field_path: "metadata.namespace".into(),
+                    api_version: None,
+                }),
+                ..EnvVarSource::default()
+            }),
+        }]),
+        volume_mounts: Some(vec![mount("hub-kubeconfig", "/etc/kubeconfig")]),
+        security_context: Some(hardened()),
+        ..Container::default()
+    };
+
+    Deployment {
+        metadata: ObjectMeta {
+            labels: Some(agent_labels()),
+            annotations: Some(generation_annotation),
+            ..meta(AGENT_DEPLOYMENT, Some(inputs.install_namespace))
+        },
+        spec: Some(DeploymentSpec {
+            replicas: Some(inputs.mpc.spec.proxy_agent.replicas),
+            selector: LabelSelector {
+                match_labels: Some(agent_labels()),
+                match_expressions: None,
+            },
+            template: PodTemplateSpec {
+                metadata: Some(ObjectMeta {
+                    labels: Some(agent_labels()),
+                    annotations: Some(pod_annotations),
+                    ..ObjectMeta::default()
+                }),
+                spec: Some(PodSpec {
+                    service_account_name: Some(AGENT_SERVICE_ACCOUNT.into()),
+                    containers: vec![proxy_agent, addon_agent],
+                    tolerations: Some(tolerations),
+                    node_selector,
+                    image_pull_secrets: (!image_pull_secrets.is_empty())
+                        .then_some(image_pull_secrets),
+                    volumes: Some(vec![
+                        secret_volume("ca", AGENT_CA_SECRET),
+                        secret_volume("tls", AGENT_CLIENT_CERT_SECRET),
+                        secret_volume("hub-kubeconfig", HUB_KUBECONFIG_SECRET),
+                    ]),
+                    ..PodSpec::default()
+                }),
+            },
+            ..DeploymentSpec::default()
+        }),
+        status: None,
+    }
+}
+
+fn lease_rules() -> Vec<PolicyRule> {
+    vec![PolicyRule {
+        api_groups: Some(vec!["coordination.k8s.io".into()]),
+        resources: Some(vec!["leases".into()]),
+        verbs: vec!["*".into()],
+        ..PolicyRule::default()
+    }]
+}
+
+fn lease_role(namespace: &str) -> Role {
+    Role {
+        metadata: meta(AGENT_RBAC_NAME, Some(namespace)),
+        rules: Some(lease_rules()),
+    }
+}
+
+fn role_binding(namespace: &str, subjects: Vec<RbacSubject>) -> RoleBinding {
+    RoleBinding {
+        metadata: meta(AGENT_RBAC_NAME, Some(namespace)),
+        role_ref: RoleRef {
+            api_group: "rbac.authorization.k8s.io".into(),
+            kind: "Role".into(),
+            name: AGENT_RBAC_NAME.into(),
+        },
+        subjects: Some(subjects),
+    }
+}
+
+/// The manifests of the agent, in apply order (namespace first).
+pub fn agent_manifests(inputs: &AgentInputs<'_>) -> Result<Vec<Manifest>, ManifestError> {
+    let namespace = inputs.install_namespace;
+    let namespace_object = Namespace {
+        metadata: ObjectMeta {
+            annotations: Some(labels(&[(ANNOTATION_DELETION_ORPHAN, "")])),
+            ..meta(namespace, None)
+        },
+        ..Namespace::default()
+    };
+    let service_account = ServiceAccount {
+        metadata: meta(AGENT_SERVICE_ACCOUNT, Some(namespace)),
+        ..ServiceAccount::default()
+    };
+    let ca_secret = k8s_openapi::api::core::v1::Secret {
+        metadata: meta(AGENT_CA_SECRET, Some(namespace)),
+        type_: Some("Opaque".into()),
+        data: Some(BTreeMap::from([(
+            "ca.crt".to_owned(),
+            ByteString(agent_ca_bundle(inputs.ca_pem, inputs.deployment_config)),
+        )])),
+        ..k8s_openapi::api::core::v1::Secret::default()
+    };
+    let cluster_service = Service {
+        metadata: meta(inputs.cluster.as_str(), Some(namespace)),
+        spec: Some(ServiceSpec {
+            type_: Some("ExternalName".into()),
+            external_name: Some(format!(
+                "kubernetes.default.{}",
+                service_domain(inputs.deployment_config)
+            )),
+            ..ServiceSpec::default()
+        }),
+        status: None,
+    };
+    let role = lease_role(namespace);
+    let binding = role_binding(
+        namespace,
+        vec![RbacSubject {
+            kind: "ServiceAccount".into(),
+            name: AGENT_SERVICE_ACCOUNT.into(),
+            namespace: Some(namespace.to_owned()),
+            api_group: None,
+        }],
+    );
+    Ok(vec![
+        Manifest::new(&namespace_object)?,
+        Manifest::new(&service_account)?,
+        Manifest::new(&ca_secret)?,
+        Manifest::new(&cluster_service)?,
+        Manifest::new(&role)?,
+        Manifest::new(&binding)?,
+        Manifest::new(&agent_deployment(inputs))?,
+    ])
+}
+
+/// The ManifestWork `addon-cluster-proxy-deploy-0` in the cluster's
+/// namespace, owned by the ManagedClusterAddOn so it goes with it.
+pub fn manifest_work(
+    inputs: &AgentInputs<'_>,
+    owner: Option<OwnerReference>,
+) -> Result<ManifestWork, ManifestError> {
+    let mut work = ManifestWork::new(
+        MANIFEST_WORK_NAME,
+        ManifestWorkSpec {
+            workload: Some(ManifestsTemplate {
+                manifests: Some(agent_manifests(inputs)?),
+            }),
+            delete_option: Some(DeleteOption {
+                propagation_policy: Some(PROPAGATION_FOREGROUND.into()),
+                ..DeleteOption::default()
+            }),
+            ..ManifestWorkSpec::default()
+        },
+    );
+    work.metadata.namespace = Some(inputs.cluster.as_str().to_owned());
+    work.metadata.labels = Some(labels(&[
+        (LABEL_ADDON_NAME, ADDON_NAME),
+        (LABEL_ADDON_NAMESPACE, inputs.install_namespace),
+    ]));
+    work.metadata.owner_references = owner.map(|owner| vec![owner]);
+    Ok(work)
+}
+
+/// The user the addon framework gives the agent of `cluster` (token driver).
+pub fn framework_agent_user(cluster: &str) -> String {
+    format!(
+        "system:open-cluster-management:cluster:{cluster}:addon:{ADDON_NAME}:agent:{ADDON_NAME}-agent"
+    )
+}
+
+/// The per-cluster group the addon framework gives the agent of `cluster`.
+pub fn framework_agent_group(cluster: &str) -> String {
+    format!("system:open-cluster-management:cluster:{cluster}:addon:{ADDON_NAME}")
+}
+
+/// Hub RBAC of the addon-agent in the cluster's namespace (upstream F16):
+/// Role and RoleBinding `cluster-proxy-addon-agent` on leases, bound to the
+/// registration subjects, owned by the ManagedClusterAddOn.
+pub fn hub_agent_rbac(cluster: &str, owner: Option<OwnerReference>) -> (Role, RoleBinding) {
+    let user = |name: String| RbacSubject {
+        kind: "User".into(),
+        name,
+        api_group: Some("rbac.authorization.k8s.io".into()),
+        namespace: None,
+    };
+    let group = |name: String| RbacSubject {
+        kind: "Group".into(),
+        ..user(name)
+    };
+    let mut role = lease_role(cluster);
+    let mut binding = role_binding(
+        cluster,
+        vec![
+            user(ADDON_AGENT_USER.to_owned()),
+            user(framework_agent_user(cluster)),
+            group(framework_agent_group(cluster)),
+        ],
+    );
+    role.metadata.owner_references = owner.clone().map(|owner| vec![owner]);
+    binding.metadata.owner_references = owner.map(|owner| vec![owner]);
+    (role, binding)
+}
+
+/// The namespace the agent is installed in: the ADC's
+/// `agentInstallNamespace`, else the MCA's (deprecated) `installNamespace`,
+/// else the manager's default.
+pub fn install_namespace(
+    addon: &ManagedClusterAddOn,
+    deployment_config: Option<&AddOnDeploymentConfig>,
+    default: &str,
+) -> String {
+    deployment_config
+        .and_then(|adc| adc.spec.agent_install_namespace.clone())
+        .filter(|namespace| !namespace.is_empty())
+        .or_else(|| {
+            addon
+                .spec
+                .install_namespace
+                .clone()
+                .filter(|namespace| !namespace.is_empty())
+        })
+        .unwrap_or_else(|| default.to_owned())
+}

@@ -1,0 +1,155 @@
+//! `addon-manager`: parse the settings, serve health and metrics, elect a
+//! leader, and while leading run the hub and addon controllers.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use addon_manager::addon::{self, AddonMetrics, AddonSettings};
+use addon_manager::apply::USER_AGENT;
+use addon_manager::hub::{self, HubMetrics, HubSettings};
+use addon_manager::settings::{Cli, Settings};
+use anyhow::Context;
+use cluster_proxy_control::leader::LeaderElection;
+use cluster_proxy_runtime::metrics::encode_registry;
+use cluster_proxy_runtime::{admin, cli, logging, net, shutdown::Signals};
+use k8s_openapi::api::coordination::v1::Lease;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+/// The Lease replicas elect a leader on (upstream's name).
+const LEASE_NAME: &str = "cluster-proxy-addon-manager";
+const LEASE_DURATION: Duration = Duration::from_secs(15);
+const RENEW_EVERY: Duration = Duration::from_secs(5);
+
+fn main() -> anyhow::Result<()> {
+    let cli: Cli = cli::parse(&Settings::default());
+    let settings = Settings::load(&cli)?;
+    logging::init(settings.v, settings.log_format);
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?
+        .block_on(run(settings))
+}
+
+async fn run(settings: Settings) -> anyhow::Result<()> {
+    let client = cluster_proxy_control::client::client(USER_AGENT)
+        .await
+        .context("no Kubernetes API to talk to (set KUBECONFIG, or run in a cluster)")?;
+    let mut signals = Signals::install().context("installing signal handlers")?;
+
+    let mut registry = Registry::default();
+    let hub_metrics = HubMetrics::register(&mut registry);
+    let addon_metrics = AddonMetrics::default();
+    addon_metrics.register(&mut registry);
+    let leader = Gauge::<i64>::default();
+    registry.register(
+        "addon_manager_leader",
+        "1 while this replica leads and runs the controllers, 0 otherwise",
+        leader.clone(),
+    );
+    let registry = Arc::new(registry);
+    let (listener, address) = net::bind(
+        "health port",
+        &settings.health_bind_address,
+        settings.health_port,
+    )
+    .await?;
+    // A standby replica is ready too, so a rollout does not wait on
+    // leadership.
+    let routes = admin::Routes::probes(|| Ok(())).with_metrics(move || encode_registry(&registry));
+    let stop = CancellationToken::new();
+    tokio::spawn(admin::serve(listener, routes, stop.clone()));
+    tracing::info!(%address, "serving /healthz, /readyz and /metrics");
+
+    let (leading_tx, mut leading) = watch::channel(!settings.leader_elect);
+    let election = if settings.leader_elect {
+        let identity = format!(
+            "{}_{:08x}",
+            std::env::var("POD_NAME")
+                .or_else(|_| std::env::var("HOSTNAME"))
+                .unwrap_or_else(|_| "addon-manager".into()),
+            rand_suffix()
+        );
+        let election = LeaderElection::new(
+            kube::Api::<Lease>::namespaced(client.clone(), &settings.namespace),
+            LEASE_NAME,
+            identity.clone(),
+            LEASE_DURATION,
+            RENEW_EVERY,
+        )?;
+        tracing::info!(lease = LEASE_NAME, namespace = %settings.namespace, %identity, "electing a leader");
+        let stopped = stop.clone();
+        Some(tokio::spawn(async move {
+            election
+                .run(leading_tx, async move { stopped.cancelled().await })
+                .await
+        }))
+    } else {
+        drop(leading_tx);
+        None
+    };
+
+    let mut addon_settings = AddonSettings::new(&settings.namespace);
+    addon_settings.agent_install_namespace = settings.agent_install_namespace.clone();
+    addon_settings.install_strategy =
+        addon::InstallStrategy::Placements(vec![addon::PlacementRef {
+            namespace: settings.namespace.clone(),
+            name: settings.placement_name.clone(),
+        }]);
+
+    let signal = loop {
+        // Follow until this replica leads (always, without election).
+        tokio::select! {
+            signal = signals.recv() => break signal,
+            changed = leading.wait_for(|lead| *lead) => {
+                if changed.is_err() && settings.leader_elect {
+                    anyhow::bail!("leader election stopped");
+                }
+            }
+        }
+        tracing::info!("leading: running the hub and addon controllers");
+        leader.set(1);
+        let lost = CancellationToken::new();
+        let hub = tokio::spawn(hub::run(
+            client.clone(),
+            HubSettings::default(),
+            hub_metrics.clone(),
+            lost.clone().cancelled_owned(),
+        ));
+        let addons = tokio::spawn(addon::run(
+            client.clone(),
+            addon_settings.clone(),
+            addon_metrics.clone(),
+            lost.clone().cancelled_owned(),
+        ));
+        let outcome = tokio::select! {
+            signal = signals.recv() => Some(signal),
+            _ = leading.wait_for(|lead| !*lead), if settings.leader_elect => None,
+        };
+        lost.cancel();
+        let _ = tokio::join!(hub, addons);
+        leader.set(0);
+        match outcome {
+            Some(signal) => break signal,
+            None => tracing::warn!("lost leadership: controllers stopped; following again"),
+        }
+    };
+    tracing::info!(signal, "stopping");
+    stop.cancel();
+    if let Some(election) = election
+        && let Ok(Err(err)) = election.await
+    {
+        tracing::warn!(error = %err, "releasing the leader Lease");
+    }
+    Ok(())
+}
+
+fn rand_suffix() -> u32 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos() ^ std::process::id())
+        .unwrap_or(0)
+}

@@ -1,0 +1,845 @@
+//! The addon controllers against the in-memory Kubernetes API (with minimal
+//! OCM CRDs from `tests/fixtures/ocm-crds.yaml`): installation by
+//! placement, the agent ManifestWork and the addon's status, updates,
+//! drift, removal, bad input, and CSR approval.
+
+use std::time::Duration;
+
+use addon_manager::addon::render::signer_organization_unit;
+use addon_manager::addon::{self, AddonMetrics, AddonSettings, InstallStrategy};
+use cluster_proxy_proto::api::addon::v1alpha1::{
+    AddOnDeploymentConfig, ClusterManagementAddOn, ManagedClusterAddOn,
+};
+use cluster_proxy_proto::api::cluster::v1::ManagedCluster;
+use cluster_proxy_proto::api::cluster::v1beta1::PlacementDecision;
+use cluster_proxy_proto::api::proxy::v1alpha1::ManagedProxyConfiguration;
+use cluster_proxy_proto::api::work::v1::ManifestWork;
+use cluster_proxy_proto::api::{Condition, find_condition};
+use e2e::kubeapi::{KubeApi, KubeApiOptions};
+use k8s_openapi::api::certificates::v1::CertificateSigningRequest;
+use k8s_openapi::api::core::v1::{Namespace, Secret};
+use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
+use kube::{Api, Resource, ResourceExt};
+use serde_json::{Value, json};
+use tokio::sync::oneshot;
+
+const HUB: &str = "open-cluster-management-addon";
+const CA_PEM: &str = "-----BEGIN CERTIFICATE-----\nMIIBtestCA\n-----END CERTIFICATE-----\n";
+const OCM_CRDS: &str = include_str!("fixtures/ocm-crds.yaml");
+const MPC_CRD: &str =
+    include_str!("../../charts/cluster-proxy/crds/managedproxyconfigurations.yaml");
+
+async fn eventually<T, F, Fut>(what: &str, mut probe: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(value) = probe().await {
+            return value;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+struct Hub {
+    api: KubeApi,
+    admin: kube::Client,
+    metrics: AddonMetrics,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<()>>,
+    _dir: tempfile::TempDir,
+}
+
+fn object<K: serde::de::DeserializeOwned>(value: Value) -> K {
+    serde_json::from_value(value).expect("test object parses")
+}
+
+fn mpc_object(replicas: i32) -> ManagedProxyConfiguration {
+    object(json!({
+        "apiVersion": "proxy.open-cluster-management.io/v1alpha1",
+        "kind": "ManagedProxyConfiguration",
+        "metadata": {"name": "cluster-proxy"},
+        "spec": {
+            "authentication": {},
+            "proxyServer": {
+                "image": "registry.local/cluster-proxy:1",
+                "namespace": HUB,
+                "entrypoint": {"type": "Hostname", "hostname": {"value": "proxy.hub.example"}, "port": 8091},
+            },
+            "proxyAgent": {"image": "registry.local/cluster-proxy:1", "replicas": replicas},
+        },
+    }))
+}
+
+impl Hub {
+    /// The API with the CRDs, the hub namespace and CA Secret, and the MPC
+    /// when `with_mpc`; the controllers are not running yet.
+    async fn new(with_mpc: bool) -> Hub {
+        let dir = tempfile::tempdir().unwrap();
+        let api = KubeApi::start(KubeApiOptions::new(dir.path()))
+            .await
+            .unwrap();
+        api.register_crds_from_yaml(OCM_CRDS).unwrap();
+        api.register_crds_from_yaml(MPC_CRD).unwrap();
+        let admin = api.client().await.unwrap();
+        let hub = Hub {
+            api,
+            admin,
+            metrics: AddonMetrics::default(),
+            stop: None,
+            task: None,
+            _dir: dir,
+        };
+        hub.namespace(HUB).await;
+        let secret: Secret = object(json!({
+            "metadata": {"name": "proxy-server-ca", "namespace": HUB},
+            "stringData": {"ca.crt": CA_PEM},
+        }));
+        let secret = Secret {
+            data: Some(
+                [(
+                    "ca.crt".to_owned(),
+                    k8s_openapi::ByteString(CA_PEM.as_bytes().to_vec()),
+                )]
+                .into(),
+            ),
+            string_data: None,
+            ..secret
+        };
+        Api::<Secret>::namespaced(hub.admin.clone(), HUB)
+            .create(&PostParams::default(), &secret)
+            .await
+            .unwrap();
+        if with_mpc {
+            Api::<ManagedProxyConfiguration>::all(hub.admin.clone())
+                .create(&PostParams::default(), &mpc_object(2))
+                .await
+                .unwrap();
+        }
+        hub
+    }
+
+    fn start(&mut self, settings: AddonSettings) {
+        let (stop, stopped) = oneshot::channel::<()>();
+        let client = self.admin.clone();
+        let metrics = self.metrics.clone();
+        self.stop = Some(stop);
+        self.task = Some(tokio::spawn(async move {
+            addon::run(client, settings, metrics, async {
+                let _ = stopped.await;
+            })
+            .await;
+        }));
+    }
+
+    async fn stop(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(task) = self.task.take() {
+            tokio::time::timeout(Duration::from_secs(20), task)
+                .await
+                .expect("the controllers stop on shutdown")
+                .unwrap();
+        }
+        self.api.shutdown().await;
+    }
+
+    async fn namespace(&self, name: &str) {
+        let namespace: Namespace = object(json!({"metadata": {"name": name}}));
+        Api::<Namespace>::all(self.admin.clone())
+            .create(&PostParams::default(), &namespace)
+            .await
+            .unwrap();
+    }
+
+    async fn cluster(&self, name: &str, accepted: bool) {
+        self.namespace(name).await;
+        let cluster: ManagedCluster = object(json!({
+            "metadata": {"name": name},
+            "spec": {"hubAcceptsClient": accepted},
+        }));
+        Api::<ManagedCluster>::all(self.admin.clone())
+            .create(&PostParams::default(), &cluster)
+            .await
+            .unwrap();
+    }
+
+    /// Sets the decisions of the default placement to `clusters`.
+    async fn decide(&self, clusters: &[&str]) {
+        let api = Api::<PlacementDecision>::namespaced(self.admin.clone(), HUB);
+        let name = "cluster-proxy-placement-decision-1";
+        let decision = json!({
+            "apiVersion": "cluster.open-cluster-management.io/v1beta1",
+            "kind": "PlacementDecision",
+            "metadata": {"name": name, "namespace": HUB,
+                "labels": {"cluster.open-cluster-management.io/placement": "cluster-proxy-placement"}},
+        });
+        api.patch(
+            name,
+            &PatchParams::apply("placement-controller"),
+            &Patch::Apply(&decision),
+        )
+        .await
+        .unwrap();
+        let decisions: Vec<Value> = clusters
+            .iter()
+            .map(|cluster| json!({"clusterName": cluster, "reason": ""}))
+            .collect();
+        let status = json!({
+            "apiVersion": "cluster.open-cluster-management.io/v1beta1",
+            "kind": "PlacementDecision",
+            "metadata": {"name": name},
+            "status": {"decisions": decisions},
+        });
+        api.patch_status(
+            name,
+            &PatchParams::apply("placement-controller").force(),
+            &Patch::Apply(&status),
+        )
+        .await
+        .unwrap();
+    }
+
+    fn addons(&self, cluster: &str) -> Api<ManagedClusterAddOn> {
+        Api::namespaced(self.admin.clone(), cluster)
+    }
+
+    fn works(&self, cluster: &str) -> Api<ManifestWork> {
+        Api::namespaced(self.admin.clone(), cluster)
+    }
+
+    async fn addon(&self, cluster: &str) -> Option<ManagedClusterAddOn> {
+        self.addons(cluster).get_opt("cluster-proxy").await.unwrap()
+    }
+
+    async fn work(&self, cluster: &str) -> Option<ManifestWork> {
+        self.works(cluster)
+            .get_opt("addon-cluster-proxy-deploy-0")
+            .await
+            .unwrap()
+    }
+
+    /// Waits until the addon of `cluster` has condition `type_` with
+    /// `status` and `reason`, and returns the addon.
+    async fn wait_condition(
+        &self,
+        cluster: &str,
+        type_: &str,
+        status: &str,
+        reason: &str,
+    ) -> ManagedClusterAddOn {
+        eventually(
+            &format!("{cluster}: {type_}={status} ({reason})"),
+            || async {
+                let addon = self.addon(cluster).await?;
+                let condition: &Condition = find_condition(addon.conditions(), type_)?;
+                (condition.status == status && condition.reason == reason).then_some(addon.clone())
+            },
+        )
+        .await
+    }
+}
+
+fn deployment_of(work: &ManifestWork) -> Value {
+    let manifests = work
+        .spec
+        .workload
+        .as_ref()
+        .unwrap()
+        .manifests
+        .as_ref()
+        .unwrap();
+    manifests
+        .iter()
+        .find(|m| m.kind() == Some("Deployment"))
+        .expect("the work deploys the agent")
+        .0
+        .clone()
+}
+
+fn proxy_agent_args(work: &ManifestWork) -> Vec<String> {
+    let deployment = deployment_of(work);
+    serde_json::from_value(deployment["spec"]["template"]["spec"]["containers"][0]["args"].clone())
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn placement_installs_the_agent_and_removal_cleans_up() {
+    let mut hub = Hub::new(true).await;
+    hub.cluster("cluster-a", true).await;
+    hub.cluster("cluster-b", true).await;
+    hub.cluster("cluster-c", true).await;
+    hub.decide(&["cluster-a", "cluster-b"]).await;
+    hub.start(AddonSettings::new(HUB));
+
+    let management = eventually("the ClusterManagementAddOn", || async {
+        Api::<ClusterManagementAddOn>::all(hub.admin.clone())
+            .get_opt("cluster-proxy")
+            .await
+            .unwrap()
+    })
+    .await;
+    assert_eq!(
+        management.annotations()["addon.open-cluster-management.io/lifecycle"],
+        "addon-manager"
+    );
+
+    for cluster in ["cluster-a", "cluster-b"] {
+        let addon = hub
+            .wait_condition(
+                cluster,
+                "RegistrationApplied",
+                "True",
+                "SetPermissionApplied",
+            )
+            .await;
+        assert_eq!(
+            addon.owner_references()[0].uid,
+            management.meta().uid.clone().unwrap(),
+            "installed addons belong to the ClusterManagementAddOn"
+        );
+        let status = addon.status.clone().unwrap();
+        assert_eq!(
+            status.namespace.as_deref(),
+            Some("open-cluster-management-cluster-proxy")
+        );
+        assert_eq!(status.health_check.unwrap().mode.as_deref(), Some("Lease"));
+        let registrations = status.registrations.unwrap();
+        assert_eq!(registrations.len(), 2);
+        assert_eq!(
+            registrations[0]
+                .subject
+                .as_ref()
+                .unwrap()
+                .organization_units,
+            Some(vec![signer_organization_unit(CA_PEM.as_bytes())])
+        );
+        let references = status.config_references.unwrap();
+        assert_eq!(references[0].resource, "managedproxyconfigurations");
+        assert!(
+            references[0]
+                .desired_config
+                .as_ref()
+                .unwrap()
+                .spec_hash
+                .is_some()
+        );
+        let configured = find_condition(addon.conditions(), "Configured").unwrap();
+        assert_eq!(configured.status, "True");
+
+        let work = eventually("the agent ManifestWork", || hub.work(cluster)).await;
+        assert_eq!(
+            work.labels()["open-cluster-management.io/addon-name"],
+            "cluster-proxy"
+        );
+        assert_eq!(work.owner_references()[0].uid, addon.uid().unwrap());
+        let args = proxy_agent_args(&work);
+        assert_eq!(args[0], "--proxy-server-host=proxy.hub.example");
+        assert!(args.iter().any(|a| a.contains(&format!(
+            "host={cluster}&host={cluster}.open-cluster-management-cluster-proxy"
+        ))));
+
+        let role = Api::<Role>::namespaced(hub.admin.clone(), cluster)
+            .get("cluster-proxy-addon-agent")
+            .await
+            .unwrap();
+        assert_eq!(role.owner_references()[0].uid, addon.uid().unwrap());
+        Api::<RoleBinding>::namespaced(hub.admin.clone(), cluster)
+            .get("cluster-proxy-addon-agent")
+            .await
+            .unwrap();
+        // The work agent has not reported: ManifestApplied is not claimed.
+        let applied = find_condition(addon.conditions(), "ManifestApplied").unwrap();
+        assert_ne!(applied.status, "True");
+        assert!(find_condition(addon.conditions(), "Available").is_none());
+    }
+    assert!(
+        hub.addon("cluster-c").await.is_none(),
+        "cluster-c is not selected"
+    );
+
+    // The work agent reports the work applied: ManifestApplied follows.
+    let applied = json!({
+        "apiVersion": "work.open-cluster-management.io/v1",
+        "kind": "ManifestWork",
+        "metadata": {"name": "addon-cluster-proxy-deploy-0"},
+        "status": {"conditions": [{"type": "Applied", "status": "True", "reason": "AppliedManifestWorkComplete",
+            "message": "applied", "lastTransitionTime": "2026-11-23T10:00:00Z"}]},
+    });
+    hub.works("cluster-a")
+        .patch_status(
+            "addon-cluster-proxy-deploy-0",
+            &PatchParams::apply("work-agent"),
+            &Patch::Apply(&applied),
+        )
+        .await
+        .unwrap();
+    hub.wait_condition(
+        "cluster-a",
+        "ManifestApplied",
+        "True",
+        "AddonManifestApplied",
+    )
+    .await;
+
+    // cluster-b leaves the placement: its addon and everything it owns go.
+    hub.decide(&["cluster-a"]).await;
+    eventually("cluster-b's addon removed", || async {
+        hub.addon("cluster-b").await.is_none().then_some(())
+    })
+    .await;
+    eventually("cluster-b's work garbage-collected", || async {
+        hub.work("cluster-b").await.is_none().then_some(())
+    })
+    .await;
+    eventually("cluster-b's hub Role garbage-collected", || async {
+        Api::<Role>::namespaced(hub.admin.clone(), "cluster-b")
+            .get_opt("cluster-proxy-addon-agent")
+            .await
+            .unwrap()
+            .is_none()
+            .then_some(())
+    })
+    .await;
+    assert!(hub.addon("cluster-a").await.is_some());
+
+    // cluster-a's ManagedCluster is deleted: its addon goes too.
+    Api::<ManagedCluster>::all(hub.admin.clone())
+        .delete("cluster-a", &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually("cluster-a's addon removed", || async {
+        hub.addon("cluster-a").await.is_none().then_some(())
+    })
+    .await;
+    eventually("cluster-a's work garbage-collected", || async {
+        hub.work("cluster-a").await.is_none().then_some(())
+    })
+    .await;
+    hub.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn current_work_is_left_alone_changes_and_drift_are_applied() {
+    let mut hub = Hub::new(true).await;
+    hub.cluster("cluster-a", true).await;
+    hub.decide(&["cluster-a"]).await;
+    hub.start(AddonSettings::new(HUB));
+    let work = eventually("the agent ManifestWork", || hub.work("cluster-a")).await;
+    let addon = hub
+        .wait_condition(
+            "cluster-a",
+            "RegistrationApplied",
+            "True",
+            "SetPermissionApplied",
+        )
+        .await;
+
+    // A reconcile with nothing changed writes nothing.
+    let before = hub.metrics.reconciliation_count("managedclusteraddon");
+    let touch = json!({"apiVersion": "cluster.open-cluster-management.io/v1", "kind": "ManagedCluster",
+        "metadata": {"name": "cluster-a", "labels": {"touched": "yes"}}});
+    Api::<ManagedCluster>::all(hub.admin.clone())
+        .patch(
+            "cluster-a",
+            &PatchParams::apply("someone"),
+            &Patch::Apply(&touch),
+        )
+        .await
+        .unwrap();
+    eventually("a reconcile after the touch", || async {
+        (hub.metrics.reconciliation_count("managedclusteraddon") > before).then_some(())
+    })
+    .await;
+    // Wait until the touched reconcile has finished: a second touch's
+    // reconcile starts only after the first one ended.
+    let after_first = hub.metrics.reconciliation_count("managedclusteraddon");
+    let touch_again = json!({"apiVersion": "cluster.open-cluster-management.io/v1", "kind": "ManagedCluster",
+        "metadata": {"name": "cluster-a", "labels": {"touched": "twice"}}});
+    Api::<ManagedCluster>::all(hub.admin.clone())
+        .patch(
+            "cluster-a",
+            &PatchParams::apply("someone"),
+            &Patch::Apply(&touch_again),
+        )
+        .await
+        .unwrap();
+    eventually("a second reconcile", || async {
+        (hub.metrics.reconciliation_count("managedclusteraddon") > after_first).then_some(())
+    })
+    .await;
+    let unchanged = hub.work("cluster-a").await.unwrap();
+    assert_eq!(
+        unchanged.resource_version(),
+        work.resource_version(),
+        "no write when current"
+    );
+    let addon_now = hub.addon("cluster-a").await.unwrap();
+    assert_eq!(
+        addon_now.resource_version(),
+        addon.resource_version(),
+        "status not rewritten when current"
+    );
+
+    // MPC spec change: replicas and the generation annotation follow.
+    let patch = json!({"spec": {"proxyAgent": {"replicas": 3}}});
+    let mpc = Api::<ManagedProxyConfiguration>::all(hub.admin.clone())
+        .patch(
+            "cluster-proxy",
+            &PatchParams::default(),
+            &Patch::Merge(&patch),
+        )
+        .await
+        .unwrap();
+    let generation = mpc.metadata.generation.unwrap().to_string();
+    let updated = eventually("the work follows the MPC", || async {
+        let work = hub.work("cluster-a").await?;
+        (deployment_of(&work)["spec"]["replicas"] == 3).then_some(work)
+    })
+    .await;
+    let deployment = deployment_of(&updated);
+    assert_eq!(
+        deployment["metadata"]["annotations"]["proxy.open-cluster-management.io/configuration-generation"],
+        generation.as_str()
+    );
+    assert_eq!(
+        deployment["spec"]["template"]["metadata"]["annotations"]["proxy.open-cluster-management.io/configuration-generation"],
+        generation.as_str()
+    );
+
+    // Drift: someone empties the work; the controller puts it back.
+    let drift = json!({"spec": {"workload": {"manifests": []}}});
+    hub.works("cluster-a")
+        .patch(
+            "addon-cluster-proxy-deploy-0",
+            &PatchParams::default(),
+            &Patch::Merge(&drift),
+        )
+        .await
+        .unwrap();
+    eventually("the drifted work restored", || async {
+        let work = hub.work("cluster-a").await?;
+        (work.spec.workload.as_ref()?.manifests.as_ref()?.len() == 7).then_some(())
+    })
+    .await;
+
+    // A CA rollover changes the registration's organizational unit.
+    let new_ca = "-----BEGIN CERTIFICATE-----\nMIIBnewCA\n-----END CERTIFICATE-----\n";
+    let rollover = json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "proxy-server-ca"},
+        "stringData": {"ca.crt": new_ca}});
+    Api::<Secret>::namespaced(hub.admin.clone(), HUB)
+        .patch(
+            "proxy-server-ca",
+            &PatchParams::default(),
+            &Patch::Merge(&rollover),
+        )
+        .await
+        .unwrap();
+    let expected = signer_organization_unit(new_ca.as_bytes());
+    eventually("the registration follows the CA", || async {
+        let addon = hub.addon("cluster-a").await?;
+        let registrations = addon.status?.registrations?;
+        (registrations[0]
+            .subject
+            .as_ref()?
+            .organization_units
+            .as_ref()?
+            == &vec![expected.clone()])
+            .then_some(())
+    })
+    .await;
+    hub.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_is_a_false_condition_and_breaks_nothing_else() {
+    let mut hub = Hub::new(true).await;
+    hub.cluster("cluster-a", true).await;
+    hub.cluster("1cluster", true).await;
+    hub.cluster("cluster-d", true).await;
+    let mut settings = AddonSettings::new(HUB);
+    settings.install_strategy = InstallStrategy::Manual;
+    // Users create the addons (Manual): cluster-d's names a missing ADC.
+    for cluster in ["cluster-a", "1cluster", "cluster-d"] {
+        let mut addon = ManagedClusterAddOn::new("cluster-proxy", Default::default());
+        addon.metadata.namespace = Some(cluster.to_owned());
+        if cluster == "cluster-d" {
+            addon.spec.configs = Some(vec![object(json!({
+                "group": "addon.open-cluster-management.io",
+                "resource": "addondeploymentconfigs",
+                "namespace": "cluster-d",
+                "name": "tuned",
+            }))]);
+        }
+        hub.addons(cluster)
+            .create(&PostParams::default(), &addon)
+            .await
+            .unwrap();
+    }
+    hub.start(settings);
+
+    hub.wait_condition("1cluster", "ManifestApplied", "False", "InvalidClusterName")
+        .await;
+    let missing = hub
+        .wait_condition("cluster-d", "Configured", "False", "ConfigurationNotFound")
+        .await;
+    assert!(
+        find_condition(missing.conditions(), "Configured")
+            .unwrap()
+            .message
+            .contains("cluster-d/tuned")
+    );
+    eventually("cluster-a's work", || hub.work("cluster-a")).await;
+    assert!(hub.work("1cluster").await.is_none());
+    assert!(
+        hub.work("cluster-d").await.is_none(),
+        "no work while the ADC is missing"
+    );
+
+    // The ADC appears: cluster-d is configured and its agent placed by it.
+    let adc: AddOnDeploymentConfig = object(json!({
+        "apiVersion": "addon.open-cluster-management.io/v1alpha1",
+        "kind": "AddOnDeploymentConfig",
+        "metadata": {"name": "tuned", "namespace": "cluster-d"},
+        "spec": {
+            "nodePlacement": {"nodeSelector": {"kubernetes.io/os": "linux"}},
+            "agentInstallNamespace": "proxy-agents",
+        },
+    }));
+    Api::<AddOnDeploymentConfig>::namespaced(hub.admin.clone(), "cluster-d")
+        .create(&PostParams::default(), &adc)
+        .await
+        .unwrap();
+    let work = eventually("cluster-d's work", || hub.work("cluster-d")).await;
+    let deployment = deployment_of(&work);
+    assert_eq!(deployment["metadata"]["namespace"], "proxy-agents");
+    assert_eq!(
+        deployment["spec"]["template"]["spec"]["nodeSelector"]["kubernetes.io/os"],
+        "linux"
+    );
+    let configured = hub
+        .wait_condition(
+            "cluster-d",
+            "Configured",
+            "True",
+            "ConfigurationsConfigured",
+        )
+        .await;
+    let references = configured.status.unwrap().config_references.unwrap();
+    assert_eq!(references[1].resource, "addondeploymentconfigs");
+    assert_eq!(references[1].name.as_deref(), Some("tuned"));
+
+    // The ADC is deleted again: Configured turns False, the work stays as it was.
+    let rendered = work.resource_version();
+    Api::<AddOnDeploymentConfig>::namespaced(hub.admin.clone(), "cluster-d")
+        .delete("tuned", &DeleteParams::default())
+        .await
+        .unwrap();
+    hub.wait_condition("cluster-d", "Configured", "False", "ConfigurationNotFound")
+        .await;
+    assert_eq!(
+        hub.work("cluster-d").await.unwrap().resource_version(),
+        rendered
+    );
+
+    // The MPC is deleted: every addon says so, nobody crashes.
+    Api::<ManagedProxyConfiguration>::all(hub.admin.clone())
+        .delete("cluster-proxy", &DeleteParams::default())
+        .await
+        .unwrap();
+    let addon = hub
+        .wait_condition("cluster-a", "Configured", "False", "ConfigurationNotFound")
+        .await;
+    assert!(
+        find_condition(addon.conditions(), "Configured")
+            .unwrap()
+            .message
+            .contains("ManagedProxyConfiguration")
+    );
+    // It comes back with an invalid spec: ManifestApplied says why.
+    let mut invalid = mpc_object(2);
+    invalid.spec.proxy_agent.replicas = -1;
+    Api::<ManagedProxyConfiguration>::all(hub.admin.clone())
+        .create(&PostParams::default(), &invalid)
+        .await
+        .unwrap();
+    let addon = hub
+        .wait_condition(
+            "cluster-a",
+            "ManifestApplied",
+            "False",
+            "InvalidManagedProxyConfiguration",
+        )
+        .await;
+    assert!(
+        find_condition(addon.conditions(), "ManifestApplied")
+            .unwrap()
+            .message
+            .contains("spec.proxyAgent.replicas")
+    );
+    hub.stop().await;
+}
+
+fn csr_request(cluster_ou: &str) -> String {
+    let key = rcgen::KeyPair::generate().unwrap();
+    let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    let mut name = rcgen::DistinguishedName::new();
+    name.push(
+        rcgen::DnType::CommonName,
+        "open-cluster-management:cluster-proxy:proxy-agent",
+    );
+    name.push(
+        rcgen::DnType::OrganizationName,
+        "open-cluster-management:cluster-proxy",
+    );
+    name.push(rcgen::DnType::OrganizationalUnitName, cluster_ou);
+    params.distinguished_name = name;
+    params.serialize_request(&key).unwrap().pem().unwrap()
+}
+
+/// Files a proxy-agent CSR labelled for `label_cluster` as the
+/// registration identity of `requester_cluster`.
+async fn file_csr(hub: &Hub, name: &str, label_cluster: &str, requester_cluster: &str) {
+    let config = hub
+        .api
+        .kubeconfig_for(
+            &format!("system:open-cluster-management:{requester_cluster}:agent1"),
+            &[
+                &format!("system:open-cluster-management:{requester_cluster}"),
+                "system:authenticated",
+            ],
+        )
+        .unwrap();
+    let client = KubeApi::client_from(&config).await.unwrap();
+    use base64::Engine;
+    let csr: CertificateSigningRequest = object(json!({
+        "metadata": {"name": name, "labels": {
+            "open-cluster-management.io/addon-name": "cluster-proxy",
+            "open-cluster-management.io/cluster-name": label_cluster,
+        }},
+        "spec": {
+            "signerName": "open-cluster-management.io/proxy-agent-signer",
+            "request": base64::engine::general_purpose::STANDARD
+                .encode(csr_request(&signer_organization_unit(CA_PEM.as_bytes()))),
+            "usages": ["client auth"],
+        },
+    }));
+    Api::<CertificateSigningRequest>::all(client)
+        .create(&PostParams::default(), &csr)
+        .await
+        .unwrap();
+}
+
+fn is_approved(csr: &CertificateSigningRequest) -> bool {
+    csr.status
+        .as_ref()
+        .and_then(|status| status.conditions.as_ref())
+        .is_some_and(|conditions| {
+            conditions
+                .iter()
+                .any(|c| c.type_ == "Approved" && c.status == "True")
+        })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_an_accepted_clusters_own_agent_csr_is_approved() {
+    let mut hub = Hub::new(true).await;
+    hub.cluster("cluster-a", true).await;
+    hub.cluster("cluster-b", true).await;
+    hub.cluster("cluster-c", false).await;
+    hub.start(AddonSettings::new(HUB));
+    let csrs = Api::<CertificateSigningRequest>::all(hub.admin.clone());
+
+    // cluster-b's identity asking for cluster-a, and not-yet-accepted cluster-c.
+    file_csr(&hub, "stolen", "cluster-a", "cluster-b").await;
+    file_csr(&hub, "not-accepted", "cluster-c", "cluster-c").await;
+    eventually("both CSRs looked at and left", || async {
+        (hub.metrics.csr_decision_count("left") >= 2).then_some(())
+    })
+    .await;
+    file_csr(&hub, "own", "cluster-a", "cluster-a").await;
+    eventually("cluster-a's own CSR approved", || async {
+        is_approved(&csrs.get("own").await.unwrap()).then_some(())
+    })
+    .await;
+    assert!(!is_approved(&csrs.get("stolen").await.unwrap()));
+    assert!(!is_approved(&csrs.get("not-accepted").await.unwrap()));
+    let stolen = csrs.get("stolen").await.unwrap();
+    assert!(
+        stolen
+            .status
+            .and_then(|s| s.conditions)
+            .unwrap_or_default()
+            .is_empty(),
+        "nothing is denied: left for a human"
+    );
+
+    // The hub accepts cluster-c: its CSR is approved now.
+    let accept = json!({"apiVersion": "cluster.open-cluster-management.io/v1", "kind": "ManagedCluster",
+        "metadata": {"name": "cluster-c"}, "spec": {"hubAcceptsClient": true}});
+    Api::<ManagedCluster>::all(hub.admin.clone())
+        .patch(
+            "cluster-c",
+            &PatchParams::apply("admin").force(),
+            &Patch::Apply(&accept),
+        )
+        .await
+        .unwrap();
+    eventually("cluster-c's CSR approved once accepted", || async {
+        is_approved(&csrs.get("not-accepted").await.unwrap()).then_some(())
+    })
+    .await;
+    assert!(!is_approved(&csrs.get("stolen").await.unwrap()));
+    hub.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_default_deployment_config_applies_to_addons_naming_none() {
+    let mut hub = Hub::new(true).await;
+    hub.cluster("cluster-a", true).await;
+    hub.decide(&["cluster-a"]).await;
+    let adc: AddOnDeploymentConfig = object(json!({
+        "apiVersion": "addon.open-cluster-management.io/v1alpha1",
+        "kind": "AddOnDeploymentConfig",
+        "metadata": {"name": "fleet", "namespace": HUB},
+        "spec": {"customizedVariables": [{"name": "serviceDomain", "value": "svc.fleet.local"}]},
+    }));
+    Api::<AddOnDeploymentConfig>::namespaced(hub.admin.clone(), HUB)
+        .create(&PostParams::default(), &adc)
+        .await
+        .unwrap();
+    let mut settings = AddonSettings::new(HUB);
+    settings.default_deployment_config = Some((HUB.to_owned(), "fleet".to_owned()));
+    hub.start(settings);
+
+    let work = eventually("cluster-a's work", || hub.work("cluster-a")).await;
+    let manifests = work.spec.workload.unwrap().manifests.unwrap();
+    let service = manifests
+        .iter()
+        .find(|m| m.kind() == Some("Service") && m.name() == Some("cluster-a"))
+        .unwrap();
+    assert_eq!(
+        service.0["spec"]["externalName"],
+        "kubernetes.default.svc.fleet.local"
+    );
+    let addon = hub
+        .wait_condition(
+            "cluster-a",
+            "Configured",
+            "True",
+            "ConfigurationsConfigured",
+        )
+        .await;
+    let references = addon.status.unwrap().config_references.unwrap();
+    assert_eq!(references[1].namespace.as_deref(), Some(HUB));
+    assert_eq!(references[1].name.as_deref(), Some("fleet"));
+    hub.stop().await;
+}

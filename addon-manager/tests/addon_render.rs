@@ -1,0 +1,636 @@
+//! Rendering of the agent's objects: the contract with OCM's names and with
+//! the local environment, which starts the agents from these exact fields.
+
+use addon_manager::addon::install::cluster_management_addon;
+use addon_manager::addon::render::{
+    self, AgentInputs, Entrypoint, EntrypointError, agent_ca_bundle, hub_agent_rbac, manifest_work,
+    registrations, signer_organization_unit,
+};
+use addon_manager::addon::{AddonSettings, InstallStrategy};
+use cluster_proxy_proto::api::addon::v1alpha1::{AddOnDeploymentConfig, ClusterManagementAddOn};
+use cluster_proxy_proto::api::proxy::v1alpha1::ManagedProxyConfiguration;
+use cluster_proxy_proto::identity::ClusterName;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{Container, Service};
+use serde_json::{Value, json};
+
+const CA: &[u8] = b"-----BEGIN CERTIFICATE-----\nMIIBhub\n-----END CERTIFICATE-----\n";
+
+fn mpc(entrypoint: Value) -> ManagedProxyConfiguration {
+    serde_json::from_value(json!({
+        "apiVersion": "proxy.open-cluster-management.io/v1alpha1",
+        "kind": "ManagedProxyConfiguration",
+        "metadata": {"name": "cluster-proxy", "generation": 7, "uid": "mpc-uid"},
+        "spec": {
+            "authentication": {},
+            "proxyServer": {
+                "image": "registry.local/cluster-proxy:1",
+                "namespace": "open-cluster-management-addon",
+                "entrypoint": entrypoint,
+            },
+            "proxyAgent": {
+                "image": "registry.local/cluster-proxy:1",
+                "replicas": 2,
+                "additionalArgs": ["--keepalive-time=30s"],
+                "imagePullSecrets": ["pull-secret"],
+            },
+        },
+    }))
+    .expect("MPC fixture parses")
+}
+
+fn hostname_mpc() -> ManagedProxyConfiguration {
+    mpc(json!({"type": "Hostname", "hostname": {"value": "proxy.hub.example"}, "port": 443}))
+}
+
+fn adc(spec: Value) -> AddOnDeploymentConfig {
+    serde_json::from_value(json!({
+        "apiVersion": "addon.open-cluster-management.io/v1alpha1",
+        "kind": "AddOnDeploymentConfig",
+        "metadata": {"name": "tuned", "namespace": "cluster-a"},
+        "spec": spec,
+    }))
+    .expect("ADC fixture parses")
+}
+
+struct Rendered {
+    work: Value,
+}
+
+impl Rendered {
+    fn new(
+        mpc: &ManagedProxyConfiguration,
+        adc: Option<&AddOnDeploymentConfig>,
+        ca: &[u8],
+    ) -> Self {
+        let cluster = ClusterName::new("cluster-a").unwrap();
+        let entrypoint = render::entrypoint(mpc, None).unwrap();
+        let inputs = AgentInputs {
+            cluster: &cluster,
+            install_namespace: "open-cluster-management-cluster-proxy",
+            mpc,
+            deployment_config: adc,
+            entrypoint: &entrypoint,
+            ca_pem: ca,
+        };
+        let work = manifest_work(&inputs, None).unwrap();
+        Rendered {
+            work: serde_json::to_value(&work).unwrap(),
+        }
+    }
+
+    fn manifests(&self) -> &Vec<Value> {
+        self.work["spec"]["workload"]["manifests"]
+            .as_array()
+            .unwrap()
+    }
+
+    fn manifest(&self, kind: &str, name: &str) -> &Value {
+        self.manifests()
+            .iter()
+            .find(|m| m["kind"] == kind && m["metadata"]["name"] == name)
+            .unwrap_or_else(|| panic!("no {kind} {name} in the work"))
+    }
+
+    fn deployment(&self) -> Deployment {
+        serde_json::from_value(
+            self.manifest("Deployment", "cluster-proxy-proxy-agent")
+                .clone(),
+        )
+        .unwrap()
+    }
+
+    fn container(&self, name: &str) -> Container {
+        self.deployment()
+            .spec
+            .unwrap()
+            .template
+            .spec
+            .unwrap()
+            .containers
+            .into_iter()
+            .find(|c| c.name == name)
+            .unwrap()
+    }
+}
+
+#[test]
+fn work_is_named_labelled_and_deletes_in_foreground() {
+    let rendered = Rendered::new(&hostname_mpc(), None, CA);
+    let work = &rendered.work;
+    assert_eq!(work["apiVersion"], "work.open-cluster-management.io/v1");
+    assert_eq!(work["kind"], "ManifestWork");
+    assert_eq!(work["metadata"]["name"], "addon-cluster-proxy-deploy-0");
+    assert_eq!(work["metadata"]["namespace"], "cluster-a");
+    assert_eq!(
+        work["metadata"]["labels"]["open-cluster-management.io/addon-name"],
+        "cluster-proxy"
+    );
+    assert_eq!(
+        work["spec"]["deleteOption"]["propagationPolicy"],
+        "Foreground"
+    );
+    let kinds: Vec<(String, String)> = rendered
+        .manifests()
+        .iter()
+        .map(|m| {
+            (
+                m["kind"].as_str().unwrap().to_owned(),
+                m["metadata"]["name"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    let expected = [
+        ("Namespace", "open-cluster-management-cluster-proxy"),
+        ("ServiceAccount", "cluster-proxy"),
+        ("Secret", "cluster-proxy-ca"),
+        ("Service", "cluster-a"),
+        ("Role", "cluster-proxy-addon-agent"),
+        ("RoleBinding", "cluster-proxy-addon-agent"),
+        ("Deployment", "cluster-proxy-proxy-agent"),
+    ];
+    assert_eq!(
+        kinds,
+        expected
+            .iter()
+            .map(|(k, n)| ((*k).to_owned(), (*n).to_owned()))
+            .collect::<Vec<_>>()
+    );
+    for manifest in rendered
+        .manifests()
+        .iter()
+        .filter(|m| m["kind"] != "Namespace")
+    {
+        assert_eq!(
+            manifest["metadata"]["namespace"],
+            "open-cluster-management-cluster-proxy"
+        );
+    }
+    let namespace = rendered.manifest("Namespace", "open-cluster-management-cluster-proxy");
+    assert_eq!(
+        namespace["metadata"]["annotations"]["addon.open-cluster-management.io/deletion-orphan"],
+        ""
+    );
+}
+
+#[test]
+fn proxy_agent_container_follows_the_fixed_contract() {
+    let rendered = Rendered::new(&hostname_mpc(), None, CA);
+    let agent = rendered.container("proxy-agent");
+    let hashed = ClusterName::new("cluster-a").unwrap().service_proxy_host();
+    assert!(hashed.starts_with("cluster-") && hashed.ends_with(".open-cluster-management.proxy"));
+    let identifiers = format!(
+        "--agent-identifiers=host={hashed}&host=cluster-a&host=cluster-a.open-cluster-management-cluster-proxy"
+    );
+    assert_eq!(
+        agent.image.as_deref(),
+        Some("registry.local/cluster-proxy:1")
+    );
+    assert_eq!(agent.command, Some(vec!["/proxy-agent".to_owned()]));
+    assert_eq!(
+        agent.args.unwrap(),
+        vec![
+            "--proxy-server-host=proxy.hub.example",
+            "--proxy-server-port=443",
+            "--ca-cert=/etc/ca/ca.crt",
+            "--agent-cert=/etc/tls/tls.crt",
+            "--agent-key=/etc/tls/tls.key",
+            identifiers.as_str(),
+            "--keepalive-time=30s",
+        ]
+    );
+    let mounts: Vec<(String, String)> = agent
+        .volume_mounts
+        .unwrap()
+        .into_iter()
+        .map(|m| (m.name, m.mount_path))
+        .collect();
+    assert_eq!(
+        mounts,
+        vec![
+            ("ca".into(), "/etc/ca".into()),
+            ("tls".into(), "/etc/tls".into())
+        ]
+    );
+    let readiness = agent.readiness_probe.unwrap().http_get.unwrap();
+    assert_eq!(readiness.path.as_deref(), Some("/readyz"));
+    assert_eq!(
+        readiness.port,
+        k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(8093)
+    );
+    let liveness = agent.liveness_probe.unwrap().http_get.unwrap();
+    assert_eq!(liveness.path.as_deref(), Some("/healthz"));
+    assert_eq!(
+        liveness.port,
+        k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(8093)
+    );
+    assert!(agent.env.is_none(), "no proxy env without an ADC");
+}
+
+#[test]
+fn hashed_host_is_upstreams() {
+    // Reference §5 example.
+    assert_eq!(
+        ClusterName::new("loopback").unwrap().service_proxy_host(),
+        "cluster-64edaa3fb9310e98cdb183cddbf156d9964a05c017fa7f8e.open-cluster-management.proxy"
+    );
+}
+
+#[test]
+fn addon_agent_container_and_pod() {
+    let rendered = Rendered::new(&hostname_mpc(), None, CA);
+    let addon = rendered.container("addon-agent");
+    assert_eq!(
+        addon.image.as_deref(),
+        Some("registry.local/cluster-proxy:1")
+    );
+    assert_eq!(addon.command, Some(vec!["/addon-agent".to_owned()]));
+    assert_eq!(
+        addon.args.unwrap(),
+        vec![
+            "--hub-kubeconfig=/etc/kubeconfig/kubeconfig",
+            "--cluster-name=cluster-a",
+            "--lease-name=cluster-proxy"
+        ]
+    );
+    let env = addon.env.unwrap();
+    assert_eq!(env[0].name, "POD_NAMESPACE");
+    assert_eq!(
+        env[0]
+            .value_from
+            .as_ref()
+            .unwrap()
+            .field_ref
+            .as_ref()
+            .unwrap()
+            .field_path,
+        "metadata.namespace"
+    );
+    let mounts = addon.volume_mounts.unwrap();
+    assert_eq!(
+        (mounts[0].name.as_str(), mounts[0].mount_path.as_str()),
+        ("hub-kubeconfig", "/etc/kubeconfig")
+    );
+
+    let deployment = rendered.deployment();
+    let labels = deployment.metadata.labels.clone().unwrap();
+    assert_eq!(labels["open-cluster-management.io/addon"], "cluster-proxy");
+    assert_eq!(
+        labels["proxy.open-cluster-management.io/component-name"],
+        "proxy-agent"
+    );
+    assert_eq!(
+        deployment.metadata.annotations.clone().unwrap()["proxy.open-cluster-management.io/configuration-generation"],
+        "7"
+    );
+    let spec = deployment.spec.unwrap();
+    assert_eq!(spec.replicas, Some(2));
+    assert_eq!(spec.selector.match_labels, Some(labels.clone()));
+    let template_meta = spec.template.metadata.unwrap();
+    assert_eq!(template_meta.labels, Some(labels));
+    assert_eq!(
+        template_meta.annotations.unwrap()["proxy.open-cluster-management.io/configuration-generation"],
+        "7"
+    );
+    let pod = spec.template.spec.unwrap();
+    assert_eq!(pod.service_account_name.as_deref(), Some("cluster-proxy"));
+    assert_eq!(pod.image_pull_secrets.unwrap()[0].name, "pull-secret");
+    let tolerations = pod.tolerations.unwrap();
+    assert_eq!(tolerations, render::default_tolerations());
+    assert!(pod.node_selector.is_none());
+    let volumes: Vec<(String, String)> = pod
+        .volumes
+        .unwrap()
+        .into_iter()
+        .map(|v| (v.name, v.secret.unwrap().secret_name.unwrap()))
+        .collect();
+    assert_eq!(
+        volumes,
+        vec![
+            ("ca".into(), "cluster-proxy-ca".into()),
+            (
+                "tls".into(),
+                "cluster-proxy-open-cluster-management.io-proxy-agent-signer-client-cert".into()
+            ),
+            (
+                "hub-kubeconfig".into(),
+                "cluster-proxy-hub-kubeconfig".into()
+            ),
+        ]
+    );
+    for container in &pod.containers {
+        let security = container.security_context.clone().unwrap();
+        assert_eq!(security.run_as_non_root, Some(true));
+        assert_eq!(security.run_as_user, Some(65532));
+        assert_eq!(security.read_only_root_filesystem, Some(true));
+        assert_eq!(
+            security.capabilities.unwrap().drop,
+            Some(vec!["ALL".to_owned()])
+        );
+    }
+}
+
+#[test]
+fn ca_secret_service_and_rbac() {
+    let rendered = Rendered::new(&hostname_mpc(), None, CA);
+    let secret = rendered.manifest("Secret", "cluster-proxy-ca");
+    let encoded = secret["data"]["ca.crt"].as_str().unwrap();
+    use base64::Engine;
+    let decoded = base64::engine::general_purpose::STANDARD
+        .decode(encoded)
+        .unwrap();
+    assert_eq!(decoded, CA);
+
+    let service: Service =
+        serde_json::from_value(rendered.manifest("Service", "cluster-a").clone()).unwrap();
+    let spec = service.spec.unwrap();
+    assert_eq!(spec.type_.as_deref(), Some("ExternalName"));
+    assert_eq!(
+        spec.external_name.as_deref(),
+        Some("kubernetes.default.svc.cluster.local")
+    );
+
+    let role = rendered.manifest("Role", "cluster-proxy-addon-agent");
+    assert_eq!(
+        role["rules"][0]["apiGroups"],
+        json!(["coordination.k8s.io"])
+    );
+    assert_eq!(role["rules"][0]["resources"], json!(["leases"]));
+    assert_eq!(role["rules"][0]["verbs"], json!(["*"]));
+    let binding = rendered.manifest("RoleBinding", "cluster-proxy-addon-agent");
+    assert_eq!(binding["roleRef"]["name"], "cluster-proxy-addon-agent");
+    assert_eq!(
+        binding["subjects"],
+        json!([{"kind": "ServiceAccount", "name": "cluster-proxy", "namespace": "open-cluster-management-cluster-proxy"}])
+    );
+}
+
+#[test]
+fn deployment_config_reaches_the_agent() {
+    let proxy_ca = b"-----BEGIN CERTIFICATE-----\nMIIproxy\n-----END CERTIFICATE-----\n";
+    use base64::Engine;
+    let config = adc(json!({
+        "nodePlacement": {
+            "nodeSelector": {"kubernetes.io/os": "linux"},
+            "tolerations": [{"key": "node-role.kubernetes.io/infra", "operator": "Exists", "effect": "NoSchedule"}],
+        },
+        "proxyConfig": {
+            "httpProxy": "http://proxy.corp:3128",
+            "httpsProxy": "https://proxy.corp:3129",
+            "noProxy": "10.0.0.0/8,.svc",
+            "caBundle": base64::engine::general_purpose::STANDARD.encode(proxy_ca),
+        },
+        "customizedVariables": [{"name": "serviceDomain", "value": "svc.corp.local"}],
+    }));
+    let rendered = Rendered::new(&hostname_mpc(), Some(&config), CA);
+    let pod = rendered.deployment().spec.unwrap().template.spec.unwrap();
+    assert_eq!(pod.node_selector.unwrap()["kubernetes.io/os"], "linux");
+    let tolerations = pod.tolerations.unwrap();
+    assert_eq!(
+        tolerations.len(),
+        1,
+        "the ADC's tolerations replace the defaults"
+    );
+    assert_eq!(
+        tolerations[0].key.as_deref(),
+        Some("node-role.kubernetes.io/infra")
+    );
+
+    let env: Vec<(String, String)> = rendered
+        .container("proxy-agent")
+        .env
+        .unwrap()
+        .into_iter()
+        .map(|e| (e.name, e.value.unwrap()))
+        .collect();
+    assert_eq!(
+        env,
+        vec![
+            ("HTTP_PROXY".into(), "http://proxy.corp:3128".into()),
+            ("HTTPS_PROXY".into(), "https://proxy.corp:3129".into()),
+            ("NO_PROXY".into(), "10.0.0.0/8,.svc".into()),
+        ]
+    );
+    assert!(
+        rendered
+            .container("addon-agent")
+            .env
+            .unwrap()
+            .iter()
+            .all(|e| e.name == "POD_NAMESPACE")
+    );
+
+    let service: Service =
+        serde_json::from_value(rendered.manifest("Service", "cluster-a").clone()).unwrap();
+    assert_eq!(
+        service.spec.unwrap().external_name.as_deref(),
+        Some("kubernetes.default.svc.corp.local")
+    );
+    let secret = rendered.manifest("Secret", "cluster-proxy-ca");
+    let bundle = base64::engine::general_purpose::STANDARD
+        .decode(secret["data"]["ca.crt"].as_str().unwrap())
+        .unwrap();
+    assert_eq!(
+        bundle,
+        [CA, proxy_ca.as_slice()].concat(),
+        "an https proxy's CA is trusted too"
+    );
+}
+
+#[test]
+fn proxy_ca_is_merged_only_for_https_proxies() {
+    use base64::Engine;
+    let config = adc(json!({
+        "proxyConfig": {
+            "httpProxy": "http://proxy.corp:3128",
+            "caBundle": base64::engine::general_purpose::STANDARD.encode(b"extra"),
+        },
+    }));
+    assert_eq!(agent_ca_bundle(CA, Some(&config)), CA);
+    let no_newline = b"-----END CERTIFICATE-----";
+    let https = adc(json!({
+        "proxyConfig": {
+            "httpsProxy": "https://proxy.corp:3129",
+            "caBundle": base64::engine::general_purpose::STANDARD.encode(b"extra"),
+        },
+    }));
+    assert_eq!(
+        agent_ca_bundle(no_newline, Some(&https)),
+        b"-----END CERTIFICATE-----\nextra".to_vec()
+    );
+}
+
+#[test]
+fn entrypoints() {
+    let port_forward = mpc(json!({"type": "PortForward"}));
+    assert_eq!(
+        render::entrypoint(&port_forward, None).unwrap(),
+        Entrypoint {
+            host: "127.0.0.1".into(),
+            port: 8091
+        }
+    );
+    let zero_port = mpc(json!({"type": "Hostname", "hostname": {"value": "h.example"}, "port": 0}));
+    assert_eq!(render::entrypoint(&zero_port, None).unwrap().port, 8091);
+
+    let lb = mpc(json!({"type": "LoadBalancerService", "loadBalancerService": {"name": "lb"}}));
+    assert_eq!(
+        render::load_balancer_service(&lb),
+        Some(("open-cluster-management-addon".into(), "lb".into()))
+    );
+    assert!(matches!(
+        render::entrypoint(&lb, None),
+        Err(EntrypointError::LoadBalancerMissing { .. })
+    ));
+    let pending: Service =
+        serde_json::from_value(json!({"metadata": {"name": "lb"}, "status": {"loadBalancer": {}}}))
+            .unwrap();
+    assert!(matches!(
+        render::entrypoint(&lb, Some(&pending)),
+        Err(EntrypointError::LoadBalancerPending { .. })
+    ));
+    let by_ip: Service = serde_json::from_value(json!({"metadata": {"name": "lb"}, "status": {"loadBalancer": {"ingress": [{"ip": "203.0.113.9"}]}}})).unwrap();
+    assert_eq!(
+        render::entrypoint(&lb, Some(&by_ip)).unwrap().host,
+        "203.0.113.9"
+    );
+    let by_hostname: Service = serde_json::from_value(json!({"metadata": {"name": "lb"}, "status": {"loadBalancer": {"ingress": [{"hostname": "a1.elb.example"}]}}})).unwrap();
+    assert_eq!(
+        render::entrypoint(&lb, Some(&by_hostname)).unwrap(),
+        Entrypoint {
+            host: "a1.elb.example".into(),
+            port: 8091
+        }
+    );
+
+    let mut unset = hostname_mpc();
+    unset.spec.proxy_server.entrypoint = None;
+    assert_eq!(
+        render::entrypoint(&unset, None),
+        Err(EntrypointError::NotSet)
+    );
+}
+
+#[test]
+fn organization_unit_is_stable_and_follows_the_ca() {
+    let unit = signer_organization_unit(CA);
+    assert_eq!(unit, signer_organization_unit(CA));
+    assert_ne!(unit, signer_organization_unit(b"another CA"));
+    // signer- + hex(ASCII of base64(sha256(""))): the double encoding of §11.6.
+    assert_eq!(
+        signer_organization_unit(b""),
+        format!(
+            "signer-{}",
+            hex::encode("47DEQpj8HBSa+/TImW+5JCeuQeRkm5NMpJWZG3hSuFU=")
+        )
+    );
+    let registrations = serde_json::to_value(registrations(CA)).unwrap();
+    assert_eq!(
+        registrations,
+        json!([
+            {
+                "signerName": "open-cluster-management.io/proxy-agent-signer",
+                "subject": {
+                    "user": "open-cluster-management:cluster-proxy:proxy-agent",
+                    "groups": ["open-cluster-management:cluster-proxy"],
+                    "organizationUnit": [unit],
+                },
+            },
+            {
+                "signerName": "kubernetes.io/kube-apiserver-client",
+                "subject": {
+                    "user": "open-cluster-management:cluster-proxy:addon-agent",
+                    "groups": ["open-cluster-management:cluster-proxy"],
+                },
+            },
+        ])
+    );
+}
+
+#[test]
+fn hub_rbac_binds_the_registration_subjects() {
+    let (role, binding) = hub_agent_rbac("cluster-a", None);
+    assert_eq!(
+        role.metadata.name.as_deref(),
+        Some("cluster-proxy-addon-agent")
+    );
+    assert_eq!(role.metadata.namespace.as_deref(), Some("cluster-a"));
+    let rule = &role.rules.unwrap()[0];
+    assert_eq!(rule.resources, Some(vec!["leases".to_owned()]));
+    assert_eq!(rule.verbs, vec!["*".to_owned()]);
+    let subjects: Vec<(String, String)> = binding
+        .subjects
+        .unwrap()
+        .into_iter()
+        .map(|s| (s.kind, s.name))
+        .collect();
+    assert_eq!(
+        subjects,
+        vec![
+            ("User".into(), "open-cluster-management:cluster-proxy:addon-agent".into()),
+            (
+                "User".into(),
+                "system:open-cluster-management:cluster:cluster-a:addon:cluster-proxy:agent:cluster-proxy-agent".into()
+            ),
+            (
+                "Group".into(),
+                "system:open-cluster-management:cluster:cluster-a:addon:cluster-proxy".into()
+            ),
+        ]
+    );
+}
+
+#[test]
+fn cluster_names_must_be_service_names() {
+    assert!(render::is_dns1035_label("cluster-a"));
+    assert!(!render::is_dns1035_label("1cluster"));
+    assert!(!render::is_dns1035_label("Cluster"));
+    assert!(!render::is_dns1035_label("a.b"));
+    assert!(!render::is_dns1035_label(&"a".repeat(64)));
+}
+
+#[test]
+fn cluster_management_addon_declares_upstreams_shape() {
+    let settings = AddonSettings::new("open-cluster-management-addon");
+    let cma: ClusterManagementAddOn = cluster_management_addon(&settings);
+    assert_eq!(
+        serde_json::to_value(&cma).unwrap(),
+        json!({
+            "apiVersion": "addon.open-cluster-management.io/v1alpha1",
+            "kind": "ClusterManagementAddOn",
+            "metadata": {
+                "name": "cluster-proxy",
+                "annotations": {"addon.open-cluster-management.io/lifecycle": "addon-manager"},
+            },
+            "spec": {
+                "addOnMeta": {"displayName": "cluster-proxy", "description": "cluster-proxy"},
+                "supportedConfigs": [
+                    {
+                        "group": "proxy.open-cluster-management.io",
+                        "resource": "managedproxyconfigurations",
+                        "defaultConfig": {"name": "cluster-proxy"},
+                    },
+                    {"group": "addon.open-cluster-management.io", "resource": "addondeploymentconfigs"},
+                ],
+                "installStrategy": {
+                    "type": "Placements",
+                    "placements": [{"namespace": "open-cluster-management-addon", "name": "cluster-proxy-placement"}],
+                },
+            },
+        })
+    );
+    let manual = AddonSettings {
+        install_strategy: InstallStrategy::Manual,
+        default_deployment_config: Some((
+            "open-cluster-management-addon".into(),
+            "defaults".into(),
+        )),
+        ..settings
+    };
+    let cma = serde_json::to_value(cluster_management_addon(&manual)).unwrap();
+    assert_eq!(cma["spec"]["installStrategy"], json!({"type": "Manual"}));
+    assert_eq!(
+        cma["spec"]["supportedConfigs"][1]["defaultConfig"],
+        json!({"namespace": "open-cluster-management-addon", "name": "defaults"})
+    );
+}
