@@ -288,9 +288,17 @@ async fn run_hub_pods(
     placement: &ServerPlacement,
 ) -> Result<(), ocm::OcmError> {
     let deployments: Api<Deployment> = Api::namespaced(ctx.admin.clone(), namespace);
-    let list = deployments
-        .list(&ListParams::default().labels(&format!("{LABEL_COMPONENT_NAME}=proxy-server")))
-        .await?;
+    // The proxy-server Deployments: those whose pods carry the component
+    // label (the Deployment itself carries only the addon label).
+    let mut list = deployments.list(&ListParams::default()).await?;
+    list.items.retain(|d| {
+        d.spec
+            .as_ref()
+            .and_then(|s| s.template.metadata.as_ref())
+            .and_then(|m| m.labels.as_ref())
+            .and_then(|l| l.get(LABEL_COMPONENT_NAME))
+            .is_some_and(|c| c == "proxy-server")
+    });
     let secrets: Api<Secret> = Api::namespaced(ctx.admin.clone(), namespace);
     let mut wanted = std::collections::BTreeSet::new();
     for deployment in &list.items {
