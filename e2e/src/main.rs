@@ -390,13 +390,13 @@ async fn up(
         print_addon_status(&e2e::env::control_plane::addon_status(&admin).await?);
         Some(admin)
     };
-    print_commands(&env.summary);
     if admin.is_some() {
         println!(
-            "add or remove a managed cluster while this runs: `cargo run -p e2e -- join cluster-x`, \
+            "\nAdd or remove a managed cluster while this runs: `cargo run -p e2e -- join cluster-x`, \
              `cargo run -p e2e -- leave cluster-x`, `cargo run -p e2e -- status`"
         );
     }
+    print_commands(&env.summary);
     let mut last_rows = Vec::new();
 
     let mut interval = tokio::time::interval(Duration::from_secs(1));

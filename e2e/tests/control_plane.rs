@@ -232,7 +232,7 @@ async fn the_hub_follows_the_managed_proxy_configuration() {
     let mpcs: Api<ManagedProxyConfiguration> = Api::all(admin.clone());
     mpcs.patch(
         "cluster-proxy",
-        &PatchParams::apply("helm").force(),
+        &PatchParams::default(),
         &Patch::Merge(json!({"spec": {"proxyServer": {"replicas": 3}}})),
     )
     .await

@@ -436,7 +436,7 @@ impl Environment {
                 record.netns.push(topology.hub_netns());
                 record
                     .netns
-                    .extend((0..options.clusters.len()).map(|i| topology.cluster_netns(i)));
+                    .extend((0..machine_names.len()).map(|i| topology.cluster_netns(i)));
                 record.save().map_err(io("environment record"))?;
                 topology.create()?;
                 Some(topology)
