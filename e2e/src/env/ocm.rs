@@ -418,18 +418,18 @@ impl Klusterlet {
                 return;
             }
         };
-        if let Some(addon) = &addon {
-            if let Err(err) = self.register(ctx, addon).await {
-                tracing::warn!("{}: registration: {err}", self.name);
-            }
+        if let Some(addon) = &addon
+            && let Err(err) = self.register(ctx, addon).await
+        {
+            tracing::warn!("{}: registration: {err}", self.name);
         }
         if let Err(err) = self.apply_work(ctx).await {
             tracing::warn!("{}: work: {err}", self.name);
         }
-        if let Some(addon) = &addon {
-            if let Err(err) = self.report_lease(ctx, addon).await {
-                tracing::warn!("{}: lease: {err}", self.name);
-            }
+        if let Some(addon) = &addon
+            && let Err(err) = self.report_lease(ctx, addon).await
+        {
+            tracing::warn!("{}: lease: {err}", self.name);
         }
     }
 
