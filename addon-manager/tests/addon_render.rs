@@ -524,7 +524,7 @@ fn organization_unit_is_stable_and_follows_the_ca() {
             hex::encode("47DEQpj8HBSa+/TImW+5JCeuQeRkm5NMpJWZG3hSuFU=")
         )
     );
-    let registrations = serde_json::to_value(registrations(CA)).unwrap();
+    let registrations = serde_json::to_value(registrations(CA, "cluster-a")).unwrap();
     assert_eq!(
         registrations,
         json!([
@@ -538,9 +538,14 @@ fn organization_unit_is_stable_and_follows_the_ca() {
             },
             {
                 "signerName": "kubernetes.io/kube-apiserver-client",
+                // Per cluster, so that one cluster's addon-agent cannot
+                // write another cluster's Lease.
                 "subject": {
-                    "user": "open-cluster-management:cluster-proxy:addon-agent",
-                    "groups": ["open-cluster-management:cluster-proxy"],
+                    "user": "system:open-cluster-management:cluster:cluster-a:addon:cluster-proxy:agent:cluster-proxy-agent",
+                    "groups": [
+                        "system:open-cluster-management:cluster:cluster-a:addon:cluster-proxy",
+                        "system:open-cluster-management:addon:cluster-proxy",
+                    ],
                 },
             },
         ])
@@ -567,7 +572,6 @@ fn hub_rbac_binds_the_registration_subjects() {
     assert_eq!(
         subjects,
         vec![
-            ("User".into(), "open-cluster-management:cluster-proxy:addon-agent".into()),
             (
                 "User".into(),
                 "system:open-cluster-management:cluster:cluster-a:addon:cluster-proxy:agent:cluster-proxy-agent".into()

@@ -280,7 +280,7 @@ async fn evaluate(
             None,
         );
     }
-    status.registrations = Some(render::registrations(&ca_pem));
+    status.registrations = Some(render::registrations(&ca_pem, cluster));
     status.namespace = Some(install_namespace.clone());
     let owner = apply::owner_reference(addon);
     let (role, binding) = render::hub_agent_rbac(cluster, owner.clone());

@@ -42,8 +42,9 @@ pub const PROXY_AGENT_SIGNER: &str = "open-cluster-management.io/proxy-agent-sig
 pub const KUBE_APISERVER_CLIENT_SIGNER: &str = "kubernetes.io/kube-apiserver-client";
 /// Subject user of the proxy-agent's certificate.
 pub const PROXY_AGENT_USER: &str = "open-cluster-management:cluster-proxy:proxy-agent";
-/// Subject user of the addon-agent's hub kubeconfig (upstream F16).
-pub const ADDON_AGENT_USER: &str = "open-cluster-management:cluster-proxy:addon-agent";
+/// The group every addon-agent's hub identity is in (the addon
+/// framework's addon-wide group).
+pub const ADDON_AGENTS_GROUP: &str = "system:open-cluster-management:addon:cluster-proxy";
 /// Group of both agent identities.
 pub const CLUSTER_PROXY_GROUP: &str = "open-cluster-management:cluster-proxy";
 /// Label naming the addon on the agent's pods (upstream's selector).
@@ -157,10 +158,17 @@ pub fn signer_organization_unit(ca_pem: &[u8]) -> String {
     format!("signer-{}", hex::encode(encoded.as_bytes()))
 }
 
-/// The credentials the klusterlet requests for the agents:
+/// The credentials the klusterlet of `cluster` requests for the agents:
 /// the proxy-agent's client certificate from our signer and the
 /// addon-agent's hub kubeconfig.
-pub fn registrations(ca_pem: &[u8]) -> Vec<RegistrationConfig> {
+///
+/// The hub kubeconfig's subject is per cluster (the addon framework's
+/// default, `system:open-cluster-management:cluster:<c>:addon:cluster-proxy:agent:…`),
+/// not upstream's shared `open-cluster-management:cluster-proxy:addon-agent`:
+/// with a shared user, the Role binding in every cluster namespace would let
+/// any cluster's addon-agent write every other cluster's Lease (and so fake
+/// its `Available`).
+pub fn registrations(ca_pem: &[u8], cluster: &str) -> Vec<RegistrationConfig> {
     vec![
         RegistrationConfig {
             signer_name: PROXY_AGENT_SIGNER.to_owned(),
@@ -173,8 +181,11 @@ pub fn registrations(ca_pem: &[u8]) -> Vec<RegistrationConfig> {
         RegistrationConfig {
             signer_name: KUBE_APISERVER_CLIENT_SIGNER.to_owned(),
             subject: Some(Subject {
-                user: Some(ADDON_AGENT_USER.to_owned()),
-                groups: Some(vec![CLUSTER_PROXY_GROUP.to_owned()]),
+                user: Some(framework_agent_user(cluster)),
+                groups: Some(vec![
+                    framework_agent_group(cluster),
+                    ADDON_AGENTS_GROUP.to_owned(),
+                ]),
                 organization_units: None,
             }),
         },
@@ -608,7 +619,6 @@ pub fn hub_agent_rbac(cluster: &str, owner: Option<OwnerReference>) -> (Role, Ro
     let mut binding = role_binding(
         cluster,
         vec![
-            user(ADDON_AGENT_USER.to_owned()),
             user(framework_agent_user(cluster)),
             group(framework_agent_group(cluster)),
         ],

@@ -281,7 +281,8 @@ pub struct Klusterlet {
     issued_subject: Option<String>,
     cert_not_after: Option<OffsetDateTime>,
     cert_not_before: Option<OffsetDateTime>,
-    hub_kubeconfig_written: bool,
+    /// The subject of the hub kubeconfig written so far.
+    hub_kubeconfig_subject: Option<(String, Vec<String>)>,
     pub status: ClusterStatus,
 }
 
@@ -345,7 +346,7 @@ impl Klusterlet {
             issued_subject: None,
             cert_not_after: None,
             cert_not_before: None,
-            hub_kubeconfig_written: false,
+            hub_kubeconfig_subject: None,
             status: ClusterStatus::default(),
         }
     }
@@ -463,16 +464,30 @@ impl Klusterlet {
         ))
     }
 
-    fn wants_kube_client(addon: &ManagedClusterAddOn) -> bool {
-        serde_json::to_value(addon.status.as_ref())
-            .ok()
-            .and_then(|s| s.get("registrations").cloned())
-            .and_then(|r| r.as_array().cloned())
-            .is_some_and(|r| {
-                r.iter().any(|r| {
-                    r.get("signerName").and_then(Value::as_str) == Some(KUBE_CLIENT_SIGNER)
-                })
-            })
+    /// The subject (user, groups) the addon's kube-apiserver-client
+    /// registration asks for, if it has one.
+    fn kube_client_subject(addon: &ManagedClusterAddOn) -> Option<(String, Vec<String>)> {
+        let registrations = serde_json::to_value(addon.status.as_ref()?)
+            .ok()?
+            .get("registrations")?
+            .clone();
+        let registration = registrations
+            .as_array()?
+            .iter()
+            .find(|r| r.get("signerName").and_then(Value::as_str) == Some(KUBE_CLIENT_SIGNER))?
+            .clone();
+        let subject = registration.get("subject")?;
+        Some((
+            subject.get("user").and_then(Value::as_str)?.to_string(),
+            subject
+                .get("groups")
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten()
+                .filter_map(Value::as_str)
+                .map(String::from)
+                .collect(),
+        ))
     }
 
     async fn register(
@@ -480,34 +495,23 @@ impl Klusterlet {
         ctx: &OcmContext,
         addon: &ManagedClusterAddOn,
     ) -> Result<(), OcmError> {
-        if Self::wants_kube_client(addon) && !self.hub_kubeconfig_written {
+        if let Some((user, groups)) = Self::kube_client_subject(addon)
+            && self.hub_kubeconfig_subject.as_ref() != Some(&(user.clone(), groups.clone()))
+        {
             // OCM gets this through a kube-apiserver-client CSR; the
             // in-memory API authenticates by token, so the registration
             // agent writes a token kubeconfig for the same identity.
-            let user = format!(
-                "system:open-cluster-management:cluster:{}:addon:{ADDON_NAME}:agent:addon-agent",
-                self.name
-            );
-            let group = format!(
-                "system:open-cluster-management:cluster:{}:addon:{ADDON_NAME}",
-                self.name
-            );
-            let path = (ctx.cluster_kubeconfig_for)(
-                &user,
-                &[
-                    &group,
-                    &format!("system:open-cluster-management:addon:{ADDON_NAME}"),
-                    "system:authenticated",
-                ],
-            )
-            .map_err(OcmError::Other)?;
+            let mut with_authenticated: Vec<&str> = groups.iter().map(String::as_str).collect();
+            with_authenticated.push("system:authenticated");
+            let path = (ctx.cluster_kubeconfig_for)(&user, &with_authenticated)
+                .map_err(OcmError::Other)?;
             let text = std::fs::read(&path)
                 .map_err(|e| OcmError::Other(format!("{}: {e}", path.display())))?;
             let data: BTreeMap<String, Vec<u8>> = [("kubeconfig".to_string(), text)].into();
             self.volumes
                 .write_data(HUB_KUBECONFIG_SECRET, &data)
                 .map_err(|e| OcmError::Other(e.to_string()))?;
-            self.hub_kubeconfig_written = true;
+            self.hub_kubeconfig_subject = Some((user, groups));
         }
 
         let Some((user, groups, units)) = Self::wanted_subject(addon) else {
