@@ -491,7 +491,7 @@ fn entrypoint_address_errors() {
     missing.spec.proxy_server.entrypoint = None;
     assert_eq!(
         entrypoint_address(&missing, None),
-        Err(EntrypointError::Missing)
+        Err(EntrypointError::NotSet)
     );
     assert_eq!(
         entrypoint_address(

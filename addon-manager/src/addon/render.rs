@@ -11,8 +11,8 @@ use cluster_proxy_proto::api::addon::v1alpha1::{
     ManagedClusterAddOn, RegistrationConfig, Subject,
 };
 use cluster_proxy_proto::api::proxy::v1alpha1::{
-    ANNOTATION_CONFIGURATION_GENERATION, COMPONENT_PROXY_AGENT, DEFAULT_AGENT_SERVER_PORT,
-    EntrypointType, LABEL_COMPONENT_NAME, ManagedProxyConfiguration,
+    ANNOTATION_CONFIGURATION_GENERATION, COMPONENT_PROXY_AGENT, LABEL_COMPONENT_NAME,
+    ManagedProxyConfiguration,
 };
 use cluster_proxy_proto::api::work::v1::{
     DeleteOption, Manifest, ManifestError, ManifestWork, ManifestWorkSpec, ManifestsTemplate,
@@ -67,85 +67,26 @@ pub struct Entrypoint {
     pub port: i32,
 }
 
-/// Why the entrypoint cannot be told yet.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum EntrypointError {
-    #[error("spec.proxyServer.entrypoint is not set: agents have no address to dial")]
-    NotSet,
-    #[error("entrypoint type Hostname has no hostname.value")]
-    NoHostname,
-    #[error("load balancer Service {namespace}/{name} does not exist yet")]
-    LoadBalancerMissing { namespace: String, name: String },
-    #[error("load balancer Service {namespace}/{name} has no ingress address yet")]
-    LoadBalancerPending { namespace: String, name: String },
-}
+pub use cluster_proxy_proto::api::proxy::v1alpha1::EntrypointError;
 
 /// The load balancer Service an MPC's entrypoint names, if its type is
 /// `LoadBalancerService`: `(namespace, name)`.
 pub fn load_balancer_service(mpc: &ManagedProxyConfiguration) -> Option<(String, String)> {
-    let entrypoint = mpc.spec.proxy_server.entrypoint.as_ref()?;
-    if entrypoint.type_ != EntrypointType::LoadBalancerService {
-        return None;
-    }
-    let name = entrypoint
-        .load_balancer_service
-        .as_ref()
-        .map(|service| service.name.clone())
-        .unwrap_or_else(|| {
-            cluster_proxy_proto::api::proxy::v1alpha1::DEFAULT_LOAD_BALANCER_SERVICE_NAME.into()
-        });
-    Some((mpc.spec.proxy_server.namespace.clone(), name))
+    mpc.load_balancer_service()
 }
 
-/// The address agents dial: the hostname, the load balancer's first ingress
-/// (IP, or hostname for balancers that publish only one), or loopback for
-/// `PortForward` (the addon-agent forwards it to the hub). Port 0 means 8091.
+/// The address agents dial ([`ManagedProxyConfiguration::agent_entrypoint`]:
+/// the hostname, the load balancer's first ingress, or loopback for
+/// `PortForward`; port 0 means 8091).
 pub fn entrypoint(
     mpc: &ManagedProxyConfiguration,
     load_balancer: Option<&Service>,
 ) -> Result<Entrypoint, EntrypointError> {
-    let spec = mpc
-        .spec
-        .proxy_server
-        .entrypoint
-        .as_ref()
-        .ok_or(EntrypointError::NotSet)?;
-    let port = if spec.port == 0 {
-        DEFAULT_AGENT_SERVER_PORT
-    } else {
-        spec.port
-    };
-    let host = match spec.type_ {
-        EntrypointType::Hostname => spec
-            .hostname
-            .as_ref()
-            .map(|hostname| hostname.value.clone())
-            .filter(|value| !value.is_empty())
-            .ok_or(EntrypointError::NoHostname)?,
-        EntrypointType::PortForward => "127.0.0.1".to_owned(),
-        EntrypointType::LoadBalancerService => {
-            let (namespace, name) = load_balancer_service(mpc).unwrap_or_default();
-            let service = load_balancer.ok_or_else(|| EntrypointError::LoadBalancerMissing {
-                namespace: namespace.clone(),
-                name: name.clone(),
-            })?;
-            service
-                .status
-                .as_ref()
-                .and_then(|status| status.load_balancer.as_ref())
-                .and_then(|lb| lb.ingress.as_ref())
-                .and_then(|ingress| ingress.first())
-                .and_then(|first| {
-                    first
-                        .ip
-                        .clone()
-                        .filter(|ip| !ip.is_empty())
-                        .or_else(|| first.hostname.clone().filter(|host| !host.is_empty()))
-                })
-                .ok_or(EntrypointError::LoadBalancerPending { namespace, name })?
-        }
-    };
-    Ok(Entrypoint { host, port })
+    let (host, port) = mpc.agent_entrypoint(load_balancer)?;
+    Ok(Entrypoint {
+        host,
+        port: i32::from(port),
+    })
 }
 
 /// The organizational unit that ties agent certificates to one CA:

@@ -36,9 +36,6 @@ pub const CONTAINER_NAME: &str = "proxy-server";
 pub const PORT_FORWARD_RBAC_NAME: &str = "cluster-proxy-addon-agent:portforward";
 /// The group OCM puts every cluster-proxy addon-agent in.
 pub const ADDON_AGENT_GROUP: &str = "open-cluster-management:cluster-proxy";
-/// Host agents dial under the `PortForward` entrypoint: the local end of the
-/// addon-agent's port-forward.
-pub const PORT_FORWARD_HOST: &str = "127.0.0.1";
 /// Environment variable the proxy-server reads its server id from; the
 /// Deployment fills it with the pod name through the downward API.
 pub const SERVER_ID_ENV: &str = "PROXY_SERVER_ID";
@@ -75,16 +72,7 @@ pub enum RenderError {
     NoUid,
 }
 
-/// Why no entrypoint address can be derived.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum EntrypointError {
-    #[error("spec.proxyServer.entrypoint is not set")]
-    Missing,
-    #[error("entrypoint type Hostname needs spec.proxyServer.entrypoint.hostname.value")]
-    NoHostname,
-    #[error("spec.proxyServer.entrypoint.port {0} is not a TCP port (1-65535)")]
-    BadPort(i32),
-}
+pub use cluster_proxy_proto::api::proxy::v1alpha1::{EntrypointError, PORT_FORWARD_HOST};
 
 /// Everything the hub runs for one configuration.
 #[derive(Debug, Clone, PartialEq)]
@@ -120,17 +108,7 @@ pub fn namespace_of(mpc: &ManagedProxyConfiguration) -> &str {
 /// The LoadBalancer Service's name when the entrypoint is
 /// `LoadBalancerService` (the default name when `loadBalancerService` is unset).
 pub fn load_balancer_service_name(mpc: &ManagedProxyConfiguration) -> Option<String> {
-    let entrypoint = mpc.spec.proxy_server.entrypoint.as_ref()?;
-    (entrypoint.type_ == EntrypointType::LoadBalancerService).then(|| {
-        entrypoint
-            .load_balancer_service
-            .as_ref()
-            .map(|service| service.name.clone())
-            .unwrap_or_else(|| {
-                cluster_proxy_proto::api::proxy::v1alpha1::DEFAULT_LOAD_BALANCER_SERVICE_NAME
-                    .to_owned()
-            })
-    })
+    mpc.load_balancer_service().map(|(_, name)| name)
 }
 
 /// Labels of every rendered object.
@@ -490,59 +468,21 @@ fn secret_volume(name: &str, secret_name: &str) -> Volume {
     }
 }
 
-/// The address agents dial, as `(host, port)`:
-///
-/// * `Hostname`: `hostname.value` and `entrypoint.port`;
-/// * `LoadBalancerService`: the first ingress of `load_balancer_service`'s
-///   status, its IP or else its hostname (upstream ignores hostnames, so
-///   AWS ELBs never worked there); `Ok(None)` while the Service has none;
-/// * `PortForward`: [`PORT_FORWARD_HOST`] and `entrypoint.port`, the
-///   local end of the addon-agent's port-forward.
+/// The address agents dial, as `(host, port)`
+/// ([`ManagedProxyConfiguration::agent_entrypoint`]); `Ok(None)` while a
+/// `LoadBalancerService` entrypoint's Service has no address yet.
 pub fn entrypoint_address(
     mpc: &ManagedProxyConfiguration,
     load_balancer_service: Option<&Service>,
 ) -> Result<Option<(String, u16)>, EntrypointError> {
-    let entrypoint = mpc
-        .spec
-        .proxy_server
-        .entrypoint
-        .as_ref()
-        .ok_or(EntrypointError::Missing)?;
-    let port = u16::try_from(entrypoint.port)
-        .ok()
-        .filter(|port| *port != 0)
-        .ok_or(EntrypointError::BadPort(entrypoint.port))?;
-    match entrypoint.type_ {
-        EntrypointType::Hostname => {
-            let host = entrypoint
-                .hostname
-                .as_ref()
-                .map(|hostname| hostname.value.trim())
-                .filter(|value| !value.is_empty())
-                .ok_or(EntrypointError::NoHostname)?;
-            Ok(Some((host.to_owned(), port)))
-        }
-        EntrypointType::PortForward => Ok(Some((PORT_FORWARD_HOST.to_owned(), port))),
-        EntrypointType::LoadBalancerService => Ok(load_balancer_service
-            .and_then(load_balancer_host)
-            .map(|host| (host, port))),
+    match mpc.agent_entrypoint(load_balancer_service) {
+        Ok(address) => Ok(Some(address)),
+        Err(error) if error.is_pending() => Ok(None),
+        Err(error) => Err(error),
     }
 }
 
 /// The first ingress address a LoadBalancer Service publishes: its IP, else its hostname.
 pub fn load_balancer_host(service: &Service) -> Option<String> {
-    let ingress = service
-        .status
-        .as_ref()?
-        .load_balancer
-        .as_ref()?
-        .ingress
-        .as_ref()?
-        .first()?;
-    ingress
-        .ip
-        .as_deref()
-        .filter(|ip| !ip.is_empty())
-        .or(ingress.hostname.as_deref().filter(|host| !host.is_empty()))
-        .map(str::to_owned)
+    cluster_proxy_proto::api::proxy::v1alpha1::load_balancer_address(service)
 }

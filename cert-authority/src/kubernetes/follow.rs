@@ -17,8 +17,8 @@ use std::sync::Arc;
 
 use cluster_proxy_proto::api::proxy::v1alpha1::{
     CONDITION_AGENT_SERVER_SECRET_SIGNED, CONDITION_PROXY_CLIENT_SECRET_SIGNED,
-    CONDITION_PROXY_SERVER_SECRET_SIGNED, DEFAULT_LOAD_BALANCER_SERVICE_NAME, EntrypointType,
-    ManagedProxyConfiguration, REASON_NOT_YET_SIGNED, REASON_SUCCESSFULLY_SIGNED,
+    CONDITION_PROXY_SERVER_SECRET_SIGNED, EntrypointType, ManagedProxyConfiguration,
+    REASON_NOT_YET_SIGNED, REASON_SUCCESSFULLY_SIGNED,
 };
 use cluster_proxy_proto::api::{CONDITION_FALSE, CONDITION_TRUE, Condition};
 use futures_util::{Stream, StreamExt};
@@ -92,35 +92,13 @@ fn is_dns_label(name: &str) -> bool {
 
 /// The LoadBalancer Service the MPC's entrypoint names, if it is of that type.
 pub fn load_balancer_service(mpc: &ManagedProxyConfiguration) -> Option<(String, String)> {
-    let entrypoint = mpc.spec.proxy_server.entrypoint.as_ref()?;
-    if entrypoint.type_ != EntrypointType::LoadBalancerService {
-        return None;
-    }
-    let name = entrypoint
-        .load_balancer_service
-        .as_ref()
-        .map(|lb| lb.name.clone())
-        .filter(|name| !name.is_empty())
-        .unwrap_or_else(|| DEFAULT_LOAD_BALANCER_SERVICE_NAME.to_owned());
-    Some((mpc.spec.proxy_server.namespace.clone(), name))
+    mpc.load_balancer_service()
 }
 
 /// The address a LoadBalancer Service publishes: its first ingress's IP,
 /// else its host name (load balancers such as AWS's publish only that).
 pub fn published_address(service: &Service) -> Option<String> {
-    let ingress = service
-        .status
-        .as_ref()?
-        .load_balancer
-        .as_ref()?
-        .ingress
-        .as_ref()?
-        .first()?;
-    ingress
-        .ip
-        .clone()
-        .filter(|ip| !ip.is_empty())
-        .or_else(|| ingress.hostname.clone().filter(|h| !h.is_empty()))
+    cluster_proxy_proto::api::proxy::v1alpha1::load_balancer_address(service)
 }
 
 /// What `mpc` asks for; `entrypoint_service` is the LoadBalancer Service

@@ -47,8 +47,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::api::Condition;
 
+pub mod entrypoint;
 pub mod validation;
 
+pub use entrypoint::{EntrypointError, PORT_FORWARD_HOST, load_balancer_address};
 pub use validation::{InvalidSpec, REASON_INVALID_SPEC, SpecProblem};
 
 /// The name of the one `ManagedProxyConfiguration` the addon reads; upstream
