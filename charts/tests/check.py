@@ -7,6 +7,7 @@
 * render snapshots under charts/tests/snapshots for the default and every values file
   (UPDATE_SNAPSHOTS=1 rewrites them; review the diff);
 * upstream's object names and labels (reference §8);
+* cert-authority's RBAC equals the rules its code checks its requests against (rbac.rs);
 * upstream's values file either renders or fails with a schema error naming the value;
 * wrong values fail at render time with the value named.
 
@@ -19,6 +20,7 @@ import copy
 import difflib
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -264,6 +266,82 @@ def check_non_default(docs: list[dict]) -> None:
         expect(find(docs, "ServiceMonitor", name) is not None, f"non-default: ServiceMonitor {name}")
 
 
+RBAC_RS = HERE.parent.parent / "cert-authority" / "src" / "kubernetes" / "rbac.rs"
+CSR_RS = HERE.parent.parent / "cert-authority" / "src" / "kubernetes" / "csr.rs"
+
+
+def cert_authority_rules_from_code() -> tuple[set, set]:
+    """cert-authority's `RULES` (rbac.rs), whose tests check every request the kubernetes
+    backend makes against them: (namespaced rules, cluster rules), each rule a tuple
+    (api group, resource, verbs, resource names)."""
+    source = RBAC_RS.read_text()
+    body = source[source.index("pub const RULES"):]
+    body = body[: body.index("];")]
+    signer = re.search(r'pub const SIGNER_NAME: &str = "([^"]+)"', CSR_RS.read_text())
+    constants = {"SIGNER_NAME": signer.group(1) if signer else None}
+    namespaced, cluster = set(), set()
+    for block in re.findall(r"Rule \{(.*?)\n    \}", body, re.S):
+        code = re.sub(r"//[^\n]*", "", block) + "\n"
+
+        def field(name: str) -> str:
+            found = re.search(rf"{name}: (.*?),\n", code, re.S)
+            if not found:
+                raise ValueError(f"rbac.rs: a Rule without {name}: {block}")
+            return found.group(1).strip()
+
+        def strings(text: str) -> tuple:
+            items = []
+            for item in re.findall(r'"[^"]*"|[A-Z_]+', text):
+                items.append(item.strip('"') if item.startswith('"') else constants[item])
+            return tuple(sorted(items))
+
+        rule = (
+            field("api_group").strip('"'),
+            field("resource").strip('"'),
+            strings(field("verbs")),
+            strings(field("resource_names")),
+        )
+        (namespaced if field("namespaced") == "true" else cluster).add(rule)
+    if not namespaced or not cluster:
+        raise ValueError(f"could not read RULES from {RBAC_RS}")
+    return namespaced, cluster
+
+
+def rules_of(role: dict) -> set:
+    rules = set()
+    for rule in role.get("rules", []):
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                rules.add(
+                    (group, resource, tuple(sorted(rule["verbs"])),
+                     tuple(sorted(rule.get("resourceNames", []))))
+                )
+    return rules
+
+
+def check_cert_authority_rbac(label: str, docs: list[dict], namespaces: list[str]) -> None:
+    """The chart grants cert-authority exactly what its code asks for, no more."""
+    try:
+        namespaced, cluster = cert_authority_rules_from_code()
+    except (ValueError, KeyError) as error:
+        fail(f"{label}: {error}")
+        return
+    name = "open-cluster-management:cluster-proxy:cert-authority"
+    cluster_role = find(docs, "ClusterRole", name)
+    expect(
+        cluster_role is not None and rules_of(cluster_role) == cluster,
+        f"{label}: ClusterRole {name} must equal rbac.rs RULES (cluster): "
+        f"chart {cluster_role and sorted(rules_of(cluster_role))}, code {sorted(cluster)}",
+    )
+    for namespace in namespaces:
+        role = find(docs, "Role", name, namespace)
+        expect(
+            role is not None and rules_of(role) == namespaced,
+            f"{label}: Role {name} in {namespace} must equal rbac.rs RULES (namespaced): "
+            f"chart {role and sorted(rules_of(role))}, code {sorted(namespaced)}",
+        )
+
+
 def render_error(values: dict) -> str | None:
     try:
         render(values)
@@ -338,8 +416,10 @@ def main() -> int:
         check_snapshot(label, rendered)
         if label == "default":
             check_upstream_names(docs)
+            check_cert_authority_rbac(label, docs, [NAMESPACE])
         if label == "non-default":
             check_non_default(docs)
+            check_cert_authority_rbac(label, docs, [NAMESPACE, "proxy-servers"])
         print(f"{label}: {len(docs)} objects rendered and validated")
     check_refusals()
     check_upstream_values()
