@@ -120,7 +120,9 @@ done
 for name in "${images[@]}"; do
   ref="$image_repo/$name:$image_tag"
   echo "== podman build $ref"
-  podman build --quiet --file "$root/images/Containerfile" --target "$name" \
+  # --no-cache: buildah reuses a cached stage even when only the build args of its labels
+  # changed, which stamped old revisions on new images.
+  podman build --quiet --no-cache --file "$root/images/Containerfile" --target "$name" \
     --build-arg SOURCE="$source_url" --build-arg VERSION="$version" --build-arg REVISION="$revision" \
     --tag "$ref" "$context" >/dev/null
 done
