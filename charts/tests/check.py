@@ -1,0 +1,434 @@
+#!/usr/bin/env python3
+"""Offline checks of charts/cluster-proxy, run by .ci/run:
+
+* `helm lint --strict` with Helm's own library (helm-python-sdk) for every values file;
+* every rendered manifest validated against the Kubernetes 1.33 schemas (kubernetes-validate),
+  and the ManagedProxyConfiguration against the chart's generated CRD;
+* render snapshots under charts/tests/snapshots for the default and every values file
+  (UPDATE_SNAPSHOTS=1 rewrites them; review the diff);
+* upstream's object names and labels (reference §8);
+* cert-authority's RBAC equals the rules its code checks its requests against (rbac.rs);
+* upstream's values file either renders or fails with a schema error naming the value;
+* wrong values fail at render time with the value named.
+
+Exits non-zero with every failure listed.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import helm_python as helm
+import jsonschema
+import kubernetes_validate
+import yaml
+
+HERE = Path(__file__).resolve().parent
+CHART = HERE.parent / "cluster-proxy"
+SNAPSHOTS = HERE / "snapshots"
+VALUES = HERE / "values"
+KUBE_VERSION = "1.33"
+RELEASE = "cluster-proxy"
+NAMESPACE = "open-cluster-management-addon"
+# Kinds whose schema is a CRD, not part of Kubernetes: validated elsewhere or by their owners.
+CRD_KINDS = {
+    "ManagedProxyConfiguration",
+    "ClusterManagementAddOn",
+    "Placement",
+    "ManagedClusterSetBinding",
+    "ServiceMonitor",
+}
+
+failures: list[str] = []
+
+
+def fail(message: str) -> None:
+    failures.append(message)
+    print(f"FAIL: {message}", file=sys.stderr)
+
+
+def load_values(name: str) -> dict:
+    return helm.values_from_yaml((VALUES / name).read_text()) if name else {}
+
+
+def render(values: dict) -> dict[str, str]:
+    chart = helm.Chart.load(CHART)
+    return chart.render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
+
+
+def documents(rendered: dict[str, str]) -> list[dict]:
+    docs = []
+    for template in sorted(rendered):
+        if template.endswith("NOTES.txt"):
+            continue
+        for doc in yaml.safe_load_all(rendered[template]):
+            if doc:
+                docs.append(doc)
+    return docs
+
+
+def snapshot_text(rendered: dict[str, str]) -> str:
+    parts = []
+    for template in sorted(rendered):
+        body = rendered[template].strip()
+        if body:
+            parts.append(f"# Source: {template}\n{body}\n")
+    return "\n".join(parts)
+
+
+def mpc_schema() -> dict:
+    crd = yaml.safe_load((CHART / "crds" / "managedproxyconfigurations.yaml").read_text())
+    version = next(v for v in crd["spec"]["versions"] if v.get("storage"))
+    return version["schema"]["openAPIV3Schema"]
+
+
+def validate(label: str, docs: list[dict]) -> None:
+    schema = mpc_schema()
+    for doc in docs:
+        kind = doc.get("kind", "?")
+        name = doc.get("metadata", {}).get("name", "?")
+        where = f"{label}: {kind}/{name}"
+        if kind == "ManagedProxyConfiguration":
+            errors = list(jsonschema.Draft7Validator(schema).iter_errors(doc))
+            for error in errors:
+                fail(f"{where}: {error.message} at {list(error.absolute_path)}")
+            continue
+        if kind in CRD_KINDS:
+            continue
+        try:
+            kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as error:
+            fail(f"{where}: {error.message} at {list(error.path)}")
+        except Exception as error:  # noqa: BLE001 - any other failure names the object
+            fail(f"{where}: {error}")
+
+
+def check_snapshot(label: str, rendered: dict[str, str]) -> None:
+    path = SNAPSHOTS / f"{label}.yaml"
+    text = snapshot_text(rendered)
+    if os.environ.get("UPDATE_SNAPSHOTS") == "1":
+        SNAPSHOTS.mkdir(exist_ok=True)
+        path.write_text(text)
+        print(f"wrote {path}")
+        return
+    if not path.exists():
+        fail(f"{label}: no snapshot {path}; run with UPDATE_SNAPSHOTS=1 and review it")
+        return
+    expected = path.read_text()
+    if expected != text:
+        diff = "".join(
+            difflib.unified_diff(
+                expected.splitlines(True), text.splitlines(True), str(path), "rendered", n=2
+            )
+        )
+        fail(f"{label}: render differs from its snapshot:\n{diff}")
+
+
+def lint(label: str, values: dict) -> None:
+    report = helm.lint(CHART, values, strict=True, namespace=NAMESPACE, kube_version="v1.33.0")
+    for message in report.get("messages", []):
+        if message.get("severity", 0) >= 2:
+            fail(f"{label}: helm lint: {message.get('path')}: {message.get('error')}")
+    for error in report.get("errors") or []:
+        fail(f"{label}: helm lint: {error}")
+
+
+def find(docs: list[dict], kind: str, name: str, namespace: str | None = None) -> dict | None:
+    for doc in docs:
+        meta = doc.get("metadata", {})
+        if doc.get("kind") == kind and meta.get("name") == name:
+            if namespace is None or meta.get("namespace") == namespace:
+                return doc
+    return None
+
+
+def expect(condition: bool, message: str) -> None:
+    if not condition:
+        fail(message)
+
+
+def check_upstream_names(docs: list[dict]) -> None:
+    """The hub objects and labels upstream's chart installs (reference §8)."""
+    manager = find(docs, "Deployment", "cluster-proxy-addon-manager", NAMESPACE)
+    expect(manager is not None, "no Deployment cluster-proxy-addon-manager")
+    if manager:
+        expect(
+            manager["metadata"]["labels"].get("component") == "cluster-proxy-manager",
+            "addon-manager Deployment label component=cluster-proxy-manager",
+        )
+        pod = manager["spec"]["template"]
+        expect(
+            pod["metadata"]["labels"].get("open-cluster-management.io/addon") == "cluster-proxy"
+            and pod["metadata"]["labels"].get("component") == "cluster-proxy-manager",
+            "addon-manager pod labels",
+        )
+        expect(pod["spec"].get("serviceAccountName") == "cluster-proxy", "addon-manager SA")
+    expect(find(docs, "ServiceAccount", "cluster-proxy", NAMESPACE) is not None, "SA cluster-proxy")
+    rbac_name = "open-cluster-management:cluster-proxy:addon-manager"
+    for kind in ("ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"):
+        expect(find(docs, kind, rbac_name) is not None, f"{kind} {rbac_name}")
+    cma = find(docs, "ClusterManagementAddOn", "cluster-proxy")
+    expect(cma is not None, "ClusterManagementAddOn cluster-proxy")
+    if cma:
+        expect(
+            cma["metadata"]["annotations"].get("addon.open-cluster-management.io/lifecycle")
+            == "addon-manager",
+            "CMA lifecycle annotation",
+        )
+        expect(
+            cma["spec"]["installStrategy"]
+            == {
+                "type": "Placements",
+                "placements": [{"name": "cluster-proxy-placement", "namespace": NAMESPACE}],
+            },
+            f"CMA install strategy {cma['spec']['installStrategy']}",
+        )
+        default_configs = [c for c in cma["spec"]["supportedConfigs"] if "defaultConfig" in c]
+        expect(
+            default_configs
+            == [
+                {
+                    "group": "proxy.open-cluster-management.io",
+                    "resource": "managedproxyconfigurations",
+                    "defaultConfig": {"name": "cluster-proxy"},
+                }
+            ],
+            "CMA default config is the MPC cluster-proxy",
+        )
+    placement = find(docs, "Placement", "cluster-proxy-placement", NAMESPACE)
+    expect(
+        placement is not None and placement["spec"].get("clusterSets") == ["global"],
+        "Placement cluster-proxy-placement over clusterSets [global]",
+    )
+    binding = find(docs, "ManagedClusterSetBinding", "global", NAMESPACE)
+    expect(
+        binding is not None and binding["spec"].get("clusterSet") == "global",
+        "ManagedClusterSetBinding global",
+    )
+    expect(find(docs, "ManagedProxyConfiguration", "cluster-proxy") is not None, "MPC cluster-proxy")
+
+
+def check_hardening(label: str, docs: list[dict]) -> None:
+    for doc in docs:
+        if doc.get("kind") != "Deployment":
+            continue
+        name = doc["metadata"]["name"]
+        pod = doc["spec"]["template"]["spec"]
+        expect(pod["securityContext"].get("runAsNonRoot") is True, f"{label}: {name} runAsNonRoot")
+        for container in pod["containers"]:
+            where = f"{label}: {name}/{container['name']}"
+            sc = container.get("securityContext", {})
+            expect(sc.get("readOnlyRootFilesystem") is True, f"{where} read-only root")
+            expect(sc.get("allowPrivilegeEscalation") is False, f"{where} no privilege escalation")
+            expect(sc.get("capabilities", {}).get("drop") == ["ALL"], f"{where} drops ALL")
+            expect(
+                sc.get("seccompProfile", {}).get("type") == "RuntimeDefault",
+                f"{where} seccomp RuntimeDefault",
+            )
+            for probe in ("livenessProbe", "readinessProbe"):
+                expect(probe in container, f"{where} has a {probe}")
+            expect("resources" in container, f"{where} has resources")
+
+
+def check_non_default(docs: list[dict]) -> None:
+    expect(
+        find(docs, "Placement", "cluster-proxy-placement") is None
+        and find(docs, "ManagedClusterSetBinding", "global") is None,
+        "non-default: installByPlacement skips the chart's Placement and binding",
+    )
+    expect(
+        find(docs, "Role", "open-cluster-management:cluster-proxy:cert-authority", "proxy-servers")
+        is not None,
+        "non-default: cert-authority Role in the proxy-server namespace",
+    )
+    mpc = find(docs, "ManagedProxyConfiguration", "cluster-proxy")
+    if mpc:
+        expect(
+            mpc["spec"]["proxyServer"]["entrypoint"] == {
+                "type": "LoadBalancerService",
+                "loadBalancerService": {},
+                "port": 443,
+            },
+            f"non-default: LoadBalancer entrypoint {mpc['spec']['proxyServer']['entrypoint']}",
+        )
+    manager = find(docs, "Deployment", "cluster-proxy-addon-manager")
+    if manager:
+        image = manager["spec"]["template"]["spec"]["containers"][0]["image"]
+        expect(image.endswith("@sha256:" + "1" * 64), f"non-default: digest image {image}")
+    for name in ("cluster-proxy-addon-manager", "cluster-proxy-cert-authority"):
+        expect(find(docs, "PodDisruptionBudget", name) is not None, f"non-default: PDB {name}")
+        expect(find(docs, "ServiceMonitor", name) is not None, f"non-default: ServiceMonitor {name}")
+
+
+RBAC_RS = HERE.parent.parent / "cert-authority" / "src" / "kubernetes" / "rbac.rs"
+CSR_RS = HERE.parent.parent / "cert-authority" / "src" / "kubernetes" / "csr.rs"
+
+
+def cert_authority_rules_from_code() -> tuple[set, set]:
+    """cert-authority's `RULES` (rbac.rs), whose tests check every request the kubernetes
+    backend makes against them: (namespaced rules, cluster rules), each rule a tuple
+    (api group, resource, verbs, resource names)."""
+    source = RBAC_RS.read_text()
+    body = source[source.index("pub const RULES"):]
+    body = body[: body.index("];")]
+    signer = re.search(r'pub const SIGNER_NAME: &str = "([^"]+)"', CSR_RS.read_text())
+    constants = {"SIGNER_NAME": signer.group(1) if signer else None}
+    namespaced, cluster = set(), set()
+    for block in re.findall(r"Rule \{(.*?)\n    \}", body, re.S):
+        code = re.sub(r"//[^\n]*", "", block) + "\n"
+
+        def field(name: str) -> str:
+            found = re.search(rf"{name}: (.*?),\n", code, re.S)
+            if not found:
+                raise ValueError(f"rbac.rs: a Rule without {name}: {block}")
+            return found.group(1).strip()
+
+        def strings(text: str) -> tuple:
+            items = []
+            for item in re.findall(r'"[^"]*"|[A-Z_]+', text):
+                items.append(item.strip('"') if item.startswith('"') else constants[item])
+            return tuple(sorted(items))
+
+        rule = (
+            field("api_group").strip('"'),
+            field("resource").strip('"'),
+            strings(field("verbs")),
+            strings(field("resource_names")),
+        )
+        (namespaced if field("namespaced") == "true" else cluster).add(rule)
+    if not namespaced or not cluster:
+        raise ValueError(f"could not read RULES from {RBAC_RS}")
+    return namespaced, cluster
+
+
+def rules_of(role: dict) -> set:
+    rules = set()
+    for rule in role.get("rules", []):
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                rules.add(
+                    (group, resource, tuple(sorted(rule["verbs"])),
+                     tuple(sorted(rule.get("resourceNames", []))))
+                )
+    return rules
+
+
+def check_cert_authority_rbac(label: str, docs: list[dict], namespaces: list[str]) -> None:
+    """The chart grants cert-authority exactly what its code asks for, no more."""
+    try:
+        namespaced, cluster = cert_authority_rules_from_code()
+    except (ValueError, KeyError) as error:
+        fail(f"{label}: {error}")
+        return
+    name = "open-cluster-management:cluster-proxy:cert-authority"
+    cluster_role = find(docs, "ClusterRole", name)
+    expect(
+        cluster_role is not None and rules_of(cluster_role) == cluster,
+        f"{label}: ClusterRole {name} must equal rbac.rs RULES (cluster): "
+        f"chart {cluster_role and sorted(rules_of(cluster_role))}, code {sorted(cluster)}",
+    )
+    for namespace in namespaces:
+        role = find(docs, "Role", name, namespace)
+        expect(
+            role is not None and rules_of(role) == namespaced,
+            f"{label}: Role {name} in {namespace} must equal rbac.rs RULES (namespaced): "
+            f"chart {role and sorted(rules_of(role))}, code {sorted(namespaced)}",
+        )
+
+
+def render_error(values: dict) -> str | None:
+    try:
+        render(values)
+    except helm.HelmError as error:
+        return str(error)
+    return None
+
+
+def check_refusals() -> None:
+    """A wrong value fails at render time, naming the value."""
+    cases = [
+        ({"replicas": 0}, "replicas"),
+        ({"tag": 5}, "tag"),
+        ({"spokeAddonNamespace": "Not_A_Namespace"}, "spokeAddonNamespace"),
+        ({"proxyServer": {"port": 70000}}, "port"),
+        ({"certAuthority": {"leafValidity": "ninety days"}}, "leafValidity"),
+        ({"images": {"proxyServer": {"name": "x", "digest": "latest"}}}, "digest"),
+        ({"enableServiceProxy": True}, "enableServiceProxy"),
+        ({"unknownKey": 1}, "unknownKey"),
+        (
+            {"installByPlacement": {"placementName": "p", "placementNamespace": "elsewhere"}},
+            "placementNamespace",
+        ),
+    ]
+    for values, named in cases:
+        error = render_error(values)
+        if error is None:
+            fail(f"values {values} rendered; expected a failure naming {named}")
+        elif named not in error:
+            fail(f"values {values} failed without naming {named}: {error}")
+
+
+def check_upstream_values() -> None:
+    upstream = load_values("upstream.yaml")
+    error = render_error(upstream)
+    for named in ("image", "imagePullPolicy"):
+        if error is None or named not in error:
+            fail(f"upstream values: expected a schema error naming {named}, got {error}")
+    trimmed = copy.deepcopy(upstream)
+    trimmed.pop("image", None)
+    trimmed["proxyServer"].pop("imagePullPolicy", None)
+    try:
+        docs = documents(render(trimmed))
+    except helm.HelmError as error:
+        fail(f"upstream values without image and proxyServer.imagePullPolicy: {error}")
+        return
+    mpc = find(docs, "ManagedProxyConfiguration", "cluster-proxy")
+    expect(
+        mpc is not None
+        and mpc["spec"]["proxyServer"]["image"] == "quay.io/open-cluster-management/cluster-proxy",
+        "upstream values: proxyServerImage reaches the MPC",
+    )
+
+
+def main() -> int:
+    print(f"helm {helm.helm_sdk_version()}, kubernetes-validate {kubernetes_validate.__version__}")
+    cases = {"default": ""}
+    for path in sorted(VALUES.glob("*.yaml")):
+        if path.name != "upstream.yaml":
+            cases[path.stem] = path.name
+    for label, file in cases.items():
+        values = load_values(file)
+        lint(label, values)
+        try:
+            rendered = render(values)
+        except helm.HelmError as error:
+            fail(f"{label}: render failed: {error}")
+            continue
+        docs = documents(rendered)
+        validate(label, docs)
+        check_hardening(label, docs)
+        check_snapshot(label, rendered)
+        if label == "default":
+            check_upstream_names(docs)
+            check_cert_authority_rbac(label, docs, [NAMESPACE])
+        if label == "non-default":
+            check_non_default(docs)
+            check_cert_authority_rbac(label, docs, [NAMESPACE, "proxy-servers"])
+        print(f"{label}: {len(docs)} objects rendered and validated")
+    check_refusals()
+    check_upstream_values()
+    if failures:
+        print(f"{len(failures)} chart check(s) failed", file=sys.stderr)
+        return 1
+    print("chart checks passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

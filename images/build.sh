@@ -1,0 +1,135 @@
+#!/usr/bin/env bash
+# Builds one container image per service with one command:
+#
+#   images/build.sh            # every image
+#   images/build.sh proxy-server proxy-agent
+#
+# Binaries are built static (release profile `image`, target
+# x86_64-unknown-linux-musl) so each image is FROM scratch with nothing but
+# the binary. Images are tagged $IMAGE_REPO/<name>:$IMAGE_TAG (defaults
+# localhost/cluster-proxy and the workspace version), which is what
+# e2e/tests/images.rs runs.
+#
+# Environment: IMAGE_REPO, IMAGE_TAG, CARGO_TARGET_DIR (honoured as cargo does).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+
+triple=x86_64-unknown-linux-musl
+profile=image
+all_images=(proxy-server proxy-agent cert-authority addon-manager health-prober)
+# Binaries each image holds (the agent image also runs addon-agent).
+declare -A image_bins=(
+  [proxy-server]="proxy-server"
+  [proxy-agent]="proxy-agent addon-agent"
+  [cert-authority]="cert-authority"
+  [addon-manager]="addon-manager"
+  [health-prober]="health-prober"
+)
+
+die() { echo "images/build.sh: $*" >&2; exit 1; }
+
+command -v podman >/dev/null || die "podman is not installed (apt-get install podman buildah runc)"
+export CONTAINERS_CONF="${CONTAINERS_CONF:-$root/images/containers.conf}"
+
+if [ ! -d "$(rustc --print sysroot)/lib/rustlib/$triple" ]; then
+  echo "== rustup target add $triple"
+  rustup target add "$triple" || die "the Rust target $triple is not installed and rustup could not add it"
+fi
+# ring compiles C; for musl it needs musl-gcc (Debian package musl-tools).
+command -v musl-gcc >/dev/null || die "musl-gcc is missing (apt-get install musl-tools)"
+export CC_x86_64_unknown_linux_musl="${CC_x86_64_unknown_linux_musl:-musl-gcc}"
+
+version=$(cargo metadata --no-deps --format-version 1 |
+  python3 -c 'import json,sys; print(next(p["version"] for p in json.load(sys.stdin)["packages"] if p["name"]=="proxy-server"))')
+source_url="https://github.com/open-cluster-management-io/cluster-proxy-rs"
+revision=$(git rev-parse HEAD 2>/dev/null || echo unknown)
+if [ "$revision" != unknown ] && ! git diff --quiet HEAD 2>/dev/null; then
+  revision="$revision-dirty"
+fi
+image_repo="${IMAGE_REPO:-localhost/cluster-proxy}"
+image_tag="${IMAGE_TAG:-$version}"
+
+if [ $# -gt 0 ]; then wanted=("$@"); else wanted=("${all_images[@]}"); fi
+for name in "${wanted[@]}"; do
+  [ -n "${image_bins[$name]+x}" ] || die "unknown image '$name' (known: ${all_images[*]})"
+done
+
+# Which binaries the workspace has today: health-prober is still being written
+# on another branch, so an image whose binary does not exist is skipped, loudly.
+existing_bins=$(cargo metadata --no-deps --format-version 1 | python3 -c '
+import json, sys
+for p in json.load(sys.stdin)["packages"]:
+    for t in p["targets"]:
+        if "bin" in t["kind"]:
+            print(p["name"], t["name"])')
+package_of() { awk -v bin="$1" '$2 == bin { print $1; exit }' <<<"$existing_bins"; }
+
+images=()
+for name in "${wanted[@]}"; do
+  missing=""
+  for bin in ${image_bins[$name]}; do
+    [ -n "$(package_of "$bin")" ] || missing="$missing $bin"
+  done
+  if [ -n "$missing" ]; then
+    echo "images/build.sh: SKIPPING image $name: no binary target$missing in the workspace yet" >&2
+  else
+    images+=("$name")
+  fi
+done
+[ ${#images[@]} -gt 0 ] || die "nothing to build"
+
+# The data plane builds apart from the control plane: one cargo invocation
+# unifies features, and the Kubernetes client would otherwise be compiled into
+# the shared protocol crate that proxy-server and proxy-agent link.
+data_plane=()
+control_plane=()
+for name in "${images[@]}"; do
+  for bin in ${image_bins[$name]}; do
+    case "$name" in
+      proxy-server | proxy-agent) [ "$bin" = addon-agent ] && control_plane+=("$bin") || data_plane+=("$bin") ;;
+      *) control_plane+=("$bin") ;;
+    esac
+  done
+done
+build_bins() {
+  [ $# -gt 0 ] || return 0
+  local args=() bin
+  for bin in "$@"; do args+=(-p "$(package_of "$bin")" --bin "$bin"); done
+  echo "== cargo build --profile $profile --target $triple ${args[*]}"
+  cargo build --locked --profile "$profile" --target "$triple" "${args[@]}"
+}
+build_bins "${data_plane[@]}"
+build_bins "${control_plane[@]}"
+
+target_dir="${CARGO_TARGET_DIR:-$root/target}"
+out="$target_dir/$triple/$profile"
+context="$target_dir/images/context"
+rm -rf "$context"
+mkdir -p "$context"
+for name in "${images[@]}"; do
+  for bin in ${image_bins[$name]}; do
+    # A dynamic binary would not start in a scratch image: refuse it here.
+    if readelf -l "$out/$bin" | grep -q 'Requesting program interpreter'; then
+      die "$out/$bin is dynamically linked"
+    fi
+    cp "$out/$bin" "$context/$bin"
+  done
+done
+
+for name in "${images[@]}"; do
+  ref="$image_repo/$name:$image_tag"
+  echo "== podman build $ref"
+  # --no-cache: buildah reuses a cached stage even when only the build args of its labels
+  # changed, which stamped old revisions on new images.
+  podman build --quiet --no-cache --file "$root/images/Containerfile" --target "$name" \
+    --build-arg SOURCE="$source_url" --build-arg VERSION="$version" --build-arg REVISION="$revision" \
+    --tag "$ref" "$context" >/dev/null
+done
+
+echo "== images"
+for name in "${images[@]}"; do
+  ref="$image_repo/$name:$image_tag"
+  size=$(podman image inspect --format '{{.Size}}' "$ref")
+  python3 -c 'import sys; print(f"{sys.argv[1]:<50} {int(sys.argv[2]) / 1e6:5.1f} MB")' "$ref" "$size"
+done
