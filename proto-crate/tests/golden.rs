@@ -31,6 +31,7 @@ fn dial_request_omits_the_default_type() {
             protocol: "tcp".into(),
             address: "a:1".into(),
             random: 5,
+            trace: None,
         },
     );
 }
