@@ -41,6 +41,8 @@ const WAIT: Duration = Duration::from_secs(30);
 /// A span as the collector received it.
 #[derive(Debug, Clone)]
 struct Received {
+    /// The `service.name` of the process that sent it.
+    service: String,
     name: String,
     trace_id: String,
     span_id: String,
@@ -61,6 +63,17 @@ impl TraceService for Collector {
     ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
         let mut spans = self.spans.lock().unwrap();
         for resource in request.into_inner().resource_spans {
+            let service = resource
+                .resource
+                .iter()
+                .flat_map(|r| &r.attributes)
+                .find(|kv| kv.key == "service.name")
+                .and_then(|kv| kv.value.as_ref()?.value.as_ref())
+                .map(|v| match v {
+                    Value::StringValue(s) => s.clone(),
+                    other => format!("{other:?}"),
+                })
+                .unwrap_or_default();
             for scope in resource.scope_spans {
                 for span in scope.spans {
                     let attributes = span
@@ -78,6 +91,7 @@ impl TraceService for Collector {
                         })
                         .collect();
                     spans.push(Received {
+                        service: service.clone(),
                         name: span.name.clone(),
                         trace_id: hex::encode(&span.trace_id),
                         span_id: hex::encode(&span.span_id),
@@ -415,4 +429,141 @@ async fn one_trace_per_tunneled_connection() {
     .await
     .expect("connections stall while the collector is down");
     telemetry.shutdown().await;
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// The real binaries, configured through the standard variables (server)
+/// and the matching flags (agent), export to the collector; their spans of
+/// one connection share a trace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_and_agent_processes_export_linked_spans() {
+    use e2e::env::binaries::{Binaries, Progress};
+    use std::process::Stdio;
+    let binaries = tokio::task::spawn_blocking(|| Binaries::build(Progress::Quiet))
+        .await
+        .unwrap()
+        .unwrap();
+    let (collector, collector_addr, _stop) = Collector::start().await;
+    let endpoint = format!("http://{collector_addr}");
+    let pki = TestPki::new(&["cluster-a"]).unwrap();
+    let certs = tempfile::tempdir().unwrap();
+    let layout = pki.write(certs.path()).unwrap();
+    let path = |p: std::path::PathBuf| p.display().to_string();
+    let cluster_a = cluster_proxy_proto::identity::ClusterName::new("cluster-a").unwrap();
+    let (client_port, agent_port) = (free_port(), free_port());
+    let mut server = tokio::process::Command::new(&binaries.proxy_server)
+        .args([
+            "--server-id=server-traced".to_owned(),
+            "--proxy-strategies=destHost".to_owned(),
+            "--server-bind-address=127.0.0.1".to_owned(),
+            format!("--server-port={client_port}"),
+            "--agent-bind-address=127.0.0.1".to_owned(),
+            format!("--agent-port={agent_port}"),
+            "--health-bind-address=127.0.0.1".to_owned(),
+            format!("--health-port={}", free_port()),
+            "--admin-bind-address=127.0.0.1".to_owned(),
+            format!("--admin-port={}", free_port()),
+            format!("--server-cert={}", path(layout.proxy_server().cert)),
+            format!("--server-key={}", path(layout.proxy_server().key)),
+            format!("--server-ca-cert={}", path(layout.bundle())),
+            format!("--cluster-cert={}", path(layout.agent_server().cert)),
+            format!("--cluster-key={}", path(layout.agent_server().key)),
+            format!("--cluster-ca-cert={}", path(layout.bundle())),
+        ])
+        .env("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint)
+        .env("OTEL_SERVICE_NAME", "hub-proxy-server")
+        .env("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=test")
+        .env_remove("RUST_LOG")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut agent = tokio::process::Command::new(&binaries.proxy_agent)
+        .args([
+            "--proxy-server-host=127.0.0.1".to_owned(),
+            format!("--proxy-server-port={agent_port}"),
+            format!("--ca-cert={}", path(layout.bundle())),
+            format!("--agent-cert={}", path(layout.agent(&cluster_a).cert)),
+            format!("--agent-key={}", path(layout.agent(&cluster_a).key)),
+            "--agent-id=cluster-a-agent".to_owned(),
+            "--agent-identifiers=host=cluster-a".to_owned(),
+            "--host-alias=cluster-a=127.0.0.1".to_owned(),
+            "--health-server-host=127.0.0.1".to_owned(),
+            format!("--health-server-port={}", free_port()),
+            "--admin-bind-address=127.0.0.1".to_owned(),
+            format!("--admin-server-port={}", free_port()),
+            format!("--otlp-endpoint={endpoint}"),
+            "--otel-service-name=cluster-a-proxy-agent".to_owned(),
+        ])
+        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+        .env_remove("RUST_LOG")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+
+    let echo = EchoServer::start().await.unwrap();
+    let server_addr: SocketAddr = format!("127.0.0.1:{client_port}").parse().unwrap();
+    let target = format!("cluster-a:{}", echo.addr.port());
+    // The agent connects on its own schedule: retry until a dial succeeds.
+    let connected = tokio::time::timeout(WAIT, async {
+        loop {
+            if let Ok(client) = tunnel_client(pki.client_tls().unwrap(), server_addr).await
+                && let Ok(mut stream) = client.dial(&target).await
+            {
+                stream.write_all(b"traced").await.unwrap();
+                let mut back = [0u8; 6];
+                stream.read_exact(&mut back).await.unwrap();
+                assert_eq!(&back, b"traced");
+                stream.shutdown().await.unwrap();
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    assert!(connected.is_ok(), "no connection through the processes");
+
+    let server_span = collector
+        .wait_for("tunnel.connection", |s| {
+            s.service == "hub-proxy-server"
+                && s.attributes
+                    .get("cluster_proxy.end_reason")
+                    .map(String::as_str)
+                    == Some("client_close")
+        })
+        .await;
+    assert_eq!(
+        attr(&server_span, "cluster_proxy.server_id"),
+        "server-traced"
+    );
+    assert_eq!(attr(&server_span, "cluster_proxy.bytes_to_agent"), "6");
+    let agent_span = collector
+        .wait_for("agent.dial", |s| {
+            s.service == "cluster-a-proxy-agent" && s.trace_id == server_span.trace_id
+        })
+        .await;
+    assert_eq!(agent_span.parent_span_id, server_span.span_id);
+
+    for child in [&mut server, &mut agent] {
+        if let Some(pid) = child.id() {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid as i32),
+                nix::sys::signal::Signal::SIGTERM,
+            );
+        }
+    }
+    for child in [&mut server, &mut agent] {
+        let status = tokio::time::timeout(WAIT, child.wait()).await;
+        assert!(status.is_ok(), "a process did not stop on SIGTERM");
+    }
 }
