@@ -304,6 +304,7 @@ async fn dial_data_and_close_round_trip_through_a_hand_driven_agent() {
         protocol,
         address,
         random,
+        trace,
     } = frame(agent.recv(STEP).await)
     else {
         panic!("expected DIAL_REQ");
@@ -312,6 +313,8 @@ async fn dial_data_and_close_round_trip_through_a_hand_driven_agent() {
         (protocol.as_str(), address.as_str()),
         ("tcp", "cluster-a:8443")
     );
+    // This agent did not advertise the trace-context extension.
+    assert_eq!(trace, None);
     agent
         .to_server
         .send(packet::dial_response_ok(random, 7))

@@ -24,7 +24,9 @@ use crate::Packet;
 use crate::flow::READ_CHUNK;
 use crate::konnectivity::proxy_service_client::ProxyServiceClient;
 use crate::packet::{self, Frame};
+use crate::trace::TraceHeaders;
 use crate::transport::MAX_MESSAGE_SIZE;
+use tracing::Instrument;
 
 /// Default time to wait for the agent's dial response (upstream's backstop).
 pub const DEFAULT_DIAL_TIMEOUT: Duration = Duration::from_secs(30);
@@ -67,18 +69,43 @@ impl TunnelClient {
 
     /// Opens a connection to `address` (`host:port`, the host naming the
     /// cluster or a service the agent serves).
+    ///
+    /// The dial is a client span (`tunnel.dial`, a child of the caller's
+    /// current span when there is one); its W3C trace context goes to the
+    /// server in the stream's metadata, so the server's and the agent's spans
+    /// join the same trace when an OpenTelemetry layer is installed.
     pub async fn dial(&self, address: &str) -> Result<TunnelStream, DialError> {
+        let span = tracing::info_span!(
+            target: crate::trace::SPAN_TARGET,
+            "tunnel.dial",
+            otel.kind = "client",
+            otel.status_code = tracing::field::Empty,
+            server.address = address,
+            error.message = tracing::field::Empty,
+        );
+        let result = self.dial_in(address, &span).instrument(span.clone()).await;
+        if let Err(e) = &result {
+            span.record("otel.status_code", "ERROR");
+            span.record("error.message", tracing::field::display(e));
+        }
+        result
+    }
+
+    async fn dial_in(
+        &self,
+        address: &str,
+        span: &tracing::Span,
+    ) -> Result<TunnelStream, DialError> {
         let (requests, request_rx) = mpsc::channel::<Packet>(16);
         // Non-negative and non-zero, like the Go client's rand.Int63().
         let random = (rand::random::<i64>() & i64::MAX).max(1);
         // The channel has room: this cannot fail before the stream starts.
         let _ = requests.try_send(packet::dial_request(address, random));
-        let mut responses = self
-            .grpc
-            .clone()
-            .proxy(ReceiverStream::new(request_rx))
-            .await?
-            .into_inner();
+        let mut request = tonic::Request::new(ReceiverStream::new(request_rx));
+        if let Some(trace) = TraceHeaders::from_span(span) {
+            trace.insert_into_metadata(request.metadata_mut());
+        }
+        let mut responses = self.grpc.clone().proxy(request).await?.into_inner();
         let connect_id = match tokio::time::timeout(
             self.dial_timeout,
             wait_dial_response(&mut responses, random),

@@ -10,6 +10,7 @@
 //! * [`flow`] — the per-connection flow-control primitives (credit and bounded
 //!   receive buffers) that keep one slow connection from stalling a tunnel.
 //! * [`duration`] / [`strconv`] — Go's duration and boolean syntaxes, as upstream flags use them.
+//! * [`trace`] — W3C trace-context propagation (gRPC metadata, HTTP headers, dial requests).
 //! * [`transport`] / [`client`] — mTLS gRPC channels and a tunnel dialer for Rust users.
 //! * `api` (feature `kube-api`) — the versioned Kubernetes API types: our CRD and the OCM types.
 #![forbid(unsafe_code)]
@@ -30,6 +31,7 @@ pub mod identity;
 pub mod metadata;
 pub mod packet;
 pub mod strconv;
+pub mod trace;
 pub mod transport;
 
 pub use konnectivity::{Packet, PacketType};

@@ -19,3 +19,12 @@ pub const USER_AGENT: &str = "user-agent";
 /// in its Connect response headers. Flow control is on only when both sent it;
 /// otherwise both speak plain konnectivity.
 pub const FLOW_CONTROL_WINDOW: &str = "cluster-proxy-flow-control-window";
+
+/// cluster-proxy extension negotiation on the agent tunnel: an agent that
+/// sends this key (value `w3c`) in its Connect request reads the trace
+/// context in dial requests (`DialRequest.traceContext`, field 100), and only
+/// such an agent is sent one. Upstream agents never send it and so never see
+/// the field.
+pub const TRACE_CONTEXT: &str = "cluster-proxy-trace-context";
+/// The value of [`TRACE_CONTEXT`]: W3C Trace Context.
+pub const TRACE_CONTEXT_W3C: &str = "w3c";

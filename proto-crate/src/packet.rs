@@ -12,6 +12,7 @@ use crate::konnectivity::{
     CloseDial, CloseRequest, CloseResponse, Data, DialRequest, DialResponse, Drain, Packet,
     PacketType, WindowUpdate,
 };
+use crate::trace::TraceHeaders;
 
 /// The only dial protocol konnectivity supports.
 pub const PROTOCOL_TCP: &str = "tcp";
@@ -24,12 +25,23 @@ fn packet(kind: PacketType, payload: Payload) -> Packet {
 }
 
 pub fn dial_request(address: impl Into<String>, random: i64) -> Packet {
+    dial_request_traced(address, random, None)
+}
+
+/// A dial request carrying the dialer's trace context (the negotiated
+/// extension field 100; with `None` the bytes are plain konnectivity's).
+pub fn dial_request_traced(
+    address: impl Into<String>,
+    random: i64,
+    trace: Option<TraceHeaders>,
+) -> Packet {
     packet(
         PacketType::DialReq,
         Payload::DialRequest(DialRequest {
             protocol: PROTOCOL_TCP.to_owned(),
             address: address.into(),
             random,
+            trace_context: trace.map(Into::into),
         }),
     )
 }
@@ -114,6 +126,8 @@ pub enum Frame {
         protocol: String,
         address: String,
         random: i64,
+        /// The dialer's trace context (cluster-proxy extension), if sent.
+        trace: Option<TraceHeaders>,
     },
     DialResponse {
         error: String,
@@ -156,6 +170,7 @@ impl Frame {
                     protocol: p.protocol,
                     address: p.address,
                     random: p.random,
+                    trace: p.trace_context.map(Into::into),
                 }
             }
             Ok(PacketType::DialRsp) => {

@@ -31,6 +31,7 @@ fn dial_request_omits_the_default_type() {
             protocol: "tcp".into(),
             address: "a:1".into(),
             random: 5,
+            trace: None,
         },
     );
 }
@@ -54,6 +55,37 @@ fn dial_response_success_and_error() {
             connect_id: 0,
             random: 5,
         },
+    );
+}
+
+#[test]
+fn trace_context_is_an_extension_field_absent_unless_sent() {
+    use cluster_proxy_proto::trace::TraceHeaders;
+    // Without trace context: the very bytes upstream peers send.
+    assert_eq!(
+        packet::dial_request_traced("a:1", 5, None).encode_to_vec(),
+        hex("12 0c  0a 03 746370  12 03 613a31  18 05")
+    );
+    let trace = TraceHeaders {
+        traceparent: "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into(),
+        tracestate: String::new(),
+    };
+    let traced = packet::dial_request_traced("a:1", 5, Some(trace.clone()));
+    let mut expected = hex("12 48  0a 03 746370  12 03 613a31  18 05  a2 06 39  0a 37");
+    expected.extend_from_slice(trace.traceparent.as_bytes());
+    assert_eq!(
+        traced.encode_to_vec(),
+        expected,
+        "field 100 (tag a2 06) after the plain fields"
+    );
+    assert_eq!(
+        Frame::from_packet(Packet::decode(expected.as_slice()).unwrap()),
+        Frame::DialRequest {
+            protocol: "tcp".into(),
+            address: "a:1".into(),
+            random: 5,
+            trace: Some(trace),
+        }
     );
 }
 

@@ -16,6 +16,7 @@ use cluster_proxy_runtime::cli::{
 pub use cluster_proxy_runtime::config::ConfigError;
 use cluster_proxy_runtime::config::{self, EnvSpec, invalid};
 use cluster_proxy_runtime::logging::{LogFlags, LogFormat};
+use cluster_proxy_runtime::telemetry::TelemetryFlags;
 use serde::{Deserialize, Serialize};
 
 use crate::{AgentConfig, TlsSource};
@@ -287,6 +288,10 @@ pub struct Cli {
     #[command(flatten)]
     #[serde(flatten)]
     pub logging: LogFlags,
+    /// OpenTelemetry trace export (flags default to the OTEL_* variables).
+    #[command(flatten)]
+    #[serde(skip)]
+    pub telemetry: TelemetryFlags,
 }
 
 impl AgentSettings {

@@ -1,12 +1,16 @@
 use anyhow::Context;
-use cluster_proxy_runtime::{cli, logging, shutdown::Signals};
+use cluster_proxy_runtime::{cli, shutdown::Signals, telemetry};
 use proxy_agent::{AgentSettings, Cli};
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli: Cli = cli::parse(&AgentSettings::default());
     let settings = AgentSettings::load(&cli)?;
-    logging::init(settings.v, settings.log_format);
+    let telemetry = telemetry::init(
+        settings.v,
+        settings.log_format,
+        &cli.telemetry.to_config("proxy-agent")?,
+    )?;
     for flag in settings
         .ignored_settings()
         .into_iter()
@@ -32,5 +36,6 @@ async fn main() -> anyhow::Result<()> {
         _ = agent.shutdown() => {}
         signal = signals.recv() => tracing::warn!(signal, "second signal; exiting now"),
     }
+    telemetry.shutdown().await;
     Ok(())
 }

@@ -206,6 +206,11 @@ impl Shared {
                 )?,
             );
         }
+        // Ask for the trace context of each dial (cluster-proxy extension).
+        md.insert(
+            metadata::TRACE_CONTEXT,
+            AsciiMetadataValue::from_static(metadata::TRACE_CONTEXT_W3C),
+        );
         if let Some(path) = &self.config.service_account_token_path {
             // Re-read every time: the kubelet rotates projected tokens.
             let token = std::fs::read_to_string(path).map_err(|source| ConnectError::Token {

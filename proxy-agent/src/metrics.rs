@@ -18,7 +18,7 @@ pub enum DialFailure {
 }
 
 impl DialFailure {
-    fn label(self) -> &'static str {
+    pub(crate) fn label(self) -> &'static str {
         match self {
             DialFailure::Timeout => "timeout",
             DialFailure::Unknown => "unknown",

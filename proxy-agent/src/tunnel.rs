@@ -23,10 +23,12 @@ use cluster_proxy_proto::flow::{
     FlowError, READ_CHUNK, ReceiveQueue, ReceiveQueueRx, SendCredit, WindowTracker,
 };
 use cluster_proxy_proto::packet::{self, Frame, PROTOCOL_TCP};
+use cluster_proxy_proto::trace::{SPAN_TARGET, TraceHeaders};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
+use tracing::{Instrument, Span, field};
 
 use crate::dial::dial_tcp;
 use crate::metrics::Metrics;
@@ -162,7 +164,8 @@ impl Tunnel {
                 protocol,
                 address,
                 random,
-            } => self.dial(protocol, address, random),
+                trace,
+            } => self.dial(protocol, address, random, trace),
             Frame::Data { connect_id, data } => self.data(connect_id, data).await,
             Frame::CloseRequest { connect_id } => {
                 let queue = self
@@ -222,7 +225,13 @@ impl Tunnel {
         }
     }
 
-    fn dial(self: &Arc<Self>, protocol: String, address: String, random: i64) {
+    fn dial(
+        self: &Arc<Self>,
+        protocol: String,
+        address: String,
+        random: i64,
+        trace: Option<TraceHeaders>,
+    ) {
         if protocol != PROTOCOL_TCP {
             tracing::warn!(server_id = %self.params.server_id, random, %protocol, "refusing dial with unsupported protocol");
             self.reply(packet::dial_response_error(
@@ -235,9 +244,40 @@ impl Tunnel {
         let token = self.cancel.child_token();
         self.tables().pending.insert(random, token.clone());
         let tunnel = self.clone();
-        tokio::spawn(async move {
-            tunnel.dial_task(address, random, connect_id, token).await;
-        });
+        let span = self.dial_span(&address, connect_id, trace.as_ref());
+        tokio::spawn(
+            async move {
+                tunnel.dial_task(address, random, connect_id, token).await;
+            }
+            .instrument(span),
+        );
+    }
+
+    /// The span of one dial and the connection it opens: a child of the
+    /// server's connection span when the server sent its trace context.
+    fn dial_span(&self, address: &str, connect_id: i64, trace: Option<&TraceHeaders>) -> Span {
+        let (host, port) = packet::split_host_port(address).unwrap_or((address, ""));
+        let span = tracing::info_span!(
+            target: SPAN_TARGET,
+            "agent.dial",
+            otel.kind = "client",
+            otel.status_code = field::Empty,
+            network.transport = "tcp",
+            server.address = host,
+            server.port = port,
+            network.peer.address = field::Empty,
+            cluster_proxy.server_id = %self.params.server_id,
+            cluster_proxy.connect_id = connect_id,
+            cluster_proxy.dial_latency_ms = field::Empty,
+            cluster_proxy.end_reason = field::Empty,
+            error.message = field::Empty,
+        );
+        if let Some(trace) = trace
+            && !span.is_disabled()
+        {
+            trace.make_parent_of(&span);
+        }
+        span
     }
 
     async fn dial_task(
@@ -259,9 +299,22 @@ impl Tunnel {
         self.metrics
             .dial_duration
             .observe(started.elapsed().as_secs_f64());
+        let span = Span::current();
+        span.record(
+            "cluster_proxy.dial_latency_ms",
+            started.elapsed().as_secs_f64() * 1e3,
+        );
         let tcp = match result {
-            Ok(tcp) => tcp,
+            Ok(tcp) => {
+                if let Ok(peer) = tcp.peer_addr() {
+                    span.record("network.peer.address", field::display(peer.ip()));
+                }
+                tcp
+            }
             Err(e) => {
+                span.record("otel.status_code", "ERROR");
+                span.record("cluster_proxy.end_reason", e.reason.label());
+                span.record("error.message", e.message.as_str());
                 self.tables().pending.remove(&random);
                 self.metrics.dial_failed(e.reason);
                 tracing::info!(%server_id, random, %address, error = %e, "endpoint dial failed");
@@ -393,6 +446,20 @@ impl Tunnel {
         self.tables().conns.remove(&connect_id);
         credit.close();
         let server_id = &self.params.server_id;
+        let span = Span::current();
+        span.record(
+            "cluster_proxy.end_reason",
+            match &end {
+                End::TargetEof => "target_close",
+                End::TargetError(_) => "target_error",
+                End::CloseRequested => "server_close",
+                End::Aborted => "aborted",
+                End::TunnelGone => "tunnel_closed",
+            },
+        );
+        if let End::TargetError(e) = &end {
+            span.record("error.message", e.as_str());
+        }
         match &end {
             End::TargetError(e) => {
                 tracing::debug!(%server_id, connect_id, error = %e, "endpoint connection failed")

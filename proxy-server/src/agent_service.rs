@@ -136,12 +136,23 @@ impl AgentService for AgentEndpoint {
             .map(parse_window)
             .transpose()
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        // Only an agent that asked for it is sent trace context (field 100
+        // of DialRequest); upstream agents get plain konnectivity bytes.
+        let trace_context = request
+            .metadata()
+            .get(metadata::TRACE_CONTEXT)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| {
+                v.split(',')
+                    .any(|f| f.trim() == metadata::TRACE_CONTEXT_W3C)
+            });
         let settings = TunnelSettings {
             our_window: self.settings.flow_control_window,
             peer_window,
             plain_buffer: self.settings.plain_peer_buffer,
             plain_stall_timeout: self.settings.plain_peer_stall_timeout,
             ordered_capacity: self.settings.ordered_capacity,
+            trace_context,
         };
         let (tunnel, outbound) = AgentTunnel::new(
             agent_id.clone(),
@@ -156,6 +167,7 @@ impl AgentService for AgentEndpoint {
             cluster = peer.cluster.as_ref().map(|c| c.as_str()).unwrap_or("<unbound>"),
             remote = %peer.remote,
             flow_control = peer_window.is_some(),
+            trace_context,
             "agent connected"
         );
         self.registry.register(tunnel.clone());

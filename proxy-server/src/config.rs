@@ -14,6 +14,7 @@ use cluster_proxy_runtime::cli::{
 pub use cluster_proxy_runtime::config::ConfigError;
 use cluster_proxy_runtime::config::{self, EnvSpec, invalid};
 use cluster_proxy_runtime::logging::{LogFlags, LogFormat};
+use cluster_proxy_runtime::telemetry::TelemetryFlags;
 use serde::{Deserialize, Serialize};
 
 use crate::registry::Strategy;
@@ -355,6 +356,10 @@ pub struct Cli {
     #[command(flatten)]
     #[serde(flatten)]
     pub logging: LogFlags,
+    /// OpenTelemetry trace export (flags default to the OTEL_* variables).
+    #[command(flatten)]
+    #[serde(skip)]
+    pub telemetry: TelemetryFlags,
     /// Hidden, deprecated upstream flag; accepted and ignored.
     #[arg(long, hide = true, num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
     #[serde(skip)]

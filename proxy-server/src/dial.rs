@@ -5,9 +5,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cluster_proxy_proto::packet;
+use cluster_proxy_proto::trace::{SPAN_TARGET, TraceHeaders};
 use http::StatusCode;
 use tokio::sync::oneshot;
+use tracing::{Instrument, Span, field};
 
+use crate::conn_trace::ConnTrace;
+use crate::listener::PeerInfo;
 use crate::metrics::Metrics;
 use crate::registry::Registry;
 use crate::tunnel::{AgentTunnel, DialReply, Established};
@@ -80,6 +84,19 @@ pub struct Dialer {
     pub registry: Arc<Registry>,
     pub metrics: Arc<Metrics>,
     pub timeout: Duration,
+    /// This replica's id, on every connection span.
+    pub server_id: String,
+}
+
+/// Who asks for a dial, for the connection's span.
+#[derive(Debug, Clone, Default)]
+pub struct DialOrigin {
+    /// `grpc` or `http-connect`.
+    pub frontend: &'static str,
+    /// The client's verified certificate.
+    pub client: Option<Arc<PeerInfo>>,
+    /// The client's trace context (gRPC metadata or CONNECT headers).
+    pub trace: Option<TraceHeaders>,
 }
 
 /// Cancels a pending dial when the dialing future is dropped or times out.
@@ -98,29 +115,105 @@ impl Drop for PendingGuard<'_> {
 }
 
 impl Dialer {
-    /// Dials `address` through the agent that serves its host.
-    pub async fn dial(&self, address: &str, random: i64) -> Result<Established, DialFailure> {
+    /// Dials `address` through the agent that serves its host. The
+    /// connection's span (a child of the client's trace context, if it sent
+    /// one) lives until the connection is gone.
+    pub async fn dial(
+        &self,
+        address: &str,
+        random: i64,
+        origin: DialOrigin,
+    ) -> Result<Established, DialFailure> {
         let started = Instant::now();
-        let result = self.dial_inner(address, random).await;
+        let span = self.connection_span(address, &origin);
+        let result = self
+            .dial_inner(address, random, &span)
+            .instrument(span.clone())
+            .await;
+        let latency = started.elapsed();
+        span.record("cluster_proxy.dial_latency_ms", latency.as_secs_f64() * 1e3);
         match &result {
-            Ok(_) => self
-                .metrics
-                .dial_duration
-                .observe(started.elapsed().as_secs_f64()),
-            Err(f) => self.metrics.dial_failed(f.reason()),
+            Ok(established) => {
+                span.record("cluster_proxy.connect_id", established.connect_id());
+                self.metrics.dial_duration.observe(latency.as_secs_f64())
+            }
+            Err(f) => {
+                span.record("cluster_proxy.end_reason", f.reason());
+                span.record("error.message", f.message().as_str());
+                span.record("otel.status_code", "ERROR");
+                self.metrics.dial_failed(f.reason())
+            }
         }
         result
     }
 
-    async fn dial_inner(&self, address: &str, random: i64) -> Result<Established, DialFailure> {
+    fn connection_span(&self, address: &str, origin: &DialOrigin) -> Span {
+        let (host, port) = packet::split_host_port(address).unwrap_or((address, ""));
+        let span = tracing::info_span!(
+            target: SPAN_TARGET,
+            "tunnel.connection",
+            otel.kind = "server",
+            otel.status_code = field::Empty,
+            network.transport = "tcp",
+            server.address = host,
+            server.port = port,
+            client.address = field::Empty,
+            cluster_proxy.frontend = origin.frontend,
+            cluster_proxy.client_identity = field::Empty,
+            cluster_proxy.server_id = self.server_id.as_str(),
+            cluster_proxy.strategy = field::Empty,
+            cluster_proxy.cluster = field::Empty,
+            cluster_proxy.agent_id = field::Empty,
+            cluster_proxy.tunnel = field::Empty,
+            cluster_proxy.connect_id = field::Empty,
+            cluster_proxy.dial_latency_ms = field::Empty,
+            cluster_proxy.bytes_to_agent = field::Empty,
+            cluster_proxy.bytes_from_agent = field::Empty,
+            cluster_proxy.end_reason = field::Empty,
+            error.message = field::Empty,
+        );
+        if span.is_disabled() {
+            return span;
+        }
+        if let Some(trace) = &origin.trace {
+            trace.make_parent_of(&span);
+        }
+        if let Some(client) = &origin.client {
+            span.record("client.address", field::display(client.remote.ip()));
+            span.record("cluster_proxy.client_identity", client.subject.as_str());
+        }
+        span
+    }
+
+    async fn dial_inner(
+        &self,
+        address: &str,
+        random: i64,
+        span: &Span,
+    ) -> Result<Established, DialFailure> {
         if address.is_empty() {
             return Err(DialFailure::BadRequest(
                 "dial request without an address".into(),
             ));
         }
-        let tunnel = self.registry.pick(address).ok_or(DialFailure::NoAgent)?;
+        let (tunnel, strategy) = self
+            .registry
+            .pick_with_strategy(address)
+            .ok_or(DialFailure::NoAgent)?;
+        if !span.is_disabled() {
+            span.record("cluster_proxy.strategy", strategy.name());
+            span.record("cluster_proxy.agent_id", tunnel.agent_id());
+            span.record("cluster_proxy.tunnel", tunnel.id());
+            if let Some(cluster) = tunnel.cluster() {
+                span.record("cluster_proxy.cluster", cluster.as_str());
+            }
+        }
+        let trace = tunnel
+            .accepts_trace_context()
+            .then(|| TraceHeaders::from_span(span))
+            .flatten();
         let reply = tunnel
-            .register_pending(random)
+            .register_pending(random, Arc::new(ConnTrace::new(span.clone())))
             .map_err(DialFailure::BadRequest)?;
         let mut guard = PendingGuard {
             tunnel: &tunnel,
@@ -128,7 +221,7 @@ impl Dialer {
             armed: true,
         };
         tunnel
-            .send_ordered(packet::dial_request(address, random))
+            .send_ordered(packet::dial_request_traced(address, random, trace))
             .await
             .map_err(|_| DialFailure::TunnelClosed("agent tunnel closed".into()))?;
         let outcome = tokio::select! {

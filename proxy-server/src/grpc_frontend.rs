@@ -18,9 +18,11 @@ use tokio::sync::{mpsc, oneshot};
 use tonic::{Request, Response, Status, Streaming};
 use tracing::debug;
 
-use crate::dial::{DialFailure, Dialer};
+use crate::dial::{DialFailure, DialOrigin, Dialer};
+use crate::listener::PeerInfo;
 use crate::metrics::{GaugeGuard, Metrics, Segment};
 use crate::tunnel::{ConnReceiver, FrontendEvent};
+use cluster_proxy_proto::trace::TraceHeaders;
 
 pub struct GrpcFrontend {
     pub dialer: Arc<Dialer>,
@@ -35,6 +37,11 @@ impl ProxyService for GrpcFrontend {
         &self,
         request: Request<Streaming<Packet>>,
     ) -> Result<Response<Self::ProxyStream>, Status> {
+        let origin = DialOrigin {
+            frontend: "grpc",
+            client: request.extensions().get::<Arc<PeerInfo>>().cloned(),
+            trace: TraceHeaders::from_metadata(request.metadata()),
+        };
         let inbound = request.into_inner();
         let (replies, replies_rx) = mpsc::unbounded_channel();
         let (relay, relay_rx) = oneshot::channel();
@@ -42,6 +49,7 @@ impl ProxyService for GrpcFrontend {
             dialer: self.dialer.clone(),
             metrics: self.metrics.clone(),
             replies,
+            origin,
         };
         tokio::spawn(session.run(inbound, relay));
         Ok(Response::new(ProxyResponse {
@@ -61,6 +69,7 @@ struct Session {
     /// Packets the session itself answers with (DIAL_RSP, errors); they reach
     /// the client ahead of relayed data.
     replies: mpsc::UnboundedSender<Packet>,
+    origin: DialOrigin,
 }
 
 impl Session {
@@ -94,6 +103,7 @@ impl Session {
                     protocol,
                     address,
                     random,
+                    ..
                 }) => {
                     if protocol != PROTOCOL_TCP {
                         let error =
@@ -120,7 +130,7 @@ impl Session {
 
         // 2. Dial, while watching the client for DIAL_CLS or disconnect.
         //    Dropping the dial future cancels it (and tells the agent).
-        let dial = self.dialer.dial(&address, random);
+        let dial = self.dialer.dial(&address, random, self.origin.clone());
         tokio::pin!(dial);
         let established = loop {
             tokio::select! {

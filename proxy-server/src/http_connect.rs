@@ -20,9 +20,11 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tonic::body::Body;
 use tracing::debug;
 
-use crate::dial::{DialFailure, Dialer};
+use crate::dial::{DialFailure, DialOrigin, Dialer};
+use crate::listener::PeerInfo;
 use crate::metrics::{GaugeGuard, Metrics};
 use crate::tunnel::{Established, FrontendEvent};
+use cluster_proxy_proto::trace::TraceHeaders;
 
 /// How long to wait for the agent's CLOSE_RSP after the client hung up.
 const CLOSE_WAIT: Duration = Duration::from_secs(10);
@@ -79,7 +81,12 @@ impl ConnectFrontend {
             );
         };
         let random = (rand::random::<i64>() & i64::MAX).max(1);
-        let established = match self.dialer.dial(&address, random).await {
+        let origin = DialOrigin {
+            frontend: "http-connect",
+            client: request.extensions().get::<Arc<PeerInfo>>().cloned(),
+            trace: TraceHeaders::from_http(request.headers()),
+        };
+        let established = match self.dialer.dial(&address, random, origin).await {
             Ok(established) => established,
             Err(failure) => {
                 debug!(address, error = %failure.message(), "CONNECT dial failed");

@@ -9,6 +9,7 @@
 
 pub mod agent_service;
 pub mod config;
+pub mod conn_trace;
 pub mod dial;
 pub mod grpc_frontend;
 pub mod http_connect;
@@ -270,6 +271,8 @@ struct ClientPortService {
     connect: Option<Arc<ConnectFrontend>>,
     /// Why this connection's peer may not dial, if it may not.
     refused: Option<Arc<str>>,
+    /// The client certificate of this connection, for the connection spans.
+    peer: Option<Arc<PeerInfo>>,
 }
 
 impl ClientPortService {
@@ -277,8 +280,9 @@ impl ClientPortService {
     /// is an agent's: agents and hub clients share the CA, so without this
     /// check one managed cluster's agent key would reach every other cluster
     /// through the client port.
-    fn for_peer(&self, peer: &PeerInfo) -> Self {
+    fn for_peer(&self, peer: &Arc<PeerInfo>) -> Self {
         let mut service = self.clone();
+        service.peer = Some(peer.clone());
         if let Some(cluster) = &peer.cluster {
             warn!(
                 remote = %peer.remote,
@@ -306,8 +310,11 @@ impl tower::Service<Request<Incoming>> for ClientPortService {
         std::task::Poll::Ready(Ok(()))
     }
 
-    fn call(&mut self, request: Request<Incoming>) -> Self::Future {
+    fn call(&mut self, mut request: Request<Incoming>) -> Self::Future {
         let http2 = request.version() == Version::HTTP_2;
+        if let Some(peer) = &self.peer {
+            request.extensions_mut().insert(peer.clone());
+        }
         if let Some(reason) = &self.refused {
             let response = if http2 {
                 tonic::Status::permission_denied(reason.to_string()).into_http()
@@ -367,6 +374,7 @@ pub async fn start_with_tls(
         registry: registry.clone(),
         metrics: metrics.clone(),
         timeout: dial_timeout,
+        server_id: server_id.clone(),
     });
 
     let (client_listener, client_addr) = bind(
@@ -445,6 +453,7 @@ pub async fn start_with_tls(
         grpc,
         connect,
         refused: None,
+        peer: None,
     };
     let client_listener = tasks.spawn(listener::serve(
         "client",

@@ -1,12 +1,16 @@
 use anyhow::Context;
-use cluster_proxy_runtime::{cli, logging, shutdown::Signals};
+use cluster_proxy_runtime::{cli, shutdown::Signals, telemetry};
 use proxy_server::config::{Cli, ServerConfig};
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli: Cli = cli::parse(&ServerConfig::default());
     let config = ServerConfig::load(&cli)?;
-    logging::init(config.v, config.log_format);
+    let telemetry = telemetry::init(
+        config.v,
+        config.log_format,
+        &cli.telemetry.to_config("proxy-server")?,
+    )?;
     for flag in config
         .ignored_settings()
         .into_iter()
@@ -21,5 +25,6 @@ async fn main() -> anyhow::Result<()> {
     let signal = signals.recv().await;
     tracing::info!(signal, "shutting down");
     server.shutdown().await;
+    telemetry.shutdown().await;
     Ok(())
 }

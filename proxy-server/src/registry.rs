@@ -111,6 +111,11 @@ impl Registry {
 
     /// Picks a tunnel for a dial to `address` (`host:port`).
     pub fn pick(&self, address: &str) -> Option<Arc<AgentTunnel>> {
+        self.pick_with_strategy(address).map(|(tunnel, _)| tunnel)
+    }
+
+    /// [`Self::pick`], also saying which strategy found the tunnel.
+    pub fn pick_with_strategy(&self, address: &str) -> Option<(Arc<AgentTunnel>, Strategy)> {
         let host = split_host_port(address).map_or(address, |(h, _)| h);
         let t = self.read();
         for strategy in &self.strategies {
@@ -120,7 +125,7 @@ impl Registry {
                 Strategy::DefaultRoute => Some(t.default_route.as_slice()),
             };
             if let Some(found) = candidates.and_then(|c| self.spread(c)) {
-                return Some(found);
+                return Some((found, *strategy));
             }
         }
         None

@@ -24,6 +24,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
+use crate::conn_trace::{ConnTrace, EndReason};
 use crate::metrics::{Metrics, Segment};
 
 static NEXT_TUNNEL_ID: AtomicU64 = AtomicU64::new(1);
@@ -42,6 +43,9 @@ pub struct TunnelSettings {
     pub plain_stall_timeout: std::time::Duration,
     /// Capacity, in packets, of the ordered queue towards the agent.
     pub ordered_capacity: usize,
+    /// The agent advertised the trace-context extension: dial requests may
+    /// carry the connection's trace context.
+    pub trace_context: bool,
 }
 
 /// What a frontend receives for its connection.
@@ -68,11 +72,17 @@ struct ConnEntry {
     credit: SendCredit,
     /// When DIAL_RSP established it, for `connection_duration_seconds`.
     established_at: std::time::Instant,
+    trace: Arc<ConnTrace>,
+}
+
+struct PendingDial {
+    reply: oneshot::Sender<DialReply>,
+    trace: Arc<ConnTrace>,
 }
 
 #[derive(Default)]
 struct State {
-    pending: HashMap<i64, oneshot::Sender<DialReply>>,
+    pending: HashMap<i64, PendingDial>,
     conns: HashMap<i64, ConnEntry>,
 }
 
@@ -156,6 +166,11 @@ impl AgentTunnel {
         self.settings.peer_window.is_some()
     }
 
+    /// Whether the agent reads trace context in dial requests.
+    pub fn accepts_trace_context(&self) -> bool {
+        self.settings.trace_context
+    }
+
     pub fn is_draining(&self) -> bool {
         self.draining.load(Ordering::Relaxed)
     }
@@ -194,6 +209,7 @@ impl AgentTunnel {
     pub(crate) fn register_pending(
         &self,
         random: i64,
+        trace: Arc<ConnTrace>,
     ) -> Result<oneshot::Receiver<DialReply>, String> {
         let (tx, rx) = oneshot::channel();
         let mut state = self.state();
@@ -203,7 +219,9 @@ impl AgentTunnel {
         if state.pending.contains_key(&random) {
             return Err(format!("dial id {random} is already in use"));
         }
-        state.pending.insert(random, tx);
+        state
+            .pending
+            .insert(random, PendingDial { reply: tx, trace });
         self.metrics.pending_dials.inc();
         Ok(rx)
     }
@@ -238,11 +256,12 @@ impl AgentTunnel {
         debug!(tunnel = self.id, agent_id = %self.agent_id, reason, "agent tunnel closed");
         for (_, waiter) in state.pending {
             self.metrics.pending_dials.dec();
-            let _ = waiter.send(DialReply::TunnelClosed(format!(
+            let _ = waiter.reply.send(DialReply::TunnelClosed(format!(
                 "agent tunnel closed before the dial completed: {reason}"
             )));
         }
         for (_, conn) in state.conns {
+            conn.trace.ended(EndReason::TunnelClosed, reason);
             self.metrics
                 .connection_closed(conn.established_at.elapsed());
             conn.credit.close();
@@ -263,6 +282,7 @@ impl AgentTunnel {
     fn fail_conn(&self, connect_id: i64, error: String) {
         warn!(tunnel = self.id, agent_id = %self.agent_id, connect_id, %error, "closing connection");
         if let Some(conn) = self.remove_conn(connect_id) {
+            conn.trace.ended(EndReason::ProtocolError, &error);
             conn.credit.close();
             let _ = conn.queue.push(FrontendEvent::Closed(error));
         }
@@ -302,6 +322,7 @@ impl AgentTunnel {
             }
             Frame::CloseResponse { error, connect_id } => match self.remove_conn(connect_id) {
                 Some(conn) => {
+                    conn.trace.ended(EndReason::AgentClose, &error);
                     conn.credit.close();
                     let _ = conn.queue.push(FrontendEvent::Closed(error));
                 }
@@ -314,7 +335,7 @@ impl AgentTunnel {
                 let waiter = self.state().pending.remove(&random);
                 if let Some(waiter) = waiter {
                     self.metrics.pending_dials.dec();
-                    let _ = waiter.send(DialReply::ClosedByAgent);
+                    let _ = waiter.reply.send(DialReply::ClosedByAgent);
                 }
             }
             Frame::Drain => {
@@ -367,12 +388,12 @@ impl AgentTunnel {
             } else {
                 error
             };
-            let _ = waiter.send(DialReply::Failed(error));
+            let _ = waiter.reply.send(DialReply::Failed(error));
             return;
         }
         if state.conns.contains_key(&connect_id) {
             drop(state);
-            let _ = waiter.send(DialReply::Failed(format!(
+            let _ = waiter.reply.send(DialReply::Failed(format!(
                 "agent reused connection id {connect_id}"
             )));
             return;
@@ -395,8 +416,10 @@ impl AgentTunnel {
                 queue,
                 credit: credit.clone(),
                 established_at: std::time::Instant::now(),
+                trace: waiter.trace.clone(),
             },
         );
+        waiter.trace.mark_established();
         drop(state);
         self.metrics.established.inc();
         let established = Established::new(
@@ -405,9 +428,10 @@ impl AgentTunnel {
             credit,
             rx,
             flow_on.then(|| WindowTracker::new(self.settings.our_window)),
+            waiter.trace,
         );
         // If the frontend is gone, dropping the reply closes the connection.
-        let _ = waiter.send(DialReply::Connected(established));
+        let _ = waiter.reply.send(DialReply::Connected(established));
     }
 }
 
@@ -419,6 +443,7 @@ struct ConnShared {
     connect_id: i64,
     close_requested: AtomicBool,
     finished: AtomicBool,
+    trace: Arc<ConnTrace>,
 }
 
 impl ConnShared {
@@ -428,6 +453,7 @@ impl ConnShared {
         {
             return;
         }
+        self.trace.ended(EndReason::ClientClose, "");
         let p = packet::close_request(self.connect_id);
         if let Err(mpsc::error::TrySendError::Full(p)) = self.tunnel.ordered.try_send(p) {
             // Outside a runtime (process teardown) the tunnel is going away anyway.
@@ -463,6 +489,7 @@ impl Established {
         credit: SendCredit,
         rx: ReceiveQueueRx<FrontendEvent>,
         tracker: Option<WindowTracker>,
+        trace: Arc<ConnTrace>,
     ) -> Self {
         Established {
             shared: Arc::new(ConnShared {
@@ -470,6 +497,7 @@ impl Established {
                 connect_id,
                 close_requested: AtomicBool::new(false),
                 finished: AtomicBool::new(false),
+                trace,
             }),
             credit,
             rx,
@@ -523,6 +551,7 @@ impl ConnSender {
             }
             let chunk = data.split_to(data.len().min(READ_CHUNK));
             self.credit.acquire(chunk.len()).await?;
+            self.shared.trace.sent_to_agent(chunk.len());
             self.shared
                 .tunnel
                 .send_ordered(packet::data(self.shared.connect_id, chunk))
@@ -587,6 +616,7 @@ impl ConnReceiver {
 
     /// Reports `n` payload bytes written to the client; returns credit to the agent.
     pub fn consumed(&mut self, n: usize) {
+        self.shared.trace.received_from_agent(n);
         if let Some(grant) = self.tracker.as_mut().and_then(|t| t.consumed(n)) {
             self.shared
                 .tunnel

@@ -11,6 +11,8 @@
 //!   flag is described.
 //! * [`logging`] — `tracing` set-up: text on a terminal, plain text without
 //!   colour otherwise, JSON on request.
+//! * `telemetry` (feature `otlp`) — OpenTelemetry traces over OTLP/gRPC, with
+//!   trace ids in log lines.
 //! * [`admin`] — the `/healthz`, `/readyz`, `/metrics` HTTP server, with timeouts.
 //! * [`metrics`] — Prometheus exposition and the metric-naming rule.
 //! * [`net`] — binding listeners with errors that say which port failed.
@@ -29,6 +31,8 @@ pub mod net;
 pub mod peer;
 pub mod reload;
 pub mod shutdown;
+#[cfg(feature = "otlp")]
+pub mod telemetry;
 pub mod tls;
 
 #[cfg(test)]

@@ -246,6 +246,27 @@ mod tests {
     }
 
     #[test]
+    fn connection_spans_are_off_in_the_log_filter() {
+        // Without an exporter only the log filter applies: the per-connection
+        // spans must be disabled at every verbosity, so they cost nothing.
+        use tracing::Level;
+        use tracing_subscriber::layer::SubscriberExt;
+        for v in [0u8, 4, 9] {
+            let subscriber =
+                tracing_subscriber::registry().with(EnvFilter::new(filter_for_verbosity(v)));
+            tracing::subscriber::with_default(subscriber, || {
+                assert!(
+                    !tracing::enabled!(target: cluster_proxy_proto::trace::SPAN_TARGET, Level::INFO),
+                    "-v={v}"
+                );
+                let span =
+                    tracing::info_span!(target: cluster_proxy_proto::trace::SPAN_TARGET, "probe");
+                assert!(span.is_disabled(), "-v={v}");
+            });
+        }
+    }
+
+    #[test]
     fn klog_flags_are_accepted() {
         use clap::Parser;
         #[derive(Parser)]

@@ -40,6 +40,20 @@ pub struct DialRequest {
     /// Dial id chosen by the requester, echoed in DialResponse.
     #[prost(int64, tag = "3")]
     pub random: i64,
+    /// cluster-proxy extension: the W3C trace context of the dial, so the
+    /// agent's dial span joins the connection's trace. A server sends it only to
+    /// agents that advertised `cluster-proxy-trace-context` in their Connect
+    /// request; unset, it is absent from the wire (upstream peers never see it).
+    #[prost(message, optional, tag = "100")]
+    pub trace_context: ::core::option::Option<TraceContext>,
+}
+/// cluster-proxy extension: W3C Trace Context (<https://www.w3.org/TR/trace-context/>).
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct TraceContext {
+    #[prost(string, tag = "1")]
+    pub traceparent: ::prost::alloc::string::String,
+    #[prost(string, tag = "2")]
+    pub tracestate: ::prost::alloc::string::String,
 }
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct DialResponse {

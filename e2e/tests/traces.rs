@@ -1,0 +1,569 @@
+//! OpenTelemetry traces of tunneled connections, received by an in-process
+//! OTLP collector (a tonic `TraceService` from the published protos).
+//!
+//! One process-wide subscriber exports to the collector, so everything runs
+//! in one test: the client's, the server's and the agent's spans of a
+//! connection share a trace and link parent to child through the wire
+//! (gRPC metadata, CONNECT headers, the negotiated DialRequest field); a
+//! failed dial carries the agent's error; an agent that did not ask for trace
+//! context gets plain konnectivity dial requests; with the collector gone,
+//! connections still work.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use cluster_proxy_proto::konnectivity::agent_service_client::AgentServiceClient;
+use cluster_proxy_proto::metadata;
+use cluster_proxy_proto::packet::{self, Frame};
+use cluster_proxy_proto::transport::{ALPN_HTTP11, connect_channel};
+use cluster_proxy_runtime::logging::LogFormat;
+use cluster_proxy_runtime::telemetry::{self, SamplerChoice, TelemetryConfig};
+use e2e::harness::{AgentUnderTest, RawAgent, test_server_config, tunnel_client, wait_until};
+use e2e::pki::TestPki;
+use e2e::targets::{EchoServer, closed_port};
+use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
+    TraceService, TraceServiceServer,
+};
+use opentelemetry_proto::tonic::collector::trace::v1::{
+    ExportTraceServiceRequest, ExportTraceServiceResponse,
+};
+use opentelemetry_proto::tonic::common::v1::any_value::Value;
+use prost::Message;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tokio_util::sync::CancellationToken;
+
+const WAIT: Duration = Duration::from_secs(30);
+
+/// A span as the collector received it.
+#[derive(Debug, Clone)]
+struct Received {
+    /// The `service.name` of the process that sent it.
+    service: String,
+    name: String,
+    trace_id: String,
+    span_id: String,
+    parent_span_id: String,
+    attributes: HashMap<String, String>,
+}
+
+#[derive(Default, Clone)]
+struct Collector {
+    spans: Arc<Mutex<Vec<Received>>>,
+}
+
+#[tonic::async_trait]
+impl TraceService for Collector {
+    async fn export(
+        &self,
+        request: tonic::Request<ExportTraceServiceRequest>,
+    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+        let mut spans = self.spans.lock().unwrap();
+        for resource in request.into_inner().resource_spans {
+            let service = resource
+                .resource
+                .iter()
+                .flat_map(|r| &r.attributes)
+                .find(|kv| kv.key == "service.name")
+                .and_then(|kv| kv.value.as_ref()?.value.as_ref())
+                .map(|v| match v {
+                    Value::StringValue(s) => s.clone(),
+                    other => format!("{other:?}"),
+                })
+                .unwrap_or_default();
+            for scope in resource.scope_spans {
+                for span in scope.spans {
+                    let attributes = span
+                        .attributes
+                        .iter()
+                        .map(|kv| {
+                            let value = match kv.value.as_ref().and_then(|v| v.value.as_ref()) {
+                                Some(Value::StringValue(s)) => s.clone(),
+                                Some(Value::IntValue(i)) => i.to_string(),
+                                Some(Value::DoubleValue(d)) => d.to_string(),
+                                Some(Value::BoolValue(b)) => b.to_string(),
+                                other => format!("{other:?}"),
+                            };
+                            (kv.key.clone(), value)
+                        })
+                        .collect();
+                    spans.push(Received {
+                        service: service.clone(),
+                        name: span.name.clone(),
+                        trace_id: hex::encode(&span.trace_id),
+                        span_id: hex::encode(&span.span_id),
+                        parent_span_id: hex::encode(&span.parent_span_id),
+                        attributes,
+                    });
+                }
+            }
+        }
+        Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
+    }
+}
+
+impl Collector {
+    async fn start() -> (Self, SocketAddr, CancellationToken) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let collector = Collector::default();
+        let stop = CancellationToken::new();
+        let service = TraceServiceServer::new(collector.clone());
+        let stopped = stop.clone();
+        tokio::spawn(async move {
+            tonic::transport::Server::builder()
+                .add_service(service)
+                .serve_with_incoming_shutdown(
+                    TcpListenerStream::new(listener),
+                    stopped.cancelled_owned(),
+                )
+                .await
+        });
+        (collector, addr, stop)
+    }
+
+    fn find(&self, name: &str, pred: impl Fn(&Received) -> bool) -> Option<Received> {
+        self.spans
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|s| s.name == name && pred(s))
+            .cloned()
+    }
+
+    async fn wait_for(&self, name: &str, pred: impl Fn(&Received) -> bool + Copy) -> Received {
+        assert!(
+            wait_until(WAIT, || self.find(name, pred).is_some()).await,
+            "no {name} span arrived; got {:#?}",
+            self.spans.lock().unwrap()
+        );
+        self.find(name, pred).unwrap()
+    }
+}
+
+fn attr<'a>(span: &'a Received, key: &str) -> &'a str {
+    span.attributes
+        .get(key)
+        .map(String::as_str)
+        .unwrap_or_else(|| panic!("{} has no attribute {key}: {span:#?}", span.name))
+}
+
+/// An agent connection that advertises the trace-context extension, driven
+/// packet by packet.
+async fn tracing_raw_agent(pki: &TestPki, agent_addr: SocketAddr, cluster: &str) -> RawAgent {
+    let channel = connect_channel(
+        "localhost",
+        agent_addr.port(),
+        pki.agent_tls(cluster).unwrap(),
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap();
+    let (to_server, rx) = mpsc::channel(64);
+    let mut request = tonic::Request::new(ReceiverStream::new(rx));
+    let md = request.metadata_mut();
+    md.insert(
+        metadata::AGENT_ID,
+        format!("{cluster}-raw").parse().unwrap(),
+    );
+    md.insert(
+        metadata::AGENT_IDENTIFIERS,
+        format!("host={cluster}").parse().unwrap(),
+    );
+    md.insert(
+        metadata::TRACE_CONTEXT,
+        metadata::TRACE_CONTEXT_W3C.parse().unwrap(),
+    );
+    let response = AgentServiceClient::new(channel)
+        .connect(request)
+        .await
+        .unwrap();
+    let headers = response.metadata().clone();
+    RawAgent {
+        to_server,
+        from_server: response.into_inner(),
+        headers,
+    }
+}
+
+async fn next_dial_request(agent: &mut RawAgent) -> cluster_proxy_proto::Packet {
+    loop {
+        let p = agent.recv(WAIT).await.expect("a packet from the server");
+        if matches!(Frame::from_packet(p.clone()), Frame::DialRequest { .. }) {
+            return p;
+        }
+    }
+}
+
+/// CONNECT with a `traceparent` header; returns the stream after the `200`.
+async fn http_connect_traced(
+    pki: &TestPki,
+    server: SocketAddr,
+    target: &str,
+    traceparent: &str,
+) -> tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
+    let tcp = tokio::net::TcpStream::connect(server).await.unwrap();
+    let mut stream = tokio_rustls::TlsConnector::from(pki.client_tls_alpn(&[ALPN_HTTP11]).unwrap())
+        .connect("localhost".try_into().unwrap(), tcp)
+        .await
+        .unwrap();
+    stream
+        .write_all(
+            format!(
+                "CONNECT {target} HTTP/1.1\r\nHost: {target}\r\ntraceparent: {traceparent}\r\n\r\n"
+            )
+            .as_bytes(),
+        )
+        .await
+        .unwrap();
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        assert_eq!(stream.read(&mut byte).await.unwrap(), 1, "response head");
+        head.push(byte[0]);
+    }
+    assert!(
+        head.starts_with(b"HTTP/1.1 200"),
+        "{:?}",
+        String::from_utf8_lossy(&head)
+    );
+    stream
+}
+
+async fn echo_once(
+    client: &cluster_proxy_proto::client::TunnelClient,
+    target: &str,
+    message: &[u8],
+) {
+    let mut stream = client.dial(target).await.unwrap();
+    stream.write_all(message).await.unwrap();
+    let mut back = vec![0u8; message.len()];
+    stream.read_exact(&mut back).await.unwrap();
+    assert_eq!(back, message);
+    stream.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_trace_per_tunneled_connection() {
+    let (collector, collector_addr, stop_collector) = Collector::start().await;
+    let config = TelemetryConfig {
+        endpoint: Some(format!("http://{collector_addr}")),
+        sampler: SamplerChoice::AlwaysOn,
+        ..TelemetryConfig::off("e2e-traces")
+    };
+    let telemetry = telemetry::init(0, LogFormat::Text, &config).unwrap();
+    assert!(telemetry.exporting());
+
+    let pki = TestPki::new(&["cluster-a", "cluster-b", "cluster-c"]).unwrap();
+    let server = proxy_server::start_with_tls(test_server_config(), pki.server_tls().unwrap())
+        .await
+        .unwrap();
+    let _agent = AgentUnderTest::start(
+        &pki,
+        "cluster-a",
+        server.agent_addr,
+        &[("cluster-a", "127.0.0.1")],
+    )
+    .await
+    .unwrap();
+    assert!(wait_until(WAIT, || server.tunnel_count() == 1).await);
+    let echo = EchoServer::start().await.unwrap();
+    let client = tunnel_client(pki.client_tls().unwrap(), server.client_addr)
+        .await
+        .unwrap();
+
+    // 1. A gRPC connection: client → server → agent, one trace.
+    echo_once(
+        &client,
+        &format!("cluster-a:{}", echo.addr.port()),
+        b"hello",
+    )
+    .await;
+    let dial = collector.wait_for("tunnel.dial", |_| true).await;
+    let connection = collector
+        .wait_for("tunnel.connection", |s| s.trace_id == dial.trace_id)
+        .await;
+    let agent_dial = collector
+        .wait_for("agent.dial", |s| s.trace_id == dial.trace_id)
+        .await;
+    assert_eq!(
+        connection.parent_span_id, dial.span_id,
+        "server span is the client's child"
+    );
+    assert_eq!(
+        agent_dial.parent_span_id, connection.span_id,
+        "agent span is the server's child"
+    );
+    assert_eq!(attr(&connection, "cluster_proxy.cluster"), "cluster-a");
+    assert_eq!(
+        attr(&connection, "cluster_proxy.agent_id"),
+        "cluster-a-agent"
+    );
+    assert_eq!(attr(&connection, "cluster_proxy.strategy"), "destHost");
+    assert_eq!(attr(&connection, "cluster_proxy.frontend"), "grpc");
+    assert_eq!(attr(&connection, "server.address"), "cluster-a");
+    assert_eq!(attr(&connection, "cluster_proxy.bytes_to_agent"), "5");
+    assert_eq!(attr(&connection, "cluster_proxy.bytes_from_agent"), "5");
+    assert_eq!(
+        attr(&connection, "cluster_proxy.end_reason"),
+        "client_close"
+    );
+    assert_eq!(attr(&connection, "client.address"), "127.0.0.1");
+    assert!(!attr(&connection, "cluster_proxy.client_identity").is_empty());
+    assert!(!attr(&connection, "cluster_proxy.server_id").is_empty());
+    assert!(
+        attr(&connection, "cluster_proxy.dial_latency_ms")
+            .parse::<f64>()
+            .unwrap()
+            >= 0.0
+    );
+    assert_eq!(attr(&agent_dial, "server.address"), "cluster-a");
+    assert_eq!(attr(&agent_dial, "network.peer.address"), "127.0.0.1");
+    assert_eq!(
+        attr(&agent_dial, "cluster_proxy.end_reason"),
+        "server_close"
+    );
+
+    // 2. A failed dial: the server's and the agent's spans carry the agent's error.
+    let closed = closed_port().await.unwrap();
+    let refused = client.dial(&format!("cluster-a:{}", closed.port())).await;
+    assert!(refused.is_err());
+    let failed = collector
+        .wait_for("tunnel.connection", |s| {
+            s.attributes
+                .get("cluster_proxy.end_reason")
+                .map(String::as_str)
+                == Some("error_response")
+        })
+        .await;
+    assert!(
+        attr(&failed, "error.message").contains("connection refused"),
+        "{failed:#?}"
+    );
+    let failed_agent = collector
+        .wait_for("agent.dial", |s| s.trace_id == failed.trace_id)
+        .await;
+    assert_eq!(failed_agent.parent_span_id, failed.span_id);
+    assert!(attr(&failed_agent, "error.message").contains("connection refused"));
+    let failed_client = collector
+        .wait_for("tunnel.dial", |s| s.trace_id == failed.trace_id)
+        .await;
+    assert!(attr(&failed_client, "error.message").contains("connection refused"));
+
+    // 3. HTTP CONNECT continues the trace named by its traceparent header.
+    let traceparent_trace = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let mut stream = http_connect_traced(
+        &pki,
+        server.client_addr,
+        &format!("cluster-a:{}", echo.addr.port()),
+        &format!("00-{traceparent_trace}-00f067aa0ba902b7-01"),
+    )
+    .await;
+    stream.write_all(b"ping").await.unwrap();
+    let mut back = [0u8; 4];
+    stream.read_exact(&mut back).await.unwrap();
+    drop(stream);
+    let connect = collector
+        .wait_for("tunnel.connection", |s| s.trace_id == traceparent_trace)
+        .await;
+    assert_eq!(connect.parent_span_id, "00f067aa0ba902b7");
+    assert_eq!(attr(&connect, "cluster_proxy.frontend"), "http-connect");
+    collector
+        .wait_for("agent.dial", |s| {
+            s.trace_id == traceparent_trace && s.parent_span_id == connect.span_id
+        })
+        .await;
+
+    // 4. Only an agent that asked for it is sent trace context.
+    let mut upstream_style = RawAgent::connect(
+        pki.agent_tls("cluster-b").unwrap(),
+        server.agent_addr,
+        "cluster-b-raw",
+        "host=cluster-b",
+        None,
+    )
+    .await
+    .unwrap();
+    let mut ours = tracing_raw_agent(&pki, server.agent_addr, "cluster-c").await;
+    assert!(wait_until(WAIT, || server.tunnel_count() == 3).await);
+    let plain_client = client.clone();
+    let pending_b = tokio::spawn(async move { plain_client.dial("cluster-b:80").await });
+    let plain = next_dial_request(&mut upstream_style).await;
+    let Frame::DialRequest { random, trace, .. } = Frame::from_packet(plain.clone()) else {
+        unreachable!()
+    };
+    assert_eq!(trace, None);
+    assert_eq!(
+        plain.encode_to_vec(),
+        packet::dial_request("cluster-b:80", random).encode_to_vec(),
+        "an upstream agent gets plain konnectivity bytes"
+    );
+    let traced_client = client.clone();
+    let pending_c = tokio::spawn(async move { traced_client.dial("cluster-c:80").await });
+    let traced = next_dial_request(&mut ours).await;
+    let Frame::DialRequest {
+        trace: Some(trace), ..
+    } = Frame::from_packet(traced)
+    else {
+        panic!("an agent that advertised the extension gets trace context");
+    };
+    assert!(trace.to_context().is_some(), "{trace:?}");
+    pending_b.abort();
+    pending_c.abort();
+
+    // 5. With the collector gone, connections still work, without stalling.
+    stop_collector.cancel();
+    tokio::time::timeout(WAIT, async {
+        for i in 0..20u8 {
+            echo_once(
+                &client,
+                &format!("cluster-a:{}", echo.addr.port()),
+                &[i; 64],
+            )
+            .await;
+        }
+    })
+    .await
+    .expect("connections stall while the collector is down");
+    telemetry.shutdown().await;
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// The real binaries, configured through the standard variables (server)
+/// and the matching flags (agent), export to the collector; their spans of
+/// one connection share a trace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_and_agent_processes_export_linked_spans() {
+    use e2e::env::binaries::{Binaries, Progress};
+    use std::process::Stdio;
+    let binaries = tokio::task::spawn_blocking(|| Binaries::build(Progress::Quiet))
+        .await
+        .unwrap()
+        .unwrap();
+    let (collector, collector_addr, _stop) = Collector::start().await;
+    let endpoint = format!("http://{collector_addr}");
+    let pki = TestPki::new(&["cluster-a"]).unwrap();
+    let certs = tempfile::tempdir().unwrap();
+    let layout = pki.write(certs.path()).unwrap();
+    let path = |p: std::path::PathBuf| p.display().to_string();
+    let cluster_a = cluster_proxy_proto::identity::ClusterName::new("cluster-a").unwrap();
+    let (client_port, agent_port) = (free_port(), free_port());
+    let mut server = tokio::process::Command::new(&binaries.proxy_server)
+        .args([
+            "--server-id=server-traced".to_owned(),
+            "--proxy-strategies=destHost".to_owned(),
+            "--server-bind-address=127.0.0.1".to_owned(),
+            format!("--server-port={client_port}"),
+            "--agent-bind-address=127.0.0.1".to_owned(),
+            format!("--agent-port={agent_port}"),
+            "--health-bind-address=127.0.0.1".to_owned(),
+            format!("--health-port={}", free_port()),
+            "--admin-bind-address=127.0.0.1".to_owned(),
+            format!("--admin-port={}", free_port()),
+            format!("--server-cert={}", path(layout.proxy_server().cert)),
+            format!("--server-key={}", path(layout.proxy_server().key)),
+            format!("--server-ca-cert={}", path(layout.bundle())),
+            format!("--cluster-cert={}", path(layout.agent_server().cert)),
+            format!("--cluster-key={}", path(layout.agent_server().key)),
+            format!("--cluster-ca-cert={}", path(layout.bundle())),
+        ])
+        .env("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint)
+        .env("OTEL_SERVICE_NAME", "hub-proxy-server")
+        .env("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=test")
+        .env_remove("RUST_LOG")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut agent = tokio::process::Command::new(&binaries.proxy_agent)
+        .args([
+            "--proxy-server-host=127.0.0.1".to_owned(),
+            format!("--proxy-server-port={agent_port}"),
+            format!("--ca-cert={}", path(layout.bundle())),
+            format!("--agent-cert={}", path(layout.agent(&cluster_a).cert)),
+            format!("--agent-key={}", path(layout.agent(&cluster_a).key)),
+            "--agent-id=cluster-a-agent".to_owned(),
+            "--agent-identifiers=host=cluster-a".to_owned(),
+            "--host-alias=cluster-a=127.0.0.1".to_owned(),
+            "--health-server-host=127.0.0.1".to_owned(),
+            format!("--health-server-port={}", free_port()),
+            "--admin-bind-address=127.0.0.1".to_owned(),
+            format!("--admin-server-port={}", free_port()),
+            format!("--otlp-endpoint={endpoint}"),
+            "--otel-service-name=cluster-a-proxy-agent".to_owned(),
+        ])
+        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+        .env_remove("RUST_LOG")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+
+    let echo = EchoServer::start().await.unwrap();
+    let server_addr: SocketAddr = format!("127.0.0.1:{client_port}").parse().unwrap();
+    let target = format!("cluster-a:{}", echo.addr.port());
+    // The agent connects on its own schedule: retry until a dial succeeds.
+    let connected = tokio::time::timeout(WAIT, async {
+        loop {
+            if let Ok(client) = tunnel_client(pki.client_tls().unwrap(), server_addr).await
+                && let Ok(mut stream) = client.dial(&target).await
+            {
+                stream.write_all(b"traced").await.unwrap();
+                let mut back = [0u8; 6];
+                stream.read_exact(&mut back).await.unwrap();
+                assert_eq!(&back, b"traced");
+                stream.shutdown().await.unwrap();
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    assert!(connected.is_ok(), "no connection through the processes");
+
+    let server_span = collector
+        .wait_for("tunnel.connection", |s| {
+            s.service == "hub-proxy-server"
+                && s.attributes
+                    .get("cluster_proxy.end_reason")
+                    .map(String::as_str)
+                    == Some("client_close")
+        })
+        .await;
+    assert_eq!(
+        attr(&server_span, "cluster_proxy.server_id"),
+        "server-traced"
+    );
+    assert_eq!(attr(&server_span, "cluster_proxy.bytes_to_agent"), "6");
+    let agent_span = collector
+        .wait_for("agent.dial", |s| {
+            s.service == "cluster-a-proxy-agent" && s.trace_id == server_span.trace_id
+        })
+        .await;
+    assert_eq!(agent_span.parent_span_id, server_span.span_id);
+
+    for child in [&mut server, &mut agent] {
+        if let Some(pid) = child.id() {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid as i32),
+                nix::sys::signal::Signal::SIGTERM,
+            );
+        }
+    }
+    for child in [&mut server, &mut agent] {
+        let status = tokio::time::timeout(WAIT, child.wait()).await;
+        assert!(status.is_ok(), "a process did not stop on SIGTERM");
+    }
+}

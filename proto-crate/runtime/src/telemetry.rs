@@ -1,0 +1,591 @@
+//! OpenTelemetry traces for every binary (feature `otlp`), set up once here.
+//!
+//! `tracing` spans become OpenTelemetry spans (`tracing-opentelemetry`) and
+//! go to an OTLP/gRPC collector when an endpoint is configured
+//! (`--otlp-endpoint` or `OTEL_EXPORTER_OTLP_ENDPOINT`); with no endpoint
+//! nothing is exported and no OpenTelemetry layer is installed at all, so
+//! spans cost what plain `tracing` spans cost.
+//!
+//! Export is a batch processor on its own thread with a bounded queue
+//! ([`MAX_QUEUE_SPANS`]): ending a span never waits for the collector, and
+//! when the collector is down or slow, spans beyond the queue are dropped
+//! rather than buffered without bound. [`Telemetry::shutdown`] (or dropping
+//! the guard) flushes what is queued.
+//!
+//! While traces are exported, every log line carries the `trace_id` and
+//! `span_id` of the span it was written in (a JSON field, or `key=value` at
+//! the end of a text line), so logs and traces can be joined.
+//!
+//! The standard variables `OTEL_SERVICE_NAME`, `OTEL_TRACES_SAMPLER`,
+//! `OTEL_TRACES_SAMPLER_ARG` and `OTEL_RESOURCE_ATTRIBUTES` are read as the
+//! defaults of the matching flags.
+
+use std::time::Duration;
+
+use opentelemetry::KeyValue;
+use opentelemetry::trace::TracerProvider as _;
+use opentelemetry_otlp::WithExportConfig;
+use opentelemetry_sdk::Resource;
+use opentelemetry_sdk::trace::{
+    BatchConfigBuilder, BatchSpanProcessor, Sampler, SdkTracerProvider,
+};
+use tracing::Subscriber;
+use tracing_subscriber::fmt::format::Writer;
+use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields};
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::registry::LookupSpan;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::{EnvFilter, Layer};
+
+use crate::logging::{LogFormat, filter_for_verbosity};
+
+/// Spans held for export at most; more are dropped while the collector lags.
+pub const MAX_QUEUE_SPANS: usize = 4096;
+/// Longest a single export may take before it is abandoned.
+pub const EXPORT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How often queued spans are sent.
+pub const EXPORT_INTERVAL: Duration = Duration::from_secs(1);
+
+/// The tracing flags every binary takes, flattened into its command line.
+/// Each defaults to the standard OpenTelemetry environment variable.
+#[derive(Debug, Default, Clone, clap::Args)]
+pub struct TelemetryFlags {
+    /// OTLP/gRPC collector for traces, e.g. http://otel-collector:4317; traces are off when unset.
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
+    /// Service name on exported spans (default: the program's name).
+    #[arg(long, env = "OTEL_SERVICE_NAME")]
+    pub otel_service_name: Option<String>,
+    /// Sampler: parentbased_always_on (default), parentbased_always_off, parentbased_traceidratio, always_on, always_off or traceidratio.
+    #[arg(long, env = "OTEL_TRACES_SAMPLER")]
+    pub otel_traces_sampler: Option<String>,
+    /// Ratio (0 to 1) for the traceidratio samplers; default 1.
+    #[arg(long, env = "OTEL_TRACES_SAMPLER_ARG")]
+    pub otel_traces_sampler_arg: Option<String>,
+    /// Extra resource attributes on exported spans: key=value pairs separated by commas.
+    #[arg(long, env = "OTEL_RESOURCE_ATTRIBUTES")]
+    pub otel_resource_attributes: Option<String>,
+}
+
+/// A configuration the flags describe that cannot work.
+#[derive(Debug, thiserror::Error)]
+pub enum TelemetryError {
+    #[error(
+        "unknown trace sampler {0:?}: expected always_on, always_off, traceidratio, parentbased_always_on, parentbased_always_off or parentbased_traceidratio"
+    )]
+    Sampler(String),
+    #[error("trace sampler argument {0:?} is not a ratio between 0 and 1")]
+    SamplerArg(String),
+    #[error("resource attribute {0:?} is not key=value")]
+    ResourceAttribute(String),
+    #[error("OTLP endpoint {endpoint:?}: {reason}")]
+    Endpoint { endpoint: String, reason: String },
+}
+
+/// Which spans are recorded and exported.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum SamplerChoice {
+    AlwaysOn,
+    AlwaysOff,
+    TraceIdRatio(f64),
+    /// Follow the parent's decision; the inner choice decides for root spans.
+    ParentBased(RootSampler),
+}
+
+/// The root sampler of [`SamplerChoice::ParentBased`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RootSampler {
+    AlwaysOn,
+    AlwaysOff,
+    TraceIdRatio(f64),
+}
+
+impl SamplerChoice {
+    /// Parses `OTEL_TRACES_SAMPLER` / `OTEL_TRACES_SAMPLER_ARG` as the spec defines them.
+    pub fn parse(name: Option<&str>, arg: Option<&str>) -> Result<Self, TelemetryError> {
+        let ratio = || -> Result<f64, TelemetryError> {
+            match arg.map(str::trim).filter(|a| !a.is_empty()) {
+                None => Ok(1.0),
+                Some(text) => text
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|r| (0.0..=1.0).contains(r))
+                    .ok_or_else(|| TelemetryError::SamplerArg(text.to_owned())),
+            }
+        };
+        let name = name.map(str::trim).filter(|n| !n.is_empty());
+        Ok(match name.unwrap_or("parentbased_always_on") {
+            "always_on" => SamplerChoice::AlwaysOn,
+            "always_off" => SamplerChoice::AlwaysOff,
+            "traceidratio" => SamplerChoice::TraceIdRatio(ratio()?),
+            "parentbased_always_on" => SamplerChoice::ParentBased(RootSampler::AlwaysOn),
+            "parentbased_always_off" => SamplerChoice::ParentBased(RootSampler::AlwaysOff),
+            "parentbased_traceidratio" => {
+                SamplerChoice::ParentBased(RootSampler::TraceIdRatio(ratio()?))
+            }
+            other => return Err(TelemetryError::Sampler(other.to_owned())),
+        })
+    }
+
+    fn sampler(self) -> Sampler {
+        match self {
+            SamplerChoice::AlwaysOn => Sampler::AlwaysOn,
+            SamplerChoice::AlwaysOff => Sampler::AlwaysOff,
+            SamplerChoice::TraceIdRatio(r) => Sampler::TraceIdRatioBased(r),
+            SamplerChoice::ParentBased(root) => Sampler::ParentBased(Box::new(match root {
+                RootSampler::AlwaysOn => Sampler::AlwaysOn,
+                RootSampler::AlwaysOff => Sampler::AlwaysOff,
+                RootSampler::TraceIdRatio(r) => Sampler::TraceIdRatioBased(r),
+            })),
+        }
+    }
+}
+
+/// Parses `OTEL_RESOURCE_ATTRIBUTES`: `key=value` pairs separated by commas,
+/// values percent-decoded as the spec says.
+pub fn parse_resource_attributes(text: &str) -> Result<Vec<(String, String)>, TelemetryError> {
+    text.split(',')
+        .map(str::trim)
+        .filter(|pair| !pair.is_empty())
+        .map(|pair| {
+            let (key, value) = pair
+                .split_once('=')
+                .filter(|(k, _)| !k.trim().is_empty())
+                .ok_or_else(|| TelemetryError::ResourceAttribute(pair.to_owned()))?;
+            let value = percent_decode(value.trim())
+                .ok_or_else(|| TelemetryError::ResourceAttribute(pair.to_owned()))?;
+            Ok((key.trim().to_owned(), value))
+        })
+        .collect()
+}
+
+fn percent_decode(text: &str) -> Option<String> {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = text.get(i + 1..i + 3)?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+/// A checked tracing configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TelemetryConfig {
+    /// Where spans go; `None` turns export off.
+    pub endpoint: Option<String>,
+    pub service_name: String,
+    pub sampler: SamplerChoice,
+    pub resource_attributes: Vec<(String, String)>,
+}
+
+impl TelemetryConfig {
+    /// No export: logs only.
+    pub fn off(service_name: &str) -> Self {
+        TelemetryConfig {
+            endpoint: None,
+            service_name: service_name.to_owned(),
+            sampler: SamplerChoice::ParentBased(RootSampler::AlwaysOn),
+            resource_attributes: Vec::new(),
+        }
+    }
+}
+
+impl TelemetryFlags {
+    /// Checks the flags; `default_service_name` names the service when
+    /// `OTEL_SERVICE_NAME` does not. An empty endpoint means off.
+    pub fn to_config(&self, default_service_name: &str) -> Result<TelemetryConfig, TelemetryError> {
+        let endpoint = self
+            .otlp_endpoint
+            .as_deref()
+            .map(str::trim)
+            .filter(|e| !e.is_empty())
+            .map(str::to_owned);
+        if let Some(endpoint) = &endpoint {
+            let uri: http::Uri =
+                endpoint
+                    .parse()
+                    .map_err(|e: http::uri::InvalidUri| TelemetryError::Endpoint {
+                        endpoint: endpoint.clone(),
+                        reason: e.to_string(),
+                    })?;
+            if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.host().is_none() {
+                return Err(TelemetryError::Endpoint {
+                    endpoint: endpoint.clone(),
+                    reason: "expected http://host:port or https://host:port".into(),
+                });
+            }
+        }
+        Ok(TelemetryConfig {
+            endpoint,
+            service_name: self
+                .otel_service_name
+                .as_deref()
+                .map(str::trim)
+                .filter(|n| !n.is_empty())
+                .unwrap_or(default_service_name)
+                .to_owned(),
+            sampler: SamplerChoice::parse(
+                self.otel_traces_sampler.as_deref(),
+                self.otel_traces_sampler_arg.as_deref(),
+            )?,
+            resource_attributes: parse_resource_attributes(
+                self.otel_resource_attributes.as_deref().unwrap_or(""),
+            )?,
+        })
+    }
+}
+
+/// Owns the span exporter; flushes queued spans when shut down or dropped.
+#[derive(Debug, Default)]
+pub struct Telemetry {
+    provider: Option<SdkTracerProvider>,
+}
+
+impl Telemetry {
+    /// Whether spans are exported.
+    pub fn exporting(&self) -> bool {
+        self.provider.is_some()
+    }
+
+    /// Sends the spans still queued and stops the exporter. The flush runs on
+    /// a blocking thread so the runtime that drives the exporter's
+    /// connection stays free.
+    pub async fn shutdown(mut self) {
+        if let Some(provider) = self.provider.take() {
+            let _ = tokio::task::spawn_blocking(move || provider.shutdown()).await;
+        }
+    }
+}
+
+impl Drop for Telemetry {
+    fn drop(&mut self) {
+        if let Some(provider) = self.provider.take() {
+            // On a thread of its own: the exporter may need this thread's
+            // runtime to make progress; the export timeout bounds the wait.
+            let _ = std::thread::spawn(move || provider.shutdown()).join();
+        }
+    }
+}
+
+/// Builds the exporting tracer provider (inside a Tokio runtime: the gRPC
+/// channel to the collector connects lazily on it).
+pub fn tracer_provider(
+    config: &TelemetryConfig,
+    endpoint: &str,
+) -> Result<SdkTracerProvider, TelemetryError> {
+    let exporter = opentelemetry_otlp::SpanExporter::builder()
+        .with_tonic()
+        .with_endpoint(endpoint)
+        .with_timeout(EXPORT_TIMEOUT)
+        .build()
+        .map_err(|e| TelemetryError::Endpoint {
+            endpoint: endpoint.to_owned(),
+            reason: e.to_string(),
+        })?;
+    let batch = BatchSpanProcessor::builder(exporter)
+        .with_batch_config(
+            BatchConfigBuilder::default()
+                .with_max_queue_size(MAX_QUEUE_SPANS)
+                .with_scheduled_delay(EXPORT_INTERVAL)
+                .build(),
+        )
+        .build();
+    let resource = Resource::builder_empty()
+        .with_service_name(config.service_name.clone())
+        .with_attributes(
+            config
+                .resource_attributes
+                .iter()
+                .map(|(k, v)| KeyValue::new(k.clone(), v.clone())),
+        )
+        .build();
+    Ok(SdkTracerProvider::builder()
+        .with_span_processor(batch)
+        .with_sampler(config.sampler.sampler())
+        .with_resource(resource)
+        .build())
+}
+
+/// Installs the global subscriber: the log output of [`crate::logging`]
+/// and, when `config` has an endpoint, OpenTelemetry export with trace ids
+/// in every log line. A second call (several services in one test process)
+/// leaves the first subscriber in place and exports nothing of its own.
+pub fn init(
+    verbosity: u8,
+    format: LogFormat,
+    config: &TelemetryConfig,
+) -> Result<Telemetry, TelemetryError> {
+    let Some(endpoint) = &config.endpoint else {
+        crate::logging::init(verbosity, format);
+        return Ok(Telemetry::default());
+    };
+    let filter = EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| EnvFilter::new(filter_for_verbosity(verbosity)));
+    let provider = tracer_provider(config, endpoint)?;
+    let tracer = provider.tracer("cluster-proxy");
+    let fmt = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .event_format(WithTraceIds {
+            json: format == LogFormat::Json,
+        });
+    // The connection spans (target SPAN_TARGET) go to the exporter only; the
+    // log output keeps its own filter.
+    let export_filter = EnvFilter::new(format!(
+        "{},{}=info",
+        filter_for_verbosity(verbosity),
+        cluster_proxy_proto::trace::SPAN_TARGET
+    ));
+    let installed = tracing_subscriber::registry()
+        .with(fmt.with_filter(filter))
+        .with(
+            tracing_opentelemetry::layer()
+                .with_tracer(tracer)
+                .with_filter(export_filter),
+        )
+        .try_init();
+    if installed.is_err() {
+        let _ = provider.shutdown();
+        return Ok(Telemetry::default());
+    }
+    Ok(Telemetry {
+        provider: Some(provider),
+    })
+}
+
+/// Writes the usual log line (text without colour, or JSON) with the
+/// current span's trace and span ids added.
+struct WithTraceIds {
+    json: bool,
+}
+
+impl<S, N> FormatEvent<S, N> for WithTraceIds
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+    N: for<'a> FormatFields<'a> + 'static,
+{
+    fn format_event(
+        &self,
+        ctx: &FmtContext<'_, S, N>,
+        mut writer: Writer<'_>,
+        event: &tracing::Event<'_>,
+    ) -> std::fmt::Result {
+        let ids = trace_ids();
+        let mut line = String::new();
+        if self.json {
+            tracing_subscriber::fmt::format()
+                .json()
+                .with_target(false)
+                .format_event(ctx, Writer::new(&mut line), event)?;
+        } else {
+            tracing_subscriber::fmt::format()
+                .with_target(false)
+                .with_ansi(false)
+                .format_event(ctx, Writer::new(&mut line), event)?;
+        }
+        writer.write_str(&add_trace_ids(&line, ids.as_ref(), self.json))
+    }
+}
+
+/// The trace and span id of the current span, when it is recorded.
+fn trace_ids() -> Option<(String, String)> {
+    use opentelemetry::trace::TraceContextExt;
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
+    let current = tracing::Span::current();
+    if current.is_none() {
+        return None;
+    }
+    let context = current.context();
+    let span = context.span();
+    let span_context = span.span_context();
+    span_context.is_valid().then(|| {
+        (
+            span_context.trace_id().to_string(),
+            span_context.span_id().to_string(),
+        )
+    })
+}
+
+/// Adds the ids to one formatted log line (which ends with a newline).
+fn add_trace_ids(line: &str, ids: Option<&(String, String)>, json: bool) -> String {
+    let Some((trace_id, span_id)) = ids else {
+        return line.to_owned();
+    };
+    let body = line.trim_end_matches('\n');
+    if json {
+        match body.strip_suffix('}') {
+            Some(open) => {
+                format!("{open},\"trace_id\":\"{trace_id}\",\"span_id\":\"{span_id}\"}}\n")
+            }
+            None => line.to_owned(),
+        }
+    } else {
+        format!("{body} trace_id={trace_id} span_id={span_id}\n")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn samplers_parse_as_the_spec_names_them() {
+        assert_eq!(
+            SamplerChoice::parse(None, None).unwrap(),
+            SamplerChoice::ParentBased(RootSampler::AlwaysOn)
+        );
+        assert_eq!(
+            SamplerChoice::parse(Some("traceidratio"), Some("0.25")).unwrap(),
+            SamplerChoice::TraceIdRatio(0.25)
+        );
+        assert_eq!(
+            SamplerChoice::parse(Some("parentbased_traceidratio"), None).unwrap(),
+            SamplerChoice::ParentBased(RootSampler::TraceIdRatio(1.0))
+        );
+        assert_eq!(
+            SamplerChoice::parse(Some("always_off"), None).unwrap(),
+            SamplerChoice::AlwaysOff
+        );
+        assert!(matches!(
+            SamplerChoice::parse(Some("sometimes"), None),
+            Err(TelemetryError::Sampler(_))
+        ));
+        for bad in ["1.5", "-0.1", "half", "NaN"] {
+            assert!(
+                matches!(
+                    SamplerChoice::parse(Some("traceidratio"), Some(bad)),
+                    Err(TelemetryError::SamplerArg(_))
+                ),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn resource_attributes_parse_and_decode() {
+        assert_eq!(
+            parse_resource_attributes("k8s.cluster.name=hub, team=a%20b,").unwrap(),
+            vec![
+                ("k8s.cluster.name".to_owned(), "hub".to_owned()),
+                ("team".to_owned(), "a b".to_owned())
+            ]
+        );
+        assert!(parse_resource_attributes("").unwrap().is_empty());
+        for bad in ["novalue", "=v", "k=%zz", "k=%4"] {
+            assert!(
+                matches!(
+                    parse_resource_attributes(bad),
+                    Err(TelemetryError::ResourceAttribute(_))
+                ),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn flags_become_a_config() {
+        let off = TelemetryFlags::default().to_config("proxy-server").unwrap();
+        assert_eq!(off, TelemetryConfig::off("proxy-server"));
+        let blank = TelemetryFlags {
+            otlp_endpoint: Some("  ".into()),
+            ..Default::default()
+        };
+        assert_eq!(blank.to_config("x").unwrap().endpoint, None);
+        let on = TelemetryFlags {
+            otlp_endpoint: Some("http://127.0.0.1:4317".into()),
+            otel_service_name: Some("hub-proxy".into()),
+            otel_traces_sampler: Some("always_on".into()),
+            otel_resource_attributes: Some("a=b".into()),
+            ..Default::default()
+        }
+        .to_config("proxy-server")
+        .unwrap();
+        assert_eq!(on.endpoint.as_deref(), Some("http://127.0.0.1:4317"));
+        assert_eq!(on.service_name, "hub-proxy");
+        assert_eq!(on.sampler, SamplerChoice::AlwaysOn);
+        for bad in ["127.0.0.1:4317", "ftp://collector:4317", "http://"] {
+            let flags = TelemetryFlags {
+                otlp_endpoint: Some(bad.into()),
+                ..Default::default()
+            };
+            assert!(
+                matches!(flags.to_config("x"), Err(TelemetryError::Endpoint { .. })),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn flags_read_the_standard_variables_as_defaults() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Demo {
+            #[command(flatten)]
+            telemetry: TelemetryFlags,
+        }
+        let demo = Demo::try_parse_from([
+            "demo",
+            "--otlp-endpoint=http://127.0.0.1:4317",
+            "--otel-traces-sampler=traceidratio",
+            "--otel-traces-sampler-arg=0.5",
+        ])
+        .unwrap();
+        let config = demo.telemetry.to_config("demo").unwrap();
+        assert_eq!(config.sampler, SamplerChoice::TraceIdRatio(0.5));
+        let command = <Demo as clap::CommandFactory>::command();
+        let env_of = |id: &str| {
+            command
+                .get_arguments()
+                .find(|a| a.get_id() == id)
+                .and_then(|a| a.get_env())
+                .and_then(|e| e.to_str())
+                .map(str::to_owned)
+        };
+        assert_eq!(
+            env_of("otlp_endpoint").as_deref(),
+            Some("OTEL_EXPORTER_OTLP_ENDPOINT")
+        );
+        assert_eq!(
+            env_of("otel_service_name").as_deref(),
+            Some("OTEL_SERVICE_NAME")
+        );
+        assert_eq!(
+            env_of("otel_traces_sampler").as_deref(),
+            Some("OTEL_TRACES_SAMPLER")
+        );
+        assert_eq!(
+            env_of("otel_traces_sampler_arg").as_deref(),
+            Some("OTEL_TRACES_SAMPLER_ARG")
+        );
+        assert_eq!(
+            env_of("otel_resource_attributes").as_deref(),
+            Some("OTEL_RESOURCE_ATTRIBUTES")
+        );
+    }
+
+    #[test]
+    fn log_lines_get_trace_ids() {
+        let ids = (
+            "4bf92f3577b34da6a3ce929d0e0e4736".to_owned(),
+            "00f067aa0ba902b7".to_owned(),
+        );
+        let json = add_trace_ids("{\"level\":\"INFO\",\"fields\":{}}\n", Some(&ids), true);
+        let parsed: serde_json::Value = serde_json::from_str(&json).unwrap();
+        assert_eq!(parsed["trace_id"], "4bf92f3577b34da6a3ce929d0e0e4736");
+        assert_eq!(parsed["span_id"], "00f067aa0ba902b7");
+        assert!(json.ends_with("}\n"));
+        let text = add_trace_ids("INFO hello\n", Some(&ids), false);
+        assert_eq!(
+            text,
+            "INFO hello trace_id=4bf92f3577b34da6a3ce929d0e0e4736 span_id=00f067aa0ba902b7\n"
+        );
+        assert_eq!(add_trace_ids("INFO hello\n", None, false), "INFO hello\n");
+    }
+}
