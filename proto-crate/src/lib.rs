@@ -11,6 +11,8 @@
 //!   receive buffers) that keep one slow connection from stalling a tunnel.
 //! * [`duration`] / [`strconv`] — Go's duration and boolean syntaxes, as upstream flags use them.
 //! * [`transport`] / [`client`] — mTLS gRPC channels and a tunnel dialer for Rust users.
+//! * [`connector`] — a hyper / tower connector (and, with `kube-api`, a `kube::Client`)
+//!   whose connections go through the tunnel.
 //! * `api` (feature `kube-api`) — the versioned Kubernetes API types: our CRD and the OCM types.
 #![forbid(unsafe_code)]
 
@@ -23,6 +25,7 @@ pub mod konnectivity {
 #[cfg(feature = "kube-api")]
 pub mod api;
 pub mod client;
+pub mod connector;
 pub mod duration;
 pub mod flow;
 pub mod identifiers;
