@@ -175,7 +175,7 @@ impl Prober {
         let previous = find_condition(addon.conditions(), CONDITION_TYPE);
         if let Some(previous) = previous
             && previous.status == status
-            && key_of_condition(&previous.reason, &previous.message) == verdict.key
+            && !key_of_condition(&previous.reason, &previous.message).differs(&verdict.key)
         {
             return Ok(false);
         }

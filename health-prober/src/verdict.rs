@@ -19,20 +19,44 @@ pub struct Verdict {
     pub key: VerdictKey,
 }
 
-/// What must change for the condition to be written again: not the exact
-/// latency (it moves every round), only its power-of-two bucket.
+/// What must change for the condition to be written again: the state,
+/// or the latency by more than a factor of two (see [`VerdictKey::differs`]).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct VerdictKey {
     pub reason: String,
     pub replicas: String,
-    pub latency_bucket: Option<u32>,
+    pub latency_ms: Option<u64>,
     pub status: Option<u16>,
     pub failing: String,
 }
 
-/// `0` for 0 ms, then `n` for latencies in `[2^(n-1), 2^n)` ms.
-pub fn latency_bucket(ms: u64) -> u32 {
-    u64::BITS - ms.leading_zeros()
+/// Latencies below this count as equal: loopback and in-datacenter jitter
+/// must not cause writes.
+pub const LATENCY_FLOOR_MS: u64 = 16;
+
+impl VerdictKey {
+    /// Whether a condition saying `self` must be rewritten to say `new`.
+    /// Latency is compared by ratio rather than by fixed power-of-two
+    /// buckets: a latency hovering at a bucket edge would otherwise flip
+    /// the bucket (and write) every round.
+    pub fn differs(&self, new: &VerdictKey) -> bool {
+        self.reason != new.reason
+            || self.replicas != new.replicas
+            || self.status != new.status
+            || self.failing != new.failing
+            || latency_differs(self.latency_ms, new.latency_ms)
+    }
+}
+
+fn latency_differs(old: Option<u64>, new: Option<u64>) -> bool {
+    match (old, new) {
+        (Some(old), Some(new)) => {
+            let (old, new) = (old.max(LATENCY_FLOOR_MS), new.max(LATENCY_FLOOR_MS));
+            new > old.saturating_mul(2) || old > new.saturating_mul(2)
+        }
+        (None, None) => false,
+        _ => true,
+    }
 }
 
 /// Judges one cluster from `(replica address, outcome)` pairs (at least one).
@@ -53,11 +77,11 @@ pub fn judge(outcomes: &[(String, ProbeOutcome)]) -> Verdict {
         .iter()
         .filter_map(|o| o.total().map(|t| (t, *o)))
         .max_by_key(|(t, _)| *t);
-    let mut latency_bucket = None;
+    let mut slowest_ms = None;
     if let Some((latency, outcome)) = slowest {
         let ms = |d: Option<std::time::Duration>| d.map(|d| d.as_millis()).unwrap_or(0);
         let latency_ms = latency.as_millis();
-        latency_bucket = Some(latency_bucket_of(latency_ms));
+        slowest_ms = Some(u64::try_from(latency_ms).unwrap_or(u64::MAX));
         fields.push(format!("latency_ms={latency_ms}"));
         fields.push(format!("dial_ms={}", ms(outcome.dial)));
         fields.push(format!("tls_ms={}", ms(outcome.tls)));
@@ -97,15 +121,11 @@ pub fn judge(outcomes: &[(String, ProbeOutcome)]) -> Verdict {
         key: VerdictKey {
             reason: reason.to_owned(),
             replicas,
-            latency_bucket,
+            latency_ms: slowest_ms,
             status,
             failing: failing_names,
         },
     }
-}
-
-fn latency_bucket_of(ms: u128) -> u32 {
-    latency_bucket(u64::try_from(ms).unwrap_or(u64::MAX))
 }
 
 /// The key of a condition written earlier (by this or a previous process),
@@ -124,7 +144,7 @@ pub fn key_of_condition(reason: &str, message: &str) -> VerdictKey {
         };
         match name {
             "replicas" => key.replicas = value.to_owned(),
-            "latency_ms" => key.latency_bucket = value.parse().ok().map(latency_bucket),
+            "latency_ms" => key.latency_ms = value.parse().ok(),
             "status" => key.status = value.parse().ok(),
             "failing" => key.failing = value.to_owned(),
             _ => {}
@@ -157,14 +177,27 @@ mod tests {
         }
     }
 
+    fn key(latency_ms: Option<u64>) -> VerdictKey {
+        VerdictKey {
+            reason: REASON_REACHABLE.into(),
+            replicas: "1/1".into(),
+            latency_ms,
+            status: Some(200),
+            failing: String::new(),
+        }
+    }
+
     #[test]
-    fn buckets_are_powers_of_two() {
-        assert_eq!(latency_bucket(0), 0);
-        assert_eq!(latency_bucket(1), 1);
-        assert_eq!(latency_bucket(2), 2);
-        assert_eq!(latency_bucket(3), 2);
-        assert_eq!(latency_bucket(4), 3);
-        assert_eq!(latency_bucket(1000), 10);
+    fn latency_must_double_or_halve_above_the_floor_to_count() {
+        assert!(!key(Some(1)).differs(&key(Some(15))));
+        assert!(!key(Some(16)).differs(&key(Some(32))));
+        assert!(key(Some(16)).differs(&key(Some(33))));
+        assert!(!key(Some(100)).differs(&key(Some(60))));
+        assert!(key(Some(100)).differs(&key(Some(49))));
+        assert!(key(Some(100)).differs(&key(None)));
+        let mut degraded = key(Some(100));
+        degraded.reason = REASON_DEGRADED.into();
+        assert!(key(Some(100)).differs(&degraded));
     }
 
     #[test]
@@ -176,7 +209,7 @@ mod tests {
             verdict.message,
             "replicas=2/2 latency_ms=7 dial_ms=5 tls_ms=1 first_byte_ms=1 status=200"
         );
-        assert_eq!(verdict.key.latency_bucket, Some(3));
+        assert_eq!(verdict.key.latency_ms, Some(7));
     }
 
     #[test]
@@ -242,12 +275,12 @@ mod tests {
     }
 
     #[test]
-    fn latency_within_the_bucket_keeps_the_key() {
+    fn small_latency_changes_keep_the_key() {
         let a = judge(&[("a:1".into(), healthy(4))]);
         let b = judge(&[("a:1".into(), healthy(5))]);
-        let c = judge(&[("a:1".into(), healthy(20))]);
+        let c = judge(&[("a:1".into(), healthy(60))]);
         assert_ne!(a.message, b.message);
-        assert_eq!(a.key, b.key);
-        assert_ne!(a.key, c.key);
+        assert!(!a.key.differs(&b.key));
+        assert!(a.key.differs(&c.key));
     }
 }
