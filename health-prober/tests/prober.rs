@@ -9,74 +9,14 @@ use std::time::Duration;
 use cluster_proxy_proto::api::addon::v1alpha1::ManagedClusterAddOn;
 use cluster_proxy_proto::api::find_condition;
 use cluster_proxy_runtime::reload;
-use common::{Apiserver, Tunnel, WAIT};
+use common::{Apiserver, Hub, Tunnel, WAIT};
 use e2e::harness::wait_until;
-use e2e::kubeapi::{KubeApi, KubeApiOptions};
 use health_prober::metrics::ProberMetrics;
 use health_prober::probe::ProbeTarget;
 use health_prober::prober::{FIELD_MANAGER, Prober, RoundReport};
 use health_prober::replicas::Replica;
-use health_prober::verdict::CONDITION_TYPE;
-use k8s_openapi::api::core::v1::Namespace;
 use kube::Api;
-use kube::api::{Patch, PatchParams, PostParams};
-
-const OCM_CRDS: &str = include_str!("../../addon-manager/tests/fixtures/ocm-crds.yaml");
-
-struct Hub {
-    api: KubeApi,
-    client: kube::Client,
-    _dir: tempfile::TempDir,
-}
-
-impl Hub {
-    async fn start(clusters: &[&str]) -> Hub {
-        let dir = tempfile::tempdir().unwrap();
-        let api = KubeApi::start(KubeApiOptions::new(dir.path()))
-            .await
-            .unwrap();
-        api.register_crds_from_yaml(OCM_CRDS).unwrap();
-        let client = api.client().await.unwrap();
-        for cluster in clusters {
-            let ns: Namespace =
-                serde_json::from_value(serde_json::json!({"metadata": {"name": cluster}})).unwrap();
-            Api::<Namespace>::all(client.clone())
-                .create(&PostParams::default(), &ns)
-                .await
-                .unwrap();
-            let addon: ManagedClusterAddOn = serde_json::from_value(serde_json::json!({
-                "apiVersion": "addon.open-cluster-management.io/v1alpha1",
-                "kind": "ManagedClusterAddOn",
-                "metadata": {"name": "cluster-proxy", "namespace": cluster},
-                "spec": {},
-            }))
-            .unwrap();
-            Api::<ManagedClusterAddOn>::namespaced(client.clone(), cluster)
-                .create(&PostParams::default(), &addon)
-                .await
-                .unwrap();
-        }
-        Hub {
-            api,
-            client,
-            _dir: dir,
-        }
-    }
-
-    async fn addon(&self, cluster: &str) -> ManagedClusterAddOn {
-        Api::<ManagedClusterAddOn>::namespaced(self.client.clone(), cluster)
-            .get("cluster-proxy")
-            .await
-            .unwrap()
-    }
-
-    /// (status, reason, message) of the prober's condition.
-    async fn reachability(&self, cluster: &str) -> Option<(String, String, String)> {
-        let addon = self.addon(cluster).await;
-        find_condition(addon.conditions(), CONDITION_TYPE)
-            .map(|c| (c.status.clone(), c.reason.clone(), c.message.clone()))
-    }
-}
+use kube::api::{Patch, PatchParams};
 
 fn prober(hub: &Hub, tunnel: &Tunnel, apiserver: &Apiserver, metrics: ProberMetrics) -> Prober {
     let tls = reload::fixed(tunnel.pki.client_tls().unwrap());

@@ -8,9 +8,16 @@ use std::sync::atomic::{AtomicU16, Ordering};
 use std::time::Duration;
 
 use cert_authority::pki::{Authority, LeafRequest};
+use cluster_proxy_proto::api::addon::v1alpha1::ManagedClusterAddOn;
+use cluster_proxy_proto::api::find_condition;
 use e2e::harness::{AgentUnderTest, test_server_config, wait_until};
+use e2e::kubeapi::{KubeApi, KubeApiOptions};
 use e2e::pki::TestPki;
 use e2e::targets::TcpTarget;
+use health_prober::verdict::CONDITION_TYPE;
+use k8s_openapi::api::core::v1::Namespace;
+use kube::Api;
+use kube::api::PostParams;
 use proxy_server::RunningServer;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -109,4 +116,69 @@ impl Tunnel {
     pub fn client_address(&self, index: usize) -> String {
         format!("localhost:{}", self.servers[index].client_addr.port())
     }
+}
+
+const OCM_CRDS: &str = include_str!("../../../addon-manager/tests/fixtures/ocm-crds.yaml");
+
+pub struct Hub {
+    pub api: KubeApi,
+    pub client: kube::Client,
+    _dir: tempfile::TempDir,
+}
+
+impl Hub {
+    pub async fn start(clusters: &[&str]) -> Hub {
+        let dir = tempfile::tempdir().unwrap();
+        let api = KubeApi::start(KubeApiOptions::new(dir.path()))
+            .await
+            .unwrap();
+        api.register_crds_from_yaml(OCM_CRDS).unwrap();
+        let client = api.client().await.unwrap();
+        for cluster in clusters {
+            create_namespace(&client, cluster).await;
+            let addon: ManagedClusterAddOn = serde_json::from_value(serde_json::json!({
+                "apiVersion": "addon.open-cluster-management.io/v1alpha1",
+                "kind": "ManagedClusterAddOn",
+                "metadata": {"name": "cluster-proxy", "namespace": cluster},
+                "spec": {},
+            }))
+            .unwrap();
+            Api::<ManagedClusterAddOn>::namespaced(client.clone(), cluster)
+                .create(&PostParams::default(), &addon)
+                .await
+                .unwrap();
+        }
+        Hub {
+            api,
+            client,
+            _dir: dir,
+        }
+    }
+
+    pub async fn namespace(&self, name: &str) {
+        create_namespace(&self.client, name).await;
+    }
+
+    pub async fn addon(&self, cluster: &str) -> ManagedClusterAddOn {
+        Api::<ManagedClusterAddOn>::namespaced(self.client.clone(), cluster)
+            .get("cluster-proxy")
+            .await
+            .unwrap()
+    }
+
+    /// (status, reason, message) of the prober's condition.
+    pub async fn reachability(&self, cluster: &str) -> Option<(String, String, String)> {
+        let addon = self.addon(cluster).await;
+        find_condition(addon.conditions(), CONDITION_TYPE)
+            .map(|c| (c.status.clone(), c.reason.clone(), c.message.clone()))
+    }
+}
+
+async fn create_namespace(client: &kube::Client, name: &str) {
+    let ns: Namespace =
+        serde_json::from_value(serde_json::json!({"metadata": {"name": name}})).unwrap();
+    Api::<Namespace>::all(client.clone())
+        .create(&PostParams::default(), &ns)
+        .await
+        .unwrap();
 }
