@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use cluster_proxy_proto::client::DialError;
 use cluster_proxy_proto::connector::{ConnectError, TunnelConnector};
 use http_body_util::Empty;
 use hyper_util::rt::TokioIo;
@@ -40,6 +41,8 @@ pub struct ProbeOutcome {
     pub status: Option<u16>,
     /// Why the probe failed (`None`: `/healthz` answered 200).
     pub error: Option<String>,
+    /// The failure was the replica's (its gRPC stream), not the cluster's.
+    pub replica_failed: bool,
 }
 
 impl ProbeOutcome {
@@ -90,7 +93,16 @@ pub async fn probe(
     let started = Instant::now();
     let stream = match tokio::time::timeout_at(deadline, connector.connect(&uri)).await {
         Ok(Ok(stream)) => stream,
-        Ok(Err(error)) => return outcome.failed(format!("dial: {}", describe_connect(&error))),
+        Ok(Err(error)) => {
+            outcome.replica_failed = matches!(
+                error,
+                ConnectError::Tunnel {
+                    source: DialError::Stream(_),
+                    ..
+                }
+            );
+            return outcome.failed(format!("dial: {}", describe_connect(&error)));
+        }
         Err(_) => return outcome.failed(timed_out(Phase::Dial)),
     };
     outcome.dial = Some(started.elapsed());

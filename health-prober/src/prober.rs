@@ -16,7 +16,7 @@ use kube::api::{ListParams, Patch, PatchParams};
 use crate::metrics::{ClusterLabel, PhaseLabel, ProberMetrics, ResultLabel};
 use crate::probe::{Phase, ProbeOutcome, ProbeTarget, probe};
 use crate::replicas::Replica;
-use crate::verdict::{CONDITION_TYPE, Verdict, judge, key_of_condition};
+use crate::verdict::{CONDITION_TYPE, LATENCY_FLOOR_MS, Verdict, judge, key_of_condition};
 
 /// The add-on whose ManagedClusterAddOns are probed.
 pub const ADDON_NAME: &str = "cluster-proxy";
@@ -44,6 +44,7 @@ pub struct Prober {
     replicas: Vec<Arc<Replica>>,
     target: ProbeTarget,
     concurrency: usize,
+    latency_floor_ms: u64,
     metrics: ProberMetrics,
 }
 
@@ -61,8 +62,16 @@ impl Prober {
             replicas: replicas.into_iter().map(Arc::new).collect(),
             target,
             concurrency: concurrency.max(1),
+            latency_floor_ms: LATENCY_FLOOR_MS,
             metrics,
         }
+    }
+
+    /// Latencies under `floor` never count as a change (default
+    /// [`LATENCY_FLOOR_MS`]); only a doubling or halving above it does.
+    pub fn with_latency_floor(mut self, floor: Duration) -> Self {
+        self.latency_floor_ms = u64::try_from(floor.as_millis()).unwrap_or(u64::MAX);
+        self
     }
 
     /// One round over every cluster with the add-on.
@@ -112,10 +121,16 @@ impl Prober {
             let outcome = match replica.connector(self.target.timeout).await {
                 Ok(connector) => probe(&connector, &self.target, cluster).await,
                 Err(error) => ProbeOutcome {
-                    error: Some(format!("replica: {error}")),
+                    error: Some(error.to_string()),
+                    replica_failed: true,
                     ..ProbeOutcome::default()
                 },
             };
+            if outcome.replica_failed
+                && let Some(error) = &outcome.error
+            {
+                replica.mark_down(error.clone()).await;
+            }
             (replica.address().to_owned(), outcome)
         });
         let outcomes = futures_util::future::join_all(probes).await;
@@ -175,7 +190,8 @@ impl Prober {
         let previous = find_condition(addon.conditions(), CONDITION_TYPE);
         if let Some(previous) = previous
             && previous.status == status
-            && !key_of_condition(&previous.reason, &previous.message).differs(&verdict.key)
+            && !key_of_condition(&previous.reason, &previous.message)
+                .differs(&verdict.key, self.latency_floor_ms)
         {
             return Ok(false);
         }

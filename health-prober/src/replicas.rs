@@ -6,9 +6,10 @@ use std::time::Duration;
 
 use cluster_proxy_proto::client::TunnelClient;
 use cluster_proxy_proto::connector::TunnelConnector;
-use cluster_proxy_proto::transport::{TransportError, connect_channel};
+use cluster_proxy_proto::transport::connect_channel;
 use cluster_proxy_runtime::reload::Watched;
 use tokio::sync::Mutex;
+use tokio::time::Instant;
 
 #[derive(Debug, thiserror::Error)]
 pub enum AddressError {
@@ -35,10 +36,27 @@ pub fn split_address(address: &str) -> Result<(String, u16), AddressError> {
     Ok((host.to_owned(), port))
 }
 
-struct Connected {
-    connector: TunnelConnector,
-    tls: Arc<rustls::ClientConfig>,
+/// How long a replica that could not be reached is reported down without
+/// trying again: a replica that is down (or black-holed) must not cost every
+/// cluster's probe a connect timeout.
+pub const RETRY_AFTER: Duration = Duration::from_secs(5);
+
+enum State {
+    Idle,
+    Connected {
+        connector: TunnelConnector,
+        tls: Arc<rustls::ClientConfig>,
+    },
+    Down {
+        since: Instant,
+        error: String,
+    },
 }
+
+/// Why a replica cannot be used right now.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("replica unavailable: {0}")]
+pub struct Unavailable(pub String);
 
 /// A proxy-server replica, named by its client address.
 pub struct Replica {
@@ -46,7 +64,7 @@ pub struct Replica {
     host: String,
     port: u16,
     tls: Watched<rustls::ClientConfig>,
-    connected: Mutex<Option<Connected>>,
+    state: Mutex<State>,
 }
 
 impl Replica {
@@ -57,7 +75,7 @@ impl Replica {
             host,
             port,
             tls,
-            connected: Mutex::new(None),
+            state: Mutex::new(State::Idle),
         })
     }
 
@@ -66,31 +84,51 @@ impl Replica {
     }
 
     /// A connector over this replica's channel, connecting first when there
-    /// is none yet or the client credentials changed on disk.
-    pub async fn connector(&self, timeout: Duration) -> Result<TunnelConnector, TransportError> {
+    /// is none yet or the client credentials changed on disk; fails at once
+    /// for [`RETRY_AFTER`] after the replica was found down.
+    pub async fn connector(&self, timeout: Duration) -> Result<TunnelConnector, Unavailable> {
         let tls = self.tls.borrow().clone();
-        let mut connected = self.connected.lock().await;
-        if let Some(current) = connected.as_ref()
-            && Arc::ptr_eq(&current.tls, &tls)
-        {
-            return Ok(current.connector.clone());
+        let mut state = self.state.lock().await;
+        match &*state {
+            State::Connected {
+                connector,
+                tls: used,
+            } if Arc::ptr_eq(used, &tls) => return Ok(connector.clone()),
+            State::Down { since, error } if since.elapsed() < RETRY_AFTER => {
+                return Err(Unavailable(error.clone()));
+            }
+            _ => {}
         }
-        let channel = connect_channel(&self.host, self.port, tls.clone(), timeout).await?;
-        let connector = TunnelConnector::new(
-            TunnelClient::new(channel).with_dial_timeout(timeout),
-            timeout,
-        );
-        *connected = Some(Connected {
-            connector: connector.clone(),
-            tls,
-        });
-        Ok(connector)
+        match connect_channel(&self.host, self.port, tls.clone(), timeout).await {
+            Ok(channel) => {
+                let connector = TunnelConnector::new(
+                    TunnelClient::new(channel).with_dial_timeout(timeout),
+                    timeout,
+                );
+                *state = State::Connected {
+                    connector: connector.clone(),
+                    tls,
+                };
+                Ok(connector)
+            }
+            Err(error) => {
+                let error = error.to_string();
+                *state = State::Down {
+                    since: Instant::now(),
+                    error: error.clone(),
+                };
+                Err(Unavailable(error))
+            }
+        }
     }
 
-    /// Drops the channel so the next probe reconnects (after the replica
-    /// failed in a way a new connection may fix).
-    pub async fn reset(&self) {
-        *self.connected.lock().await = None;
+    /// Records that the replica failed as a whole (its gRPC stream, not one
+    /// cluster's dial): the next probes fail at once, and then reconnect.
+    pub async fn mark_down(&self, error: String) {
+        *self.state.lock().await = State::Down {
+            since: Instant::now(),
+            error,
+        };
     }
 }
 

@@ -30,8 +30,8 @@ pub struct VerdictKey {
     pub failing: String,
 }
 
-/// Latencies below this count as equal: loopback and in-datacenter jitter
-/// must not cause writes.
+/// Latencies below this count as equal by default: loopback and
+/// in-datacenter jitter must not cause writes.
 pub const LATENCY_FLOOR_MS: u64 = 16;
 
 impl VerdictKey {
@@ -39,19 +39,20 @@ impl VerdictKey {
     /// Latency is compared by ratio rather than by fixed power-of-two
     /// buckets: a latency hovering at a bucket edge would otherwise flip
     /// the bucket (and write) every round.
-    pub fn differs(&self, new: &VerdictKey) -> bool {
+    /// Latencies under `floor_ms` count as `floor_ms`.
+    pub fn differs(&self, new: &VerdictKey, floor_ms: u64) -> bool {
         self.reason != new.reason
             || self.replicas != new.replicas
             || self.status != new.status
             || self.failing != new.failing
-            || latency_differs(self.latency_ms, new.latency_ms)
+            || latency_differs(self.latency_ms, new.latency_ms, floor_ms)
     }
 }
 
-fn latency_differs(old: Option<u64>, new: Option<u64>) -> bool {
+fn latency_differs(old: Option<u64>, new: Option<u64>, floor_ms: u64) -> bool {
     match (old, new) {
         (Some(old), Some(new)) => {
-            let (old, new) = (old.max(LATENCY_FLOOR_MS), new.max(LATENCY_FLOOR_MS));
+            let (old, new) = (old.max(floor_ms), new.max(floor_ms));
             new > old.saturating_mul(2) || old > new.saturating_mul(2)
         }
         (None, None) => false,
@@ -166,6 +167,7 @@ mod tests {
             first_byte: Some(Duration::from_millis(1)),
             status: Some(200),
             error: None,
+            replica_failed: false,
         }
     }
 
@@ -189,15 +191,15 @@ mod tests {
 
     #[test]
     fn latency_must_double_or_halve_above_the_floor_to_count() {
-        assert!(!key(Some(1)).differs(&key(Some(15))));
-        assert!(!key(Some(16)).differs(&key(Some(32))));
-        assert!(key(Some(16)).differs(&key(Some(33))));
-        assert!(!key(Some(100)).differs(&key(Some(60))));
-        assert!(key(Some(100)).differs(&key(Some(49))));
-        assert!(key(Some(100)).differs(&key(None)));
+        assert!(!key(Some(1)).differs(&key(Some(15)), LATENCY_FLOOR_MS));
+        assert!(!key(Some(16)).differs(&key(Some(32)), LATENCY_FLOOR_MS));
+        assert!(key(Some(16)).differs(&key(Some(33)), LATENCY_FLOOR_MS));
+        assert!(!key(Some(100)).differs(&key(Some(60)), LATENCY_FLOOR_MS));
+        assert!(key(Some(100)).differs(&key(Some(49)), LATENCY_FLOOR_MS));
+        assert!(key(Some(100)).differs(&key(None), LATENCY_FLOOR_MS));
         let mut degraded = key(Some(100));
         degraded.reason = REASON_DEGRADED.into();
-        assert!(key(Some(100)).differs(&degraded));
+        assert!(key(Some(100)).differs(&degraded, LATENCY_FLOOR_MS));
     }
 
     #[test]
@@ -280,7 +282,7 @@ mod tests {
         let b = judge(&[("a:1".into(), healthy(5))]);
         let c = judge(&[("a:1".into(), healthy(60))]);
         assert_ne!(a.message, b.message);
-        assert!(!a.key.differs(&b.key));
-        assert!(a.key.differs(&c.key));
+        assert!(!a.key.differs(&b.key, LATENCY_FLOOR_MS));
+        assert!(a.key.differs(&c.key, LATENCY_FLOOR_MS));
     }
 }

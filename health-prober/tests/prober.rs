@@ -34,7 +34,12 @@ fn prober(hub: &Hub, tunnel: &Tunnel, apiserver: &Apiserver, metrics: ProberMetr
         64,
         metrics,
     )
+    // A loaded test machine must not look like a latency change.
+    .with_latency_floor(QUIET)
 }
+
+/// Latency differences the tests ignore.
+const QUIET: Duration = Duration::from_secs(10);
 
 async fn lose_tunnel(tunnel: &Tunnel, index: usize, agent: e2e::harness::AgentUnderTest) {
     let server = &tunnel.servers[index];
@@ -173,4 +178,43 @@ async fn other_managers_conditions_survive_and_every_cluster_is_probed() {
     assert_eq!(reason, "Unreachable");
     assert!(message.contains("no agent connected"), "{message}");
     drop(hub.api);
+}
+
+#[tokio::test]
+async fn a_replica_that_cannot_be_reached_degrades_every_cluster_by_name() {
+    let hub = Hub::start(&["cluster-a", "cluster-b"]).await;
+    let tunnel = Tunnel::start(&["cluster-a", "cluster-b"], 1).await;
+    let apiserver = Apiserver::start(&["cluster-a", "cluster-b"]).await;
+    let _a = tunnel.agent("cluster-a", 0).await;
+    let _b = tunnel.agent("cluster-b", 0).await;
+    let tls = reload::fixed(tunnel.pki.client_tls().unwrap());
+    let down = format!(
+        "localhost:{}",
+        e2e::targets::closed_port().await.unwrap().port()
+    );
+    let prober = Prober::new(
+        hub.client.clone(),
+        vec![
+            Replica::new(&tunnel.client_address(0), tls.clone()).unwrap(),
+            Replica::new(&down, tls).unwrap(),
+        ],
+        ProbeTarget {
+            port: apiserver.port,
+            tls: health_prober::tls::target_client(None).unwrap(),
+            timeout: Duration::from_secs(3),
+        },
+        64,
+        ProberMetrics::default(),
+    )
+    .with_latency_floor(QUIET);
+    for round in 0..2 {
+        let report = prober.round().await.unwrap();
+        assert_eq!(report.writes, if round == 0 { 2 } else { 0 });
+        for cluster in ["cluster-a", "cluster-b"] {
+            let (status, reason, message) = hub.reachability(cluster).await.unwrap();
+            assert_eq!((status.as_str(), reason.as_str()), ("False", "Degraded"));
+            assert!(message.contains(&format!("failing={down} ")), "{message}");
+            assert!(message.contains("replica unavailable"), "{message}");
+        }
+    }
 }
