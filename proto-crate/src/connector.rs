@@ -56,8 +56,10 @@ impl ConnectError {
 
 impl Connection for TunnelStream {
     fn connected(&self) -> Connected {
-        // The agent dials for us: to hyper this is a proxied connection.
-        Connected::new().proxy(true)
+        // Not `proxy(true)`: that would make hyper send absolute-form request
+        // targets, as to an HTTP proxy; the tunnel is a plain TCP connection
+        // to the target, like one after CONNECT.
+        Connected::new()
     }
 }
 
