@@ -9,12 +9,13 @@ use cluster_proxy_proto::connector::{ConnectError, TunnelConnector, kube_client}
 use common::Tunnel;
 use e2e::harness::{RawAgent, tunnel_client};
 use e2e::kubeapi::{KubeApi, KubeApiOptions};
-use e2e::targets::{HttpServer, closed_port};
+use e2e::targets::{TcpTarget, closed_port};
 use http_body_util::{BodyExt, Empty};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use k8s_openapi::api::core::v1::Namespace;
 use kube::Api;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 async fn connector(tunnel: &Tunnel, timeout: Duration) -> TunnelConnector {
     let client = tunnel_client(
@@ -30,15 +31,38 @@ async fn connector(tunnel: &Tunnel, timeout: Duration) -> TunnelConnector {
 async fn hyper_gets_through_the_tunnel_by_cluster_name() {
     let tunnel = Tunnel::start(&["cluster-a"], 1).await;
     let _agent = tunnel.agent("cluster-a", 0).await;
-    let target = HttpServer::start("hello through the tunnel").await.unwrap();
+    // Answers with the request line it got.
+    let target = TcpTarget::serve(|mut socket| async move {
+        let mut head = Vec::new();
+        let mut buf = [0u8; 1024];
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+            match socket.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => head.extend_from_slice(&buf[..n]),
+            }
+        }
+        let line = String::from_utf8_lossy(&head)
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .to_owned();
+        let response = format!(
+            "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{line}",
+            line.len()
+        );
+        let _ = socket.write_all(response.as_bytes()).await;
+    })
+    .await
+    .unwrap();
     let http: Client<_, Empty<Bytes>> = Client::builder(TokioExecutor::new())
         .build(connector(&tunnel, Duration::from_secs(5)).await);
     for _ in 0..3 {
-        let uri = format!("http://cluster-a:{}/", target.addr.port());
+        let uri = format!("http://cluster-a:{}/path?q=1", target.addr.port());
         let response = http.get(uri.parse().unwrap()).await.unwrap();
         assert_eq!(response.status(), 200);
         let body = response.into_body().collect().await.unwrap().to_bytes();
-        assert_eq!(&body[..], b"hello through the tunnel");
+        // Origin-form, as to the server itself, not absolute-form as to a proxy.
+        assert_eq!(&body[..], b"GET /path?q=1 HTTP/1.1");
     }
 }
 
