@@ -2,6 +2,7 @@
 //! replica, and a `ClusterProxyReachable` condition written only when it
 //! changes meaningfully.
 
+use std::collections::BTreeSet;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -46,6 +47,8 @@ pub struct Prober {
     concurrency: usize,
     latency_floor_ms: u64,
     metrics: ProberMetrics,
+    /// The clusters of the last round, whose gauges are dropped when they leave.
+    probed: std::sync::Mutex<BTreeSet<String>>,
 }
 
 impl Prober {
@@ -64,6 +67,7 @@ impl Prober {
             concurrency: concurrency.max(1),
             latency_floor_ms: LATENCY_FLOOR_MS,
             metrics,
+            probed: std::sync::Mutex::new(BTreeSet::new()),
         }
     }
 
@@ -88,6 +92,7 @@ impl Prober {
             .filter(|a| a.metadata.deletion_timestamp.is_none())
             .filter(|a| a.metadata.namespace.is_some())
             .collect();
+        self.forget_departed(&addons);
         // Each cluster probes every replica at once.
         let clusters_at_once = (self.concurrency / self.replicas.len().max(1)).max(1);
         let mut report = RoundReport {
@@ -113,6 +118,20 @@ impl Prober {
             .round_duration
             .observe(started.elapsed().as_secs_f64());
         Ok(report)
+    }
+
+    fn forget_departed(&self, addons: &[ManagedClusterAddOn]) {
+        let current: BTreeSet<String> = addons
+            .iter()
+            .filter_map(|a| a.metadata.namespace.clone())
+            .collect();
+        let mut probed = self.probed.lock().unwrap_or_else(|p| p.into_inner());
+        for cluster in probed.difference(&current) {
+            self.metrics.cluster_reachable.remove(&ClusterLabel {
+                cluster: cluster.clone(),
+            });
+        }
+        *probed = current;
     }
 
     async fn probe_cluster(&self, addon: &ManagedClusterAddOn) -> Verdict {

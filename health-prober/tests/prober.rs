@@ -11,7 +11,7 @@ use cluster_proxy_proto::api::find_condition;
 use cluster_proxy_runtime::reload;
 use common::{Apiserver, Hub, Tunnel, WAIT};
 use e2e::harness::wait_until;
-use health_prober::metrics::ProberMetrics;
+use health_prober::metrics::{ClusterLabel, ProberMetrics};
 use health_prober::probe::ProbeTarget;
 use health_prober::prober::{FIELD_MANAGER, Prober, RoundReport};
 use health_prober::replicas::Replica;
@@ -157,7 +157,8 @@ async fn other_managers_conditions_survive_and_every_cluster_is_probed() {
         )
         .await
         .unwrap();
-    let prober = prober(&hub, &tunnel, &apiserver, ProberMetrics::default());
+    let metrics = ProberMetrics::default();
+    let prober = prober(&hub, &tunnel, &apiserver, metrics.clone());
 
     let report = prober.round().await.unwrap();
     assert_eq!(
@@ -177,6 +178,25 @@ async fn other_managers_conditions_survive_and_every_cluster_is_probed() {
     let (_, reason, message) = hub.reachability("cluster-c").await.unwrap();
     assert_eq!(reason, "Unreachable");
     assert!(message.contains("no agent connected"), "{message}");
+
+    // A cluster whose addon is gone loses its reachability gauge.
+    let gauge = |cluster: &str| {
+        metrics
+            .cluster_reachable
+            .get(&ClusterLabel {
+                cluster: cluster.into(),
+            })
+            .map(|g| g.get())
+    };
+    assert_eq!(gauge("cluster-c"), Some(0));
+    assert_eq!(gauge("cluster-a"), Some(1));
+    Api::<ManagedClusterAddOn>::namespaced(hub.client.clone(), "cluster-c")
+        .delete("cluster-proxy", &Default::default())
+        .await
+        .unwrap();
+    assert_eq!(prober.round().await.unwrap().clusters, 2);
+    assert_eq!(gauge("cluster-c"), None);
+    assert_eq!(gauge("cluster-a"), Some(1));
     drop(hub.api);
 }
 
