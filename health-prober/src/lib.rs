@@ -1,6 +1,21 @@
-//! health-prober: probes every managed cluster through the tunnel and records
-//! latency in the addon status.
+//! health-prober: probes every managed cluster's kube-apiserver through each
+//! proxy-server replica and records reachability and latency as the
+//! `ClusterProxyReachable` condition of the cluster's `cluster-proxy`
+//! ManagedClusterAddOn.
 //!
-//! Not built yet: this crate only reserves its place in the workspace. It has
-//! no binary, so nothing can mistake it for a working prober.
+//! * [`settings`] — flags, environment (`HEALTH_PROBER_*`) and TOML file.
+//! * [`replicas`] — one lazily (re)connected gRPC channel per replica.
+//! * [`probe`] — one probe: dial, TLS handshake, `GET /healthz`, timed.
+//! * [`verdict`] — outcomes to a condition, and when it is worth a write.
+//! * [`prober`] — the rounds and the status writes.
+//! * [`tls`] — client TLS for the proxy-servers and the kube-apiservers.
+//! * [`metrics`] — Prometheus metrics.
 #![forbid(unsafe_code)]
+
+pub mod metrics;
+pub mod probe;
+pub mod prober;
+pub mod replicas;
+pub mod settings;
+pub mod tls;
+pub mod verdict;

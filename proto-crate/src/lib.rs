@@ -12,6 +12,8 @@
 //! * [`duration`] / [`strconv`] — Go's duration and boolean syntaxes, as upstream flags use them.
 //! * [`trace`] — W3C trace-context propagation (gRPC metadata, HTTP headers, dial requests).
 //! * [`transport`] / [`client`] — mTLS gRPC channels and a tunnel dialer for Rust users.
+//! * [`connector`] — a hyper / tower connector (and, with `kube-api`, a `kube::Client`)
+//!   whose connections go through the tunnel.
 //! * `api` (feature `kube-api`) — the versioned Kubernetes API types: our CRD and the OCM types.
 #![forbid(unsafe_code)]
 
@@ -24,6 +26,7 @@ pub mod konnectivity {
 #[cfg(feature = "kube-api")]
 pub mod api;
 pub mod client;
+pub mod connector;
 pub mod duration;
 pub mod flow;
 pub mod identifiers;

@@ -1,0 +1,292 @@
+//! Probe rounds: every `cluster-proxy` ManagedClusterAddOn, through every
+//! replica, and a `ClusterProxyReachable` condition written only when it
+//! changes meaningfully.
+
+use std::collections::BTreeSet;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use cluster_proxy_proto::api::addon::v1alpha1::ManagedClusterAddOn;
+use cluster_proxy_proto::api::{CONDITION_FALSE, CONDITION_TRUE, Condition, find_condition};
+use futures_util::StreamExt;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::Api;
+use kube::api::{ListParams, Patch, PatchParams};
+
+use crate::metrics::{ClusterLabel, PhaseLabel, ProberMetrics, ResultLabel};
+use crate::probe::{Phase, ProbeOutcome, ProbeTarget, probe};
+use crate::replicas::Replica;
+use crate::verdict::{CONDITION_TYPE, LATENCY_FLOOR_MS, Verdict, judge, key_of_condition};
+
+/// The add-on whose ManagedClusterAddOns are probed.
+pub const ADDON_NAME: &str = "cluster-proxy";
+/// The field manager of the prober's status writes.
+pub const FIELD_MANAGER: &str = "cluster-proxy-health-prober";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ProberError {
+    #[error("list ManagedClusterAddOns: {0}")]
+    List(#[source] kube::Error),
+}
+
+/// What one round did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct RoundReport {
+    pub clusters: usize,
+    pub reachable: usize,
+    pub writes: usize,
+    pub write_errors: usize,
+}
+
+/// Probes clusters through a fixed list of replicas.
+pub struct Prober {
+    client: kube::Client,
+    replicas: Vec<Arc<Replica>>,
+    target: ProbeTarget,
+    concurrency: usize,
+    latency_floor_ms: u64,
+    metrics: ProberMetrics,
+    /// The clusters of the last round, whose gauges are dropped when they leave.
+    probed: std::sync::Mutex<BTreeSet<String>>,
+}
+
+impl Prober {
+    /// `concurrency` bounds the probes in flight (clusters × replicas).
+    pub fn new(
+        client: kube::Client,
+        replicas: Vec<Replica>,
+        target: ProbeTarget,
+        concurrency: usize,
+        metrics: ProberMetrics,
+    ) -> Self {
+        Prober {
+            client,
+            replicas: replicas.into_iter().map(Arc::new).collect(),
+            target,
+            concurrency: concurrency.max(1),
+            latency_floor_ms: LATENCY_FLOOR_MS,
+            metrics,
+            probed: std::sync::Mutex::new(BTreeSet::new()),
+        }
+    }
+
+    /// Latencies under `floor` never count as a change (default
+    /// [`LATENCY_FLOOR_MS`]); only a doubling or halving above it does.
+    pub fn with_latency_floor(mut self, floor: Duration) -> Self {
+        self.latency_floor_ms = u64::try_from(floor.as_millis()).unwrap_or(u64::MAX);
+        self
+    }
+
+    /// One round over every cluster with the add-on.
+    pub async fn round(&self) -> Result<RoundReport, ProberError> {
+        let started = tokio::time::Instant::now();
+        let addons = Api::<ManagedClusterAddOn>::all(self.client.clone())
+            .list(&ListParams::default())
+            .await
+            .map_err(ProberError::List)?;
+        let addons: Vec<ManagedClusterAddOn> = addons
+            .items
+            .into_iter()
+            .filter(|a| a.metadata.name.as_deref() == Some(ADDON_NAME))
+            .filter(|a| a.metadata.deletion_timestamp.is_none())
+            .filter(|a| a.metadata.namespace.is_some())
+            .collect();
+        self.forget_departed(&addons);
+        // Each cluster probes every replica at once.
+        let clusters_at_once = (self.concurrency / self.replicas.len().max(1)).max(1);
+        let mut report = RoundReport {
+            clusters: addons.len(),
+            ..RoundReport::default()
+        };
+        let mut results = futures_util::stream::iter(addons)
+            .map(|addon| async move {
+                let verdict = self.probe_cluster(&addon).await;
+                let written = self.record(&addon, &verdict).await;
+                (verdict, written)
+            })
+            .buffer_unordered(clusters_at_once);
+        while let Some((verdict, written)) = results.next().await {
+            report.reachable += usize::from(verdict.reachable);
+            match written {
+                Ok(true) => report.writes += 1,
+                Ok(false) => {}
+                Err(()) => report.write_errors += 1,
+            }
+        }
+        self.metrics
+            .round_duration
+            .observe(started.elapsed().as_secs_f64());
+        Ok(report)
+    }
+
+    fn forget_departed(&self, addons: &[ManagedClusterAddOn]) {
+        let current: BTreeSet<String> = addons
+            .iter()
+            .filter_map(|a| a.metadata.namespace.clone())
+            .collect();
+        let mut probed = self.probed.lock().unwrap_or_else(|p| p.into_inner());
+        for cluster in probed.difference(&current) {
+            self.metrics.cluster_reachable.remove(&ClusterLabel {
+                cluster: cluster.clone(),
+            });
+        }
+        *probed = current;
+    }
+
+    async fn probe_cluster(&self, addon: &ManagedClusterAddOn) -> Verdict {
+        let cluster = addon.metadata.namespace.as_deref().unwrap_or_default();
+        let probes = self.replicas.iter().map(|replica| async move {
+            let outcome = match replica.connector(self.target.timeout).await {
+                Ok(connector) => probe(&connector, &self.target, cluster).await,
+                Err(error) => ProbeOutcome {
+                    error: Some(error.to_string()),
+                    replica_failed: true,
+                    ..ProbeOutcome::default()
+                },
+            };
+            if outcome.replica_failed
+                && let Some(error) = &outcome.error
+            {
+                replica.mark_down(error.clone()).await;
+            }
+            (replica.address().to_owned(), outcome)
+        });
+        let outcomes = futures_util::future::join_all(probes).await;
+        for (replica, outcome) in &outcomes {
+            self.observe(outcome);
+            if let Some(error) = &outcome.error {
+                tracing::debug!(%cluster, %replica, %error, "probe failed");
+            }
+        }
+        let verdict = judge(&outcomes);
+        self.metrics
+            .cluster_reachable
+            .get_or_create(&ClusterLabel {
+                cluster: cluster.to_owned(),
+            })
+            .set(i64::from(verdict.reachable));
+        verdict
+    }
+
+    fn observe(&self, outcome: &ProbeOutcome) {
+        for (phase, took) in [
+            (Phase::Dial, outcome.dial),
+            (Phase::Tls, outcome.tls),
+            (Phase::FirstByte, outcome.first_byte),
+        ] {
+            if let Some(took) = took {
+                self.metrics
+                    .probe_duration
+                    .get_or_create(&PhaseLabel {
+                        phase: phase.as_str(),
+                    })
+                    .observe(took.as_secs_f64());
+            }
+        }
+        let result = if outcome.healthy() {
+            "success"
+        } else {
+            "failure"
+        };
+        self.metrics
+            .probes
+            .get_or_create(&ResultLabel { result })
+            .inc();
+    }
+
+    /// Writes the condition when its key changed; whether it wrote.
+    async fn record(&self, addon: &ManagedClusterAddOn, verdict: &Verdict) -> Result<bool, ()> {
+        let (Some(namespace), Some(name)) = (&addon.metadata.namespace, &addon.metadata.name)
+        else {
+            return Ok(false);
+        };
+        let status = if verdict.reachable {
+            CONDITION_TRUE
+        } else {
+            CONDITION_FALSE
+        };
+        let previous = find_condition(addon.conditions(), CONDITION_TYPE);
+        if let Some(previous) = previous
+            && previous.status == status
+            && !key_of_condition(&previous.reason, &previous.message)
+                .differs(&verdict.key, self.latency_floor_ms)
+        {
+            return Ok(false);
+        }
+        let last_transition_time = match previous {
+            Some(previous) if previous.status == status => previous.last_transition_time.clone(),
+            _ => Time(k8s_openapi::jiff::Timestamp::now()),
+        };
+        let condition = Condition {
+            type_: CONDITION_TYPE.to_owned(),
+            status: status.to_owned(),
+            reason: verdict.reason.to_owned(),
+            message: verdict.message.clone(),
+            last_transition_time,
+            observed_generation: addon.metadata.generation,
+        };
+        let patch = serde_json::json!({
+            "apiVersion": "addon.open-cluster-management.io/v1alpha1",
+            "kind": "ManagedClusterAddOn",
+            "metadata": {"name": name, "namespace": namespace},
+            "status": {"conditions": [condition]},
+        });
+        let api = Api::<ManagedClusterAddOn>::namespaced(self.client.clone(), namespace);
+        match api
+            .patch_status(
+                name,
+                &PatchParams::apply(FIELD_MANAGER).force(),
+                &Patch::Apply(&patch),
+            )
+            .await
+        {
+            Ok(_) => {
+                self.metrics.status_writes.inc();
+                tracing::info!(cluster = %namespace, reason = verdict.reason, message = %verdict.message, "reachability changed");
+                Ok(true)
+            }
+            Err(error) => {
+                tracing::warn!(cluster = %namespace, %error, "writing the ClusterProxyReachable condition");
+                Err(())
+            }
+        }
+    }
+
+    /// Rounds every `interval` ±10% until `stop` completes.
+    pub async fn run(&self, interval: Duration, stop: impl Future<Output = ()>) {
+        tokio::pin!(stop);
+        loop {
+            match self.round().await {
+                Ok(report) => tracing::debug!(?report, "probe round done"),
+                Err(error) => tracing::warn!(%error, "probe round failed"),
+            }
+            tokio::select! {
+                _ = &mut stop => return,
+                _ = tokio::time::sleep(jittered(interval)) => {}
+            }
+        }
+    }
+}
+
+/// `interval` ±10%, so that replicas' and clusters' rhythms drift apart.
+pub fn jittered(interval: Duration) -> Duration {
+    interval.mul_f64(0.9 + 0.2 * rand::random::<f64>())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn jitter_stays_within_ten_percent() {
+        let interval = Duration::from_secs(30);
+        for _ in 0..1000 {
+            let d = jittered(interval);
+            assert!(
+                d >= Duration::from_secs(27) && d <= Duration::from_secs(33),
+                "{d:?}"
+            );
+        }
+    }
+}

@@ -1,0 +1,184 @@
+//! A tunnel on loopback for the prober and connector tests: in-process
+//! proxy-servers, agents, an HTTPS stand-in kube-apiserver and the
+//! in-memory Kubernetes API.
+#![allow(dead_code)]
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU16, Ordering};
+use std::time::Duration;
+
+use cert_authority::pki::{Authority, LeafRequest};
+use cluster_proxy_proto::api::addon::v1alpha1::ManagedClusterAddOn;
+use cluster_proxy_proto::api::find_condition;
+use e2e::harness::{AgentUnderTest, test_server_config, wait_until};
+use e2e::kubeapi::{KubeApi, KubeApiOptions};
+use e2e::pki::TestPki;
+use e2e::targets::TcpTarget;
+use health_prober::verdict::CONDITION_TYPE;
+use k8s_openapi::api::core::v1::Namespace;
+use kube::Api;
+use kube::api::PostParams;
+use proxy_server::RunningServer;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+pub const WAIT: Duration = Duration::from_secs(10);
+
+/// An HTTPS server answering every request with the status in `status`.
+pub struct Apiserver {
+    pub port: u16,
+    pub status: Arc<AtomicU16>,
+    _target: TcpTarget,
+}
+
+impl Apiserver {
+    pub async fn start(names: &[&str]) -> Apiserver {
+        let ca = Authority::generate("test apiserver CA", Duration::from_secs(3600)).unwrap();
+        let leaf = ca
+            .issue(&LeafRequest::server("kube-apiserver", names))
+            .unwrap();
+        let acceptor =
+            e2e::env::sample::tls_acceptor(&leaf.cert_pem, &leaf.key_pem, &[b"http/1.1"]).unwrap();
+        let status = Arc::new(AtomicU16::new(200));
+        let answer = status.clone();
+        let target = TcpTarget::serve(move |socket| {
+            let acceptor = acceptor.clone();
+            let answer = answer.clone();
+            async move {
+                let Ok(mut tls) = acceptor.accept(socket).await else {
+                    return;
+                };
+                let mut head = Vec::new();
+                let mut buf = [0u8; 4096];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match tls.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => head.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let code = answer.load(Ordering::SeqCst);
+                let response = format!(
+                    "HTTP/1.1 {code} X\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok"
+                );
+                let _ = tls.write_all(response.as_bytes()).await;
+                let _ = tls.shutdown().await;
+            }
+        })
+        .await
+        .unwrap();
+        Apiserver {
+            port: target.addr.port(),
+            status,
+            _target: target,
+        }
+    }
+}
+
+/// `replicas` proxy-servers sharing one PKI.
+pub struct Tunnel {
+    pub pki: TestPki,
+    pub servers: Vec<RunningServer>,
+}
+
+impl Tunnel {
+    pub async fn start(clusters: &[&str], replicas: usize) -> Tunnel {
+        let pki = TestPki::new(clusters).unwrap();
+        let mut servers = Vec::new();
+        for _ in 0..replicas {
+            servers.push(
+                proxy_server::start_with_tls(test_server_config(), pki.server_tls().unwrap())
+                    .await
+                    .unwrap(),
+            );
+        }
+        Tunnel { pki, servers }
+    }
+
+    /// An agent of `cluster` connected to replica `index`, its name resolving to loopback.
+    pub async fn agent(&self, cluster: &str, index: usize) -> AgentUnderTest {
+        let server = &self.servers[index];
+        let before = server.tunnel_count();
+        let agent = AgentUnderTest::start(
+            &self.pki,
+            cluster,
+            server.agent_addr,
+            &[(cluster, "127.0.0.1")],
+        )
+        .await
+        .unwrap();
+        assert!(
+            wait_until(WAIT, || server.tunnel_count() > before).await,
+            "the agent of {cluster} did not connect to replica {index}"
+        );
+        agent
+    }
+
+    /// `localhost:<client port>` of replica `index`.
+    pub fn client_address(&self, index: usize) -> String {
+        format!("localhost:{}", self.servers[index].client_addr.port())
+    }
+}
+
+const OCM_CRDS: &str = include_str!("../../../addon-manager/tests/fixtures/ocm-crds.yaml");
+
+pub struct Hub {
+    pub api: KubeApi,
+    pub client: kube::Client,
+    _dir: tempfile::TempDir,
+}
+
+impl Hub {
+    pub async fn start(clusters: &[&str]) -> Hub {
+        let dir = tempfile::tempdir().unwrap();
+        let api = KubeApi::start(KubeApiOptions::new(dir.path()))
+            .await
+            .unwrap();
+        api.register_crds_from_yaml(OCM_CRDS).unwrap();
+        let client = api.client().await.unwrap();
+        for cluster in clusters {
+            create_namespace(&client, cluster).await;
+            let addon: ManagedClusterAddOn = serde_json::from_value(serde_json::json!({
+                "apiVersion": "addon.open-cluster-management.io/v1alpha1",
+                "kind": "ManagedClusterAddOn",
+                "metadata": {"name": "cluster-proxy", "namespace": cluster},
+                "spec": {},
+            }))
+            .unwrap();
+            Api::<ManagedClusterAddOn>::namespaced(client.clone(), cluster)
+                .create(&PostParams::default(), &addon)
+                .await
+                .unwrap();
+        }
+        Hub {
+            api,
+            client,
+            _dir: dir,
+        }
+    }
+
+    pub async fn namespace(&self, name: &str) {
+        create_namespace(&self.client, name).await;
+    }
+
+    pub async fn addon(&self, cluster: &str) -> ManagedClusterAddOn {
+        Api::<ManagedClusterAddOn>::namespaced(self.client.clone(), cluster)
+            .get("cluster-proxy")
+            .await
+            .unwrap()
+    }
+
+    /// (status, reason, message) of the prober's condition.
+    pub async fn reachability(&self, cluster: &str) -> Option<(String, String, String)> {
+        let addon = self.addon(cluster).await;
+        find_condition(addon.conditions(), CONDITION_TYPE)
+            .map(|c| (c.status.clone(), c.reason.clone(), c.message.clone()))
+    }
+}
+
+async fn create_namespace(client: &kube::Client, name: &str) {
+    let ns: Namespace =
+        serde_json::from_value(serde_json::json!({"metadata": {"name": name}})).unwrap();
+    Api::<Namespace>::all(client.clone())
+        .create(&PostParams::default(), &ns)
+        .await
+        .unwrap();
+}

@@ -1,0 +1,227 @@
+//! A hyper / tower connector that dials through the tunnel.
+//!
+//! [`TunnelConnector`] is a `tower::Service<http::Uri>`: for `https://<cluster>:<port>/…`
+//! it opens one `ProxyService.Proxy` stream to `<cluster>:<port>` through one
+//! proxy-server (one stream per connection) and returns the stream as hyper
+//! IO. TLS to the target is the client's job: wrap the connector in a TLS
+//! connector (for `kube::Client`, [`kube_client`] (feature `kube-api`) lets
+//! kube put its own rustls on top, exactly as for a direct connection).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use hyper_util::client::legacy::connect::{Connected, Connection};
+use hyper_util::rt::TokioIo;
+
+use crate::client::{DialError, TunnelClient, TunnelStream};
+
+/// What the proxy-server answers when no agent serves the host (upstream's wording).
+const NO_AGENT: &str = "No agent available";
+
+/// Why a connection through the tunnel could not be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    #[error("invalid target {uri:?}: {reason}")]
+    InvalidTarget { uri: String, reason: &'static str },
+    #[error("no agent serves {address} (is the cluster's proxy-agent connected?)")]
+    NoAgent { address: String },
+    #[error("the agent could not connect to {address}: {reason}")]
+    Refused { address: String, reason: String },
+    #[error("connecting to {address} through the tunnel timed out after {after:?}")]
+    Timeout { address: String, after: Duration },
+    #[error("tunnel to {address} failed: {source}")]
+    Tunnel {
+        address: String,
+        #[source]
+        source: DialError,
+    },
+}
+
+impl ConnectError {
+    fn from_dial(address: String, error: DialError) -> Self {
+        match error {
+            DialError::Refused(reason) if reason == NO_AGENT => ConnectError::NoAgent { address },
+            DialError::Refused(reason) => ConnectError::Refused { address, reason },
+            DialError::DialClosed => ConnectError::Refused {
+                address,
+                reason: "the agent closed the dial".into(),
+            },
+            DialError::Timeout(after) => ConnectError::Timeout { address, after },
+            source => ConnectError::Tunnel { address, source },
+        }
+    }
+}
+
+impl Connection for TunnelStream {
+    fn connected(&self) -> Connected {
+        // Not `proxy(true)`: that would make hyper send absolute-form request
+        // targets, as to an HTTP proxy; the tunnel is a plain TCP connection
+        // to the target, like one after CONNECT.
+        Connected::new()
+    }
+}
+
+/// Dials `host:port` of a request's URI through one proxy-server.
+#[derive(Clone, Debug)]
+pub struct TunnelConnector {
+    client: TunnelClient,
+    connect_timeout: Duration,
+}
+
+impl TunnelConnector {
+    /// A connector over `client`; `connect_timeout` bounds opening the stream
+    /// and waiting for the agent's dial response together.
+    pub fn new(client: TunnelClient, connect_timeout: Duration) -> Self {
+        TunnelConnector {
+            client,
+            connect_timeout,
+        }
+    }
+
+    /// Opens a tunneled connection to `uri`'s host and port (the scheme's
+    /// default port when it names none).
+    pub async fn connect(&self, uri: &http::Uri) -> Result<TunnelStream, ConnectError> {
+        let address = target_address(uri)?;
+        match tokio::time::timeout(self.connect_timeout, self.client.dial(&address)).await {
+            Ok(Ok(stream)) => Ok(stream),
+            Ok(Err(error)) => Err(ConnectError::from_dial(address, error)),
+            Err(_) => Err(ConnectError::Timeout {
+                address,
+                after: self.connect_timeout,
+            }),
+        }
+    }
+}
+
+/// `host:port` for a URI, checking the host is a DNS name or an IP address.
+pub fn target_address(uri: &http::Uri) -> Result<String, ConnectError> {
+    let invalid = |reason| ConnectError::InvalidTarget {
+        uri: uri.to_string(),
+        reason,
+    };
+    let host = uri.host().ok_or_else(|| invalid("no host"))?;
+    let bare = host.trim_start_matches('[').trim_end_matches(']');
+    let is_ip = bare.parse::<std::net::IpAddr>().is_ok();
+    if !is_ip && !is_dns_name(bare) {
+        return Err(invalid(
+            "the host is neither an IP address nor a DNS name of DNS-1123 labels",
+        ));
+    }
+    let port = match uri.port_u16() {
+        Some(port) => port,
+        None => match uri.scheme_str() {
+            Some("https") | None => 443,
+            Some("http") => 80,
+            Some(_) => return Err(invalid("unknown scheme and no port")),
+        },
+    };
+    Ok(crate::transport::host_port(bare, port))
+}
+
+fn is_dns_name(host: &str) -> bool {
+    !host.is_empty()
+        && host.len() <= 253
+        && host
+            .split('.')
+            .all(|label| crate::identity::is_dns1123_label(&label.to_ascii_lowercase()))
+}
+
+type ConnectFuture =
+    Pin<Box<dyn Future<Output = Result<TokioIo<TunnelStream>, ConnectError>> + Send>>;
+
+impl tower::Service<http::Uri> for TunnelConnector {
+    type Response = TokioIo<TunnelStream>;
+    type Error = ConnectError;
+    type Future = ConnectFuture;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        // Every call opens its own stream on the shared HTTP/2 connection.
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, uri: http::Uri) -> Self::Future {
+        let connector = self.clone();
+        Box::pin(async move { connector.connect(&uri).await.map(TokioIo::new) })
+    }
+}
+
+/// A `kube::Client` for `config` (its `cluster_url` naming the managed
+/// cluster, e.g. `https://cluster1:443`) whose connections go through
+/// `connector`. kube's own rustls (from `config`: CA, client certificate,
+/// `accept_invalid_certs`, `tls_server_name`) runs on top of the tunnel, and
+/// its authentication layer (token, exec) applies as usual.
+#[cfg(feature = "kube-api")]
+pub fn kube_client(
+    config: &kube::Config,
+    connector: TunnelConnector,
+) -> Result<kube::Client, kube::Error> {
+    use kube::client::ConfigExt;
+    use tower::ServiceBuilder;
+
+    let https = config.rustls_https_connector_with_connector(connector)?;
+    let http: hyper_util::client::legacy::Client<_, kube::client::Body> =
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .build(https);
+    let service = ServiceBuilder::new()
+        .layer(config.base_uri_layer())
+        .option_layer(config.auth_layer()?)
+        .layer(config.extra_headers_layer()?)
+        .map_err(tower::BoxError::from)
+        .service(http);
+    Ok(kube::Client::new(service, config.default_namespace.clone()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn address(uri: &str) -> Result<String, ConnectError> {
+        target_address(&uri.parse().expect("test URIs parse"))
+    }
+
+    #[test]
+    fn the_target_address_defaults_the_port_by_scheme() {
+        assert_eq!(address("https://cluster1").unwrap(), "cluster1:443");
+        assert_eq!(address("http://svc.ns").unwrap(), "svc.ns:80");
+        assert_eq!(address("https://cluster1:6443/x").unwrap(), "cluster1:6443");
+        assert_eq!(address("https://[::1]:8443").unwrap(), "[::1]:8443");
+        assert_eq!(address("https://127.0.0.1").unwrap(), "127.0.0.1:443");
+    }
+
+    #[test]
+    fn a_host_that_is_not_a_dns_name_is_refused_before_dialing() {
+        for bad in ["https://Bad_Name:443", "https://-x:443", "https://a..b:443"] {
+            let error = address(bad).expect_err(bad);
+            assert!(
+                matches!(error, ConnectError::InvalidTarget { .. }),
+                "{bad}: {error}"
+            );
+        }
+        assert!(matches!(
+            address("/relative"),
+            Err(ConnectError::InvalidTarget { .. })
+        ));
+    }
+
+    #[test]
+    fn dial_errors_map_to_what_the_user_can_act_on() {
+        let no_agent = ConnectError::from_dial("c:443".into(), DialError::Refused(NO_AGENT.into()));
+        assert!(
+            matches!(no_agent, ConnectError::NoAgent { .. }),
+            "{no_agent}"
+        );
+        let refused = ConnectError::from_dial(
+            "c:443".into(),
+            DialError::Refused("connect: connection refused".into()),
+        );
+        assert!(
+            refused.to_string().contains("connection refused"),
+            "{refused}"
+        );
+        let timeout =
+            ConnectError::from_dial("c:443".into(), DialError::Timeout(Duration::from_secs(1)));
+        assert!(matches!(timeout, ConnectError::Timeout { .. }), "{timeout}");
+    }
+}
