@@ -289,14 +289,15 @@ async fn admin_client(state: Option<PathBuf>) -> anyhow::Result<kube::Client> {
 
 fn print_addon_status(rows: &[e2e::env::control_plane::ClusterRow]) {
     println!(
-        "{:<16} {:<44} OTHER CONDITIONS",
-        "CLUSTER", "ADDON AVAILABLE"
+        "{:<16} {:<44} {:<24} OTHER CONDITIONS",
+        "CLUSTER", "ADDON AVAILABLE", "PROBE (health-prober)"
     );
     for row in rows {
         println!(
-            "{:<16} {:<44} {}",
+            "{:<16} {:<44} {:<24} {}",
             row.name,
             row.available,
+            row.probe,
             row.conditions.join(" ")
         );
     }
@@ -411,7 +412,10 @@ async fn up(
                 {
                     for row in &rows {
                         if !last_rows.contains(row) {
-                            println!("{}: addon Available {}", row.name, row.available);
+                            println!(
+                                "{}: addon Available {}; probe {}",
+                                row.name, row.available, row.probe
+                            );
                         }
                     }
                     for row in &last_rows {

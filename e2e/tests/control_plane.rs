@@ -111,6 +111,23 @@ async fn clusters_join_and_leave_through_the_control_plane() {
         "cluster-new: Available and reachable through both replicas {:.1}s after its ManagedCluster was created",
         joined_at.elapsed().as_secs_f64()
     );
+    // health-prober finds it reachable through both replicas and says so
+    // on the addon (what `up` and `e2e status` print).
+    wait_for("health-prober's verdict on cluster-new", READY, || async {
+        let rows = control_plane::addon_status(&admin)
+            .await
+            .map_err(|e| e.to_string())?;
+        let row = rows
+            .iter()
+            .find(|r| r.name == "cluster-new")
+            .ok_or("no row for cluster-new")?;
+        if row.probe.starts_with("Reachable 2/2 ") && row.probe.ends_with("ms") {
+            Ok(())
+        } else {
+            Err(format!("probe: {}", row.probe))
+        }
+    })
+    .await;
     // Its agent certificate came from a CSR the addon-manager approved and
     // cert-authority signed, for this cluster's identity.
     let csrs: Api<CertificateSigningRequest> = Api::all(admin.clone());

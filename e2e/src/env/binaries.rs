@@ -12,6 +12,7 @@ pub const PACKAGES: &[(&str, &str)] = &[
     ("cert-authority", "cert-authority"),
     ("addon-manager", "addon-manager"),
     ("addon-agent", "addon-agent"),
+    ("health-prober", "health-prober"),
     ("e2e", "e2e"),
 ];
 

@@ -598,7 +598,61 @@ pub fn managed_proxy_configuration(
     })
 }
 
+/// How often the environment's health-prober probes every cluster.
+pub const PROBE_INTERVAL: &str = "3s";
+
 impl super::Environment {
+    /// Starts health-prober once the hub client credentials it mounts
+    /// exist (cert-authority writes them within a second or two): every
+    /// cluster's stand-in kube-apiserver (`:6443`) through each of the
+    /// first `replicas` replicas.
+    async fn start_health_prober(
+        &self,
+        client_pki: &std::path::Path,
+        replicas: usize,
+    ) -> Result<Supervised, super::EnvError> {
+        let files = [
+            client_pki.join("ca-bundle.crt"),
+            client_pki.join("proxy-client/tls.crt"),
+            client_pki.join("proxy-client/tls.key"),
+        ];
+        let started = std::time::Instant::now();
+        while !files.iter().all(|f| f.is_file()) {
+            if started.elapsed() > Duration::from_secs(120) {
+                return Err(super::EnvError::NotReady(format!(
+                    "no hub client credentials in {} after 120 s (is cert-authority writing the proxy-client Secret?)",
+                    client_pki.display()
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let api = self
+            .kube_api
+            .as_ref()
+            .ok_or_else(|| super::EnvError::KubeApi("no in-memory API".into()))?;
+        let addresses: Vec<String> = (0..replicas)
+            .map(|i| replica_client_addr(self.summary.hub_addr, i).to_string())
+            .collect();
+        let binary = self.binaries.dir.join("health-prober");
+        Ok(Supervised::start(
+            ProcessSpec::new("health-prober", &binary)
+                .args([
+                    format!("--namespace={}", super::ADDON_NAMESPACE),
+                    format!("--proxy-server-addresses={}", addresses.join(",")),
+                    format!("--proxy-ca-cert={}", files[0].display()),
+                    format!("--proxy-cert={}", files[1].display()),
+                    format!("--proxy-key={}", files[2].display()),
+                    format!("--target-port={}", super::sample::APISERVER_PORT),
+                    format!("--interval={PROBE_INTERVAL}"),
+                    "--timeout=2s".into(),
+                    "--health-port=0".into(),
+                    "--health-bind-address=127.0.0.1".into(),
+                ])
+                .env("KUBECONFIG", api.kubeconfig_path().display().to_string()),
+            &self.logs,
+        )?)
+    }
+
     /// The control plane and OCM's stand-ins, then the initial clusters
     /// join through it.
     pub(super) async fn start_control_plane(
@@ -732,6 +786,10 @@ impl super::Environment {
                 .await
                 .map_err(|e| api_err(format!("ManagedCluster {name}: {e}")))?;
         }
+        self.health_prober = Some(
+            self.start_health_prober(&client_pki, options.replicas)
+                .await?,
+        );
         self.summary.pki_dir = client_pki;
         self.summary.servers = (0..options.replicas)
             .map(|i| (format!("cluster-proxy-{i}"), ReplicaPorts::of(i)))
@@ -746,8 +804,36 @@ pub struct ClusterRow {
     pub name: String,
     /// The addon's `Available` condition: status and reason.
     pub available: String,
+    /// health-prober's verdict: the `ClusterProxyReachable` reason with
+    /// the replicas that reach the cluster and the latency, e.g.
+    /// `Reachable 2/2 3ms`.
+    pub probe: String,
     /// The addon's other conditions, `Type=Status` each.
     pub conditions: Vec<String>,
+}
+
+/// The condition health-prober writes on each addon.
+pub const PROBE_CONDITION: &str = "ClusterProxyReachable";
+
+/// `reason replicas latency` from health-prober's machine-readable message
+/// (`replicas=2/2 latency_ms=3 …`).
+fn probe_summary(condition: &cluster_proxy_proto::api::Condition) -> String {
+    let field = |key: &str| {
+        condition
+            .message
+            .split_whitespace()
+            .find_map(|kv| kv.strip_prefix(key))
+            .map(str::to_owned)
+    };
+    let mut summary = condition.reason.clone();
+    if let Some(replicas) = field("replicas=") {
+        summary.push(' ');
+        summary.push_str(&replicas);
+    }
+    if let Some(latency) = field("latency_ms=") {
+        summary.push_str(&format!(" {latency}ms"));
+    }
+    summary
 }
 
 /// The addon status of every ManagedCluster, from the hub API.
@@ -776,12 +862,18 @@ pub async fn addon_status(client: &Client) -> Result<Vec<ClusterRow>, kube::Erro
                 Some(_) => "no condition yet".into(),
                 None => "not installed".into(),
             });
+        let probe = conditions
+            .iter()
+            .find(|c| c.type_ == PROBE_CONDITION)
+            .map(probe_summary)
+            .unwrap_or_else(|| "not probed yet".into());
         rows.push(ClusterRow {
             name,
             available,
+            probe,
             conditions: conditions
                 .iter()
-                .filter(|c| c.type_ != "Available")
+                .filter(|c| c.type_ != "Available" && c.type_ != PROBE_CONDITION)
                 .map(|c| format!("{}={}", c.type_, c.status))
                 .collect(),
         });

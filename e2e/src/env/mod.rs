@@ -284,6 +284,7 @@ pub struct Environment {
     /// With the control plane: addon-manager, the API forwarder the
     /// clusters use, and the emulated OCM agents and kubelets.
     pub addon_manager: Option<Supervised>,
+    pub health_prober: Option<Supervised>,
     pub kube_forwarder: Option<Supervised>,
     pub control_plane: Option<control_plane::ControlPlane>,
     topology: Option<Topology>,
@@ -556,6 +557,7 @@ impl Environment {
             )?,
             control_plane_ca: None,
             addon_manager: None,
+            health_prober: None,
             kube_forwarder: None,
             control_plane: None,
             replicas: Vec::new(),
@@ -796,7 +798,12 @@ impl Environment {
             add(ca);
         }
         add(&self.balancer);
-        for process in self.addon_manager.iter().chain(self.kube_forwarder.iter()) {
+        for process in self
+            .addon_manager
+            .iter()
+            .chain(self.health_prober.iter())
+            .chain(self.kube_forwarder.iter())
+        {
             add(process);
         }
 
@@ -955,6 +962,9 @@ impl Environment {
         let grace = Duration::from_secs(5);
         if let Some(addon_manager) = self.addon_manager.as_mut() {
             addon_manager.stop(grace).await;
+        }
+        if let Some(prober) = self.health_prober.as_mut() {
+            prober.stop(grace).await;
         }
         if let Some(control_plane) = self.control_plane.take() {
             control_plane.shutdown().await;
