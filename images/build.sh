@@ -17,6 +17,7 @@ root=$PWD
 
 triple=x86_64-unknown-linux-musl
 profile=image
+control_profile=image-control
 all_images=(proxy-server proxy-agent cert-authority addon-manager health-prober)
 # Binaries each image holds (the agent image also runs addon-agent).
 declare -A image_bins=(
@@ -92,23 +93,30 @@ for name in "${images[@]}"; do
     esac
   done
 done
+# The control plane is size-optimised (profile image-control): it is
+# mostly the Kubernetes client and on no data path.
 build_bins() {
+  local profile=$1
+  shift
   [ $# -gt 0 ] || return 0
   local args=() bin
   for bin in "$@"; do args+=(-p "$(package_of "$bin")" --bin "$bin"); done
   echo "== cargo build --profile $profile --target $triple ${args[*]}"
   cargo build --locked --profile "$profile" --target "$triple" "${args[@]}"
 }
-build_bins "${data_plane[@]}"
-build_bins "${control_plane[@]}"
+build_bins "$profile" "${data_plane[@]}"
+build_bins "$control_profile" "${control_plane[@]}"
 
 target_dir="${CARGO_TARGET_DIR:-$root/target}"
-out="$target_dir/$triple/$profile"
 context="$target_dir/images/context"
 rm -rf "$context"
 mkdir -p "$context"
 for name in "${images[@]}"; do
   for bin in ${image_bins[$name]}; do
+    out="$target_dir/$triple/$profile"
+    for control_bin in "${control_plane[@]}"; do
+      [ "$control_bin" = "$bin" ] && out="$target_dir/$triple/$control_profile"
+    done
     # A dynamic binary would not start in a scratch image: refuse it here.
     if readelf -l "$out/$bin" | grep -q 'Requesting program interpreter'; then
       die "$out/$bin is dynamically linked"
