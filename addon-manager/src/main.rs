@@ -1,5 +1,6 @@
 //! `addon-manager`: parse the settings, serve health and metrics, elect a
 //! leader, and while leading run the hub and addon controllers.
+#![forbid(unsafe_code)]
 
 use std::sync::Arc;
 use std::time::Duration;

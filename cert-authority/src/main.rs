@@ -1,3 +1,4 @@
+#![forbid(unsafe_code)]
 use anyhow::Context;
 use cert_authority::authority::{Desired, FileStore, reconcile};
 use cert_authority::files::{InitOptions, Layout, init};

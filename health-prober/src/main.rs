@@ -1,5 +1,6 @@
 //! `health-prober`: parse the settings, serve health and metrics, elect a
 //! leader, and while leading probe every cluster each interval.
+#![forbid(unsafe_code)]
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,3 +1,4 @@
+#![forbid(unsafe_code)]
 use anyhow::Context;
 use cluster_proxy_runtime::{cli, shutdown::Signals, telemetry};
 use proxy_server::config::{Cli, ServerConfig};

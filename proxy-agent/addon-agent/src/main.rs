@@ -1,3 +1,4 @@
+#![forbid(unsafe_code)]
 use addon_agent::{AgentSettings, Cli, PodEnvironment};
 use anyhow::Context;
 use cluster_proxy_runtime::{cli, logging, shutdown::Signals};
