@@ -315,10 +315,16 @@ impl Drop for Container {
 
 /// Loopback ports nothing listens on right now.
 fn free_ports<const N: usize>() -> [u16; N] {
-    let listeners: Vec<TcpListener> = (0..N)
-        .map(|_| TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral loopback port"))
-        .collect();
-    std::array::from_fn(|i| listeners[i].local_addr().expect("local address").port())
+    let mut ports = [0; N];
+    for i in 0..N {
+        ports[i] = loop {
+            let port = e2e::harness::free_port();
+            if !ports[..i].contains(&port) {
+                break port;
+            }
+        };
+    }
+    ports
 }
 
 /// A one-response-per-connection HTTP server on loopback: the service

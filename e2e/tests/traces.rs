@@ -432,11 +432,7 @@ async fn one_trace_per_tunneled_connection() {
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    e2e::harness::free_port()
 }
 
 /// The real binaries, configured through the standard variables (server)

@@ -243,18 +243,8 @@ async fn renews_the_hub_lease_only_while_the_proxy_agent_is_ready() {
 #[tokio::test]
 async fn an_api_that_is_down_at_start_is_used_once_it_is_up() {
     let dir = tempfile::tempdir().expect("temp dir");
-    // A port nothing listens on yet; the API starts on it later. It is
-    // taken below the kernel's ephemeral range (32768 and up), so that no
-    // outgoing connection of a test running beside this one can hold it by
-    // then (an ephemeral port from `bind(:0)` could be: CI saw AddrInUse).
-    let port = (0..1000)
-        .map(|_| 20_000 + rand::random::<u16>() % 12_000)
-        .find_map(|candidate| {
-            std::net::TcpListener::bind(("127.0.0.1", candidate))
-                .and_then(|l| l.local_addr())
-                .ok()
-        })
-        .expect("a free port below the ephemeral range");
+    // A port nothing listens on yet; the API starts on it later.
+    let port = std::net::SocketAddr::from(([127, 0, 0, 1], e2e::harness::free_port()));
     let hub = dir.path().join("kubeconfig-agent");
     std::fs::write(
         &hub,
