@@ -49,19 +49,10 @@ pub async fn apply<K>(api: &Api<K>, object: &K) -> Result<K, ApplyError>
 where
     K: Resource<DynamicType = ()> + Serialize + DeserializeOwned + Clone + Debug,
 {
-    let kind = K::kind(&()).into_owned();
-    let name = object
-        .meta()
-        .name
-        .clone()
-        .ok_or_else(|| ApplyError::Unnamed { kind: kind.clone() })?;
-    api.patch(
-        &name,
-        &PatchParams::apply(FIELD_MANAGER).force(),
-        &Patch::Apply(object),
-    )
-    .await
-    .map_err(|source| ApplyError::Api { kind, name, source })
+    let (kind, name) = kind_and_name(object)?;
+    api.patch(&name, &apply_params(), &Patch::Apply(object))
+        .await
+        .map_err(|source| ApplyError::Api { kind, name, source })
 }
 
 /// Server-side applies only the `status` of `object` (the status
@@ -70,19 +61,24 @@ pub async fn apply_status<K>(api: &Api<K>, object: &K) -> Result<K, ApplyError>
 where
     K: Resource<DynamicType = ()> + Serialize + DeserializeOwned + Clone + Debug,
 {
+    let (kind, name) = kind_and_name(object)?;
+    api.patch_status(&name, &apply_params(), &Patch::Apply(object))
+        .await
+        .map_err(|source| ApplyError::Api { kind, name, source })
+}
+
+fn apply_params() -> PatchParams {
+    PatchParams::apply(FIELD_MANAGER).force()
+}
+
+fn kind_and_name<K: Resource<DynamicType = ()>>(
+    object: &K,
+) -> Result<(String, String), ApplyError> {
     let kind = K::kind(&()).into_owned();
-    let name = object
-        .meta()
-        .name
-        .clone()
-        .ok_or_else(|| ApplyError::Unnamed { kind: kind.clone() })?;
-    api.patch_status(
-        &name,
-        &PatchParams::apply(FIELD_MANAGER).force(),
-        &Patch::Apply(object),
-    )
-    .await
-    .map_err(|source| ApplyError::Api { kind, name, source })
+    match object.meta().name.clone() {
+        Some(name) => Ok((kind, name)),
+        None => Err(ApplyError::Unnamed { kind }),
+    }
 }
 
 /// A controller owner reference to `owner` (blocking its deletion until

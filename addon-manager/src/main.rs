@@ -10,13 +10,12 @@ use addon_manager::apply::USER_AGENT;
 use addon_manager::hub::{self, HubMetrics, HubSettings};
 use addon_manager::settings::{Cli, Settings};
 use anyhow::Context;
-use cluster_proxy_control::leader::LeaderElection;
+use cluster_proxy_control::leader::{Election, spawn_election};
 use cluster_proxy_runtime::metrics::encode_registry;
 use cluster_proxy_runtime::{admin, cli, logging, net, shutdown::Signals};
 use k8s_openapi::api::coordination::v1::Lease;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
-use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 /// The Lease replicas elect a leader on (upstream's name).
@@ -65,33 +64,19 @@ async fn run(settings: Settings) -> anyhow::Result<()> {
     tokio::spawn(admin::serve(listener, routes, stop.clone()));
     tracing::info!(%address, "serving /healthz, /readyz and /metrics");
 
-    let (leading_tx, mut leading) = watch::channel(!settings.leader_elect);
-    let election = if settings.leader_elect {
-        let identity = format!(
-            "{}_{:08x}",
-            std::env::var("POD_NAME")
-                .or_else(|_| std::env::var("HOSTNAME"))
-                .unwrap_or_else(|_| "addon-manager".into()),
-            rand_suffix()
-        );
-        let election = LeaderElection::new(
-            kube::Api::<Lease>::namespaced(client.clone(), &settings.namespace),
-            LEASE_NAME,
-            identity.clone(),
-            LEASE_DURATION,
-            RENEW_EVERY,
-        )?;
-        tracing::info!(lease = LEASE_NAME, namespace = %settings.namespace, %identity, "electing a leader");
-        let stopped = stop.clone();
-        Some(tokio::spawn(async move {
-            election
-                .run(leading_tx, async move { stopped.cancelled().await })
-                .await
-        }))
-    } else {
-        drop(leading_tx);
-        None
-    };
+    let stopped = stop.clone();
+    let Election {
+        mut leading,
+        task: election,
+    } = spawn_election(
+        kube::Api::<Lease>::namespaced(client.clone(), &settings.namespace),
+        LEASE_NAME,
+        "addon-manager",
+        settings.leader_elect,
+        LEASE_DURATION,
+        RENEW_EVERY,
+        async move { stopped.cancelled().await },
+    )?;
 
     let mut addon_settings = AddonSettings::new(&settings.namespace);
     addon_settings.agent_install_namespace = settings.agent_install_namespace.clone();
@@ -146,11 +131,4 @@ async fn run(settings: Settings) -> anyhow::Result<()> {
         tracing::warn!(error = %err, "releasing the leader Lease");
     }
     Ok(())
-}
-
-fn rand_suffix() -> u32 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.subsec_nanos() ^ std::process::id())
-        .unwrap_or(0)
 }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use cluster_proxy_control::leader::LeaderElection;
+use cluster_proxy_control::leader::{Election, spawn_election};
 use cluster_proxy_runtime::metrics::encode_registry;
 use cluster_proxy_runtime::reload::DEFAULT_INTERVAL;
 use cluster_proxy_runtime::{admin, cli, logging, net, shutdown::Signals};
@@ -19,7 +19,6 @@ use health_prober::tls;
 use k8s_openapi::api::coordination::v1::Lease;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
-use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 /// The Lease replicas elect a leader on: exactly one replica probes.
@@ -97,33 +96,19 @@ async fn run(settings: Settings) -> anyhow::Result<()> {
         metrics,
     ));
 
-    let (leading_tx, mut leading) = watch::channel(!settings.leader_elect);
-    let election = if settings.leader_elect {
-        let identity = format!(
-            "{}_{:08x}",
-            std::env::var("POD_NAME")
-                .or_else(|_| std::env::var("HOSTNAME"))
-                .unwrap_or_else(|_| "health-prober".into()),
-            rand::random::<u32>()
-        );
-        let election = LeaderElection::new(
-            kube::Api::<Lease>::namespaced(client.clone(), &settings.namespace),
-            LEASE_NAME,
-            identity.clone(),
-            LEASE_DURATION,
-            RENEW_EVERY,
-        )?;
-        tracing::info!(lease = LEASE_NAME, namespace = %settings.namespace, %identity, "electing a leader");
-        let stopped = stop.clone();
-        Some(tokio::spawn(async move {
-            election
-                .run(leading_tx, async move { stopped.cancelled().await })
-                .await
-        }))
-    } else {
-        drop(leading_tx);
-        None
-    };
+    let stopped = stop.clone();
+    let Election {
+        mut leading,
+        task: election,
+    } = spawn_election(
+        kube::Api::<Lease>::namespaced(client.clone(), &settings.namespace),
+        LEASE_NAME,
+        "health-prober",
+        settings.leader_elect,
+        LEASE_DURATION,
+        RENEW_EVERY,
+        async move { stopped.cancelled().await },
+    )?;
 
     let signal = loop {
         tokio::select! {

@@ -305,6 +305,56 @@ impl LeaderElection {
     }
 }
 
+/// This replica's identity in a Lease: the pod name (else the host name,
+/// else `fallback`) and a random suffix, so a restarted pod is a new holder.
+pub fn replica_identity(fallback: &str) -> String {
+    let host = std::env::var("POD_NAME")
+        .or_else(|_| std::env::var("HOSTNAME"))
+        .unwrap_or_else(|_| fallback.to_owned());
+    let suffix = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos() ^ std::process::id().rotate_left(16))
+        .unwrap_or_else(|_| std::process::id());
+    format!("{host}_{suffix:08x}")
+}
+
+/// What [`spawn_election`] started: whether this replica leads, and the
+/// election task (none when election is off), which ends after `shutdown`
+/// once the Lease is released.
+pub struct Election {
+    pub leading: watch::Receiver<bool>,
+    pub task: Option<tokio::task::JoinHandle<Result<(), LeaderError>>>,
+}
+
+/// Starts leader election on Lease `name` through `api` when `enabled`
+/// (this replica's identity from [`replica_identity`] with `fallback`);
+/// without election, `leading` is `true` for good. What every control-plane
+/// binary that must run alone does before its controllers.
+pub fn spawn_election(
+    api: Api<Lease>,
+    name: &str,
+    fallback: &str,
+    enabled: bool,
+    lease_duration: Duration,
+    renew_every: Duration,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<Election, LeaderError> {
+    let (on_change, leading) = watch::channel(!enabled);
+    if !enabled {
+        return Ok(Election {
+            leading,
+            task: None,
+        });
+    }
+    let identity = replica_identity(fallback);
+    let election = LeaderElection::new(api, name, identity.clone(), lease_duration, renew_every)?;
+    tracing::info!(lease = name, %identity, "electing a leader");
+    Ok(Election {
+        leading,
+        task: Some(tokio::spawn(election.run(on_change, shutdown))),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
