@@ -56,8 +56,8 @@ for name in "${wanted[@]}"; do
   [ -n "${image_bins[$name]+x}" ] || die "unknown image '$name' (known: ${all_images[*]})"
 done
 
-# Which binaries the workspace has today: health-prober is still being written
-# on another branch, so an image whose binary does not exist is skipped, loudly.
+# Every image's binaries must exist: a renamed or removed binary fails the
+# build here instead of silently shipping one image fewer.
 existing_bins=$(cargo metadata --no-deps --format-version 1 | python3 -c '
 import json, sys
 for p in json.load(sys.stdin)["packages"]:
@@ -68,15 +68,10 @@ package_of() { awk -v bin="$1" '$2 == bin { print $1; exit }' <<<"$existing_bins
 
 images=()
 for name in "${wanted[@]}"; do
-  missing=""
   for bin in ${image_bins[$name]}; do
-    [ -n "$(package_of "$bin")" ] || missing="$missing $bin"
+    [ -n "$(package_of "$bin")" ] || die "image $name needs the binary $bin, which no workspace package builds"
   done
-  if [ -n "$missing" ]; then
-    echo "images/build.sh: SKIPPING image $name: no binary target$missing in the workspace yet" >&2
-  else
-    images+=("$name")
-  fi
+  images+=("$name")
 done
 [ ${#images[@]} -gt 0 ] || die "nothing to build"
 
