@@ -33,6 +33,7 @@ pub mod identifiers;
 pub mod identity;
 pub mod metadata;
 pub mod packet;
+pub mod status;
 pub mod strconv;
 pub mod trace;
 pub mod transport;

@@ -25,12 +25,13 @@ use cluster_proxy_proto::packet;
 use cluster_proxy_proto::transport::{
     MAX_MESSAGE_SIZE, TransportError, connect_channel_with_keepalive, host_port,
 };
+use futures_util::StreamExt;
 use tokio::sync::{Notify, mpsc};
 use tokio_util::sync::CancellationToken;
 use tonic::metadata::{AsciiMetadataValue, MetadataMap};
 
 use crate::AgentConfig;
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, Segment};
 use crate::tunnel::{self, TunnelParams};
 
 /// Why one attempt to open a tunnel failed.
@@ -273,6 +274,9 @@ async fn connect_once(shared: Arc<Shared>) -> Result<Outcome, ConnectError> {
         .max_encoding_message_size(MAX_MESSAGE_SIZE);
     let cancel = shared.root.child_token();
     let (out, requests) = tunnel::outgoing(cancel.clone());
+    let counting = shared.metrics.clone();
+    let requests =
+        requests.inspect(move |p| counting.packet(Segment::FromAgent, packet::type_name(p)));
     let mut request = tonic::Request::new(requests);
     shared.request_metadata(request.metadata_mut())?;
     // Dropping the request stream on failure (cancel) ends the attempt cleanly.

@@ -1,7 +1,9 @@
 //! Prometheus metrics, named as upstream's `konnectivity_network_proxy_agent_*`
 //! so existing dashboards keep working.
 
-use cluster_proxy_runtime::metrics::{encode_registry, register_counter};
+use cluster_proxy_proto::status::go_code_name;
+pub use cluster_proxy_runtime::metrics::Segment;
+use cluster_proxy_runtime::metrics::{StreamMetrics, encode_registry, register_counter};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -34,6 +36,9 @@ pub struct Metrics {
     pub open_endpoint_connections: Gauge,
     dial_failures: Family<Labels, Counter>,
     pub dial_duration: Histogram,
+    /// Upstream's deprecated `server_connection_failure_count{direction}`.
+    server_failures: Family<Labels, Counter>,
+    stream: StreamMetrics,
 }
 
 impl Default for Metrics {
@@ -77,6 +82,14 @@ impl Metrics {
             "Latency of dial to the remote endpoint in seconds",
             dial_duration.clone(),
         );
+        let server_failures = Family::<Labels, Counter>::default();
+        register_counter(
+            registry,
+            "server_connection_failure_count",
+            "Count of failures to send to or receive from the proxy server, labeled by the direction (from_server or to_server). DEPRECATED, please use stream_events_error_total",
+            server_failures.clone(),
+        );
+        let stream = StreamMetrics::register(registry, &[Segment::FromAgent, Segment::ToAgent]);
         Metrics {
             registry: root,
             open_server_connections,
@@ -84,6 +97,8 @@ impl Metrics {
             open_endpoint_connections,
             dial_failures,
             dial_duration,
+            server_failures,
+            stream,
         }
     }
 
@@ -91,6 +106,20 @@ impl Metrics {
         self.dial_failures
             .get_or_create(&vec![("reason", reason.label())])
             .inc();
+    }
+
+    /// A packet sent to (`FromAgent`) or received from (`ToAgent`) a server.
+    pub fn packet(&self, segment: Segment, type_name: &str) {
+        self.stream.packet(segment, type_name);
+    }
+
+    /// Receiving from a server failed with `status` (the tunnel is lost).
+    pub fn receive_failed(&self, status: &tonic::Status) {
+        self.server_failures
+            .get_or_create(&vec![("direction", "from_server")])
+            .inc();
+        self.stream
+            .error_no_packet(Segment::ToAgent, go_code_name(status.code()));
     }
 
     /// The OpenMetrics text exposition (`/metrics` converts it to the
@@ -109,6 +138,8 @@ mod tests {
         let m = Metrics::new();
         m.dial_failed(DialFailure::Timeout);
         m.open_server_connections.set(2);
+        m.packet(Segment::ToAgent, "DIAL_REQ");
+        m.receive_failed(&tonic::Status::cancelled("gone"));
         let text = m.encode();
         for name in [
             "konnectivity_network_proxy_agent_open_server_connections 2",
@@ -116,6 +147,9 @@ mod tests {
             "konnectivity_network_proxy_agent_open_endpoint_connections",
             "konnectivity_network_proxy_agent_endpoint_dial_failure_total{reason=\"timeout\"} 1",
             "konnectivity_network_proxy_agent_dial_duration_seconds_bucket",
+            "konnectivity_network_proxy_agent_stream_packets_total{segment=\"to_agent\",packet_type=\"DIAL_REQ\"} 1",
+            "konnectivity_network_proxy_agent_stream_errors_total{segment=\"to_agent\",code=\"Canceled\",packet_type=\"Unknown\"} 1",
+            "konnectivity_network_proxy_agent_server_connection_failure_count_total{direction=\"from_server\"} 1",
         ] {
             assert!(text.contains(name), "{name} missing from\n{text}");
         }

@@ -31,7 +31,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, Span, field};
 
 use crate::dial::dial_tcp;
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, Segment};
 
 /// Capacity (packets) of the ordered channel; a full channel makes the
 /// connection tasks wait, never the reader.
@@ -574,13 +574,17 @@ pub async fn serve(
         match message {
             Ok(Some(p)) => {
                 let frame = Frame::from_packet(p);
+                tunnel.metrics.packet(Segment::ToAgent, frame.type_name());
                 tokio::select! {
                     _ = &mut cancelled => break TunnelEnd::Cancelled,
                     _ = tunnel.handle(frame) => {}
                 }
             }
             Ok(None) => break TunnelEnd::ServerClosed,
-            Err(status) => break TunnelEnd::Error(status),
+            Err(status) => {
+                tunnel.metrics.receive_failed(&status);
+                break TunnelEnd::Error(status);
+            }
         }
     };
     tunnel.teardown();

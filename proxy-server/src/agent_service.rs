@@ -28,7 +28,7 @@ use tracing::{info, warn};
 
 use crate::listener::PeerInfo;
 use crate::metrics::{GaugeGuard, Metrics};
-use crate::registry::Registry;
+use crate::registry::{Registry, Strategy};
 use crate::tunnel::{AgentTunnel, OutboundStream, TunnelSettings};
 
 /// Settings the agent endpoint needs.
@@ -185,9 +185,7 @@ impl AgentService for AgentEndpoint {
             let reason = read_agent(&reader_tunnel, inbound, &metrics).await;
             registry.unregister(&reader_tunnel);
             reader_tunnel.close(&reason);
-            for s in registry.strategies() {
-                metrics.set_ready_backends(s.name(), registry.ready_backends(*s));
-            }
+            update_backend_gauges(&registry, &metrics);
             info!(
                 tunnel = reader_tunnel.id(),
                 agent_id = reader_tunnel.agent_id(),
@@ -256,11 +254,17 @@ fn refusal_for_go(status: Status) -> Response<OutboundStream> {
 
 impl AgentEndpoint {
     fn update_backend_gauges(&self) {
-        for s in self.registry.strategies() {
-            self.metrics
-                .set_ready_backends(s.name(), self.registry.ready_backends(*s));
-        }
+        update_backend_gauges(&self.registry, &self.metrics);
     }
+}
+
+fn update_backend_gauges(registry: &Registry, metrics: &Metrics) {
+    for s in registry.strategies() {
+        metrics.set_ready_backends(s.name(), registry.ready_backends(*s));
+    }
+    metrics
+        .ready_backend_connections
+        .set(i64::try_from(registry.ready_backends(Strategy::Default)).unwrap_or(i64::MAX));
 }
 
 /// Dispatches the agent's packets until its stream ends; returns why it ended.

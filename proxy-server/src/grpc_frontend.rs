@@ -10,18 +10,21 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
+use bytes::Bytes;
 use cluster_proxy_proto::Packet;
+use cluster_proxy_proto::flow::FlowError;
 use cluster_proxy_proto::konnectivity::proxy_service_server::ProxyService;
 use cluster_proxy_proto::packet::{self, Frame, PROTOCOL_TCP};
 use futures_util::Stream;
 use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::debug;
 
 use crate::dial::{DialFailure, DialOrigin, Dialer};
 use crate::listener::PeerInfo;
 use crate::metrics::{GaugeGuard, Metrics, Segment};
-use crate::tunnel::{ConnReceiver, FrontendEvent};
+use crate::tunnel::{ConnReceiver, ConnSender, FrontendEvent};
 use cluster_proxy_proto::trace::TraceHeaders;
 
 pub struct GrpcFrontend {
@@ -57,6 +60,7 @@ impl ProxyService for GrpcFrontend {
             relay_rx: Some(relay_rx),
             relay: None,
             unreported: 0,
+            emitted_at: None,
             metrics: self.metrics.clone(),
             _gauge: self.metrics.grpc_stream("Proxy"),
         }))
@@ -75,6 +79,21 @@ struct Session {
 impl Session {
     fn reply(&self, p: Packet) {
         let _ = self.replies.send(p);
+    }
+
+    /// Sends the client's bytes towards the agent, counting the stream in
+    /// `full_receive_channels` while it waits for the agent's window or the
+    /// tunnel's lane (upstream: a full receive channel).
+    async fn forward(&self, sender: &ConnSender, data: Bytes) -> Result<(), FlowError> {
+        let mut send = std::pin::pin!(sender.send(data));
+        let first = std::future::poll_fn(|cx| Poll::Ready(send.as_mut().poll(cx))).await;
+        match first {
+            Poll::Ready(result) => result,
+            Poll::Pending => {
+                let _blocked = self.metrics.full_receive_channel("Proxy");
+                send.await
+            }
+        }
     }
 
     async fn next(&self, inbound: &mut Streaming<Packet>) -> Option<Frame> {
@@ -168,7 +187,7 @@ impl Session {
                     connect_id: id,
                     data,
                 }) if id == connect_id => {
-                    if sender.send(data).await.is_err() {
+                    if self.forward(&sender, data).await.is_err() {
                         break;
                     }
                 }
@@ -203,14 +222,18 @@ pub struct ProxyResponse {
     relay: Option<ConnReceiver>,
     /// Payload bytes handed to tonic but not yet credited back to the agent.
     unreported: usize,
+    /// When the last packet went to tonic: it asks for the next one once it
+    /// has encoded and buffered that one (`frontend_write_duration_seconds`).
+    emitted_at: Option<Instant>,
     metrics: Arc<Metrics>,
     _gauge: GaugeGuard,
 }
 
 impl ProxyResponse {
-    fn emit(&self, p: Packet) -> Poll<Option<Result<Packet, Status>>> {
+    fn emit(&mut self, p: Packet) -> Poll<Option<Result<Packet, Status>>> {
         self.metrics
             .packet(Segment::ToClient, packet::type_name(&p));
+        self.emitted_at = Some(Instant::now());
         Poll::Ready(Some(Ok(p)))
     }
 }
@@ -220,6 +243,11 @@ impl Stream for ProxyResponse {
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         let this = self.get_mut();
+        if let Some(emitted) = this.emitted_at.take() {
+            this.metrics
+                .frontend_write_duration
+                .observe(emitted.elapsed().as_secs_f64());
+        }
         // tonic asks for the next item only once it took the previous one.
         if this.unreported > 0
             && let Some(relay) = this.relay.as_mut()

@@ -8,7 +8,7 @@
 //! byte buffered after it), and error bodies are the texts upstream writes.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use cluster_proxy_proto::flow::READ_CHUNK;
@@ -147,9 +147,13 @@ where
             let FrontendEvent::Data(data) = &delivery.event else {
                 break;
             };
+            let started = Instant::now();
             if to_client.write_all(data).await.is_err() {
                 break;
             }
+            metrics
+                .frontend_write_duration
+                .observe(started.elapsed().as_secs_f64());
             let n = data.len();
             drop(delivery);
             receiver.consumed(n);

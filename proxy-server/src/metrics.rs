@@ -2,7 +2,8 @@
 //! where one exists. Counters on the data path are resolved once up front so
 //! that counting a packet is a single atomic add.
 
-use cluster_proxy_runtime::metrics::{encode_registry, register_counter};
+use cluster_proxy_proto::status::go_code_name;
+use cluster_proxy_runtime::metrics::{StreamMetrics, encode_registry, register_counter};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -11,56 +12,15 @@ use prometheus_client::registry::Registry;
 
 type Labels = Vec<(&'static str, &'static str)>;
 
-/// A gRPC code as Go's `codes.Code.String()` names it (tonic's Debug
-/// spells `Cancelled`; Go and upstream's label say `Canceled`).
-pub fn go_code_name(code: tonic::Code) -> &'static str {
-    use tonic::Code;
-    match code {
-        Code::Ok => "OK",
-        Code::Cancelled => "Canceled",
-        Code::Unknown => "Unknown",
-        Code::InvalidArgument => "InvalidArgument",
-        Code::DeadlineExceeded => "DeadlineExceeded",
-        Code::NotFound => "NotFound",
-        Code::AlreadyExists => "AlreadyExists",
-        Code::PermissionDenied => "PermissionDenied",
-        Code::ResourceExhausted => "ResourceExhausted",
-        Code::FailedPrecondition => "FailedPrecondition",
-        Code::Aborted => "Aborted",
-        Code::OutOfRange => "OutOfRange",
-        Code::Unimplemented => "Unimplemented",
-        Code::Internal => "Internal",
-        Code::Unavailable => "Unavailable",
-        Code::DataLoss => "DataLoss",
-        Code::Unauthenticated => "Unauthenticated",
-    }
-}
-
-/// Where a packet crossed the server.
-#[derive(Debug, Clone, Copy)]
-pub enum Segment {
-    FromClient = 0,
-    ToClient = 1,
-    FromAgent = 2,
-    ToAgent = 3,
-}
-
-const SEGMENTS: [&str; 4] = ["from_client", "to_client", "from_agent", "to_agent"];
-const PACKET_TYPES: [&str; 9] = [
-    "DIAL_REQ",
-    "DIAL_RSP",
-    "CLOSE_REQ",
-    "CLOSE_RSP",
-    "DATA",
-    "DIAL_CLS",
-    "DRAIN",
-    "WINDOW_UPDATE",
-    "UNKNOWN",
-];
+pub use cluster_proxy_runtime::metrics::Segment;
 
 pub struct Metrics {
     registry: Registry,
     pub dial_duration: Histogram,
+    /// How long writing one packet's bytes to a client took (HTTP CONNECT:
+    /// the socket write; gRPC: from handing the packet to tonic until tonic
+    /// asked for the next, which is when it had encoded and buffered it).
+    pub frontend_write_duration: Histogram,
     dial_failures: Family<Labels, Counter>,
     pub pending_dials: Gauge,
     pub established: Gauge,
@@ -72,10 +32,14 @@ pub struct Metrics {
     grpc_connections: Family<Labels, Gauge>,
     pub http_connections: Gauge,
     ready_backends: Family<Labels, Gauge>,
+    /// Upstream's deprecated total of connected agents (`ready_backends`
+    /// of the `default` strategy).
+    pub ready_backend_connections: Gauge,
+    /// Streams whose bytes towards the other side wait for room (upstream:
+    /// a full receive channel), by service method (`Proxy`, `Connect`).
+    full_receive_channels: Family<Labels, Gauge>,
     pub agent_tunnels: Gauge,
-    /// gRPC stream errors by segment, Go's code name and packet type.
-    pub stream_errors: Family<Labels, Counter>,
-    packets: Vec<Vec<Counter>>,
+    stream: StreamMetrics,
 }
 
 impl Metrics {
@@ -89,6 +53,14 @@ impl Metrics {
             "dial_duration_seconds",
             "Latency of dial to the remote endpoint in seconds",
             dial_duration.clone(),
+        );
+        let frontend_write_duration = Histogram::new([
+            0.000_001, 0.000_01, 0.000_1, 0.005, 0.025, 0.1, 0.5, 2.5, 12.5,
+        ]);
+        registry.register(
+            "frontend_write_duration_seconds",
+            "Latency of write to the frontend in seconds",
+            frontend_write_duration.clone(),
         );
         let dial_failures = Family::<Labels, Counter>::default();
         register_counter(
@@ -143,32 +115,26 @@ impl Metrics {
             "Number of konnectivity agent connected to the proxy server",
             ready_backends.clone(),
         );
-        let packet_family = Family::<Labels, Counter>::default();
-        register_counter(
-            registry,
-            "stream_packets_total",
-            "Count of packets processed, by segment and packet type (example: from_client, DIAL_REQ)",
-            packet_family.clone(),
+        let ready_backend_connections = Gauge::default();
+        registry.register(
+            "ready_backend_connections",
+            "Number of konnectivity agent connected to the proxy server. DEPRECATED, please use ready_backends",
+            ready_backend_connections.clone(),
         );
-        let packets = SEGMENTS
-            .iter()
-            .map(|segment| {
-                PACKET_TYPES
-                    .iter()
-                    .map(|kind| {
-                        packet_family
-                            .get_or_create(&vec![("segment", *segment), ("packet_type", *kind)])
-                            .clone()
-                    })
-                    .collect()
-            })
-            .collect();
-        let stream_errors = Family::<Labels, Counter>::default();
-        register_counter(
+        let full_receive_channels = Family::<Labels, Gauge>::default();
+        registry.register(
+            "full_receive_channels",
+            "Number of current connections blocked by a full receive channel, partitioned by service method.",
+            full_receive_channels.clone(),
+        );
+        let stream = StreamMetrics::register(
             registry,
-            "stream_errors_total",
-            "Count of gRPC stream errors, by segment, grpc Code, packet type. (example: from_agent, Code.Unavailable, DIAL_RSP)",
-            stream_errors.clone(),
+            &[
+                Segment::FromClient,
+                Segment::ToClient,
+                Segment::FromAgent,
+                Segment::ToAgent,
+            ],
         );
         // Ours, under our own prefix: upstream has no such metric.
         let agent_tunnels = Gauge::default();
@@ -181,6 +147,7 @@ impl Metrics {
         Metrics {
             registry: root,
             dial_duration,
+            frontend_write_duration,
             dial_failures,
             pending_dials,
             established,
@@ -189,30 +156,30 @@ impl Metrics {
             grpc_connections,
             http_connections,
             ready_backends,
+            ready_backend_connections,
+            full_receive_channels,
             agent_tunnels,
-            stream_errors,
-            packets,
+            stream,
         }
     }
 
     pub fn packet(&self, segment: Segment, type_name: &str) {
-        let kind = PACKET_TYPES
-            .iter()
-            .position(|t| *t == type_name)
-            .unwrap_or(PACKET_TYPES.len() - 1);
-        self.packets[segment as usize][kind].inc();
+        self.stream.packet(segment, type_name);
     }
 
     /// A stream failed while receiving, so no packet is known (upstream's
     /// `ObserveStreamErrorNoPacket`: packet type `Unknown`).
     pub fn stream_error_no_packet(&self, segment: Segment, code: tonic::Code) {
-        self.stream_errors
-            .get_or_create(&vec![
-                ("segment", SEGMENTS[segment as usize]),
-                ("code", go_code_name(code)),
-                ("packet_type", "Unknown"),
-            ])
-            .inc();
+        self.stream.error_no_packet(segment, go_code_name(code));
+    }
+
+    /// Counts a stream of `method` as blocked while the guard lives.
+    pub fn full_receive_channel(&self, method: &'static str) -> GaugeGuard {
+        GaugeGuard::new(
+            self.full_receive_channels
+                .get_or_create(&vec![("service_method", method)])
+                .clone(),
+        )
     }
 
     pub fn dial_failed(&self, reason: &'static str) {
@@ -276,5 +243,22 @@ mod tests {
                 "{line} missing from\n{text}"
             );
         }
+    }
+
+    #[test]
+    fn a_blocked_stream_counts_while_it_waits() {
+        let m = Metrics::new();
+        let line =
+            r#"konnectivity_network_proxy_server_full_receive_channels{service_method="Proxy"}"#;
+        let value = |m: &Metrics| {
+            let text = cluster_proxy_runtime::metrics::to_prometheus_text(&m.encode());
+            text.lines()
+                .find_map(|l| l.strip_prefix(line).map(|v| v.trim().to_owned()))
+        };
+        assert_eq!(value(&m), None, "exported before any stream blocked");
+        let blocked = m.full_receive_channel("Proxy");
+        assert_eq!(value(&m).as_deref(), Some("1"));
+        drop(blocked);
+        assert_eq!(value(&m).as_deref(), Some("0"));
     }
 }

@@ -17,6 +17,8 @@
 //! `# EOF`, `# UNIT` and `_created` samples are dropped.
 
 use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::{Metric, Registry};
 
@@ -189,6 +191,116 @@ pub fn register_counter(registry: &mut Registry, name: &str, help: &str, counter
     registry.register(base, help, counter);
 }
 
+/// Where a packet crossed the tunnel, as upstream's `segment` label names it:
+/// the server sees all four; an agent sends `from_agent` and receives
+/// `to_agent`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Segment {
+    FromClient = 0,
+    ToClient = 1,
+    FromAgent = 2,
+    ToAgent = 3,
+}
+
+const SEGMENTS: [&str; 4] = ["from_client", "to_client", "from_agent", "to_agent"];
+const PACKET_TYPES: [&str; 9] = [
+    "DIAL_REQ",
+    "DIAL_RSP",
+    "CLOSE_REQ",
+    "CLOSE_RSP",
+    "DATA",
+    "DIAL_CLS",
+    "DRAIN",
+    "WINDOW_UPDATE",
+    "UNKNOWN",
+];
+
+type Labels = Vec<(&'static str, &'static str)>;
+
+/// Upstream's `stream_packets_total{segment,packet_type}` and
+/// `stream_errors_total{segment,code,packet_type}`, shared by server and
+/// agent. The counters of the segments a service crosses are resolved once
+/// (and exported from the start, at 0), so counting a packet on the data
+/// path is one atomic add.
+#[derive(Debug)]
+pub struct StreamMetrics {
+    family: Family<Labels, Counter>,
+    packets: [Vec<Counter>; 4],
+    errors: Family<Labels, Counter>,
+}
+
+impl StreamMetrics {
+    /// Registers both families in `registry` (which carries the service's
+    /// prefix), with the packet counters of `segments` resolved.
+    pub fn register(registry: &mut Registry, segments: &[Segment]) -> Self {
+        let family = Family::<Labels, Counter>::default();
+        register_counter(
+            registry,
+            "stream_packets_total",
+            "Count of packets processed, by segment and packet type (example: from_client, DIAL_REQ)",
+            family.clone(),
+        );
+        let mut packets: [Vec<Counter>; 4] = Default::default();
+        for segment in segments {
+            packets[*segment as usize] = PACKET_TYPES
+                .iter()
+                .map(|kind| {
+                    family
+                        .get_or_create(&vec![
+                            ("segment", SEGMENTS[*segment as usize]),
+                            ("packet_type", *kind),
+                        ])
+                        .clone()
+                })
+                .collect();
+        }
+        let errors = Family::<Labels, Counter>::default();
+        register_counter(
+            registry,
+            "stream_errors_total",
+            "Count of gRPC stream errors, by segment, grpc Code, packet type. (example: from_agent, Code.Unavailable, DIAL_RSP)",
+            errors.clone(),
+        );
+        StreamMetrics {
+            family,
+            packets,
+            errors,
+        }
+    }
+
+    /// Counts a packet by its type name (`Frame::type_name`, `packet::type_name`).
+    pub fn packet(&self, segment: Segment, type_name: &str) {
+        let kind = PACKET_TYPES
+            .iter()
+            .position(|t| *t == type_name)
+            .unwrap_or(PACKET_TYPES.len() - 1);
+        match self.packets[segment as usize].get(kind) {
+            Some(counter) => counter.inc(),
+            // A segment the service did not resolve: the family's slow path.
+            None => self
+                .family
+                .get_or_create(&vec![
+                    ("segment", SEGMENTS[segment as usize]),
+                    ("packet_type", PACKET_TYPES[kind]),
+                ])
+                .inc(),
+        };
+    }
+
+    /// A stream failed while receiving, so no packet is known (upstream's
+    /// `ObserveStreamErrorNoPacket`: packet type `Unknown`). `code` as Go
+    /// names it (`cluster_proxy_proto::status::go_code_name`).
+    pub fn error_no_packet(&self, segment: Segment, code: &'static str) {
+        self.errors
+            .get_or_create(&vec![
+                ("segment", SEGMENTS[segment as usize]),
+                ("code", code),
+                ("packet_type", "Unknown"),
+            ])
+            .inc();
+    }
+}
+
 /// Increments a gauge now and decrements it when dropped: counts what is open.
 #[derive(Debug)]
 pub struct GaugeGuard(Gauge);
@@ -209,7 +321,6 @@ impl Drop for GaugeGuard {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use prometheus_client::metrics::counter::Counter;
 
     #[test]
     fn counters_get_exactly_one_total_suffix() {
