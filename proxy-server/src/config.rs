@@ -177,11 +177,11 @@ pub struct Cli {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mode: Option<String>,
-    /// Unix-socket frontend (upstream); not supported here: startup fails if set.
+    /// Serve the client frontend (gRPC and/or HTTP CONNECT, per --mode) on this Unix socket, without TLS, instead of the client port.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub uds_name: Option<String>,
-    /// Remove an existing --uds-name file first (upstream; no effect here).
+    /// Remove an existing --uds-name file before listening (else an existing file is an error).
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub delete_existing_uds_file: Option<bool>,
@@ -400,11 +400,8 @@ impl ServerConfig {
     /// Checks values that deserialize fine but cannot work.
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.strategies()?;
-        if !self.uds_name.is_empty() {
-            return Err(invalid(
-                "uds-name",
-                "Unix-socket frontends are not supported; use the mTLS client port",
-            ));
+        if self.uds_name.contains('\0') {
+            return Err(invalid("uds-name", "a socket path cannot contain NUL"));
         }
         if !self.agent_namespace.is_empty()
             || !self.agent_service_account.is_empty()
@@ -612,10 +609,6 @@ mod tests {
                 .unwrap_err()
                 .to_string();
             assert!(err.contains("--backend-dial-timeout"), "{err}");
-            let err = parse(&["--uds-name", "/tmp/x.sock"])
-                .unwrap_err()
-                .to_string();
-            assert!(err.contains("uds-name"), "{err}");
             jail.create_file("typo.toml", "agent_prot = 1\n")?;
             let err = parse(&["--config", "typo.toml"]).unwrap_err().to_string();
             assert!(err.contains("agent_prot"), "{err}");

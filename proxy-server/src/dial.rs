@@ -179,7 +179,9 @@ impl Dialer {
             trace.make_parent_of(&span);
         }
         if let Some(client) = &origin.client {
-            span.record("client.address", field::display(client.remote.ip()));
+            if let Some(ip) = client.remote.ip() {
+                span.record("client.address", field::display(ip));
+            }
             span.record("cluster_proxy.client_identity", client.subject.as_str());
         }
         span

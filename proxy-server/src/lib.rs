@@ -34,7 +34,8 @@ use cluster_proxy_runtime::reload::{self, Watched};
 use cluster_proxy_runtime::tls::{self, Identity, Pem, TlsError};
 use http::{Request, Response, StatusCode, Version};
 use hyper::body::Incoming;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use tokio::net::UnixListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tonic::body::Body;
@@ -46,7 +47,7 @@ use crate::config::{Mode, ServerConfig};
 use crate::dial::Dialer;
 use crate::grpc_frontend::GrpcFrontend;
 use crate::http_connect::ConnectFrontend;
-use crate::listener::{PeerInfo, Protocols};
+use crate::listener::{Listener, PeerInfo, Protocols};
 use crate::metrics::Metrics;
 use crate::registry::Registry;
 
@@ -64,12 +65,37 @@ pub enum ServerError {
     },
     #[error(transparent)]
     Bind(#[from] BindError),
+    #[error("listening on the Unix socket {path} (--uds-name): {source}")]
+    UnixSocket {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Listens on the Unix socket `path` (`--uds-name`). An existing file is
+/// removed first when `delete_existing` (upstream's
+/// `--delete-existing-uds-file`, default true); else it is an error.
+fn bind_unix(path: &Path, delete_existing: bool) -> Result<UnixListener, ServerError> {
+    let failed = |source| ServerError::UnixSocket {
+        path: path.to_owned(),
+        source,
+    };
+    if delete_existing {
+        match std::fs::remove_file(path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(failed(e)),
+        }
+    }
+    UnixListener::bind(path).map_err(failed)
 }
 
 /// Ready-made TLS configurations for both mTLS ports.
 pub struct ServerTls {
-    /// Client port; must require client certificates.
-    pub frontend: Watched<rustls::ServerConfig>,
+    /// Client port; must require client certificates. `None` when the
+    /// frontend is a Unix socket (`--uds-name`), which has no TLS.
+    pub frontend: Option<Watched<rustls::ServerConfig>>,
     /// Agent port; must require client certificates.
     pub agent: Watched<rustls::ServerConfig>,
 }
@@ -128,7 +154,7 @@ impl ServerTls {
     /// Fixed configurations (in-memory credentials, tests).
     pub fn fixed(frontend: Arc<rustls::ServerConfig>, agent: Arc<rustls::ServerConfig>) -> Self {
         ServerTls {
-            frontend: reload::fixed(frontend),
+            frontend: Some(reload::fixed(frontend)),
             agent: reload::fixed(agent),
         }
     }
@@ -148,15 +174,20 @@ impl ServerTls {
         } else {
             tls::MinTlsVersion::Tls12
         };
-        let frontend = PortFiles::new(
-            "client port TLS",
-            (
-                &config.server_cert,
-                &config.server_key,
-                &config.server_ca_cert,
-            ),
-            ["server-cert", "server-key", "server-ca-cert"],
-        )?;
+        // A Unix-socket frontend has no TLS (upstream ignores the files then).
+        let frontend = if config.uds_name.is_empty() {
+            Some(PortFiles::new(
+                "client port TLS",
+                (
+                    &config.server_cert,
+                    &config.server_key,
+                    &config.server_ca_cert,
+                ),
+                ["server-cert", "server-key", "server-ca-cert"],
+            )?)
+        } else {
+            None
+        };
         let agent = PortFiles::new(
             "agent port TLS",
             (
@@ -168,7 +199,9 @@ impl ServerTls {
         )?;
         let interval = config.credential_reload_interval;
         Ok(ServerTls {
-            frontend: frontend.watch(frontend_alpn, min_version, interval)?,
+            frontend: frontend
+                .map(|files| files.watch(frontend_alpn, min_version, interval))
+                .transpose()?,
             agent: agent.watch(&[ALPN_H2], min_version, interval)?,
         })
     }
@@ -177,7 +210,10 @@ impl ServerTls {
 /// A running server. Dropping it does not stop it; call [`RunningServer::shutdown`].
 pub struct RunningServer {
     pub server_id: String,
+    /// The TCP client port; `0.0.0.0:0` when the frontend is the Unix
+    /// socket `client_socket` (`--uds-name`) instead.
     pub client_addr: SocketAddr,
+    pub client_socket: Option<PathBuf>,
     pub agent_addr: SocketAddr,
     pub health_addr: SocketAddr,
     pub admin_addr: SocketAddr,
@@ -377,12 +413,26 @@ pub async fn start_with_tls(
         server_id: server_id.clone(),
     });
 
-    let (client_listener, client_addr) = bind(
-        "client port",
-        &config.server_bind_address,
-        config.server_port,
-    )
-    .await?;
+    let (client_listener, client_addr, client_socket) = if config.uds_name.is_empty() {
+        let tls = tls
+            .frontend
+            .ok_or(ServerError::MissingFlag("server-cert"))?;
+        let (listener, addr) = bind(
+            "client port",
+            &config.server_bind_address,
+            config.server_port,
+        )
+        .await?;
+        (Listener::Tcp(listener, tls), addr, None)
+    } else {
+        let path = PathBuf::from(&config.uds_name);
+        let listener = bind_unix(&path, config.delete_existing_uds_file)?;
+        (
+            Listener::Unix(listener),
+            SocketAddr::from(([0, 0, 0, 0], 0)),
+            Some(path),
+        )
+    };
     let (agent_listener, agent_addr) =
         bind("agent port", &config.agent_bind_address, config.agent_port).await?;
     let (health_listener, health_addr) = bind(
@@ -420,8 +470,7 @@ pub async fn start_with_tls(
     );
     tasks.spawn(listener::serve(
         "agent",
-        agent_listener,
-        tls.agent,
+        Listener::Tcp(agent_listener, tls.agent),
         Protocols::Http2Only,
         move |_peer: Arc<PeerInfo>| agent_routes.clone(),
         shutdown.clone(),
@@ -458,7 +507,6 @@ pub async fn start_with_tls(
     let client_listener = tasks.spawn(listener::serve(
         "client",
         client_listener,
-        tls.frontend,
         protocols,
         move |peer: Arc<PeerInfo>| client_service.for_peer(&peer),
         shutdown.clone(),
@@ -492,6 +540,7 @@ pub async fn start_with_tls(
     info!(
         server_id,
         %client_addr,
+        client_socket = client_socket.as_ref().map(|p| p.display().to_string()),
         %agent_addr,
         %health_addr,
         %admin_addr,
@@ -502,6 +551,7 @@ pub async fn start_with_tls(
     Ok(RunningServer {
         server_id,
         client_addr,
+        client_socket,
         agent_addr,
         health_addr,
         admin_addr,

@@ -17,7 +17,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulConnection;
 use hyper_util::service::TowerToHyperService;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -33,10 +33,37 @@ const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(60);
 /// client would see a failed dial.
 const FIRST_REQUEST_WINDOW: Duration = Duration::from_secs(2);
 
+/// Where a connection came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Remote {
+    Tcp(SocketAddr),
+    /// A Unix-socket peer (`--uds-name`): local, trusted by the socket's
+    /// file permissions, as upstream trusts it.
+    Unix,
+}
+
+impl Remote {
+    pub fn ip(&self) -> Option<std::net::IpAddr> {
+        match self {
+            Remote::Tcp(addr) => Some(addr.ip()),
+            Remote::Unix => None,
+        }
+    }
+}
+
+impl std::fmt::Display for Remote {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Remote::Tcp(addr) => addr.fmt(f),
+            Remote::Unix => f.write_str("unix-socket"),
+        }
+    }
+}
+
 /// The verified client certificate behind a request.
 #[derive(Debug, Clone)]
 pub struct PeerInfo {
-    pub remote: SocketAddr,
+    pub remote: Remote,
     pub subject: String,
     /// The cluster the certificate names, if any.
     pub cluster: Option<ClusterName>,
@@ -53,7 +80,7 @@ pub enum Protocols {
     Http1And2,
 }
 
-fn peer_info(remote: SocketAddr, conn: &rustls::ServerConnection) -> PeerInfo {
+fn peer_info(remote: Remote, conn: &rustls::ServerConnection) -> PeerInfo {
     let Some(cert) = conn.peer_certificates().and_then(|c| c.first()) else {
         return PeerInfo {
             remote,
@@ -79,14 +106,42 @@ fn peer_info(remote: SocketAddr, conn: &rustls::ServerConnection) -> PeerInfo {
     }
 }
 
+/// A listening socket: TCP (with TLS) or Unix (plain, `--uds-name`).
+pub enum Listener {
+    Tcp(
+        TcpListener,
+        cluster_proxy_runtime::reload::Watched<rustls::ServerConfig>,
+    ),
+    Unix(UnixListener),
+}
+
+enum Accepted {
+    Tcp(TcpStream, SocketAddr, TlsAcceptor),
+    Unix(UnixStream),
+}
+
+impl Listener {
+    async fn accept(&self) -> std::io::Result<Accepted> {
+        match self {
+            Listener::Tcp(listener, tls) => {
+                let (tcp, remote) = listener.accept().await?;
+                let _ = tcp.set_nodelay(true);
+                // The newest credentials for each handshake: rotation needs no restart.
+                let acceptor = TlsAcceptor::from(tls.borrow().clone());
+                Ok(Accepted::Tcp(tcp, remote, acceptor))
+            }
+            Listener::Unix(listener) => Ok(Accepted::Unix(listener.accept().await?.0)),
+        }
+    }
+}
+
 /// Serves `listener` until `shutdown` fires, then stops accepting (closing
 /// the socket, so new connections are refused and a load balancer moves them
 /// to another replica) and lets open connections finish within `grace`
 /// before dropping them.
 pub async fn serve<S, F, B>(
     name: &'static str,
-    listener: TcpListener,
-    tls: cluster_proxy_runtime::reload::Watched<rustls::ServerConfig>,
+    listener: Listener,
     protocols: Protocols,
     make_service: F,
     shutdown: CancellationToken,
@@ -123,8 +178,13 @@ pub async fn serve<S, F, B>(
         .keep_alive(true)
         .auto_date_header(false)
         .title_case_headers(true);
-    let builder = Arc::new(builder);
-    let make_service = Arc::new(make_service);
+    let server = Arc::new(ConnectionServer {
+        name,
+        builder,
+        protocols,
+        make_service,
+        shutdown: shutdown.clone(),
+    });
     let connections = TaskTracker::new();
     let mut stopping = false;
     loop {
@@ -152,60 +212,38 @@ pub async fn serve<S, F, B>(
                 },
             }
         };
-        let (tcp, remote) = accepted;
         let accepted_at = tokio::time::Instant::now();
-        let _ = tcp.set_nodelay(true);
-        // The newest credentials for each handshake: rotation needs no restart.
-        let acceptor = TlsAcceptor::from(tls.borrow().clone());
-        let builder = builder.clone();
-        let make_service = make_service.clone();
-        let shutdown = shutdown.clone();
-        connections.spawn(async move {
-            let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
-                Ok(Ok(tls)) => tls,
-                Ok(Err(e)) => {
-                    info!(listener = name, %remote, error = %e, "TLS handshake failed");
-                    return;
-                }
-                Err(_) => {
-                    info!(listener = name, %remote, "TLS handshake timed out");
-                    return;
-                }
-            };
-            let peer = Arc::new(peer_info(remote, tls.get_ref().1));
-            let tagged = peer.clone();
-            let service = tower::ServiceBuilder::new()
-                .map_request(move |mut req: Request<Incoming>| {
-                    req.extensions_mut().insert(tagged.clone());
-                    req
-                })
-                .service(make_service(peer));
-            let io = TokioIo::new(tls);
-            let service = TowerToHyperService::new(service);
-            match protocols {
-                Protocols::Http2Only => {
-                    let builder = (*builder).clone().http2_only();
-                    drive(
-                        name,
-                        remote,
-                        builder.serve_connection(io, service),
-                        shutdown,
-                        accepted_at,
-                    )
-                    .await;
-                }
-                Protocols::Http1And2 => {
-                    drive(
-                        name,
-                        remote,
-                        builder.serve_connection_with_upgrades(io, service),
-                        shutdown,
-                        accepted_at,
-                    )
-                    .await;
-                }
+        let server = server.clone();
+        match accepted {
+            Accepted::Tcp(tcp, remote, acceptor) => {
+                connections.spawn(async move {
+                    let remote = Remote::Tcp(remote);
+                    let tls =
+                        match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                            Ok(Ok(tls)) => tls,
+                            Ok(Err(e)) => {
+                                info!(listener = name, %remote, error = %e, "TLS handshake failed");
+                                return;
+                            }
+                            Err(_) => {
+                                info!(listener = name, %remote, "TLS handshake timed out");
+                                return;
+                            }
+                        };
+                    let peer = peer_info(remote, tls.get_ref().1);
+                    server.serve(tls, peer, accepted_at).await;
+                });
             }
-        });
+            Accepted::Unix(stream) => {
+                let peer = PeerInfo {
+                    remote: Remote::Unix,
+                    subject: String::new(),
+                    cluster: None,
+                    identity_error: None,
+                };
+                connections.spawn(async move { server.serve(stream, peer, accepted_at).await });
+            }
+        }
     }
     drop(listener);
     connections.close();
@@ -220,12 +258,72 @@ pub async fn serve<S, F, B>(
     }
 }
 
+/// What every accepted connection of one listener is served with.
+struct ConnectionServer<F> {
+    name: &'static str,
+    builder: auto::Builder<TokioExecutor>,
+    protocols: Protocols,
+    make_service: F,
+    shutdown: CancellationToken,
+}
+
+impl<F> ConnectionServer<F> {
+    async fn serve<IO, S, B>(&self, io: IO, peer: PeerInfo, accepted_at: tokio::time::Instant)
+    where
+        IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
+        F: Fn(Arc<PeerInfo>) -> S,
+        S: tower::Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
+            + Clone
+            + Send
+            + 'static,
+        S::Future: Send + 'static,
+        B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        let remote = peer.remote;
+        let peer = Arc::new(peer);
+        let tagged = peer.clone();
+        let service = tower::ServiceBuilder::new()
+            .map_request(move |mut req: Request<Incoming>| {
+                req.extensions_mut().insert(tagged.clone());
+                req
+            })
+            .service((self.make_service)(peer));
+        let io = TokioIo::new(io);
+        let service = TowerToHyperService::new(service);
+        let shutdown = self.shutdown.clone();
+        match self.protocols {
+            Protocols::Http2Only => {
+                let builder = self.builder.clone().http2_only();
+                drive(
+                    self.name,
+                    remote,
+                    builder.serve_connection(io, service),
+                    shutdown,
+                    accepted_at,
+                )
+                .await;
+            }
+            Protocols::Http1And2 => {
+                drive(
+                    self.name,
+                    remote,
+                    self.builder.serve_connection_with_upgrades(io, service),
+                    shutdown,
+                    accepted_at,
+                )
+                .await;
+            }
+        }
+    }
+}
+
 /// Runs one connection; on shutdown asks it to finish gracefully (GOAWAY /
 /// close after the current response), once it had [`FIRST_REQUEST_WINDOW`]
 /// to send its first request, and waits for that.
 async fn drive<C>(
     name: &'static str,
-    remote: SocketAddr,
+    remote: Remote,
     conn: C,
     shutdown: CancellationToken,
     accepted_at: tokio::time::Instant,
