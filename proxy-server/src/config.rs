@@ -124,8 +124,10 @@ impl Default for ServerConfig {
             admin_bind_address: "127.0.0.1".into(),
             health_port: 8092,
             health_bind_address: String::new(),
-            keepalive_time: Duration::from_secs(3600),
-            frontend_keepalive_time: Duration::from_secs(3600),
+            // Upstream: 1h. A tunnel to an agent that vanished without a
+            // FIN must be noticed in under a minute, not an hour.
+            keepalive_time: Duration::from_secs(30),
+            frontend_keepalive_time: Duration::from_secs(30),
             enable_profiling: false,
             enable_contention_profiling: false,
             server_id: String::new(),
@@ -241,11 +243,11 @@ pub struct Cli {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub health_bind_address: Option<String>,
-    /// Interval of HTTP/2 keepalive pings on agent tunnels (Go duration).
+    /// Idle time after which agent tunnels are pinged (HTTP/2 PING, 20 s to answer); 0 turns pings off (Go duration).
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub keepalive_time: Option<String>,
-    /// Interval of HTTP/2 keepalive pings on client connections (Go duration).
+    /// Idle time after which client connections are pinged (HTTP/2 PING, 20 s to answer); 0 turns pings off (Go duration).
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub frontend_keepalive_time: Option<String>,

@@ -73,6 +73,11 @@ pub enum ServerError {
     },
 }
 
+/// A keepalive flag's interval; `0` turns the pings off.
+fn keepalive(interval: Duration) -> Option<Duration> {
+    (!interval.is_zero()).then_some(interval)
+}
+
 /// Listens on the Unix socket `path` (`--uds-name`). An existing file is
 /// removed first when `delete_existing` (upstream's
 /// `--delete-existing-uds-file`, default true); else it is an error.
@@ -475,6 +480,7 @@ pub async fn start_with_tls(
         move |_peer: Arc<PeerInfo>| agent_routes.clone(),
         shutdown.clone(),
         grace,
+        keepalive(config.keepalive_time),
     ));
 
     let grpc = matches!(config.mode, Mode::Both | Mode::Grpc).then(|| {
@@ -511,6 +517,7 @@ pub async fn start_with_tls(
         move |peer: Arc<PeerInfo>| client_service.for_peer(&peer),
         shutdown.clone(),
         grace,
+        keepalive(config.frontend_keepalive_time),
     ));
 
     let health_registry = registry.clone();

@@ -146,6 +146,7 @@ pub async fn serve<S, F, B>(
     make_service: F,
     shutdown: CancellationToken,
     grace: Duration,
+    keepalive: Option<Duration>,
 ) where
     F: Fn(Arc<PeerInfo>) -> S + Send + Sync + 'static,
     S: tower::Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
@@ -166,7 +167,10 @@ pub async fn serve<S, F, B>(
         .initial_connection_window_size(CONNECTION_WINDOW)
         .max_frame_size(256 * 1024)
         .max_concurrent_streams(None::<u32>)
-        .keep_alive_interval(Some(Duration::from_secs(30)))
+        // HTTP/2 pings after `keepalive` without traffic (upstream's
+        // --keepalive-time / --frontend-keepalive-time); a peer that does not
+        // answer within 20 s (gRPC's default timeout) is dropped.
+        .keep_alive_interval(keepalive)
         .keep_alive_timeout(Duration::from_secs(20));
     // HTTP/1.1 serves only CONNECT: responses as upstream writes them, with
     // no `date` header (a `200 Connection Established` is the status line
