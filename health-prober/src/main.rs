@@ -84,17 +84,20 @@ async fn run(settings: Settings) -> anyhow::Result<()> {
     tokio::spawn(admin::serve(listener, routes, stop.clone()));
     tracing::info!(%address, "serving /healthz, /readyz and /metrics");
 
-    let prober = Arc::new(Prober::new(
-        client.clone(),
-        replicas,
-        ProbeTarget {
-            port: settings.target_port,
-            tls: target_tls,
-            timeout: settings.timeout,
-        },
-        settings.concurrency,
-        metrics,
-    ));
+    let prober = Arc::new(
+        Prober::new(
+            client.clone(),
+            replicas,
+            ProbeTarget {
+                port: settings.target_port,
+                tls: target_tls,
+                timeout: settings.timeout,
+            },
+            settings.concurrency,
+            metrics,
+        )
+        .with_latency_write_interval(settings.latency_write_interval),
+    );
 
     let stopped = stop.clone();
     let Election {

@@ -2,7 +2,7 @@
 //! replica, and a `ClusterProxyReachable` condition written only when it
 //! changes meaningfully.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,7 +17,10 @@ use kube::api::{ListParams, Patch, PatchParams};
 use crate::metrics::{ClusterLabel, PhaseLabel, ProberMetrics, ResultLabel};
 use crate::probe::{Phase, ProbeOutcome, ProbeTarget, probe};
 use crate::replicas::Replica;
-use crate::verdict::{CONDITION_TYPE, LATENCY_FLOOR_MS, Verdict, judge, key_of_condition};
+use crate::verdict::{CONDITION_TYPE, Change, LATENCY_FLOOR_MS, Verdict, judge, key_of_condition};
+
+/// Default of [`Prober::with_latency_write_interval`].
+pub const LATENCY_WRITE_INTERVAL: Duration = Duration::from_secs(600);
 
 /// The add-on whose ManagedClusterAddOns are probed.
 pub const ADDON_NAME: &str = "cluster-proxy";
@@ -46,6 +49,10 @@ pub struct Prober {
     target: ProbeTarget,
     concurrency: usize,
     latency_floor_ms: u64,
+    /// At most one latency-only write per cluster per this interval.
+    latency_write_interval: Duration,
+    /// When each cluster's condition was last written by this process.
+    written_at: std::sync::Mutex<HashMap<String, tokio::time::Instant>>,
     metrics: ProberMetrics,
     /// The clusters of the last round, whose gauges are dropped when they leave.
     probed: std::sync::Mutex<BTreeSet<String>>,
@@ -66,6 +73,8 @@ impl Prober {
             target,
             concurrency: concurrency.max(1),
             latency_floor_ms: LATENCY_FLOOR_MS,
+            latency_write_interval: LATENCY_WRITE_INTERVAL,
+            written_at: std::sync::Mutex::new(HashMap::new()),
             metrics,
             probed: std::sync::Mutex::new(BTreeSet::new()),
         }
@@ -75,6 +84,15 @@ impl Prober {
     /// [`LATENCY_FLOOR_MS`]); only a doubling or halving above it does.
     pub fn with_latency_floor(mut self, floor: Duration) -> Self {
         self.latency_floor_ms = u64::try_from(floor.as_millis()).unwrap_or(u64::MAX);
+        self
+    }
+
+    /// A latency that moved but a state that did not is written at most once
+    /// per `interval` per cluster (default [`LATENCY_WRITE_INTERVAL`]): on a
+    /// loaded hub, latencies through the tunnel double and halve from round
+    /// to round, and 2,000 clusters must not turn that into a write storm.
+    pub fn with_latency_write_interval(mut self, interval: Duration) -> Self {
+        self.latency_write_interval = interval;
         self
     }
 
@@ -131,6 +149,10 @@ impl Prober {
                 cluster: cluster.clone(),
             });
         }
+        self.written_at
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|cluster, _| current.contains(cluster));
         *probed = current;
     }
 
@@ -209,10 +231,20 @@ impl Prober {
         let previous = find_condition(addon.conditions(), CONDITION_TYPE);
         if let Some(previous) = previous
             && previous.status == status
-            && !key_of_condition(&previous.reason, &previous.message)
-                .differs(&verdict.key, self.latency_floor_ms)
         {
-            return Ok(false);
+            let change = key_of_condition(&previous.reason, &previous.message)
+                .change_to(&verdict.key, self.latency_floor_ms);
+            let recently_written = self
+                .written_at
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get(namespace)
+                .is_some_and(|at| at.elapsed() < self.latency_write_interval);
+            match change {
+                Change::None => return Ok(false),
+                Change::Latency if recently_written => return Ok(false),
+                Change::Latency | Change::State => {}
+            }
         }
         let last_transition_time = match previous {
             Some(previous) if previous.status == status => previous.last_transition_time.clone(),
@@ -242,6 +274,10 @@ impl Prober {
             .await
         {
             Ok(_) => {
+                self.written_at
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(namespace.clone(), tokio::time::Instant::now());
                 self.metrics.status_writes.inc();
                 tracing::info!(cluster = %namespace, reason = verdict.reason, message = %verdict.message, "reachability changed");
                 Ok(true)

@@ -68,6 +68,10 @@ pub struct Cli {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub interval: Option<String>,
+    /// Least time between two writes of a cluster's condition when only its latency moved (state changes are written at once).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub latency_write_interval: Option<String>,
     /// Limit of one probe (dial, TLS handshake and `GET /healthz` together).
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -120,6 +124,8 @@ pub struct Settings {
     #[serde(with = "serde_go")]
     pub interval: Duration,
     #[serde(with = "serde_go")]
+    pub latency_write_interval: Duration,
+    #[serde(with = "serde_go")]
     pub timeout: Duration,
     pub target_port: u16,
     pub insecure_target: bool,
@@ -144,6 +150,7 @@ impl Default for Settings {
             proxy_cert: "/etc/cluster-proxy/client/tls.crt".into(),
             proxy_key: "/etc/cluster-proxy/client/tls.key".into(),
             interval: Duration::from_secs(30),
+            latency_write_interval: crate::prober::LATENCY_WRITE_INTERVAL,
             timeout: Duration::from_secs(10),
             target_port: 443,
             insecure_target: true,

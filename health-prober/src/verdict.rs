@@ -41,11 +41,38 @@ impl VerdictKey {
     /// the bucket (and write) every round.
     /// Latencies under `floor_ms` count as `floor_ms`.
     pub fn differs(&self, new: &VerdictKey, floor_ms: u64) -> bool {
-        self.reason != new.reason
+        self.change_to(new, floor_ms) != Change::None
+    }
+}
+
+/// What a round's verdict is worth, compared with the stored condition.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Change {
+    /// Nothing worth a write.
+    None,
+    /// Only the latency moved (by more than a factor of two above the
+    /// floor): written at most once per latency write interval.
+    Latency,
+    /// The state changed (status, reason, replicas, HTTP status, failing
+    /// replicas), or there is no condition yet: written at once.
+    State,
+}
+
+impl VerdictKey {
+    /// How `new` differs from the stored `self`.
+    pub fn change_to(&self, new: &VerdictKey, floor_ms: u64) -> Change {
+        if self.reason != new.reason
             || self.replicas != new.replicas
             || self.status != new.status
             || self.failing != new.failing
-            || latency_differs(self.latency_ms, new.latency_ms, floor_ms)
+            || self.latency_ms.is_some() != new.latency_ms.is_some()
+        {
+            Change::State
+        } else if latency_differs(self.latency_ms, new.latency_ms, floor_ms) {
+            Change::Latency
+        } else {
+            Change::None
+        }
     }
 }
 
@@ -200,6 +227,26 @@ mod tests {
         let mut degraded = key(Some(100));
         degraded.reason = REASON_DEGRADED.into();
         assert!(key(Some(100)).differs(&degraded, LATENCY_FLOOR_MS));
+    }
+
+    #[test]
+    fn a_latency_move_is_told_apart_from_a_state_change() {
+        let floor = LATENCY_FLOOR_MS;
+        assert_eq!(
+            key(Some(100)).change_to(&key(Some(90)), floor),
+            Change::None
+        );
+        assert_eq!(
+            key(Some(100)).change_to(&key(Some(300)), floor),
+            Change::Latency
+        );
+        assert_eq!(key(Some(100)).change_to(&key(None), floor), Change::State);
+        let mut degraded = key(Some(100));
+        degraded.reason = REASON_DEGRADED.into();
+        assert_eq!(key(Some(100)).change_to(&degraded, floor), Change::State);
+        let mut failing = key(Some(100));
+        failing.status = Some(500);
+        assert_eq!(key(Some(100)).change_to(&failing, floor), Change::State);
     }
 
     #[test]

@@ -6,10 +6,9 @@ mod common;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use common::{Apiserver, Hub, Tunnel};
+use common::{Apiserver, Hub, Tunnel, metrics, sample};
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::Api;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const NAMESPACE: &str = "hub";
 const WAIT: Duration = Duration::from_secs(30);
@@ -29,28 +28,6 @@ impl Drop for Prober {
 async fn free_port() -> u16 {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     listener.local_addr().unwrap().port()
-}
-
-async fn metrics(port: u16) -> Option<String> {
-    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
-        .await
-        .ok()?;
-    stream
-        .write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
-        .await
-        .ok()?;
-    let mut text = String::new();
-    stream.read_to_string(&mut text).await.ok()?;
-    Some(text)
-}
-
-/// The value of the unlabelled sample `name`, or of the sum of its labelled samples.
-fn sample(text: &str, name: &str) -> f64 {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter(|l| l.starts_with(&format!("{name} ")) || l.starts_with(&format!("{name}{{")))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
 }
 
 #[tokio::test]

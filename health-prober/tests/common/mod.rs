@@ -112,6 +112,23 @@ impl Tunnel {
         agent
     }
 
+    /// An agent of `cluster` connected to replica `index` on the caller's
+    /// runtime (no thread of its own, so thousands fit in one process), its
+    /// name resolving to loopback.
+    pub async fn in_process_agent(&self, cluster: &str, index: usize) -> proxy_agent::RunningAgent {
+        let tls = self.pki.agent_tls(cluster).unwrap();
+        let mut config = proxy_agent::AgentConfig::new(proxy_agent::TlsSource::Config(tls))
+            .with_ephemeral_ports();
+        config.proxy_server_host = "localhost".into();
+        config.proxy_server_port = self.servers[index].agent_addr.port();
+        config.agent_id = format!("{cluster}-agent-{index}");
+        config.agent_identifiers = format!("host={cluster}");
+        config.host_aliases = [(cluster.to_owned(), "127.0.0.1".parse().unwrap())]
+            .into_iter()
+            .collect();
+        proxy_agent::start(config).await.unwrap()
+    }
+
     /// `localhost:<client port>` of replica `index`.
     pub fn client_address(&self, index: usize) -> String {
         format!("localhost:{}", self.servers[index].client_addr.port())
@@ -181,4 +198,27 @@ async fn create_namespace(client: &kube::Client, name: &str) {
         .create(&PostParams::default(), &ns)
         .await
         .unwrap();
+}
+
+/// The text of `/metrics` on 127.0.0.1:`port`, or `None` while it does not answer.
+pub async fn metrics(port: u16) -> Option<String> {
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .ok()?;
+    stream
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+        .await
+        .ok()?;
+    let mut text = String::new();
+    stream.read_to_string(&mut text).await.ok()?;
+    Some(text)
+}
+
+/// The value of the unlabelled sample `name`, or of the sum of its labelled samples.
+pub fn sample(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| l.starts_with(&format!("{name} ")) || l.starts_with(&format!("{name}{{")))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
 }
