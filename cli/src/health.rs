@@ -44,10 +44,16 @@ pub enum HealthError {
     },
 }
 
+/// [`HealthReport::version`] of what this CLI writes.
+pub const REPORT_VERSION: u32 = 1;
+
 /// The `-o json|yaml` document.
 #[derive(Debug, Clone, Serialize, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct HealthReport {
+    /// The document's format version: raised only when a field changes
+    /// meaning or goes away; new fields may appear within a version.
+    pub version: u32,
     /// When the report was made (RFC 3339, UTC); ages count from here.
     pub generated_at: String,
     /// Whether `clusters[].probe` holds live results (`--probe`).
@@ -184,6 +190,7 @@ pub async fn collect(
         .collect();
     rows.sort_by(|a, b| a.name.cmp(&b.name));
     Ok(HealthReport {
+        version: REPORT_VERSION,
         generated_at: now.to_string(),
         probed: false,
         proxy_servers: Vec::new(),
@@ -546,7 +553,7 @@ mod tests {
     #[test]
     fn milliseconds_keep_useful_precision() {
         assert_eq!(format_ms(0.4219), "0.42ms");
-        assert_eq!(format_ms(3.14), "3.1ms");
+        assert_eq!(format_ms(3.04), "3.0ms");
         assert_eq!(format_ms(250.4), "250ms");
     }
 }
