@@ -18,6 +18,9 @@ use crate::address::ForwardTarget;
 /// fills the largest DATA packet the tunnel client sends.
 pub const COPY_BUFFER: usize = 4 * READ_CHUNK;
 
+/// Pause after a failed accept.
+const ACCEPT_RETRY: std::time::Duration = std::time::Duration::from_millis(50);
+
 #[derive(Debug, thiserror::Error)]
 pub enum ForwardError {
     #[error("cannot listen on {address}: {source}")]
@@ -110,8 +113,13 @@ impl PortForward {
                             }
                         });
                     }
-                    // Out of descriptors and the like: the next accept may work.
-                    Err(error) => tracing::warn!(%error, "accept failed"),
+                    // Out of descriptors and the like: the next accept may
+                    // work once connections close; a pause keeps the loop
+                    // from spinning meanwhile.
+                    Err(error) => {
+                        tracing::warn!(%error, "accept failed");
+                        tokio::time::sleep(ACCEPT_RETRY).await;
+                    }
                 },
                 // Reaps finished connections so the set does not grow.
                 Some(_) = connections.join_next(), if !connections.is_empty() => {}

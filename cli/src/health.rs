@@ -300,8 +300,9 @@ impl LiveProber {
     }
 }
 
+/// Milliseconds to the microsecond: finer digits are noise.
 fn millis(duration: Option<Duration>) -> Option<f64> {
-    duration.map(|d| d.as_secs_f64() * 1000.0)
+    duration.map(|d| (d.as_secs_f64() * 1_000_000.0).round() / 1000.0)
 }
 
 /// One cluster's live result from `(replica, outcome)` pairs.
@@ -322,7 +323,7 @@ pub fn live_probe(outcomes: &[(String, ProbeOutcome)]) -> LiveProbe {
         healthy: verdict.reachable,
         reason: verdict.reason.to_owned(),
         replicas: verdict.key.replicas,
-        latency_ms: slowest.map(|(total, _)| total.as_secs_f64() * 1000.0),
+        latency_ms: millis(slowest.map(|(total, _)| total)),
         dial_ms: slowest.and_then(|(_, o)| millis(o.dial)),
         tls_ms: slowest.and_then(|(_, o)| millis(o.tls)),
         first_byte_ms: slowest.and_then(|(_, o)| millis(o.first_byte)),

@@ -5,6 +5,7 @@
 use std::io::Write;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,10 +17,11 @@ use cluster_proxy_cli::health::{self, LiveProber, OutputFormat};
 use cluster_proxy_cli::hub::{self, CredentialFiles, ProxyServerError};
 use cluster_proxy_proto::connector::TunnelConnector;
 use cluster_proxy_proto::duration::parse_go_duration;
-use cluster_proxy_runtime::logging::{self, LogFormat};
+use cluster_proxy_runtime::logging;
 use cluster_proxy_runtime::shutdown::Signals;
 use health_prober::probe::ProbeTarget;
 use k8s_openapi::jiff::Timestamp;
+use tracing_subscriber::EnvFilter;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -115,13 +117,30 @@ struct PortForwardArgs {
     proxy: ProxyArgs,
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> ExitCode {
     let cli = Cli::parse();
-    logging::init(cli.v, LogFormat::Text);
-    match cli.command {
-        Command::Health(args) => health(args).await,
-        Command::PortForward(args) => port_forward(args).await,
+    init_logging(cli.v);
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("error: cannot start the async runtime: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        match cli.command {
+            Command::Health(args) => health(args).await,
+            Command::PortForward(args) => port_forward(args).await,
+        }
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            // The whole chain on one line, without a backtrace: this is
+            // for the person at the terminal.
+            eprintln!("error: {error:#}");
+            ExitCode::FAILURE
+        }
     }
 }
 
@@ -203,6 +222,25 @@ async fn port_forward(args: PortForwardArgs) -> anyhow::Result<()> {
         })
         .await;
     Ok(())
+}
+
+/// Plain-text logs on stderr: the runtime's filter (`-v` as klog's, for
+/// the workspace's crates; `RUST_LOG` replaces it) plus this CLI's own
+/// crates, which the runtime's list of crates does not name.
+fn init_logging(verbosity: u8) {
+    let level = logging::level_for_verbosity(verbosity);
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+        EnvFilter::new(format!(
+            "{},cluster_proxy_cli={level},cluster_proxy={level}",
+            logging::filter_for_verbosity(verbosity)
+        ))
+    });
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_target(false)
+        .with_ansi(false)
+        .with_writer(std::io::stderr)
+        .try_init();
 }
 
 fn proxy_server_address(text: &str) -> Result<String, AddressError> {
