@@ -57,6 +57,19 @@ impl ForwardTarget {
         })
     }
 
+    /// Whether the host is one the cluster's agent registers (`host=` agent
+    /// identifiers, reference §5): the cluster name, `<cluster>.<namespace>`,
+    /// or the hashed service-proxy host. The proxy-server routes a dial by its
+    /// host, so another host reaches the cluster only with non-default routing.
+    pub fn host_is_the_clusters(&self) -> bool {
+        self.host == self.cluster
+            || self
+                .host
+                .strip_prefix(self.cluster.as_str())
+                .is_some_and(|rest| rest.starts_with('.'))
+            || self.host.ends_with(".open-cluster-management.proxy")
+    }
+
     /// The `host:port` the tunnel dials.
     pub fn dial_address(&self) -> String {
         host_port(&self.host, self.port)
@@ -131,6 +144,15 @@ mod tests {
         let service = ForwardTarget::parse("cluster-a:postgres.db.svc:5432").unwrap();
         assert_eq!(service.dial_address(), "postgres.db.svc:5432");
         assert_eq!(service.cluster, "cluster-a");
+        assert!(!service.host_is_the_clusters());
+        for routed in ["cluster-a:1", "cluster-a:cluster-a.agent-ns:1"] {
+            assert!(ForwardTarget::parse(routed).unwrap().host_is_the_clusters());
+        }
+        assert!(
+            !ForwardTarget::parse("cluster-a:cluster-ab:1")
+                .unwrap()
+                .host_is_the_clusters()
+        );
     }
 
     #[test]

@@ -206,6 +206,15 @@ async fn port_forward(args: PortForwardArgs) -> anyhow::Result<()> {
             hub::tls_from_hub(&client, &args.proxy.mpc).await?
         }
     };
+    if !args.target.host_is_the_clusters() {
+        tracing::warn!(
+            host = %args.target.host,
+            cluster = %args.target.cluster,
+            "the proxy-server routes a dial by its host, and this host is none of the names \
+             the cluster's agent registers; it is reached only if the proxy-server routes with \
+             default/defaultRoute or an agent registers it"
+        );
+    }
     let connector = hub::connect(address, tls, args.proxy.timeout).await?;
     let forward = PortForward::bind(args.local, connector, args.target.clone()).await?;
     let bound = forward.local_addr()?;
