@@ -260,9 +260,14 @@ pub fn parse_message(message: &str) -> StoredReachability {
     stored
 }
 
+/// A proxy-server to probe through: its connector, or why it could not be
+/// connected (then every cluster's probe through it fails with that reason,
+/// and the cluster shows degraded, naming it, as health-prober reports).
+pub type Replica = (String, Result<TunnelConnector, String>);
+
 /// How to probe live: one connector per proxy-server, and the target.
 pub struct LiveProber {
-    pub replicas: Vec<(String, TunnelConnector)>,
+    pub replicas: Vec<Replica>,
     pub target: ProbeTarget,
     /// Clusters probed at once.
     pub concurrency: usize,
@@ -283,7 +288,15 @@ impl LiveProber {
                 let _permit = permits.acquire_owned().await;
                 let mut outcomes = Vec::with_capacity(replicas.len());
                 for (address, connector) in replicas.iter() {
-                    outcomes.push((address.clone(), probe(connector, &target, &name).await));
+                    let outcome = match connector {
+                        Ok(connector) => probe(connector, &target, &name).await,
+                        Err(reason) => ProbeOutcome {
+                            error: Some(reason.clone()),
+                            replica_failed: true,
+                            ..ProbeOutcome::default()
+                        },
+                    };
+                    outcomes.push((address.clone(), outcome));
                 }
                 (index, live_probe(&outcomes))
             });

@@ -13,9 +13,8 @@ use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand};
 use cluster_proxy_cli::address::{AddressError, ForwardTarget, parse_host_port, parse_local};
 use cluster_proxy_cli::forward::PortForward;
-use cluster_proxy_cli::health::{self, LiveProber, OutputFormat};
+use cluster_proxy_cli::health::{self, LiveProber, OutputFormat, Replica};
 use cluster_proxy_cli::hub::{self, CredentialFiles, ProxyServerError};
-use cluster_proxy_proto::connector::TunnelConnector;
 use cluster_proxy_proto::duration::parse_go_duration;
 use cluster_proxy_runtime::logging;
 use cluster_proxy_runtime::shutdown::Signals;
@@ -277,16 +276,29 @@ async fn no_address(client: Option<&kube::Client>, mpc: &str) -> ProxyServerErro
     ProxyServerError::NoAddress { namespace, service }
 }
 
-/// One connector per `--proxy-server`; one that cannot be connected fails
-/// the command, naming it.
+/// One connector per `--proxy-server`. One that cannot be connected is
+/// probed through as failing (its clusters show degraded, naming it); when
+/// none can be, the command fails with each one's reason.
 async fn connect_all(
     proxy: &ProxyArgs,
     tls: Arc<rustls::ClientConfig>,
-) -> anyhow::Result<Vec<(String, TunnelConnector)>> {
+) -> anyhow::Result<Vec<Replica>> {
     let mut replicas = Vec::with_capacity(proxy.proxy_servers.len());
     for address in &proxy.proxy_servers {
-        let connector = hub::connect(address, tls.clone(), proxy.timeout).await?;
+        let connector = hub::connect(address, tls.clone(), proxy.timeout)
+            .await
+            .map_err(|error| error.to_string());
+        if let Err(error) = &connector {
+            tracing::warn!(%error, "probing through the other proxy-servers");
+        }
         replicas.push((address.clone(), connector));
+    }
+    if replicas.iter().all(|(_, connector)| connector.is_err()) {
+        let reasons: Vec<String> = replicas
+            .into_iter()
+            .filter_map(|(_, connector)| connector.err())
+            .collect();
+        bail!("{}", reasons.join("; "));
     }
     Ok(replicas)
 }

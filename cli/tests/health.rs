@@ -224,6 +224,7 @@ async fn probe_goes_through_every_proxy_server_with_the_hub_secret() {
         "--timeout",
         "5s",
     ]);
+    let base = args.clone();
     let (first, second) = (tunnel.client_address(0), tunnel.client_address(1));
     args.extend(["--proxy-server".into(), first.clone()]);
     args.extend(["--proxy-server".into(), second.clone()]);
@@ -278,6 +279,26 @@ async fn probe_goes_through_every_proxy_server_with_the_hub_secret() {
     assert!(a[4].ends_with("ms"), "{table}");
     assert_eq!(cells("cluster-b")[3..5], ["false", "<none>"], "{table}");
     assert_eq!(cells("cluster-c")[3..5], ["false", "<none>"], "{table}");
+
+    // A proxy-server that cannot be connected makes every cluster degraded, named.
+    let closed = format!("localhost:{}", closed_port().await.unwrap().port());
+    let mut one_down = base;
+    one_down.extend(["--proxy-server".into(), first.clone()]);
+    one_down.extend(["--proxy-server".into(), closed.clone()]);
+    one_down.extend(strings(&["-o", "json"]));
+    let output = run(&one_down).await;
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("cannot connect to proxy-server"),
+        "{stderr}"
+    );
+    let report: Value = serde_json::from_slice(&output.stdout).unwrap();
+    let probe = &report["clusters"][0]["probe"];
+    assert_eq!(probe["reason"], "Degraded", "{report:#}");
+    assert_eq!(probe["replicas"], "1/2");
+    let error = probe["error"].as_str().unwrap();
+    assert!(error.starts_with(&closed), "{error}");
 }
 
 async fn fails_saying(args: Vec<String>, expected: &str) {
@@ -327,6 +348,19 @@ async fn bad_input_fails_with_a_clear_error() {
     expired.extend(["--proxy-server".into(), tunnel.client_address(0)]);
     expired.extend(tunnel.expired_credential_flags());
     fails_saying(expired, "certificate is not valid now").await;
+    let closed = format!("localhost:{}", closed_port().await.unwrap().port());
+    fails_saying(
+        strings(&[
+            "health",
+            "--kubeconfig",
+            &kubeconfig,
+            "--probe",
+            "--proxy-server",
+            &closed,
+        ]),
+        &format!("cannot connect to proxy-server {closed}"),
+    )
+    .await;
     fails_saying(
         strings(&["health", "--kubeconfig", &kubeconfig, "-o", "xml"]),
         "invalid value 'xml'",
