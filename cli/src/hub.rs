@@ -88,10 +88,12 @@ pub enum CredentialsError {
     #[error(transparent)]
     Tls(#[from] TlsError),
     #[error(
-        "ManagedProxyConfiguration {name:?} not found on the hub ({source}); \
-         pass --mpc, or the client credentials with --proxy-ca-cert, --proxy-cert and --proxy-key"
+        "ManagedProxyConfiguration {name:?} not found on the hub; pass --mpc, or the client \
+         credentials with --proxy-ca-cert, --proxy-cert and --proxy-key"
     )]
-    NoConfiguration {
+    NoConfiguration { name: String },
+    #[error("cannot read ManagedProxyConfiguration {name:?} from the hub: {source}")]
+    ReadConfiguration {
         name: String,
         #[source]
         source: kube::Error,
@@ -165,9 +167,14 @@ pub async fn tls_from_hub(
     let configuration = Api::<ManagedProxyConfiguration>::all(client.clone())
         .get(mpc)
         .await
-        .map_err(|source| CredentialsError::NoConfiguration {
-            name: mpc.to_owned(),
-            source,
+        .map_err(|source| match &source {
+            kube::Error::Api(status) if status.code == 404 => CredentialsError::NoConfiguration {
+                name: mpc.to_owned(),
+            },
+            _ => CredentialsError::ReadConfiguration {
+                name: mpc.to_owned(),
+                source,
+            },
         })?;
     let namespace = configuration.spec.proxy_server.namespace.clone();
     let name = configuration

@@ -258,6 +258,30 @@ async fn bad_input_fails_with_a_clear_error() {
         "cannot connect to proxy-server",
     )
     .await;
+    // Without credential flags they come from the hub, which must have them.
+    let hub = common::Hub::start().await;
+    let kubeconfig = hub.kubeconfig().display().to_string();
+    let mut from_hub = strings(&["--kubeconfig", &kubeconfig]);
+    from_hub.extend_from_slice(&server);
+    fails_saying(
+        forward_args("cluster-a:443", "0", &from_hub),
+        "ManagedProxyConfiguration \"cluster-proxy\" not found on the hub",
+    )
+    .await;
+    let dead_hub = hub
+        .api
+        .kubeconfigs(Some(closed_port().await.unwrap()))
+        .write("someone", &[])
+        .unwrap()
+        .display()
+        .to_string();
+    let mut from_dead_hub = strings(&["--kubeconfig", &dead_hub]);
+    from_dead_hub.extend_from_slice(&server);
+    fails_saying(
+        forward_args("cluster-a:443", "0", &from_dead_hub),
+        "cannot read ManagedProxyConfiguration \"cluster-proxy\" from the hub",
+    )
+    .await;
     let mut expired = tunnel.expired_credential_flags();
     expired.extend_from_slice(&server);
     fails_saying(
