@@ -36,14 +36,17 @@ pub struct ForwardTarget {
 
 impl ForwardTarget {
     /// `CLUSTER:PORT` (the host is the cluster name, which its agent
-    /// serves) or `CLUSTER:HOST:PORT`.
+    /// serves) or `CLUSTER:HOST:PORT` (an IPv6 host bracketed).
     pub fn parse(text: &str) -> Result<Self, AddressError> {
-        let parts: Vec<&str> = text.split(':').collect();
-        let (cluster, host, port) = match parts.as_slice() {
-            [cluster, port] => (*cluster, *cluster, *port),
-            [cluster, host, port] => (*cluster, *host, *port),
-            _ => return Err(AddressError::Target(text.to_owned())),
+        let invalid = || AddressError::Target(text.to_owned());
+        let (cluster, rest) = text.split_once(':').ok_or_else(invalid)?;
+        let (host, port) = match rest.strip_prefix('[') {
+            Some(bracketed) => bracketed.split_once("]:").ok_or_else(invalid)?,
+            None => rest.split_once(':').unwrap_or((cluster, rest)),
         };
+        if port.contains(':') {
+            return Err(invalid());
+        }
         if !is_dns1123_label(cluster) {
             return Err(AddressError::ClusterName(cluster.to_owned()));
         }
@@ -78,7 +81,7 @@ impl ForwardTarget {
 
 impl std::fmt::Display for ForwardTarget {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}:{}:{}", self.cluster, self.host, self.port)
+        write!(f, "{}:{}", self.cluster, self.dial_address())
     }
 }
 
@@ -168,6 +171,10 @@ mod tests {
         assert_eq!(
             ForwardTarget::parse("a:b:c:1"),
             Err(AddressError::Target("a:b:c:1".into()))
+        );
+        assert_eq!(
+            ForwardTarget::parse("a:[::1:1"),
+            Err(AddressError::Target("a:[::1:1".into()))
         );
         assert_eq!(
             ForwardTarget::parse("cluster-a:0"),
