@@ -14,6 +14,11 @@ type Labels = Vec<(&'static str, &'static str)>;
 
 pub use cluster_proxy_runtime::metrics::Segment;
 
+/// Upstream's `latencyBuckets` for the server's latency histograms.
+const LATENCY_BUCKETS: [f64; 9] = [
+    0.000_001, 0.000_01, 0.000_1, 0.005, 0.025, 0.1, 0.5, 2.5, 12.5,
+];
+
 pub struct Metrics {
     registry: Registry,
     pub dial_duration: Histogram,
@@ -46,17 +51,13 @@ impl Metrics {
     pub fn new() -> Self {
         let mut root = Registry::default();
         let registry = root.sub_registry_with_prefix("konnectivity_network_proxy_server");
-        let dial_duration = Histogram::new([
-            0.000_001, 0.000_01, 0.000_1, 0.005, 0.025, 0.1, 0.5, 2.5, 12.5,
-        ]);
+        let dial_duration = Histogram::new(LATENCY_BUCKETS);
         registry.register(
             "dial_duration_seconds",
             "Latency of dial to the remote endpoint in seconds",
             dial_duration.clone(),
         );
-        let frontend_write_duration = Histogram::new([
-            0.000_001, 0.000_01, 0.000_1, 0.005, 0.025, 0.1, 0.5, 2.5, 12.5,
-        ]);
+        let frontend_write_duration = Histogram::new(LATENCY_BUCKETS);
         registry.register(
             "frontend_write_duration_seconds",
             "Latency of write to the frontend in seconds",
