@@ -212,6 +212,32 @@ def check_upstream_names(docs: list[dict]) -> None:
         "ManagedClusterSetBinding global",
     )
     expect(find(docs, "ManagedProxyConfiguration", "cluster-proxy") is not None, "MPC cluster-proxy")
+    prober = find(docs, "Deployment", "cluster-proxy-health-prober", NAMESPACE)
+    expect(prober is not None, "Deployment cluster-proxy-health-prober")
+    if prober:
+        pod = prober["spec"]["template"]["spec"]
+        expect(
+            pod["volumes"] == [{"name": "proxy-client", "secret": {"secretName": "proxy-client"}}],
+            f"health-prober mounts the proxy-client Secret: {pod['volumes']}",
+        )
+        expect(
+            not any(a.startswith("--proxy-server-addresses") for a in pod["containers"][0]["args"]),
+            "health-prober defaults to the proxy-entrypoint Service",
+        )
+
+
+def check_disabled_health_prober() -> None:
+    try:
+        docs = documents(render({"healthProber": {"enabled": False}}))
+    except helm.HelmError as error:
+        fail(f"healthProber.enabled=false: {error}")
+        return
+    left = [
+        f"{d['kind']}/{d['metadata']['name']}"
+        for d in docs
+        if "health-prober" in d["metadata"]["name"]
+    ]
+    expect(not left, f"healthProber.enabled=false still renders {left}")
 
 
 def check_hardening(label: str, docs: list[dict]) -> None:
@@ -261,9 +287,27 @@ def check_non_default(docs: list[dict]) -> None:
     if manager:
         image = manager["spec"]["template"]["spec"]["containers"][0]["image"]
         expect(image.endswith("@sha256:" + "1" * 64), f"non-default: digest image {image}")
-    for name in ("cluster-proxy-addon-manager", "cluster-proxy-cert-authority"):
+    for name in (
+        "cluster-proxy-addon-manager",
+        "cluster-proxy-cert-authority",
+        "cluster-proxy-health-prober",
+    ):
         expect(find(docs, "PodDisruptionBudget", name) is not None, f"non-default: PDB {name}")
         expect(find(docs, "ServiceMonitor", name) is not None, f"non-default: ServiceMonitor {name}")
+    expect(
+        find(docs, "NetworkPolicy", "cluster-proxy-health-prober", "proxy-servers") is not None,
+        "non-default: NetworkPolicy cluster-proxy-health-prober",
+    )
+    prober = find(docs, "Deployment", "cluster-proxy-health-prober", "proxy-servers")
+    expect(prober is not None, "non-default: health-prober runs in the proxy-server namespace")
+    if prober:
+        args = prober["spec"]["template"]["spec"]["containers"][0]["args"]
+        expect(
+            "--proxy-server-addresses=10.0.0.11:8090,10.0.0.12:8090" in args
+            and "--namespace=proxy-servers" in args
+            and "--target-port=6443" in args,
+            f"non-default: health-prober args {args}",
+        )
 
 
 RBAC_RS = HERE.parent.parent / "cert-authority" / "src" / "kubernetes" / "rbac.rs"
@@ -361,6 +405,8 @@ def check_refusals() -> None:
         ({"images": {"proxyServer": {"name": "x", "digest": "latest"}}}, "digest"),
         ({"enableServiceProxy": True}, "enableServiceProxy"),
         ({"unknownKey": 1}, "unknownKey"),
+        ({"healthProber": {"timeout": "soon"}}, "timeout"),
+        ({"healthProber": {"proxyServerAddresses": ["no-port"]}}, "proxyServerAddresses"),
         (
             {"installByPlacement": {"placementName": "p", "placementNamespace": "elsewhere"}},
             "placementNamespace",
@@ -422,6 +468,7 @@ def main() -> int:
             check_cert_authority_rbac(label, docs, [NAMESPACE, "proxy-servers"])
         print(f"{label}: {len(docs)} objects rendered and validated")
     check_refusals()
+    check_disabled_health_prober()
     check_upstream_values()
     if failures:
         print(f"{len(failures)} chart check(s) failed", file=sys.stderr)
