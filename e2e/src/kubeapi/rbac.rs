@@ -103,6 +103,100 @@ fn object_namespace(object: &Value) -> &str {
         .unwrap_or_default()
 }
 
+/// One authorization decision, as [`KubeApiOptions::record_requests`]
+/// keeps them: who asked to do what, and whether it was allowed (with RBAC
+/// off, every request is).
+///
+/// [`KubeApiOptions::record_requests`]: super::KubeApiOptions::record_requests
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestRecord {
+    pub user: String,
+    pub verb: String,
+    /// API group (empty for the core group and for non-resource paths).
+    pub group: String,
+    /// Plural resource; empty for a non-resource path.
+    pub resource: String,
+    pub subresource: Option<String>,
+    pub namespace: Option<String>,
+    pub name: Option<String>,
+    /// A non-resource request's path (discovery).
+    pub path: Option<String>,
+    pub allowed: bool,
+}
+
+impl RequestRecord {
+    pub fn new(user: &User, attributes: &Attributes, allowed: bool) -> Self {
+        match attributes {
+            Attributes::Resource {
+                verb,
+                group,
+                resource,
+                namespace,
+                name,
+            } => {
+                let (resource, subresource) = match resource.split_once('/') {
+                    Some((plural, sub)) => (plural.to_string(), Some(sub.to_string())),
+                    None => (resource.clone(), None),
+                };
+                RequestRecord {
+                    user: user.name.clone(),
+                    verb: verb.clone(),
+                    group: group.clone(),
+                    resource,
+                    subresource,
+                    namespace: namespace.clone(),
+                    name: name.clone(),
+                    path: None,
+                    allowed,
+                }
+            }
+            Attributes::Path { verb, path } => RequestRecord {
+                user: user.name.clone(),
+                verb: verb.clone(),
+                group: String::new(),
+                resource: String::new(),
+                subresource: None,
+                namespace: None,
+                name: None,
+                path: Some(path.clone()),
+                allowed,
+            },
+        }
+    }
+
+    /// `resource` or `resource/subresource`, as RBAC rules name it.
+    pub fn rule_resource(&self) -> String {
+        match &self.subresource {
+            Some(sub) => format!("{}/{sub}", self.resource),
+            None => self.resource.clone(),
+        }
+    }
+}
+
+impl std::fmt::Display for RequestRecord {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let decision = if self.allowed { "allowed" } else { "REFUSED" };
+        if let Some(path) = &self.path {
+            return write!(f, "{decision}: {} {} {path}", self.user, self.verb);
+        }
+        write!(
+            f,
+            "{decision}: {} {} {}/{}",
+            self.user,
+            self.verb,
+            self.group,
+            self.rule_resource()
+        )?;
+        if let Some(namespace) = &self.namespace {
+            write!(f, " in {namespace}")?;
+        }
+        if let Some(name) = &self.name {
+            write!(f, " named {name}")?;
+        }
+        Ok(())
+    }
+}
+
 /// Whether `user` may do what `attributes` say.
 pub fn allowed(store: &Store, user: &User, attributes: &Attributes) -> bool {
     if user.groups.iter().any(|g| g == MASTERS) {
