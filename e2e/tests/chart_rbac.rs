@@ -250,8 +250,15 @@ fn grants(docs: &[Value]) -> Vec<Grant> {
     grants
 }
 
-async fn wait_for<F, Fut>(what: &str, timeout: Duration, mut check: F)
-where
+/// Waits until `check` passes. A refused request of a hub service fails
+/// at once (`refusals` lists them): under RBAC that is the finding, and
+/// waiting longer would only time out.
+async fn wait_for<F, Fut>(
+    what: &str,
+    timeout: Duration,
+    refusals: &dyn Fn() -> Option<String>,
+    mut check: F,
+) where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<(), String>>,
 {
@@ -259,12 +266,34 @@ where
     loop {
         match check().await {
             Ok(()) => return,
-            Err(err) if started.elapsed() > timeout => {
-                panic!("{what}: not after {timeout:?}: {err}")
+            Err(err) => {
+                if let Some(refused) = refusals() {
+                    panic!("{what}: requests were refused:\n{refused}\n(last: {err})");
+                }
+                assert!(
+                    started.elapsed() < timeout,
+                    "{what}: not after {timeout:?}: {err}"
+                );
+                tokio::time::sleep(Duration::from_millis(250)).await;
             }
-            Err(_) => tokio::time::sleep(Duration::from_millis(250)).await,
         }
     }
+}
+
+/// The refused requests of `services` so far, one a line; `None` when
+/// there are none.
+fn refused(env: &Environment, services: &[String]) -> Option<String> {
+    let mut lines: Vec<String> = env
+        .kube_api
+        .as_ref()
+        .map(|api| api.requests())
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|r| !r.allowed && services.contains(&r.user))
+        .map(|r| r.to_string())
+        .collect();
+    lines.dedup();
+    (!lines.is_empty()).then(|| lines.join("\n"))
 }
 
 fn dump_logs(env: &Environment) {
@@ -329,14 +358,16 @@ async fn the_charts_rbac_allows_every_call_of_the_hub_services_and_nothing_more(
     if let Isolation::Loopback(reason) = &env.summary.isolation {
         eprintln!("NOTE: running on loopback without network isolation: {reason}");
     }
+    let explain = || refused(&env, &services);
     if let Err(err) = env.wait_clusters_ready(&names, replicas, READY).await {
         dump_logs(&env);
-        panic!("{err}");
+        panic!("{err}\nrefused requests: {:?}", explain());
     }
     let admin = env.admin_client().await.unwrap();
     wait_for(
         "health-prober: every cluster Reachable 2/2",
         READY,
+        &explain,
         || async {
             let rows = control_plane::addon_status(&admin)
                 .await
@@ -366,7 +397,7 @@ async fn the_charts_rbac_allows_every_call_of_the_hub_services_and_nothing_more(
     let roles: Api<Role> = Api::namespaced(admin.clone(), ADDON_NAMESPACE);
     let services_api: Api<Service> = Api::namespaced(admin.clone(), ADDON_NAMESPACE);
     set_entrypoint(&admin, json!({"type": "PortForward"})).await;
-    wait_for("the port-forward Role", CHANGE, || async {
+    wait_for("the port-forward Role", CHANGE, &explain, || async {
         match roles.get_opt(PORT_FORWARD_ROLE).await {
             Ok(Some(_)) => Ok(()),
             other => Err(format!("{other:?}")),
@@ -381,6 +412,7 @@ async fn the_charts_rbac_allows_every_call_of_the_hub_services_and_nothing_more(
     wait_for(
         "the LoadBalancer Service, the port-forward Role gone",
         CHANGE,
+        &explain,
         || async {
             match (
                 services_api.get_opt(LOAD_BALANCER_SERVICE).await,
@@ -393,27 +425,37 @@ async fn the_charts_rbac_allows_every_call_of_the_hub_services_and_nothing_more(
     )
     .await;
     set_entrypoint(&admin, hostname).await;
-    wait_for("the LoadBalancer Service gone", CHANGE, || async {
-        match services_api.get_opt(LOAD_BALANCER_SERVICE).await {
-            Ok(None) => Ok(()),
-            other => Err(format!("{other:?}")),
-        }
-    })
+    wait_for(
+        "the LoadBalancer Service gone",
+        CHANGE,
+        &explain,
+        || async {
+            match services_api.get_opt(LOAD_BALANCER_SERVICE).await {
+                Ok(None) => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
     .await;
 
     // A cluster leaves: its addon, ManifestWork and hub Role go.
     let leaving = &names[1];
     control_plane::leave(&admin, leaving).await.unwrap();
-    wait_for("the leaving cluster's addon gone", CHANGE, || async {
-        let rows = control_plane::addon_status(&admin)
-            .await
-            .map_err(|e| e.to_string())?;
-        if rows.iter().any(|r| &r.name == leaving) {
-            Err(format!("{rows:?}"))
-        } else {
-            Ok(())
-        }
-    })
+    wait_for(
+        "the leaving cluster's addon gone",
+        CHANGE,
+        &explain,
+        || async {
+            let rows = control_plane::addon_status(&admin)
+                .await
+                .map_err(|e| e.to_string())?;
+            if rows.iter().any(|r| &r.name == leaving) {
+                Err(format!("{rows:?}"))
+            } else {
+                Ok(())
+            }
+        },
+    )
     .await;
 
     // cluster-a's addon names an AddOnDeploymentConfig: the addon
@@ -443,6 +485,7 @@ async fn the_charts_rbac_allows_every_call_of_the_hub_services_and_nothing_more(
     wait_for(
         "the AddOnDeploymentConfig among the config references",
         CHANGE,
+        &explain,
         || async {
             let addon = serde_json::to_value(
                 addons
@@ -471,7 +514,7 @@ async fn the_charts_rbac_allows_every_call_of_the_hub_services_and_nothing_more(
 
     // Every elected service has renewed its Lease at least once.
     let leases: Api<Lease> = Api::namespaced(admin.clone(), ADDON_NAMESPACE);
-    wait_for("every hub Lease renewed", CHANGE, || async {
+    wait_for("every hub Lease renewed", CHANGE, &explain, || async {
         let mut waiting = Vec::new();
         for name in LEASES {
             let lease = leases.get_opt(name).await.map_err(|e| e.to_string())?;
@@ -505,25 +548,30 @@ async fn the_charts_rbac_allows_every_call_of_the_hub_services_and_nothing_more(
             )
             .await
             .expect("damaging the signer Secret");
-        wait_for("cert-authority's SignerDamaged Event", CHANGE, || async {
-            let list = events
-                .list(&Default::default())
-                .await
-                .map_err(|e| e.to_string())?;
-            let event = list
-                .items
-                .iter()
-                .find(|e| e.reason.as_deref() == Some("SignerDamaged"));
-            let repeats = event
-                .and_then(|e| e.series.as_ref())
-                .map(|s| s.count)
-                .unwrap_or(0);
-            match (round, event) {
-                (0, Some(_)) => Ok(()),
-                (_, Some(_)) if repeats >= 2 => Ok(()),
-                _ => Err(format!("{event:?}")),
-            }
-        })
+        wait_for(
+            "cert-authority's SignerDamaged Event",
+            CHANGE,
+            &explain,
+            || async {
+                let list = events
+                    .list(&Default::default())
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let event = list
+                    .items
+                    .iter()
+                    .find(|e| e.reason.as_deref() == Some("SignerDamaged"));
+                let repeats = event
+                    .and_then(|e| e.series.as_ref())
+                    .map(|s| s.count)
+                    .unwrap_or(0);
+                match (round, event) {
+                    (0, Some(_)) => Ok(()),
+                    (_, Some(_)) if repeats >= 2 => Ok(()),
+                    _ => Err(format!("{event:?}")),
+                }
+            },
+        )
         .await;
     }
 
