@@ -16,7 +16,6 @@
 set -euo pipefail
 
 cd "$(dirname "$0")/../.."
-repo=$PWD
 prefix="${CLUSTER_PREFIX:-cp-e2e}"
 hub="${prefix}-hub"
 managed=("${prefix}-cluster1" "${prefix}-cluster2")
@@ -90,7 +89,9 @@ clusteradm init --wait --context "kind-${hub}"
 join_command=$(clusteradm get token --context "kind-${hub}" | grep -- '--hub-token' || true)
 token=$(sed -E 's/.*--hub-token ([^ ]+).*/\1/' <<<"$join_command")
 apiserver=$(sed -E 's/.*--hub-apiserver ([^ ]+).*/\1/' <<<"$join_command")
-[ -n "$token" ] && [ -n "$apiserver" ] || die "no join token from clusteradm get token"
+if [ -z "$token" ] || [ -z "$apiserver" ]; then
+  die "no join token from clusteradm get token"
+fi
 has_csr() {
   [ -n "$(hubctl get csr -l "open-cluster-management.io/cluster-name=$1" -o name)" ]
 }

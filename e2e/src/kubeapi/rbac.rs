@@ -461,4 +461,33 @@ mod tests {
             "configmaps is forbidden: User \"u\" cannot list resource \"configmaps\" in API group \"\" in the namespace \"default\""
         );
     }
+
+    #[test]
+    fn a_record_splits_the_subresource_as_rules_name_it() {
+        let attributes = Attributes::Resource {
+            verb: "patch".into(),
+            group: "addon.open-cluster-management.io".into(),
+            resource: "managedclusteraddons/status".into(),
+            namespace: Some("cluster-a".into()),
+            name: Some("cluster-proxy".into()),
+        };
+        let record = RequestRecord::new(&user(&[]), &attributes, false);
+        assert_eq!(record.resource, "managedclusteraddons");
+        assert_eq!(record.subresource.as_deref(), Some("status"));
+        assert_eq!(record.rule_resource(), "managedclusteraddons/status");
+        assert_eq!(
+            record.to_string(),
+            "REFUSED: u patch addon.open-cluster-management.io/managedclusteraddons/status in cluster-a named cluster-proxy"
+        );
+        let discovery = Attributes::Path {
+            verb: "get".into(),
+            path: "/apis".into(),
+        };
+        let record = RequestRecord::new(&user(&[]), &discovery, true);
+        assert_eq!(
+            (record.resource.as_str(), record.path.as_deref()),
+            ("", Some("/apis"))
+        );
+        assert_eq!(record.to_string(), "allowed: u get /apis");
+    }
 }
