@@ -9,7 +9,10 @@
 * upstream's object names and labels (reference §8);
 * cert-authority's RBAC equals the rules its code checks its requests against (rbac.rs);
 * upstream's values file either renders or fails with a schema error naming the value;
-* wrong values fail at render time with the value named.
+* wrong values fail at render time with the value named;
+* the kind suite's install (e2e/kind/values.yaml and the --set values of e2e/kind/run.sh)
+  lints, renders and validates, and its workflow (.github/workflows/kind-e2e.yaml) parses and
+  runs the script.
 
 Exits non-zero with every failure listed.
 """
@@ -212,6 +215,32 @@ def check_upstream_names(docs: list[dict]) -> None:
         "ManagedClusterSetBinding global",
     )
     expect(find(docs, "ManagedProxyConfiguration", "cluster-proxy") is not None, "MPC cluster-proxy")
+    prober = find(docs, "Deployment", "cluster-proxy-health-prober", NAMESPACE)
+    expect(prober is not None, "Deployment cluster-proxy-health-prober")
+    if prober:
+        pod = prober["spec"]["template"]["spec"]
+        expect(
+            pod["volumes"] == [{"name": "proxy-client", "secret": {"secretName": "proxy-client"}}],
+            f"health-prober mounts the proxy-client Secret: {pod['volumes']}",
+        )
+        expect(
+            not any(a.startswith("--proxy-server-addresses") for a in pod["containers"][0]["args"]),
+            "health-prober defaults to the proxy-entrypoint Service",
+        )
+
+
+def check_disabled_health_prober() -> None:
+    try:
+        docs = documents(render({"healthProber": {"enabled": False}}))
+    except helm.HelmError as error:
+        fail(f"healthProber.enabled=false: {error}")
+        return
+    left = [
+        f"{d['kind']}/{d['metadata']['name']}"
+        for d in docs
+        if "health-prober" in d["metadata"]["name"]
+    ]
+    expect(not left, f"healthProber.enabled=false still renders {left}")
 
 
 def check_hardening(label: str, docs: list[dict]) -> None:
@@ -261,9 +290,27 @@ def check_non_default(docs: list[dict]) -> None:
     if manager:
         image = manager["spec"]["template"]["spec"]["containers"][0]["image"]
         expect(image.endswith("@sha256:" + "1" * 64), f"non-default: digest image {image}")
-    for name in ("cluster-proxy-addon-manager", "cluster-proxy-cert-authority"):
+    for name in (
+        "cluster-proxy-addon-manager",
+        "cluster-proxy-cert-authority",
+        "cluster-proxy-health-prober",
+    ):
         expect(find(docs, "PodDisruptionBudget", name) is not None, f"non-default: PDB {name}")
         expect(find(docs, "ServiceMonitor", name) is not None, f"non-default: ServiceMonitor {name}")
+    expect(
+        find(docs, "NetworkPolicy", "cluster-proxy-health-prober", "proxy-servers") is not None,
+        "non-default: NetworkPolicy cluster-proxy-health-prober",
+    )
+    prober = find(docs, "Deployment", "cluster-proxy-health-prober", "proxy-servers")
+    expect(prober is not None, "non-default: health-prober runs in the proxy-server namespace")
+    if prober:
+        args = prober["spec"]["template"]["spec"]["containers"][0]["args"]
+        expect(
+            "--proxy-server-addresses=10.0.0.11:8090,10.0.0.12:8090" in args
+            and "--namespace=proxy-servers" in args
+            and "--target-port=6443" in args,
+            f"non-default: health-prober args {args}",
+        )
 
 
 RBAC_RS = HERE.parent.parent / "cert-authority" / "src" / "kubernetes" / "rbac.rs"
@@ -361,6 +408,8 @@ def check_refusals() -> None:
         ({"images": {"proxyServer": {"name": "x", "digest": "latest"}}}, "digest"),
         ({"enableServiceProxy": True}, "enableServiceProxy"),
         ({"unknownKey": 1}, "unknownKey"),
+        ({"healthProber": {"timeout": "soon"}}, "timeout"),
+        ({"healthProber": {"proxyServerAddresses": ["no-port"]}}, "proxyServerAddresses"),
         (
             {"installByPlacement": {"placementName": "p", "placementNamespace": "elsewhere"}},
             "placementNamespace",
@@ -396,6 +445,68 @@ def check_upstream_values() -> None:
     )
 
 
+REPOSITORY = HERE.parent.parent
+KIND_VALUES = REPOSITORY / "e2e" / "kind" / "values.yaml"
+KIND_SCRIPT = REPOSITORY / "e2e" / "kind" / "run.sh"
+KIND_WORKFLOW = REPOSITORY / ".github" / "workflows" / "kind-e2e.yaml"
+
+
+def kind_values() -> dict:
+    """e2e/kind/values.yaml with what run.sh adds with --set (the tag build.sh gives)."""
+    values = helm.values_from_yaml(KIND_VALUES.read_text())
+    tag = "0.1.0"
+    values.update(
+        {
+            "registry": "localhost",
+            "tag": tag,
+            "proxyServerImage": f"localhost/cluster-proxy/proxy-server:{tag}",
+            "proxyAgentImage": f"localhost/cluster-proxy/proxy-agent:{tag}",
+        }
+    )
+    return values
+
+
+def check_kind_suite() -> None:
+    script = KIND_SCRIPT.read_text()
+    for flag in ("-f e2e/kind/values.yaml", "--set registry=localhost", "proxyServerImage=",
+                 "proxyAgentImage="):
+        expect(flag in script, f"kind suite: run.sh no longer installs with {flag!r}; update check.py")
+    values = kind_values()
+    lint("kind", values)
+    try:
+        docs = documents(render(values))
+    except helm.HelmError as error:
+        fail(f"kind: render failed: {error}")
+        return
+    validate("kind", docs)
+    check_hardening("kind", docs)
+    for doc in docs:
+        if doc.get("kind") == "Deployment":
+            for container in doc["spec"]["template"]["spec"]["containers"]:
+                expect(
+                    container["image"].startswith("localhost/cluster-proxy/")
+                    and container.get("imagePullPolicy") == "Never",
+                    f"kind: {doc['metadata']['name']} runs the loaded image {container['image']}",
+                )
+    try:
+        workflow = yaml.safe_load(KIND_WORKFLOW.read_text())
+    except yaml.YAMLError as error:
+        fail(f"{KIND_WORKFLOW}: {error}")
+        return
+    steps = [
+        step
+        for job in (workflow.get("jobs") or {}).values()
+        for step in job.get("steps", [])
+    ]
+    expect(
+        any("e2e/kind/run.sh" in str(step.get("run", "")) for step in steps),
+        f"{KIND_WORKFLOW.name}: no step runs e2e/kind/run.sh",
+    )
+    # PyYAML reads the key `on` as the boolean true.
+    expect(workflow.get(True) or workflow.get("on"), f"{KIND_WORKFLOW.name}: no triggers")
+    print(f"kind: {len(docs)} objects rendered and validated; workflow has {len(steps)} steps")
+
+
 def main() -> int:
     print(f"helm {helm.helm_sdk_version()}, kubernetes-validate {kubernetes_validate.__version__}")
     cases = {"default": ""}
@@ -422,6 +533,8 @@ def main() -> int:
             check_cert_authority_rbac(label, docs, [NAMESPACE, "proxy-servers"])
         print(f"{label}: {len(docs)} objects rendered and validated")
     check_refusals()
+    check_disabled_health_prober()
+    check_kind_suite()
     check_upstream_values()
     if failures:
         print(f"{len(failures)} chart check(s) failed", file=sys.stderr)

@@ -610,6 +610,7 @@ impl super::Environment {
         &self,
         client_pki: &std::path::Path,
         replicas: usize,
+        hub_rbac: Option<&HubRbac>,
     ) -> Result<Supervised, super::EnvError> {
         let files = [
             client_pki.join("ca-bundle.crt"),
@@ -633,6 +634,10 @@ impl super::Environment {
         let addresses: Vec<String> = (0..replicas)
             .map(|i| replica_client_addr(self.summary.hub_addr, i).to_string())
             .collect();
+        let kubeconfig = match hub_rbac {
+            Some(rbac) => HubRbac::kubeconfig(api, &rbac.health_prober)?,
+            None => api.kubeconfig_path().to_path_buf(),
+        };
         let binary = self.binaries.dir.join("health-prober");
         Ok(Supervised::start(
             ProcessSpec::new("health-prober", &binary)
@@ -648,7 +653,7 @@ impl super::Environment {
                     "--health-port=0".into(),
                     "--health-bind-address=127.0.0.1".into(),
                 ])
-                .env("KUBECONFIG", api.kubeconfig_path().display().to_string()),
+                .env("KUBECONFIG", kubeconfig.display().to_string()),
             &self.logs,
         )?)
     }
@@ -735,10 +740,14 @@ impl super::Environment {
         .map_err(|e| api_err(format!("applying the Placement: {e}")))?;
 
         let addon_manager = self.binaries.dir.join("addon-manager");
+        let addon_manager_kubeconfig = match &options.hub_rbac {
+            Some(rbac) => HubRbac::kubeconfig(api, &rbac.addon_manager)?,
+            None => api.kubeconfig_path().to_path_buf(),
+        };
         self.addon_manager = Some(Supervised::start(
             ProcessSpec::new("addon-manager", &addon_manager)
                 .args(super::addon_manager_args())
-                .env("KUBECONFIG", api.kubeconfig_path().display().to_string())
+                .env("KUBECONFIG", addon_manager_kubeconfig.display().to_string())
                 .env("POD_NAMESPACE", super::ADDON_NAMESPACE)
                 .in_netns(self.summary.hub_netns.clone()),
             &self.logs,
@@ -787,7 +796,7 @@ impl super::Environment {
                 .map_err(|e| api_err(format!("ManagedCluster {name}: {e}")))?;
         }
         self.health_prober = Some(
-            self.start_health_prober(&client_pki, options.replicas)
+            self.start_health_prober(&client_pki, options.replicas, options.hub_rbac.as_ref())
                 .await?,
         );
         self.summary.pki_dir = client_pki;
@@ -999,6 +1008,112 @@ impl super::Environment {
             let text = serde_json::to_string_pretty(&self.summary)
                 .map_err(|e| super::EnvError::Pki(e.to_string()))?;
             std::fs::write(&path, text).map_err(super::io(path.display().to_string()))?;
+        }
+        Ok(())
+    }
+}
+
+/// The hub services as ServiceAccounts under RBAC ([`super::EnvOptions::hub_rbac`]):
+/// the API then authorizes every request and records every decision
+/// ([`crate::kubeapi::KubeApi::requests`]), so a test can hold a chart's
+/// RBAC against what addon-manager, cert-authority and health-prober ask for.
+#[derive(Debug, Clone, Default)]
+pub struct HubRbac {
+    /// Applied as the administrator before any service starts: Namespaces,
+    /// ClusterRoles, ClusterRoleBindings, Roles and RoleBindings (the RBAC
+    /// part of a chart's render).
+    pub objects: Vec<serde_json::Value>,
+    /// Each service's user, `system:serviceaccount:<namespace>:<name>`.
+    pub addon_manager: String,
+    pub cert_authority: String,
+    pub health_prober: String,
+}
+
+/// What OCM's cluster-manager grants the managed clusters' registration
+/// agents on the hub, as far as the environment's stand-ins use it: their
+/// CSRs (the addon-agent's Lease Role is the addon-manager's to write).
+const REGISTRATION_AGENT_ROLE: &str = "e2e:open-cluster-management:registration-agent";
+
+impl HubRbac {
+    /// The user of ServiceAccount `name` in `namespace`.
+    pub fn service_account(namespace: &str, name: &str) -> String {
+        format!("system:serviceaccount:{namespace}:{name}")
+    }
+
+    /// The groups the kube-apiserver puts a ServiceAccount's user in.
+    fn groups(user: &str) -> Vec<String> {
+        let mut groups = vec!["system:serviceaccounts".to_string()];
+        if let Some(namespace) = user
+            .strip_prefix("system:serviceaccount:")
+            .and_then(|rest| rest.split(':').next())
+        {
+            groups.push(format!("system:serviceaccounts:{namespace}"));
+        }
+        groups
+    }
+
+    /// A kubeconfig that authenticates as `user`, a ServiceAccount.
+    pub(super) fn kubeconfig(
+        api: &crate::kubeapi::KubeApi,
+        user: &str,
+    ) -> Result<PathBuf, super::EnvError> {
+        let groups = Self::groups(user);
+        let groups: Vec<&str> = groups.iter().map(String::as_str).collect();
+        api.kubeconfig_for(user, &groups)
+            .map_err(|e| super::EnvError::KubeApi(e.to_string()))
+    }
+
+    /// Applies [`HubRbac::objects`] and the registration agents' stand-in
+    /// RBAC as the administrator.
+    pub(super) async fn apply(&self, admin: &Client) -> Result<(), super::EnvError> {
+        use kube::api::{ApiResource, DynamicObject, GroupVersionKind};
+        let registration = [
+            json!({
+                "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+                "metadata": {"name": REGISTRATION_AGENT_ROLE},
+                "rules": [{"apiGroups": ["certificates.k8s.io"],
+                           "resources": ["certificatesigningrequests"],
+                           "verbs": ["create", "get", "list", "watch"]}],
+            }),
+            json!({
+                "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+                "metadata": {"name": REGISTRATION_AGENT_ROLE},
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                            "name": REGISTRATION_AGENT_ROLE},
+                "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "Group",
+                              "name": "system:open-cluster-management:managed-clusters"}],
+            }),
+        ];
+        // Namespaces first: the Roles and bindings go into them.
+        let mut objects: Vec<&serde_json::Value> =
+            self.objects.iter().chain(registration.iter()).collect();
+        objects.sort_by_key(|o| o["kind"] != "Namespace");
+        for object in objects {
+            let text = |pointer: &str| object.pointer(pointer).and_then(|v| v.as_str());
+            let (Some(api_version), Some(kind), Some(name)) =
+                (text("/apiVersion"), text("/kind"), text("/metadata/name"))
+            else {
+                return Err(super::EnvError::KubeApi(format!(
+                    "hub RBAC: an object without apiVersion, kind or name: {object}"
+                )));
+            };
+            if !matches!(
+                kind,
+                "Namespace" | "ClusterRole" | "ClusterRoleBinding" | "Role" | "RoleBinding"
+            ) {
+                return Err(super::EnvError::KubeApi(format!(
+                    "hub RBAC: {kind} {name} is not a Namespace or an RBAC object"
+                )));
+            }
+            let (group, version) = api_version.split_once('/').unwrap_or(("", api_version));
+            let resource = ApiResource::from_gvk(&GroupVersionKind::gvk(group, version, kind));
+            let api: Api<DynamicObject> = match text("/metadata/namespace") {
+                Some(namespace) => Api::namespaced_with(admin.clone(), namespace, &resource),
+                None => Api::all_with(admin.clone(), &resource),
+            };
+            api.patch(name, &PatchParams::apply("helm"), &Patch::Apply(object))
+                .await
+                .map_err(|e| super::EnvError::KubeApi(format!("hub RBAC: {kind} {name}: {e}")))?;
         }
         Ok(())
     }

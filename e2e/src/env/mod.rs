@@ -161,6 +161,10 @@ pub struct EnvOptions {
     /// With the control plane: machines kept free for clusters that join
     /// later (`e2e join`).
     pub spare_machines: usize,
+    /// With the control plane: run addon-manager, cert-authority and
+    /// health-prober as ServiceAccounts under this RBAC (the API enforces
+    /// RBAC and records every decision).
+    pub hub_rbac: Option<control_plane::HubRbac>,
 }
 
 impl EnvOptions {
@@ -194,6 +198,7 @@ impl EnvOptions {
             agent_balancer: balancer::Selection::RoundRobin,
             control_plane: false,
             spare_machines: 2,
+            hub_rbac: None,
         }
     }
 }
@@ -474,6 +479,8 @@ impl Environment {
                 api_options.extra_sans.push(t.hub_agent_addr().to_string());
             }
             api_options.bind = SocketAddr::new(ip, KUBE_API_PORT);
+            api_options.rbac = options.hub_rbac.is_some();
+            api_options.record_requests = options.hub_rbac.is_some();
             Some(
                 KubeApi::start(api_options)
                     .await
@@ -577,6 +584,7 @@ impl Environment {
                     &logs,
                     hub_netns.clone(),
                     options.control_plane,
+                    options.hub_rbac.as_ref(),
                 )
                 .await?,
             );
@@ -709,12 +717,14 @@ impl Environment {
         logs: &Logs,
         hub_netns: Option<String>,
         follow_configuration: bool,
+        hub_rbac: Option<&control_plane::HubRbac>,
     ) -> Result<Supervised, EnvError> {
         let client = api
             .client()
             .await
             .map_err(|e| EnvError::KubeApi(e.to_string()))?;
-        let namespaces: kube::Api<k8s_openapi::api::core::v1::Namespace> = kube::Api::all(client);
+        let namespaces: kube::Api<k8s_openapi::api::core::v1::Namespace> =
+            kube::Api::all(client.clone());
         let namespace =
             serde_json::from_value(serde_json::json!({"metadata": {"name": ADDON_NAMESPACE}}))
                 .map_err(|e| EnvError::KubeApi(e.to_string()))?;
@@ -723,6 +733,13 @@ impl Environment {
             Err(kube::Error::Api(status)) if status.code == 409 => {}
             Err(e) => return Err(EnvError::KubeApi(e.to_string())),
         }
+        let kubeconfig = match hub_rbac {
+            Some(rbac) => {
+                rbac.apply(&client).await?;
+                control_plane::HubRbac::kubeconfig(api, &rbac.cert_authority)?
+            }
+            None => api.kubeconfig_path().to_path_buf(),
+        };
         let spec = ProcessSpec::new("cert-authority-kube", &binaries.cert_authority)
             .args([
                 "run",
@@ -739,7 +756,7 @@ impl Environment {
             } else {
                 "--managed-proxy-configuration="
             })
-            .env("KUBECONFIG", api.kubeconfig_path().display().to_string())
+            .env("KUBECONFIG", kubeconfig.display().to_string())
             .in_netns(hub_netns);
         Ok(Supervised::start(spec, logs)?)
     }

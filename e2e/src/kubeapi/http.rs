@@ -38,6 +38,8 @@ pub struct Shared {
     pub bookmark_interval: Duration,
     /// Requests are authorized by RBAC.
     pub rbac: bool,
+    /// Every authorization decision, when the API keeps them.
+    pub requests: Option<Mutex<Vec<rbac::RequestRecord>>>,
     pub shutdown: watch::Receiver<bool>,
 }
 
@@ -66,7 +68,14 @@ impl Shared {
     }
 
     fn authorize(&self, user: &User, attributes: &rbac::Attributes) -> Result<(), ApiError> {
-        if self.allowed(user, attributes) {
+        let allowed = self.allowed(user, attributes);
+        if let Some(requests) = &self.requests {
+            requests
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(rbac::RequestRecord::new(user, attributes, allowed));
+        }
+        if allowed {
             Ok(())
         } else {
             Err(rbac::forbidden(user, attributes))
@@ -492,6 +501,7 @@ async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<B
         }
         (Method::PUT, Some(name)) => {
             let body = read_json(request, &content_type).await?;
+            signer_admission(shared, &user, t, name, target.part, &body)?;
             let updated = store.update(t, ns, name, body, target.part, &options)?;
             Ok(json_response(StatusCode::OK, &updated))
         }
@@ -518,6 +528,7 @@ async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<B
                 }
             };
             let body = read_json(request, &content_type).await?;
+            signer_admission(shared, &user, t, name, target.part, &body)?;
             let patched = store.patch(t, ns, name, kind, body, target.part, &user, &options)?;
             let status = if patched.created {
                 StatusCode::CREATED
@@ -722,6 +733,51 @@ fn resource_list(shared: &Shared, group: &str, version: &str) -> Result<Response
         StatusCode::OK,
         &json!({"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": group_version, "resources": resources}),
     ))
+}
+
+/// kube-apiserver's CertificateApproval and CertificateSigning admission:
+/// approving a CSR needs `approve`, and writing its certificate `sign`, on
+/// the `signers` resource named by the CSR's `signerName` (only the exact
+/// name here; the real plugins also accept `<domain>/*`).
+fn signer_admission(
+    shared: &Shared,
+    user: &User,
+    t: &ResourceType,
+    name: &str,
+    part: Part,
+    body: &Value,
+) -> Result<(), ApiError> {
+    const GROUP: &str = "certificates.k8s.io";
+    if t.group != GROUP || t.plural != "certificatesigningrequests" {
+        return Ok(());
+    }
+    let verb = match part {
+        Part::Approval => "approve",
+        Part::Status
+            if body
+                .pointer("/status/certificate")
+                .and_then(Value::as_str)
+                .is_some_and(|c| !c.is_empty()) =>
+        {
+            "sign"
+        }
+        _ => return Ok(()),
+    };
+    let existing = shared.store.get(t, None, name)?;
+    let signer = existing
+        .pointer("/spec/signerName")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    shared.authorize(
+        user,
+        &rbac::Attributes::Resource {
+            verb: verb.into(),
+            group: GROUP.into(),
+            resource: "signers".into(),
+            namespace: None,
+            name: Some(signer.to_string()),
+        },
+    )
 }
 
 async fn read_json(request: Request<Incoming>, content_type: &str) -> Result<Value, ApiError> {

@@ -156,6 +156,9 @@ pub struct KubeApiOptions {
     /// More names and addresses for the serving certificate (forwarders
     /// that clients dial instead of `bind`).
     pub extra_sans: Vec<String>,
+    /// Keep every authorization decision ([`KubeApi::requests`]): tests
+    /// compare what services asked for with what their RBAC grants.
+    pub record_requests: bool,
 }
 
 impl KubeApiOptions {
@@ -167,6 +170,7 @@ impl KubeApiOptions {
             bookmark_interval: Duration::from_secs(5),
             rbac: false,
             extra_sans: Vec::new(),
+            record_requests: false,
         }
     }
 }
@@ -242,6 +246,7 @@ impl KubeApi {
             snapshots: Mutex::new(Default::default()),
             bookmark_interval: options.bookmark_interval,
             rbac: options.rbac,
+            requests: options.record_requests.then(Default::default),
             shutdown: shutdown_rx.clone(),
         });
         tokio::spawn(lifecycle::run(shared.store.clone(), shutdown_rx.clone()));
@@ -265,6 +270,16 @@ impl KubeApi {
 
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// The authorization decisions so far, oldest first (empty unless
+    /// [`KubeApiOptions::record_requests`]).
+    pub fn requests(&self) -> Vec<rbac::RequestRecord> {
+        self.shared
+            .requests
+            .as_ref()
+            .map(|r| r.lock().unwrap_or_else(|p| p.into_inner()).clone())
+            .unwrap_or_default()
     }
 
     /// The administrator's kubeconfig (`kubeconfig` in the directory).

@@ -103,6 +103,100 @@ fn object_namespace(object: &Value) -> &str {
         .unwrap_or_default()
 }
 
+/// One authorization decision, as [`KubeApiOptions::record_requests`]
+/// keeps them: who asked to do what, and whether it was allowed (with RBAC
+/// off, every request is).
+///
+/// [`KubeApiOptions::record_requests`]: super::KubeApiOptions::record_requests
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestRecord {
+    pub user: String,
+    pub verb: String,
+    /// API group (empty for the core group and for non-resource paths).
+    pub group: String,
+    /// Plural resource; empty for a non-resource path.
+    pub resource: String,
+    pub subresource: Option<String>,
+    pub namespace: Option<String>,
+    pub name: Option<String>,
+    /// A non-resource request's path (discovery).
+    pub path: Option<String>,
+    pub allowed: bool,
+}
+
+impl RequestRecord {
+    pub fn new(user: &User, attributes: &Attributes, allowed: bool) -> Self {
+        match attributes {
+            Attributes::Resource {
+                verb,
+                group,
+                resource,
+                namespace,
+                name,
+            } => {
+                let (resource, subresource) = match resource.split_once('/') {
+                    Some((plural, sub)) => (plural.to_string(), Some(sub.to_string())),
+                    None => (resource.clone(), None),
+                };
+                RequestRecord {
+                    user: user.name.clone(),
+                    verb: verb.clone(),
+                    group: group.clone(),
+                    resource,
+                    subresource,
+                    namespace: namespace.clone(),
+                    name: name.clone(),
+                    path: None,
+                    allowed,
+                }
+            }
+            Attributes::Path { verb, path } => RequestRecord {
+                user: user.name.clone(),
+                verb: verb.clone(),
+                group: String::new(),
+                resource: String::new(),
+                subresource: None,
+                namespace: None,
+                name: None,
+                path: Some(path.clone()),
+                allowed,
+            },
+        }
+    }
+
+    /// `resource` or `resource/subresource`, as RBAC rules name it.
+    pub fn rule_resource(&self) -> String {
+        match &self.subresource {
+            Some(sub) => format!("{}/{sub}", self.resource),
+            None => self.resource.clone(),
+        }
+    }
+}
+
+impl std::fmt::Display for RequestRecord {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let decision = if self.allowed { "allowed" } else { "REFUSED" };
+        if let Some(path) = &self.path {
+            return write!(f, "{decision}: {} {} {path}", self.user, self.verb);
+        }
+        write!(
+            f,
+            "{decision}: {} {} {}/{}",
+            self.user,
+            self.verb,
+            self.group,
+            self.rule_resource()
+        )?;
+        if let Some(namespace) = &self.namespace {
+            write!(f, " in {namespace}")?;
+        }
+        if let Some(name) = &self.name {
+            write!(f, " named {name}")?;
+        }
+        Ok(())
+    }
+}
+
 /// Whether `user` may do what `attributes` say.
 pub fn allowed(store: &Store, user: &User, attributes: &Attributes) -> bool {
     if user.groups.iter().any(|g| g == MASTERS) {
@@ -366,5 +460,34 @@ mod tests {
             forbidden(&user(&[]), &attributes).message,
             "configmaps is forbidden: User \"u\" cannot list resource \"configmaps\" in API group \"\" in the namespace \"default\""
         );
+    }
+
+    #[test]
+    fn a_record_splits_the_subresource_as_rules_name_it() {
+        let attributes = Attributes::Resource {
+            verb: "patch".into(),
+            group: "addon.open-cluster-management.io".into(),
+            resource: "managedclusteraddons/status".into(),
+            namespace: Some("cluster-a".into()),
+            name: Some("cluster-proxy".into()),
+        };
+        let record = RequestRecord::new(&user(&[]), &attributes, false);
+        assert_eq!(record.resource, "managedclusteraddons");
+        assert_eq!(record.subresource.as_deref(), Some("status"));
+        assert_eq!(record.rule_resource(), "managedclusteraddons/status");
+        assert_eq!(
+            record.to_string(),
+            "REFUSED: u patch addon.open-cluster-management.io/managedclusteraddons/status in cluster-a named cluster-proxy"
+        );
+        let discovery = Attributes::Path {
+            verb: "get".into(),
+            path: "/apis".into(),
+        };
+        let record = RequestRecord::new(&user(&[]), &discovery, true);
+        assert_eq!(
+            (record.resource.as_str(), record.path.as_deref()),
+            ("", Some("/apis"))
+        );
+        assert_eq!(record.to_string(), "allowed: u get /apis");
     }
 }
