@@ -1,6 +1,9 @@
 #!/usr/bin/env python3
 """Offline checks of charts/cluster-proxy, run by .ci/run:
 
+* the umbrella's layout: a subchart per service under charts/, declared with a condition, each
+  with its own Chart.yaml, values.yaml, values.schema.json and templates, the library chart
+  `common`, every version equal to the umbrella's; each service can be left out;
 * `helm lint --strict` with Helm's own library (helm-python-sdk) for every values file;
 * every rendered manifest validated against the Kubernetes 1.33 schemas (kubernetes-validate),
   and the ManagedProxyConfiguration against the chart's generated CRD;
@@ -9,6 +12,7 @@
 * upstream's object names and labels (reference §8);
 * cert-authority's RBAC equals the rules its code checks its requests against (rbac.rs);
 * upstream's values file either renders or fails with a schema error naming the value;
+* every upstream value that moved under `global` or a subchart is refused naming where it went;
 * wrong values fail at render time with the value named;
 * the kind suite's install (e2e/kind/values.yaml and the --set values of e2e/kind/run.sh)
   lints, renders and validates, and its workflow (.github/workflows/kind-e2e.yaml) parses and
@@ -400,18 +404,22 @@ def render_error(values: dict) -> str | None:
 def check_refusals() -> None:
     """A wrong value fails at render time, naming the value."""
     cases = [
-        ({"replicas": 0}, "replicas"),
-        ({"tag": 5}, "tag"),
-        ({"spokeAddonNamespace": "Not_A_Namespace"}, "spokeAddonNamespace"),
+        ({"addonManager": {"replicas": 0}}, "replicas"),
+        ({"global": {"tag": 5}}, "tag"),
+        ({"global": {"spokeAddonNamespace": "Not_A_Namespace"}}, "spokeAddonNamespace"),
+        ({"global": {"proxyServerNamespace": "Not_A_Namespace"}}, "proxyServerNamespace"),
+        ({"global": {"unknownGlobal": 1}}, "unknownGlobal"),
         ({"proxyServer": {"port": 70000}}, "port"),
         ({"certAuthority": {"leafValidity": "ninety days"}}, "leafValidity"),
+        ({"certAuthority": {"unknownKey": 1}}, "unknownKey"),
+        ({"addonManager": {"image": {"name": "x", "digest": "latest"}}}, "digest"),
         ({"images": {"proxyServer": {"name": "x", "digest": "latest"}}}, "digest"),
         ({"enableServiceProxy": True}, "enableServiceProxy"),
         ({"unknownKey": 1}, "unknownKey"),
         ({"healthProber": {"timeout": "soon"}}, "timeout"),
         ({"healthProber": {"proxyServerAddresses": ["no-port"]}}, "proxyServerAddresses"),
         (
-            {"installByPlacement": {"placementName": "p", "placementNamespace": "elsewhere"}},
+            {"global": {"installByPlacement": {"placementName": "p", "placementNamespace": "x"}}},
             "placementNamespace",
         ),
     ]
@@ -423,19 +431,82 @@ def check_refusals() -> None:
             fail(f"values {values} failed without naming {named}: {error}")
 
 
+# Upstream's top-level values the subcharts need, and where they are now: subcharts see only
+# their own values and `global`. charts/README.md's migration table lists the same moves.
+MOVED = {
+    ("registry",): ("global", "registry"),
+    ("tag",): ("global", "tag"),
+    ("replicas",): ("addonManager", "replicas"),
+    ("spokeAddonNamespace",): ("global", "spokeAddonNamespace"),
+    ("installByPlacement",): ("global", "installByPlacement"),
+    ("enableKubeApiProxy",): ("addonManager", "enableKubeApiProxy"),
+    ("imagePullPolicy",): ("global", "imagePullPolicy"),
+    ("imagePullSecrets",): ("global", "imagePullSecrets"),
+    ("logVerbosity",): ("global", "logVerbosity"),
+    ("networkPolicies",): ("global", "networkPolicies"),
+    ("serviceMonitor",): ("global", "serviceMonitor"),
+    ("proxyServer", "namespace"): ("global", "proxyServerNamespace"),
+    ("images", "addonManager"): ("addonManager", "image"),
+    ("images", "certAuthority"): ("certAuthority", "image"),
+    ("images", "healthProber"): ("healthProber", "image"),
+}
+# Upstream values with no counterpart here: refused by name (see charts/README.md).
+REFUSED = (("image",), ("proxyServer", "imagePullPolicy"))
+
+
+def nested(path: tuple, value) -> dict:
+    for key in reversed(path):
+        value = {key: value}
+    return value
+
+
+def check_moved_values() -> None:
+    """Each moved value, set where it used to be, fails naming it and where it went."""
+    samples = {"installByPlacement": {"placementName": "p"}, "networkPolicies": {"enabled": True},
+               "serviceMonitor": {"enabled": True}, "imagePullSecrets": [{"name": "s"}]}
+    for old, new in MOVED.items():
+        value = samples.get(old[-1], "x")
+        error = render_error(nested(old, value))
+        where = ".".join(new)
+        if error is None or f"/{'/'.join(old)}" not in error or f"moved to {where}" not in error:
+            fail(f"{'.'.join(old)} set: expected an error naming it and {where}, got {error}")
+
+
+def migrate(values: dict) -> dict:
+    """An upstream values file rewritten as the migration table says."""
+    migrated = copy.deepcopy(values)
+    for old, new in MOVED.items():
+        parent = migrated
+        for key in old[:-1]:
+            parent = parent.get(key) if isinstance(parent.get(key), dict) else {}
+        if old[-1] not in parent:
+            continue
+        value = parent.pop(old[-1])
+        if value is None:
+            continue
+        target = migrated
+        for key in new[:-1]:
+            target = target.setdefault(key, {})
+        target[new[-1]] = value
+    for path in REFUSED:
+        parent = migrated
+        for key in path[:-1]:
+            parent = parent.get(key, {})
+        parent.pop(path[-1], None)
+    return migrated
+
+
 def check_upstream_values() -> None:
     upstream = load_values("upstream.yaml")
     error = render_error(upstream)
-    for named in ("image", "imagePullPolicy"):
-        if error is None or named not in error:
-            fail(f"upstream values: expected a schema error naming {named}, got {error}")
-    trimmed = copy.deepcopy(upstream)
-    trimmed.pop("image", None)
-    trimmed["proxyServer"].pop("imagePullPolicy", None)
+    refused = [path for path in list(MOVED) + list(REFUSED) if nested_get(upstream, path)]
+    for path in refused:
+        if error is None or f"/{'/'.join(path)}" not in error:
+            fail(f"upstream values: expected a schema error naming {'.'.join(path)}, got {error}")
     try:
-        docs = documents(render(trimmed))
+        docs = documents(render(migrate(upstream)))
     except helm.HelmError as error:
-        fail(f"upstream values without image and proxyServer.imagePullPolicy: {error}")
+        fail(f"upstream values migrated as charts/README.md says: {error}")
         return
     mpc = find(docs, "ManagedProxyConfiguration", "cluster-proxy")
     expect(
@@ -443,6 +514,60 @@ def check_upstream_values() -> None:
         and mpc["spec"]["proxyServer"]["image"] == "quay.io/open-cluster-management/cluster-proxy",
         "upstream values: proxyServerImage reaches the MPC",
     )
+
+
+def nested_get(values: dict, path: tuple) -> bool:
+    for key in path:
+        if not isinstance(values, dict) or key not in values:
+            return False
+        values = values[key]
+    return True
+
+
+SUBCHARTS = {"addon-manager": "addonManager", "cert-authority": "certAuthority",
+             "health-prober": "healthProber"}
+
+
+def check_layout() -> None:
+    """The umbrella declares a subchart per service (with a condition) and the library chart;
+    each is complete, and every version is the umbrella's (the helm.sh/chart label and the
+    default image tag of the subcharts' objects come from their own Chart.yaml)."""
+    umbrella = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    declared = {d["name"]: d for d in umbrella.get("dependencies", [])}
+    common = CHART / "charts" / "common"
+    library = yaml.safe_load((common / "Chart.yaml").read_text())
+    expect(library.get("type") == "library", "charts/common is a library chart")
+    expect(library.get("version") == umbrella["version"], "charts/common version")
+    expect("common" in declared, "the umbrella declares the library chart common")
+    for name, alias in SUBCHARTS.items():
+        directory = CHART / "charts" / name
+        for part in ("Chart.yaml", "values.yaml", "values.schema.json", "templates"):
+            expect((directory / part).exists(), f"subchart {name} has its own {part}")
+        meta = yaml.safe_load((directory / "Chart.yaml").read_text())
+        expect(
+            (meta.get("version"), meta.get("appVersion"))
+            == (umbrella["version"], umbrella["appVersion"]),
+            f"subchart {name}: version/appVersion {meta.get('version')}/{meta.get('appVersion')} "
+            f"must equal the umbrella's",
+        )
+        dep = declared.get(name, {})
+        expect(
+            dep.get("alias") == alias and dep.get("condition") == f"{alias}.enabled"
+            and dep.get("version") == meta.get("version") and not dep.get("repository"),
+            f"the umbrella declares {name} (alias {alias}, condition {alias}.enabled, local)",
+        )
+        try:
+            docs = documents(render({alias: {"enabled": False}}))
+        except helm.HelmError as error:
+            fail(f"{alias}.enabled=false: {error}")
+            continue
+        left = [
+            f"{d['kind']}/{d['metadata']['name']}"
+            for d in docs
+            if d["metadata"].get("name", "").endswith(name)
+            or (d.get("kind") == "Deployment" and name in d["metadata"]["name"])
+        ]
+        expect(not left, f"{alias}.enabled=false still renders {left}")
 
 
 REPOSITORY = HERE.parent.parent
@@ -455,10 +580,9 @@ def kind_values() -> dict:
     """e2e/kind/values.yaml with what run.sh adds with --set (the tag build.sh gives)."""
     values = helm.values_from_yaml(KIND_VALUES.read_text())
     tag = "0.1.0"
+    values.setdefault("global", {}).update({"registry": "localhost", "tag": tag})
     values.update(
         {
-            "registry": "localhost",
-            "tag": tag,
             "proxyServerImage": f"localhost/cluster-proxy/proxy-server:{tag}",
             "proxyAgentImage": f"localhost/cluster-proxy/proxy-agent:{tag}",
         }
@@ -468,7 +592,7 @@ def kind_values() -> dict:
 
 def check_kind_suite() -> None:
     script = KIND_SCRIPT.read_text()
-    for flag in ("-f e2e/kind/values.yaml", "--set registry=localhost", "proxyServerImage=",
+    for flag in ("-f e2e/kind/values.yaml", "--set global.registry=localhost", "proxyServerImage=",
                  "proxyAgentImage="):
         expect(flag in script, f"kind suite: run.sh no longer installs with {flag!r}; update check.py")
     values = kind_values()
@@ -532,7 +656,9 @@ def main() -> int:
             check_non_default(docs)
             check_cert_authority_rbac(label, docs, [NAMESPACE, "proxy-servers"])
         print(f"{label}: {len(docs)} objects rendered and validated")
+    check_layout()
     check_refusals()
+    check_moved_values()
     check_disabled_health_prober()
     check_kind_suite()
     check_upstream_values()

@@ -106,7 +106,7 @@ done
 
 log "helm install (charts/cluster-proxy, e2e/kind/values.yaml)"
 helm install --kube-context "kind-${hub}" -n "$addon_ns" --create-namespace cluster-proxy \
-  charts/cluster-proxy -f e2e/kind/values.yaml --set registry=localhost --set tag="$tag" \
+  charts/cluster-proxy -f e2e/kind/values.yaml --set global.registry=localhost --set global.tag="$tag" \
   --set proxyServerImage="localhost/cluster-proxy/proxy-server:${tag}" \
   --set proxyAgentImage="localhost/cluster-proxy/proxy-agent:${tag}" --wait --timeout 5m
 

@@ -1,0 +1,126 @@
+{{/* Labels every object of the umbrella and its subcharts carries. `helm.sh/chart` names the
+umbrella: the subcharts' versions are kept equal to it (charts/tests/check.py checks it), so the
+label is the same whichever part renders the object. */}}
+{{- define "cluster-proxy.labels" -}}
+app.kubernetes.io/name: cluster-proxy
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "cluster-proxy-%s" .Chart.Version }}
+{{- end }}
+
+{{/* An image reference: global.registry/name@digest, or global.registry/name:global.tag (the
+chart's appVersion when the tag is empty). Arguments: the root context and an image entry
+({name, digest}). */}}
+{{- define "cluster-proxy.image" -}}
+{{- $root := index . 0 -}}
+{{- $image := index . 1 -}}
+{{- if $image.digest -}}
+{{- printf "%s/%s@%s" $root.Values.global.registry $image.name $image.digest -}}
+{{- else -}}
+{{- printf "%s/%s:%s" $root.Values.global.registry $image.name ($root.Values.global.tag | default $root.Chart.AppVersion) -}}
+{{- end -}}
+{{- end }}
+
+{{- define "cluster-proxy.proxyServerNamespace" -}}
+{{- .Values.global.proxyServerNamespace | default .Release.Namespace -}}
+{{- end }}
+
+{{- define "cluster-proxy.placementName" -}}
+{{- .Values.global.installByPlacement.placementName | default "cluster-proxy-placement" -}}
+{{- end }}
+
+{{- define "cluster-proxy.placementNamespace" -}}
+{{- .Values.global.installByPlacement.placementNamespace | default .Release.Namespace -}}
+{{- end }}
+
+{{/* The hardened container securityContext every container here runs with. */}}
+{{- define "cluster-proxy.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+runAsNonRoot: true
+runAsUser: 65532
+runAsGroup: 65532
+capabilities:
+  drop: ["ALL"]
+seccompProfile:
+  type: RuntimeDefault
+{{- end }}
+
+{{- define "cluster-proxy.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: 65532
+runAsGroup: 65532
+fsGroup: 65532
+seccompProfile:
+  type: RuntimeDefault
+{{- end }}
+
+{{/* Egress every hub pod needs: DNS and the kube-apiserver's ports (port-only peers, as
+upstream); ingress to the health port only when a ServiceMonitor scrapes it. The kubelet's
+probes are not subject to NetworkPolicy. */}}
+{{- define "cluster-proxy.networkPolicyBaseRules" -}}
+ingress:
+  {{- if .Values.global.serviceMonitor.enabled }}
+  - ports:
+      - port: health
+  {{- end }}
+egress:
+  - ports:
+      - {port: 53, protocol: UDP}
+      - {port: 53, protocol: TCP}
+      - {port: 5353, protocol: UDP}
+      - {port: 5353, protocol: TCP}
+  - ports:
+      {{- range .Values.global.networkPolicies.apiServerPorts }}
+      - {port: {{ . }}, protocol: TCP}
+      {{- end }}
+{{- end }}
+
+{{/* The metrics Service and ServiceMonitor of one hub service: /metrics is served on its
+health port. Arguments: the root context, the object name prefix, the component label, the
+namespace and the port. */}}
+{{- define "cluster-proxy.serviceMonitor" -}}
+{{- $root := index . 0 -}}
+{{- $name := index . 1 -}}
+{{- $component := index . 2 -}}
+{{- $namespace := index . 3 -}}
+{{- $port := index . 4 -}}
+apiVersion: v1
+kind: Service
+metadata:
+  name: {{ $name }}-metrics
+  namespace: {{ $namespace }}
+  labels:
+    {{- include "cluster-proxy.labels" $root | nindent 4 }}
+    component: {{ $component }}
+spec:
+  type: ClusterIP
+  selector:
+    open-cluster-management.io/addon: cluster-proxy
+    component: {{ $component }}
+  ports:
+    - name: metrics
+      port: {{ $port }}
+      targetPort: health
+---
+apiVersion: monitoring.coreos.com/v1
+kind: ServiceMonitor
+metadata:
+  name: {{ $name }}
+  namespace: {{ $namespace }}
+  labels:
+    {{- include "cluster-proxy.labels" $root | nindent 4 }}
+    {{- with $root.Values.global.serviceMonitor.labels }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+spec:
+  selector:
+    matchLabels:
+      app.kubernetes.io/instance: {{ $root.Release.Name }}
+      component: {{ $component }}
+  endpoints:
+    - port: metrics
+      path: /metrics
+      interval: {{ $root.Values.global.serviceMonitor.interval }}
+{{- end }}
