@@ -409,6 +409,8 @@ def check_refusals() -> None:
         ({"global": {"spokeAddonNamespace": "Not_A_Namespace"}}, "spokeAddonNamespace"),
         ({"global": {"proxyServerNamespace": "Not_A_Namespace"}}, "proxyServerNamespace"),
         ({"global": {"unknownGlobal": 1}}, "unknownGlobal"),
+        ({"global": {"commonLabels": {"helm.sh/chart": "x"}}}, "commonLabels"),
+        ({"global": {"commonLabels": {"team": 1}}}, "commonLabels"),
         ({"proxyServer": {"port": 70000}}, "port"),
         ({"certAuthority": {"leafValidity": "ninety days"}}, "leafValidity"),
         ({"certAuthority": {"unknownKey": 1}}, "unknownKey"),
@@ -526,6 +528,24 @@ def nested_get(values: dict, path: tuple) -> bool:
 
 SUBCHARTS = {"addon-manager": "addonManager", "cert-authority": "certAuthority",
              "health-prober": "healthProber"}
+
+
+def check_common_labels() -> None:
+    """global.commonLabels reaches every object of the umbrella and of each subchart."""
+    extra = {"team": "platform", "example.com/cost-center": "42"}
+    try:
+        docs = documents(render(load_values("non-default.yaml") | {"global": {
+            **load_values("non-default.yaml")["global"], "commonLabels": extra}}))
+    except helm.HelmError as error:
+        fail(f"global.commonLabels: {error}")
+        return
+    validate("commonLabels", docs)
+    for doc in docs:
+        labels = doc["metadata"].get("labels", {})
+        expect(
+            all(labels.get(k) == v for k, v in extra.items()),
+            f"global.commonLabels: {doc['kind']}/{doc['metadata']['name']} has labels {labels}",
+        )
 
 
 def check_layout() -> None:
@@ -657,6 +677,7 @@ def main() -> int:
             check_cert_authority_rbac(label, docs, [NAMESPACE, "proxy-servers"])
         print(f"{label}: {len(docs)} objects rendered and validated")
     check_layout()
+    check_common_labels()
     check_refusals()
     check_moved_values()
     check_disabled_health_prober()

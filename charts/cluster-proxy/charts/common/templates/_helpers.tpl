@@ -1,4 +1,5 @@
-{{/* Labels every object of the umbrella and its subcharts carries. `helm.sh/chart` names the
+{{/* Labels every object of the umbrella and its subcharts carries, then global.commonLabels
+(the schema keeps those off the chart's own label keys). `helm.sh/chart` names the
 umbrella: the subcharts' versions are kept equal to it (charts/tests/check.py checks it), so the
 label is the same whichever part renders the object. */}}
 {{- define "cluster-proxy.labels" -}}
@@ -7,6 +8,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 helm.sh/chart: {{ printf "cluster-proxy-%s" .Chart.Version }}
+{{- with .Values.global.commonLabels }}
+{{ toYaml . }}
+{{- end }}
 {{- end }}
 
 {{/* An image reference: global.registry/name@digest, or global.registry/name:global.tag (the
