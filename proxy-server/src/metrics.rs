@@ -46,7 +46,7 @@ pub enum Segment {
 }
 
 const SEGMENTS: [&str; 4] = ["from_client", "to_client", "from_agent", "to_agent"];
-const PACKET_TYPES: [&str; 9] = [
+const PACKET_TYPES: [&str; 10] = [
     "DIAL_REQ",
     "DIAL_RSP",
     "CLOSE_REQ",
@@ -55,6 +55,7 @@ const PACKET_TYPES: [&str; 9] = [
     "DIAL_CLS",
     "DRAIN",
     "WINDOW_UPDATE",
+    "SERVER_COUNT",
     "UNKNOWN",
 ];
 
@@ -73,6 +74,10 @@ pub struct Metrics {
     pub http_connections: Gauge,
     ready_backends: Family<Labels, Gauge>,
     pub agent_tunnels: Gauge,
+    /// The replica count this replica tells agents.
+    pub server_count: Gauge,
+    /// Failed lookups of the peer replicas (`--server-count-source`).
+    pub peer_lookup_failures: Counter,
     /// gRPC stream errors by segment, Go's code name and packet type.
     pub stream_errors: Family<Labels, Counter>,
     packets: Vec<Vec<Counter>>,
@@ -172,12 +177,25 @@ impl Metrics {
         );
         // Ours, under our own prefix: upstream has no such metric.
         let agent_tunnels = Gauge::default();
-        root.sub_registry_with_prefix("cluster_proxy_server")
-            .register(
-                "agent_tunnels",
-                "Connected agent tunnels (gRPC Connect streams)",
-                agent_tunnels.clone(),
-            );
+        let ours = root.sub_registry_with_prefix("cluster_proxy_server");
+        ours.register(
+            "agent_tunnels",
+            "Connected agent tunnels (gRPC Connect streams)",
+            agent_tunnels.clone(),
+        );
+        let server_count = Gauge::default();
+        ours.register(
+            "server_count",
+            "Proxy-server replicas this replica tells agents to hold a tunnel to (servercount)",
+            server_count.clone(),
+        );
+        let peer_lookup_failures = Counter::default();
+        register_counter(
+            ours,
+            "peer_lookup_failures",
+            "Failed lookups of the proxy-server replicas (--server-count-source); the last count is kept",
+            peer_lookup_failures.clone(),
+        );
         Metrics {
             registry: root,
             dial_duration,
@@ -190,6 +208,8 @@ impl Metrics {
             http_connections,
             ready_backends,
             agent_tunnels,
+            server_count,
+            peer_lookup_failures,
             stream_errors,
             packets,
         }
