@@ -129,6 +129,10 @@ impl Shared {
             .count()
     }
 
+    pub(crate) fn known_server_count(&self) -> usize {
+        self.last_server_count.load(Ordering::SeqCst)
+    }
+
     pub(crate) fn server_ids(&self) -> Vec<String> {
         let mut ids: Vec<String> = self.tunnels().keys().cloned().collect();
         ids.sort();
