@@ -77,7 +77,16 @@ impl RawAgent {
         agent_id: &str,
         identifiers: &str,
     ) -> Result<RawAgent, RawAgentError> {
-        Self::connect_full(None, extensions, tls, agent_addr, agent_id, identifiers, None).await
+        Self::connect_full(
+            None,
+            extensions,
+            tls,
+            agent_addr,
+            agent_id,
+            identifiers,
+            None,
+        )
+        .await
     }
 
     /// [`RawAgent::connect`] sending `user_agent` first in its `user-agent`

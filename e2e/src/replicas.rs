@@ -62,7 +62,11 @@ impl PeerLookup for PeerSet {
     }
 
     fn lookup(&self) -> LookupFuture<'_> {
-        let answer = self.0.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        let answer = self
+            .0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
         Box::pin(async move {
             answer.map_err(|e| PeerLookupError::Resolve {
                 name: "proxy-server-peers".into(),

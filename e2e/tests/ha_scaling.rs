@@ -16,10 +16,10 @@ use e2e::harness::{RawAgent, http_connect, test_server_config, wait_until};
 use e2e::pki::TestPki;
 use e2e::replicas::{PEER_REFRESH, PeerSet, Replicas, start_agents, wait_full_mesh};
 use e2e::targets::EchoServer;
+use prost::Message;
 use proxy_agent::RunningAgent;
 use proxy_server::RunningServer;
 use proxy_server::peers::PeerLookup;
-use prost::Message;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::Mutex;
 
@@ -124,7 +124,10 @@ async fn wait_all_hold(agents: &[RunningAgent], server_id: &str, count: usize, s
     assert!(
         reached,
         "not every agent reached {server_id} within {CONVERGED:?} of the scale-up; held: {:?}, known counts: {:?}",
-        agents.iter().map(RunningAgent::server_ids).collect::<Vec<_>>(),
+        agents
+            .iter()
+            .map(RunningAgent::server_ids)
+            .collect::<Vec<_>>(),
         agents
             .iter()
             .map(RunningAgent::known_server_count)
@@ -213,9 +216,9 @@ async fn scaling_two_three_two_reaches_every_replica_and_fails_no_dial() {
     ready.remove(replicas.servers[index].client_addr);
     let drained = replicas.scale_down().unwrap();
     assert!(
-        wait_until(STEP, || agents
-            .iter()
-            .all(|a| a.known_server_count() == 2 && a.active_tunnel_count() == 2))
+        wait_until(STEP, || agents.iter().all(
+            |a| a.known_server_count() == 2 && a.active_tunnel_count() == 2
+        ))
         .await,
         "agents did not settle on 2 replicas: known {:?}, active {:?}",
         agents
@@ -322,7 +325,11 @@ async fn only_agents_that_advertise_it_are_sent_the_server_count() {
         .recv(STEP)
         .await
         .expect("DRAIN from the stopping server");
-    assert_eq!(first, packet::drain(), "an upstream-style agent got {first:?}");
+    assert_eq!(
+        first,
+        packet::drain(),
+        "an upstream-style agent got {first:?}"
+    );
     drop(later);
 }
 
@@ -385,7 +392,9 @@ async fn an_unresolvable_dns_source_keeps_the_configured_count() {
         .await
         .unwrap();
     assert!(
-        wait_until(Duration::from_secs(30), || peer_lookup_failures(&server) >= 1).await,
+        wait_until(Duration::from_secs(30), || peer_lookup_failures(&server)
+            >= 1)
+        .await,
         "no lookup failure counted"
     );
     assert_eq!(server.server_count(), 3);

@@ -8,8 +8,8 @@
 //! that retry in alternation keep drawing the replica they already hold.
 
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex, PoisonError};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use tokio::net::{TcpListener, TcpStream};
