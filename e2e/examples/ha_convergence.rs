@@ -358,7 +358,11 @@ fn dial_open_loop(
     }))
 }
 
-async fn wait_for(what: &str, timeout: Duration, condition: impl Fn() -> bool) -> anyhow::Result<()> {
+async fn wait_for(
+    what: &str,
+    timeout: Duration,
+    condition: impl Fn() -> bool,
+) -> anyhow::Result<()> {
     let deadline = Instant::now() + timeout;
     while !condition() {
         if Instant::now() > deadline {
@@ -393,15 +397,24 @@ async fn scaling(pki: &TestPki, clusters: &[String], rate: usize) -> anyhow::Res
     ));
     let record = Arc::new(Mutex::new(DialRecord::default()));
     let stop = Arc::new(AtomicBool::new(false));
-    let dialer = dial_open_loop(pki, hub_service, targets, rate, record.clone(), stop.clone())?;
+    let dialer = dial_open_loop(
+        pki,
+        hub_service,
+        targets,
+        rate,
+        record.clone(),
+        stop.clone(),
+    )?;
 
     tokio::time::sleep(Duration::from_secs(2)).await;
     let up = Instant::now();
     let index = replicas.scale_up(pki, configure).await?;
     let new_id = replicas.servers[index].server_id.clone();
-    wait_for("every agent holds the new replica", Duration::from_secs(60), || {
-        agents.iter().all(|a| a.server_ids().contains(&new_id))
-    })
+    wait_for(
+        "every agent holds the new replica",
+        Duration::from_secs(60),
+        || agents.iter().all(|a| a.server_ids().contains(&new_id)),
+    )
     .await?;
     let up_took = up.elapsed();
     ready.add(replicas.servers[index].client_addr);
@@ -412,11 +425,15 @@ async fn scaling(pki: &TestPki, clusters: &[String], rate: usize) -> anyhow::Res
     let drained = replicas
         .scale_down()
         .ok_or_else(|| anyhow!("no replica to remove"))?;
-    wait_for("every agent settles on 2 replicas", Duration::from_secs(60), || {
-        agents
-            .iter()
-            .all(|a| a.known_server_count() == 2 && a.active_tunnel_count() == 2)
-    })
+    wait_for(
+        "every agent settles on 2 replicas",
+        Duration::from_secs(60),
+        || {
+            agents
+                .iter()
+                .all(|a| a.known_server_count() == 2 && a.active_tunnel_count() == 2)
+        },
+    )
     .await?;
     let down_took = down.elapsed();
     drained.await?;
