@@ -231,7 +231,8 @@ fn proxy_server_container_has_the_fixed_args_mounts_and_hardening() {
     let liveness = container.liveness_probe.as_ref().unwrap();
     assert_eq!(
         readiness.http_get.as_ref().unwrap().path.as_deref(),
-        Some("/readyz")
+        Some("/healthz"),
+        "/readyz needs an agent, and agents reach only ready pods: a new replica would never be ready"
     );
     assert_eq!(
         liveness.http_get.as_ref().unwrap().path.as_deref(),

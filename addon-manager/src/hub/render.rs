@@ -417,7 +417,11 @@ fn pod_spec(mpc: &ManagedProxyConfiguration, ports: &DeployPorts) -> PodSpec {
             container_port(PORT_NAME_HEALTH, ports.health_server),
             container_port(PORT_NAME_ADMIN, ports.admin_server),
         ]),
-        readiness_probe: Some(health_probe("/readyz")),
+        // Not `/readyz`, which fails until an agent holds a tunnel: agents
+        // reach a replica only through Services that route to ready pods,
+        // so a new replica would never become ready and a scale-up or a
+        // rollout would stall. A terminating pod leaves the endpoints anyway.
+        readiness_probe: Some(health_probe("/healthz")),
         liveness_probe: Some(Probe {
             initial_delay_seconds: Some(10),
             ..health_probe("/healthz")
