@@ -105,7 +105,10 @@ fn objects_carry_upstream_names_labels_and_owner() {
     let spec = deployment.spec.as_ref().unwrap();
     assert_eq!(spec.replicas, Some(2));
     let template = spec.template.metadata.as_ref().unwrap();
-    assert_eq!(template.annotations.as_ref().unwrap()[generation_key], "4");
+    assert_eq!(
+        template.annotations, None,
+        "an MPC change that leaves the pods alone (replicas) must not roll them"
+    );
     assert_eq!(
         template.labels.as_ref().unwrap()["proxy.open-cluster-management.io/component-name"],
         "proxy-server"
@@ -136,7 +139,7 @@ fn proxy_server_container_has_the_fixed_args_mounts_and_hardening() {
     assert_eq!(
         container.args.as_ref().unwrap(),
         &[
-            "--server-count=2",
+            "--server-count-source=dns:proxy-server-peers.open-cluster-management-cluster-proxy.svc",
             "--proxy-strategies=destHost",
             "--server-ca-cert=/etc/server-ca-pki/ca.crt",
             "--server-cert=/etc/server-pki/tls.crt",
@@ -228,7 +231,8 @@ fn proxy_server_container_has_the_fixed_args_mounts_and_hardening() {
     let liveness = container.liveness_probe.as_ref().unwrap();
     assert_eq!(
         readiness.http_get.as_ref().unwrap().path.as_deref(),
-        Some("/readyz")
+        Some("/healthz"),
+        "/readyz needs an agent, and agents reach only ready pods: a new replica would never be ready"
     );
     assert_eq!(
         liveness.http_get.as_ref().unwrap().path.as_deref(),
@@ -267,6 +271,55 @@ fn secret_names_come_from_the_dump_spec() {
         .map(|volume| volume.secret.unwrap().secret_name.unwrap())
         .collect();
     assert_eq!(secrets, ["proxy-server-ca", "my-server", "my-agent-server"]);
+}
+
+/// The replicas count each other through a headless Service over every
+/// proxy-server pod, ready or not, so scaling changes neither the pod
+/// template nor any flag: no pod restarts.
+#[test]
+fn replicas_count_each_other_so_scaling_changes_no_pod() {
+    let two = render(&mpc(json!({}))).unwrap();
+    let mut five_spec = mpc(json!({"proxyServer": {"replicas": 5}}));
+    five_spec.metadata.generation = Some(5);
+    let five = render(&five_spec).unwrap();
+    let spec = |objects: &addon_manager::hub::HubObjects| objects.deployment.spec.clone().unwrap();
+    assert_eq!(spec(&five).replicas, Some(5));
+    assert_eq!(
+        spec(&two).template,
+        spec(&five).template,
+        "scaling changed the pod template"
+    );
+
+    let peers = &two.peer_service;
+    assert_eq!(peers.metadata.name.as_deref(), Some("proxy-server-peers"));
+    assert_eq!(
+        peers.metadata.namespace.as_deref(),
+        Some("open-cluster-management-cluster-proxy")
+    );
+    assert_eq!(
+        peers.metadata.owner_references.as_ref().map(Vec::len),
+        Some(1)
+    );
+    let peer_spec = peers.spec.as_ref().unwrap();
+    assert_eq!(peer_spec.cluster_ip.as_deref(), Some("None"), "headless");
+    assert_eq!(
+        peer_spec.publish_not_ready_addresses,
+        Some(true),
+        "a new replica is ready only once agents reach it, and they look for it only once it is counted"
+    );
+    assert_eq!(
+        peer_spec.selector.as_ref().unwrap()["proxy.open-cluster-management.io/component-name"],
+        "proxy-server"
+    );
+    assert!(
+        container(&two)
+            .args
+            .as_ref()
+            .unwrap()
+            .iter()
+            .all(|arg| !arg.starts_with("--server-count=")),
+        "a --server-count flag would roll the pods on every scale"
+    );
 }
 
 #[test]

@@ -9,6 +9,11 @@
 //!    id) while a client dials `CP_HA_DIAL_RATE` times a second (default 100)
 //!    through a round-robin balancer in front of the client ports: failed
 //!    dials, dial latency, and how long agents take to hold each replacement.
+//! 3. Scaling: 2 → 3 → 2 replicas that count each other (a peer set standing
+//!    in for the headless Service's DNS), `CP_HA_ROLLING_AGENTS` agents, the
+//!    same dialing through a client balancer that follows readiness: how long
+//!    until every agent holds the new replica, and until every agent has
+//!    settled on 2 after the scale-down; failed dials.
 //!
 //! `cargo run -p e2e --example ha_convergence` (an example rather than a
 //! bench target: it measures seconds-long behaviour, not throughput)
@@ -317,6 +322,155 @@ async fn rolling_restart(
     Ok(())
 }
 
+/// Open-loop dialing at `rate` a second through `via` until `stop`.
+fn dial_open_loop(
+    pki: &TestPki,
+    via: SocketAddr,
+    targets: Vec<String>,
+    rate: usize,
+    record: Arc<Mutex<DialRecord>>,
+    stop: Arc<AtomicBool>,
+) -> anyhow::Result<tokio::task::JoinHandle<()>> {
+    let tls = pki.client_tls_alpn(&[ALPN_HTTP11])?;
+    let period = Duration::from_secs_f64(1.0 / rate.max(1) as f64);
+    Ok(tokio::spawn(async move {
+        let mut ticks = tokio::time::interval(period);
+        let mut inflight = Vec::new();
+        let mut n = 0usize;
+        while !stop.load(Ordering::SeqCst) {
+            ticks.tick().await;
+            let (tls, record) = (tls.clone(), record.clone());
+            let target = targets[n % targets.len()].clone();
+            n += 1;
+            inflight.push(tokio::spawn(async move {
+                let started = Instant::now();
+                let result = dial_once(tls, via, &target).await;
+                let mut record = record.lock().await;
+                match result {
+                    Ok(()) => record.latencies.push(started.elapsed()),
+                    Err(e) => record.failures.push(format!("{target}: {e}")),
+                }
+            }));
+        }
+        for task in inflight {
+            let _ = task.await;
+        }
+    }))
+}
+
+async fn wait_for(
+    what: &str,
+    timeout: Duration,
+    condition: impl Fn() -> bool,
+) -> anyhow::Result<()> {
+    let deadline = Instant::now() + timeout;
+    while !condition() {
+        if Instant::now() > deadline {
+            return Err(anyhow!("{what}: not within {timeout:?}"));
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    Ok(())
+}
+
+async fn scaling(pki: &TestPki, clusters: &[String], rate: usize) -> anyhow::Result<()> {
+    let configure = |config: &mut proxy_server::config::ServerConfig| {
+        config.graceful_shutdown_timeout = GRACE;
+    };
+    let mut replicas = Replicas::start_scalable(pki, 2, Selection::RoundRobin, configure).await?;
+    let agents = start_agents(agent_configs(&replicas, pki, clusters)?).await?;
+    wait_full_mesh(&agents, 2, Instant::now(), Duration::from_secs(60))
+        .await
+        .context("no full mesh before scaling")?;
+    let echo = EchoServer::start().await?;
+    let targets: Vec<String> = clusters
+        .iter()
+        .map(|c| format!("{c}:{}", echo.addr.port()))
+        .collect();
+    let hub_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let hub_service = hub_listener.local_addr()?;
+    let ready = balancer::Backends::new(replicas.servers.iter().map(|s| s.client_addr).collect());
+    let hub_balancer = tokio::spawn(balancer::serve_backends(
+        hub_listener,
+        ready.clone(),
+        Selection::RoundRobin,
+    ));
+    let record = Arc::new(Mutex::new(DialRecord::default()));
+    let stop = Arc::new(AtomicBool::new(false));
+    let dialer = dial_open_loop(
+        pki,
+        hub_service,
+        targets,
+        rate,
+        record.clone(),
+        stop.clone(),
+    )?;
+
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let up = Instant::now();
+    let index = replicas.scale_up(pki, configure).await?;
+    let new_id = replicas.servers[index].server_id.clone();
+    wait_for(
+        "every agent holds the new replica",
+        Duration::from_secs(60),
+        || agents.iter().all(|a| a.server_ids().contains(&new_id)),
+    )
+    .await?;
+    let up_took = up.elapsed();
+    ready.add(replicas.servers[index].client_addr);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+
+    let down = Instant::now();
+    ready.remove(replicas.servers[index].client_addr);
+    let drained = replicas
+        .scale_down()
+        .ok_or_else(|| anyhow!("no replica to remove"))?;
+    wait_for(
+        "every agent settles on 2 replicas",
+        Duration::from_secs(60),
+        || {
+            agents
+                .iter()
+                .all(|a| a.known_server_count() == 2 && a.active_tunnel_count() == 2)
+        },
+    )
+    .await?;
+    let down_took = down.elapsed();
+    drained.await?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop.store(true, Ordering::SeqCst);
+    dialer.await?;
+    hub_balancer.abort();
+    stop_agents(agents).await;
+    replicas.shutdown().await;
+
+    let mut record = record.lock().await;
+    record.latencies.sort();
+    let total = record.latencies.len() + record.failures.len();
+    println!(
+        "\nscaling 2 → 3 → 2 replicas that count each other (peer lookups every {}), {} agents, \
+         {rate} dials/s through a client balancer that follows readiness",
+        ms(e2e::replicas::PEER_REFRESH),
+        clusters.len()
+    );
+    println!(
+        "every agent held the new replica {} after it started; every agent settled on 2 replicas {} after the scale-down began",
+        ms(up_took),
+        ms(down_took)
+    );
+    println!(
+        "dials: {total}, failed: {}, latency p50 {} p99 {} max {}",
+        record.failures.len(),
+        ms(percentile(&record.latencies, 0.5)),
+        ms(percentile(&record.latencies, 0.99)),
+        ms(*record.latencies.last().unwrap_or(&Duration::ZERO)),
+    );
+    for failure in record.failures.iter().take(10) {
+        println!("  failed: {failure}");
+    }
+    Ok(())
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let agents = env_usize("CP_HA_AGENTS", 50);
@@ -328,8 +482,12 @@ async fn main() -> anyhow::Result<()> {
         .collect();
     let names: Vec<&str> = clusters.iter().map(String::as_str).collect();
     let pki = TestPki::new(&names)?;
-    convergence(&pki, &clusters[..agents], rounds).await?;
-    rolling_restart(&pki, &clusters[..rolling_agents], rate, false).await?;
-    rolling_restart(&pki, &clusters[..rolling_agents], rate, true).await?;
+    let only_scaling = std::env::var_os("CP_HA_ONLY_SCALING").is_some();
+    if !only_scaling {
+        convergence(&pki, &clusters[..agents], rounds).await?;
+        rolling_restart(&pki, &clusters[..rolling_agents], rate, false).await?;
+        rolling_restart(&pki, &clusters[..rolling_agents], rate, true).await?;
+    }
+    scaling(&pki, &clusters[..rolling_agents], rate).await?;
     Ok(())
 }

@@ -68,10 +68,52 @@ impl RawAgent {
         Self::connect_as(None, tls, agent_addr, agent_id, identifiers, flow_window).await
     }
 
+    /// [`RawAgent::connect`] without flow control, adding `extensions`
+    /// (metadata key and value pairs) to its Connect request.
+    pub async fn connect_with(
+        extensions: &[(&'static str, &'static str)],
+        tls: Arc<rustls::ClientConfig>,
+        agent_addr: SocketAddr,
+        agent_id: &str,
+        identifiers: &str,
+    ) -> Result<RawAgent, RawAgentError> {
+        Self::connect_full(
+            None,
+            extensions,
+            tls,
+            agent_addr,
+            agent_id,
+            identifiers,
+            None,
+        )
+        .await
+    }
+
     /// [`RawAgent::connect`] sending `user_agent` first in its `user-agent`
     /// header (e.g. `grpc-go/1.72.0`, to be taken for a Go agent).
     pub async fn connect_as(
         user_agent: Option<&str>,
+        tls: Arc<rustls::ClientConfig>,
+        agent_addr: SocketAddr,
+        agent_id: &str,
+        identifiers: &str,
+        flow_window: Option<u32>,
+    ) -> Result<RawAgent, RawAgentError> {
+        Self::connect_full(
+            user_agent,
+            &[],
+            tls,
+            agent_addr,
+            agent_id,
+            identifiers,
+            flow_window,
+        )
+        .await
+    }
+
+    async fn connect_full(
+        user_agent: Option<&str>,
+        extensions: &[(&'static str, &'static str)],
         tls: Arc<rustls::ClientConfig>,
         agent_addr: SocketAddr,
         agent_id: &str,
@@ -94,6 +136,9 @@ impl RawAgent {
         }
         if let Some(v) = user_agent.and_then(|ua| MetadataValue::try_from(ua).ok()) {
             md.insert("user-agent", v);
+        }
+        for (key, value) in extensions {
+            md.insert(*key, MetadataValue::from_static(value));
         }
         let response = AgentServiceClient::new(channel).connect(request).await?;
         let headers = response.metadata().clone();

@@ -1,17 +1,20 @@
 //! Several proxy-server replicas in one process behind the environment's
 //! load balancer ([`crate::env::balancer`]), and agents that reach them only
-//! through it: the HA tests (`tests/ha.rs`) and the `convergence` example.
+//! through it: the HA tests (`tests/ha.rs`, `tests/ha_scaling.rs`) and the
+//! `ha_convergence` example.
 
 use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use proxy_agent::{AgentConfig, RunningAgent, TlsSource};
 use proxy_server::RunningServer;
 use proxy_server::config::ServerConfig;
+use proxy_server::peers::{LookupFuture, PeerLookup, PeerLookupError};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
-use crate::env::balancer::{self, Selection};
+use crate::env::balancer::{self, Backends, Selection};
 use crate::harness::test_server_config;
 use crate::pki::{TestPki, TestPkiError};
 
@@ -35,12 +38,58 @@ pub enum ReplicasError {
     Balancer(#[from] std::io::Error),
 }
 
+/// The peer set of scalable replicas ([`Replicas::start_scalable`]) as a
+/// headless Service's DNS answer would give it: every replica looks it up
+/// (as `--server-count-source=dns:<name>` does), the test changes it.
+#[derive(Debug, Clone)]
+pub struct PeerSet(Arc<Mutex<Result<usize, String>>>);
+
+impl PeerSet {
+    pub fn new(count: usize) -> Self {
+        PeerSet(Arc::new(Mutex::new(Ok(count))))
+    }
+
+    /// What lookups answer from now on: a count (0 included), or a
+    /// resolution failure with this text.
+    pub fn set(&self, answer: Result<usize, String>) {
+        *self.0.lock().unwrap_or_else(PoisonError::into_inner) = answer;
+    }
+}
+
+impl PeerLookup for PeerSet {
+    fn describe(&self) -> String {
+        "test peer set".into()
+    }
+
+    fn lookup(&self) -> LookupFuture<'_> {
+        let answer = self
+            .0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        Box::pin(async move {
+            answer.map_err(|e| PeerLookupError::Resolve {
+                name: "proxy-server-peers".into(),
+                source: std::io::Error::other(e),
+            })
+        })
+    }
+}
+
+/// How often scalable replicas look their peers up: the `dns:` source's
+/// default is 5 s; the tests need not wait that long.
+pub const PEER_REFRESH: Duration = Duration::from_millis(100);
+
 /// `count` replicas (`server-0` …, each told `--server-count=count`), every
 /// agent port behind one balancer on 127.0.0.1.
 pub struct Replicas {
     pub servers: Vec<RunningServer>,
     /// The agent Service: the only address agents are given.
     pub agent_service: SocketAddr,
+    /// The agent Service's endpoints.
+    pub agent_backends: Backends,
+    /// `Some` for [`Replicas::start_scalable`].
+    pub peers: Option<PeerSet>,
     balancer: JoinHandle<std::io::Result<()>>,
 }
 
@@ -53,26 +102,82 @@ impl Replicas {
         selection: Selection,
         configure: impl Fn(&mut ServerConfig),
     ) -> Result<Self, ReplicasError> {
+        Self::start_with(pki, count, selection, None, configure).await
+    }
+
+    /// [`Replicas::start`] with replicas that count their peers from a
+    /// [`PeerSet`] (every [`PEER_REFRESH`]) instead of a fixed
+    /// `--server-count`, so [`Replicas::scale_up`] and
+    /// [`Replicas::scale_down`] need no restart.
+    pub async fn start_scalable(
+        pki: &TestPki,
+        count: usize,
+        selection: Selection,
+        configure: impl Fn(&mut ServerConfig),
+    ) -> Result<Self, ReplicasError> {
+        Self::start_with(pki, count, selection, Some(PeerSet::new(count)), configure).await
+    }
+
+    async fn start_with(
+        pki: &TestPki,
+        count: usize,
+        selection: Selection,
+        peers: Option<PeerSet>,
+        configure: impl Fn(&mut ServerConfig),
+    ) -> Result<Self, ReplicasError> {
         let mut servers = Vec::with_capacity(count);
         for index in 0..count {
-            let mut config = test_server_config();
-            config.server_id = format!("server-{index}");
-            config.server_count = u32::try_from(count).unwrap_or(u32::MAX);
-            configure(&mut config);
-            let server = proxy_server::start_with_tls(config, pki.server_tls()?)
-                .await
-                .map_err(|source| ReplicasError::Server { index, source })?;
-            servers.push(server);
+            servers.push(start_replica(pki, index, count, peers.as_ref(), &configure).await?);
         }
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let agent_service = listener.local_addr()?;
-        let backends = servers.iter().map(|s| s.agent_addr).collect();
-        let balancer = tokio::spawn(balancer::serve(listener, backends, selection));
+        let agent_backends = Backends::new(servers.iter().map(|s| s.agent_addr).collect());
+        let balancer = tokio::spawn(balancer::serve_backends(
+            listener,
+            agent_backends.clone(),
+            selection,
+        ));
         Ok(Replicas {
             servers,
             agent_service,
+            agent_backends,
+            peers,
             balancer,
         })
+    }
+
+    /// Adds a replica as scaling the Deployment up does: it starts, joins
+    /// the agent Service, then the peer set (the headless Service) counts it.
+    /// Returns its index in `servers`.
+    pub async fn scale_up(
+        &mut self,
+        pki: &TestPki,
+        configure: impl Fn(&mut ServerConfig),
+    ) -> Result<usize, ReplicasError> {
+        let index = self.servers.len();
+        let count = index + 1;
+        let server = start_replica(pki, index, count, self.peers.as_ref(), &configure).await?;
+        self.agent_backends.add(server.agent_addr);
+        self.servers.push(server);
+        if let Some(peers) = &self.peers {
+            peers.set(Ok(count));
+        }
+        Ok(index)
+    }
+
+    /// Removes the last replica as scaling the Deployment down does: it
+    /// leaves the agent Service and drains (SIGTERM), and only then does the
+    /// peer set stop counting it (a terminating pod leaves DNS late). The
+    /// drain runs on; await the handle for it to end.
+    pub fn scale_down(&mut self) -> Option<JoinHandle<()>> {
+        let server = self.servers.pop()?;
+        self.agent_backends.remove(server.agent_addr);
+        let count = self.servers.len();
+        let drained = tokio::spawn(server.shutdown());
+        if let Some(peers) = &self.peers {
+            peers.set(Ok(count));
+        }
+        Some(drained)
     }
 
     /// An agent configuration for `cluster` (identifiers `host=<cluster>`)
@@ -108,8 +213,14 @@ impl Replicas {
         config.agent_port = agent_addr.port();
         configure(&mut config);
         let started = Instant::now();
+        let lookup = self
+            .peers
+            .as_ref()
+            .map(|p| Arc::new(p.clone()) as Arc<dyn PeerLookup>);
         let server = loop {
-            match proxy_server::start_with_tls(config.clone(), pki.server_tls()?).await {
+            match proxy_server::start_with_peers(config.clone(), pki.server_tls()?, lookup.clone())
+                .await
+            {
                 Ok(server) => break server,
                 Err(proxy_server::ServerError::Bind { .. })
                     if started.elapsed() < Duration::from_secs(10) =>
@@ -130,6 +241,24 @@ impl Replicas {
             server.shutdown().await;
         }
     }
+}
+
+async fn start_replica(
+    pki: &TestPki,
+    index: usize,
+    count: usize,
+    peers: Option<&PeerSet>,
+    configure: &impl Fn(&mut ServerConfig),
+) -> Result<RunningServer, ReplicasError> {
+    let mut config = test_server_config();
+    config.server_id = format!("server-{index}");
+    config.server_count = u32::try_from(count).unwrap_or(u32::MAX);
+    config.server_count_refresh_interval = PEER_REFRESH;
+    configure(&mut config);
+    let lookup = peers.map(|p| Arc::new(p.clone()) as Arc<dyn PeerLookup>);
+    proxy_server::start_with_peers(config, pki.server_tls()?, lookup)
+        .await
+        .map_err(|source| ReplicasError::Server { index, source })
 }
 
 /// Starts one agent per configuration, all at once (the "in step" case).

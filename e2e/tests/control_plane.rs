@@ -226,8 +226,9 @@ async fn clusters_join_and_leave_through_the_control_plane() {
     env.shutdown().await;
 }
 
-/// The hub follows the MPC: replicas 2 → 3 changes the Deployment and
-/// `--server-count`, and every agent reaches the new replica; a deleted
+/// The hub follows the MPC: replicas 2 → 3 changes the Deployment but not
+/// its pod template (the replicas count each other through the headless
+/// Service `proxy-server-peers`), and every agent reaches the new replica; a deleted
 /// owned Service comes back; an AddOnDeploymentConfig's node placement
 /// and proxy settings reach the agent's Deployment.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -256,7 +257,7 @@ async fn the_hub_follows_the_managed_proxy_configuration() {
     .unwrap();
     let deployments: Api<Deployment> = Api::namespaced(admin.clone(), ADDON_NAMESPACE);
     wait_for(
-        "Deployment cluster-proxy at 3 replicas with --server-count=3",
+        "Deployment cluster-proxy at 3 replicas counting its peers by DNS",
         READY,
         || async {
             let d = deployments
@@ -271,7 +272,10 @@ async fn the_hub_follows_the_managed_proxy_configuration() {
                 .and_then(|s| s.containers.first())
                 .and_then(|c| c.args.clone())
                 .unwrap_or_default();
-            if spec.replicas == Some(3) && args.iter().any(|a| a == "--server-count=3") {
+            let counts_peers = args
+                .iter()
+                .any(|a| a.starts_with("--server-count-source=dns:proxy-server-peers."));
+            if spec.replicas == Some(3) && counts_peers {
                 Ok(())
             } else {
                 Err(format!("replicas {:?}, args {args:?}", spec.replicas))

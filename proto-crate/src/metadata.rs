@@ -28,3 +28,14 @@ pub const FLOW_CONTROL_WINDOW: &str = "cluster-proxy-flow-control-window";
 pub const TRACE_CONTEXT: &str = "cluster-proxy-trace-context";
 /// The value of [`TRACE_CONTEXT`]: W3C Trace Context.
 pub const TRACE_CONTEXT_W3C: &str = "w3c";
+
+/// cluster-proxy extension negotiation on the agent tunnel: an agent that
+/// sends this key (value [`SERVER_COUNT_UPDATES_V1`]) in its Connect request
+/// is sent a `SERVER_COUNT` packet (type 101, payload field 101) whenever the
+/// replica's count of proxy-server replicas changes, so it looks for a new
+/// replica at once instead of never (it holds every replica it knew of) and
+/// stops looking for a vanished one. Upstream agents never send the key and
+/// so never see the packet; they still read each Connect's `servercount`.
+pub const SERVER_COUNT_UPDATES: &str = "cluster-proxy-server-count-updates";
+/// The value of [`SERVER_COUNT_UPDATES`].
+pub const SERVER_COUNT_UPDATES_V1: &str = "v1";

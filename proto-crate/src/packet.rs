@@ -10,7 +10,7 @@ use bytes::Bytes;
 use crate::konnectivity::packet::Payload;
 use crate::konnectivity::{
     CloseDial, CloseRequest, CloseResponse, Data, DialRequest, DialResponse, Drain, Packet,
-    PacketType, WindowUpdate,
+    PacketType, ServerCount, WindowUpdate,
 };
 use crate::trace::TraceHeaders;
 
@@ -114,6 +114,18 @@ pub fn window_update(connect_id: i64, bytes: i64) -> Packet {
     )
 }
 
+/// Tells an agent how many proxy-server replicas exist now (cluster-proxy
+/// extension; only for agents that advertised
+/// [`crate::metadata::SERVER_COUNT_UPDATES`]).
+pub fn server_count(count: u32) -> Packet {
+    packet(
+        PacketType::ServerCount,
+        Payload::ServerCount(ServerCount {
+            count: i64::from(count),
+        }),
+    )
+}
+
 /// The upstream metric label of a packet's type (`DIAL_REQ`, `DATA`, …).
 pub fn type_name(p: &Packet) -> &'static str {
     PacketType::try_from(p.r#type).map_or("UNKNOWN", |t| t.as_str_name())
@@ -152,6 +164,12 @@ pub enum Frame {
     WindowUpdate {
         connect_id: i64,
         bytes: i64,
+    },
+    /// The number of proxy-server replicas changed (cluster-proxy
+    /// extension). The sender's value, unvalidated: receivers ignore
+    /// counts below 1.
+    ServerCount {
+        count: i64,
     },
     /// A `type` this implementation does not know; peers ignore these.
     Unknown(i32),
@@ -229,6 +247,13 @@ impl Frame {
                     bytes: p.bytes,
                 }
             }
+            Ok(PacketType::ServerCount) => {
+                let count = match payload {
+                    Some(Payload::ServerCount(p)) => p.count,
+                    _ => 0,
+                };
+                Frame::ServerCount { count }
+            }
             Err(_) => Frame::Unknown(packet.r#type),
         }
     }
@@ -244,6 +269,7 @@ impl Frame {
             Frame::CloseDial { .. } => "DIAL_CLS",
             Frame::Drain => "DRAIN",
             Frame::WindowUpdate { .. } => "WINDOW_UPDATE",
+            Frame::ServerCount { .. } => "SERVER_COUNT",
             Frame::Unknown(_) => "UNKNOWN",
         }
     }

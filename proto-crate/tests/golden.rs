@@ -150,6 +150,16 @@ fn window_update_extension_uses_high_numbers() {
 }
 
 #[test]
+fn server_count_extension_uses_high_numbers() {
+    // type 101, payload field 101 (tag varint aa 06).
+    check(
+        packet::server_count(3),
+        "08 65  aa 06 02  08 03",
+        Frame::ServerCount { count: 3 },
+    );
+}
+
+#[test]
 fn large_dial_ids_use_full_varints() {
     let p = packet::dial_request("h:1", i64::MAX);
     let bytes = p.encode_to_vec();

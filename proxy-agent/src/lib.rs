@@ -343,6 +343,12 @@ impl RunningAgent {
         self.shared.active_tunnel_count()
     }
 
+    /// How many proxy-server replicas the agent works towards holding: the
+    /// newest `servercount` header or SERVER_COUNT packet (0 before any).
+    pub fn known_server_count(&self) -> usize {
+        self.shared.known_server_count()
+    }
+
     /// Ids of the proxy-servers this agent holds tunnels to, sorted.
     pub fn server_ids(&self) -> Vec<String> {
         self.shared.server_ids()

@@ -70,7 +70,8 @@ pub(crate) struct Shared {
     metrics: Arc<Metrics>,
     tunnels: Mutex<HashMap<String, TunnelHandle>>,
     draining: AtomicBool,
-    last_server_count: AtomicUsize,
+    /// The newest `servercount` from a Connect header or a SERVER_COUNT packet.
+    last_server_count: Arc<AtomicUsize>,
     changed: Arc<Notify>,
     root: CancellationToken,
 }
@@ -87,7 +88,7 @@ impl Shared {
             metrics: Arc::new(Metrics::new()),
             tunnels: Mutex::new(HashMap::new()),
             draining: AtomicBool::new(false),
-            last_server_count: AtomicUsize::new(0),
+            last_server_count: Arc::new(AtomicUsize::new(0)),
             changed: Arc::new(Notify::new()),
             root,
         }
@@ -127,6 +128,10 @@ impl Shared {
             .values()
             .filter(|t| !t.server_draining.load(Ordering::SeqCst))
             .count()
+    }
+
+    pub(crate) fn known_server_count(&self) -> usize {
+        self.last_server_count.load(Ordering::SeqCst)
     }
 
     pub(crate) fn server_ids(&self) -> Vec<String> {
@@ -207,6 +212,11 @@ impl Shared {
                 )?,
             );
         }
+        // Ask to be told when the replica count changes (cluster-proxy extension).
+        md.insert(
+            metadata::SERVER_COUNT_UPDATES,
+            AsciiMetadataValue::from_static(metadata::SERVER_COUNT_UPDATES_V1),
+        );
         // Ask for the trace context of each dial (cluster-proxy extension).
         md.insert(
             metadata::TRACE_CONTEXT,
@@ -346,6 +356,7 @@ async fn connect_once(shared: Arc<Shared>) -> Result<Outcome, ConnectError> {
         host_aliases: std::sync::Arc::new(config.host_aliases.clone()),
         server_draining,
         changed: shared.changed.clone(),
+        server_count: shared.last_server_count.clone(),
         retire_when_idle: None,
     };
     let incoming = response.into_inner();

@@ -13,7 +13,7 @@
 //! full (upstream behaviour, only much later).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -62,8 +62,11 @@ pub struct TunnelParams {
     /// Set when the server announces with DRAIN that it is stopping, so the
     /// manager stops counting this tunnel and looks for a replacement.
     pub server_draining: Arc<AtomicBool>,
-    /// Woken when `server_draining` gets set.
+    /// Woken when `server_draining` gets set or `server_count` changes.
     pub changed: Arc<Notify>,
+    /// The replica count the agent works towards, shared by every tunnel;
+    /// a SERVER_COUNT packet (negotiated extension) updates it.
+    pub server_count: Arc<AtomicUsize>,
     /// `Some` for a duplicate tunnel (a second one to a server we already
     /// hold): it has told the server DRAIN and only serves the dials that
     /// crossed that, so it ends at the first check, this often, that finds
@@ -211,6 +214,7 @@ impl Tunnel {
                     self.params.changed.notify_one();
                 }
             }
+            Frame::ServerCount { count } => self.server_count(count),
             Frame::CloseDial { random } => {
                 // Upstream ignores DIAL_CLS and finishes the dial; cancelling
                 // saves a connection the server would close right away.
@@ -222,6 +226,23 @@ impl Tunnel {
             other => {
                 tracing::debug!(server_id = %self.params.server_id, packet = other.type_name(), "ignoring packet");
             }
+        }
+    }
+
+    /// A replica was added or removed: look for the new one at once, or
+    /// stop looking for the one that is gone.
+    fn server_count(&self, count: i64) {
+        let Some(count) = usize::try_from(count).ok().filter(|n| *n >= 1) else {
+            tracing::debug!(server_id = %self.params.server_id, count, "ignoring a server count below 1");
+            return;
+        };
+        let previous = self.params.server_count.swap(count, Ordering::SeqCst);
+        if previous != count {
+            tracing::info!(server_id = %self.params.server_id, server_count = count, previous, "proxy-server replica count changed");
+            self.metrics
+                .known_server_count
+                .set(i64::try_from(count).unwrap_or(i64::MAX));
+            self.params.changed.notify_one();
         }
     }
 

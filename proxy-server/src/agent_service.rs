@@ -35,7 +35,8 @@ use crate::tunnel::{AgentTunnel, OutboundStream, TunnelSettings};
 #[derive(Debug, Clone)]
 pub struct AgentEndpointSettings {
     pub server_id: String,
-    pub server_count: u32,
+    /// The current replica count (see [`crate::peers`]).
+    pub server_count: tokio::sync::watch::Receiver<u32>,
     /// Accept agents whose certificate names no cluster, trusting their
     /// claimed identifiers (upstream behaviour; for upstream-issued certs).
     pub allow_unbound_agents: bool,
@@ -146,6 +147,14 @@ impl AgentService for AgentEndpoint {
                 v.split(',')
                     .any(|f| f.trim() == metadata::TRACE_CONTEXT_W3C)
             });
+        let server_count_updates = request
+            .metadata()
+            .get(metadata::SERVER_COUNT_UPDATES)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| {
+                v.split(',')
+                    .any(|f| f.trim() == metadata::SERVER_COUNT_UPDATES_V1)
+            });
         let settings = TunnelSettings {
             our_window: self.settings.flow_control_window,
             peer_window,
@@ -153,6 +162,7 @@ impl AgentService for AgentEndpoint {
             plain_stall_timeout: self.settings.plain_peer_stall_timeout,
             ordered_capacity: self.settings.ordered_capacity,
             trace_context,
+            server_count_updates,
         };
         let (tunnel, outbound) = AgentTunnel::new(
             agent_id.clone(),
@@ -201,10 +211,10 @@ impl AgentService for AgentEndpoint {
             MetadataValue::try_from(self.settings.server_id.as_str())
                 .map_err(|_| Status::internal("server id is not valid metadata"))?,
         );
-        md.insert(
-            metadata::SERVER_COUNT,
-            MetadataValue::from(self.settings.server_count),
-        );
+        // Read after registering: a count that changes from here on is
+        // announced on this tunnel too, so the agent never misses one.
+        let server_count = *self.settings.server_count.borrow();
+        md.insert(metadata::SERVER_COUNT, MetadataValue::from(server_count));
         if peer_window.is_some() {
             md.insert(
                 metadata::FLOW_CONTROL_WINDOW,

@@ -17,6 +17,7 @@ use cluster_proxy_runtime::logging::{LogFlags, LogFormat};
 use cluster_proxy_runtime::telemetry::TelemetryFlags;
 use serde::{Deserialize, Serialize};
 
+use crate::peers::{ServerCountSource, SourceParseError};
 use crate::registry::Strategy;
 
 /// Which frontends the client port serves.
@@ -60,6 +61,11 @@ pub struct ServerConfig {
     /// Empty: `PROXY_SERVER_ID` or a random UUID.
     pub server_id: String,
     pub server_count: u32,
+    /// `static` (`server_count`) or `dns:<headless service>` (see [`crate::peers`]).
+    pub server_count_source: String,
+    /// How often `dns:` sources are resolved.
+    #[serde(with = "serde_go")]
+    pub server_count_refresh_interval: Duration,
     pub agent_namespace: String,
     pub agent_service_account: String,
     pub authentication_audience: String,
@@ -132,6 +138,8 @@ impl Default for ServerConfig {
             enable_contention_profiling: false,
             server_id: String::new(),
             server_count: 1,
+            server_count_source: "static".into(),
+            server_count_refresh_interval: Duration::from_secs(5),
             agent_namespace: String::new(),
             agent_service_account: String::new(),
             authentication_audience: String::new(),
@@ -267,6 +275,16 @@ pub struct Cli {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub server_count: Option<u32>,
+    /// Where the replica count comes from: static (--server-count) or
+    /// dns:<name>, a headless Service over every replica, resolved every
+    /// --server-count-refresh-interval (--server-count until it resolves).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub server_count_source: Option<String>,
+    /// How often a dns: --server-count-source is resolved (Go duration).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub server_count_refresh_interval: Option<String>,
     /// Service-account token authentication of agents (upstream); not supported: agents present certificates.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -423,6 +441,13 @@ impl ServerConfig {
         if self.server_count == 0 {
             return Err(invalid("server-count", "must be at least 1"));
         }
+        self.server_count_source()?;
+        if self.server_count_refresh_interval.is_zero() {
+            return Err(invalid(
+                "server-count-refresh-interval",
+                "must be greater than zero",
+            ));
+        }
         if self.flow_control_window < MIN_WINDOW {
             return Err(invalid(
                 "flow-control-window",
@@ -469,6 +494,13 @@ impl ServerConfig {
             ));
         }
         Ok(list)
+    }
+
+    /// The parsed `--server-count-source`.
+    pub fn server_count_source(&self) -> Result<ServerCountSource, ConfigError> {
+        self.server_count_source
+            .parse()
+            .map_err(|e: SourceParseError| invalid("server-count-source", e.to_string()))
     }
 
     /// The server id: configured, else `PROXY_SERVER_ID`, else a random UUID.

@@ -15,6 +15,7 @@ pub mod grpc_frontend;
 pub mod http_connect;
 pub mod listener;
 pub mod metrics;
+pub mod peers;
 pub mod registry;
 pub mod tunnel;
 
@@ -49,6 +50,7 @@ use crate::grpc_frontend::GrpcFrontend;
 use crate::http_connect::ConnectFrontend;
 use crate::listener::{Listener, PeerInfo, Protocols};
 use crate::metrics::Metrics;
+use crate::peers::{DnsPeers, PeerLookup, ServerCountSource};
 use crate::registry::Registry;
 
 #[derive(Debug, thiserror::Error)]
@@ -224,6 +226,7 @@ pub struct RunningServer {
     pub admin_addr: SocketAddr,
     registry: Arc<Registry>,
     metrics: Arc<Metrics>,
+    server_count: tokio::sync::watch::Receiver<u32>,
     shutdown: CancellationToken,
     draining: Arc<AtomicBool>,
     /// Ends once every accepted client connection is done with its requests.
@@ -245,6 +248,11 @@ impl RunningServer {
             .iter()
             .map(|t| t.connection_count())
             .sum()
+    }
+
+    /// The replica count this replica tells agents now.
+    pub fn server_count(&self) -> u32 {
+        *self.server_count.borrow()
     }
 
     pub fn metrics_text(&self) -> String {
@@ -397,6 +405,21 @@ pub async fn start_with_tls(
     config: ServerConfig,
     tls: ServerTls,
 ) -> Result<RunningServer, ServerError> {
+    let peers: Option<Arc<dyn PeerLookup>> = match config.server_count_source()? {
+        ServerCountSource::Static => None,
+        ServerCountSource::Dns(name) => Some(Arc::new(DnsPeers { name })),
+    };
+    start_with_peers(config, tls, peers).await
+}
+
+/// [`start_with_tls`] with the replica count taken from `peers` (starting
+/// from `--server-count`) instead of `--server-count-source`; `None` keeps
+/// `--server-count`. Tests drive the peer set this way without DNS.
+pub async fn start_with_peers(
+    config: ServerConfig,
+    tls: ServerTls,
+    peers: Option<Arc<dyn PeerLookup>>,
+) -> Result<RunningServer, ServerError> {
     config.validate()?;
     for flag in config.ignored_settings() {
         warn!(flag, "flag accepted for compatibility and ignored");
@@ -454,10 +477,24 @@ pub async fn start_with_tls(
     let tasks = TaskTracker::new();
     let grace = config.graceful_shutdown_timeout;
 
+    let (server_count, server_count_rx) = tokio::sync::watch::channel(config.server_count);
+    metrics.server_count.set(i64::from(config.server_count));
+    if let Some(lookup) = peers {
+        info!(source = lookup.describe(), every = ?config.server_count_refresh_interval, "counting the proxy-server replicas");
+        tasks.spawn(peers::follow(
+            lookup,
+            config.server_count_refresh_interval,
+            server_count,
+            registry.clone(),
+            metrics.clone(),
+            shutdown.clone(),
+        ));
+    }
+
     let agent_endpoint = AgentEndpoint {
         settings: AgentEndpointSettings {
             server_id: server_id.clone(),
-            server_count: config.server_count,
+            server_count: server_count_rx.clone(),
             allow_unbound_agents: config.allow_unbound_agents,
             flow_control_window: config.flow_control_window,
             plain_peer_buffer: config.plain_peer_buffer,
@@ -564,6 +601,7 @@ pub async fn start_with_tls(
         admin_addr,
         registry,
         metrics,
+        server_count: server_count_rx,
         shutdown,
         draining,
         client_listener,

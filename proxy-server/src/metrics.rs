@@ -44,6 +44,10 @@ pub struct Metrics {
     /// a full receive channel), by service method (`Proxy`, `Connect`).
     full_receive_channels: Family<Labels, Gauge>,
     pub agent_tunnels: Gauge,
+    /// The replica count this replica tells agents.
+    pub server_count: Gauge,
+    /// Failed lookups of the peer replicas (`--server-count-source`).
+    pub peer_lookup_failures: Counter,
     stream: StreamMetrics,
 }
 
@@ -139,12 +143,25 @@ impl Metrics {
         );
         // Ours, under our own prefix: upstream has no such metric.
         let agent_tunnels = Gauge::default();
-        root.sub_registry_with_prefix("cluster_proxy_server")
-            .register(
-                "agent_tunnels",
-                "Connected agent tunnels (gRPC Connect streams)",
-                agent_tunnels.clone(),
-            );
+        let ours = root.sub_registry_with_prefix("cluster_proxy_server");
+        ours.register(
+            "agent_tunnels",
+            "Connected agent tunnels (gRPC Connect streams)",
+            agent_tunnels.clone(),
+        );
+        let server_count = Gauge::default();
+        ours.register(
+            "server_count",
+            "Proxy-server replicas this replica tells agents to hold a tunnel to (servercount)",
+            server_count.clone(),
+        );
+        let peer_lookup_failures = Counter::default();
+        register_counter(
+            ours,
+            "peer_lookup_failures",
+            "Failed lookups of the proxy-server replicas (--server-count-source); the last count is kept",
+            peer_lookup_failures.clone(),
+        );
         Metrics {
             registry: root,
             dial_duration,
@@ -160,6 +177,8 @@ impl Metrics {
             ready_backend_connections,
             full_receive_channels,
             agent_tunnels,
+            server_count,
+            peer_lookup_failures,
             stream,
         }
     }

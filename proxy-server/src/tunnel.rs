@@ -46,6 +46,9 @@ pub struct TunnelSettings {
     /// The agent advertised the trace-context extension: dial requests may
     /// carry the connection's trace context.
     pub trace_context: bool,
+    /// The agent advertised the server-count extension: it is sent
+    /// SERVER_COUNT packets when the replica count changes.
+    pub server_count_updates: bool,
 }
 
 /// What a frontend receives for its connection.
@@ -205,6 +208,14 @@ impl AgentTunnel {
         self.send_control(packet::drain());
     }
 
+    /// Tells the agent how many replicas exist now, if it negotiated the
+    /// extension; upstream agents learn it only from their next Connect.
+    pub fn announce_server_count(&self, count: u32) {
+        if self.settings.server_count_updates {
+            self.send_control(packet::server_count(count));
+        }
+    }
+
     /// Registers a dial id; the reader delivers the agent's answer to the receiver.
     pub(crate) fn register_pending(
         &self,
@@ -358,8 +369,10 @@ impl AgentTunnel {
                     self.fail_conn(connect_id, e.to_string());
                 }
             }
-            other
-            @ (Frame::DialRequest { .. } | Frame::CloseRequest { .. } | Frame::Unknown(_)) => {
+            other @ (Frame::DialRequest { .. }
+            | Frame::CloseRequest { .. }
+            | Frame::ServerCount { .. }
+            | Frame::Unknown(_)) => {
                 debug!(
                     tunnel = self.id,
                     packet = other.type_name(),

@@ -296,6 +296,7 @@ async fn apply_all(
     .await?;
     let services = Api::<Service>::namespaced(client.clone(), namespace);
     apply(&services, &objects.in_cluster_service).await?;
+    apply(&services, &objects.peer_service).await?;
     let load_balancer = match &objects.load_balancer_service {
         Some(service) => Some(apply(&services, service).await?),
         None => None,
@@ -491,6 +492,7 @@ async fn prune_unwanted(
         uid,
         [
             wanted(Some(&objects.in_cluster_service.metadata)),
+            wanted(Some(&objects.peer_service.metadata)),
             wanted(
                 objects
                     .load_balancer_service

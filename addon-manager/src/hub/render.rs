@@ -45,6 +45,9 @@ pub const SERVER_CA_MOUNT: &str = "/etc/server-ca-pki";
 pub const SERVER_PKI_MOUNT: &str = "/etc/server-pki";
 /// Where the agent-port serving certificate is mounted.
 pub const AGENT_PKI_MOUNT: &str = "/etc/agent-pki";
+/// The headless Service over every proxy-server pod, ready or not, that
+/// the replicas resolve to count themselves (`--server-count-source`).
+pub const PEER_SERVICE_NAME: &str = "proxy-server-peers";
 /// The distroless `nonroot` user the image runs as.
 pub const NON_ROOT_UID: i64 = 65532;
 
@@ -83,6 +86,9 @@ pub struct HubObjects {
     pub deployment: Deployment,
     /// ClusterIP Service hub clients dial.
     pub in_cluster_service: Service,
+    /// Headless Service the replicas count each other by
+    /// ([`PEER_SERVICE_NAME`]).
+    pub peer_service: Service,
     /// Only for the `LoadBalancerService` entrypoint.
     pub load_balancer_service: Option<Service>,
     /// Only for the `PortForward` entrypoint.
@@ -170,7 +176,7 @@ pub fn render(mpc: &ManagedProxyConfiguration) -> Result<HubObjects, RenderError
     pod_labels.extend(pod_selector());
     let deployment = Deployment {
         metadata: ObjectMeta {
-            annotations: Some(generation_annotation.clone()),
+            annotations: Some(generation_annotation),
             ..meta(&name)
         },
         spec: Some(DeploymentSpec {
@@ -191,9 +197,11 @@ pub fn render(mpc: &ManagedProxyConfiguration) -> Result<HubObjects, RenderError
                 }),
             }),
             template: PodTemplateSpec {
+                // No generation annotation here: a change of the MPC that
+                // leaves the pods alone, such as `replicas`, must not roll
+                // them (the replicas count each other, see `peer_service`).
                 metadata: Some(ObjectMeta {
                     labels: Some(pod_labels),
-                    annotations: Some(generation_annotation),
                     ..ObjectMeta::default()
                 }),
                 spec: Some(pod_spec(mpc, &ports)),
@@ -220,6 +228,24 @@ pub fn render(mpc: &ManagedProxyConfiguration) -> Result<HubObjects, RenderError
                     ports.agent_server,
                 ),
             ]),
+            ..ServiceSpec::default()
+        }),
+        ..Service::default()
+    };
+
+    // Ready or not: a new replica is ready only once agents hold it, and
+    // agents look for it only once the replicas count it.
+    let peer_service = Service {
+        metadata: meta(PEER_SERVICE_NAME),
+        spec: Some(ServiceSpec {
+            cluster_ip: Some("None".to_owned()),
+            publish_not_ready_addresses: Some(true),
+            selector: Some(pod_selector()),
+            ports: Some(vec![service_port(
+                PORT_NAME_AGENT_SERVER,
+                ports.agent_server,
+                ports.agent_server,
+            )]),
             ..ServiceSpec::default()
         }),
         ..Service::default()
@@ -291,6 +317,7 @@ pub fn render(mpc: &ManagedProxyConfiguration) -> Result<HubObjects, RenderError
         service_account,
         deployment,
         in_cluster_service,
+        peer_service,
         load_balancer_service,
         port_forward_role,
         port_forward_role_binding,
@@ -322,9 +349,17 @@ pub fn valid_load_balancer_annotations(
 /// The proxy-server arguments: the fixed ones, the ports when
 /// `spec.deploy.ports` is set, then `additionalArgs` in their order (last, so
 /// a user's flag overrides ours).
+///
+/// The replicas count each other through the headless [`PEER_SERVICE_NAME`]
+/// Service rather than a `--server-count` flag, so scaling needs no change of
+/// the pod template and so no restart; `additionalArgs` may still set
+/// `--server-count-source=static --server-count=N`.
 pub fn proxy_server_args(mpc: &ManagedProxyConfiguration) -> Vec<String> {
     let mut args = vec![
-        format!("--server-count={}", mpc.spec.proxy_server.replicas),
+        format!(
+            "--server-count-source=dns:{PEER_SERVICE_NAME}.{}.svc",
+            namespace_of(mpc)
+        ),
         "--proxy-strategies=destHost".to_owned(),
         format!("--server-ca-cert={SERVER_CA_MOUNT}/ca.crt"),
         format!("--server-cert={SERVER_PKI_MOUNT}/tls.crt"),
@@ -382,7 +417,11 @@ fn pod_spec(mpc: &ManagedProxyConfiguration, ports: &DeployPorts) -> PodSpec {
             container_port(PORT_NAME_HEALTH, ports.health_server),
             container_port(PORT_NAME_ADMIN, ports.admin_server),
         ]),
-        readiness_probe: Some(health_probe("/readyz")),
+        // Not `/readyz`, which fails until an agent holds a tunnel: agents
+        // reach a replica only through Services that route to ready pods,
+        // so a new replica would never become ready and a scale-up or a
+        // rollout would stall. A terminating pod leaves the endpoints anyway.
+        readiness_probe: Some(health_probe("/healthz")),
         liveness_probe: Some(Probe {
             initial_delay_seconds: Some(10),
             ..health_probe("/healthz")

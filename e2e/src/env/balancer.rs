@@ -8,8 +8,8 @@
 //! that retry in alternation keep drawing the replica they already hold.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use tokio::net::{TcpListener, TcpStream};
@@ -48,11 +48,51 @@ pub async fn serve(
     backends: Vec<SocketAddr>,
     selection: Selection,
 ) -> std::io::Result<()> {
-    let backends = Arc::new(backends);
+    serve_backends(listener, Backends::new(backends), selection).await
+}
+
+/// The backends of a balancer, changeable while it runs: a Service's
+/// endpoints as pods come and go.
+#[derive(Debug, Clone, Default)]
+pub struct Backends(Arc<Mutex<Vec<SocketAddr>>>);
+
+impl Backends {
+    pub fn new(backends: Vec<SocketAddr>) -> Self {
+        Backends(Arc::new(Mutex::new(backends)))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<SocketAddr>> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Adds `backend` (once) for new connections.
+    pub fn add(&self, backend: SocketAddr) {
+        let mut backends = self.lock();
+        if !backends.contains(&backend) {
+            backends.push(backend);
+        }
+    }
+
+    /// Takes `backend` out of the rotation; its open connections stay.
+    pub fn remove(&self, backend: SocketAddr) {
+        self.lock().retain(|b| *b != backend);
+    }
+
+    pub fn list(&self) -> Vec<SocketAddr> {
+        self.lock().clone()
+    }
+}
+
+/// [`serve`] over backends that may change while it runs.
+pub async fn serve_backends(
+    listener: TcpListener,
+    backends: Backends,
+    selection: Selection,
+) -> std::io::Result<()> {
     let next = Arc::new(AtomicUsize::new(0));
     loop {
         let (inbound, peer) = listener.accept().await?;
-        let backends = backends.clone();
+        let backends = backends.list();
         let start = match selection {
             Selection::RoundRobin => next.fetch_add(1, Ordering::Relaxed),
             Selection::Random => rand::random_range(0..backends.len().max(1)),

@@ -70,7 +70,7 @@ struct ServerPlacement {
 }
 
 impl PodPlacement for ServerPlacement {
-    fn extra_args(&self, index: usize, container: &str) -> Vec<String> {
+    fn extra_args(&self, index: usize, replicas: usize, container: &str) -> Vec<String> {
         if container != "proxy-server" {
             return Vec::new();
         }
@@ -90,6 +90,10 @@ impl PodPlacement for ServerPlacement {
                 self.credential_reload_interval
             ),
             "--graceful-shutdown-timeout=10s".into(),
+            // The rendered `--server-count-source=dns:…` needs cluster DNS,
+            // which the environment does not have.
+            "--server-count-source=static".into(),
+            format!("--server-count={}", replicas.max(1)),
         ]
     }
 

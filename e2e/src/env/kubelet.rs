@@ -166,8 +166,8 @@ pub struct ContainerPlan {
 /// What the environment adds to a pod's processes: its own addresses and
 /// ports (flags appended last, so they win), and the network namespace.
 pub trait PodPlacement: Send + Sync {
-    /// Extra arguments for `container` of pod number `index`.
-    fn extra_args(&self, index: usize, container: &str) -> Vec<String>;
+    /// Extra arguments for `container` of pod number `index` of `replicas`.
+    fn extra_args(&self, index: usize, replicas: usize, container: &str) -> Vec<String>;
     /// The network namespace of the pod's processes.
     fn netns(&self) -> Option<String>;
 }
@@ -431,7 +431,10 @@ impl DeploymentRunner {
             .map(|s| serde_json::to_string(&s.template).unwrap_or_default())
             .unwrap_or_default();
         let secrets = volumes.fingerprint(&required_secrets(deployment));
-        let revision = format!("{template}/{secrets}");
+        // Placements may pass the replica count to the pods (the proxy-servers'
+        // `--server-count`, the environment having no cluster DNS to count
+        // them by), so a new count replaces the pods too.
+        let revision = format!("{template}/{secrets}/{desired}");
         if self.revision.as_deref() != Some(revision.as_str()) {
             self.stop_all().await;
             self.revision = Some(revision);
@@ -492,6 +495,12 @@ impl DeploymentRunner {
         placement: &dyn PodPlacement,
     ) -> Result<Pod, KubeletError> {
         let plans = plan(deployment, pod_name, binaries, volumes)?;
+        let replicas = deployment
+            .spec
+            .as_ref()
+            .and_then(|s| s.replicas)
+            .unwrap_or(1)
+            .max(0) as usize;
         let mut processes = Vec::new();
         for plan in plans {
             let mut spec = ProcessSpec::new(
@@ -499,7 +508,7 @@ impl DeploymentRunner {
                 &plan.program,
             )
             .args(plan.args)
-            .args(placement.extra_args(index, &plan.container))
+            .args(placement.extra_args(index, replicas, &plan.container))
             .in_netns(placement.netns());
             for (key, value) in plan.env {
                 spec = spec.env(&key, value);

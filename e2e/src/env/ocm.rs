@@ -301,7 +301,7 @@ pub fn agent_ports(index: usize) -> (u16, u16) {
 }
 
 impl PodPlacement for AgentPlacement {
-    fn extra_args(&self, index: usize, container: &str) -> Vec<String> {
+    fn extra_args(&self, index: usize, _replicas: usize, container: &str) -> Vec<String> {
         let ip = self.machine.service_ip;
         let (health, admin) = agent_ports(index);
         match container {

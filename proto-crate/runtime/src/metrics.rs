@@ -203,7 +203,7 @@ pub enum Segment {
 }
 
 const SEGMENTS: [&str; 4] = ["from_client", "to_client", "from_agent", "to_agent"];
-const PACKET_TYPES: [&str; 9] = [
+const PACKET_TYPES: [&str; 10] = [
     "DIAL_REQ",
     "DIAL_RSP",
     "CLOSE_REQ",
@@ -212,6 +212,7 @@ const PACKET_TYPES: [&str; 9] = [
     "DIAL_CLS",
     "DRAIN",
     "WINDOW_UPDATE",
+    "SERVER_COUNT",
     "UNKNOWN",
 ];
 

@@ -3,7 +3,7 @@
 pub struct Packet {
     #[prost(enumeration = "PacketType", tag = "1")]
     pub r#type: i32,
-    #[prost(oneof = "packet::Payload", tags = "2, 3, 4, 5, 6, 7, 8, 100")]
+    #[prost(oneof = "packet::Payload", tags = "2, 3, 4, 5, 6, 7, 8, 100, 101")]
     pub payload: ::core::option::Option<packet::Payload>,
 }
 /// Nested message and enum types in `Packet`.
@@ -27,6 +27,9 @@ pub mod packet {
         /// cluster-proxy extension.
         #[prost(message, tag = "100")]
         WindowUpdate(super::WindowUpdate),
+        /// cluster-proxy extension.
+        #[prost(message, tag = "101")]
+        ServerCount(super::ServerCount),
     }
 }
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
@@ -105,6 +108,16 @@ pub struct WindowUpdate {
     #[prost(int64, tag = "2")]
     pub bytes: i64,
 }
+/// Server to agent: how many proxy-server replicas exist now (the value of
+/// the `servercount` response header, updated while the tunnel is up) so the
+/// agent looks for a new replica at once and stops looking for a vanished
+/// one (cluster-proxy extension). Sent only to agents that advertised
+/// `cluster-proxy-server-count-updates` in their Connect request.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct ServerCount {
+    #[prost(int64, tag = "1")]
+    pub count: i64,
+}
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, ::prost::Enumeration)]
 #[repr(i32)]
 pub enum PacketType {
@@ -117,6 +130,8 @@ pub enum PacketType {
     Drain = 6,
     /// cluster-proxy extension: per-connection flow-control credit.
     WindowUpdate = 100,
+    /// cluster-proxy extension: the number of proxy-server replicas changed.
+    ServerCount = 101,
 }
 impl PacketType {
     /// String value of the enum field names used in the ProtoBuf definition.
@@ -133,6 +148,7 @@ impl PacketType {
             Self::DialCls => "DIAL_CLS",
             Self::Drain => "DRAIN",
             Self::WindowUpdate => "WINDOW_UPDATE",
+            Self::ServerCount => "SERVER_COUNT",
         }
     }
     /// Creates an enum from field names used in the ProtoBuf definition.
@@ -146,6 +162,7 @@ impl PacketType {
             "DIAL_CLS" => Some(Self::DialCls),
             "DRAIN" => Some(Self::Drain),
             "WINDOW_UPDATE" => Some(Self::WindowUpdate),
+            "SERVER_COUNT" => Some(Self::ServerCount),
             _ => None,
         }
     }

@@ -242,7 +242,7 @@ impl Default for CertificateSecrets {
 pub struct ProxyServer {
     /// Container image of the proxy-server.
     pub image: String,
-    /// Deployment replicas, also passed as `--server-count`.
+    /// Deployment replicas; they count each other (headless Service `proxy-server-peers`).
     #[serde(default = "default_replicas")]
     pub replicas: i32,
     /// Name of the ClusterIP Service hub clients dial (ports 8090 and 8091).
