@@ -270,6 +270,22 @@ def check_hardening(label: str, docs: list[dict]) -> None:
 
 
 def check_non_default(docs: list[dict]) -> None:
+    for name, namespace in [
+        ("cluster-proxy-addon-manager", None),
+        ("cluster-proxy-cert-authority", None),
+        ("cluster-proxy-health-prober", "proxy-servers"),
+    ]:
+        deployment = find(docs, "Deployment", name, namespace)
+        env = {} if deployment is None else {
+            e["name"]: e.get("value")
+            for e in deployment["spec"]["template"]["spec"]["containers"][0].get("env", [])
+        }
+        expect(
+            env.get("OTEL_EXPORTER_OTLP_ENDPOINT") == "http://otel-collector.observability:4317"
+            and env.get("OTEL_TRACES_SAMPLER_ARG") == "0.25"
+            and env.get("OTEL_SERVICE_NAME") == name.removeprefix("cluster-proxy-"),
+            f"non-default: {name} exports traces to global.otlp.endpoint ({env})",
+        )
     expect(
         find(docs, "Placement", "cluster-proxy-placement") is None
         and find(docs, "ManagedClusterSetBinding", "global") is None,
@@ -419,6 +435,8 @@ def check_refusals() -> None:
         ({"enableServiceProxy": True}, "enableServiceProxy"),
         ({"unknownKey": 1}, "unknownKey"),
         ({"healthProber": {"timeout": "soon"}}, "timeout"),
+        ({"global": {"otlp": {"endpoint": "otel-collector:4317"}}}, "endpoint"),
+        ({"global": {"otlp": {"sampler": "sometimes"}}}, "sampler"),
         ({"healthProber": {"proxyServerAddresses": ["no-port"]}}, "proxyServerAddresses"),
         (
             {"global": {"installByPlacement": {"placementName": "p", "placementNamespace": "x"}}},

@@ -79,6 +79,13 @@ egress:
       {{- range .Values.global.networkPolicies.apiServerPorts }}
       - {port: {{ . }}, protocol: TCP}
       {{- end }}
+  {{- with (.Values.global.otlp | default dict).endpoint }}
+  {{- $url := urlParse . }}
+  {{- $port := regexFind "[0-9]+$" $url.host | default (ternary "443" "80" (eq $url.scheme "https")) }}
+  # The OTLP collector (global.otlp.endpoint).
+  - ports:
+      - {port: {{ $port }}, protocol: TCP}
+  {{- end }}
 {{- end }}
 
 {{/* The metrics Service and ServiceMonitor of one hub service: /metrics is served on its
@@ -128,3 +135,22 @@ spec:
       path: /metrics
       interval: {{ $root.Values.global.serviceMonitor.interval }}
 {{- end }}
+
+{{- /* The OpenTelemetry variables of a hub service's container (list <context> <service name>);
+nothing when global.otlp.endpoint is empty. */}}
+{{- define "cluster-proxy.otelEnv" -}}
+{{- $ctx := index . 0 -}}
+{{- $otlp := $ctx.Values.global.otlp | default dict -}}
+{{- if $otlp.endpoint }}
+- name: OTEL_EXPORTER_OTLP_ENDPOINT
+  value: {{ $otlp.endpoint | quote }}
+- name: OTEL_SERVICE_NAME
+  value: {{ index . 1 | quote }}
+- name: OTEL_TRACES_SAMPLER
+  value: {{ $otlp.sampler | default "parentbased_always_on" | quote }}
+{{- with $otlp.samplerArg }}
+- name: OTEL_TRACES_SAMPLER_ARG
+  value: {{ . | quote }}
+{{- end }}
+{{- end }}
+{{- end -}}
