@@ -81,8 +81,28 @@ impl Prober {
         self
     }
 
-    /// One round over every cluster with the add-on.
+    /// One round over every cluster with the add-on: a span
+    /// (`health_prober.round`) with a child per probe.
     pub async fn round(&self) -> Result<RoundReport, ProberError> {
+        let span = tracing::info_span!(
+            target: SPAN_TARGET,
+            "health_prober.round",
+            otel.status_code = tracing::field::Empty,
+            otel.status_description = tracing::field::Empty,
+            error.message = tracing::field::Empty,
+            cluster_proxy.clusters = tracing::field::Empty,
+            cluster_proxy.reachable = tracing::field::Empty,
+        );
+        let round = self.probe_every_cluster().instrument(span.clone()).await;
+        telemetry::record_outcome(&span, &round);
+        if let Ok(report) = &round {
+            span.record("cluster_proxy.clusters", report.clusters);
+            span.record("cluster_proxy.reachable", report.reachable);
+        }
+        round
+    }
+
+    async fn probe_every_cluster(&self) -> Result<RoundReport, ProberError> {
         let started = tokio::time::Instant::now();
         let addons = Api::<ManagedClusterAddOn>::all(self.client.clone())
             .list(&ListParams::default())
@@ -266,22 +286,7 @@ impl Prober {
     pub async fn run(&self, interval: Duration, stop: impl Future<Output = ()>) {
         tokio::pin!(stop);
         loop {
-            let span = tracing::info_span!(
-                target: SPAN_TARGET,
-                "health_prober.round",
-                otel.status_code = tracing::field::Empty,
-                otel.status_description = tracing::field::Empty,
-                error.message = tracing::field::Empty,
-                cluster_proxy.clusters = tracing::field::Empty,
-                cluster_proxy.reachable = tracing::field::Empty,
-            );
-            let round = self.round().instrument(span.clone()).await;
-            telemetry::record_outcome(&span, &round);
-            if let Ok(report) = &round {
-                span.record("cluster_proxy.clusters", report.clusters);
-                span.record("cluster_proxy.reachable", report.reachable);
-            }
-            match round {
+            match self.round().await {
                 Ok(report) => tracing::debug!(?report, "probe round done"),
                 Err(error) => tracing::warn!(%error, "probe round failed"),
             }
