@@ -231,6 +231,21 @@ async fn one_trace_per_tunneled_connection() {
         .await;
     assert_eq!(failed_agent.parent_span_id, failed.span_id);
     assert!(attr(&failed_agent, "error.message").contains("connection refused"));
+    assert!(
+        failed.events.iter().any(|e| e.name == "dial failed"
+            && e.attributes
+                .get("cluster_proxy.end_reason")
+                .map(String::as_str)
+                == Some("error_response")),
+        "the server's span has a dial-failed event: {failed:#?}"
+    );
+    assert!(
+        failed_agent
+            .events
+            .iter()
+            .any(|e| e.name == "endpoint dial failed"),
+        "the agent's log line is an event of its span: {failed_agent:#?}"
+    );
     let failed_client = collector
         .wait_for("tunnel.dial", |s| s.trace_id == failed.trace_id)
         .await;
