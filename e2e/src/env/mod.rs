@@ -22,6 +22,7 @@ pub mod ocm;
 pub mod process;
 pub mod registry;
 pub mod sample;
+pub mod traces;
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
@@ -161,6 +162,8 @@ pub struct EnvOptions {
     /// With the control plane: machines kept free for clusters that join
     /// later (`e2e join`).
     pub spare_machines: usize,
+    /// Where the services send traces.
+    pub traces: traces::TraceExport,
 }
 
 impl EnvOptions {
@@ -194,6 +197,7 @@ impl EnvOptions {
             agent_balancer: balancer::Selection::RoundRobin,
             control_plane: false,
             spare_machines: 2,
+            traces: traces::TraceExport::Off,
         }
     }
 }
@@ -287,6 +291,8 @@ pub struct Environment {
     pub health_prober: Option<Supervised>,
     pub kube_forwarder: Option<Supervised>,
     pub control_plane: Option<control_plane::ControlPlane>,
+    /// The environment's own OTLP receiver, when it runs one.
+    pub traces: Option<traces::TraceReceiver>,
     topology: Option<Topology>,
     record: Record,
     _temporary_state: Option<tempfile::TempDir>,
@@ -482,6 +488,16 @@ impl Environment {
         } else {
             None
         };
+        // Next to the Kubernetes API, which every hub service reaches.
+        let receiver_ip = match &topology {
+            Some(t) => IpAddr::V4(t.host_addr()),
+            None => IpAddr::V4(Ipv4Addr::new(127, 18, slot, 3)),
+        };
+        let (trace_endpoint, trace_receiver) =
+            traces::start(&options.traces, &state_dir, receiver_ip)
+                .await
+                .map_err(|e| io("trace receiver")(std::io::Error::other(e)))?;
+        let logs = logs.with_trace_endpoint(trace_endpoint);
 
         // The PKI: one command, as a user would run it.
         let pki_dir = state_dir.join("pki");
@@ -567,6 +583,7 @@ impl Environment {
             logs: logs.clone(),
             topology,
             record,
+            traces: trace_receiver,
             _temporary_state: temporary_state,
         };
         if let Some(api) = &environment.kube_api {
