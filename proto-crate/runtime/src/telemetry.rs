@@ -360,6 +360,32 @@ pub fn init(
     })
 }
 
+/// The exporting subscriber `config` describes, spans only (no log
+/// output), as a dispatcher that is not installed: for a process that
+/// compares tracing on and off side by side (the tunnel benchmark) by
+/// making it the default of some threads only. `None` without an endpoint.
+pub fn export_dispatch(
+    config: &TelemetryConfig,
+) -> Result<Option<(tracing::Dispatch, Telemetry)>, TelemetryError> {
+    let Some(endpoint) = &config.endpoint else {
+        return Ok(None);
+    };
+    let provider = tracer_provider(config, endpoint)?;
+    let layer = tracing_opentelemetry::layer()
+        .with_tracer(provider.tracer("cluster-proxy"))
+        .with_filter(EnvFilter::new(format!(
+            "off,{}=info",
+            cluster_proxy_proto::trace::SPAN_TARGET
+        )));
+    let dispatch = tracing::Dispatch::new(tracing_subscriber::registry().with(layer));
+    Ok(Some((
+        dispatch,
+        Telemetry {
+            provider: Some(provider),
+        },
+    )))
+}
+
 /// The span of one reconcile of a controller (`reconcile`), named after
 /// the object it reconciles. Like the connection spans it has the target
 /// [`cluster_proxy_proto::trace::SPAN_TARGET`]: with no exporter it is
