@@ -6,6 +6,7 @@
 //!   as root; prints how to reach every cluster; Ctrl-C stops it all.
 //! * `down` — removes every environment, also after a crash.
 //! * `fetch` — an HTTP(S) GET through the tunnel of a running environment.
+//! * `traces` — the traces the running environment's own OTLP receiver got.
 //!
 //! `sample`, `balance` and `probe` are the environment's own helper
 //! processes.
