@@ -10,3 +10,4 @@ pub mod addon;
 pub mod apply;
 pub mod hub;
 pub mod settings;
+pub mod trace;

@@ -12,7 +12,7 @@ use addon_manager::settings::{Cli, Settings};
 use anyhow::Context;
 use cluster_proxy_control::leader::{Election, spawn_election};
 use cluster_proxy_runtime::metrics::encode_registry;
-use cluster_proxy_runtime::{admin, cli, logging, net, shutdown::Signals};
+use cluster_proxy_runtime::{admin, cli, net, shutdown::Signals, telemetry};
 use k8s_openapi::api::coordination::v1::Lease;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
@@ -26,12 +26,18 @@ const RENEW_EVERY: Duration = Duration::from_secs(5);
 fn main() -> anyhow::Result<()> {
     let cli: Cli = cli::parse(&Settings::default());
     let settings = Settings::load(&cli)?;
-    logging::init(settings.v, settings.log_format);
+    let telemetry = cli.telemetry.to_config("addon-manager")?;
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .context("starting the async runtime")?
-        .block_on(run(settings))
+        .block_on(async move {
+            // The exporter's channel to the collector lives on this runtime.
+            let telemetry = telemetry::init(settings.v, settings.log_format, &telemetry)?;
+            let result = run(settings).await;
+            telemetry.shutdown().await;
+            result
+        })
 }
 
 async fn run(settings: Settings) -> anyhow::Result<()> {

@@ -8,6 +8,7 @@ use clap::Parser;
 pub use cluster_proxy_runtime::config::ConfigError;
 use cluster_proxy_runtime::config::{self, EnvSpec, invalid};
 use cluster_proxy_runtime::logging::{LogFlags, LogFormat};
+use cluster_proxy_runtime::telemetry::TelemetryFlags;
 use serde::{Deserialize, Serialize};
 
 /// The environment layer.
@@ -80,6 +81,10 @@ pub struct Cli {
     #[command(flatten)]
     #[serde(flatten)]
     pub logging: LogFlags,
+    /// OpenTelemetry trace export (flags default to the OTEL_* variables).
+    #[command(flatten)]
+    #[serde(skip)]
+    pub telemetry: TelemetryFlags,
 }
 
 /// The effective settings.

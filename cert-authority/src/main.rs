@@ -9,7 +9,7 @@ use clap::CommandFactory;
 use std::sync::Arc;
 
 use cluster_proxy_runtime::metrics::encode_registry;
-use cluster_proxy_runtime::{admin, cli, logging, net, shutdown::Signals};
+use cluster_proxy_runtime::{admin, cli, net, shutdown::Signals, telemetry};
 use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
 
@@ -22,11 +22,22 @@ fn main() -> anyhow::Result<()> {
         Command::Init(flags) => run_init(InitSettings::load(&flags)?),
         Command::Run(flags) => {
             let settings = RunSettings::load(&flags)?;
-            logging::init(settings.v, settings.log_format);
-            match settings.backend {
+            let telemetry = flags.telemetry.to_config("cert-authority")?;
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()
+                .context("starting the async runtime")?;
+            let telemetry = {
+                // The exporter's channel to the collector lives on this runtime.
+                let _entered = runtime.enter();
+                telemetry::init(settings.v, settings.log_format, &telemetry)?
+            };
+            let result = match settings.backend {
                 Backend::Files => run_files(&settings),
-                Backend::Kubernetes => run_kubernetes(&settings),
-            }
+                Backend::Kubernetes => run_kubernetes(&settings, &runtime),
+            };
+            runtime.block_on(telemetry.shutdown());
+            result
         }
     }
 }
@@ -92,7 +103,16 @@ fn run_files(settings: &RunSettings) -> anyhow::Result<()> {
         layout: Layout::new(&dir),
     };
     loop {
-        match reconcile(&store, &desired, time::OffsetDateTime::now_utc()) {
+        let pass = telemetry::reconcile_span(
+            "cert-authority",
+            "Directory",
+            &dir.display().to_string(),
+            None,
+        );
+        let in_pass = pass.enter();
+        let result = reconcile(&store, &desired, time::OffsetDateTime::now_utc());
+        telemetry::record_outcome(&pass, &result);
+        match result {
             Ok(report) => {
                 for renewed in &report.renewed {
                     tracing::info!(leaf = %renewed, "certificate issued");
@@ -104,11 +124,12 @@ fn run_files(settings: &RunSettings) -> anyhow::Result<()> {
         if settings.once {
             return Ok(());
         }
+        drop(in_pass);
         std::thread::sleep(settings.interval);
     }
 }
 
-fn run_kubernetes(settings: &RunSettings) -> anyhow::Result<()> {
+fn run_kubernetes(settings: &RunSettings, runtime: &tokio::runtime::Runtime) -> anyhow::Result<()> {
     let mut options = KubeOptions::new(&settings.namespace);
     options.signer_secret_name = settings.signer_secret_name.clone();
     options.signer_secret_namespace = settings.signer_namespace().to_owned();
@@ -120,10 +141,6 @@ fn run_kubernetes(settings: &RunSettings) -> anyhow::Result<()> {
     options.interval = settings.interval;
     let once = settings.once;
     let health = (settings.health_bind_address.clone(), settings.health_port);
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
     runtime.block_on(async move {
         let client = kubernetes::client()
             .await

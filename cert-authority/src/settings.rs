@@ -11,6 +11,7 @@ use cluster_proxy_proto::identity::ClusterName;
 pub use cluster_proxy_runtime::config::ConfigError;
 use cluster_proxy_runtime::config::{self, EnvSpec, invalid};
 use cluster_proxy_runtime::logging::{LogFlags, LogFormat};
+use cluster_proxy_runtime::telemetry::TelemetryFlags;
 use serde::{Deserialize, Serialize};
 
 use crate::pki::{DEFAULT_CA_VALIDITY, DEFAULT_LEAF_VALIDITY};
@@ -242,6 +243,10 @@ pub struct RunFlags {
     #[command(flatten)]
     #[serde(flatten)]
     pub logging: LogFlags,
+    /// OpenTelemetry trace export (flags default to the OTEL_* variables).
+    #[command(flatten)]
+    #[serde(skip)]
+    pub telemetry: TelemetryFlags,
 }
 
 /// Parses `--clusters` names.

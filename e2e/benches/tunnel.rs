@@ -4,11 +4,18 @@
 //! `cargo bench -p e2e --bench tunnel` (env: `CP_BENCH_MIB` bytes per
 //! single-connection transfer, default 1024; `CP_BENCH_RTT` round trips,
 //! default 10000; `CP_BENCH_CONNECTS`, default 2000; `CP_BENCH_IDLE`, default 1000).
+//!
+//! `CP_BENCH_TRACING=1` measures everything twice in the same run: first
+//! with tracing off, as the services run without an OTLP endpoint (the
+//! connection spans are then disabled), then with a fresh server and agent
+//! on a runtime whose threads export every span (100 % sampling) to an
+//! in-process OTLP collector; it prints both tables and the ratios.
 
 use std::future::Future;
 use std::pin::Pin;
 use std::time::{Duration, Instant};
 
+use cluster_proxy_runtime::telemetry::{self, SamplerChoice, TelemetryConfig};
 use e2e::harness::{http_connect, test_server_config, tunnel_client};
 use e2e::loadgen::{BulkServer, download, rss_bytes, upload};
 use e2e::pki::TestPki;
@@ -129,15 +136,73 @@ async fn idle_bytes_per_connection(path: &Path, port: u16, count: u64) -> f64 {
     after.saturating_sub(before) as f64 / count as f64
 }
 
+type Rows = Vec<(&'static str, Vec<f64>)>;
+
 fn main() {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .expect("tokio runtime");
-    runtime.block_on(run());
+    let tracing = std::env::var("CP_BENCH_TRACING").is_ok_and(|v| v == "1");
+    if !tracing {
+        print_table(&runtime.block_on(run()));
+        return;
+    }
+    let off = runtime.block_on(run());
+    println!("\n## tracing off (no OTLP endpoint)\n");
+    print_table(&off);
+    let (collector, collector_addr, stop) = runtime
+        .block_on(e2e::otlp::Collector::start())
+        .expect("collector");
+    let config = TelemetryConfig {
+        endpoint: Some(format!("http://{collector_addr}")),
+        sampler: SamplerChoice::AlwaysOn,
+        ..TelemetryConfig::off("tunnel-bench")
+    };
+    let (dispatch, telemetry) = {
+        let _entered = runtime.enter();
+        telemetry::export_dispatch(&config)
+            .expect("telemetry")
+            .expect("an endpoint")
+    };
+    // Every thread of this runtime (workers and blocking threads) exports;
+    // the thread-local default lives as long as the thread, so its guard
+    // is deliberately never dropped.
+    let traced = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .on_thread_start(move || std::mem::forget(tracing::dispatcher::set_default(&dispatch)))
+        .build()
+        .expect("tokio runtime");
+    let on = traced.block_on(run());
+    runtime.block_on(telemetry.shutdown());
+    println!("\n## tracing on (100 % sampling, in-process OTLP collector)\n");
+    print_table(&on);
+    println!(
+        "\nspans received: {} (server `tunnel.connection` spans: {})",
+        collector.spans().len(),
+        collector
+            .spans()
+            .iter()
+            .filter(|s| s.name == "tunnel.connection")
+            .count()
+    );
+    stop.cancel();
+    println!("\n## tracing on ÷ off\n");
+    println!("| path | 1 conn up | 1 conn down | connects/s | connects/s (8 parallel) |");
+    println!("|---|---|---|---|---|");
+    for ((name, off), (_, on)) in off.iter().zip(&on).skip(1) {
+        let ratio = |i: usize| format!("{:.1} %", on[i] / off[i] * 100.0);
+        println!(
+            "| {name} | {} | {} | {} | {} |",
+            ratio(0),
+            ratio(1),
+            ratio(6),
+            ratio(7)
+        );
+    }
 }
 
-async fn run() {
+async fn run() -> Rows {
     let mib = env_u64("CP_BENCH_MIB", 1024);
     let rtt_count = env_u64("CP_BENCH_RTT", 10_000);
     let connects = env_u64("CP_BENCH_CONNECTS", 2_000);
@@ -229,7 +294,7 @@ async fn run() {
         "single transfers: {mib} MiB; 8 connections: {} MiB each; {rtt_count} round trips; {connects} connects; {idle} idle connections\n",
         mib / 8
     );
-    let mut rows: Vec<(&str, Vec<f64>)> = Vec::new();
+    let mut rows: Rows = Vec::new();
     for path in &paths {
         let up1 = throughput(path, bulk.addr.port(), 1, bytes, true).await;
         let down1 = throughput(path, bulk.addr.port(), 1, bytes, false).await;
@@ -255,6 +320,10 @@ async fn run() {
             ],
         ));
     }
+    rows
+}
+
+fn print_table(rows: &Rows) {
     let headers = [
         "1 conn up Gbit/s",
         "1 conn down Gbit/s",
@@ -269,7 +338,7 @@ async fn run() {
     println!("| path | {} |", headers.join(" | "));
     println!("|---|{}", "---|".repeat(headers.len()));
     let direct = rows[0].1.clone();
-    for (name, values) in &rows {
+    for (name, values) in rows {
         let cells: Vec<String> = values
             .iter()
             .enumerate()

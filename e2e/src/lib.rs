@@ -8,6 +8,7 @@ pub mod env;
 pub mod harness;
 pub mod kubeapi;
 pub mod loadgen;
+pub mod otlp;
 pub mod pki;
 pub mod replicas;
 pub mod targets;

@@ -6,6 +6,7 @@
 //!   as root; prints how to reach every cluster; Ctrl-C stops it all.
 //! * `down` — removes every environment, also after a crash.
 //! * `fetch` — an HTTP(S) GET through the tunnel of a running environment.
+//! * `traces` — the traces the running environment's own OTLP receiver got.
 //!
 //! `sample`, `balance` and `probe` are the environment's own helper
 //! processes.
@@ -20,6 +21,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use e2e::env::binaries::Progress;
 use e2e::env::client::{Frontend, HubClient};
 use e2e::env::process::ProcessState;
+use e2e::env::traces::TraceExport;
 use e2e::env::{EnvOptions, Environment, Isolation, IsolationChoice, Summary, registry, sample};
 
 /// The id of the environment `up` starts (one at a time).
@@ -79,6 +81,26 @@ enum Command {
         /// control plane (addon-manager, OCM objects).
         #[arg(long = "static")]
         static_mode: bool,
+        /// Send every service's traces to this OTLP/gRPC collector (e.g. a
+        /// Jaeger all-in-one's http://127.0.0.1:4317); without it the
+        /// environment runs a receiver of its own and writes the spans to
+        /// traces.jsonl in the state directory (see `e2e traces`).
+        #[arg(long)]
+        otlp_endpoint: Option<String>,
+        /// Export no traces at all.
+        #[arg(long, conflicts_with = "otlp_endpoint")]
+        no_traces: bool,
+    },
+    /// Print a trace the running environment received as a tree; without
+    /// TRACE_ID, list the latest traces.
+    Traces {
+        trace_id: Option<String>,
+        /// The environment's state directory (default: the one `up` runs).
+        #[arg(long)]
+        state: Option<PathBuf>,
+        /// How many traces to list.
+        #[arg(long, default_value_t = 20)]
+        last: usize,
     },
     /// Add a managed cluster to the running environment: creates its
     /// ManagedCluster (accepted); the control plane installs the agent.
@@ -171,7 +193,22 @@ async fn main() -> anyhow::Result<()> {
             id,
             slot,
             static_mode,
+            otlp_endpoint,
+            no_traces,
         } => {
+            let traces = match (otlp_endpoint, no_traces) {
+                (_, true) => TraceExport::Off,
+                (Some(endpoint), false) => {
+                    // The same check the services make, before starting anything.
+                    cluster_proxy_runtime::telemetry::TelemetryFlags {
+                        otlp_endpoint: Some(endpoint.clone()),
+                        ..Default::default()
+                    }
+                    .to_config("e2e")?;
+                    TraceExport::Collector(endpoint)
+                }
+                (None, false) => TraceExport::Receiver,
+            };
             up(
                 clusters,
                 replicas,
@@ -181,9 +218,15 @@ async fn main() -> anyhow::Result<()> {
                 id,
                 slot,
                 static_mode,
+                traces,
             )
             .await
         }
+        Command::Traces {
+            trace_id,
+            state,
+            last,
+        } => print_traces(trace_id, state, last),
         Command::Join { name, state } => {
             cluster_proxy_proto::identity::ClusterName::new(name.as_str())
                 .map_err(|e| anyhow!("{name:?} cannot be a managed cluster name: {e}"))?;
@@ -272,6 +315,50 @@ async fn main() -> anyhow::Result<()> {
     }
 }
 
+/// The collector the environment's services export to, when it is not the
+/// environment's own receiver.
+fn options_traces_endpoint(env: &Environment) -> Option<String> {
+    env.logs.trace_endpoint().map(str::to_owned)
+}
+
+/// `e2e traces`: reads the span file of the running environment's receiver.
+fn print_traces(
+    trace_id: Option<String>,
+    state: Option<PathBuf>,
+    last: usize,
+) -> anyhow::Result<()> {
+    let state = match state {
+        Some(dir) => dir,
+        None => registry::find(UP_ID).map(|r| r.state_dir).ok_or_else(|| {
+            anyhow!("no environment is running (start one with `cargo run -p e2e -- up`)")
+        })?,
+    };
+    let file = state.join(e2e::env::traces::SPAN_FILE);
+    let spans = e2e::otlp::read_span_file(&file).with_context(|| {
+        format!(
+            "reading {} (does the environment run its own trace receiver?)",
+            file.display()
+        )
+    })?;
+    match trace_id {
+        Some(id) => {
+            let id = id.trim().to_ascii_lowercase();
+            let tree = e2e::otlp::render_trace(&spans, &id);
+            if tree.is_empty() {
+                bail!("no span of trace {id} in {}", file.display());
+            }
+            print!("{tree}");
+        }
+        None => {
+            println!("{:<34} {:>6}  ROOT SPAN", "TRACE ID", "SPANS");
+            for (id, root, count) in e2e::otlp::list_traces(&spans).into_iter().take(last) {
+                println!("{id:<34} {count:>6}  {root}");
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The running environment's admin client, from its env.json.
 async fn admin_client(state: Option<PathBuf>) -> anyhow::Result<kube::Client> {
     let state = match state {
@@ -313,6 +400,7 @@ async fn up(
     id: String,
     slot: u8,
     static_mode: bool,
+    traces: TraceExport,
 ) -> anyhow::Result<()> {
     if clusters == 0 || clusters > 200 {
         bail!("--clusters must be between 1 and 200");
@@ -336,6 +424,7 @@ async fn up(
     options.id = Some(id);
     options.slot = Some(slot);
     options.control_plane = !static_mode;
+    options.traces = traces;
     let names = options.clusters.clone();
     println!("building the workspace binaries (cargo build)…");
     let mut env = Environment::start(options).await?;
@@ -396,6 +485,16 @@ async fn up(
             "\nAdd or remove a managed cluster while this runs: `cargo run -p e2e -- join cluster-x`, \
              `cargo run -p e2e -- leave cluster-x`, `cargo run -p e2e -- status`"
         );
+    }
+    match (&env.traces, &options_traces_endpoint(&env)) {
+        (Some(receiver), _) => println!(
+            "\nTraces: every service exports to this environment's receiver at {}; spans are \
+             written to {} — `cargo run -p e2e -- traces` lists them, `… traces TRACE_ID` prints one",
+            receiver.endpoint,
+            receiver.file.display()
+        ),
+        (None, Some(endpoint)) => println!("\nTraces: every service exports to {endpoint}"),
+        (None, None) => {}
     }
     print_commands(&env.summary);
     let mut last_rows = Vec::new();

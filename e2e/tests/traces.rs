@@ -9,9 +9,7 @@
 //! context gets plain konnectivity dial requests; with the collector gone,
 //! connections still work.
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cluster_proxy_proto::konnectivity::agent_service_client::AgentServiceClient;
@@ -21,128 +19,13 @@ use cluster_proxy_proto::transport::{ALPN_HTTP11, connect_channel};
 use cluster_proxy_runtime::logging::LogFormat;
 use cluster_proxy_runtime::telemetry::{self, SamplerChoice, TelemetryConfig};
 use e2e::harness::{AgentUnderTest, RawAgent, test_server_config, tunnel_client, wait_until};
+use e2e::otlp::{Collector, Received, WAIT};
 use e2e::pki::TestPki;
 use e2e::targets::{EchoServer, closed_port};
-use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
-    TraceService, TraceServiceServer,
-};
-use opentelemetry_proto::tonic::collector::trace::v1::{
-    ExportTraceServiceRequest, ExportTraceServiceResponse,
-};
-use opentelemetry_proto::tonic::common::v1::any_value::Value;
 use prost::Message;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::mpsc;
-use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
-use tokio_util::sync::CancellationToken;
-
-const WAIT: Duration = Duration::from_secs(30);
-
-/// A span as the collector received it.
-#[derive(Debug, Clone)]
-struct Received {
-    /// The `service.name` of the process that sent it.
-    service: String,
-    name: String,
-    trace_id: String,
-    span_id: String,
-    parent_span_id: String,
-    attributes: HashMap<String, String>,
-}
-
-#[derive(Default, Clone)]
-struct Collector {
-    spans: Arc<Mutex<Vec<Received>>>,
-}
-
-#[tonic::async_trait]
-impl TraceService for Collector {
-    async fn export(
-        &self,
-        request: tonic::Request<ExportTraceServiceRequest>,
-    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
-        let mut spans = self.spans.lock().unwrap();
-        for resource in request.into_inner().resource_spans {
-            let service = resource
-                .resource
-                .iter()
-                .flat_map(|r| &r.attributes)
-                .find(|kv| kv.key == "service.name")
-                .and_then(|kv| kv.value.as_ref()?.value.as_ref())
-                .map(|v| match v {
-                    Value::StringValue(s) => s.clone(),
-                    other => format!("{other:?}"),
-                })
-                .unwrap_or_default();
-            for scope in resource.scope_spans {
-                for span in scope.spans {
-                    let attributes = span
-                        .attributes
-                        .iter()
-                        .map(|kv| {
-                            let value = match kv.value.as_ref().and_then(|v| v.value.as_ref()) {
-                                Some(Value::StringValue(s)) => s.clone(),
-                                Some(Value::IntValue(i)) => i.to_string(),
-                                Some(Value::DoubleValue(d)) => d.to_string(),
-                                Some(Value::BoolValue(b)) => b.to_string(),
-                                other => format!("{other:?}"),
-                            };
-                            (kv.key.clone(), value)
-                        })
-                        .collect();
-                    spans.push(Received {
-                        service: service.clone(),
-                        name: span.name.clone(),
-                        trace_id: hex::encode(&span.trace_id),
-                        span_id: hex::encode(&span.span_id),
-                        parent_span_id: hex::encode(&span.parent_span_id),
-                        attributes,
-                    });
-                }
-            }
-        }
-        Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
-    }
-}
-
-impl Collector {
-    async fn start() -> (Self, SocketAddr, CancellationToken) {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let collector = Collector::default();
-        let stop = CancellationToken::new();
-        let service = TraceServiceServer::new(collector.clone());
-        let stopped = stop.clone();
-        tokio::spawn(async move {
-            tonic::transport::Server::builder()
-                .add_service(service)
-                .serve_with_incoming_shutdown(
-                    TcpListenerStream::new(listener),
-                    stopped.cancelled_owned(),
-                )
-                .await
-        });
-        (collector, addr, stop)
-    }
-
-    fn find(&self, name: &str, pred: impl Fn(&Received) -> bool) -> Option<Received> {
-        self.spans
-            .lock()
-            .unwrap()
-            .iter()
-            .find(|s| s.name == name && pred(s))
-            .cloned()
-    }
-
-    async fn wait_for(&self, name: &str, pred: impl Fn(&Received) -> bool + Copy) -> Received {
-        assert!(
-            wait_until(WAIT, || self.find(name, pred).is_some()).await,
-            "no {name} span arrived; got {:#?}",
-            self.spans.lock().unwrap()
-        );
-        self.find(name, pred).unwrap()
-    }
-}
+use tokio_stream::wrappers::ReceiverStream;
 
 fn attr<'a>(span: &'a Received, key: &str) -> &'a str {
     span.attributes
@@ -248,7 +131,7 @@ async fn echo_once(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_trace_per_tunneled_connection() {
-    let (collector, collector_addr, stop_collector) = Collector::start().await;
+    let (collector, collector_addr, stop_collector) = Collector::start().await.unwrap();
     let config = TelemetryConfig {
         endpoint: Some(format!("http://{collector_addr}")),
         sampler: SamplerChoice::AlwaysOn,
@@ -348,6 +231,21 @@ async fn one_trace_per_tunneled_connection() {
         .await;
     assert_eq!(failed_agent.parent_span_id, failed.span_id);
     assert!(attr(&failed_agent, "error.message").contains("connection refused"));
+    assert!(
+        failed.events.iter().any(|e| e.name == "dial failed"
+            && e.attributes
+                .get("cluster_proxy.end_reason")
+                .map(String::as_str)
+                == Some("error_response")),
+        "the server's span has a dial-failed event: {failed:#?}"
+    );
+    assert!(
+        failed_agent
+            .events
+            .iter()
+            .any(|e| e.name == "endpoint dial failed"),
+        "the agent's log line is an event of its span: {failed_agent:#?}"
+    );
     let failed_client = collector
         .wait_for("tunnel.dial", |s| s.trace_id == failed.trace_id)
         .await;
@@ -446,7 +344,7 @@ async fn server_and_agent_processes_export_linked_spans() {
         .await
         .unwrap()
         .unwrap();
-    let (collector, collector_addr, _stop) = Collector::start().await;
+    let (collector, collector_addr, _stop) = Collector::start().await.unwrap();
     let endpoint = format!("http://{collector_addr}");
     let pki = TestPki::new(&["cluster-a"]).unwrap();
     let certs = tempfile::tempdir().unwrap();

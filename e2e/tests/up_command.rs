@@ -158,6 +158,32 @@ async fn up_prints_how_to_reach_clusters_and_cleans_up_on_ctrl_c() {
         "ok\n"
     );
 
+    // The environment's own trace receiver got the server's span of that
+    // connection; `e2e traces` lists it and prints it as a tree.
+    assert!(printed.contains("traces.jsonl"), "{printed}");
+    let spans_file = state.path().join(e2e::env::traces::SPAN_FILE);
+    let connection = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            let spans = e2e::otlp::read_span_file(&spans_file).unwrap_or_default();
+            if let Some(span) = spans.into_iter().find(|s| {
+                s.name == "tunnel.connection"
+                    && s.attribute("cluster_proxy.frontend") == Some("http-connect")
+            }) {
+                return span;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    })
+    .await
+    .expect("the server's connection span reaches traces.jsonl");
+    assert!(
+        run(&["traces", "--state"], state.path())
+            .await
+            .contains(&connection.trace_id)
+    );
+    let tree = run(&["traces", &connection.trace_id, "--state"], state.path()).await;
+    assert!(tree.starts_with("tunnel.connection ["), "{tree}");
+
     // A newcomer joins while `up` runs, and leaves again.
     run(&["join", "cluster-c", "--state"], state.path()).await;
     wait_for_status(state.path(), |status| {

@@ -9,7 +9,7 @@ use anyhow::Context;
 use cluster_proxy_control::leader::{Election, spawn_election};
 use cluster_proxy_runtime::metrics::encode_registry;
 use cluster_proxy_runtime::reload::DEFAULT_INTERVAL;
-use cluster_proxy_runtime::{admin, cli, logging, net, shutdown::Signals};
+use cluster_proxy_runtime::{admin, cli, net, shutdown::Signals, telemetry};
 use health_prober::metrics::ProberMetrics;
 use health_prober::probe::ProbeTarget;
 use health_prober::prober::Prober;
@@ -30,12 +30,18 @@ const USER_AGENT: &str = "cluster-proxy-health-prober";
 fn main() -> anyhow::Result<()> {
     let cli: Cli = cli::parse(&Settings::default());
     let settings = Settings::load(&cli)?;
-    logging::init(settings.v, settings.log_format);
+    let telemetry = cli.telemetry.to_config("health-prober")?;
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .context("starting the async runtime")?
-        .block_on(run(settings))
+        .block_on(async move {
+            // The exporter's channel to the collector lives on this runtime.
+            let telemetry = telemetry::init(settings.v, settings.log_format, &telemetry)?;
+            let result = run(settings).await;
+            telemetry.shutdown().await;
+            result
+        })
 }
 
 async fn run(settings: Settings) -> anyhow::Result<()> {

@@ -9,10 +9,13 @@ use std::time::Duration;
 
 use cluster_proxy_proto::api::addon::v1alpha1::ManagedClusterAddOn;
 use cluster_proxy_proto::api::{CONDITION_FALSE, CONDITION_TRUE, Condition, find_condition};
+use cluster_proxy_proto::trace::SPAN_TARGET;
+use cluster_proxy_runtime::telemetry;
 use futures_util::StreamExt;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::Api;
 use kube::api::{ListParams, Patch, PatchParams};
+use tracing::Instrument;
 
 use crate::metrics::{ClusterLabel, PhaseLabel, ProberMetrics, ResultLabel};
 use crate::probe::{Phase, ProbeOutcome, ProbeTarget, probe};
@@ -96,8 +99,28 @@ impl Prober {
         self
     }
 
-    /// One round over every cluster with the add-on.
+    /// One round over every cluster with the add-on: a span
+    /// (`health_prober.round`) with a child per probe.
     pub async fn round(&self) -> Result<RoundReport, ProberError> {
+        let span = tracing::info_span!(
+            target: SPAN_TARGET,
+            "health_prober.round",
+            otel.status_code = tracing::field::Empty,
+            otel.status_description = tracing::field::Empty,
+            error.message = tracing::field::Empty,
+            cluster_proxy.clusters = tracing::field::Empty,
+            cluster_proxy.reachable = tracing::field::Empty,
+        );
+        let round = self.probe_every_cluster().instrument(span.clone()).await;
+        telemetry::record_outcome(&span, &round);
+        if let Ok(report) = &round {
+            span.record("cluster_proxy.clusters", report.clusters);
+            span.record("cluster_proxy.reachable", report.reachable);
+        }
+        round
+    }
+
+    async fn probe_every_cluster(&self) -> Result<RoundReport, ProberError> {
         let started = tokio::time::Instant::now();
         let addons = Api::<ManagedClusterAddOn>::all(self.client.clone())
             .list(&ListParams::default())
@@ -159,14 +182,20 @@ impl Prober {
     async fn probe_cluster(&self, addon: &ManagedClusterAddOn) -> Verdict {
         let cluster = addon.metadata.namespace.as_deref().unwrap_or_default();
         let probes = self.replicas.iter().map(|replica| async move {
-            let outcome = match replica.connector(self.target.timeout).await {
-                Ok(connector) => probe(&connector, &self.target, cluster).await,
-                Err(error) => ProbeOutcome {
-                    error: Some(error.to_string()),
-                    replica_failed: true,
-                    ..ProbeOutcome::default()
-                },
-            };
+            let span = probe_span(cluster, replica.address());
+            let outcome = async {
+                match replica.connector(self.target.timeout).await {
+                    Ok(connector) => probe(&connector, &self.target, cluster).await,
+                    Err(error) => ProbeOutcome {
+                        error: Some(error.to_string()),
+                        replica_failed: true,
+                        ..ProbeOutcome::default()
+                    },
+                }
+            }
+            .instrument(span.clone())
+            .await;
+            record_probe(&span, &outcome);
             if outcome.replica_failed
                 && let Some(error) = &outcome.error
             {
@@ -301,6 +330,50 @@ impl Prober {
                 _ = &mut stop => return,
                 _ = tokio::time::sleep(jittered(interval)) => {}
             }
+        }
+    }
+}
+
+/// The span of one probe of `cluster` through `replica`: the parent of the
+/// tunnel client's `tunnel.dial`, so the server's and the agent's spans of
+/// the probe's connection join its trace.
+fn probe_span(cluster: &str, replica: &str) -> tracing::Span {
+    tracing::info_span!(
+        target: SPAN_TARGET,
+        "health_prober.probe",
+        otel.status_code = tracing::field::Empty,
+        otel.status_description = tracing::field::Empty,
+        error.message = tracing::field::Empty,
+        cluster_proxy.cluster = cluster,
+        cluster_proxy.replica = replica,
+        cluster_proxy.result = tracing::field::Empty,
+        cluster_proxy.dial_latency_ms = tracing::field::Empty,
+        cluster_proxy.tls_latency_ms = tracing::field::Empty,
+        cluster_proxy.first_byte_latency_ms = tracing::field::Empty,
+        http.response.status_code = tracing::field::Empty,
+    )
+}
+
+fn record_probe(span: &tracing::Span, outcome: &ProbeOutcome) {
+    for (field, took) in [
+        ("cluster_proxy.dial_latency_ms", outcome.dial),
+        ("cluster_proxy.tls_latency_ms", outcome.tls),
+        ("cluster_proxy.first_byte_latency_ms", outcome.first_byte),
+    ] {
+        if let Some(took) = took {
+            span.record(field, took.as_secs_f64() * 1000.0);
+        }
+    }
+    if let Some(status) = outcome.status {
+        span.record("http.response.status_code", status);
+    }
+    match &outcome.error {
+        None => {
+            span.record("cluster_proxy.result", "success");
+        }
+        Some(error) => {
+            span.record("cluster_proxy.result", "failure");
+            telemetry::record_error(span, error);
         }
     }
 }

@@ -10,6 +10,7 @@ use cluster_proxy_proto::duration::serde_go;
 pub use cluster_proxy_runtime::config::ConfigError;
 use cluster_proxy_runtime::config::{self, EnvSpec, invalid};
 use cluster_proxy_runtime::logging::{LogFlags, LogFormat};
+use cluster_proxy_runtime::telemetry::TelemetryFlags;
 use serde::{Deserialize, Serialize};
 
 /// The environment layer.
@@ -110,6 +111,10 @@ pub struct Cli {
     #[command(flatten)]
     #[serde(flatten)]
     pub logging: LogFlags,
+    /// OpenTelemetry trace export (flags default to the OTEL_* variables).
+    #[command(flatten)]
+    #[serde(skip)]
+    pub telemetry: TelemetryFlags,
 }
 
 /// The effective settings.

@@ -141,6 +141,19 @@ impl Dialer {
                 span.record("cluster_proxy.end_reason", f.reason());
                 span.record("error.message", f.message().as_str());
                 span.record("otel.status_code", "ERROR");
+                // A span event only: SPAN_TARGET is never logged.
+                let event = match f {
+                    DialFailure::Timeout(_) => "dial timeout",
+                    _ => "dial failed",
+                };
+                tracing::event!(
+                    target: SPAN_TARGET,
+                    parent: &span,
+                    tracing::Level::INFO,
+                    cluster_proxy.end_reason = f.reason(),
+                    error.message = f.message().as_str(),
+                    "{event}"
+                );
                 self.metrics.dial_failed(f.reason())
             }
         }

@@ -317,7 +317,11 @@ pub fn controller(
     Controller::new(Api::<CertificateSigningRequest>::all(client), ours)
         .reconcile_all_on(clusters)
         .graceful_shutdown_on(shutdown)
-        .run(reconcile, error_policy, context)
+        .run(
+            |object, context| crate::trace::traced(CONTROLLER, object, context, reconcile),
+            error_policy,
+            context,
+        )
         .map(|result| {
             if let Err(error) = result {
                 tracing::debug!(%error, "CSR controller event");

@@ -257,7 +257,11 @@ pub fn controller(
     )
     .reconcile_all_on(everything)
     .graceful_shutdown_on(shutdown)
-    .run(reconcile, error_policy, context)
+    .run(
+        |object, context| crate::trace::traced(CONTROLLER, object, context, reconcile),
+        error_policy,
+        context,
+    )
     .map(|result| {
         if let Err(error) = result {
             tracing::debug!(%error, "install controller event");

@@ -183,7 +183,11 @@ pub async fn run(
                 .collect::<Vec<_>>()
         })
         .graceful_shutdown_on(shutdown)
-        .run(reconcile, error_policy, context)
+        .run(
+            |object, context| crate::trace::traced("hub", object, context, reconcile),
+            error_policy,
+            context,
+        )
         .for_each(|result| async move {
             match result {
                 Ok((object, _)) => tracing::debug!(configuration = %object.name, "reconciled"),

@@ -26,9 +26,10 @@ use k8s_openapi::api::core::v1::Secret;
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::{WatchStreamExt, watcher};
-use kube::{Api, Client};
+use kube::{Api, Client, ResourceExt};
 use time::OffsetDateTime;
 use tokio::sync::{Notify, watch};
+use tracing::Instrument;
 
 use self::follow::{Following, Target};
 use self::metrics::Metrics;
@@ -307,7 +308,9 @@ pub async fn run_once(
             .unwrap_or_default();
         return Err(KubeError::NotLeader(holder));
     }
-    let result = pass_once(client, options).await;
+    let span = pass_span(options);
+    let result =
+        cluster_proxy_runtime::telemetry::in_reconcile_span(span, pass_once(client, options)).await;
     elector.release().await?;
     result
 }
@@ -346,6 +349,16 @@ async fn pass_once(
     }
 }
 
+/// The span of one pass over the PKI Secrets, named after the signer.
+fn pass_span(options: &KubeOptions) -> tracing::Span {
+    cluster_proxy_runtime::telemetry::reconcile_span(
+        "cert-authority",
+        "Secret",
+        &options.signer_secret_name,
+        Some(&options.signer_secret_namespace),
+    )
+}
+
 struct CsrContext {
     signer: CsrSigner,
     retry_after: Duration,
@@ -355,7 +368,16 @@ async fn reconcile_csr(
     object: Arc<CertificateSigningRequest>,
     ctx: Arc<CsrContext>,
 ) -> Result<Action, KubeError> {
-    Ok(match ctx.signer.handle(object).await? {
+    let span = cluster_proxy_runtime::telemetry::reconcile_span(
+        "cert-authority",
+        "CertificateSigningRequest",
+        &object.name_any(),
+        None,
+    );
+    let outcome =
+        cluster_proxy_runtime::telemetry::in_reconcile_span(span, ctx.signer.handle(object))
+            .await?;
+    Ok(match outcome {
         CsrOutcome::NotOurs | CsrOutcome::Decided(_) => Action::await_change(),
         // Look again: this replica may take over, or a pass store the CA.
         CsrOutcome::NotLeading | CsrOutcome::NoSignerYet => Action::requeue(ctx.retry_after),
@@ -596,7 +618,12 @@ pub async fn run_with_metrics(
             ));
             secret_watch = Some((effective.namespace.clone(), task));
         }
-        match secrets::pass(&client, &effective, &effective.desired(), now).await {
+        let pass = pass_span(&effective);
+        let passed = secrets::pass(&client, &effective, &effective.desired(), now)
+            .instrument(pass.clone())
+            .await;
+        cluster_proxy_runtime::telemetry::record_outcome(&pass, &passed);
+        match passed {
             Ok(pass) => {
                 let report = pass.report;
                 metrics.pass_succeeded(&report, now);

@@ -22,6 +22,7 @@ pub mod ocm;
 pub mod process;
 pub mod registry;
 pub mod sample;
+pub mod traces;
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
@@ -165,6 +166,8 @@ pub struct EnvOptions {
     /// health-prober as ServiceAccounts under this RBAC (the API enforces
     /// RBAC and records every decision).
     pub hub_rbac: Option<control_plane::HubRbac>,
+    /// Where the services send traces.
+    pub traces: traces::TraceExport,
 }
 
 impl EnvOptions {
@@ -199,6 +202,7 @@ impl EnvOptions {
             control_plane: false,
             spare_machines: 2,
             hub_rbac: None,
+            traces: traces::TraceExport::Off,
         }
     }
 }
@@ -292,6 +296,8 @@ pub struct Environment {
     pub health_prober: Option<Supervised>,
     pub kube_forwarder: Option<Supervised>,
     pub control_plane: Option<control_plane::ControlPlane>,
+    /// The environment's own OTLP receiver, when it runs one.
+    pub traces: Option<traces::TraceReceiver>,
     topology: Option<Topology>,
     record: Record,
     _temporary_state: Option<tempfile::TempDir>,
@@ -489,6 +495,16 @@ impl Environment {
         } else {
             None
         };
+        // Next to the Kubernetes API, which every hub service reaches.
+        let receiver_ip = match &topology {
+            Some(t) => IpAddr::V4(t.host_addr()),
+            None => IpAddr::V4(Ipv4Addr::new(127, 18, slot, 3)),
+        };
+        let (trace_endpoint, trace_receiver) =
+            traces::start(&options.traces, &state_dir, receiver_ip)
+                .await
+                .map_err(|e| io("trace receiver")(std::io::Error::other(e)))?;
+        let logs = logs.with_trace_endpoint(trace_endpoint);
 
         // The PKI: one command, as a user would run it.
         let pki_dir = state_dir.join("pki");
@@ -574,6 +590,7 @@ impl Environment {
             logs: logs.clone(),
             topology,
             record,
+            traces: trace_receiver,
             _temporary_state: temporary_state,
         };
         if let Some(api) = &environment.kube_api {

@@ -36,6 +36,8 @@ pub struct Logs {
     dir: PathBuf,
     echo: bool,
     terminal: Arc<Mutex<()>>,
+    /// The OTLP endpoint every process gets (see `env::traces`).
+    trace_endpoint: Option<String>,
 }
 
 impl Logs {
@@ -45,7 +47,20 @@ impl Logs {
             dir: dir.into(),
             echo,
             terminal: Arc::new(Mutex::new(())),
+            trace_endpoint: None,
         }
+    }
+
+    /// Every process started with these logs exports traces to `endpoint`
+    /// (`OTEL_EXPORTER_OTLP_ENDPOINT`, with `OTEL_SERVICE_NAME` its name).
+    pub fn with_trace_endpoint(mut self, endpoint: Option<String>) -> Self {
+        self.trace_endpoint = endpoint;
+        self
+    }
+
+    /// The OTLP endpoint processes get, if any.
+    pub fn trace_endpoint(&self) -> Option<&str> {
+        self.trace_endpoint.as_deref()
     }
 
     pub fn dir(&self) -> &Path {
@@ -205,9 +220,13 @@ impl Supervised {
             }
             None => Command::new(&self.spec.program),
         };
+        command.args(&self.spec.args).env("NO_COLOR", "1");
+        if let Some(endpoint) = &self.logs.trace_endpoint {
+            command
+                .env("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
+                .env("OTEL_SERVICE_NAME", self.spec.name.replace('/', "."));
+        }
         command
-            .args(&self.spec.args)
-            .env("NO_COLOR", "1")
             .envs(self.spec.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

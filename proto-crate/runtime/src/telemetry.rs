@@ -360,6 +360,84 @@ pub fn init(
     })
 }
 
+/// The exporting subscriber `config` describes, spans only (no log
+/// output), as a dispatcher that is not installed: for a process that
+/// compares tracing on and off side by side (the tunnel benchmark) by
+/// making it the default of some threads only. `None` without an endpoint.
+pub fn export_dispatch(
+    config: &TelemetryConfig,
+) -> Result<Option<(tracing::Dispatch, Telemetry)>, TelemetryError> {
+    let Some(endpoint) = &config.endpoint else {
+        return Ok(None);
+    };
+    let provider = tracer_provider(config, endpoint)?;
+    let layer = tracing_opentelemetry::layer()
+        .with_tracer(provider.tracer("cluster-proxy"))
+        .with_filter(EnvFilter::new(format!(
+            "off,{}=info",
+            cluster_proxy_proto::trace::SPAN_TARGET
+        )));
+    let dispatch = tracing::Dispatch::new(tracing_subscriber::registry().with(layer));
+    Ok(Some((
+        dispatch,
+        Telemetry {
+            provider: Some(provider),
+        },
+    )))
+}
+
+/// The span of one reconcile of a controller (`reconcile`), named after
+/// the object it reconciles. Like the connection spans it has the target
+/// [`cluster_proxy_proto::trace::SPAN_TARGET`]: with no exporter it is
+/// disabled and costs nothing. Record the outcome with [`record_outcome`],
+/// or run the work with [`in_reconcile_span`].
+pub fn reconcile_span(
+    controller: &'static str,
+    kind: &str,
+    name: &str,
+    namespace: Option<&str>,
+) -> tracing::Span {
+    tracing::info_span!(
+        target: cluster_proxy_proto::trace::SPAN_TARGET,
+        "reconcile",
+        otel.kind = "internal",
+        otel.status_code = tracing::field::Empty,
+        otel.status_description = tracing::field::Empty,
+        cluster_proxy.controller = controller,
+        k8s.object.kind = kind,
+        k8s.object.name = name,
+        k8s.object.namespace = namespace.unwrap_or_default(),
+        error.message = tracing::field::Empty,
+    )
+}
+
+/// Marks `span` failed with the error's text; a success leaves the status
+/// unset, as the semantic conventions ask of instrumentation.
+pub fn record_outcome<T, E: std::fmt::Display>(span: &tracing::Span, result: &Result<T, E>) {
+    if let Err(error) = result {
+        record_error(span, error);
+    }
+}
+
+/// Marks `span` failed with `error`'s text.
+pub fn record_error(span: &tracing::Span, error: &dyn std::fmt::Display) {
+    let text = error.to_string();
+    span.record("otel.status_code", "ERROR");
+    span.record("otel.status_description", text.as_str());
+    span.record("error.message", text.as_str());
+}
+
+/// Runs `work` inside `span` and records how it ended.
+pub async fn in_reconcile_span<T, E: std::fmt::Display>(
+    span: tracing::Span,
+    work: impl std::future::Future<Output = Result<T, E>>,
+) -> Result<T, E> {
+    use tracing::Instrument;
+    let result = work.instrument(span.clone()).await;
+    record_outcome(&span, &result);
+    result
+}
+
 /// Writes the usual log line (text without colour, or JSON) with the
 /// current span's trace and span ids added.
 struct WithTraceIds {

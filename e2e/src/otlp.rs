@@ -1,0 +1,434 @@
+//! A small OTLP/gRPC trace receiver (a tonic `TraceService` from the
+//! published protos): the tests check the spans it received, and `e2e up`
+//! runs one when no collector is given, writing every span as a JSON line
+//! to a file of the environment (`e2e traces` prints them as trees).
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
+    TraceService, TraceServiceServer,
+};
+use opentelemetry_proto::tonic::collector::trace::v1::{
+    ExportTraceServiceRequest, ExportTraceServiceResponse,
+};
+use opentelemetry_proto::tonic::common::v1::KeyValue;
+use opentelemetry_proto::tonic::common::v1::any_value::Value;
+use serde::{Deserialize, Serialize};
+use tokio_stream::wrappers::TcpListenerStream;
+use tokio_util::sync::CancellationToken;
+
+use crate::harness::wait_until;
+
+/// How long [`Collector::wait_for`] waits for a span.
+pub const WAIT: Duration = Duration::from_secs(30);
+
+/// A span as the collector received it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Received {
+    /// The `service.name` of the process that sent it.
+    pub service: String,
+    pub name: String,
+    pub trace_id: String,
+    pub span_id: String,
+    /// Empty for a root span.
+    pub parent_span_id: String,
+    pub start_unix_nanos: u64,
+    pub end_unix_nanos: u64,
+    /// `ERROR`, `OK` or empty (unset).
+    pub status: String,
+    pub status_message: String,
+    pub attributes: BTreeMap<String, String>,
+    /// The span's events: name and attributes.
+    pub events: Vec<ReceivedEvent>,
+}
+
+/// An event of a [`Received`] span.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ReceivedEvent {
+    pub name: String,
+    pub attributes: BTreeMap<String, String>,
+}
+
+impl Received {
+    /// An attribute's value as text.
+    pub fn attribute(&self, key: &str) -> Option<&str> {
+        self.attributes.get(key).map(String::as_str)
+    }
+
+    /// The duration, from the span's own timestamps.
+    pub fn duration(&self) -> Duration {
+        Duration::from_nanos(self.end_unix_nanos.saturating_sub(self.start_unix_nanos))
+    }
+}
+
+/// Why the collector could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum CollectorError {
+    #[error("binding the OTLP receiver on {address}: {source}")]
+    Bind {
+        address: String,
+        source: std::io::Error,
+    },
+    #[error("opening the span file {path}: {source}")]
+    Sink {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// Keeps what it receives, and appends it to a JSON-lines file when asked.
+#[derive(Default, Clone)]
+pub struct Collector {
+    spans: Arc<Mutex<Vec<Received>>>,
+    sink: Option<Arc<Mutex<std::fs::File>>>,
+    /// Spans kept in memory at most (oldest dropped first); 0: no limit.
+    keep: usize,
+}
+
+fn text_of(value: Option<&Value>) -> String {
+    match value {
+        Some(Value::StringValue(s)) => s.clone(),
+        Some(Value::IntValue(i)) => i.to_string(),
+        Some(Value::DoubleValue(d)) => d.to_string(),
+        Some(Value::BoolValue(b)) => b.to_string(),
+        other => format!("{other:?}"),
+    }
+}
+
+fn attributes_of(attributes: &[KeyValue]) -> BTreeMap<String, String> {
+    attributes
+        .iter()
+        .map(|kv| {
+            let value = kv.value.as_ref().and_then(|v| v.value.as_ref());
+            (kv.key.clone(), text_of(value))
+        })
+        .collect()
+}
+
+fn received_from(request: ExportTraceServiceRequest) -> Vec<Received> {
+    let mut received = Vec::new();
+    for resource in request.resource_spans {
+        let service = resource
+            .resource
+            .iter()
+            .flat_map(|r| &r.attributes)
+            .find(|kv| kv.key == "service.name")
+            .map(|kv| text_of(kv.value.as_ref().and_then(|v| v.value.as_ref())))
+            .unwrap_or_default();
+        for scope in resource.scope_spans {
+            for span in scope.spans {
+                let (status, status_message) = match &span.status {
+                    Some(status) => (
+                        match status.code {
+                            1 => "OK",
+                            2 => "ERROR",
+                            _ => "",
+                        }
+                        .to_owned(),
+                        status.message.clone(),
+                    ),
+                    None => (String::new(), String::new()),
+                };
+                received.push(Received {
+                    service: service.clone(),
+                    name: span.name.clone(),
+                    trace_id: hex::encode(&span.trace_id),
+                    span_id: hex::encode(&span.span_id),
+                    parent_span_id: hex::encode(&span.parent_span_id),
+                    start_unix_nanos: span.start_time_unix_nano,
+                    end_unix_nanos: span.end_time_unix_nano,
+                    status,
+                    status_message,
+                    attributes: attributes_of(&span.attributes),
+                    events: span
+                        .events
+                        .iter()
+                        .map(|event| ReceivedEvent {
+                            name: event.name.clone(),
+                            attributes: attributes_of(&event.attributes),
+                        })
+                        .collect(),
+                });
+            }
+        }
+    }
+    received
+}
+
+#[tonic::async_trait]
+impl TraceService for Collector {
+    async fn export(
+        &self,
+        request: tonic::Request<ExportTraceServiceRequest>,
+    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+        let received = received_from(request.into_inner());
+        if let Some(sink) = &self.sink {
+            let mut lines = Vec::new();
+            for span in &received {
+                // Plain data: serialising cannot fail.
+                if let Ok(line) = serde_json::to_string(span) {
+                    lines.extend_from_slice(line.as_bytes());
+                    lines.push(b'\n');
+                }
+            }
+            let mut file = sink.lock().unwrap_or_else(PoisonError::into_inner);
+            file.write_all(&lines)
+                .map_err(|e| tonic::Status::internal(format!("writing spans: {e}")))?;
+        }
+        let mut spans = self.spans.lock().unwrap_or_else(PoisonError::into_inner);
+        spans.extend(received);
+        if self.keep > 0 && spans.len() > self.keep {
+            let excess = spans.len() - self.keep;
+            spans.drain(..excess);
+        }
+        Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
+    }
+}
+
+impl Collector {
+    /// A collector on a free loopback port that keeps every span in memory;
+    /// cancel the token to stop it.
+    pub async fn start() -> Result<(Self, SocketAddr, CancellationToken), CollectorError> {
+        Collector::default().serve("127.0.0.1:0").await
+    }
+
+    /// A collector on `address` that appends every span to `path` as a JSON
+    /// line and keeps only the latest `keep` in memory (for `e2e up`).
+    pub async fn start_with_file(
+        address: &str,
+        path: &Path,
+        keep: usize,
+    ) -> Result<(Self, SocketAddr, CancellationToken), CollectorError> {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .map_err(|source| CollectorError::Sink {
+                path: path.to_owned(),
+                source,
+            })?;
+        Collector {
+            spans: Arc::default(),
+            sink: Some(Arc::new(Mutex::new(file))),
+            keep,
+        }
+        .serve(address)
+        .await
+    }
+
+    async fn serve(
+        self,
+        address: &str,
+    ) -> Result<(Self, SocketAddr, CancellationToken), CollectorError> {
+        let bind_error = |source| CollectorError::Bind {
+            address: address.to_owned(),
+            source,
+        };
+        let listener = tokio::net::TcpListener::bind(address)
+            .await
+            .map_err(bind_error)?;
+        let addr = listener.local_addr().map_err(bind_error)?;
+        let stop = CancellationToken::new();
+        let service = TraceServiceServer::new(self.clone());
+        let stopped = stop.clone();
+        tokio::spawn(async move {
+            tonic::transport::Server::builder()
+                .add_service(service)
+                .serve_with_incoming_shutdown(
+                    TcpListenerStream::new(listener),
+                    stopped.cancelled_owned(),
+                )
+                .await
+        });
+        Ok((self, addr, stop))
+    }
+
+    /// Every span received so far (the latest `keep`, when limited).
+    pub fn spans(&self) -> Vec<Received> {
+        self.spans
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// The first span called `name` that `pred` accepts.
+    pub fn find(&self, name: &str, pred: impl Fn(&Received) -> bool) -> Option<Received> {
+        self.spans
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .find(|s| s.name == name && pred(s))
+            .cloned()
+    }
+
+    /// Waits up to [`WAIT`] for a span called `name` that `pred` accepts;
+    /// panics (with what arrived) when none does. For tests.
+    pub async fn wait_for(&self, name: &str, pred: impl Fn(&Received) -> bool + Copy) -> Received {
+        assert!(
+            wait_until(WAIT, || self.find(name, pred).is_some()).await,
+            "no {name} span arrived; got {:#?}",
+            self.spans()
+        );
+        self.find(name, pred).unwrap_or_else(|| unreachable!())
+    }
+}
+
+/// Reads a JSON-lines span file; lines that are not spans (a line cut off
+/// by a crash) are skipped.
+pub fn read_span_file(path: &Path) -> std::io::Result<Vec<Received>> {
+    let text = std::fs::read_to_string(path)?;
+    Ok(text
+        .lines()
+        .filter_map(|line| serde_json::from_str(line).ok())
+        .collect())
+}
+
+/// Prints the trace `trace_id` of `spans` as an indented tree, children
+/// under their parent in start order, one line per span: name, service,
+/// duration, status and attributes.
+pub fn render_trace(spans: &[Received], trace_id: &str) -> String {
+    let in_trace: Vec<&Received> = spans.iter().filter(|s| s.trace_id == trace_id).collect();
+    let ids: std::collections::HashSet<&str> =
+        in_trace.iter().map(|s| s.span_id.as_str()).collect();
+    let mut children: HashMap<&str, Vec<&Received>> = HashMap::new();
+    for span in &in_trace {
+        // A span whose parent is in another process that did not export
+        // (or not yet) is shown at the top.
+        let parent = if ids.contains(span.parent_span_id.as_str()) {
+            span.parent_span_id.as_str()
+        } else {
+            ""
+        };
+        children.entry(parent).or_default().push(span);
+    }
+    for list in children.values_mut() {
+        list.sort_by_key(|s| s.start_unix_nanos);
+    }
+    let mut out = String::new();
+    let mut stack: Vec<(&Received, usize)> = children
+        .get("")
+        .map(|roots| roots.iter().rev().map(|s| (*s, 0)).collect())
+        .unwrap_or_default();
+    while let Some((span, depth)) = stack.pop() {
+        let status = match span.status.as_str() {
+            "ERROR" => format!(" ERROR {}", span.status_message),
+            _ => String::new(),
+        };
+        let attributes = span
+            .attributes
+            .iter()
+            .filter(|(k, _)| !k.starts_with("code.") && !k.starts_with("thread."))
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect::<Vec<_>>()
+            .join(" ");
+        out.push_str(&format!(
+            "{:indent$}{} [{}] {:.3} ms{status}  {attributes}\n",
+            "",
+            span.name,
+            span.service,
+            span.duration().as_secs_f64() * 1000.0,
+            indent = depth * 2
+        ));
+        for event in &span.events {
+            out.push_str(&format!(
+                "{:indent$}  · {} {}\n",
+                "",
+                event.name,
+                event
+                    .attributes
+                    .iter()
+                    .map(|(k, v)| format!("{k}={v}"))
+                    .collect::<Vec<_>>()
+                    .join(" "),
+                indent = depth * 2
+            ));
+        }
+        if let Some(kids) = children.get(span.span_id.as_str()) {
+            stack.extend(kids.iter().rev().map(|s| (*s, depth + 1)));
+        }
+    }
+    out
+}
+
+/// The traces of `spans`, latest first: trace id, root span name, span count.
+pub fn list_traces(spans: &[Received]) -> Vec<(String, String, usize)> {
+    let mut traces: HashMap<&str, (u64, String, usize)> = HashMap::new();
+    for span in spans {
+        let entry = traces.entry(span.trace_id.as_str()).or_insert((
+            span.start_unix_nanos,
+            span.name.clone(),
+            0,
+        ));
+        entry.2 += 1;
+        if span.start_unix_nanos < entry.0 {
+            entry.0 = span.start_unix_nanos;
+            entry.1 = span.name.clone();
+        }
+    }
+    let mut list: Vec<(u64, String, String, usize)> = traces
+        .into_iter()
+        .map(|(id, (start, root, count))| (start, id.to_owned(), root, count))
+        .collect();
+    list.sort_by_key(|entry| std::cmp::Reverse(entry.0));
+    list.into_iter()
+        .map(|(_, id, root, count)| (id, root, count))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn span(name: &str, id: &str, parent: &str, start: u64) -> Received {
+        Received {
+            service: "svc".into(),
+            name: name.into(),
+            trace_id: "t1".into(),
+            span_id: id.into(),
+            parent_span_id: parent.into(),
+            start_unix_nanos: start,
+            end_unix_nanos: start + 2_000_000,
+            status: String::new(),
+            status_message: String::new(),
+            attributes: BTreeMap::new(),
+            events: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn a_trace_renders_as_a_tree_in_start_order() {
+        let mut failed = span("agent.dial", "c", "b", 3);
+        failed.status = "ERROR".into();
+        failed.status_message = "connection refused".into();
+        let spans = [
+            failed,
+            span("tunnel.connection", "b", "a", 2),
+            span("tunnel.dial", "a", "", 1),
+            span("other", "x", "", 0),
+        ];
+        let mut other_trace = spans[3].clone();
+        other_trace.trace_id = "t2".into();
+        let spans = [&spans[..3], &[other_trace]].concat();
+        let tree = render_trace(&spans, "t1");
+        let lines: Vec<&str> = tree.lines().collect();
+        assert_eq!(lines.len(), 3, "{tree}");
+        assert!(lines[0].starts_with("tunnel.dial [svc] 2.000 ms"), "{tree}");
+        assert!(lines[1].starts_with("  tunnel.connection"), "{tree}");
+        assert!(
+            lines[2].starts_with("    agent.dial [svc] 2.000 ms ERROR connection refused"),
+            "{tree}"
+        );
+        assert_eq!(
+            list_traces(&spans),
+            vec![
+                ("t1".to_owned(), "tunnel.dial".to_owned(), 3),
+                ("t2".to_owned(), "other".to_owned(), 1)
+            ]
+        );
+    }
+}
