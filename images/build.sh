@@ -51,7 +51,8 @@ fi
 image_repo="${IMAGE_REPO:-localhost/cluster-proxy}"
 image_tag="${IMAGE_TAG:-$version}"
 
-if [ $# -gt 0 ]; then wanted=("$@"); else wanted=("${all_images[@]}"); fi
+# The workstation CLI (a plain static binary, not an image) comes with a build of everything.
+if [ $# -gt 0 ]; then wanted=("$@"); cli_bins=(); else wanted=("${all_images[@]}"); cli_bins=(cluster-proxy); fi
 for name in "${wanted[@]}"; do
   [ -n "${image_bins[$name]+x}" ] || die "unknown image '$name' (known: ${all_images[*]})"
 done
@@ -100,7 +101,9 @@ build_bins() {
   cargo build --locked --profile "$profile" --target "$triple" "${args[@]}"
 }
 build_bins "$profile" "${data_plane[@]}"
-build_bins "$control_profile" "${control_plane[@]}"
+# The workstation CLI ships as a plain static binary, not an image; it is built
+# with the control plane (the same Kubernetes client, the same profile).
+build_bins "$control_profile" "${control_plane[@]}" "${cli_bins[@]}"
 
 target_dir="${CARGO_TARGET_DIR:-$root/target}"
 context="$target_dir/images/context"
@@ -130,9 +133,23 @@ for name in "${images[@]}"; do
     --tag "$ref" "$context" >/dev/null
 done
 
+if [ ${#cli_bins[@]} -gt 0 ]; then
+  cli="$target_dir/$triple/$control_profile/cluster-proxy"
+  if readelf -l "$cli" | grep -q 'Requesting program interpreter'; then
+    die "$cli is dynamically linked"
+  fi
+  mkdir -p "$target_dir/images/bin"
+  cp "$cli" "$target_dir/images/bin/cluster-proxy"
+  "$target_dir/images/bin/cluster-proxy" --version >/dev/null || die "the static cluster-proxy CLI does not run"
+fi
+
 echo "== images"
 for name in "${images[@]}"; do
   ref="$image_repo/$name:$image_tag"
   size=$(podman image inspect --format '{{.Size}}' "$ref")
   python3 -c 'import sys; print(f"{sys.argv[1]:<50} {int(sys.argv[2]) / 1e6:5.1f} MB")' "$ref" "$size"
 done
+if [ ${#cli_bins[@]} -gt 0 ]; then
+  python3 -c 'import os, sys; print(f"{sys.argv[1]:<50} {os.path.getsize(sys.argv[1]) / 1e6:5.1f} MB (static binary)")' \
+    "$target_dir/images/bin/cluster-proxy"
+fi
