@@ -27,21 +27,18 @@ const LEASE_DURATION: Duration = Duration::from_secs(15);
 const RENEW_EVERY: Duration = Duration::from_secs(5);
 const USER_AGENT: &str = "cluster-proxy-health-prober";
 
-fn main() -> anyhow::Result<()> {
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
     let cli: Cli = cli::parse(&Settings::default());
     let settings = Settings::load(&cli)?;
-    let telemetry = cli.telemetry.to_config("health-prober")?;
-    tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?
-        .block_on(async move {
-            // The exporter's channel to the collector lives on this runtime.
-            let telemetry = telemetry::init(settings.v, settings.log_format, &telemetry)?;
-            let result = run(settings).await;
-            telemetry.shutdown().await;
-            result
-        })
+    let telemetry = telemetry::init(
+        settings.v,
+        settings.log_format,
+        &cli.telemetry.to_config("health-prober")?,
+    )?;
+    let result = run(settings).await;
+    telemetry.shutdown().await;
+    result
 }
 
 async fn run(settings: Settings) -> anyhow::Result<()> {
