@@ -336,3 +336,97 @@ pub fn free_port() -> u16 {
         .find(|candidate| std::net::TcpListener::bind(("127.0.0.1", *candidate)).is_ok())
         .unwrap_or_else(|| panic!("no free loopback port between 20000 and 32000"))
 }
+
+/// Why [`LocalReplicas`] could not start a replica or an agent.
+#[derive(Debug, thiserror::Error)]
+pub enum LocalReplicasError {
+    #[error(transparent)]
+    Pki(#[from] crate::pki::TestPkiError),
+    #[error(transparent)]
+    Server(#[from] proxy_server::ServerError),
+    #[error(transparent)]
+    Agent(#[from] AgentStartError),
+    #[error(transparent)]
+    InProcessAgent(#[from] proxy_agent::AgentError),
+    #[error("the agent of {cluster} did not connect to replica {index} within {within:?}")]
+    NotConnected {
+        cluster: String,
+        index: usize,
+        within: Duration,
+    },
+}
+
+/// `replicas` in-process proxy-servers on loopback sharing one test PKI,
+/// and agents connected to one of them by index.
+pub struct LocalReplicas {
+    pub pki: crate::pki::TestPki,
+    pub servers: Vec<proxy_server::RunningServer>,
+}
+
+impl LocalReplicas {
+    /// How long [`LocalReplicas::agent`] waits for the agent's tunnel.
+    pub const CONNECT_WAIT: Duration = Duration::from_secs(10);
+
+    pub async fn start(clusters: &[&str], replicas: usize) -> Result<Self, LocalReplicasError> {
+        let pki = crate::pki::TestPki::new(clusters)?;
+        let mut servers = Vec::with_capacity(replicas);
+        for _ in 0..replicas {
+            servers
+                .push(proxy_server::start_with_tls(test_server_config(), pki.server_tls()?).await?);
+        }
+        Ok(LocalReplicas { pki, servers })
+    }
+
+    /// An agent of `cluster` connected to replica `index` (on a runtime of
+    /// its own, so it can be killed), its name resolving to loopback.
+    pub async fn agent(
+        &self,
+        cluster: &str,
+        index: usize,
+    ) -> Result<AgentUnderTest, LocalReplicasError> {
+        let server = &self.servers[index];
+        let before = server.tunnel_count();
+        let agent = AgentUnderTest::start(
+            &self.pki,
+            cluster,
+            server.agent_addr,
+            &[(cluster, "127.0.0.1")],
+        )
+        .await?;
+        if !wait_until(Self::CONNECT_WAIT, || server.tunnel_count() > before).await {
+            return Err(LocalReplicasError::NotConnected {
+                cluster: cluster.to_owned(),
+                index,
+                within: Self::CONNECT_WAIT,
+            });
+        }
+        Ok(agent)
+    }
+
+    /// An agent of `cluster` connected to replica `index` on the caller's
+    /// runtime (no thread of its own, so thousands fit in one process), its
+    /// name resolving to loopback.
+    pub async fn in_process_agent(
+        &self,
+        cluster: &str,
+        index: usize,
+    ) -> Result<proxy_agent::RunningAgent, LocalReplicasError> {
+        let tls = self.pki.agent_tls(cluster)?;
+        let mut config = proxy_agent::AgentConfig::new(proxy_agent::TlsSource::Config(tls))
+            .with_ephemeral_ports();
+        config.proxy_server_host = "localhost".into();
+        config.proxy_server_port = self.servers[index].agent_addr.port();
+        config.agent_id = format!("{cluster}-agent-{index}");
+        config.agent_identifiers = format!("host={cluster}");
+        config.host_aliases = [(cluster.to_owned(), std::net::IpAddr::from([127, 0, 0, 1]))]
+            .into_iter()
+            .collect();
+        Ok(proxy_agent::start(config).await?)
+    }
+
+    /// `localhost:<client port>` of replica `index` (the test server
+    /// certificate names localhost).
+    pub fn client_address(&self, index: usize) -> String {
+        format!("localhost:{}", self.servers[index].client_addr.port())
+    }
+}

@@ -10,70 +10,45 @@ use cert_authority::files::{Layout, Pair, write_pair};
 use cert_authority::pki::LeafRequest;
 use cluster_proxy_proto::api::addon::v1alpha1::ManagedClusterAddOn;
 use cluster_proxy_proto::api::cluster::v1::ManagedCluster;
-use e2e::harness::{AgentUnderTest, test_server_config, wait_until};
+use e2e::harness::{AgentUnderTest, LocalReplicas};
 use e2e::kubeapi::{KubeApi, KubeApiOptions};
-use e2e::pki::TestPki;
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::{Namespace, Secret};
 use kube::Api;
 use kube::api::{Patch, PatchParams, PostParams};
-use proxy_server::RunningServer;
 
 pub const WAIT: Duration = Duration::from_secs(10);
 pub const BIN: &str = env!("CARGO_BIN_EXE_cluster-proxy");
 
-/// `replicas` proxy-servers sharing one PKI, written to disk for the binary.
+/// The test's proxy-servers and agents ([`LocalReplicas`]), their PKI
+/// written to disk for the binary; a setup failure fails the test.
 pub struct Tunnel {
-    pub pki: TestPki,
-    pub servers: Vec<RunningServer>,
+    replicas: LocalReplicas,
     pub layout: Layout,
     _dir: tempfile::TempDir,
 }
 
+impl std::ops::Deref for Tunnel {
+    type Target = LocalReplicas;
+    fn deref(&self) -> &LocalReplicas {
+        &self.replicas
+    }
+}
+
 impl Tunnel {
     pub async fn start(clusters: &[&str], replicas: usize) -> Tunnel {
-        let pki = TestPki::new(clusters).unwrap();
-        let mut servers = Vec::new();
-        for _ in 0..replicas {
-            servers.push(
-                proxy_server::start_with_tls(test_server_config(), pki.server_tls().unwrap())
-                    .await
-                    .unwrap(),
-            );
-        }
+        let replicas = LocalReplicas::start(clusters, replicas).await.unwrap();
         let dir = tempfile::tempdir().unwrap();
-        let layout = pki.write(dir.path()).unwrap();
+        let layout = replicas.pki.write(dir.path()).unwrap();
         Tunnel {
-            pki,
-            servers,
+            replicas,
             layout,
             _dir: dir,
         }
     }
 
-    /// An agent of `cluster` connected to replica `index`; the cluster's
-    /// name resolves to loopback on the agent's side.
     pub async fn agent(&self, cluster: &str, index: usize) -> AgentUnderTest {
-        let server = &self.servers[index];
-        let before = server.tunnel_count();
-        let agent = AgentUnderTest::start(
-            &self.pki,
-            cluster,
-            server.agent_addr,
-            &[(cluster, "127.0.0.1")],
-        )
-        .await
-        .unwrap();
-        assert!(
-            wait_until(WAIT, || server.tunnel_count() > before).await,
-            "the agent of {cluster} did not connect to replica {index}"
-        );
-        agent
-    }
-
-    /// `localhost:<client port>` of replica `index` (the server certificate names localhost).
-    pub fn client_address(&self, index: usize) -> String {
-        format!("localhost:{}", self.servers[index].client_addr.port())
+        self.replicas.agent(cluster, index).await.unwrap()
     }
 
     /// `--proxy-ca-cert … --proxy-cert … --proxy-key …` for the hub client certificate.

@@ -10,15 +10,13 @@ use std::time::Duration;
 use cert_authority::pki::{Authority, LeafRequest};
 use cluster_proxy_proto::api::addon::v1alpha1::ManagedClusterAddOn;
 use cluster_proxy_proto::api::find_condition;
-use e2e::harness::{AgentUnderTest, test_server_config, wait_until};
+use e2e::harness::{AgentUnderTest, LocalReplicas};
 use e2e::kubeapi::{KubeApi, KubeApiOptions};
-use e2e::pki::TestPki;
 use e2e::targets::TcpTarget;
 use health_prober::verdict::CONDITION_TYPE;
 use k8s_openapi::api::core::v1::Namespace;
 use kube::Api;
 use kube::api::PostParams;
-use proxy_server::RunningServer;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 pub const WAIT: Duration = Duration::from_secs(10);
@@ -73,65 +71,28 @@ impl Apiserver {
     }
 }
 
-/// `replicas` proxy-servers sharing one PKI.
-pub struct Tunnel {
-    pub pki: TestPki,
-    pub servers: Vec<RunningServer>,
+/// The test's proxy-servers and agents ([`LocalReplicas`]); a setup
+/// failure fails the test.
+pub struct Tunnel(LocalReplicas);
+
+impl std::ops::Deref for Tunnel {
+    type Target = LocalReplicas;
+    fn deref(&self) -> &LocalReplicas {
+        &self.0
+    }
 }
 
 impl Tunnel {
     pub async fn start(clusters: &[&str], replicas: usize) -> Tunnel {
-        let pki = TestPki::new(clusters).unwrap();
-        let mut servers = Vec::new();
-        for _ in 0..replicas {
-            servers.push(
-                proxy_server::start_with_tls(test_server_config(), pki.server_tls().unwrap())
-                    .await
-                    .unwrap(),
-            );
-        }
-        Tunnel { pki, servers }
+        Tunnel(LocalReplicas::start(clusters, replicas).await.unwrap())
     }
 
-    /// An agent of `cluster` connected to replica `index`, its name resolving to loopback.
     pub async fn agent(&self, cluster: &str, index: usize) -> AgentUnderTest {
-        let server = &self.servers[index];
-        let before = server.tunnel_count();
-        let agent = AgentUnderTest::start(
-            &self.pki,
-            cluster,
-            server.agent_addr,
-            &[(cluster, "127.0.0.1")],
-        )
-        .await
-        .unwrap();
-        assert!(
-            wait_until(WAIT, || server.tunnel_count() > before).await,
-            "the agent of {cluster} did not connect to replica {index}"
-        );
-        agent
+        self.0.agent(cluster, index).await.unwrap()
     }
 
-    /// An agent of `cluster` connected to replica `index` on the caller's
-    /// runtime (no thread of its own, so thousands fit in one process), its
-    /// name resolving to loopback.
     pub async fn in_process_agent(&self, cluster: &str, index: usize) -> proxy_agent::RunningAgent {
-        let tls = self.pki.agent_tls(cluster).unwrap();
-        let mut config = proxy_agent::AgentConfig::new(proxy_agent::TlsSource::Config(tls))
-            .with_ephemeral_ports();
-        config.proxy_server_host = "localhost".into();
-        config.proxy_server_port = self.servers[index].agent_addr.port();
-        config.agent_id = format!("{cluster}-agent-{index}");
-        config.agent_identifiers = format!("host={cluster}");
-        config.host_aliases = [(cluster.to_owned(), "127.0.0.1".parse().unwrap())]
-            .into_iter()
-            .collect();
-        proxy_agent::start(config).await.unwrap()
-    }
-
-    /// `localhost:<client port>` of replica `index`.
-    pub fn client_address(&self, index: usize) -> String {
-        format!("localhost:{}", self.servers[index].client_addr.port())
+        self.0.in_process_agent(cluster, index).await.unwrap()
     }
 }
 
