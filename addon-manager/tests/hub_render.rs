@@ -231,8 +231,8 @@ fn proxy_server_container_has_the_fixed_args_mounts_and_hardening() {
     let liveness = container.liveness_probe.as_ref().unwrap();
     assert_eq!(
         readiness.http_get.as_ref().unwrap().path.as_deref(),
-        Some("/healthz"),
-        "/readyz needs an agent, and agents reach only ready pods: a new replica would never be ready"
+        Some("/readyz"),
+        "clients must reach a replica only once it holds the other replicas' agents"
     );
     assert_eq!(
         liveness.http_get.as_ref().unwrap().path.as_deref(),
@@ -435,6 +435,11 @@ fn load_balancer_entrypoint_keeps_valid_annotation_keys_only() {
     );
     let spec = service.spec.unwrap();
     assert_eq!(spec.type_.as_deref(), Some("LoadBalancer"));
+    assert_eq!(
+        spec.publish_not_ready_addresses,
+        Some(true),
+        "agents must reach a new replica before it is ready: it is ready only once they do"
+    );
     let ports: Vec<i32> = spec.ports.unwrap().iter().map(|port| port.port).collect();
     assert_eq!(ports, [8090, 8091]);
 

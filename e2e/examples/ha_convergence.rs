@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, anyhow};
 use cluster_proxy_proto::transport::ALPN_HTTP11;
 use e2e::env::balancer::{self, Selection};
-use e2e::harness::http_connect;
+use e2e::harness::{health_get, http_connect};
 use e2e::pki::TestPki;
 use e2e::replicas::{Replicas, start_agents, wait_full_mesh};
 use e2e::targets::EchoServer;
@@ -140,8 +140,9 @@ async fn dial_once(
 /// Where the clients' dials go: through a balancer over every replica's
 /// client port, or, with a readiness gate, straight to a replica picked in
 /// turn among the ready ones (a Kubernetes Service whose endpoints follow
-/// readiness: a stopping replica leaves at once, a new one joins once every
-/// agent holds a tunnel to it).
+/// readiness: a stopping replica leaves at once, a new one joins once its
+/// `/readyz` passes, which it does once it holds as many agents as its
+/// peers).
 #[derive(Clone)]
 enum Route {
     Balancer(SocketAddr),
@@ -187,8 +188,13 @@ async fn rolling_restart(
     let configure = |config: &mut proxy_server::config::ServerConfig| {
         config.graceful_shutdown_timeout = GRACE;
     };
-    let mut replicas =
-        Replicas::start(pki, replica_count, Selection::RoundRobin, configure).await?;
+    // Gated: replicas that count each other, so `/readyz` waits for the
+    // agents their peers hold.
+    let mut replicas = if gated {
+        Replicas::start_scalable(pki, replica_count, Selection::RoundRobin, configure).await?
+    } else {
+        Replicas::start(pki, replica_count, Selection::RoundRobin, configure).await?
+    };
     let agents = start_agents(agent_configs(&replicas, pki, clusters)?).await?;
     wait_full_mesh(
         &agents,
@@ -258,6 +264,7 @@ async fn rolling_restart(
     let rollout_started = Instant::now();
     let mut rejoin = Vec::new();
     let mut bound = Vec::new();
+    let mut ready = Vec::new();
     for index in 0..replica_count {
         let old = replicas.servers.remove(index);
         let (client_addr, agent_addr) = (old.client_addr, old.agent_addr);
@@ -269,17 +276,27 @@ async fn rolling_restart(
             .replace(pki, index, client_addr, agent_addr, &id, configure)
             .await?;
         bound.push(replaced_at.elapsed());
-        loop {
-            if agents.iter().all(|a| a.server_ids().contains(&id)) {
-                break;
+        let health = replicas.servers[index].health_addr;
+        let mut held_by_all = None;
+        let mut ready_after = None;
+        while held_by_all.is_none() || (gated && ready_after.is_none()) {
+            if held_by_all.is_none() && agents.iter().all(|a| a.server_ids().contains(&id)) {
+                held_by_all = Some(replaced_at.elapsed());
+            }
+            if gated
+                && ready_after.is_none()
+                && matches!(health_get(health, "/readyz").await, Ok((200, _)))
+            {
+                ready_after = Some(replaced_at.elapsed());
+                route.set_ready(replicas.servers[index].client_addr, true);
             }
             if replaced_at.elapsed() > Duration::from_secs(60) {
                 return Err(anyhow!("agents did not reach {id} within 60 s"));
             }
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        rejoin.push(replaced_at.elapsed());
-        route.set_ready(replicas.servers[index].client_addr, true);
+        rejoin.push(held_by_all.unwrap_or_default());
+        ready.push(ready_after);
         draining.await?;
     }
     let rollout = rollout_started.elapsed();
@@ -294,7 +311,7 @@ async fn rolling_restart(
     record.latencies.sort();
     let total = record.latencies.len() + record.failures.len();
     let route = if gated {
-        "straight to the ready replicas (readiness gate: a new replica once every agent holds it)"
+        "straight to the ready replicas (a new replica once its /readyz passes)"
     } else {
         "through a round-robin balancer over every client port (no readiness gate)"
     };
@@ -316,6 +333,16 @@ async fn rolling_restart(
         bound.iter().map(|d| ms(*d)).collect::<Vec<_>>().join(", "),
         rejoin.iter().map(|d| ms(*d)).collect::<Vec<_>>().join(", ")
     );
+    if gated {
+        println!(
+            "replacement ready (/readyz 200) after: {}",
+            ready
+                .iter()
+                .map(|d| d.map_or_else(|| "-".into(), ms))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
     for failure in record.failures.iter().take(10) {
         println!("  failed: {failure}");
     }
@@ -483,11 +510,16 @@ async fn main() -> anyhow::Result<()> {
     let names: Vec<&str> = clusters.iter().map(String::as_str).collect();
     let pki = TestPki::new(&names)?;
     let only_scaling = std::env::var_os("CP_HA_ONLY_SCALING").is_some();
-    if !only_scaling {
+    let only_rolling = std::env::var_os("CP_HA_ONLY_ROLLING").is_some();
+    if !only_scaling && !only_rolling {
         convergence(&pki, &clusters[..agents], rounds).await?;
+    }
+    if !only_scaling {
         rolling_restart(&pki, &clusters[..rolling_agents], rate, false).await?;
         rolling_restart(&pki, &clusters[..rolling_agents], rate, true).await?;
     }
-    scaling(&pki, &clusters[..rolling_agents], rate).await?;
+    if !only_rolling {
+        scaling(&pki, &clusters[..rolling_agents], rate).await?;
+    }
     Ok(())
 }

@@ -171,6 +171,29 @@ pub async fn wait_until(timeout: Duration, mut condition: impl FnMut() -> bool) 
     condition()
 }
 
+/// A plain-HTTP GET of `path` on a health port: the status code and body.
+pub async fn health_get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut tcp = tokio::net::TcpStream::connect(addr).await?;
+    tcp.write_all(
+        format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes(),
+    )
+    .await?;
+    let mut response = String::new();
+    tcp.read_to_string(&mut response).await?;
+    let malformed = || std::io::Error::other(format!("not an HTTP response: {response:?}"));
+    let status = response
+        .strip_prefix("HTTP/1.1 ")
+        .and_then(|rest| rest.get(..3))
+        .and_then(|code| code.parse().ok())
+        .ok_or_else(malformed)?;
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_owned())
+        .ok_or_else(malformed)?;
+    Ok((status, body))
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum ConnectError {
     #[error("io: {0}")]

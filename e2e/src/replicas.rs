@@ -41,18 +41,36 @@ pub enum ReplicasError {
 /// The peer set of scalable replicas ([`Replicas::start_scalable`]) as a
 /// headless Service's DNS answer would give it: every replica looks it up
 /// (as `--server-count-source=dns:<name>` does), the test changes it.
+/// Lookups answer the replicas' health endpoints.
 #[derive(Debug, Clone)]
-pub struct PeerSet(Arc<Mutex<Result<usize, String>>>);
+pub struct PeerSet(Arc<Mutex<Result<Vec<SocketAddr>, String>>>);
 
 impl PeerSet {
+    /// `count` replicas that nothing answers for (see [`PeerSet::stand_ins`]).
     pub fn new(count: usize) -> Self {
-        PeerSet(Arc::new(Mutex::new(Ok(count))))
+        PeerSet(Arc::new(Mutex::new(Ok(Self::stand_ins(count)))))
     }
 
-    /// What lookups answer from now on: a count (0 included), or a
-    /// resolution failure with this text.
-    pub fn set(&self, answer: Result<usize, String>) {
+    /// `count` distinct health endpoints where nothing listens, for
+    /// replicas a test counts but does not run (127.0.0.2 …, port 1).
+    pub fn stand_ins(count: usize) -> Vec<SocketAddr> {
+        (0..count)
+            .map(|i| {
+                let [a, b] = u16::try_from(i + 2).unwrap_or(u16::MAX).to_be_bytes();
+                SocketAddr::from(([127, 0, a, b], 1))
+            })
+            .collect()
+    }
+
+    /// What lookups answer from now on: the replicas' health endpoints
+    /// (none included), or a resolution failure with this text.
+    pub fn set(&self, answer: Result<Vec<SocketAddr>, String>) {
         *self.0.lock().unwrap_or_else(PoisonError::into_inner) = answer;
+    }
+
+    /// Lookups answer `count` stand-in replicas from now on.
+    pub fn set_count(&self, count: usize) {
+        self.set(Ok(Self::stand_ins(count)));
     }
 }
 
@@ -129,6 +147,9 @@ impl Replicas {
         for index in 0..count {
             servers.push(start_replica(pki, index, count, peers.as_ref(), &configure).await?);
         }
+        if let Some(peers) = &peers {
+            peers.set(Ok(health_endpoints(&servers)));
+        }
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let agent_service = listener.local_addr()?;
         let agent_backends = Backends::new(servers.iter().map(|s| s.agent_addr).collect());
@@ -160,8 +181,9 @@ impl Replicas {
         self.agent_backends.add(server.agent_addr);
         self.servers.push(server);
         if let Some(peers) = &self.peers {
-            peers.set(Ok(count));
+            peers.set(Ok(health_endpoints(&self.servers)));
         }
+        debug_assert_eq!(self.servers.len(), count);
         Ok(index)
     }
 
@@ -172,10 +194,9 @@ impl Replicas {
     pub fn scale_down(&mut self) -> Option<JoinHandle<()>> {
         let server = self.servers.pop()?;
         self.agent_backends.remove(server.agent_addr);
-        let count = self.servers.len();
         let drained = tokio::spawn(server.shutdown());
         if let Some(peers) = &self.peers {
-            peers.set(Ok(count));
+            peers.set(Ok(health_endpoints(&self.servers)));
         }
         Some(drained)
     }
@@ -231,6 +252,9 @@ impl Replicas {
             }
         };
         self.servers.insert(index.min(self.servers.len()), server);
+        if let Some(peers) = &self.peers {
+            peers.set(Ok(health_endpoints(&self.servers)));
+        }
         Ok(())
     }
 
@@ -241,6 +265,11 @@ impl Replicas {
             server.shutdown().await;
         }
     }
+}
+
+/// Every replica's health endpoint, as the headless Service lists them.
+pub fn health_endpoints(servers: &[RunningServer]) -> Vec<SocketAddr> {
+    servers.iter().map(|s| s.health_addr).collect()
 }
 
 async fn start_replica(

@@ -12,7 +12,7 @@ use cluster_proxy_proto::metadata;
 use cluster_proxy_proto::packet::{self, Frame};
 use cluster_proxy_proto::transport::ALPN_HTTP11;
 use e2e::env::balancer::{self, Backends, Selection};
-use e2e::harness::{RawAgent, http_connect, test_server_config, wait_until};
+use e2e::harness::{RawAgent, health_get, http_connect, test_server_config, wait_until};
 use e2e::pki::TestPki;
 use e2e::replicas::{PEER_REFRESH, PeerSet, Replicas, start_agents, wait_full_mesh};
 use e2e::targets::EchoServer;
@@ -139,9 +139,10 @@ async fn wait_all_hold(agents: &[RunningAgent], server_id: &str, count: usize, s
 /// round-robin balancer with a sync interval longer than the bound: every
 /// agent holds the new replica within [`CONVERGED`] (the SERVER_COUNT
 /// packet, not a periodic retry), stops counting the removed one, and no
-/// dial fails. The client's balancer follows readiness as a Service does: a
-/// new replica joins it once every agent holds it, a leaving one leaves it
-/// before it drains.
+/// dial fails. The client's balancer follows the replicas' `/readyz` as a
+/// Service does: the new replica is not ready when it starts, becomes
+/// ready only once it holds every agent its peers hold, and joins then; a
+/// leaving one leaves before it drains.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scaling_two_three_two_reaches_every_replica_and_fails_no_dial() {
     let agent_count = 6;
@@ -194,9 +195,33 @@ async fn scaling_two_three_two_reaches_every_replica_and_fails_no_dial() {
     let scaled_up = Instant::now();
     let index = replicas.scale_up(&pki, grace).await.unwrap();
     let new_id = replicas.servers[index].server_id.clone();
+    let new_health = replicas.servers[index].health_addr;
+    let (status, body) = health_get(new_health, "/readyz").await.unwrap();
+    assert_eq!(
+        status, 503,
+        "a new replica was ready before any agent: {body}"
+    );
+    let became_ready = loop {
+        let (status, body) = health_get(new_health, "/readyz").await.unwrap();
+        if status == 200 {
+            break scaled_up.elapsed();
+        }
+        assert!(body.starts_with("waiting for agents"), "{status} {body}");
+        assert!(
+            scaled_up.elapsed() < CONVERGED,
+            "{new_id} not ready {CONVERGED:?} after the scale-up: {body}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    let held = health_get(new_health, "/agent-count").await.unwrap();
+    assert_eq!(
+        held,
+        (200, format!("{agent_count}\n")),
+        "{new_id} became ready holding fewer agents than its peers"
+    );
     wait_all_hold(&agents, &new_id, 3, scaled_up).await;
     eprintln!(
-        "every agent held {new_id} {:?} after the scale-up",
+        "{new_id} ready {became_ready:?} after the scale-up; every agent held it {:?} after",
         scaled_up.elapsed()
     );
     ready.add(replicas.servers[index].client_addr);
@@ -259,6 +284,72 @@ async fn scaling_two_three_two_reaches_every_replica_and_fails_no_dial() {
     replicas.shutdown().await;
 }
 
+/// A replica its agents cannot reach (it is not behind their balancer)
+/// still becomes ready once `--readiness-agent-wait` has passed, so a
+/// broken path cannot stall a rollout; before that `/readyz` says what it
+/// waits for.
+#[tokio::test]
+async fn a_replica_agents_cannot_reach_is_ready_after_the_agent_wait() {
+    let pki = TestPki::new(&["cluster-a"]).unwrap();
+    let wait = |config: &mut proxy_server::config::ServerConfig| {
+        config.readiness_agent_wait = Duration::from_secs(2);
+    };
+    let mut replicas = Replicas::start_scalable(&pki, 1, Selection::RoundRobin, wait)
+        .await
+        .unwrap();
+    let agents = start_agents(vec![replicas.agent_config(&pki, "cluster-a").unwrap()])
+        .await
+        .unwrap();
+    assert!(
+        wait_until(STEP, || replicas.servers[0].tunnel_count() == 1).await,
+        "the agent never reached the first replica"
+    );
+    let first = replicas.servers[0].health_addr;
+    assert!(
+        wait_until_ready(first, STEP).await,
+        "a replica holding every agent is not ready"
+    );
+
+    let index = replicas.scale_up(&pki, wait).await.unwrap();
+    let unreachable = replicas.servers[index].agent_addr;
+    replicas.agent_backends.remove(unreachable);
+    let started = Instant::now();
+    let health = replicas.servers[index].health_addr;
+    let mut seen_waiting = None;
+    while started.elapsed() < Duration::from_secs(1) {
+        let (status, body) = health_get(health, "/readyz").await.unwrap();
+        assert_eq!(status, 503, "ready before the wait passed: {body}");
+        if body == "waiting for agents: holding 0 of the 1 another replica holds" {
+            seen_waiting = Some(body);
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        seen_waiting.is_some(),
+        "/readyz never said what it waits for"
+    );
+    assert!(
+        wait_until_ready(health, STEP).await,
+        "not ready after the agent wait"
+    );
+    assert_eq!(replicas.servers[index].tunnel_count(), 0);
+    for agent in agents {
+        agent.shutdown().await;
+    }
+    replicas.shutdown().await;
+}
+
+async fn wait_until_ready(health: SocketAddr, timeout: Duration) -> bool {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if matches!(health_get(health, "/readyz").await, Ok((200, _))) {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    false
+}
+
 async fn scalable_server(pki: &TestPki, peers: &PeerSet, count: u32) -> RunningServer {
     let mut config = test_server_config();
     config.server_id = "server-0".into();
@@ -308,7 +399,7 @@ async fn only_agents_that_advertise_it_are_sent_the_server_count() {
     assert_eq!(upstream.headers.get(metadata::SERVER_COUNT).unwrap(), "2");
     assert!(wait_until(STEP, || server.tunnel_count() == 2).await);
 
-    peers.set(Ok(3));
+    peers.set_count(3);
     let update = extended.recv(STEP).await.expect("a SERVER_COUNT packet");
     // type 101, payload field 101, count 3.
     assert_eq!(
@@ -362,14 +453,14 @@ async fn a_failed_or_empty_peer_lookup_keeps_the_last_count() {
     peers.set(Err("no such host".into()));
     assert!(wait_until(STEP, || peer_lookup_failures(&server) >= 2).await);
     assert_eq!(server.server_count(), 2);
-    peers.set(Ok(0));
+    peers.set(Ok(Vec::new()));
     let before = peer_lookup_failures(&server);
     assert!(wait_until(STEP, || peer_lookup_failures(&server) >= before + 2).await);
     assert_eq!(server.server_count(), 2);
     let header = raw_agent(&pki, &server, &[]).await;
     assert_eq!(header.headers.get(metadata::SERVER_COUNT).unwrap(), "2");
 
-    peers.set(Ok(4));
+    peers.set_count(4);
     let update = extended.recv(STEP).await.expect("a SERVER_COUNT packet");
     assert_eq!(
         Frame::from_packet(update),

@@ -66,6 +66,10 @@ pub struct ServerConfig {
     /// How often `dns:` sources are resolved.
     #[serde(with = "serde_go")]
     pub server_count_refresh_interval: Duration,
+    /// With a `dns:` count source: how long `/readyz` waits to hold as many
+    /// agents as the other replicas (see [`crate::readiness`]).
+    #[serde(with = "serde_go")]
+    pub readiness_agent_wait: Duration,
     pub agent_namespace: String,
     pub agent_service_account: String,
     pub authentication_audience: String,
@@ -140,6 +144,7 @@ impl Default for ServerConfig {
             server_count: 1,
             server_count_source: "static".into(),
             server_count_refresh_interval: Duration::from_secs(5),
+            readiness_agent_wait: Duration::from_secs(30),
             agent_namespace: String::new(),
             agent_service_account: String::new(),
             authentication_audience: String::new(),
@@ -285,6 +290,11 @@ pub struct Cli {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub server_count_refresh_interval: Option<String>,
+    /// With a dns: --server-count-source, how long /readyz waits until this
+    /// replica holds as many agents as the other replicas (Go duration; 0: ready at once).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub readiness_agent_wait: Option<String>,
     /// Service-account token authentication of agents (upstream); not supported: agents present certificates.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]

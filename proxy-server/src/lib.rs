@@ -16,6 +16,7 @@ pub mod http_connect;
 pub mod listener;
 pub mod metrics;
 pub mod peers;
+pub mod readiness;
 pub mod registry;
 pub mod tunnel;
 
@@ -29,7 +30,7 @@ use std::time::Duration;
 use cluster_proxy_proto::konnectivity::agent_service_server::AgentServiceServer;
 use cluster_proxy_proto::konnectivity::proxy_service_server::ProxyServiceServer;
 use cluster_proxy_proto::transport::{ALPN_H2, ALPN_HTTP11, MAX_MESSAGE_SIZE};
-use cluster_proxy_runtime::admin::{self, NotReady};
+use cluster_proxy_runtime::admin;
 use cluster_proxy_runtime::net::{BindError, bind};
 use cluster_proxy_runtime::reload::{self, Watched};
 use cluster_proxy_runtime::tls::{self, Identity, Pem, TlsError};
@@ -407,7 +408,10 @@ pub async fn start_with_tls(
 ) -> Result<RunningServer, ServerError> {
     let peers: Option<Arc<dyn PeerLookup>> = match config.server_count_source()? {
         ServerCountSource::Static => None,
-        ServerCountSource::Dns(name) => Some(Arc::new(DnsPeers { name })),
+        ServerCountSource::Dns(name) => Some(Arc::new(DnsPeers {
+            name,
+            health_port: config.health_port,
+        })),
     };
     start_with_peers(config, tls, peers).await
 }
@@ -479,17 +483,32 @@ pub async fn start_with_peers(
 
     let (server_count, server_count_rx) = tokio::sync::watch::channel(config.server_count);
     metrics.server_count.set(i64::from(config.server_count));
-    if let Some(lookup) = peers {
-        info!(source = lookup.describe(), every = ?config.server_count_refresh_interval, "counting the proxy-server replicas");
-        tasks.spawn(peers::follow(
-            lookup,
-            config.server_count_refresh_interval,
-            server_count,
-            registry.clone(),
-            metrics.clone(),
-            shutdown.clone(),
-        ));
-    }
+    let readiness = match peers {
+        Some(lookup) => {
+            info!(source = lookup.describe(), every = ?config.server_count_refresh_interval, "counting the proxy-server replicas");
+            let (found, peer_addresses) = tokio::sync::watch::channel(Vec::new());
+            tasks.spawn(peers::follow(
+                lookup,
+                config.server_count_refresh_interval,
+                server_count,
+                found,
+                registry.clone(),
+                metrics.clone(),
+                shutdown.clone(),
+            ));
+            let catch_up = Arc::new(readiness::CatchUp::default());
+            tasks.spawn(readiness::catch_up(
+                catch_up.clone(),
+                registry.clone(),
+                peer_addresses,
+                std::time::Instant::now(),
+                config.readiness_agent_wait,
+                shutdown.clone(),
+            ));
+            readiness::Readiness::caught_up(draining.clone(), registry.clone(), catch_up)
+        }
+        None => readiness::Readiness::any_agent(draining.clone(), registry.clone()),
+    };
 
     let agent_endpoint = AgentEndpoint {
         settings: AgentEndpointSettings {
@@ -557,25 +576,13 @@ pub async fn start_with_peers(
         keepalive(config.frontend_keepalive_time),
     ));
 
-    let health_registry = registry.clone();
     let health_metrics = metrics.clone();
-    let health_draining = draining.clone();
-    let health = admin::Routes::probes(move || {
-        if health_draining.load(Ordering::SeqCst) {
-            Err(NotReady {
-                status: StatusCode::SERVICE_UNAVAILABLE,
-                body: "draining".into(),
-            })
-        } else if health_registry.tunnel_count() > 0 {
-            Ok(())
-        } else {
-            Err(NotReady {
-                status: StatusCode::INTERNAL_SERVER_ERROR,
-                body: "no connection to any proxy agent".into(),
-            })
-        }
-    })
-    .with_metrics(move || health_metrics.encode());
+    let counted = registry.clone();
+    let health = admin::Routes::probes(move || readiness.check())
+        .with_metrics(move || health_metrics.encode())
+        .with_text(readiness::AGENT_COUNT_PATH, move || {
+            format!("{}\n", counted.agent_count())
+        });
     tasks.spawn(admin::serve(health_listener, health, shutdown.clone()));
     let admin_metrics = metrics.clone();
     let admin_routes = admin::Routes::metrics_only(move || admin_metrics.encode());

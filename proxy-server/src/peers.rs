@@ -15,10 +15,14 @@
 //! Kubernetes client. Agents learn a changed count from the next Connect's
 //! `servercount` header and, when they negotiated it, at once from a
 //! `SERVER_COUNT` packet on every tunnel ([`crate::tunnel::AgentTunnel::announce_server_count`]).
+//!
+//! A lookup yields each replica's health endpoint (the address with this
+//! replica's `--health-port`), which [`crate::readiness`] asks how many
+//! agents it holds.
 
 use std::collections::HashSet;
 use std::future::Future;
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
@@ -90,20 +94,23 @@ pub enum PeerLookupError {
 }
 
 pub type LookupFuture<'a> =
-    Pin<Box<dyn Future<Output = Result<usize, PeerLookupError>> + Send + 'a>>;
+    Pin<Box<dyn Future<Output = Result<Vec<SocketAddr>, PeerLookupError>> + Send + 'a>>;
 
-/// Counts the replicas that exist now. Tests drive the count without DNS.
+/// Finds the replicas that exist now. Tests drive the set without DNS.
 pub trait PeerLookup: Send + Sync + 'static {
     /// What the lookup asks for, for logs.
     fn describe(&self) -> String;
-    /// How many replicas there are; 0 is reported as an error by the caller.
+    /// Every replica's health endpoint, this one's included; none is
+    /// reported as an error by the caller.
     fn lookup(&self) -> LookupFuture<'_>;
 }
 
-/// Resolves a headless Service name: one address per replica.
+/// Resolves a headless Service name: one address per replica, each
+/// replica's health endpoint on `health_port` (the same in every pod).
 #[derive(Debug, Clone)]
 pub struct DnsPeers {
     pub name: String,
+    pub health_port: u16,
 }
 
 impl PeerLookup for DnsPeers {
@@ -120,17 +127,22 @@ impl PeerLookup for DnsPeers {
                     source,
                 })?;
             let distinct: HashSet<IpAddr> = addresses.map(|a| a.ip()).collect();
-            Ok(distinct.len())
+            Ok(distinct
+                .into_iter()
+                .map(|ip| SocketAddr::new(ip, self.health_port))
+                .collect())
         })
     }
 }
 
-/// Keeps `count` at what `lookup` reports, every `interval`, until
-/// `shutdown`; tells every agent that negotiated it when the count changes.
+/// Keeps `count` at the number of replicas `lookup` reports and `found` at
+/// their health endpoints, every `interval`, until `shutdown`; tells every
+/// agent that negotiated it when the count changes.
 pub(crate) async fn follow(
     lookup: Arc<dyn PeerLookup>,
     interval: Duration,
     count: watch::Sender<u32>,
+    found: watch::Sender<Vec<SocketAddr>>,
     registry: Arc<Registry>,
     metrics: Arc<Metrics>,
     shutdown: CancellationToken,
@@ -144,16 +156,26 @@ pub(crate) async fn follow(
             _ = shutdown.cancelled() => return,
             _ = ticks.tick() => {}
         }
-        let found = tokio::select! {
+        let answer = tokio::select! {
             _ = shutdown.cancelled() => return,
-            found = lookup.lookup() => found,
+            answer = lookup.lookup() => answer,
         };
-        let found = match found {
-            Ok(0) => Err(PeerLookupError::NoAddress(source.clone())),
+        let answer = match answer {
+            Ok(peers) if peers.is_empty() => Err(PeerLookupError::NoAddress(source.clone())),
             other => other,
         };
-        let replicas = match found {
-            Ok(n) => u32::try_from(n).unwrap_or(u32::MAX),
+        let replicas = match answer {
+            Ok(mut peers) => {
+                peers.sort_unstable();
+                peers.dedup();
+                let replicas = u32::try_from(peers.len()).unwrap_or(u32::MAX);
+                found.send_if_modified(|known| {
+                    let changed = *known != peers;
+                    *known = std::mem::take(&mut peers);
+                    changed
+                });
+                replicas
+            }
             Err(e) => {
                 metrics.peer_lookup_failures.inc();
                 let last = *count.borrow();
@@ -212,8 +234,12 @@ mod tests {
     async fn localhost_resolves_to_at_least_one_address() {
         let peers = DnsPeers {
             name: "localhost".into(),
+            health_port: 8092,
         };
-        let n = peers.lookup().await.map_err(|e| e.to_string());
-        assert!(matches!(n, Ok(n) if n >= 1), "{n:?}");
+        let found = peers.lookup().await.map_err(|e| e.to_string());
+        assert!(
+            matches!(&found, Ok(found) if !found.is_empty() && found.iter().all(|a| a.port() == 8092)),
+            "{found:?}"
+        );
     }
 }

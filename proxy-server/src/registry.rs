@@ -151,6 +151,21 @@ impl Registry {
         self.read().all.len()
     }
 
+    /// Number of distinct agents (by agent id) with a live tunnel; an
+    /// agent reconnecting may briefly hold two.
+    pub fn agent_count(&self) -> usize {
+        let t = self.read();
+        let mut ids: Vec<&str> = t
+            .all
+            .iter()
+            .filter(|tunnel| !tunnel.is_closed())
+            .map(|tunnel| tunnel.agent_id())
+            .collect();
+        ids.sort_unstable();
+        ids.dedup();
+        ids.len()
+    }
+
     /// Distinct keys per strategy (the upstream `ready_backends` gauge).
     pub fn ready_backends(&self, strategy: Strategy) -> usize {
         let t = self.read();

@@ -264,6 +264,9 @@ pub fn render(mpc: &ManagedProxyConfiguration) -> Result<HubObjects, RenderError
             },
             spec: Some(ServiceSpec {
                 type_: Some("LoadBalancer".to_owned()),
+                // Agents must reach a replica before it is ready: it is
+                // ready only once they do.
+                publish_not_ready_addresses: Some(true),
                 selector: Some(pod_selector()),
                 ports: Some(vec![
                     service_port(
@@ -417,11 +420,15 @@ fn pod_spec(mpc: &ManagedProxyConfiguration, ports: &DeployPorts) -> PodSpec {
             container_port(PORT_NAME_HEALTH, ports.health_server),
             container_port(PORT_NAME_ADMIN, ports.admin_server),
         ]),
-        // Not `/readyz`, which fails until an agent holds a tunnel: agents
-        // reach a replica only through Services that route to ready pods,
-        // so a new replica would never become ready and a scale-up or a
-        // rollout would stall. A terminating pod leaves the endpoints anyway.
-        readiness_probe: Some(health_probe("/healthz")),
+        // `/readyz` passes once this replica holds as many agents as the
+        // others (or `--readiness-agent-wait` passed), so clients reach a
+        // new replica only once their clusters' agents do; agents reach it
+        // before, through the agent entrypoint's not-ready addresses.
+        // Probed often: a caught-up replica should not wait 10 s to serve.
+        readiness_probe: Some(Probe {
+            period_seconds: Some(2),
+            ..health_probe("/readyz")
+        }),
         liveness_probe: Some(Probe {
             initial_delay_seconds: Some(10),
             ..health_probe("/healthz")

@@ -42,6 +42,7 @@ type Exposition = dyn Fn() -> String + Send + Sync;
 pub struct Routes {
     probes: Option<Arc<Readiness>>,
     metrics: Option<Arc<Exposition>>,
+    texts: Vec<(&'static str, Arc<Exposition>)>,
 }
 
 impl Routes {
@@ -50,7 +51,7 @@ impl Routes {
     pub fn probes(ready: impl Fn() -> Result<(), NotReady> + Send + Sync + 'static) -> Self {
         Routes {
             probes: Some(Arc::new(ready)),
-            metrics: None,
+            ..Routes::default()
         }
     }
 
@@ -62,6 +63,17 @@ impl Routes {
     /// Adds `/metrics`, answered by `exposition` (OpenMetrics text).
     pub fn with_metrics(mut self, exposition: impl Fn() -> String + Send + Sync + 'static) -> Self {
         self.metrics = Some(Arc::new(exposition));
+        self
+    }
+
+    /// Adds `path`, answered with the plain text `text` returns (a
+    /// service's own facts for its peers, such as a count).
+    pub fn with_text(
+        mut self,
+        path: &'static str,
+        text: impl Fn() -> String + Send + Sync + 'static,
+    ) -> Self {
+        self.texts.push((path, Arc::new(text)));
         self
     }
 
@@ -92,7 +104,10 @@ impl Routes {
                 PROMETHEUS_TEXT,
                 to_prometheus_text(&exposition()),
             ),
-            _ => (StatusCode::NOT_FOUND, TEXT, NOT_FOUND_BODY.into()),
+            _ => match self.texts.iter().find(|(known, _)| *known == path) {
+                Some((_, text)) => (StatusCode::OK, TEXT, text()),
+                None => (StatusCode::NOT_FOUND, TEXT, NOT_FOUND_BODY.into()),
+            },
         }
     }
 }
@@ -186,6 +201,12 @@ mod tests {
             (StatusCode::OK, OPENMETRICS, "# EOF\n".into())
         );
         assert_eq!(r.answer("/nope").2, NOT_FOUND_BODY);
+        let counted = routes(ready).with_text("/count", || "3\n".into());
+        assert_eq!(
+            counted.answer("/count"),
+            (StatusCode::OK, TEXT, "3\n".into())
+        );
+        assert_eq!(counted.answer("/counts").0, StatusCode::NOT_FOUND);
         let admin = Routes::metrics_only(|| "# EOF\n".into());
         assert_eq!(admin.answer("/healthz").0, StatusCode::NOT_FOUND);
         assert_eq!(admin.answer("/metrics").0, StatusCode::OK);
