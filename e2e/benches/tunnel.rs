@@ -5,11 +5,9 @@
 //! single-connection transfer, default 1024; `CP_BENCH_RTT` round trips,
 //! default 10000; `CP_BENCH_CONNECTS`, default 2000; `CP_BENCH_IDLE`, default 1000).
 //!
-//! `CP_BENCH_TRACING=1` measures everything twice in the same run: first
-//! with tracing off, as the services run without an OTLP endpoint (the
-//! connection spans are then disabled), then with a fresh server and agent
-//! on a runtime whose threads export every span (100 % sampling) to an
-//! in-process OTLP collector; it prints both tables and the ratios.
+//! `CP_BENCH_TRACING=1` compares tracing off and on instead (see
+//! [`compare_tracing`]): single-connection throughput and connects/s, in
+//! `CP_BENCH_ROUNDS` (5) alternating rounds, reported as ratios.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -148,9 +146,20 @@ fn main() {
         print_table(&runtime.block_on(run()));
         return;
     }
-    let off = runtime.block_on(run());
-    println!("\n## tracing off (no OTLP endpoint)\n");
-    print_table(&off);
+    compare_tracing(&runtime);
+}
+
+/// Tracing off against tracing on, alternating: two server-and-agent
+/// setups live side by side, one on a runtime without a subscriber (as
+/// the services run without an OTLP endpoint), one on a runtime whose
+/// threads export every span (100 % sampling) to an OTLP collector; each of
+/// `CP_BENCH_ROUNDS` rounds measures every figure on both, in alternating
+/// order, so drift in this machine's speed hits both alike. Reports the
+/// median of the per-round ratios, and the spread.
+fn compare_tracing(runtime: &tokio::runtime::Runtime) {
+    let mib = env_u64("CP_BENCH_MIB", 1024);
+    let connects = env_u64("CP_BENCH_CONNECTS", 2_000);
+    let rounds = env_u64("CP_BENCH_ROUNDS", 5).max(1);
     let (collector, collector_addr, stop) = runtime
         .block_on(e2e::otlp::Collector::start())
         .expect("collector");
@@ -165,6 +174,13 @@ fn main() {
             .expect("telemetry")
             .expect("an endpoint")
     };
+    // With a single registered dispatcher, tracing computes a callsite's
+    // interest from the subscriber of the thread that first hits it: the
+    // off setup would then disable the connection spans for good. A second
+    // registered (no-op) dispatcher makes it ask both. The off setup pays a
+    // thread-local read per span callsite for it, as a process with tracing
+    // configured but not on that thread would.
+    let _second_dispatcher = tracing::Dispatch::new(tracing::subscriber::NoSubscriber::default());
     // Every thread of this runtime (workers and blocking threads) exports;
     // the thread-local default lives as long as the thread, so its guard
     // is deliberately never dropped.
@@ -173,12 +189,53 @@ fn main() {
         .on_thread_start(move || std::mem::forget(tracing::dispatcher::set_default(&dispatch)))
         .build()
         .expect("tokio runtime");
-    let on = traced.block_on(run());
-    runtime.block_on(telemetry.shutdown());
-    println!("\n## tracing on (100 % sampling, in-process OTLP collector)\n");
-    print_table(&on);
+    let off = runtime.block_on(setup());
+    let on = traced.block_on(setup());
+    let bytes = mib * 1024 * 1024;
     println!(
-        "\nspans received: {} (server `tunnel.connection` spans: {})",
+        "tracing off vs on, {rounds} rounds alternating; single transfers {mib} MiB, {connects} connects"
+    );
+    let figures = [
+        "1 conn up",
+        "1 conn down",
+        "connects/s",
+        "connects/s (8 parallel)",
+    ];
+    // ratios[path][figure][round]
+    let mut ratios = vec![vec![Vec::new(); figures.len()]; 2];
+    for round in 0..rounds {
+        for (p, path_index) in [1usize, 2].into_iter().enumerate() {
+            for (f, _) in figures.iter().enumerate() {
+                let measure = |setup: &Setup, rt: &tokio::runtime::Runtime| {
+                    let path = &setup.paths[path_index];
+                    rt.block_on(async {
+                        match f {
+                            0 => throughput(path, setup.bulk.addr.port(), 1, bytes, true).await,
+                            1 => throughput(path, setup.bulk.addr.port(), 1, bytes, false).await,
+                            2 => {
+                                connects_per_second(path, setup.echo.addr.port(), connects, 1).await
+                            }
+                            _ => {
+                                connects_per_second(path, setup.echo.addr.port(), connects, 8).await
+                            }
+                        }
+                    })
+                };
+                let (off_value, on_value) = if round % 2 == 0 {
+                    let o = measure(&off, runtime);
+                    (o, measure(&on, &traced))
+                } else {
+                    let n = measure(&on, &traced);
+                    (measure(&off, runtime), n)
+                };
+                ratios[p][f].push(on_value / off_value);
+            }
+        }
+        eprintln!("round {} of {rounds} done", round + 1);
+    }
+    runtime.block_on(telemetry.shutdown());
+    println!(
+        "spans received: {} (server `tunnel.connection` spans: {})\n",
         collector.spans().len(),
         collector
             .spans()
@@ -187,27 +244,42 @@ fn main() {
             .count()
     );
     stop.cancel();
-    println!("\n## tracing on ÷ off\n");
-    println!("| path | 1 conn up | 1 conn down | connects/s | connects/s (8 parallel) |");
-    println!("|---|---|---|---|---|");
-    for ((name, off), (_, on)) in off.iter().zip(&on).skip(1) {
-        let ratio = |i: usize| format!("{:.1} %", on[i] / off[i] * 100.0);
-        println!(
-            "| {name} | {} | {} | {} | {} |",
-            ratio(0),
-            ratio(1),
-            ratio(6),
-            ratio(7)
-        );
+    println!("| path | {} |", figures.join(" | "));
+    println!("|---|{}", "---|".repeat(figures.len()));
+    for (p, name) in ["tunnel, gRPC client", "tunnel, HTTP CONNECT"]
+        .iter()
+        .enumerate()
+    {
+        let cells: Vec<String> = ratios[p]
+            .iter()
+            .map(|per_round| {
+                let mut sorted = per_round.clone();
+                sorted.sort_by(f64::total_cmp);
+                let median = sorted[sorted.len() / 2];
+                format!(
+                    "{:.1} % ({:.0}–{:.0})",
+                    median * 100.0,
+                    sorted[0] * 100.0,
+                    sorted[sorted.len() - 1] * 100.0
+                )
+            })
+            .collect();
+        println!("| {name} | {} |", cells.join(" | "));
     }
+    println!("\nTracing on ÷ off: median of the rounds' ratios (lowest–highest round).");
 }
 
-async fn run() -> Rows {
-    let mib = env_u64("CP_BENCH_MIB", 1024);
-    let rtt_count = env_u64("CP_BENCH_RTT", 10_000);
-    let connects = env_u64("CP_BENCH_CONNECTS", 2_000);
-    let idle = env_u64("CP_BENCH_IDLE", 1_000);
+/// A server, an agent, the targets and the three paths to them.
+struct Setup {
+    paths: [Path; 3],
+    bulk: BulkServer,
+    echo: EchoServer,
+    cpu_latency: Option<std::fs::File>,
+    _agent: proxy_agent::RunningAgent,
+    _server: proxy_server::RunningServer,
+}
 
+async fn setup() -> Setup {
     let pki = TestPki::new(&["bench"]).expect("pki");
     let mut config = test_server_config();
     config.backend_dial_timeout = Duration::from_secs(30);
@@ -276,6 +348,28 @@ async fn run() -> Rows {
             }),
         },
     ];
+    Setup {
+        paths,
+        bulk,
+        echo,
+        cpu_latency,
+        _agent: agent,
+        _server: server,
+    }
+}
+
+async fn run() -> Rows {
+    let mib = env_u64("CP_BENCH_MIB", 1024);
+    let rtt_count = env_u64("CP_BENCH_RTT", 10_000);
+    let connects = env_u64("CP_BENCH_CONNECTS", 2_000);
+    let idle = env_u64("CP_BENCH_IDLE", 1_000);
+    let Setup {
+        paths,
+        bulk,
+        echo,
+        cpu_latency,
+        ..
+    } = &setup().await;
 
     let bytes = mib * 1024 * 1024;
     println!(
@@ -295,7 +389,7 @@ async fn run() -> Rows {
         mib / 8
     );
     let mut rows: Rows = Vec::new();
-    for path in &paths {
+    for path in paths {
         let up1 = throughput(path, bulk.addr.port(), 1, bytes, true).await;
         let down1 = throughput(path, bulk.addr.port(), 1, bytes, false).await;
         let up8 = throughput(path, bulk.addr.port(), 8, bytes / 8, true).await;
