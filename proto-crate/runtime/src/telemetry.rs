@@ -346,9 +346,7 @@ pub fn init(
     let installed = tracing_subscriber::registry()
         .with(fmt.with_filter(filter))
         .with(
-            tracing_opentelemetry::layer()
-                .with_tracer(tracer)
-                .with_filter(export_filter),
+            span_layer(tracer).with_filter(export_filter),
         )
         .try_init();
     if installed.is_err() {
@@ -371,9 +369,7 @@ pub fn export_dispatch(
         return Ok(None);
     };
     let provider = tracer_provider(config, endpoint)?;
-    let layer = tracing_opentelemetry::layer()
-        .with_tracer(provider.tracer("cluster-proxy"))
-        .with_filter(EnvFilter::new(format!(
+    let layer = span_layer(provider.tracer("cluster-proxy")).with_filter(EnvFilter::new(format!(
             "off,{}=info",
             cluster_proxy_proto::trace::SPAN_TARGET
         )));
@@ -384,6 +380,26 @@ pub fn export_dispatch(
             provider: Some(provider),
         },
     )))
+}
+
+/// The layer that turns spans into OpenTelemetry spans. Without the
+/// source location (`code.*`), thread (`thread.*`) and busy/idle-time
+/// attributes the layer adds by default: a connection span is made for
+/// every tunneled connection, and each of those costs allocations and
+/// clock reads per span (the inactivity tracking, per poll) on the data
+/// path and bytes on the wire, and says nothing the span's name and
+/// attributes do not.
+fn span_layer<S>(
+    tracer: opentelemetry_sdk::trace::Tracer,
+) -> tracing_opentelemetry::OpenTelemetryLayer<S, opentelemetry_sdk::trace::Tracer>
+where
+    S: tracing::Subscriber + for<'span> tracing_subscriber::registry::LookupSpan<'span>,
+{
+    tracing_opentelemetry::layer()
+        .with_tracer(tracer)
+        .with_location(false)
+        .with_threads(false)
+        .with_tracked_inactivity(false)
 }
 
 /// The span of one reconcile of a controller (`reconcile`), named after
