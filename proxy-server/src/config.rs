@@ -99,6 +99,21 @@ pub struct ServerConfig {
     /// How often certificate files are checked for rotation.
     #[serde(with = "serde_go")]
     pub credential_reload_interval: Duration,
+    /// Concurrent HTTP/2 streams one peer connection may open, on the agent
+    /// port and the client port alike.
+    pub max_concurrent_streams: u32,
+    /// Largest gRPC message (packet) accepted from agents and clients, in bytes.
+    pub max_packet_size: u32,
+    /// Tunnels one agent identity (its cluster, else its agent id) may hold to this replica.
+    pub max_tunnels_per_agent: u32,
+    /// Dials one tunnel may have waiting for the agent's answer.
+    pub max_pending_dials_per_tunnel: u32,
+    /// Connection ids for which a tunnel may await the agent's CLOSE_RSP
+    /// after DATA or DIAL_RSP named a connection the server does not know.
+    pub max_stray_closes_per_tunnel: u32,
+    /// How long a new `Proxy` stream may go without its DIAL_REQ.
+    #[serde(with = "serde_go")]
+    pub first_packet_timeout: Duration,
     /// klog-style verbosity (`-v`); `RUST_LOG` overrides it.
     pub v: u8,
     pub log_format: LogFormat,
@@ -161,6 +176,12 @@ impl Default for ServerConfig {
             plain_peer_buffer: 4 * 1024 * 1024,
             plain_peer_stall_timeout: cluster_proxy_proto::flow::DEFAULT_STALL_TIMEOUT,
             credential_reload_interval: cluster_proxy_runtime::reload::DEFAULT_INTERVAL,
+            max_concurrent_streams: 1000,
+            max_packet_size: 16 * 1024 * 1024,
+            max_tunnels_per_agent: 64,
+            max_pending_dials_per_tunnel: 1024,
+            max_stray_closes_per_tunnel: 1024,
+            first_packet_timeout: Duration::from_secs(30),
             v: 0,
             log_format: LogFormat::Auto,
         }
@@ -373,6 +394,30 @@ pub struct Cli {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub credential_reload_interval: Option<String>,
+    /// Concurrent HTTP/2 streams per connection on the agent and client ports.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_concurrent_streams: Option<u32>,
+    /// Largest packet (gRPC message) accepted from agents and clients, in bytes.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_packet_size: Option<u32>,
+    /// Tunnels one agent identity (cluster, else agent id) may hold to this replica.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_tunnels_per_agent: Option<u32>,
+    /// Dials one agent tunnel may have waiting for the agent's answer.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_pending_dials_per_tunnel: Option<u32>,
+    /// Unknown connection ids per tunnel the server may be waiting to see closed; beyond it, stray DATA is dropped unanswered.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_stray_closes_per_tunnel: Option<u32>,
+    /// Close a Proxy stream that sent no DIAL_REQ within this long (Go duration).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub first_packet_timeout: Option<String>,
     #[command(flatten)]
     #[serde(flatten)]
     pub logging: LogFlags,
@@ -459,6 +504,35 @@ impl ServerConfig {
                 "plain-peer-buffer",
                 format!("must be at least {MIN_WINDOW} bytes"),
             ));
+        }
+        for (flag, value) in [
+            ("max-concurrent-streams", self.max_concurrent_streams),
+            ("max-tunnels-per-agent", self.max_tunnels_per_agent),
+            (
+                "max-pending-dials-per-tunnel",
+                self.max_pending_dials_per_tunnel,
+            ),
+            (
+                "max-stray-closes-per-tunnel",
+                self.max_stray_closes_per_tunnel,
+            ),
+        ] {
+            if value == 0 {
+                return Err(invalid(flag, "must be at least 1"));
+            }
+        }
+        // A packet must at least carry one flow-control chunk of DATA.
+        let min_packet = u32::try_from(cluster_proxy_proto::flow::READ_CHUNK)
+            .unwrap_or(u32::MAX)
+            .saturating_add(1024);
+        if self.max_packet_size < min_packet {
+            return Err(invalid(
+                "max-packet-size",
+                format!("must be at least {min_packet} bytes"),
+            ));
+        }
+        if self.first_packet_timeout.is_zero() {
+            return Err(invalid("first-packet-timeout", "must be greater than zero"));
         }
         match self.tls_min_version.as_str() {
             "" | "VersionTLS12" | "VersionTLS13" => {}

@@ -31,6 +31,8 @@ pub enum DialFailure {
     Timeout(Duration),
     /// The request itself is unusable (bad protocol, duplicate dial id).
     BadRequest(String),
+    /// A configured bound refused the dial (e.g. `--max-pending-dials-per-tunnel`).
+    Overloaded(String),
 }
 
 impl DialFailure {
@@ -43,6 +45,7 @@ impl DialFailure {
             DialFailure::TunnelClosed(e) => e.clone(),
             DialFailure::Timeout(d) => format!("timed out waiting for backend dial after {d:?}"),
             DialFailure::BadRequest(e) => e.clone(),
+            DialFailure::Overloaded(e) => e.clone(),
         }
     }
 
@@ -55,6 +58,7 @@ impl DialFailure {
             DialFailure::TunnelClosed(_) => "backend_close",
             DialFailure::Timeout(_) => "backend_dial_timeout",
             DialFailure::BadRequest(_) => "send_rsp",
+            DialFailure::Overloaded(_) => "overloaded",
         }
     }
 
@@ -64,6 +68,7 @@ impl DialFailure {
             DialFailure::NoAgent => StatusCode::INTERNAL_SERVER_ERROR,
             DialFailure::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
             DialFailure::BadRequest(_) => StatusCode::BAD_REQUEST,
+            DialFailure::Overloaded(_) => StatusCode::SERVICE_UNAVAILABLE,
             DialFailure::Agent(e) => {
                 let e = e.to_ascii_lowercase();
                 if e.contains("timeout") || e.contains("timed out") || e.contains("deadline") {
@@ -227,22 +232,24 @@ impl Dialer {
             .accepts_trace_context()
             .then(|| TraceHeaders::from_span(span))
             .flatten();
-        let reply = tunnel
-            .register_pending(random, Arc::new(ConnTrace::new(span.clone())))
-            .map_err(DialFailure::BadRequest)?;
+        let reply = tunnel.register_pending(random, Arc::new(ConnTrace::new(span.clone())))?;
         let mut guard = PendingGuard {
             tunnel: &tunnel,
             random,
             armed: true,
         };
-        tunnel
-            .send_ordered(packet::dial_request_traced(address, random, trace))
-            .await
-            .map_err(|_| DialFailure::TunnelClosed("agent tunnel closed".into()))?;
-        let outcome = tokio::select! {
-            reply = wait(reply) => reply,
-            _ = tokio::time::sleep(self.timeout) => Err(DialFailure::Timeout(self.timeout)),
+        // One deadline for queueing DIAL_REQ and for the answer: a tunnel
+        // whose ordered lane stays full must not hold the dial forever.
+        let exchange = async {
+            tunnel
+                .send_ordered(packet::dial_request_traced(address, random, trace))
+                .await
+                .map_err(|_| DialFailure::TunnelClosed("agent tunnel closed".into()))?;
+            wait(reply).await
         };
+        let outcome = tokio::time::timeout(self.timeout, exchange)
+            .await
+            .unwrap_or(Err(DialFailure::Timeout(self.timeout)));
         if outcome.is_ok() {
             guard.armed = false;
         }

@@ -75,6 +75,11 @@ pub enum ServerError {
     },
 }
 
+/// A `--max-…` flag's value as a count or size.
+fn limit(value: u32) -> usize {
+    usize::try_from(value).unwrap_or(usize::MAX)
+}
+
 /// A keepalive flag's interval; `0` turns the pings off.
 fn keepalive(interval: Duration) -> Option<Duration> {
     (!interval.is_zero()).then_some(interval)
@@ -500,6 +505,9 @@ pub async fn start_with_peers(
             plain_peer_buffer: config.plain_peer_buffer,
             plain_peer_stall_timeout: config.plain_peer_stall_timeout,
             ordered_capacity: 256,
+            max_tunnels_per_agent: limit(config.max_tunnels_per_agent),
+            max_pending_dials_per_tunnel: limit(config.max_pending_dials_per_tunnel),
+            max_stray_closes_per_tunnel: limit(config.max_stray_closes_per_tunnel),
         },
         registry: registry.clone(),
         metrics: metrics.clone(),
@@ -507,7 +515,7 @@ pub async fn start_with_peers(
     };
     let agent_routes = Routes::new(
         AgentServiceServer::new(agent_endpoint)
-            .max_decoding_message_size(MAX_MESSAGE_SIZE)
+            .max_decoding_message_size(limit(config.max_packet_size))
             .max_encoding_message_size(MAX_MESSAGE_SIZE),
     );
     tasks.spawn(listener::serve(
@@ -518,6 +526,7 @@ pub async fn start_with_peers(
         shutdown.clone(),
         grace,
         keepalive(config.keepalive_time),
+        config.max_concurrent_streams,
     ));
 
     let grpc = matches!(config.mode, Mode::Both | Mode::Grpc).then(|| {
@@ -525,8 +534,9 @@ pub async fn start_with_peers(
             ProxyServiceServer::new(GrpcFrontend {
                 dialer: dialer.clone(),
                 metrics: metrics.clone(),
+                first_packet_timeout: config.first_packet_timeout,
             })
-            .max_decoding_message_size(MAX_MESSAGE_SIZE)
+            .max_decoding_message_size(limit(config.max_packet_size))
             .max_encoding_message_size(MAX_MESSAGE_SIZE),
         )
     });
@@ -555,6 +565,7 @@ pub async fn start_with_peers(
         shutdown.clone(),
         grace,
         keepalive(config.frontend_keepalive_time),
+        config.max_concurrent_streams,
     ));
 
     let health_registry = registry.clone();

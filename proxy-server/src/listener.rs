@@ -147,6 +147,7 @@ pub async fn serve<S, F, B>(
     shutdown: CancellationToken,
     grace: Duration,
     keepalive: Option<Duration>,
+    max_concurrent_streams: u32,
 ) where
     F: Fn(Arc<PeerInfo>) -> S + Send + Sync + 'static,
     S: tower::Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
@@ -166,7 +167,9 @@ pub async fn serve<S, F, B>(
         .initial_stream_window_size(STREAM_WINDOW)
         .initial_connection_window_size(CONNECTION_WINDOW)
         .max_frame_size(256 * 1024)
-        .max_concurrent_streams(None::<u32>)
+        // Beyond it the peer's new streams are refused (REFUSED_STREAM),
+        // which a client retries: `--max-concurrent-streams`.
+        .max_concurrent_streams(max_concurrent_streams)
         // HTTP/2 pings after `keepalive` without traffic (upstream's
         // --keepalive-time / --frontend-keepalive-time); a peer that does not
         // answer within 20 s (gRPC's default timeout) is dropped.
