@@ -48,7 +48,7 @@ use crate::config::{Mode, ServerConfig};
 use crate::dial::Dialer;
 use crate::grpc_frontend::GrpcFrontend;
 use crate::http_connect::ConnectFrontend;
-use crate::listener::{Listener, PeerInfo, Protocols};
+use crate::listener::{Http2Settings, Listener, PeerInfo, Protocols};
 use crate::metrics::Metrics;
 use crate::peers::{DnsPeers, PeerLookup, ServerCountSource};
 use crate::registry::Registry;
@@ -525,8 +525,10 @@ pub async fn start_with_peers(
         move |_peer: Arc<PeerInfo>| agent_routes.clone(),
         shutdown.clone(),
         grace,
-        keepalive(config.keepalive_time),
-        config.max_concurrent_streams,
+        Http2Settings {
+            keepalive: keepalive(config.keepalive_time),
+            max_concurrent_streams: config.max_concurrent_streams,
+        },
     ));
 
     let grpc = matches!(config.mode, Mode::Both | Mode::Grpc).then(|| {
@@ -564,8 +566,10 @@ pub async fn start_with_peers(
         move |peer: Arc<PeerInfo>| client_service.for_peer(&peer),
         shutdown.clone(),
         grace,
-        keepalive(config.frontend_keepalive_time),
-        config.max_concurrent_streams,
+        Http2Settings {
+            keepalive: keepalive(config.frontend_keepalive_time),
+            max_concurrent_streams: config.max_concurrent_streams,
+        },
     ));
 
     let health_registry = registry.clone();
