@@ -35,7 +35,16 @@ pub fn set_tcp_keepalive(tcp: &TcpStream) -> std::io::Result<()> {
         .with_interval(TCP_KEEPALIVE_INTERVAL);
     #[cfg(not(windows))]
     let keepalive = keepalive.with_retries(TCP_KEEPALIVE_RETRIES);
-    socket2::SockRef::from(tcp).set_tcp_keepalive(&keepalive)
+    let socket = socket2::SockRef::from(tcp);
+    socket.set_tcp_keepalive(&keepalive)?;
+    // Data the peer never acknowledges (its host is gone while we send)
+    // fails the connection as soon as an idle one would, instead of after
+    // the kernel's fifteen minutes of retransmissions.
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    socket.set_tcp_user_timeout(Some(
+        TCP_KEEPALIVE_IDLE + TCP_KEEPALIVE_INTERVAL * TCP_KEEPALIVE_RETRIES,
+    ))?;
+    Ok(())
 }
 
 /// ALPN protocol gRPC needs (grpc-go refuses TLS connections without it).
