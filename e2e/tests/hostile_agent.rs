@@ -277,3 +277,24 @@ async fn a_proxy_stream_without_a_dial_request_is_ended() {
     assert_eq!(limited(&server, "first_packet_timeout"), 1.0);
     server.shutdown().await;
 }
+
+/// Routing safety: with identity binding on, `default` would hand a dial
+/// for one cluster to whichever agent comes next, so the server refuses to
+/// start with it unless told otherwise.
+#[tokio::test]
+async fn strategies_that_ignore_the_cluster_are_refused_at_startup_under_identity_binding() {
+    let pki = TestPki::new(&["cluster-a"]).unwrap();
+    let mut config = test_server_config();
+    config.proxy_strategies = "destHost,default".into();
+    let err = proxy_server::start_with_tls(config.clone(), pki.server_tls().unwrap())
+        .await
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(err.contains("--allow-cross-cluster-routing"), "{err}");
+    config.allow_cross_cluster_routing = true;
+    let server = proxy_server::start_with_tls(config, pki.server_tls().unwrap())
+        .await
+        .unwrap();
+    server.shutdown().await;
+}

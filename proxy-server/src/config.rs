@@ -88,6 +88,10 @@ pub struct ServerConfig {
     pub backend_dial_timeout: Duration,
     /// Accept agents whose certificate names no cluster (upstream-issued certs).
     pub allow_unbound_agents: bool,
+    /// With identity binding on, still allow the `default` and
+    /// `defaultRoute` strategies, which send a dial to an agent whatever
+    /// cluster the dial names.
+    pub allow_cross_cluster_routing: bool,
     /// Per-connection flow-control window granted to agents that negotiate it.
     pub flow_control_window: u32,
     /// Per-connection buffer for plain konnectivity agents.
@@ -172,6 +176,7 @@ impl Default for ServerConfig {
             graceful_shutdown_timeout: Duration::ZERO,
             backend_dial_timeout: Duration::from_secs(10),
             allow_unbound_agents: false,
+            allow_cross_cluster_routing: false,
             flow_control_window: DEFAULT_WINDOW,
             plain_peer_buffer: 4 * 1024 * 1024,
             plain_peer_stall_timeout: cluster_proxy_proto::flow::DEFAULT_STALL_TIMEOUT,
@@ -378,6 +383,10 @@ pub struct Cli {
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub allow_unbound_agents: Option<bool>,
+    /// With identity binding on (no --allow-unbound-agents), accept --proxy-strategies default/defaultRoute, which route a dial to an agent whatever cluster it names.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub allow_cross_cluster_routing: Option<bool>,
     /// Per-connection flow-control window in bytes.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -570,6 +579,34 @@ impl ServerConfig {
         Ok(list)
     }
 
+    /// Refuses routing that undoes identity binding: with agents bound to
+    /// their clusters, `default` (any agent) and `defaultRoute` would send a
+    /// dial for one cluster through another cluster's agent. Checked when
+    /// the server starts, not when the flags are read, so that upstream's
+    /// argument lists still load.
+    pub fn check_routing_safety(&self) -> Result<(), ConfigError> {
+        if self.allow_unbound_agents || self.allow_cross_cluster_routing {
+            return Ok(());
+        }
+        let unsafe_strategies: Vec<&str> = self
+            .strategies()?
+            .into_iter()
+            .filter(|s| matches!(s, Strategy::Default | Strategy::DefaultRoute))
+            .map(Strategy::name)
+            .collect();
+        if unsafe_strategies.is_empty() {
+            return Ok(());
+        }
+        Err(invalid(
+            "proxy-strategies",
+            format!(
+                "{} would route a dial for one cluster through any other cluster's agent, undoing identity binding; \
+                 use --proxy-strategies=destHost, or accept that with --allow-cross-cluster-routing",
+                unsafe_strategies.join(" and ")
+            ),
+        ))
+    }
+
     /// The parsed `--server-count-source`.
     pub fn server_count_source(&self) -> Result<ServerCountSource, ConfigError> {
         self.server_count_source
@@ -671,6 +708,30 @@ mod tests {
             (8090, 8091, 8092, 8095)
         );
         assert_eq!(c.strategies().unwrap(), [Strategy::Default]);
+    }
+
+    #[test]
+    fn strategies_that_ignore_the_cluster_need_an_opt_in_under_identity_binding() {
+        let mut c = ServerConfig::default();
+        let err = c.check_routing_safety().unwrap_err().to_string();
+        assert!(
+            err.contains("proxy-strategies") && err.contains("--allow-cross-cluster-routing"),
+            "{err}"
+        );
+        c.proxy_strategies = "destHost,defaultRoute".into();
+        let err = c.check_routing_safety().unwrap_err().to_string();
+        assert!(
+            err.contains("defaultRoute") && !err.contains("default and"),
+            "{err}"
+        );
+        c.proxy_strategies = "destHost".into();
+        c.check_routing_safety().unwrap();
+        c.proxy_strategies = "default".into();
+        c.allow_cross_cluster_routing = true;
+        c.check_routing_safety().unwrap();
+        c.allow_cross_cluster_routing = false;
+        c.allow_unbound_agents = true;
+        c.check_routing_safety().unwrap();
     }
 
     #[test]

@@ -426,6 +426,7 @@ pub async fn start_with_peers(
     peers: Option<Arc<dyn PeerLookup>>,
 ) -> Result<RunningServer, ServerError> {
     config.validate()?;
+    config.check_routing_safety()?;
     for flag in config.ignored_settings() {
         warn!(flag, "flag accepted for compatibility and ignored");
     }
