@@ -298,3 +298,130 @@ async fn strategies_that_ignore_the_cluster_are_refused_at_startup_under_identit
         .unwrap();
     server.shutdown().await;
 }
+
+/// Opens a raw `Proxy` stream on `channel`; returns the sender of the
+/// client's packets and the server's response stream.
+async fn proxy_stream(
+    channel: tonic::transport::Channel,
+) -> Result<(tokio::sync::mpsc::Sender<Packet>, tonic::Streaming<Packet>), tonic::Status> {
+    let (to_server, rx) = tokio::sync::mpsc::channel::<Packet>(1024);
+    let response = ProxyServiceClient::new(channel)
+        .proxy(ReceiverStream::new(rx))
+        .await?;
+    Ok((to_server, response.into_inner()))
+}
+
+/// A client that keeps asking for replies (a second DIAL_REQ on an
+/// established stream, answered with an error each time) and never reads
+/// them loses its stream once its replies pile up, and costs the server no
+/// more than the reply queue meanwhile.
+#[tokio::test]
+async fn a_client_that_never_reads_its_replies_loses_its_stream() {
+    let pki = TestPki::new(&["cluster-evil"]).unwrap();
+    let server = proxy_server::start_with_tls(test_server_config(), pki.server_tls().unwrap())
+        .await
+        .unwrap();
+    let mut agent = hostile(&pki, &server).await.unwrap();
+    let channel = connect_channel(
+        "localhost",
+        server.client_addr.port(),
+        pki.client_tls().unwrap(),
+        STEP,
+    )
+    .await
+    .unwrap();
+    let (to_server, mut from_server) = proxy_stream(channel).await.unwrap();
+    to_server
+        .send(packet::dial_request("cluster-evil:1", 1))
+        .await
+        .unwrap();
+    let Some(dial) = agent.recv(STEP).await else {
+        panic!("no DIAL_REQ reached the agent");
+    };
+    let cluster_proxy_proto::packet::Frame::DialRequest { random, .. } =
+        cluster_proxy_proto::packet::Frame::from_packet(dial)
+    else {
+        panic!("expected DIAL_REQ");
+    };
+    agent
+        .to_server
+        .send(packet::dial_response_ok(random, 5))
+        .await
+        .unwrap();
+    let answer = tokio::time::timeout(STEP, from_server.message())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert!(matches!(
+        cluster_proxy_proto::packet::Frame::from_packet(answer),
+        cluster_proxy_proto::packet::Frame::DialResponse { connect_id: 5, .. }
+    ));
+    // Now ask again and again without reading: the server's answers fill
+    // the HTTP/2 window, then its reply queue, and the stream ends.
+    let flood = tokio::spawn(async move {
+        for random in 2..1_000_000 {
+            if to_server
+                .send(packet::dial_request("cluster-evil:1", random))
+                .await
+                .is_err()
+            {
+                return;
+            }
+        }
+    });
+    assert!(
+        wait_until(STEP * 3, || limited(&server, "reply_queue") >= 1.0).await,
+        "the reply queue never filled"
+    );
+    // The session ended, so the agent is asked to close the connection.
+    assert_eq!(
+        agent
+            .recv(STEP)
+            .await
+            .map(cluster_proxy_proto::packet::Frame::from_packet),
+        Some(cluster_proxy_proto::packet::Frame::CloseRequest { connect_id: 5 })
+    );
+    flood.abort();
+    drop(from_server);
+    server.shutdown().await;
+}
+
+/// `--max-concurrent-streams`: the server announces the limit, so a third
+/// stream on one connection waits until one of the first two is gone.
+#[tokio::test]
+async fn streams_per_connection_are_bounded() {
+    let pki = TestPki::new(&["cluster-a"]).unwrap();
+    let mut config = test_server_config();
+    config.max_concurrent_streams = 2;
+    let server = proxy_server::start_with_tls(config, pki.server_tls().unwrap())
+        .await
+        .unwrap();
+    let channel = connect_channel(
+        "localhost",
+        server.client_addr.port(),
+        pki.client_tls().unwrap(),
+        STEP,
+    )
+    .await
+    .unwrap();
+    let first = proxy_stream(channel.clone()).await.unwrap();
+    let _second = proxy_stream(channel.clone()).await.unwrap();
+    let streams = "konnectivity_network_proxy_server_grpc_connections{service_method=\"Proxy\"}";
+    assert!(wait_until(STEP, || metric(&server, streams) == Some(2.0)).await);
+    let third = tokio::spawn(proxy_stream(channel));
+    // Bounded wait for something that must not happen: the third stream
+    // staying unopened is the bound holding.
+    assert!(
+        !wait_until(Duration::from_millis(500), || third.is_finished()).await,
+        "a third stream opened beyond --max-concurrent-streams=2"
+    );
+    assert_eq!(metric(&server, streams), Some(2.0));
+    drop(first);
+    let third = tokio::time::timeout(STEP, third)
+        .await
+        .expect("the third stream never opened after one ended")
+        .unwrap();
+    assert!(third.is_ok(), "{:?}", third.err());
+    server.shutdown().await;
+}
