@@ -92,6 +92,9 @@ pub struct ServerConfig {
     /// `defaultRoute` strategies, which send a dial to an agent whatever
     /// cluster the dial names.
     pub allow_cross_cluster_routing: bool,
+    /// Which hub client may reach which clusters (see [`crate::policy`]);
+    /// `None`: every hub client may reach every cluster.
+    pub client_policy: Option<PathBuf>,
     /// Per-connection flow-control window granted to agents that negotiate it.
     pub flow_control_window: u32,
     /// Per-connection buffer for plain konnectivity agents.
@@ -177,6 +180,7 @@ impl Default for ServerConfig {
             backend_dial_timeout: Duration::from_secs(10),
             allow_unbound_agents: false,
             allow_cross_cluster_routing: false,
+            client_policy: None,
             flow_control_window: DEFAULT_WINDOW,
             plain_peer_buffer: 4 * 1024 * 1024,
             plain_peer_stall_timeout: cluster_proxy_proto::flow::DEFAULT_STALL_TIMEOUT,
@@ -387,6 +391,10 @@ pub struct Cli {
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub allow_cross_cluster_routing: Option<bool>,
+    /// TOML file saying which hub client certificate subject may reach which clusters (unset: every hub client reaches every cluster).
+    #[arg(long, value_parser = parse_path)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub client_policy: Option<PathBuf>,
     /// Per-connection flow-control window in bytes.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -462,6 +470,7 @@ impl ServerConfig {
             &mut config.cluster_cert,
             &mut config.cluster_key,
             &mut config.cluster_ca_cert,
+            &mut config.client_policy,
         ] {
             if path.as_ref().is_some_and(|p| p.as_os_str().is_empty()) {
                 *path = None;

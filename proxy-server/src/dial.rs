@@ -13,6 +13,7 @@ use tracing::{Instrument, Span, field};
 use crate::conn_trace::ConnTrace;
 use crate::listener::PeerInfo;
 use crate::metrics::Metrics;
+use crate::policy::ClientPolicy;
 use crate::registry::Registry;
 use crate::tunnel::{AgentTunnel, DialReply, Established};
 
@@ -33,6 +34,8 @@ pub enum DialFailure {
     BadRequest(String),
     /// A configured bound refused the dial (e.g. `--max-pending-dials-per-tunnel`).
     Overloaded(String),
+    /// `--client-policy` does not let this client reach the agent's cluster.
+    Forbidden(String),
 }
 
 impl DialFailure {
@@ -46,6 +49,7 @@ impl DialFailure {
             DialFailure::Timeout(d) => format!("timed out waiting for backend dial after {d:?}"),
             DialFailure::BadRequest(e) => e.clone(),
             DialFailure::Overloaded(e) => e.clone(),
+            DialFailure::Forbidden(e) => e.clone(),
         }
     }
 
@@ -59,6 +63,7 @@ impl DialFailure {
             DialFailure::Timeout(_) => "backend_dial_timeout",
             DialFailure::BadRequest(_) => "send_rsp",
             DialFailure::Overloaded(_) => "overloaded",
+            DialFailure::Forbidden(_) => "forbidden",
         }
     }
 
@@ -69,6 +74,7 @@ impl DialFailure {
             DialFailure::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
             DialFailure::BadRequest(_) => StatusCode::BAD_REQUEST,
             DialFailure::Overloaded(_) => StatusCode::SERVICE_UNAVAILABLE,
+            DialFailure::Forbidden(_) => StatusCode::FORBIDDEN,
             DialFailure::Agent(e) => {
                 let e = e.to_ascii_lowercase();
                 if e.contains("timeout") || e.contains("timed out") || e.contains("deadline") {
@@ -91,6 +97,8 @@ pub struct Dialer {
     pub timeout: Duration,
     /// This replica's id, on every connection span.
     pub server_id: String,
+    /// `--client-policy`; `None` lets every hub client reach every cluster.
+    pub policy: Option<Arc<ClientPolicy>>,
 }
 
 /// Who asks for a dial, for the connection's span.
@@ -132,7 +140,7 @@ impl Dialer {
         let started = Instant::now();
         let span = self.connection_span(address, &origin);
         let result = self
-            .dial_inner(address, random, &span)
+            .dial_inner(address, random, &origin, &span)
             .instrument(span.clone())
             .await;
         let latency = started.elapsed();
@@ -209,6 +217,7 @@ impl Dialer {
         &self,
         address: &str,
         random: i64,
+        origin: &DialOrigin,
         span: &Span,
     ) -> Result<Established, DialFailure> {
         if address.is_empty() {
@@ -220,6 +229,21 @@ impl Dialer {
             .registry
             .pick_with_strategy(address)
             .ok_or(DialFailure::NoAgent)?;
+        if let (Some(policy), Some(client)) = (&self.policy, &origin.client)
+            && !policy.allows(&client.subject, tunnel.cluster())
+        {
+            let cluster = tunnel.cluster().map_or("<unbound>", |c| c.as_str());
+            tracing::warn!(
+                client = client.subject,
+                cluster,
+                address,
+                "dial refused by --client-policy"
+            );
+            return Err(DialFailure::Forbidden(format!(
+                "client {:?} may not reach cluster {cluster} (--client-policy)",
+                client.subject
+            )));
+        }
         if !span.is_disabled() {
             span.record("cluster_proxy.strategy", strategy.name());
             span.record("cluster_proxy.agent_id", tunnel.agent_id());

@@ -16,6 +16,7 @@ pub mod http_connect;
 pub mod listener;
 pub mod metrics;
 pub mod peers;
+pub mod policy;
 pub mod registry;
 pub mod tunnel;
 
@@ -67,6 +68,8 @@ pub enum ServerError {
     },
     #[error(transparent)]
     Bind(#[from] BindError),
+    #[error(transparent)]
+    Policy(#[from] policy::PolicyError),
     #[error("listening on the Unix socket {path} (--uds-name): {source}")]
     UnixSocket {
         path: PathBuf,
@@ -445,6 +448,12 @@ pub async fn start_with_peers(
         metrics: metrics.clone(),
         timeout: dial_timeout,
         server_id: server_id.clone(),
+        policy: config
+            .client_policy
+            .as_deref()
+            .map(policy::ClientPolicy::load)
+            .transpose()?
+            .map(Arc::new),
     });
 
     let (client_listener, client_addr, client_socket) = if config.uds_name.is_empty() {
