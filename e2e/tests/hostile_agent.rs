@@ -425,3 +425,82 @@ async fn streams_per_connection_are_bounded() {
     assert!(third.is_ok(), "{:?}", third.err());
     server.shutdown().await;
 }
+
+/// The dial deadline covers queueing DIAL_REQ: an agent that stops reading
+/// lets the tunnel's ordered lane fill, and a new dial through it then fails
+/// after `--backend-dial-timeout` instead of waiting for room forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dial_through_a_tunnel_whose_lane_stays_full_times_out() {
+    let pki = TestPki::new(&["cluster-evil"]).unwrap();
+    let mut config = test_server_config();
+    config.backend_dial_timeout = Duration::from_secs(1);
+    let server = proxy_server::start_with_tls(config, pki.server_tls().unwrap())
+        .await
+        .unwrap();
+    let mut agent = hostile(&pki, &server).await.unwrap();
+    assert!(wait_until(STEP, || server.tunnel_count() == 1).await);
+    let client = tunnel_client(pki.client_tls().unwrap(), server.client_addr)
+        .await
+        .unwrap();
+    let first = {
+        let client = client.clone();
+        tokio::spawn(async move { client.dial("cluster-evil:1").await })
+    };
+    let Some(cluster_proxy_proto::packet::Frame::DialRequest { random, .. }) = agent
+        .recv(STEP)
+        .await
+        .map(cluster_proxy_proto::packet::Frame::from_packet)
+    else {
+        panic!("expected DIAL_REQ");
+    };
+    agent
+        .to_server
+        .send(packet::dial_response_ok(random, 1))
+        .await
+        .unwrap();
+    let mut stream = first.await.unwrap().unwrap();
+    // From now on the agent reads nothing; the client writes far more
+    // than the HTTP/2 windows and the lane hold.
+    let writer = tokio::spawn(async move {
+        let chunk = vec![0u8; 1024 * 1024];
+        for _ in 0..256 {
+            if stream.write_all(&chunk).await.is_err() {
+                return;
+            }
+        }
+    });
+    let blocked =
+        "konnectivity_network_proxy_server_full_receive_channels{service_method=\"Proxy\"}";
+    assert!(
+        wait_until(STEP * 3, || metric(&server, blocked) == Some(1.0)).await,
+        "the client's writes never blocked on the tunnel"
+    );
+    // The lane is full for good once the server stops handing DATA to the
+    // agent's stream (its HTTP/2 window is used up) while the writer waits.
+    let to_agent = "konnectivity_network_proxy_server_stream_packets_total{segment=\"to_agent\",packet_type=\"DATA\"}";
+    let mut settled = false;
+    for _ in 0..60 {
+        let sent = metric(&server, to_agent);
+        if !wait_until(Duration::from_millis(500), || {
+            metric(&server, to_agent) != sent
+        })
+        .await
+            && metric(&server, blocked) == Some(1.0)
+        {
+            settled = true;
+            break;
+        }
+    }
+    assert!(settled, "the tunnel kept draining");
+    let started = std::time::Instant::now();
+    let err = tokio::time::timeout(STEP, client.dial("cluster-evil:2"))
+        .await
+        .expect("the dial waited for the full lane past its deadline")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("timed out"), "{err}");
+    assert!(started.elapsed() < STEP, "{:?}", started.elapsed());
+    writer.abort();
+    drop(agent);
+    server.shutdown().await;
+}
