@@ -90,7 +90,14 @@ pub async fn dial_tcp(
                 *current = Some(addr);
             }
             match TcpStream::connect(addr).await {
-                Ok(tcp) => return Ok(tcp),
+                Ok(tcp) => {
+                    // A target that vanishes mid-connection is noticed by
+                    // the kernel's probes, not held open for hours.
+                    if let Err(e) = cluster_proxy_runtime::net::set_tcp_keepalive(&tcp) {
+                        tracing::debug!(%addr, error = %e, "TCP keepalive not set");
+                    }
+                    return Ok(tcp);
+                }
                 Err(e) => last = Some((addr, e)),
             }
         }

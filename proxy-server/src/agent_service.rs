@@ -44,6 +44,9 @@ pub struct AgentEndpointSettings {
     pub plain_peer_buffer: u32,
     pub plain_peer_stall_timeout: std::time::Duration,
     pub ordered_capacity: usize,
+    pub max_tunnels_per_agent: usize,
+    pub max_pending_dials_per_tunnel: usize,
+    pub max_stray_closes_per_tunnel: usize,
 }
 
 pub struct AgentEndpoint {
@@ -163,6 +166,8 @@ impl AgentService for AgentEndpoint {
             ordered_capacity: self.settings.ordered_capacity,
             trace_context,
             server_count_updates,
+            max_pending_dials: self.settings.max_pending_dials_per_tunnel,
+            max_stray_closes: self.settings.max_stray_closes_per_tunnel,
         };
         let (tunnel, outbound) = AgentTunnel::new(
             agent_id.clone(),
@@ -180,7 +185,17 @@ impl AgentService for AgentEndpoint {
             trace_context,
             "agent connected"
         );
-        self.registry.register(tunnel.clone());
+        if let Err(held) = self
+            .registry
+            .register_bounded(tunnel.clone(), self.settings.max_tunnels_per_agent)
+        {
+            self.metrics.limited("tunnels_per_agent");
+            warn!(tunnel = tunnel.id(), agent_id, held, remote = %peer.remote, "agent refused: too many tunnels for its identity");
+            tunnel.close("refused: too many tunnels");
+            return Err(Status::resource_exhausted(format!(
+                "this agent identity already holds {held} tunnels to this proxy-server (--max-tunnels-per-agent)"
+            )));
+        }
         if self.draining.load(std::sync::atomic::Ordering::SeqCst) {
             tunnel.announce_drain();
         }
@@ -277,6 +292,11 @@ fn update_backend_gauges(registry: &Registry, metrics: &Metrics) {
         .set(i64::try_from(registry.ready_backends(Strategy::Default)).unwrap_or(i64::MAX));
 }
 
+/// Whether tonic refused a message above `--max-packet-size`.
+pub(crate) fn is_oversized(status: &Status) -> bool {
+    status.code() == tonic::Code::OutOfRange && status.message().contains("too large")
+}
+
 /// Dispatches the agent's packets until its stream ends; returns why it ended.
 async fn read_agent(
     tunnel: &Arc<AgentTunnel>,
@@ -289,6 +309,9 @@ async fn read_agent(
                 Ok(Some(p)) => tunnel.handle(Frame::from_packet(p)).await,
                 Ok(None) => return "agent closed the stream".into(),
                 Err(status) => {
+                    if is_oversized(&status) {
+                        metrics.limited("packet_size");
+                    }
                     metrics.stream_error_no_packet(crate::metrics::Segment::FromAgent, status.code());
                     return format!("agent stream failed: {}", status.message());
                 }

@@ -92,6 +92,13 @@ pub struct ServerConfig {
     pub backend_dial_timeout: Duration,
     /// Accept agents whose certificate names no cluster (upstream-issued certs).
     pub allow_unbound_agents: bool,
+    /// With identity binding on, still allow the `default` and
+    /// `defaultRoute` strategies, which send a dial to an agent whatever
+    /// cluster the dial names.
+    pub allow_cross_cluster_routing: bool,
+    /// Which hub client may reach which clusters (see [`crate::policy`]);
+    /// `None`: every hub client may reach every cluster.
+    pub client_policy: Option<PathBuf>,
     /// Per-connection flow-control window granted to agents that negotiate it.
     pub flow_control_window: u32,
     /// Per-connection buffer for plain konnectivity agents.
@@ -103,6 +110,21 @@ pub struct ServerConfig {
     /// How often certificate files are checked for rotation.
     #[serde(with = "serde_go")]
     pub credential_reload_interval: Duration,
+    /// Concurrent HTTP/2 streams one peer connection may open, on the agent
+    /// port and the client port alike.
+    pub max_concurrent_streams: u32,
+    /// Largest gRPC message (packet) accepted from agents and clients, in bytes.
+    pub max_packet_size: u32,
+    /// Tunnels one agent identity (its cluster, else its agent id) may hold to this replica.
+    pub max_tunnels_per_agent: u32,
+    /// Dials one tunnel may have waiting for the agent's answer.
+    pub max_pending_dials_per_tunnel: u32,
+    /// Connection ids for which a tunnel may await the agent's CLOSE_RSP
+    /// after DATA or DIAL_RSP named a connection the server does not know.
+    pub max_stray_closes_per_tunnel: u32,
+    /// How long a new `Proxy` stream may go without its DIAL_REQ.
+    #[serde(with = "serde_go")]
+    pub first_packet_timeout: Duration,
     /// klog-style verbosity (`-v`); `RUST_LOG` overrides it.
     pub v: u8,
     pub log_format: LogFormat,
@@ -162,10 +184,18 @@ impl Default for ServerConfig {
             graceful_shutdown_timeout: Duration::ZERO,
             backend_dial_timeout: Duration::from_secs(10),
             allow_unbound_agents: false,
+            allow_cross_cluster_routing: false,
+            client_policy: None,
             flow_control_window: DEFAULT_WINDOW,
             plain_peer_buffer: 4 * 1024 * 1024,
             plain_peer_stall_timeout: cluster_proxy_proto::flow::DEFAULT_STALL_TIMEOUT,
             credential_reload_interval: cluster_proxy_runtime::reload::DEFAULT_INTERVAL,
+            max_concurrent_streams: 1000,
+            max_packet_size: 16 * 1024 * 1024,
+            max_tunnels_per_agent: 64,
+            max_pending_dials_per_tunnel: 1024,
+            max_stray_closes_per_tunnel: 1024,
+            first_packet_timeout: Duration::from_secs(30),
             v: 0,
             log_format: LogFormat::Auto,
         }
@@ -367,6 +397,14 @@ pub struct Cli {
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub allow_unbound_agents: Option<bool>,
+    /// With identity binding on (no --allow-unbound-agents), accept --proxy-strategies default/defaultRoute, which route a dial to an agent whatever cluster it names.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub allow_cross_cluster_routing: Option<bool>,
+    /// TOML file saying which hub client certificate subject may reach which clusters (unset: every hub client reaches every cluster).
+    #[arg(long, value_parser = parse_path)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub client_policy: Option<PathBuf>,
     /// Per-connection flow-control window in bytes.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -383,6 +421,30 @@ pub struct Cli {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub credential_reload_interval: Option<String>,
+    /// Concurrent HTTP/2 streams per connection on the agent and client ports.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_concurrent_streams: Option<u32>,
+    /// Largest packet (gRPC message) accepted from agents and clients, in bytes.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_packet_size: Option<u32>,
+    /// Tunnels one agent identity (cluster, else agent id) may hold to this replica.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_tunnels_per_agent: Option<u32>,
+    /// Dials one agent tunnel may have waiting for the agent's answer.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_pending_dials_per_tunnel: Option<u32>,
+    /// Unknown connection ids per tunnel the server may be waiting to see closed; beyond it, stray DATA is dropped unanswered.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_stray_closes_per_tunnel: Option<u32>,
+    /// Close a Proxy stream that sent no DIAL_REQ within this long (Go duration).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub first_packet_timeout: Option<String>,
     #[command(flatten)]
     #[serde(flatten)]
     pub logging: LogFlags,
@@ -418,6 +480,7 @@ impl ServerConfig {
             &mut config.cluster_cert,
             &mut config.cluster_key,
             &mut config.cluster_ca_cert,
+            &mut config.client_policy,
         ] {
             if path.as_ref().is_some_and(|p| p.as_os_str().is_empty()) {
                 *path = None;
@@ -470,6 +533,35 @@ impl ServerConfig {
                 format!("must be at least {MIN_WINDOW} bytes"),
             ));
         }
+        for (flag, value) in [
+            ("max-concurrent-streams", self.max_concurrent_streams),
+            ("max-tunnels-per-agent", self.max_tunnels_per_agent),
+            (
+                "max-pending-dials-per-tunnel",
+                self.max_pending_dials_per_tunnel,
+            ),
+            (
+                "max-stray-closes-per-tunnel",
+                self.max_stray_closes_per_tunnel,
+            ),
+        ] {
+            if value == 0 {
+                return Err(invalid(flag, "must be at least 1"));
+            }
+        }
+        // A packet must at least carry one flow-control chunk of DATA.
+        let min_packet = u32::try_from(cluster_proxy_proto::flow::READ_CHUNK)
+            .unwrap_or(u32::MAX)
+            .saturating_add(1024);
+        if self.max_packet_size < min_packet {
+            return Err(invalid(
+                "max-packet-size",
+                format!("must be at least {min_packet} bytes"),
+            ));
+        }
+        if self.first_packet_timeout.is_zero() {
+            return Err(invalid("first-packet-timeout", "must be greater than zero"));
+        }
         match self.tls_min_version.as_str() {
             "" | "VersionTLS12" | "VersionTLS13" => {}
             other => {
@@ -504,6 +596,34 @@ impl ServerConfig {
             ));
         }
         Ok(list)
+    }
+
+    /// Refuses routing that undoes identity binding: with agents bound to
+    /// their clusters, `default` (any agent) and `defaultRoute` would send a
+    /// dial for one cluster through another cluster's agent. Checked when
+    /// the server starts, not when the flags are read, so that upstream's
+    /// argument lists still load.
+    pub fn check_routing_safety(&self) -> Result<(), ConfigError> {
+        if self.allow_unbound_agents || self.allow_cross_cluster_routing {
+            return Ok(());
+        }
+        let unsafe_strategies: Vec<&str> = self
+            .strategies()?
+            .into_iter()
+            .filter(|s| matches!(s, Strategy::Default | Strategy::DefaultRoute))
+            .map(Strategy::name)
+            .collect();
+        if unsafe_strategies.is_empty() {
+            return Ok(());
+        }
+        Err(invalid(
+            "proxy-strategies",
+            format!(
+                "{} would route a dial for one cluster through any other cluster's agent, undoing identity binding; \
+                 use --proxy-strategies=destHost, or accept that with --allow-cross-cluster-routing",
+                unsafe_strategies.join(" and ")
+            ),
+        ))
     }
 
     /// The parsed `--server-count-source`.
@@ -607,6 +727,30 @@ mod tests {
             (8090, 8091, 8092, 8095)
         );
         assert_eq!(c.strategies().unwrap(), [Strategy::Default]);
+    }
+
+    #[test]
+    fn strategies_that_ignore_the_cluster_need_an_opt_in_under_identity_binding() {
+        let mut c = ServerConfig::default();
+        let err = c.check_routing_safety().unwrap_err().to_string();
+        assert!(
+            err.contains("proxy-strategies") && err.contains("--allow-cross-cluster-routing"),
+            "{err}"
+        );
+        c.proxy_strategies = "destHost,defaultRoute".into();
+        let err = c.check_routing_safety().unwrap_err().to_string();
+        assert!(
+            err.contains("defaultRoute") && !err.contains("default and"),
+            "{err}"
+        );
+        c.proxy_strategies = "destHost".into();
+        c.check_routing_safety().unwrap();
+        c.proxy_strategies = "default".into();
+        c.allow_cross_cluster_routing = true;
+        c.check_routing_safety().unwrap();
+        c.allow_cross_cluster_routing = false;
+        c.allow_unbound_agents = true;
+        c.check_routing_safety().unwrap();
     }
 
     #[test]

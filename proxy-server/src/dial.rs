@@ -13,6 +13,7 @@ use tracing::{Instrument, Span, field};
 use crate::conn_trace::ConnTrace;
 use crate::listener::PeerInfo;
 use crate::metrics::Metrics;
+use crate::policy::ClientPolicy;
 use crate::registry::Registry;
 use crate::tunnel::{AgentTunnel, DialReply, Established};
 
@@ -31,6 +32,10 @@ pub enum DialFailure {
     Timeout(Duration),
     /// The request itself is unusable (bad protocol, duplicate dial id).
     BadRequest(String),
+    /// A configured bound refused the dial (e.g. `--max-pending-dials-per-tunnel`).
+    Overloaded(String),
+    /// `--client-policy` does not let this client reach the agent's cluster.
+    Forbidden(String),
 }
 
 impl DialFailure {
@@ -43,6 +48,8 @@ impl DialFailure {
             DialFailure::TunnelClosed(e) => e.clone(),
             DialFailure::Timeout(d) => format!("timed out waiting for backend dial after {d:?}"),
             DialFailure::BadRequest(e) => e.clone(),
+            DialFailure::Overloaded(e) => e.clone(),
+            DialFailure::Forbidden(e) => e.clone(),
         }
     }
 
@@ -55,6 +62,8 @@ impl DialFailure {
             DialFailure::TunnelClosed(_) => "backend_close",
             DialFailure::Timeout(_) => "backend_dial_timeout",
             DialFailure::BadRequest(_) => "send_rsp",
+            DialFailure::Overloaded(_) => "overloaded",
+            DialFailure::Forbidden(_) => "forbidden",
         }
     }
 
@@ -64,6 +73,8 @@ impl DialFailure {
             DialFailure::NoAgent => StatusCode::INTERNAL_SERVER_ERROR,
             DialFailure::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
             DialFailure::BadRequest(_) => StatusCode::BAD_REQUEST,
+            DialFailure::Overloaded(_) => StatusCode::SERVICE_UNAVAILABLE,
+            DialFailure::Forbidden(_) => StatusCode::FORBIDDEN,
             DialFailure::Agent(e) => {
                 let e = e.to_ascii_lowercase();
                 if e.contains("timeout") || e.contains("timed out") || e.contains("deadline") {
@@ -86,6 +97,8 @@ pub struct Dialer {
     pub timeout: Duration,
     /// This replica's id, on every connection span.
     pub server_id: String,
+    /// `--client-policy`; `None` lets every hub client reach every cluster.
+    pub policy: Option<Arc<ClientPolicy>>,
 }
 
 /// Who asks for a dial, for the connection's span.
@@ -127,7 +140,7 @@ impl Dialer {
         let started = Instant::now();
         let span = self.connection_span(address, &origin);
         let result = self
-            .dial_inner(address, random, &span)
+            .dial_inner(address, random, &origin, &span)
             .instrument(span.clone())
             .await;
         let latency = started.elapsed();
@@ -204,6 +217,7 @@ impl Dialer {
         &self,
         address: &str,
         random: i64,
+        origin: &DialOrigin,
         span: &Span,
     ) -> Result<Established, DialFailure> {
         if address.is_empty() {
@@ -215,6 +229,21 @@ impl Dialer {
             .registry
             .pick_with_strategy(address)
             .ok_or(DialFailure::NoAgent)?;
+        if let (Some(policy), Some(client)) = (&self.policy, &origin.client)
+            && !policy.allows(&client.subject, tunnel.cluster())
+        {
+            let cluster = tunnel.cluster().map_or("<unbound>", |c| c.as_str());
+            tracing::warn!(
+                client = client.subject,
+                cluster,
+                address,
+                "dial refused by --client-policy"
+            );
+            return Err(DialFailure::Forbidden(format!(
+                "client {:?} may not reach cluster {cluster} (--client-policy)",
+                client.subject
+            )));
+        }
         if !span.is_disabled() {
             span.record("cluster_proxy.strategy", strategy.name());
             span.record("cluster_proxy.agent_id", tunnel.agent_id());
@@ -227,22 +256,24 @@ impl Dialer {
             .accepts_trace_context()
             .then(|| TraceHeaders::from_span(span))
             .flatten();
-        let reply = tunnel
-            .register_pending(random, Arc::new(ConnTrace::new(span.clone())))
-            .map_err(DialFailure::BadRequest)?;
+        let reply = tunnel.register_pending(random, Arc::new(ConnTrace::new(span.clone())))?;
         let mut guard = PendingGuard {
             tunnel: &tunnel,
             random,
             armed: true,
         };
-        tunnel
-            .send_ordered(packet::dial_request_traced(address, random, trace))
-            .await
-            .map_err(|_| DialFailure::TunnelClosed("agent tunnel closed".into()))?;
-        let outcome = tokio::select! {
-            reply = wait(reply) => reply,
-            _ = tokio::time::sleep(self.timeout) => Err(DialFailure::Timeout(self.timeout)),
+        // One deadline for queueing DIAL_REQ and for the answer: a tunnel
+        // whose ordered lane stays full must not hold the dial forever.
+        let exchange = async {
+            tunnel
+                .send_ordered(packet::dial_request_traced(address, random, trace))
+                .await
+                .map_err(|_| DialFailure::TunnelClosed("agent tunnel closed".into()))?;
+            wait(reply).await
         };
+        let outcome = tokio::time::timeout(self.timeout, exchange)
+            .await
+            .unwrap_or(Err(DialFailure::Timeout(self.timeout)));
         if outcome.is_ok() {
             guard.armed = false;
         }

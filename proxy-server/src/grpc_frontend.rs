@@ -30,7 +30,13 @@ use cluster_proxy_proto::trace::TraceHeaders;
 pub struct GrpcFrontend {
     pub dialer: Arc<Dialer>,
     pub metrics: Arc<Metrics>,
+    /// How long a new stream may take to send its DIAL_REQ (`--first-packet-timeout`).
+    pub first_packet_timeout: std::time::Duration,
 }
+
+/// Replies the session itself may have queued for a client that does not
+/// read them; a client that lets them pile up loses its stream.
+const REPLY_QUEUE: usize = 16;
 
 #[tonic::async_trait]
 impl ProxyService for GrpcFrontend {
@@ -46,13 +52,14 @@ impl ProxyService for GrpcFrontend {
             trace: TraceHeaders::from_metadata(request.metadata()),
         };
         let inbound = request.into_inner();
-        let (replies, replies_rx) = mpsc::unbounded_channel();
+        let (replies, replies_rx) = mpsc::channel(REPLY_QUEUE);
         let (relay, relay_rx) = oneshot::channel();
         let session = Session {
             dialer: self.dialer.clone(),
             metrics: self.metrics.clone(),
             replies,
             origin,
+            first_packet_timeout: self.first_packet_timeout,
         };
         tokio::spawn(session.run(inbound, relay));
         Ok(Response::new(ProxyResponse {
@@ -72,13 +79,23 @@ struct Session {
     metrics: Arc<Metrics>,
     /// Packets the session itself answers with (DIAL_RSP, errors); they reach
     /// the client ahead of relayed data.
-    replies: mpsc::UnboundedSender<Packet>,
+    replies: mpsc::Sender<Packet>,
     origin: DialOrigin,
+    first_packet_timeout: std::time::Duration,
 }
 
 impl Session {
-    fn reply(&self, p: Packet) {
-        let _ = self.replies.send(p);
+    /// Queues a reply; false when the client left [`REPLY_QUEUE`] replies
+    /// unread, and the stream should end.
+    fn reply(&self, p: Packet) -> bool {
+        match self.replies.try_send(p) {
+            Ok(()) => true,
+            Err(mpsc::error::TrySendError::Full(_)) => {
+                self.metrics.limited("reply_queue");
+                false
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => false,
+        }
     }
 
     /// Sends the client's bytes towards the agent, counting the stream in
@@ -106,6 +123,9 @@ impl Session {
             Ok(None) => None,
             Err(status) => {
                 debug!(error = %status.message(), "client stream failed");
+                if crate::agent_service::is_oversized(&status) {
+                    self.metrics.limited("packet_size");
+                }
                 self.metrics
                     .stream_error_no_packet(Segment::FromClient, status.code());
                 None
@@ -114,10 +134,27 @@ impl Session {
     }
 
     async fn run(self, mut inbound: Streaming<Packet>, relay: oneshot::Sender<ConnReceiver>) {
-        // 1. Wait for the dial request.
-        let (address, random) = loop {
-            match self.next(&mut inbound).await {
-                None => return,
+        // 1. Wait for the dial request, for a bounded time: an idle stream
+        //    holds a task and HTTP/2 stream slot.
+        let first = tokio::time::timeout(self.first_packet_timeout, self.first_dial(&mut inbound));
+        let (address, random) = match first.await {
+            Ok(Some(dial)) => dial,
+            Ok(None) => return,
+            Err(_) => {
+                self.metrics.limited("first_packet_timeout");
+                debug!(timeout = ?self.first_packet_timeout, "no DIAL_REQ in time; ending the stream");
+                return;
+            }
+        };
+        self.relay(inbound, relay, address, random).await
+    }
+
+    /// The stream's DIAL_REQ (address and dial id); `None` when the stream
+    /// ended or broke the protocol first (already answered).
+    async fn first_dial(&self, inbound: &mut Streaming<Packet>) -> Option<(String, i64)> {
+        loop {
+            match self.next(inbound).await {
+                None => return None,
                 Some(Frame::DialRequest {
                     protocol,
                     address,
@@ -128,25 +165,33 @@ impl Session {
                         let error =
                             format!("unsupported protocol {protocol:?}: only \"tcp\" is supported");
                         self.reply(packet::dial_response_error(random, error));
-                        return;
+                        return None;
                     }
-                    break (address, random);
+                    return Some((address, random));
                 }
                 Some(Frame::Data { connect_id, .. }) => {
                     self.reply(packet::close_response(
                         connect_id,
                         "backend not initialized",
                     ));
-                    return;
+                    return None;
                 }
                 Some(Frame::CloseRequest { connect_id }) => {
                     self.reply(packet::close_response(connect_id, "backend uninitialized"));
-                    return;
+                    return None;
                 }
                 Some(_) => {}
             }
-        };
+        }
+    }
 
+    async fn relay(
+        self,
+        mut inbound: Streaming<Packet>,
+        relay: oneshot::Sender<ConnReceiver>,
+        address: String,
+        random: i64,
+    ) {
         // 2. Dial, while watching the client for DIAL_CLS or disconnect.
         //    Dropping the dial future cancels it (and tells the agent).
         let dial = self.dialer.dial(&address, random, self.origin.clone());
@@ -200,10 +245,12 @@ impl Session {
                     break;
                 }
                 Some(Frame::DialRequest { random: r, .. }) => {
-                    self.reply(packet::dial_response_error(
+                    if !self.reply(packet::dial_response_error(
                         r,
                         "only one dial per stream is supported",
-                    ));
+                    )) {
+                        break;
+                    }
                 }
                 Some(_) => {}
             }
@@ -217,7 +264,7 @@ impl Session {
 /// the agent's bytes straight from the connection's receive queue, ending
 /// with the agent's CLOSE_RSP.
 pub struct ProxyResponse {
-    replies: Option<mpsc::UnboundedReceiver<Packet>>,
+    replies: Option<mpsc::Receiver<Packet>>,
     relay_rx: Option<oneshot::Receiver<ConnReceiver>>,
     relay: Option<ConnReceiver>,
     /// Payload bytes handed to tonic but not yet credited back to the agent.

@@ -16,6 +16,7 @@ pub mod http_connect;
 pub mod listener;
 pub mod metrics;
 pub mod peers;
+pub mod policy;
 pub mod readiness;
 pub mod registry;
 pub mod tunnel;
@@ -49,7 +50,7 @@ use crate::config::{Mode, ServerConfig};
 use crate::dial::Dialer;
 use crate::grpc_frontend::GrpcFrontend;
 use crate::http_connect::ConnectFrontend;
-use crate::listener::{Listener, PeerInfo, Protocols};
+use crate::listener::{Http2Settings, Listener, PeerInfo, Protocols};
 use crate::metrics::Metrics;
 use crate::peers::{DnsPeers, PeerLookup, ServerCountSource};
 use crate::registry::Registry;
@@ -68,12 +69,19 @@ pub enum ServerError {
     },
     #[error(transparent)]
     Bind(#[from] BindError),
+    #[error(transparent)]
+    Policy(#[from] policy::PolicyError),
     #[error("listening on the Unix socket {path} (--uds-name): {source}")]
     UnixSocket {
         path: PathBuf,
         #[source]
         source: std::io::Error,
     },
+}
+
+/// A `--max-…` flag's value as a count or size.
+fn limit(value: u32) -> usize {
+    usize::try_from(value).unwrap_or(usize::MAX)
 }
 
 /// A keepalive flag's interval; `0` turns the pings off.
@@ -425,6 +433,7 @@ pub async fn start_with_peers(
     peers: Option<Arc<dyn PeerLookup>>,
 ) -> Result<RunningServer, ServerError> {
     config.validate()?;
+    config.check_routing_safety()?;
     for flag in config.ignored_settings() {
         warn!(flag, "flag accepted for compatibility and ignored");
     }
@@ -443,6 +452,12 @@ pub async fn start_with_peers(
         metrics: metrics.clone(),
         timeout: dial_timeout,
         server_id: server_id.clone(),
+        policy: config
+            .client_policy
+            .as_deref()
+            .map(policy::ClientPolicy::load)
+            .transpose()?
+            .map(Arc::new),
     });
 
     let (client_listener, client_addr, client_socket) = if config.uds_name.is_empty() {
@@ -519,6 +534,9 @@ pub async fn start_with_peers(
             plain_peer_buffer: config.plain_peer_buffer,
             plain_peer_stall_timeout: config.plain_peer_stall_timeout,
             ordered_capacity: 256,
+            max_tunnels_per_agent: limit(config.max_tunnels_per_agent),
+            max_pending_dials_per_tunnel: limit(config.max_pending_dials_per_tunnel),
+            max_stray_closes_per_tunnel: limit(config.max_stray_closes_per_tunnel),
         },
         registry: registry.clone(),
         metrics: metrics.clone(),
@@ -526,7 +544,7 @@ pub async fn start_with_peers(
     };
     let agent_routes = Routes::new(
         AgentServiceServer::new(agent_endpoint)
-            .max_decoding_message_size(MAX_MESSAGE_SIZE)
+            .max_decoding_message_size(limit(config.max_packet_size))
             .max_encoding_message_size(MAX_MESSAGE_SIZE),
     );
     tasks.spawn(listener::serve(
@@ -536,7 +554,10 @@ pub async fn start_with_peers(
         move |_peer: Arc<PeerInfo>| agent_routes.clone(),
         shutdown.clone(),
         grace,
-        keepalive(config.keepalive_time),
+        Http2Settings {
+            keepalive: keepalive(config.keepalive_time),
+            max_concurrent_streams: config.max_concurrent_streams,
+        },
     ));
 
     let grpc = matches!(config.mode, Mode::Both | Mode::Grpc).then(|| {
@@ -544,8 +565,9 @@ pub async fn start_with_peers(
             ProxyServiceServer::new(GrpcFrontend {
                 dialer: dialer.clone(),
                 metrics: metrics.clone(),
+                first_packet_timeout: config.first_packet_timeout,
             })
-            .max_decoding_message_size(MAX_MESSAGE_SIZE)
+            .max_decoding_message_size(limit(config.max_packet_size))
             .max_encoding_message_size(MAX_MESSAGE_SIZE),
         )
     });
@@ -573,7 +595,10 @@ pub async fn start_with_peers(
         move |peer: Arc<PeerInfo>| client_service.for_peer(&peer),
         shutdown.clone(),
         grace,
-        keepalive(config.frontend_keepalive_time),
+        Http2Settings {
+            keepalive: keepalive(config.frontend_keepalive_time),
+            max_concurrent_streams: config.max_concurrent_streams,
+        },
     ));
 
     let health_metrics = metrics.clone();

@@ -126,6 +126,11 @@ impl Listener {
             Listener::Tcp(listener, tls) => {
                 let (tcp, remote) = listener.accept().await?;
                 let _ = tcp.set_nodelay(true);
+                // Agents and clients hold these connections for hours; one
+                // whose host vanished is reset by the kernel's probes.
+                if let Err(e) = cluster_proxy_runtime::net::set_tcp_keepalive(&tcp) {
+                    tracing::debug!(%remote, error = %e, "TCP keepalive not set");
+                }
                 // The newest credentials for each handshake: rotation needs no restart.
                 let acceptor = TlsAcceptor::from(tls.borrow().clone());
                 Ok(Accepted::Tcp(tcp, remote, acceptor))
@@ -133,6 +138,15 @@ impl Listener {
             Listener::Unix(listener) => Ok(Accepted::Unix(listener.accept().await?.0)),
         }
     }
+}
+
+/// The HTTP/2 settings a port's flags choose.
+#[derive(Debug, Clone, Copy)]
+pub struct Http2Settings {
+    /// Idle time before a PING (`--keepalive-time`, `--frontend-keepalive-time`); `None`: no pings.
+    pub keepalive: Option<Duration>,
+    /// Streams one connection may have open (`--max-concurrent-streams`).
+    pub max_concurrent_streams: u32,
 }
 
 /// Serves `listener` until `shutdown` fires, then stops accepting (closing
@@ -146,7 +160,7 @@ pub async fn serve<S, F, B>(
     make_service: F,
     shutdown: CancellationToken,
     grace: Duration,
-    keepalive: Option<Duration>,
+    http2: Http2Settings,
 ) where
     F: Fn(Arc<PeerInfo>) -> S + Send + Sync + 'static,
     S: tower::Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
@@ -166,11 +180,13 @@ pub async fn serve<S, F, B>(
         .initial_stream_window_size(STREAM_WINDOW)
         .initial_connection_window_size(CONNECTION_WINDOW)
         .max_frame_size(256 * 1024)
-        .max_concurrent_streams(None::<u32>)
+        // Beyond it the peer's new streams are refused (REFUSED_STREAM),
+        // which a client retries: `--max-concurrent-streams`.
+        .max_concurrent_streams(http2.max_concurrent_streams)
         // HTTP/2 pings after `keepalive` without traffic (upstream's
         // --keepalive-time / --frontend-keepalive-time); a peer that does not
         // answer within 20 s (gRPC's default timeout) is dropped.
-        .keep_alive_interval(keepalive)
+        .keep_alive_interval(http2.keepalive)
         .keep_alive_timeout(Duration::from_secs(20));
     // HTTP/1.1 serves only CONNECT: responses as upstream writes them, with
     // no `date` header (a `200 Connection Established` is the status line

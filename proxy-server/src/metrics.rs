@@ -48,6 +48,11 @@ pub struct Metrics {
     pub server_count: Gauge,
     /// Failed lookups of the peer replicas (`--server-count-source`).
     pub peer_lookup_failures: Counter,
+    /// Times a configured bound refused or dropped something, by `limit`.
+    limited: Family<Labels, Counter>,
+    /// Unknown connection ids whose CLOSE_RSP the server awaits, summed
+    /// over tunnels (bounded by `--max-stray-closes-per-tunnel` each).
+    pub stray_close_backlog: Gauge,
     stream: StreamMetrics,
 }
 
@@ -162,6 +167,19 @@ impl Metrics {
             "Failed lookups of the proxy-server replicas (--server-count-source); the last count is kept",
             peer_lookup_failures.clone(),
         );
+        let limited = Family::<Labels, Counter>::default();
+        register_counter(
+            ours,
+            "limited_total",
+            "Packets, streams, tunnels or dials refused or dropped because a configured bound (the limit label, named as its flag) was reached",
+            limited.clone(),
+        );
+        let stray_close_backlog = Gauge::default();
+        ours.register(
+            "stray_close_backlog",
+            "Unknown connection ids the server asked agents to close and awaits CLOSE_RSP for",
+            stray_close_backlog.clone(),
+        );
         Metrics {
             registry: root,
             dial_duration,
@@ -179,6 +197,8 @@ impl Metrics {
             agent_tunnels,
             server_count,
             peer_lookup_failures,
+            limited,
+            stray_close_backlog,
             stream,
         }
     }
@@ -200,6 +220,11 @@ impl Metrics {
                 .get_or_create(&vec![("service_method", method)])
                 .clone(),
         )
+    }
+
+    /// A bound named `limit` (its flag without `--max-`) refused or dropped something.
+    pub fn limited(&self, limit: &'static str) {
+        self.limited.get_or_create(&vec![("limit", limit)]).inc();
     }
 
     pub fn dial_failed(&self, reason: &'static str) {

@@ -56,6 +56,15 @@ pub struct Registry {
     next: AtomicUsize,
 }
 
+/// Whose tunnel this is, for `--max-tunnels-per-agent`: the certificate's
+/// cluster when bound, else the agent id the agent claims.
+fn identity_key(tunnel: &AgentTunnel) -> (bool, &str) {
+    match tunnel.cluster() {
+        Some(cluster) => (true, cluster.as_str()),
+        None => (false, tunnel.agent_id()),
+    }
+}
+
 fn remove(list: &mut Vec<Arc<AgentTunnel>>, tunnel: &AgentTunnel) {
     list.retain(|t| t.id() != tunnel.id());
 }
@@ -83,6 +92,28 @@ impl Registry {
 
     pub fn register(&self, tunnel: Arc<AgentTunnel>) {
         let mut t = self.write();
+        Self::insert(&mut t, tunnel);
+    }
+
+    /// Registers `tunnel` unless its agent identity (the cluster its
+    /// certificate names, else its agent id) already holds `max` tunnels;
+    /// then answers how many it holds.
+    pub fn register_bounded(&self, tunnel: Arc<AgentTunnel>, max: usize) -> Result<(), usize> {
+        let mut t = self.write();
+        let key = identity_key(&tunnel);
+        let held = t
+            .all
+            .iter()
+            .filter(|other| !other.is_closed() && identity_key(other) == key)
+            .count();
+        if held >= max {
+            return Err(held);
+        }
+        Self::insert(&mut t, tunnel);
+        Ok(())
+    }
+
+    fn insert(t: &mut Tables, tunnel: Arc<AgentTunnel>) {
         for key in tunnel.identifiers().destination_keys() {
             t.by_host
                 .entry(key.to_owned())

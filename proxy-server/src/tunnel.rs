@@ -25,6 +25,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use crate::conn_trace::{ConnTrace, EndReason};
+use crate::dial::DialFailure;
 use crate::metrics::{Metrics, Segment};
 
 static NEXT_TUNNEL_ID: AtomicU64 = AtomicU64::new(1);
@@ -49,7 +50,17 @@ pub struct TunnelSettings {
     /// The agent advertised the server-count extension: it is sent
     /// SERVER_COUNT packets when the replica count changes.
     pub server_count_updates: bool,
+    /// Dials that may wait for the agent's answer at once (`--max-pending-dials-per-tunnel`).
+    pub max_pending_dials: usize,
+    /// Unknown connection ids whose CLOSE_RSP may be awaited at once
+    /// (`--max-stray-closes-per-tunnel`): the bound on the control lane's
+    /// replies to an agent's stray packets.
+    pub max_stray_closes: usize,
 }
+
+/// How long an unanswered CLOSE_REQ for an unknown id holds its place in the
+/// stray-close set before it may be evicted; an agent answers in a round trip.
+const STRAY_CLOSE_HOLD: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// What a frontend receives for its connection.
 #[derive(Debug)]
@@ -87,6 +98,10 @@ struct PendingDial {
 struct State {
     pending: HashMap<i64, PendingDial>,
     conns: HashMap<i64, ConnEntry>,
+    /// Unknown connection ids the agent was asked to close (CLOSE_REQ sent,
+    /// CLOSE_RSP not yet seen), with when: one reply per id, however many
+    /// stray packets name it.
+    stray_closes: HashMap<i64, std::time::Instant>,
 }
 
 /// The packets the server sends to the agent, as a gRPC response stream.
@@ -221,14 +236,23 @@ impl AgentTunnel {
         &self,
         random: i64,
         trace: Arc<ConnTrace>,
-    ) -> Result<oneshot::Receiver<DialReply>, String> {
+    ) -> Result<oneshot::Receiver<DialReply>, DialFailure> {
         let (tx, rx) = oneshot::channel();
         let mut state = self.state();
         if self.is_closed() {
-            return Err("agent tunnel is closed".into());
+            return Err(DialFailure::TunnelClosed("agent tunnel is closed".into()));
         }
         if state.pending.contains_key(&random) {
-            return Err(format!("dial id {random} is already in use"));
+            return Err(DialFailure::BadRequest(format!(
+                "dial id {random} is already in use"
+            )));
+        }
+        if state.pending.len() >= self.settings.max_pending_dials {
+            self.metrics.limited("pending_dials_per_tunnel");
+            return Err(DialFailure::Overloaded(format!(
+                "the agent tunnel already has {} dials waiting for the agent (--max-pending-dials-per-tunnel)",
+                state.pending.len()
+            )));
         }
         state
             .pending
@@ -264,6 +288,9 @@ impl AgentTunnel {
             self.closed.cancel();
             std::mem::take(&mut *state)
         };
+        self.metrics
+            .stray_close_backlog
+            .dec_by(i64::try_from(state.stray_closes.len()).unwrap_or(0));
         debug!(tunnel = self.id, agent_id = %self.agent_id, reason, "agent tunnel closed");
         for (_, waiter) in state.pending {
             self.metrics.pending_dials.dec();
@@ -300,6 +327,43 @@ impl AgentTunnel {
         self.send_control(packet::close_request(connect_id));
     }
 
+    /// Asks the agent to close a connection the server does not know, once
+    /// per id until its CLOSE_RSP, and at most `max_stray_closes` ids at a
+    /// time: an agent sending DATA for made-up ids cannot grow the control
+    /// lane, it only loses the answers (counted as `stray_closes_per_tunnel`).
+    fn close_stray(&self, connect_id: i64) {
+        let mut state = self.state();
+        if self.is_closed() || state.stray_closes.contains_key(&connect_id) {
+            return;
+        }
+        if state.stray_closes.len() >= self.settings.max_stray_closes {
+            let before = state.stray_closes.len();
+            state
+                .stray_closes
+                .retain(|_, asked| asked.elapsed() < STRAY_CLOSE_HOLD);
+            let evicted = before - state.stray_closes.len();
+            self.metrics
+                .stray_close_backlog
+                .dec_by(i64::try_from(evicted).unwrap_or(0));
+            if evicted == 0 {
+                drop(state);
+                self.metrics.limited("stray_closes_per_tunnel");
+                return;
+            }
+        }
+        state
+            .stray_closes
+            .insert(connect_id, std::time::Instant::now());
+        self.metrics.stray_close_backlog.inc();
+        drop(state);
+        self.send_control(packet::close_request(connect_id));
+    }
+
+    /// Unknown connection ids awaiting the agent's CLOSE_RSP.
+    pub fn stray_close_backlog(&self) -> usize {
+        self.state().stray_closes.len()
+    }
+
     /// Handles one packet from the agent.
     pub async fn handle(self: &Arc<Self>, frame: Frame) {
         self.metrics.packet(Segment::FromAgent, frame.type_name());
@@ -314,13 +378,19 @@ impl AgentTunnel {
                     warn!(tunnel = self.id, agent_id = %self.agent_id, "dropping DATA with connection id 0");
                     return;
                 }
+                if data.is_empty() {
+                    // It carries nothing, yet would cost a queue slot and no
+                    // flow-control credit: a flood of them is unbounded.
+                    self.metrics.limited("empty_data");
+                    return;
+                }
                 let queue = self.state().conns.get(&connect_id).map(|c| c.queue.clone());
                 let Some(queue) = queue else {
                     debug!(
                         tunnel = self.id,
                         connect_id, "DATA for unknown connection; asking the agent to close it"
                     );
-                    self.send_control(packet::close_request(connect_id));
+                    self.close_stray(connect_id);
                     return;
                 };
                 match queue
@@ -337,10 +407,16 @@ impl AgentTunnel {
                     conn.credit.close();
                     let _ = conn.queue.push(FrontendEvent::Closed(error));
                 }
-                None => debug!(
-                    tunnel = self.id,
-                    connect_id, "CLOSE_RSP for unknown connection"
-                ),
+                None => {
+                    if self.state().stray_closes.remove(&connect_id).is_some() {
+                        self.metrics.stray_close_backlog.dec();
+                    } else {
+                        debug!(
+                            tunnel = self.id,
+                            connect_id, "CLOSE_RSP for unknown connection"
+                        );
+                    }
+                }
             },
             Frame::CloseDial { random } => {
                 let waiter = self.state().pending.remove(&random);
@@ -389,7 +465,7 @@ impl AgentTunnel {
             self.metrics.dial_failed("unrecognized_response");
             if connect_id != 0 {
                 // The frontend gave up; don't leave the agent's connection open.
-                self.send_control(packet::close_request(connect_id));
+                self.close_stray(connect_id);
             }
             return;
         };

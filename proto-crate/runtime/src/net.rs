@@ -4,6 +4,10 @@ use std::net::SocketAddr;
 
 use tokio::net::TcpListener;
 
+pub use cluster_proxy_proto::transport::{
+    TCP_KEEPALIVE_IDLE, TCP_KEEPALIVE_INTERVAL, TCP_KEEPALIVE_RETRIES, set_tcp_keepalive,
+};
+
 #[derive(Debug, thiserror::Error)]
 #[error("bind {what} {address}: {source}")]
 pub struct BindError {
@@ -47,6 +51,26 @@ mod tests {
         assert_eq!(listen_address("", 8092), "0.0.0.0:8092");
         assert_eq!(listen_address("::1", 8092), "[::1]:8092");
         assert_eq!(listen_address("127.0.0.1", 0), "127.0.0.1:0");
+    }
+
+    #[tokio::test]
+    async fn keepalive_is_set_with_the_documented_timing() {
+        let (listener, address) = bind("test", "127.0.0.1", 0).await.unwrap();
+        let tcp = tokio::net::TcpStream::connect(address).await.unwrap();
+        let _accepted = listener.accept().await.unwrap();
+        let socket = socket2::SockRef::from(&tcp);
+        assert!(!socket.keepalive().unwrap(), "off by default");
+        set_tcp_keepalive(&tcp).unwrap();
+        assert!(socket.keepalive().unwrap());
+        assert_eq!(socket.tcp_keepalive_time().unwrap(), TCP_KEEPALIVE_IDLE);
+        assert_eq!(
+            socket.tcp_keepalive_interval().unwrap(),
+            TCP_KEEPALIVE_INTERVAL
+        );
+        assert_eq!(
+            socket.tcp_keepalive_retries().unwrap(),
+            TCP_KEEPALIVE_RETRIES
+        );
     }
 
     #[tokio::test]
