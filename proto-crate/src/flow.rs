@@ -295,6 +295,64 @@ impl WindowTracker {
     }
 }
 
+/// Connection ids a tunnel recently answered as unknown. The control lane
+/// never waits, so a peer that floods packets for ids it made up (and
+/// stops reading) would grow it by one reply per packet; with this each id
+/// is answered once, and at most `capacity` ids per `hold`.
+#[derive(Debug)]
+pub struct StrayIds {
+    answered: std::collections::HashMap<i64, std::time::Instant>,
+    capacity: usize,
+    hold: std::time::Duration,
+}
+
+/// What to do with a packet for an unknown connection id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stray {
+    /// Answer it (and remember the id).
+    Answer,
+    /// This id was answered within `hold`: drop the packet.
+    AlreadyAnswered,
+    /// `capacity` other ids were answered within `hold`: drop the packet
+    /// unanswered (the bound bit).
+    Full,
+}
+
+impl StrayIds {
+    pub fn new(capacity: usize, hold: std::time::Duration) -> Self {
+        StrayIds {
+            answered: std::collections::HashMap::new(),
+            capacity: capacity.max(1),
+            hold,
+        }
+    }
+
+    pub fn admit(&mut self, connect_id: i64, now: std::time::Instant) -> Stray {
+        let hold = self.hold;
+        let fresh = |at: &std::time::Instant| now.saturating_duration_since(*at) < hold;
+        if self.answered.get(&connect_id).is_some_and(fresh) {
+            return Stray::AlreadyAnswered;
+        }
+        if self.answered.len() >= self.capacity {
+            self.answered.retain(|_, at| fresh(at));
+            if self.answered.len() >= self.capacity {
+                return Stray::Full;
+            }
+        }
+        self.answered.insert(connect_id, now);
+        Stray::Answer
+    }
+
+    /// Ids remembered now (at most `capacity`).
+    pub fn len(&self) -> usize {
+        self.answered.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.answered.is_empty()
+    }
+}
+
 /// The two lanes of packets towards a tunnel peer. `ordered` carries what
 /// must keep its per-connection order (dial answers, DATA, closes) and is
 /// bounded, so connection tasks wait when the stream is slow. `control`
@@ -327,6 +385,29 @@ pub fn outbound(ordered_capacity: usize, closed: CancellationToken) -> (Outbound
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    #[test]
+    fn stray_ids_answer_each_id_once_and_at_most_capacity_per_hold() {
+        let start = std::time::Instant::now();
+        let hold = Duration::from_secs(30);
+        let mut stray = StrayIds::new(3, hold);
+        assert_eq!(stray.admit(1, start), Stray::Answer);
+        assert_eq!(stray.admit(1, start), Stray::AlreadyAnswered);
+        assert_eq!(stray.admit(2, start), Stray::Answer);
+        assert_eq!(stray.admit(3, start), Stray::Answer);
+        for id in 4..10_000 {
+            assert_eq!(stray.admit(id, start), Stray::Full);
+        }
+        assert_eq!(stray.len(), 3);
+        let later = start + hold;
+        assert_eq!(stray.admit(4, later), Stray::Answer);
+        assert_eq!(
+            stray.admit(1, later),
+            Stray::Answer,
+            "answered again once the hold passed"
+        );
+        assert!(stray.len() <= 3);
+    }
 
     #[tokio::test]
     async fn credit_blocks_until_granted() {

@@ -39,6 +39,7 @@ pub struct Metrics {
     /// Upstream's deprecated `server_connection_failure_count{direction}`.
     server_failures: Family<Labels, Counter>,
     stream: StreamMetrics,
+    stray_replies_dropped: Counter,
 }
 
 impl Default for Metrics {
@@ -90,6 +91,13 @@ impl Metrics {
             server_failures.clone(),
         );
         let stream = StreamMetrics::register(registry, &[Segment::FromAgent, Segment::ToAgent]);
+        let stray_replies_dropped = Counter::default();
+        register_counter(
+            root.sub_registry_with_prefix("cluster_proxy_agent"),
+            "stray_replies_dropped_total",
+            "Packets from a proxy-server for unknown connections left unanswered because the tunnel already answered its bound of unknown ids (1024 per 30 s).",
+            stray_replies_dropped.clone(),
+        );
         Metrics {
             registry: root,
             open_server_connections,
@@ -99,6 +107,7 @@ impl Metrics {
             dial_duration,
             server_failures,
             stream,
+            stray_replies_dropped,
         }
     }
 
@@ -106,6 +115,11 @@ impl Metrics {
         self.dial_failures
             .get_or_create(&vec![("reason", reason.label())])
             .inc();
+    }
+
+    /// A packet for an unknown connection left unanswered (the bound bit).
+    pub fn stray_reply_dropped(&self) {
+        self.stray_replies_dropped.inc();
     }
 
     /// A packet sent to (`FromAgent`) or received from (`ToAgent`) a server.

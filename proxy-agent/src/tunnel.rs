@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use bytes::{Bytes, BytesMut};
 use cluster_proxy_proto::Packet;
 use cluster_proxy_proto::flow::{
-    FlowError, READ_CHUNK, ReceiveQueue, ReceiveQueueRx, SendCredit, WindowTracker,
+    FlowError, READ_CHUNK, ReceiveQueue, ReceiveQueueRx, SendCredit, Stray, StrayIds, WindowTracker,
 };
 use cluster_proxy_proto::packet::{self, Frame, PROTOCOL_TCP};
 use cluster_proxy_proto::trace::{SPAN_TARGET, TraceHeaders};
@@ -32,6 +32,12 @@ use tracing::{Instrument, Span, field};
 
 use crate::dial::dial_tcp;
 use crate::metrics::{Metrics, Segment};
+
+/// Unknown connection ids answered at most per [`STRAY_HOLD`]: a server
+/// that floods packets for made-up ids cannot grow the control lane.
+pub const STRAY_CAPACITY: usize = 1024;
+/// How long an answered unknown id is remembered.
+pub const STRAY_HOLD: Duration = Duration::from_secs(30);
 
 /// Capacity (packets) of the ordered channel; a full channel makes the
 /// connection tasks wait, never the reader.
@@ -107,11 +113,12 @@ struct ConnEntry {
     abort: Arc<Abort>,
 }
 
-#[derive(Default)]
 struct Tables {
     conns: HashMap<i64, ConnEntry>,
     /// Dials in progress by `random`, so DIAL_CLS can cancel them.
     pending: HashMap<i64, CancellationToken>,
+    /// Unknown ids the server's packets named and were answered.
+    stray: StrayIds,
 }
 
 struct Tunnel {
@@ -161,6 +168,17 @@ impl Tunnel {
         let _ = self.out.control.send(packet);
     }
 
+    /// Answers a packet for an unknown connection with `packet`, once per
+    /// id and within [`STRAY_CAPACITY`] ids per [`STRAY_HOLD`].
+    fn reply_to_stray(&self, connect_id: i64, packet: Packet) {
+        let verdict = self.tables().stray.admit(connect_id, Instant::now());
+        match verdict {
+            Stray::Answer => self.reply(packet),
+            Stray::AlreadyAnswered => {}
+            Stray::Full => self.metrics.stray_reply_dropped(),
+        }
+    }
+
     async fn handle(self: &Arc<Self>, frame: Frame) {
         match frame {
             Frame::DialRequest {
@@ -184,7 +202,10 @@ impl Tunnel {
                     }
                     None => {
                         tracing::debug!(server_id = %self.params.server_id, connect_id, "CLOSE_REQ for unknown connection");
-                        self.reply(packet::close_response(connect_id, "Unknown connectID"));
+                        self.reply_to_stray(
+                            connect_id,
+                            packet::close_response(connect_id, "Unknown connectID"),
+                        );
                     }
                 }
             }
@@ -517,7 +538,10 @@ impl Tunnel {
             .map(|c| (c.queue.clone(), c.abort.clone()));
         let Some((queue, abort)) = found else {
             tracing::debug!(server_id = %self.params.server_id, connect_id, "DATA for unknown connection");
-            self.reply(packet::close_response(connect_id, "unrecognized connectID"));
+            self.reply_to_stray(
+                connect_id,
+                packet::close_response(connect_id, "unrecognized connectID"),
+            );
             return;
         };
         match queue
@@ -541,8 +565,14 @@ impl Tunnel {
 
     fn teardown(&self) {
         self.cancel.cancel();
-        let tables = std::mem::take(&mut *self.tables());
-        for conn in tables.conns.values() {
+        let (conns, _pending) = {
+            let mut tables = self.tables();
+            (
+                std::mem::take(&mut tables.conns),
+                std::mem::take(&mut tables.pending),
+            )
+        };
+        for conn in conns.values() {
             conn.credit.close();
         }
     }
@@ -560,7 +590,11 @@ pub async fn serve(
     let tunnel = Arc::new(Tunnel {
         params,
         out,
-        tables: Mutex::new(Tables::default()),
+        tables: Mutex::new(Tables {
+            conns: HashMap::new(),
+            pending: HashMap::new(),
+            stray: StrayIds::new(STRAY_CAPACITY, STRAY_HOLD),
+        }),
         next_connect_id: AtomicI64::new(1),
         cancel,
         metrics,

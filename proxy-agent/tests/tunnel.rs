@@ -553,3 +553,72 @@ async fn not_ready_without_servers_and_files_are_checked() {
     let err = proxy_agent::start(config).await.unwrap_err().to_string();
     assert!(err.contains("agent-identifiers"), "{err}");
 }
+
+fn stray_replies_dropped(agent: &RunningAgent) -> u64 {
+    agent
+        .metrics()
+        .encode()
+        .lines()
+        .find_map(|l| l.strip_prefix("cluster_proxy_agent_stray_replies_dropped_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// A server that floods DATA and CLOSE_REQ for connection ids it made up
+/// gets one CLOSE_RSP per id and at most `STRAY_CAPACITY` ids answered per
+/// `STRAY_HOLD`; the rest are counted, not queued on the control lane
+/// (which never waits, so it would grow by one reply per packet of a
+/// server that stops reading). The tunnel still serves real dials after.
+#[tokio::test]
+async fn a_server_flooding_unknown_ids_gets_a_bounded_number_of_answers() {
+    let pki = pki();
+    let (server, mut sessions) = fake_server(&pki, &["server-1"], 1, None).await;
+    let target = echo_target().await;
+    let agent = proxy_agent::start(agent_config(&pki, server))
+        .await
+        .unwrap();
+    let (_, mut s) = session(&mut sessions).await;
+    let capacity = proxy_agent::tunnel::STRAY_CAPACITY;
+    let flood = capacity * 4;
+    for i in 0..flood {
+        let id = 1_000_000 + i as i64;
+        s.send(packet::data(id, bytes::Bytes::from_static(b"x")))
+            .await;
+        s.send(packet::close_request(id)).await;
+    }
+    let mut answered = std::collections::HashSet::new();
+    while answered.len() < capacity {
+        match s.next().await {
+            Frame::CloseResponse { connect_id, .. } => {
+                assert!(
+                    answered.insert(connect_id),
+                    "id {connect_id} answered twice"
+                );
+            }
+            other => panic!("expected CLOSE_RSP, got {other:?}"),
+        }
+    }
+    let dropped = (flood * 2 - capacity * 2) as u64;
+    let counted = tokio::time::timeout(STEP, async {
+        while stray_replies_dropped(&agent) < dropped {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    assert!(
+        counted.is_ok(),
+        "dropped answers counted: {} of {dropped}",
+        stray_replies_dropped(&agent)
+    );
+    // Nothing beyond the bound was queued: the next packet is the answer to
+    // a real dial.
+    let connect_id = dial(&mut s, &target.to_string(), 7).await;
+    s.send(packet::data(
+        connect_id,
+        bytes::Bytes::from_static(b"still here"),
+    ))
+    .await;
+    assert_eq!(read_data(&mut s, connect_id, 10).await, b"still here");
+    assert_eq!(stray_replies_dropped(&agent), dropped);
+    stop(agent).await;
+}

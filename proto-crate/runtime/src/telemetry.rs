@@ -345,9 +345,7 @@ pub fn init(
     ));
     let installed = tracing_subscriber::registry()
         .with(fmt.with_filter(filter))
-        .with(
-            span_layer(tracer).with_filter(export_filter),
-        )
+        .with(span_layer(tracer).with_filter(export_filter))
         .try_init();
     if installed.is_err() {
         let _ = provider.shutdown();
@@ -370,9 +368,9 @@ pub fn export_dispatch(
     };
     let provider = tracer_provider(config, endpoint)?;
     let layer = span_layer(provider.tracer("cluster-proxy")).with_filter(EnvFilter::new(format!(
-            "off,{}=info",
-            cluster_proxy_proto::trace::SPAN_TARGET
-        )));
+        "off,{}=info",
+        cluster_proxy_proto::trace::SPAN_TARGET
+    )));
     let dispatch = tracing::Dispatch::new(tracing_subscriber::registry().with(layer));
     Ok(Some((
         dispatch,
