@@ -9,7 +9,11 @@ use libfuzzer_sys::fuzz_target;
 fuzz_target!(|query: &str| {
     let pairs = parse_query(query);
     let parsed = AgentIdentifiers::parse(query);
-    assert_eq!(pairs.is_ok(), parsed.is_ok());
+    // The server's parser fails on everything the query splitter does, and
+    // more (a `default-route` that is no Go boolean).
+    if pairs.is_err() {
+        assert!(parsed.is_err());
+    }
     let strict = AgentIdentifiers::parse_strict(query);
     let upstream = AgentIdentifiers::parse_like_upstream(query);
     // Strict accepts a subset of what the upstream-compatible parser does,
