@@ -4,6 +4,7 @@
 //! live in `tests/`, the benchmark in `benches/`.
 #![forbid(unsafe_code)]
 
+pub mod churn;
 pub mod env;
 pub mod harness;
 pub mod kubeapi;

@@ -66,19 +66,43 @@ fn established_response() -> Response<Body> {
     response
 }
 
+/// Why a request on the CONNECT frontend is refused before any dial.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum ConnectRequestError {
+    #[error("this proxy only supports CONNECT passthrough")]
+    NotConnect,
+    #[error("CONNECT target must be host:port")]
+    NoAuthority,
+}
+
+impl ConnectRequestError {
+    fn status(self) -> StatusCode {
+        match self {
+            ConnectRequestError::NotConnect => StatusCode::METHOD_NOT_ALLOWED,
+            ConnectRequestError::NoAuthority => StatusCode::BAD_REQUEST,
+        }
+    }
+}
+
+/// The address a request parsed by hyper asks to dial (`host:port`, as the
+/// client wrote it), or why it asks for none. Public so the fuzz targets
+/// (`fuzz/fuzz_targets/http_connect.rs`) drive the same check the frontend runs.
+pub fn connect_target<B>(request: &Request<B>) -> Result<String, ConnectRequestError> {
+    if request.method() != Method::CONNECT {
+        return Err(ConnectRequestError::NotConnect);
+    }
+    request
+        .uri()
+        .authority()
+        .map(|a| a.as_str().to_owned())
+        .ok_or(ConnectRequestError::NoAuthority)
+}
+
 impl ConnectFrontend {
     pub async fn handle(self: Arc<Self>, request: Request<Incoming>) -> Response<Body> {
-        if request.method() != Method::CONNECT {
-            return text_response(
-                StatusCode::METHOD_NOT_ALLOWED,
-                "this proxy only supports CONNECT passthrough\n".into(),
-            );
-        }
-        let Some(address) = request.uri().authority().map(|a| a.as_str().to_owned()) else {
-            return text_response(
-                StatusCode::BAD_REQUEST,
-                "CONNECT target must be host:port\n".into(),
-            );
+        let address = match connect_target(&request) {
+            Ok(address) => address,
+            Err(refusal) => return text_response(refusal.status(), format!("{refusal}\n")),
         };
         let random = (rand::random::<i64>() & i64::MAX).max(1);
         let origin = DialOrigin {
@@ -166,5 +190,50 @@ where
         _ = &mut uplink => {
             let _ = tokio::time::timeout(CLOSE_WAIT, downlink).await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(method: Method, uri: &str) -> Request<()> {
+        Request::builder()
+            .method(method)
+            .uri(uri)
+            .body(())
+            .expect("a valid test request")
+    }
+
+    #[test]
+    fn connect_names_its_target_as_written() {
+        assert_eq!(
+            connect_target(&request(Method::CONNECT, "cluster-a:8080")),
+            Ok("cluster-a:8080".to_owned())
+        );
+        assert_eq!(
+            connect_target(&request(Method::CONNECT, "[::1]:443")),
+            Ok("[::1]:443".to_owned())
+        );
+    }
+
+    #[test]
+    fn other_methods_and_targets_without_authority_are_refused() {
+        assert_eq!(
+            connect_target(&request(Method::GET, "http://cluster-a:8080/")),
+            Err(ConnectRequestError::NotConnect)
+        );
+        assert_eq!(
+            connect_target(&request(Method::CONNECT, "/just/a/path")),
+            Err(ConnectRequestError::NoAuthority)
+        );
+        assert_eq!(
+            ConnectRequestError::NotConnect.status(),
+            StatusCode::METHOD_NOT_ALLOWED
+        );
+        assert_eq!(
+            ConnectRequestError::NoAuthority.status(),
+            StatusCode::BAD_REQUEST
+        );
     }
 }

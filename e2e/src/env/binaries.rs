@@ -47,15 +47,18 @@ pub enum Progress {
 
 impl Binaries {
     /// The output directory of the running executable's profile
-    /// (`target/debug` for `cargo run` and for tests, whose executables are
-    /// in `target/debug/deps`).
+    /// (`target/debug` for `cargo run`, for tests, whose executables are
+    /// in `target/debug/deps`, and for examples, in `target/debug/examples`).
     pub fn output_dir() -> Result<PathBuf, BuildError> {
         let exe = std::env::current_exe().map_err(|e| BuildError::Locate(e.to_string()))?;
         let mut dir = exe
             .parent()
             .ok_or_else(|| BuildError::Locate(exe.display().to_string()))?
             .to_path_buf();
-        if dir.file_name().is_some_and(|name| name == "deps") {
+        if dir
+            .file_name()
+            .is_some_and(|name| name == "deps" || name == "examples")
+        {
             dir.pop();
         }
         Ok(dir)
