@@ -41,6 +41,8 @@
 pub mod fields;
 pub mod http;
 pub mod lifecycle;
+pub mod openapi;
+pub mod protobuf;
 pub mod rbac;
 pub mod resources;
 pub mod schema;
