@@ -531,6 +531,43 @@ async fn auth_whoami_and_can_i_with_and_without_rbac() {
         .await;
     assert!(!output.status.success());
     assert_eq!(String::from_utf8_lossy(&output.stdout).trim(), "no");
+    // Typed `create role` / `create rolebinding` send protobuf too.
+    guarded
+        .ok(&[
+            "create",
+            "role",
+            "read-secrets",
+            "--verb=get,list",
+            "--resource=secrets",
+            "-n",
+            "default",
+        ])
+        .await;
+    guarded
+        .ok(&[
+            "create",
+            "rolebinding",
+            "read-secrets",
+            "--role=read-secrets",
+            "--user=nobody",
+            "-n",
+            "default",
+        ])
+        .await;
+    let output = guarded
+        .run_as(
+            &nobody,
+            &["auth", "can-i", "list", "secrets", "-n", "default"],
+        )
+        .await;
+    assert_eq!(String::from_utf8_lossy(&output.stdout).trim(), "yes");
+    let role = guarded
+        .json(&["get", "role", "read-secrets", "-n", "default"])
+        .await;
+    assert_eq!(
+        role["rules"],
+        json!([{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "list"]}])
+    );
     let grant = "apiVersion: rbac.authorization.k8s.io/v1\nkind: Role\nmetadata: {name: read-config, namespace: default}\nrules:\n- {apiGroups: [''], resources: [configmaps], verbs: [get, list]}\n---\napiVersion: rbac.authorization.k8s.io/v1\nkind: RoleBinding\nmetadata: {name: read-config, namespace: default}\nroleRef: {apiGroup: rbac.authorization.k8s.io, kind: Role, name: read-config}\nsubjects:\n- {apiGroup: rbac.authorization.k8s.io, kind: User, name: nobody}\n";
     guarded
         .ok(&["apply", "-f", &guarded.write("grant.yaml", grant)])

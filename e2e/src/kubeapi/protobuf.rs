@@ -13,6 +13,7 @@ use std::collections::BTreeMap;
 use base64::Engine;
 use k8s_pb::api::authorization::v1 as authorization;
 use k8s_pb::api::core::v1 as core;
+use k8s_pb::api::rbac::v1 as rbac;
 use k8s_pb::apimachinery::pkg::apis::meta::v1 as meta;
 use k8s_pb::apimachinery::pkg::runtime::Unknown;
 use prost::Message;
@@ -61,6 +62,35 @@ pub fn decode(bytes: &[u8]) -> Result<Value, ProtobufError> {
         ("v1", "ServiceAccount") => service_account(decode_message(&raw, "v1.ServiceAccount")?)?,
         ("authorization.k8s.io/v1", "SelfSubjectAccessReview") => {
             self_subject_access_review(decode_message(&raw, "v1.SelfSubjectAccessReview")?)?
+        }
+        ("rbac.authorization.k8s.io/v1", "Role") => {
+            let rbac::Role { metadata, rules } = decode_message(&raw, "v1.Role")?;
+            role(metadata, rules)?
+        }
+        ("rbac.authorization.k8s.io/v1", "ClusterRole") => {
+            let rbac::ClusterRole {
+                metadata,
+                rules,
+                aggregation_rule,
+            } = decode_message(&raw, "v1.ClusterRole")?;
+            refuse_if(aggregation_rule.is_some(), "aggregationRule")?;
+            role(metadata, rules)?
+        }
+        ("rbac.authorization.k8s.io/v1", "RoleBinding") => {
+            let rbac::RoleBinding {
+                metadata,
+                subjects,
+                role_ref,
+            } = decode_message(&raw, "v1.RoleBinding")?;
+            binding(metadata, subjects, role_ref)?
+        }
+        ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding") => {
+            let rbac::ClusterRoleBinding {
+                metadata,
+                subjects,
+                role_ref,
+            } = decode_message(&raw, "v1.ClusterRoleBinding")?;
+            binding(metadata, subjects, role_ref)?
         }
         _ => return Err(ProtobufError::UnsupportedKind { api_version, kind }),
     };
@@ -349,6 +379,82 @@ fn service_account(message: core::ServiceAccount) -> Result<Map<String, Value>, 
             "automountServiceAccountToken",
             automount_service_account_token,
         )
+        .done()
+        .0)
+}
+
+/// A list whose empty strings are values (`apiGroups: [""]` is the core group).
+fn texts(items: Vec<String>) -> Vec<Value> {
+    items.into_iter().map(Value::String).collect()
+}
+
+fn role(
+    metadata: Option<meta::ObjectMeta>,
+    rules: Vec<rbac::PolicyRule>,
+) -> Result<Map<String, Value>, ProtobufError> {
+    let rules = rules
+        .into_iter()
+        .map(|rule| {
+            let rbac::PolicyRule {
+                verbs,
+                api_groups,
+                resources,
+                resource_names,
+                non_resource_ur_ls,
+            } = rule;
+            Value::Object(
+                Fields::default()
+                    .list("verbs", texts(verbs))
+                    .list("apiGroups", texts(api_groups))
+                    .list("resources", texts(resources))
+                    .list("resourceNames", texts(resource_names))
+                    .list("nonResourceURLs", texts(non_resource_ur_ls))
+                    .done()
+                    .0,
+            )
+        })
+        .collect();
+    Ok(with_metadata(metadata)?.list("rules", rules).done().0)
+}
+
+fn binding(
+    metadata: Option<meta::ObjectMeta>,
+    subjects: Vec<rbac::Subject>,
+    role_ref: Option<rbac::RoleRef>,
+) -> Result<Map<String, Value>, ProtobufError> {
+    let subjects = subjects
+        .into_iter()
+        .map(|subject| {
+            let rbac::Subject {
+                kind,
+                api_group,
+                name,
+                namespace,
+            } = subject;
+            Value::Object(
+                Fields::default()
+                    .text("kind", kind)
+                    .text("apiGroup", api_group)
+                    .text("name", name)
+                    .text("namespace", namespace)
+                    .done()
+                    .0,
+            )
+        })
+        .collect();
+    let rbac::RoleRef {
+        api_group,
+        kind,
+        name,
+    } = role_ref.unwrap_or_default();
+    let mut role_ref = Fields::default();
+    role_ref
+        .text("kind", kind)
+        .text("name", name)
+        .value("apiGroup", Some(json!(api_group.unwrap_or_default())));
+    Ok(with_metadata(metadata)?
+        .list("subjects", subjects)
+        .object("roleRef", role_ref)
         .done()
         .0)
 }
