@@ -392,6 +392,16 @@ async fn explain_reads_built_in_and_custom_schemas() {
     );
     let error = setup.fails(&["explain", "widgets.spec.shape"]).await;
     assert!(error.contains("shape"), "{error}");
+
+    // CRDs applied with validation on are checked against the CRD schema
+    // itself, and then explained from their own.
+    let crds = concat!(env!("CARGO_MANIFEST_DIR"), "/crds/ocm.yaml");
+    setup.ok(&["apply", "-f", crds]).await;
+    let explained = setup.ok(&["explain", "managedclusters.spec"]).await;
+    assert!(
+        explained.contains("GROUP:      cluster.open-cluster-management.io"),
+        "{explained}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
