@@ -945,7 +945,18 @@ fn selectors(query: &Query, t: &ResourceType) -> Result<(LabelSelector, FieldSel
         if matches!(field, "metadata.name" | "metadata.namespace") || allowed.contains(&field) {
             continue;
         }
-        return Err(ApiError::bad_request(if t.custom {
+        // Only types with a field label conversion of their own say "not
+        // supported"; the rest answer in apimachinery's default words.
+        let own_conversion = !t.custom
+            && matches!(
+                (t.group.as_str(), t.plural.as_str()),
+                (
+                    "",
+                    "namespaces" | "pods" | "secrets" | "services" | "events"
+                ) | ("events.k8s.io", "events")
+                    | ("certificates.k8s.io", "certificatesigningrequests")
+            );
+        return Err(ApiError::bad_request(if !own_conversion {
             format!(
                 "{field:?} is not a known field selector: only \"metadata.name\", \"metadata.namespace\""
             )
