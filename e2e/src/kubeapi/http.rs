@@ -512,13 +512,15 @@ async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<B
                 ));
             }
             let body = read_json(request, &content_type).await?;
-            strict_fields(&query, t, &body, false)?;
+            strict_fields(&query, t, &body, None)?;
+            let body = openapi::without_undeclared(t, body);
             let created = store.create(t, ns, body, &user, &options)?;
             Ok(json_response(StatusCode::CREATED, &created))
         }
         (Method::PUT, Some(name)) => {
             let body = read_json(request, &content_type).await?;
-            strict_fields(&query, t, &body, false)?;
+            strict_fields(&query, t, &body, None)?;
+            let body = openapi::without_undeclared(t, body);
             signer_admission(shared, &user, t, name, target.part, &body)?;
             let updated = store.update(t, ns, name, body, target.part, &options)?;
             Ok(json_response(StatusCode::OK, &updated))
@@ -547,8 +549,15 @@ async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<B
             };
             let body = read_json(request, &content_type).await?;
             if kind != PatchKind::Json {
-                strict_fields(&query, t, &body, kind == PatchKind::Apply)?;
+                let applied = (kind == PatchKind::Apply).then_some(name);
+                strict_fields(&query, t, &body, applied)?;
             }
+            // Strategic merge patches carry `$` directives no schema declares.
+            let body = if kind == PatchKind::Apply {
+                openapi::without_undeclared(t, body)
+            } else {
+                body
+            };
             signer_admission(shared, &user, t, name, target.part, &body)?;
             let patched = store.patch(t, ns, name, kind, body, target.part, &user, &options)?;
             let status = if patched.created {
@@ -612,11 +621,13 @@ fn openapi_document(
 
 /// `fieldValidation=Strict`: a field no schema declares is an error, not
 /// silently dropped (`Warn`, the default, and `Ignore` keep the old way).
+/// `apply` names the applied object: server-side apply
+/// reports only the first undeclared field, in its typed-patch words.
 fn strict_fields(
     query: &Query,
     t: &ResourceType,
     body: &Value,
-    apply: bool,
+    apply: Option<&str>,
 ) -> Result<(), ApiError> {
     if query.get("fieldValidation") != Some("Strict") {
         return Ok(());
@@ -625,13 +636,23 @@ fn strict_fields(
     if undeclared.is_empty() {
         return Ok(());
     }
-    let message = if apply {
-        let fields: Vec<String> = undeclared
-            .iter()
-            .map(|f| format!(".{f}: field not declared in schema"))
-            .collect();
-        format!("failed to create typed patch object: {}", fields.join(", "))
-    } else {
+    if let Some(name) = apply {
+        // kube-apiserver answers 500 without a reason here, naming the
+        // namespace the applied object itself gives.
+        let namespace = body
+            .pointer("/metadata/namespace")
+            .and_then(Value::as_str)
+            .unwrap_or_default();
+        return Err(ApiError::new(
+            500,
+            "",
+            format!(
+                "failed to create typed patch object ({namespace}/{name}; {}/{}, Kind={}): .{}: field not declared in schema",
+                t.group, t.version, t.kind, undeclared[0]
+            ),
+        ));
+    }
+    let message = {
         let fields: Vec<String> = undeclared
             .iter()
             .map(|f| format!("unknown field {f:?}"))

@@ -266,6 +266,54 @@ pub fn undeclared_fields(t: &ResourceType, object: &Value) -> Vec<String> {
     found
 }
 
+/// A built-in object as kube-apiserver decodes it into its Go type: fields
+/// the schema does not declare are gone (custom types prune by their own
+/// schema in the store).
+pub fn without_undeclared(t: &ResourceType, mut object: Value) -> Value {
+    if t.custom {
+        return object;
+    }
+    for path in undeclared_fields(t, &object) {
+        remove_path(&mut object, &path);
+    }
+    object
+}
+
+/// Removes the field at a dotted path (`a.b[2].c`) as `walk` spells it.
+fn remove_path(object: &mut Value, path: &str) {
+    let mut steps: Vec<&str> = Vec::new();
+    for part in path.split('.') {
+        let mut rest = part;
+        if let Some(open) = rest.find('[') {
+            steps.push(&rest[..open]);
+            rest = &rest[open..];
+            while let Some(end) = rest.find(']') {
+                steps.push(&rest[..=end]);
+                rest = &rest[end + 1..];
+            }
+        } else {
+            steps.push(rest);
+        }
+    }
+    let Some((last, parents)) = steps.split_last() else {
+        return;
+    };
+    let mut current = object;
+    for step in parents {
+        let next = match step.strip_prefix('[').and_then(|s| s.strip_suffix(']')) {
+            Some(index) => index.parse::<usize>().ok().and_then(|i| current.get_mut(i)),
+            None => current.get_mut(*step),
+        };
+        match next {
+            Some(next) => current = next,
+            None => return,
+        }
+    }
+    if let Some(fields) = current.as_object_mut() {
+        fields.remove(*last);
+    }
+}
+
 /// What a schema that may be a `$ref` (or `allOf` of one) stands for.
 fn resolve(schema: &Value) -> &Value {
     let mut current = schema;
@@ -371,6 +419,10 @@ mod tests {
         assert_eq!(
             undeclared_fields(deployment, &object),
             vec!["spec.template.spec.containers[0].colour"]
+        );
+        assert_eq!(
+            without_undeclared(deployment, object),
+            json!({"spec": {"template": {"spec": {"containers": [{"name": "a", "image": "b", "imagePullPolicy": "Always"}]}}}})
         );
     }
 }

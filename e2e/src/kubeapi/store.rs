@@ -132,6 +132,12 @@ impl ApiError {
             "reason": self.reason,
             "code": self.code,
         });
+        // Internal errors carry no reason.
+        if self.reason.is_empty()
+            && let Some(fields) = status.as_object_mut()
+        {
+            fields.remove("reason");
+        }
         if !self.details.is_null() {
             status["details"] = self.details.clone();
         }
