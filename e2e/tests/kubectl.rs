@@ -368,6 +368,51 @@ async fn edit_runs_the_editor_and_patches() {
     );
     let edited = setup.json(&["get", "cm", "edited"]).await;
     assert_eq!(edited["data"]["colour"], "purple");
+
+    // Editing a list sends a strategic merge patch with `$` directives.
+    setup
+        .ok(&["label", "configmap", "edited", "tier=gold"])
+        .await;
+    setup
+        .ok(&[
+            "patch",
+            "configmap",
+            "edited",
+            "-p",
+            r#"{"metadata":{"finalizers":["example.io/a","example.io/b"]}}"#,
+        ])
+        .await;
+    let editor = setup.write(
+        "reorder.sh",
+        "#!/bin/sh\nsed -i 's|example.io/a|example.io/c|' \"$1\"\n",
+    );
+    std::fs::set_permissions(&editor, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let output = setup
+        .command(&setup.kubeconfig, &["edit", "configmap", "edited"])
+        .env("EDITOR", &editor)
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let edited = setup.json(&["get", "cm", "edited"]).await;
+    assert_eq!(
+        edited["metadata"]["finalizers"],
+        json!(["example.io/c", "example.io/b"])
+    );
+    setup
+        .ok(&[
+            "patch",
+            "configmap",
+            "edited",
+            "--type=merge",
+            "-p",
+            r#"{"metadata":{"finalizers":null}}"#,
+        ])
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -345,7 +345,9 @@ fn walk(schema: &Value, value: &Value, path: &str, found: &mut Vec<String>) {
     match value {
         Value::Object(fields) => {
             if let Some(Value::Object(properties)) = schema.get("properties") {
-                for (key, field) in fields {
+                // Strategic merge patches carry `$patch`, `$setElementOrder/…`
+                // and other directives beside the fields.
+                for (key, field) in fields.iter().filter(|(k, _)| !k.starts_with('$')) {
                     let here = if path.is_empty() {
                         key.clone()
                     } else {
@@ -414,6 +416,8 @@ mod tests {
         let mut found = undeclared_fields(t, &object);
         found.sort();
         assert_eq!(found, vec!["extra", "metadata.colour"]);
+        let strategic = json!({"metadata": {"$setElementOrder/finalizers": [], "labels": {"$patch": "replace"}}});
+        assert!(undeclared_fields(t, &strategic).is_empty());
         let deployment = registry.get("apps", "v1", "deployments").unwrap();
         let object = json!({"spec": {"template": {"spec": {"containers": [{"name": "a", "image": "b", "imagePullPolicy": "Always", "colour": 1}]}}}});
         assert_eq!(
