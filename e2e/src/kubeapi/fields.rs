@@ -551,6 +551,23 @@ pub fn strategic_merge(live: &Value, patch: &Value, shape: &Shape) -> Value {
                     strategic_merge(&existing, value, &shape.field(name)),
                 );
             }
+            for (directive, value) in changes {
+                if let Some(name) = directive.strip_prefix("$deleteFromPrimitiveList/")
+                    && let (Some(Value::Array(items)), Some(gone)) =
+                        (merged.get_mut(name), value.as_array())
+                {
+                    items.retain(|item| !gone.contains(item));
+                }
+            }
+            for (directive, value) in changes {
+                if let Some(name) = directive.strip_prefix("$setElementOrder/")
+                    && let (Some(Value::Array(items)), Some(order)) =
+                        (merged.get_mut(name), value.as_array())
+                {
+                    let (_, kind) = shape.field(name).list();
+                    set_element_order(items, order, &kind);
+                }
+            }
             Value::Object(merged)
         }
         Value::Array(changes) => {
@@ -594,6 +611,22 @@ pub fn strategic_merge(live: &Value, patch: &Value, shape: &Shape) -> Value {
         }
         other => without_directives(other),
     }
+}
+
+/// `$setElementOrder`: the entries the order names come in its order; the
+/// others (the server's own) keep their place after them.
+fn set_element_order(items: &mut [Value], order: &[Value], kind: &ListKind) {
+    let rank = |item: &Value| {
+        order.iter().position(|named| match kind {
+            ListKind::Map(_) => {
+                let step = item_step(item, kind);
+                step.is_some() && item_step(named, kind) == step
+            }
+            _ => named == item,
+        })
+    };
+    // A stable sort: unnamed entries (rank None → last) keep their order.
+    items.sort_by_key(|item| rank(item).unwrap_or(usize::MAX));
 }
 
 /// `value` without strategic-merge directives (`$patch`, `$retainKeys`, …).
@@ -1152,6 +1185,27 @@ mod tests {
         let err =
             applied_set(&json!({"spec": {"containers": [{"image": "x"}]}}), &shape).unwrap_err();
         assert!(matches!(err, ShapeError::MissingKey { .. }));
+    }
+
+    #[test]
+    fn strategic_merge_orders_and_deletes_as_kubectl_edit_asks() {
+        let shape = Shape::builtin();
+        let live = json!({"metadata": {"finalizers": ["e/a", "e/b", "e/server"]},
+            "spec": {"containers": [{"name": "a"}, {"name": "b"}]}});
+        let patch = json!({"metadata": {
+                "$deleteFromPrimitiveList/finalizers": ["e/a"],
+                "$setElementOrder/finalizers": ["e/c", "e/b"],
+                "finalizers": ["e/c"]},
+            "spec": {"$setElementOrder/containers": [{"name": "b"}, {"name": "a"}]}});
+        let merged = strategic_merge(&live, &patch, &shape);
+        assert_eq!(
+            merged["metadata"]["finalizers"],
+            json!(["e/c", "e/b", "e/server"])
+        );
+        assert_eq!(
+            merged["spec"]["containers"],
+            json!([{"name": "b"}, {"name": "a"}])
+        );
     }
 
     #[test]

@@ -14,18 +14,22 @@ use hyper::body::{Frame, Incoming};
 use serde_json::{Value, json};
 use tokio::sync::{broadcast, mpsc, watch};
 
+use super::protobuf::{self, ProtobufError};
 use super::resources::ResourceType;
 use super::selector::{FieldSelector, LabelSelector};
 use super::store::{
     ApiError, DeleteOptions, Deleted, Event, EventType, Part, PatchKind, Propagation, Store, User,
     WriteOptions, as_version,
 };
-use super::{rbac, table};
+use super::{openapi, rbac, table};
 
 pub type Body = BoxBody<Bytes, Infallible>;
 
 /// The group every authenticated requester belongs to.
 const AUTHENTICATED: &str = "system:authenticated";
+
+/// Kubernetes' protobuf media type (typed clients' request bodies).
+const PROTOBUF: &str = "application/vnd.kubernetes.protobuf";
 
 /// Largest request body accepted (the real server's limit is 3 MiB).
 const MAX_BODY: usize = 3 * 1024 * 1024;
@@ -218,7 +222,7 @@ async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<B
     let user = shared.authenticate(&request)?;
     let segments: Vec<&str> = path.split('/').filter(|s| !s.is_empty()).collect();
     let discovery = match segments.as_slice() {
-        ["version"] | ["api"] | ["apis"] | ["apis", _] => true,
+        ["version"] | ["api"] | ["apis"] | ["apis", _] | ["openapi", ..] => true,
         ["api", _] | ["apis", _, _] => request.method() == Method::GET,
         _ => false,
     };
@@ -239,6 +243,18 @@ async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<B
                         "platform": "linux/amd64", "goVersion": "n/a", "compiler": "n/a",
                         "buildDate": "2026-01-01T00:00:00Z", "gitCommit": "", "gitTreeState": "clean"}),
             ));
+        }
+        ["openapi", "v3"] => {
+            return Ok(json_response(
+                StatusCode::OK,
+                &openapi::root(&shared.store.registry()),
+            ));
+        }
+        ["openapi", "v3", "api", version] | ["openapi", "v3", "apis", "", version] => {
+            return openapi_document(shared, "", version, &path);
+        }
+        ["openapi", "v3", "apis", group, version] => {
+            return openapi_document(shared, group, version, &path);
         }
         ["api"] => {
             return Ok(json_response(
@@ -319,8 +335,8 @@ async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<B
                 .headers()
                 .get(header::CONTENT_TYPE)
                 .and_then(|v| v.to_str().ok())
-                .unwrap_or("application/json")
-                .to_string();
+                .map(|v| v.split(';').next().unwrap_or_default().trim().to_string())
+                .unwrap_or_default();
             let review = read_json(request, &content_type).await?;
             let attributes = access_review_attributes(&review)?;
             let allowed = shared.allowed(&user, &attributes);
@@ -496,11 +512,15 @@ async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<B
                 ));
             }
             let body = read_json(request, &content_type).await?;
+            strict_fields(&query, t, &body, None)?;
+            let body = openapi::without_undeclared(t, body);
             let created = store.create(t, ns, body, &user, &options)?;
             Ok(json_response(StatusCode::CREATED, &created))
         }
         (Method::PUT, Some(name)) => {
             let body = read_json(request, &content_type).await?;
+            strict_fields(&query, t, &body, None)?;
+            let body = openapi::without_undeclared(t, body);
             signer_admission(shared, &user, t, name, target.part, &body)?;
             let updated = store.update(t, ns, name, body, target.part, &options)?;
             Ok(json_response(StatusCode::OK, &updated))
@@ -528,6 +548,16 @@ async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<B
                 }
             };
             let body = read_json(request, &content_type).await?;
+            if kind != PatchKind::Json {
+                let applied = (kind == PatchKind::Apply).then_some(name);
+                strict_fields(&query, t, &body, applied)?;
+            }
+            // Strategic merge patches carry `$` directives no schema declares.
+            let body = if kind == PatchKind::Apply {
+                openapi::without_undeclared(t, body)
+            } else {
+                body
+            };
             signer_admission(shared, &user, t, name, target.part, &body)?;
             let patched = store.patch(t, ns, name, kind, body, target.part, &user, &options)?;
             let status = if patched.created {
@@ -570,6 +600,71 @@ async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<B
             format!("{method} is not supported here"),
         )),
     }
+}
+
+fn openapi_document(
+    shared: &Shared,
+    group: &str,
+    version: &str,
+    path: &str,
+) -> Result<Response<Body>, ApiError> {
+    let document =
+        openapi::group_version(&shared.store.registry(), group, version).ok_or_else(|| {
+            ApiError::new(
+                404,
+                "NotFound",
+                format!("the server could not find the requested resource ({path})"),
+            )
+        })?;
+    Ok(json_response(StatusCode::OK, &document))
+}
+
+/// `fieldValidation=Strict`: a field no schema declares is an error, not
+/// silently dropped (`Warn`, the default, and `Ignore` keep the old way).
+/// `apply` names the applied object: server-side apply
+/// reports only the first undeclared field, in its typed-patch words.
+fn strict_fields(
+    query: &Query,
+    t: &ResourceType,
+    body: &Value,
+    apply: Option<&str>,
+) -> Result<(), ApiError> {
+    if query.get("fieldValidation") != Some("Strict") {
+        return Ok(());
+    }
+    let undeclared = openapi::undeclared_fields(t, body);
+    if undeclared.is_empty() {
+        return Ok(());
+    }
+    if let Some(name) = apply {
+        // kube-apiserver answers 500 without a reason here, naming the
+        // namespace the applied object itself gives.
+        let namespace = body
+            .pointer("/metadata/namespace")
+            .and_then(Value::as_str)
+            .unwrap_or_default();
+        return Err(ApiError::new(
+            500,
+            "",
+            format!(
+                "failed to create typed patch object ({namespace}/{name}; {}/{}, Kind={}): .{}: field not declared in schema",
+                t.group, t.version, t.kind, undeclared[0]
+            ),
+        ));
+    }
+    let message = {
+        let fields: Vec<String> = undeclared
+            .iter()
+            .map(|f| format!("unknown field {f:?}"))
+            .collect();
+        format!(
+            "{kind} in version {version:?} cannot be handled as a {kind}: strict decoding error: {}",
+            fields.join(", "),
+            kind = t.kind,
+            version = t.version,
+        )
+    };
+    Err(ApiError::bad_request(message))
 }
 
 /// What a SelfSubjectAccessReview asks about.
@@ -802,6 +897,16 @@ async fn read_json(request: Request<Incoming>, content_type: &str) -> Result<Val
         return serde_saphyr::from_str::<Value>(text)
             .map_err(|e| ApiError::bad_request(format!("invalid YAML body: {e}")));
     }
+    if content_type == PROTOBUF {
+        return protobuf::decode(&bytes).map_err(|e| match e {
+            ProtobufError::NoMagic | ProtobufError::Malformed { .. } => {
+                ApiError::bad_request(e.to_string())
+            }
+            ProtobufError::UnsupportedKind { .. } | ProtobufError::UnsupportedField { .. } => {
+                ApiError::new(415, "UnsupportedMediaType", e.to_string())
+            }
+        });
+    }
     serde_json::from_slice(&bytes)
         .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
 }
@@ -861,7 +966,18 @@ fn selectors(query: &Query, t: &ResourceType) -> Result<(LabelSelector, FieldSel
         if matches!(field, "metadata.name" | "metadata.namespace") || allowed.contains(&field) {
             continue;
         }
-        return Err(ApiError::bad_request(if t.custom {
+        // Only types with a field label conversion of their own say "not
+        // supported"; the rest answer in apimachinery's default words.
+        let own_conversion = !t.custom
+            && matches!(
+                (t.group.as_str(), t.plural.as_str()),
+                (
+                    "",
+                    "namespaces" | "pods" | "secrets" | "services" | "events"
+                ) | ("events.k8s.io", "events")
+                    | ("certificates.k8s.io", "certificatesigningrequests")
+            );
+        return Err(ApiError::bad_request(if !own_conversion {
             format!(
                 "{field:?} is not a known field selector: only \"metadata.name\", \"metadata.namespace\""
             )

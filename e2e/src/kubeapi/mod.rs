@@ -29,8 +29,7 @@
 //!   certificates, no TokenRequest), and RBAC has no escalation checks;
 //! * admission webhooks, CRD schema rules beyond types, `required`,
 //!   `enum`, ranges, lengths and item counts, and conversion webhooks;
-//! * strategic merge beyond the common merge keys (no `$retainKeys`,
-//!   `$setElementOrder` or `$deleteFromPrimitiveList`);
+//! * strategic merge beyond the common merge keys (no `$retainKeys`);
 //! * controllers of built-in types (Deployments do not create Pods;
 //!   nothing signs CSRs);
 //! * protobuf, server-side printing of built-in types' own columns
@@ -41,6 +40,8 @@
 pub mod fields;
 pub mod http;
 pub mod lifecycle;
+pub mod openapi;
+pub mod protobuf;
 pub mod rbac;
 pub mod resources;
 pub mod schema;

@@ -132,6 +132,12 @@ impl ApiError {
             "reason": self.reason,
             "code": self.code,
         });
+        // Internal errors carry no reason.
+        if self.reason.is_empty()
+            && let Some(fields) = status.as_object_mut()
+        {
+            fields.remove("reason");
+        }
         if !self.details.is_null() {
             status["details"] = self.details.clone();
         }
@@ -420,11 +426,12 @@ fn validate_owner_references(t: &ResourceType, name: &str, object: &Value) -> Re
     let mut errors = Vec::new();
     let mut controllers = 0;
     for reference in refs {
-        for (field, what) in [
-            ("apiVersion", "version"),
-            ("kind", "kind"),
-            ("name", "name"),
-            ("uid", "uid"),
+        // kube-apiserver v1.36's words (apimachinery ValidateOwnerReference).
+        for (field, detail) in [
+            ("apiVersion", "version must not be empty"),
+            ("kind", "must not be empty"),
+            ("name", "must not be empty"),
+            ("uid", "must not be empty"),
         ] {
             let value = reference
                 .get(field)
@@ -434,7 +441,7 @@ fn validate_owner_references(t: &ResourceType, name: &str, object: &Value) -> Re
                 errors.push((
                     format!("metadata.ownerReferences.{field}"),
                     "FieldValueInvalid",
-                    format!("Invalid value: \"\": {what} must not be empty"),
+                    format!("Invalid value: \"\": {detail}"),
                 ));
             }
         }
@@ -1201,8 +1208,8 @@ impl Store {
                 409,
                 "Conflict",
                 format!(
-                    "Operation cannot be fulfilled on {} \"{name}\": Precondition failed: UID in precondition: {uid}, UID in object meta: {current_uid}",
-                    group_resource(t)
+                    "Operation cannot be fulfilled on {} \"{name}\": the UID in the precondition ({uid}) does not match the UID in record ({current_uid}). The object might have been deleted and then recreated",
+                    t.kind
                 ),
             )
             .about(t, name));
@@ -1215,8 +1222,8 @@ impl Store {
                 409,
                 "Conflict",
                 format!(
-                    "Operation cannot be fulfilled on {} \"{name}\": Precondition failed: ResourceVersion in precondition: {rv}, ResourceVersion in object meta: {current_rv}",
-                    group_resource(t)
+                    "Operation cannot be fulfilled on {} \"{name}\": the ResourceVersion in the precondition ({rv}) does not match the ResourceVersion in record ({current_rv}). The object might have been modified",
+                    t.kind
                 ),
             )
             .about(t, name));

@@ -127,10 +127,14 @@ fn go_strings(items: &[String]) -> String {
     format!("[]string{{{}}}", quoted.join(", "))
 }
 
-/// Bytes as Go prints them (`[]byte{0x2d, 0x2d}`).
-fn go_bytes(bytes: &[u8]) -> String {
-    let items: Vec<String> = bytes.iter().map(|b| format!("0x{b:x}")).collect();
-    format!("[]byte{{{}}}", items.join(", "))
+/// Bytes as kube-apiserver v1.36 quotes an invalid value: their JSON
+/// form, a base64 string (`"LXg="`).
+fn quoted_bytes(bytes: &[u8]) -> String {
+    use base64::Engine;
+    format!(
+        "{:?}",
+        base64::engine::general_purpose::STANDARD.encode(bytes)
+    )
 }
 
 /// Values the real server cannot even decode: 400, before any validation.
@@ -403,7 +407,7 @@ fn csr_rules(old: Option<&Value>, csr: &Value) -> Vec<FieldError> {
         errors.push((
             "spec.request".into(),
             "FieldValueInvalid",
-            format!("Invalid value: {}: {detail}", go_bytes(&request)),
+            format!("Invalid value: {}: {detail}", quoted_bytes(&request)),
         ));
     }
     if csr
@@ -581,6 +585,6 @@ mod tests {
             go_strings(&["a".into(), "b".into()]),
             "[]string{\"a\", \"b\"}"
         );
-        assert_eq!(go_bytes(b"-x"), "[]byte{0x2d, 0x78}");
+        assert_eq!(quoted_bytes(b"-x"), "\"LXg=\"");
     }
 }
