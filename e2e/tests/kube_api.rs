@@ -2330,3 +2330,108 @@ async fn a_crd_applied_twice_keeps_its_cleanup_finalizer() {
         );
     }
 }
+
+/// ServiceAccount TokenRequest: a token that authenticates as the
+/// ServiceAccount (RBAC then decides what it may do), the real server's 422
+/// for a lifetime under ten minutes and 404 for an unknown account.
+#[tokio::test]
+async fn a_service_account_token_authenticates_as_the_service_account() {
+    use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
+    use k8s_openapi::api::core::v1::ServiceAccount;
+    let dir = tempfile::tempdir().unwrap();
+    let mut options = KubeApiOptions::new(dir.path());
+    options.rbac = true;
+    let api = KubeApi::start(options).await.unwrap();
+    let admin = api.client().await.unwrap();
+    let accounts: Api<ServiceAccount> = Api::namespaced(admin.clone(), "default");
+    accounts
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({"metadata": {"name": "robot"}})).unwrap(),
+        )
+        .await
+        .unwrap();
+    let ask = |seconds: Option<i64>| TokenRequest {
+        spec: TokenRequestSpec {
+            expiration_seconds: seconds,
+            ..TokenRequestSpec::default()
+        },
+        ..TokenRequest::default()
+    };
+    let issued = accounts
+        .create_token_request("robot", &PostParams::default(), &ask(None))
+        .await
+        .unwrap();
+    assert_eq!(issued.spec.expiration_seconds, Some(3600));
+    assert_eq!(
+        issued.spec.audiences,
+        vec!["https://kubernetes.default.svc".to_owned()]
+    );
+    let token = issued.status.expect("a token").token;
+
+    let admin_kubeconfig =
+        std::fs::read_to_string(api.kubeconfig_for("admin-2", &["system:masters"]).unwrap())
+            .unwrap();
+    let token_line = admin_kubeconfig
+        .lines()
+        .find(|l| l.trim_start().starts_with("token:"))
+        .unwrap();
+    let robot_kubeconfig = dir.path().join("kubeconfig-robot");
+    std::fs::write(
+        &robot_kubeconfig,
+        admin_kubeconfig.replace(token_line, &format!("    token: {token}")),
+    )
+    .unwrap();
+    let robot = KubeApi::client_from(&robot_kubeconfig).await.unwrap();
+    let review: serde_json::Value = robot
+        .request(
+            http::Request::post("/apis/authentication.k8s.io/v1/selfsubjectreviews")
+                .header("content-type", "application/json")
+                .body(
+                    br#"{"apiVersion":"authentication.k8s.io/v1","kind":"SelfSubjectReview"}"#
+                        .to_vec(),
+                )
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        review["status"]["userInfo"]["username"],
+        "system:serviceaccount:default:robot"
+    );
+    assert_eq!(
+        review["status"]["userInfo"]["groups"],
+        json!([
+            "system:serviceaccounts",
+            "system:serviceaccounts:default",
+            "system:authenticated"
+        ])
+    );
+    let maps: Api<ConfigMap> = Api::namespaced(robot, "default");
+    match maps.list(&Default::default()).await {
+        Err(kube::Error::Api(e)) => assert_eq!(e.code, 403, "{e:?}"),
+        other => panic!("a ServiceAccount without bindings listed ConfigMaps: {other:?}"),
+    }
+
+    match accounts
+        .create_token_request("robot", &PostParams::default(), &ask(Some(599)))
+        .await
+    {
+        Err(kube::Error::Api(e)) => {
+            assert_eq!((e.code, e.reason.as_str()), (422, "Invalid"), "{e:?}");
+            assert!(
+                e.message
+                    .contains("may not specify a duration less than 10 minutes"),
+                "{e:?}"
+            );
+        }
+        other => panic!("a 599 s token was issued: {other:?}"),
+    }
+    match accounts
+        .create_token_request("nobody", &PostParams::default(), &ask(None))
+        .await
+    {
+        Err(kube::Error::Api(e)) => assert_eq!(e.code, 404, "{e:?}"),
+        other => panic!("a token for an unknown ServiceAccount: {other:?}"),
+    }
+}

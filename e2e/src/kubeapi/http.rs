@@ -316,6 +316,18 @@ async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<B
             ));
         }
         [
+            "api",
+            "v1",
+            "namespaces",
+            namespace,
+            "serviceaccounts",
+            name,
+            "token",
+        ] if request.method() == Method::POST => {
+            let (namespace, name) = ((*namespace).to_owned(), (*name).to_owned());
+            return token_request(shared, &user, &namespace, &name, request).await;
+        }
+        [
             "apis",
             "authorization.k8s.io",
             "v1",
@@ -784,6 +796,107 @@ fn deleted_body(t: &ResourceType, deleted: Deleted) -> Value {
     }
 }
 
+/// The audience a TokenRequest gets when it names none (the real
+/// server's `--api-audiences`, as clusters usually set it).
+const DEFAULT_TOKEN_AUDIENCE: &str = "https://kubernetes.default.svc";
+
+/// `POST .../serviceaccounts/<name>/token`: a token that authenticates as
+/// the ServiceAccount (`system:serviceaccount:<ns>:<name>`, groups
+/// `system:serviceaccounts` and `system:serviceaccounts:<ns>`), for
+/// `expirationSeconds` (default 3600, at least 600). Tokens are opaque
+/// here, not JWTs, and do not expire: clients treat them as opaque.
+async fn token_request(
+    shared: &Shared,
+    user: &User,
+    namespace: &str,
+    name: &str,
+    request: Request<Incoming>,
+) -> Result<Response<Body>, ApiError> {
+    shared.authorize(
+        user,
+        &rbac::Attributes::Resource {
+            verb: "create".into(),
+            group: String::new(),
+            resource: "serviceaccounts/token".into(),
+            namespace: Some(namespace.to_owned()),
+            name: Some(name.to_owned()),
+        },
+    )?;
+    let accounts = shared
+        .store
+        .resource_type("", "v1", "serviceaccounts")
+        .ok_or_else(|| ApiError::new(404, "NotFound", "serviceaccounts are not served"))?;
+    let account = shared.store.get(&accounts, Some(namespace), name)?;
+    let content_type = request
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .map(|v| v.split(';').next().unwrap_or_default().trim().to_string())
+        .unwrap_or_default();
+    let asked = read_json(request, &content_type).await?;
+    let seconds = match asked.pointer("/spec/expirationSeconds") {
+        None | Some(Value::Null) => 3600,
+        Some(value) => value.as_i64().ok_or_else(|| {
+            ApiError::new(
+                400,
+                "BadRequest",
+                format!("spec.expirationSeconds: {value} is not an integer"),
+            )
+        })?,
+    };
+    if seconds < 600 {
+        return Err(ApiError::new(
+            422,
+            "Invalid",
+            format!(
+                "TokenRequest.authentication.k8s.io {name:?} is invalid: spec.expirationSeconds: Invalid value: {seconds}: may not specify a duration less than 10 minutes"
+            ),
+        ));
+    }
+    let audiences = match asked.pointer("/spec/audiences").and_then(Value::as_array) {
+        Some(given) if !given.is_empty() => Value::Array(given.clone()),
+        _ => json!([DEFAULT_TOKEN_AUDIENCE]),
+    };
+    let token = format!(
+        "{:032x}{:032x}",
+        rand::random::<u128>(),
+        rand::random::<u128>()
+    );
+    shared
+        .tokens
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(
+            token.clone(),
+            User {
+                name: format!("system:serviceaccount:{namespace}:{name}"),
+                uid: account
+                    .pointer("/metadata/uid")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default()
+                    .to_owned(),
+                groups: vec![
+                    "system:serviceaccounts".to_owned(),
+                    format!("system:serviceaccounts:{namespace}"),
+                ],
+            },
+        );
+    let expires = time::OffsetDateTime::now_utc()
+        .replace_nanosecond(0)
+        .unwrap_or_else(|_| time::OffsetDateTime::now_utc())
+        + time::Duration::seconds(seconds);
+    let expires = expires
+        .format(&time::format_description::well_known::Rfc3339)
+        .unwrap_or_default();
+    Ok(json_response(
+        StatusCode::CREATED,
+        &json!({"kind": "TokenRequest", "apiVersion": "authentication.k8s.io/v1",
+                "metadata": {"name": name, "namespace": namespace, "creationTimestamp": null},
+                "spec": {"audiences": audiences, "expirationSeconds": seconds, "boundObjectRef": null},
+                "status": {"token": token, "expirationTimestamp": expires}}),
+    ))
+}
+
 fn resource_list(shared: &Shared, group: &str, version: &str) -> Result<Response<Body>, ApiError> {
     let registry = shared.store.registry();
     let mut resources = Vec::new();
@@ -810,6 +923,10 @@ fn resource_list(shared: &Shared, group: &str, version: &str) -> Result<Response
         if t.approval {
             resources.push(json!({"name": format!("{}/approval", t.plural), "singularName": "", "namespaced": t.namespaced,
                 "kind": t.kind, "verbs": ["get", "patch", "update"]}));
+        }
+        if group.is_empty() && t.plural == "serviceaccounts" {
+            resources.push(json!({"name": "serviceaccounts/token", "singularName": "", "namespaced": true,
+                "group": "authentication.k8s.io", "version": "v1", "kind": "TokenRequest", "verbs": ["create"]}));
         }
     }
     if resources.is_empty() {
