@@ -1,0 +1,341 @@
+//! Benchmark: how many agents one proxy-server replica holds.
+//!
+//! ```sh
+//! cargo run --release -p e2e --example agents_scale
+//! ```
+//!
+//! One proxy-server binary runs as a child process (so its RSS and CPU are
+//! its own, from `/proc`); this process runs `CP_SCALE_AGENTS` (2000)
+//! proxy-agents, each with its own certificate and cluster name, and an
+//! echo target every cluster name resolves to. Each agent then carries
+//! `CP_SCALE_IDLE` (2) idle tunneled connections (HTTP CONNECT, a 1-byte
+//! echo, then held open). With all of that held, `CP_SCALE_DIALS` (2000)
+//! dials (HTTP CONNECT, a 1-byte echo, close), 4 at a time, go to clusters
+//! in turn.
+//!
+//! Reported: the server's RSS with no agent, with every agent connected,
+//! and with the idle connections (per agent and per connection); the
+//! dials' latency p50/p99/max; the server's CPU over the dials.
+//!
+//! Knobs: `CP_SCALE_PARALLEL` (50) idle connections opened at once;
+//! `CP_SCALE_SERVER_LOG=<file>` and `CP_SCALE_SERVER_RUST_LOG=<filter>` keep
+//! the server's log. Every stage of a connection (TCP, TLS, the CONNECT
+//! answer, the echo) has a 30 s limit, and a failure prints the server's
+//! metrics.
+//!
+//! Found with it (2026-11-23, debug build, machine busy with a CI run): with
+//! 200 agents and 50 CONNECTs at once, about one run in two has one
+//! connection whose CONNECT is answered `200` but whose first byte never
+//! reaches the agent (the server's metrics count one DATA to agents fewer
+//! than dials); with 10 or 25 at once, or 100 agents, none did. Not yet
+//! explained.
+//!
+//! Each agent needs a tunnel and two local listeners (health, admin) and
+//! each idle connection three descriptors here, so the example raises its
+//! own open-file limit with `prlimit` (root) and says so if it cannot.
+
+use std::net::SocketAddr;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::anyhow;
+use cluster_proxy_proto::transport::ALPN_HTTP11;
+use e2e::env::binaries::{Binaries, Progress};
+use e2e::harness::free_port;
+use e2e::pki::TestPki;
+use e2e::targets::EchoServer;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+fn knob(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// `(RSS MiB, CPU seconds)` of `pid`, from `/proc`.
+fn sample(pid: u32) -> anyhow::Result<(f64, f64)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let rss_kib: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .ok_or_else(|| anyhow!("no VmRSS for {pid}"))?;
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    let after = stat
+        .rfind(')')
+        .and_then(|i| stat.get(i + 2..))
+        .ok_or_else(|| anyhow!("malformed /proc/{pid}/stat"))?;
+    let fields: Vec<&str> = after.split(' ').collect();
+    let ticks = |i: usize| -> anyhow::Result<f64> {
+        Ok(fields
+            .get(i)
+            .ok_or_else(|| anyhow!("short /proc/{pid}/stat"))?
+            .parse::<f64>()?)
+    };
+    // utime and stime, in USER_HZ (100 on Linux).
+    Ok((rss_kib / 1024.0, (ticks(11)? + ticks(12)?) / 100.0))
+}
+
+fn raise_open_file_limit(wanted: usize) {
+    let pid = std::process::id().to_string();
+    let limit = format!("--nofile={wanted}:{wanted}");
+    match std::process::Command::new("prlimit")
+        .args(["--pid", &pid, &limit])
+        .status()
+    {
+        Ok(status) if status.success() => {}
+        other => eprintln!(
+            "could not raise the open-file limit to {wanted} ({other:?}); lower CP_SCALE_AGENTS or CP_SCALE_IDLE if descriptors run out"
+        ),
+    }
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let index = ((sorted.len() - 1) as f64 * p).round() as usize;
+    sorted[index.min(sorted.len() - 1)]
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.2} ms", d.as_secs_f64() * 1e3)
+}
+
+async fn open_echoed(
+    tls: Arc<rustls::ClientConfig>,
+    server: SocketAddr,
+    target: &str,
+) -> anyhow::Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>> {
+    let stage =
+        |what: &'static str| move |_| anyhow!("{target}: no progress within 30 s in {what}");
+    let limit = Duration::from_secs(30);
+    let tcp = tokio::time::timeout(limit, tokio::net::TcpStream::connect(server))
+        .await
+        .map_err(stage("TCP connect"))??;
+    tcp.set_nodelay(true)?;
+    let name = rustls::pki_types::ServerName::try_from("localhost")?;
+    let mut stream = tokio::time::timeout(
+        limit,
+        tokio_rustls::TlsConnector::from(tls).connect(name, tcp),
+    )
+    .await
+    .map_err(stage("TLS handshake"))??;
+    stream
+        .write_all(format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n").as_bytes())
+        .await?;
+    stream.flush().await?;
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        let n = tokio::time::timeout(limit, stream.read(&mut byte))
+            .await
+            .map_err(stage("reading the CONNECT answer"))??;
+        if n == 0 {
+            return Err(anyhow!(
+                "{target}: closed: {}",
+                String::from_utf8_lossy(&head)
+            ));
+        }
+        head.push(byte[0]);
+    }
+    if !head.starts_with(b"HTTP/1.1 200") {
+        return Err(anyhow!("{target}: {}", String::from_utf8_lossy(&head)));
+    }
+    stream.write_all(b"x").await?;
+    let mut back = [0u8; 1];
+    tokio::time::timeout(limit, stream.read_exact(&mut back))
+        .await
+        .map_err(stage("the echo"))??;
+    Ok(stream)
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let agent_count = knob("CP_SCALE_AGENTS", 2000);
+    let idle_per_agent = knob("CP_SCALE_IDLE", 2);
+    let dial_count = knob("CP_SCALE_DIALS", 2000);
+    raise_open_file_limit(agent_count * (4 + 3 * idle_per_agent) + 4096);
+
+    let binaries = tokio::task::spawn_blocking(|| Binaries::build(Progress::Quiet)).await??;
+    let names: Vec<String> = (0..agent_count).map(|i| format!("cluster-{i}")).collect();
+    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    let started = Instant::now();
+    let pki = TestPki::new(&refs)?;
+    eprintln!(
+        "{agent_count} agent certificates in {:.1?}",
+        started.elapsed()
+    );
+    let certs = tempfile::tempdir()?;
+    let layout = pki.write(certs.path())?;
+    let path = |p: std::path::PathBuf| p.display().to_string();
+    let (client_port, agent_port, health_port) = (free_port(), free_port(), free_port());
+    let mut server = tokio::process::Command::new(&binaries.proxy_server)
+        .args([
+            "--server-id=scale".to_owned(),
+            "--proxy-strategies=destHost".to_owned(),
+            "--server-bind-address=127.0.0.1".to_owned(),
+            format!("--server-port={client_port}"),
+            "--agent-bind-address=127.0.0.1".to_owned(),
+            format!("--agent-port={agent_port}"),
+            "--health-bind-address=127.0.0.1".to_owned(),
+            format!("--health-port={health_port}"),
+            "--admin-bind-address=127.0.0.1".to_owned(),
+            format!("--admin-port={}", free_port()),
+            format!("--server-cert={}", path(layout.proxy_server().cert)),
+            format!("--server-key={}", path(layout.proxy_server().key)),
+            format!("--server-ca-cert={}", path(layout.bundle())),
+            format!("--cluster-cert={}", path(layout.agent_server().cert)),
+            format!("--cluster-key={}", path(layout.agent_server().key)),
+            format!("--cluster-ca-cert={}", path(layout.bundle())),
+        ])
+        .env(
+            "RUST_LOG",
+            std::env::var("CP_SCALE_SERVER_RUST_LOG").unwrap_or_default(),
+        )
+        .stdout(Stdio::null())
+        .stderr(match std::env::var_os("CP_SCALE_SERVER_LOG") {
+            Some(file) => Stdio::from(std::fs::File::create(file)?),
+            None => Stdio::null(),
+        })
+        .kill_on_drop(true)
+        .spawn()?;
+    let pid = server.id().ok_or_else(|| anyhow!("proxy-server exited"))?;
+    let client_addr: SocketAddr = format!("127.0.0.1:{client_port}").parse()?;
+    let echo = EchoServer::start().await?;
+    // Wait until the server listens.
+    let listening = Instant::now();
+    while tokio::net::TcpStream::connect(("127.0.0.1", agent_port))
+        .await
+        .is_err()
+    {
+        if listening.elapsed() > Duration::from_secs(30) {
+            return Err(anyhow!("proxy-server did not listen within 30 s"));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (rss_empty, _) = sample(pid)?;
+
+    let started = Instant::now();
+    let mut agents = Vec::with_capacity(agent_count);
+    for chunk in names.chunks(100) {
+        let starts = chunk.iter().map(|cluster| {
+            let pki = &pki;
+            async move {
+                let mut config = proxy_agent::AgentConfig::new(proxy_agent::TlsSource::Config(
+                    pki.agent_tls(cluster)?,
+                ))
+                .with_ephemeral_ports();
+                config.proxy_server_host = "localhost".into();
+                config.proxy_server_port = agent_port;
+                config.agent_id = format!("{cluster}-agent");
+                config.agent_identifiers = format!("host={cluster}");
+                config
+                    .host_aliases
+                    .insert(cluster.clone(), [127, 0, 0, 1].into());
+                anyhow::Ok(proxy_agent::start(config).await?)
+            }
+        });
+        agents.extend(futures_util::future::try_join_all(starts).await?);
+    }
+    for agent in &agents {
+        if !agent.wait_for_tunnels(1, Duration::from_secs(60)).await {
+            return Err(anyhow!("{} did not connect", agent.agent_id()));
+        }
+    }
+    let connected = started.elapsed();
+    eprintln!("{agent_count} agents connected in {connected:.1?}");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (rss_agents, _) = sample(pid)?;
+
+    let tls = pki.client_tls_alpn(&[ALPN_HTTP11])?;
+    let started = Instant::now();
+    let mut idle = Vec::with_capacity(agent_count * idle_per_agent);
+    for round in 0..idle_per_agent {
+        for chunk in names.chunks(knob("CP_SCALE_PARALLEL", 50)) {
+            let opens = chunk.iter().map(|cluster| {
+                let tls = tls.clone();
+                let target = format!("{cluster}:{}", echo.addr.port());
+                async move { open_echoed(tls, client_addr, &target).await }
+            });
+            match futures_util::future::try_join_all(opens).await {
+                Ok(opened) => idle.extend(opened),
+                Err(e) => {
+                    if let Ok((_, metrics)) = e2e::harness::health_get(
+                        SocketAddr::from(([127, 0, 0, 1], health_port)),
+                        "/metrics",
+                    )
+                    .await
+                    {
+                        for line in metrics.lines().filter(|l| !l.starts_with('#')) {
+                            eprintln!("server: {line}");
+                        }
+                    }
+                    return Err(e.context(format!("idle connections, round {round}")));
+                }
+            }
+        }
+    }
+    let opened = started.elapsed();
+    eprintln!("{} idle connections opened in {opened:.1?}", idle.len());
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (rss_idle, cpu_before) = sample(pid)?;
+
+    let started = Instant::now();
+    let workers = 4;
+    let per_worker = dial_count / workers;
+    let mut tasks = Vec::new();
+    for worker in 0..workers {
+        let tls = tls.clone();
+        let names = names.clone();
+        let port = echo.addr.port();
+        tasks.push(tokio::spawn(async move {
+            let mut latencies = Vec::with_capacity(per_worker);
+            for i in 0..per_worker {
+                let cluster = &names[(worker + i * workers) % names.len()];
+                let target = format!("{cluster}:{port}");
+                let dialed = Instant::now();
+                let stream = open_echoed(tls.clone(), client_addr, &target).await?;
+                latencies.push(dialed.elapsed());
+                drop(stream);
+            }
+            anyhow::Ok(latencies)
+        }));
+    }
+    let mut latencies = Vec::with_capacity(dial_count);
+    for task in tasks {
+        latencies.extend(task.await??);
+    }
+    let dialing = started.elapsed();
+    let (rss_after, cpu_after) = sample(pid)?;
+    latencies.sort();
+
+    let kib_each = |delta_mib: f64, n: usize| delta_mib * 1024.0 / n.max(1) as f64;
+    println!(
+        "one proxy-server (child process), {agent_count} agents with their own certificates, {} idle tunneled connections ({idle_per_agent} per agent)",
+        idle.len()
+    );
+    println!("agents connected in {connected:.1?}; idle connections opened in {opened:.1?}");
+    println!(
+        "server RSS: {rss_empty:.1} MiB empty, {rss_agents:.1} MiB with the agents (+{:.1} KiB per agent), {rss_idle:.1} MiB with the idle connections (+{:.1} KiB per connection), {rss_after:.1} MiB after the dials",
+        kib_each(rss_agents - rss_empty, agent_count),
+        kib_each(rss_idle - rss_agents, idle.len()),
+    );
+    println!(
+        "{} dials (CONNECT + 1-byte echo, {workers} at a time) in {dialing:.1?}: p50 {} p99 {} max {}; server CPU {:.2} s ({:.0} µs per dial)",
+        latencies.len(),
+        ms(percentile(&latencies, 0.5)),
+        ms(percentile(&latencies, 0.99)),
+        ms(latencies.last().copied().unwrap_or_default()),
+        cpu_after - cpu_before,
+        (cpu_after - cpu_before) * 1e6 / latencies.len().max(1) as f64,
+    );
+    drop(idle);
+    for agent in agents {
+        agent.shutdown().await;
+    }
+    let _ = server.kill().await;
+    Ok(())
+}
