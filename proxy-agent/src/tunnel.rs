@@ -287,12 +287,15 @@ impl Tunnel {
         self.tables().pending.insert(random, token.clone());
         let tunnel = self.clone();
         let span = self.dial_span(&address, connect_id, trace.as_ref());
-        tokio::spawn(
-            async move {
-                tunnel.dial_task(address, random, connect_id, token).await;
-            }
-            .instrument(span),
-        );
+        // Not `.instrument(span)`: the task lives as long as the connection
+        // and is polled once per packet; entering the span on every poll is
+        // a cost per packet when tracing is on. The span is entered for the
+        // dial and its log lines, and ends with the task.
+        tokio::spawn(async move {
+            tunnel
+                .dial_task(address, random, connect_id, token, span)
+                .await;
+        });
     }
 
     /// The span of one dial and the connection it opens: a child of the
@@ -328,20 +331,21 @@ impl Tunnel {
         random: i64,
         connect_id: i64,
         token: CancellationToken,
+        span: Span,
     ) {
         let server_id = &self.params.server_id;
         let started = Instant::now();
         let result = tokio::select! {
             _ = token.cancelled() => {
-                tracing::debug!(%server_id, random, %address, "dial abandoned");
+                span.in_scope(|| tracing::debug!(%server_id, random, %address, "dial abandoned"));
                 return;
             }
-            r = dial_tcp(&address, self.params.dial_timeout, &self.params.host_aliases) => r,
+            r = dial_tcp(&address, self.params.dial_timeout, &self.params.host_aliases)
+                .instrument(span.clone()) => r,
         };
         self.metrics
             .dial_duration
             .observe(started.elapsed().as_secs_f64());
-        let span = Span::current();
         span.record(
             "cluster_proxy.dial_latency_ms",
             started.elapsed().as_secs_f64() * 1e3,
@@ -359,7 +363,9 @@ impl Tunnel {
                 span.record("error.message", e.message.as_str());
                 self.tables().pending.remove(&random);
                 self.metrics.dial_failed(e.reason);
-                tracing::info!(%server_id, random, %address, error = %e, "endpoint dial failed");
+                span.in_scope(|| {
+                    tracing::info!(%server_id, random, %address, error = %e, "endpoint dial failed")
+                });
                 let _ = self
                     .out
                     .ordered
@@ -409,7 +415,7 @@ impl Tunnel {
             .is_ok()
         {
             self.clone()
-                .run_connection(connect_id, tcp, rx, credit.clone(), abort)
+                .run_connection(connect_id, tcp, rx, credit.clone(), abort, &span)
                 .await;
         } else {
             self.tables().conns.remove(&connect_id);
@@ -425,6 +431,7 @@ impl Tunnel {
         mut rx: ReceiveQueueRx<Event>,
         credit: SendCredit,
         abort: Arc<Abort>,
+        span: &Span,
     ) {
         #[derive(Debug)]
         enum End {
@@ -488,7 +495,6 @@ impl Tunnel {
         self.tables().conns.remove(&connect_id);
         credit.close();
         let server_id = &self.params.server_id;
-        let span = Span::current();
         span.record(
             "cluster_proxy.end_reason",
             match &end {
@@ -502,14 +508,14 @@ impl Tunnel {
         if let End::TargetError(e) = &end {
             span.record("error.message", e.as_str());
         }
-        match &end {
+        span.in_scope(|| match &end {
             End::TargetError(e) => {
                 tracing::debug!(%server_id, connect_id, error = %e, "endpoint connection failed")
             }
             other => {
                 tracing::debug!(%server_id, connect_id, reason = ?other, "endpoint connection closed")
             }
-        }
+        });
         if self.cancel.is_cancelled() {
             // The tunnel is gone; the server cleans up on its side.
             return;
