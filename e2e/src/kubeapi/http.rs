@@ -343,12 +343,7 @@ async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<B
                     name: None,
                 },
             )?;
-            let content_type = request
-                .headers()
-                .get(header::CONTENT_TYPE)
-                .and_then(|v| v.to_str().ok())
-                .map(|v| v.split(';').next().unwrap_or_default().trim().to_string())
-                .unwrap_or_default();
+            let content_type = media_type(&request);
             let review = read_json(request, &content_type).await?;
             let attributes = access_review_attributes(&review)?;
             let allowed = shared.allowed(&user, &attributes);
@@ -493,12 +488,7 @@ async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<B
         .get(header::ACCEPT)
         .and_then(|v| v.to_str().ok())
         .is_some_and(table::wanted);
-    let content_type = request
-        .headers()
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .map(|v| v.split(';').next().unwrap_or_default().trim().to_string())
-        .unwrap_or_default();
+    let content_type = media_type(&request);
     let store = &shared.store;
     let t = &target.resource;
     let ns = target.namespace.as_deref();
@@ -827,12 +817,7 @@ async fn token_request(
         .resource_type("", "v1", "serviceaccounts")
         .ok_or_else(|| ApiError::new(404, "NotFound", "serviceaccounts are not served"))?;
     let account = shared.store.get(&accounts, Some(namespace), name)?;
-    let content_type = request
-        .headers()
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .map(|v| v.split(';').next().unwrap_or_default().trim().to_string())
-        .unwrap_or_default();
+    let content_type = media_type(&request);
     let asked = read_json(request, &content_type).await?;
     let seconds = match asked.pointer("/spec/expirationSeconds") {
         None | Some(Value::Null) => 3600,
@@ -990,6 +975,16 @@ fn signer_admission(
             name: Some(signer.to_string()),
         },
     )
+}
+
+/// The request's `Content-Type` without parameters (`application/json`), or "".
+fn media_type(request: &Request<Incoming>) -> String {
+    request
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .map(|v| v.split(';').next().unwrap_or_default().trim().to_string())
+        .unwrap_or_default()
 }
 
 async fn read_json(request: Request<Incoming>, content_type: &str) -> Result<Value, ApiError> {
