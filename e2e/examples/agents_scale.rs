@@ -23,12 +23,12 @@
 //! answer, the echo) has a 30 s limit, and a failure prints the server's
 //! metrics.
 //!
-//! Found with it (2026-11-23, debug build, machine busy with a CI run): with
-//! 200 agents and 50 CONNECTs at once, about one run in two has one
-//! connection whose CONNECT is answered `200` but whose first byte never
-//! reaches the agent (the server's metrics count one DATA to agents fewer
-//! than dials); with 10 or 25 at once, or 100 agents, none did. Not yet
-//! explained.
+//! Found with it (2026-11-23): with 200 agents and 50 CONNECTs at once,
+//! about one run in five had a connection whose first byte never reached
+//! the agent. `ss` showed the byte had never left this process: tokio's
+//! cooperative budget had run out, the TLS stream kept the byte, and
+//! nothing flushed it. The same hazard was in the server's CONNECT relay
+//! (fixed; regression test `tunnel::connect_delivers_the_tail_of_a_burst_to_a_slow_reader`).
 //!
 //! Each agent needs a tunnel and two local listeners (health, admin) and
 //! each idle connection three descriptors here, so the example raises its
@@ -145,6 +145,7 @@ async fn open_echoed(
         return Err(anyhow!("{target}: {}", String::from_utf8_lossy(&head)));
     }
     stream.write_all(b"x").await?;
+    stream.flush().await?;
     let mut back = [0u8; 1];
     tokio::time::timeout(limit, stream.read_exact(&mut back))
         .await

@@ -404,6 +404,7 @@ impl Shared {
                 // RST instead of FIN, with the rest of the echo unread.
                 stream
                     .get_ref()
+                    .get_ref()
                     .0
                     .set_zero_linger()
                     .map_err(|e| format!("SO_LINGER: {e}"))?;
@@ -428,10 +429,7 @@ impl Shared {
         Ok(())
     }
 
-    async fn connect(
-        &self,
-        target: &str,
-    ) -> Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>, String> {
+    async fn connect(&self, target: &str) -> Result<crate::harness::ConnectStream, String> {
         http_connect_to(
             self.connect_tls.clone(),
             self.deployment.client_addr,

@@ -1,7 +1,9 @@
 //! Starting servers, clients and hand-driven agents on loopback for tests.
 
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
 use cluster_proxy_proto::Packet;
@@ -10,6 +12,7 @@ use cluster_proxy_proto::konnectivity::agent_service_client::AgentServiceClient;
 use cluster_proxy_proto::metadata;
 use cluster_proxy_proto::transport::{TransportError, connect_channel};
 use proxy_server::config::ServerConfig;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Streaming;
@@ -202,13 +205,90 @@ pub enum ConnectError {
     Status(String),
 }
 
+/// A tunneled connection opened with HTTP CONNECT: the client's TLS stream,
+/// writing through. A TLS stream may keep written bytes until it is flushed
+/// (when its socket is full, or tokio's cooperative budget ran out), and a
+/// test that writes and then only reads would wait forever; so every write
+/// flushes, and a flush that could not finish is driven by later reads.
+#[derive(Debug)]
+pub struct ConnectStream {
+    inner: tokio_rustls::client::TlsStream<tokio::net::TcpStream>,
+    unflushed: bool,
+}
+
+impl ConnectStream {
+    fn new(inner: tokio_rustls::client::TlsStream<tokio::net::TcpStream>) -> Self {
+        ConnectStream {
+            inner,
+            unflushed: false,
+        }
+    }
+
+    /// The TLS stream underneath.
+    pub fn get_ref(&self) -> &tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
+        &self.inner
+    }
+
+    fn poll_pending_flush(&mut self, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        if self.unflushed {
+            ready!(Pin::new(&mut self.inner).poll_flush(cx))?;
+            self.unflushed = false;
+        }
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl AsyncRead for ConnectStream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        // Pending here registers for writability, so the flush goes on
+        // while the caller waits to read.
+        if let Poll::Ready(Err(e)) = this.poll_pending_flush(cx) {
+            return Poll::Ready(Err(e));
+        }
+        Pin::new(&mut this.inner).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for ConnectStream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        let this = self.get_mut();
+        ready!(this.poll_pending_flush(cx))?;
+        let n = ready!(Pin::new(&mut this.inner).poll_write(cx, buf))?;
+        this.unflushed = true;
+        // Whatever this cannot finish now, a later read or write does.
+        if let Poll::Ready(Err(e)) = this.poll_pending_flush(cx) {
+            return Poll::Ready(Err(e));
+        }
+        Poll::Ready(Ok(n))
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        this.unflushed = false;
+        Pin::new(&mut this.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
+}
+
 /// Opens a tunneled connection with HTTP CONNECT over mTLS (the client TLS
 /// config must offer ALPN `http/1.1`). Returns the stream after the `200`.
 pub async fn http_connect(
     tls: Arc<rustls::ClientConfig>,
     server: SocketAddr,
     target: &str,
-) -> Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>, ConnectError> {
+) -> Result<ConnectStream, ConnectError> {
     http_connect_to(tls, server, "localhost", target).await
 }
 
@@ -218,9 +298,20 @@ pub async fn http_connect_to(
     server: SocketAddr,
     server_name: &str,
     target: &str,
-) -> Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>, ConnectError> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+) -> Result<ConnectStream, ConnectError> {
     let tcp = tokio::net::TcpStream::connect(server).await?;
+    http_connect_over(tls, tcp, server_name, target).await
+}
+
+/// [`http_connect_to`] over a TCP connection the caller opened (to shape its
+/// socket buffers, say).
+pub async fn http_connect_over(
+    tls: Arc<rustls::ClientConfig>,
+    tcp: tokio::net::TcpStream,
+    server_name: &str,
+    target: &str,
+) -> Result<ConnectStream, ConnectError> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     tcp.set_nodelay(true)?;
     let name = rustls::pki_types::ServerName::try_from(server_name.to_string())
         .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
@@ -230,6 +321,8 @@ pub async fn http_connect_to(
     stream
         .write_all(format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n").as_bytes())
         .await?;
+    // A TLS stream may hold written bytes until flushed.
+    stream.flush().await?;
     // Read the response head byte by byte so no tunneled byte is consumed.
     let mut head = Vec::new();
     let mut byte = [0u8; 1];
@@ -243,7 +336,7 @@ pub async fn http_connect_to(
     }
     let mut head = String::from_utf8_lossy(&head).into_owned();
     if head.starts_with("HTTP/1.1 200") {
-        return Ok(stream);
+        return Ok(ConnectStream::new(stream));
     }
     // Failures carry the reason in a short body, then the server closes.
     let mut body = Vec::new();

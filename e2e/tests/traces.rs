@@ -102,6 +102,7 @@ async fn http_connect_traced(
         )
         .await
         .unwrap();
+    stream.flush().await.unwrap();
     let mut head = Vec::new();
     let mut byte = [0u8; 1];
     while !head.ends_with(b"\r\n\r\n") {
@@ -261,6 +262,7 @@ async fn one_trace_per_tunneled_connection() {
     )
     .await;
     stream.write_all(b"ping").await.unwrap();
+    stream.flush().await.unwrap();
     let mut back = [0u8; 4];
     stream.read_exact(&mut back).await.unwrap();
     drop(stream);

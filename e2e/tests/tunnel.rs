@@ -4,7 +4,9 @@
 use std::time::Duration;
 
 use cluster_proxy_proto::transport::ALPN_HTTP11;
-use e2e::harness::{AgentUnderTest, http_connect, test_server_config, tunnel_client, wait_until};
+use e2e::harness::{
+    AgentUnderTest, http_connect, http_connect_over, test_server_config, tunnel_client, wait_until,
+};
 use e2e::loadgen::{BulkServer, download, pattern};
 use e2e::pki::TestPki;
 use e2e::targets::{EchoServer, closed_port};
@@ -248,5 +250,39 @@ async fn a_stalled_reader_does_not_slow_other_connections() {
     })
     .await
     .expect("stalled connection never resumed");
+    server.shutdown().await;
+}
+
+/// Regression (found with `agents_scale`): the CONNECT relay wrote each
+/// agent DATA into the client's TLS stream without flushing it. When the
+/// client's socket was full, the TLS layer kept the last bytes of a burst in
+/// its own buffer, and nothing wrote them out until the next DATA arrived or
+/// the connection closed: a response's tail hung for as long as the target
+/// stayed quiet. Bursts of 24 MiB to a client with a tiny receive buffer
+/// outgrow the server's socket buffers (`tcp_wmem` max: 4 MiB), so the
+/// socket is full when a burst's last bytes are written.
+#[tokio::test]
+async fn connect_delivers_the_tail_of_a_burst_to_a_slow_reader() {
+    let (pki, server, _agents) = setup(&["cluster-a"]).await;
+    let bulk = BulkServer::start().await.unwrap();
+    let address = format!("cluster-a:{}", bulk.addr.port());
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let tcp = socket.connect(server.client_addr).await.unwrap();
+    let tls = pki.client_tls_alpn(&[ALPN_HTTP11]).unwrap();
+    let mut stream = http_connect_over(tls, tcp, "localhost", &address)
+        .await
+        .unwrap();
+    // The bulk target keeps the connection open after each answer, so only
+    // the relay's own flush can bring the last bytes out.
+    for round in 0..12 {
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            download(&mut stream, 24 * 1024 * 1024 + 7),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("round {round}: the burst's tail never arrived"))
+        .unwrap();
+    }
     server.shutdown().await;
 }

@@ -172,7 +172,11 @@ where
                 break;
             };
             let started = Instant::now();
-            if to_client.write_all(data).await.is_err() {
+            // The TLS layer may keep bytes it could not yet put on a full
+            // socket; only a flush writes them out. Without it, the tail of
+            // a burst waited for the next DATA (or the close), however long
+            // the target stayed quiet.
+            if to_client.write_all(data).await.is_err() || to_client.flush().await.is_err() {
                 break;
             }
             metrics
