@@ -10,12 +10,15 @@
 //! echo target every cluster name resolves to. Each agent then carries
 //! `CP_SCALE_IDLE` (2) idle tunneled connections (HTTP CONNECT, a 1-byte
 //! echo, then held open). With all of that held, `CP_SCALE_DIALS` (2000)
-//! dials (HTTP CONNECT, a 1-byte echo, close), 4 at a time, go to clusters
-//! in turn.
+//! dials, 4 at a time, each a 1-byte echo, run twice on each frontend:
+//! first all to one cluster (the baseline, measured in the same run), then
+//! to every cluster in turn. HTTP CONNECT pays a new mTLS connection per
+//! dial; gRPC dials on one held client connection, as a hub controller does.
 //!
 //! Reported: the server's RSS with no agent, with every agent connected,
-//! and with the idle connections (per agent and per connection); the
-//! dials' latency p50/p99/max; the server's CPU over the dials.
+//! and with the idle connections (per agent and per connection); per phase
+//! the dials' latency p50/p99/max and the server's CPU per dial; the p99
+//! ratio of all clusters to the baseline.
 //!
 //! Knobs: `CP_SCALE_PARALLEL` (50) idle connections opened at once;
 //! `CP_SCALE_SERVER_LOG=<file>` and `CP_SCALE_SERVER_RUST_LOG=<filter>` keep
@@ -153,6 +156,113 @@ async fn open_echoed(
     Ok(stream)
 }
 
+/// Dialers running at once in the dial phases.
+const DIALERS: usize = 4;
+
+/// Dial latencies of one phase and the server CPU it took.
+struct Latencies {
+    sorted: Vec<Duration>,
+    server_cpu: f64,
+}
+
+impl Latencies {
+    fn p99(&self) -> Duration {
+        percentile(&self.sorted, 0.99)
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "p50 {} p99 {} max {}; server CPU {:.0} µs per dial",
+            ms(percentile(&self.sorted, 0.5)),
+            ms(self.p99()),
+            ms(self.sorted.last().copied().unwrap_or_default()),
+            self.server_cpu * 1e6 / self.sorted.len().max(1) as f64,
+        )
+    }
+}
+
+/// One dial phase over both frontends: HTTP CONNECT (a new mTLS connection
+/// per dial) and gRPC (a dial on the held client connection).
+struct Dials {
+    connect: Latencies,
+    grpc: Latencies,
+}
+
+impl Dials {
+    async fn run(
+        tls: &Arc<rustls::ClientConfig>,
+        grpc: &cluster_proxy_proto::client::TunnelClient,
+        client_addr: SocketAddr,
+        clusters: &[String],
+        port: u16,
+        count: usize,
+        pid: u32,
+    ) -> anyhow::Result<Dials> {
+        let connect = Self::phase(clusters, port, count, pid, |target| {
+            let tls = tls.clone();
+            async move {
+                open_echoed(tls, client_addr, &target).await?;
+                Ok(())
+            }
+        })
+        .await?;
+        let grpc = Self::phase(clusters, port, count, pid, |target| async move {
+            let mut stream = grpc.dial(&target).await?;
+            stream.write_all(b"x").await?;
+            let mut back = [0u8; 1];
+            tokio::time::timeout(Duration::from_secs(30), stream.read_exact(&mut back))
+                .await
+                .map_err(|_| anyhow!("{target}: no echo within 30 s"))??;
+            Ok(())
+        })
+        .await?;
+        Ok(Dials { connect, grpc })
+    }
+
+    async fn phase<F, Fut>(
+        clusters: &[String],
+        port: u16,
+        count: usize,
+        pid: u32,
+        dial: F,
+    ) -> anyhow::Result<Latencies>
+    where
+        F: Fn(String) -> Fut,
+        Fut: std::future::Future<Output = anyhow::Result<()>>,
+    {
+        let cpu_before = sample(pid)?.1;
+        let per_dialer = count / DIALERS;
+        let dialers = (0..DIALERS).map(|dialer| {
+            let dial = &dial;
+            async move {
+                let mut latencies = Vec::with_capacity(per_dialer);
+                for i in 0..per_dialer {
+                    let cluster = &clusters[(dialer + i * DIALERS) % clusters.len()];
+                    let dialed = Instant::now();
+                    dial(format!("{cluster}:{port}")).await?;
+                    latencies.push(dialed.elapsed());
+                }
+                anyhow::Ok(latencies)
+            }
+        });
+        let mut sorted: Vec<Duration> = futures_util::future::try_join_all(dialers)
+            .await?
+            .into_iter()
+            .flatten()
+            .collect();
+        sorted.sort();
+        Ok(Latencies {
+            sorted,
+            server_cpu: sample(pid)?.1 - cpu_before,
+        })
+    }
+
+    fn print(&self, label: &str) {
+        println!("  {label}: CONNECT {}", self.connect.describe());
+        println!("  {label}: gRPC    {}", self.grpc.describe());
+    }
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let agent_count = knob("CP_SCALE_AGENTS", 2000);
@@ -282,36 +392,31 @@ async fn main() -> anyhow::Result<()> {
     let opened = started.elapsed();
     eprintln!("{} idle connections opened in {opened:.1?}", idle.len());
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let (rss_idle, cpu_before) = sample(pid)?;
+    let rss_idle = sample(pid)?.0;
+    // One held gRPC connection, as a hub controller holds it.
+    let grpc = e2e::harness::tunnel_client(pki.client_tls()?, client_addr).await?;
 
-    let started = Instant::now();
-    let workers = 4;
-    let per_worker = dial_count / workers;
-    let mut tasks = Vec::new();
-    for worker in 0..workers {
-        let tls = tls.clone();
-        let names = names.clone();
-        let port = echo.addr.port();
-        tasks.push(tokio::spawn(async move {
-            let mut latencies = Vec::with_capacity(per_worker);
-            for i in 0..per_worker {
-                let cluster = &names[(worker + i * workers) % names.len()];
-                let target = format!("{cluster}:{port}");
-                let dialed = Instant::now();
-                let stream = open_echoed(tls.clone(), client_addr, &target).await?;
-                latencies.push(dialed.elapsed());
-                drop(stream);
-            }
-            anyhow::Ok(latencies)
-        }));
-    }
-    let mut latencies = Vec::with_capacity(dial_count);
-    for task in tasks {
-        latencies.extend(task.await??);
-    }
-    let dialing = started.elapsed();
-    let (rss_after, cpu_after) = sample(pid)?;
-    latencies.sort();
+    let baseline = Dials::run(
+        &tls,
+        &grpc,
+        client_addr,
+        &names[..1],
+        echo.addr.port(),
+        dial_count,
+        pid,
+    )
+    .await?;
+    let loaded = Dials::run(
+        &tls,
+        &grpc,
+        client_addr,
+        &names,
+        echo.addr.port(),
+        dial_count,
+        pid,
+    )
+    .await?;
+    let rss_after = sample(pid)?.0;
 
     let kib_each = |delta_mib: f64, n: usize| delta_mib * 1024.0 / n.max(1) as f64;
     println!(
@@ -325,13 +430,14 @@ async fn main() -> anyhow::Result<()> {
         kib_each(rss_idle - rss_agents, idle.len()),
     );
     println!(
-        "{} dials (CONNECT + 1-byte echo, {workers} at a time) in {dialing:.1?}: p50 {} p99 {} max {}; server CPU {:.2} s ({:.0} µs per dial)",
-        latencies.len(),
-        ms(percentile(&latencies, 0.5)),
-        ms(percentile(&latencies, 0.99)),
-        ms(latencies.last().copied().unwrap_or_default()),
-        cpu_after - cpu_before,
-        (cpu_after - cpu_before) * 1e6 / latencies.len().max(1) as f64,
+        "dials, {DIALERS} at a time, each a 1-byte echo; first to one cluster with every agent connected (baseline), then to all {agent_count} clusters in turn:"
+    );
+    baseline.print("baseline, 1 cluster");
+    loaded.print(&format!("{agent_count} clusters"));
+    println!(
+        "p99 ratio (all clusters / baseline): CONNECT {:.2}, gRPC {:.2}",
+        loaded.connect.p99().as_secs_f64() / baseline.connect.p99().as_secs_f64().max(1e-9),
+        loaded.grpc.p99().as_secs_f64() / baseline.grpc.p99().as_secs_f64().max(1e-9),
     );
     drop(idle);
     for agent in agents {
