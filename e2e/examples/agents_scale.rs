@@ -45,7 +45,7 @@ use std::time::{Duration, Instant};
 use anyhow::anyhow;
 use cluster_proxy_proto::transport::ALPN_HTTP11;
 use e2e::env::binaries::{Binaries, Progress};
-use e2e::harness::free_port;
+use e2e::harness::{ServerPorts, proxy_server_args};
 use e2e::pki::TestPki;
 use e2e::targets::EchoServer;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -281,27 +281,10 @@ async fn main() -> anyhow::Result<()> {
     );
     let certs = tempfile::tempdir()?;
     let layout = pki.write(certs.path())?;
-    let path = |p: std::path::PathBuf| p.display().to_string();
-    let (client_port, agent_port, health_port) = (free_port(), free_port(), free_port());
+    let ports = ServerPorts::free();
+    let (client_port, agent_port, health_port) = (ports.client, ports.agent, ports.health);
     let mut server = tokio::process::Command::new(&binaries.proxy_server)
-        .args([
-            "--server-id=scale".to_owned(),
-            "--proxy-strategies=destHost".to_owned(),
-            "--server-bind-address=127.0.0.1".to_owned(),
-            format!("--server-port={client_port}"),
-            "--agent-bind-address=127.0.0.1".to_owned(),
-            format!("--agent-port={agent_port}"),
-            "--health-bind-address=127.0.0.1".to_owned(),
-            format!("--health-port={health_port}"),
-            "--admin-bind-address=127.0.0.1".to_owned(),
-            format!("--admin-port={}", free_port()),
-            format!("--server-cert={}", path(layout.proxy_server().cert)),
-            format!("--server-key={}", path(layout.proxy_server().key)),
-            format!("--server-ca-cert={}", path(layout.bundle())),
-            format!("--cluster-cert={}", path(layout.agent_server().cert)),
-            format!("--cluster-key={}", path(layout.agent_server().key)),
-            format!("--cluster-ca-cert={}", path(layout.bundle())),
-        ])
+        .args(proxy_server_args("scale", &ports, &layout))
         .env(
             "RUST_LOG",
             std::env::var("CP_SCALE_SERVER_RUST_LOG").unwrap_or_default(),

@@ -10,7 +10,7 @@
 //! (the 100,000 connections).
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -23,7 +23,9 @@ use tokio::sync::Mutex;
 
 use crate::env::binaries::{Binaries, Progress};
 use crate::env::process::{Logs, ProcessSpec, Supervised};
-use crate::harness::{http_connect_to, tunnel_client};
+use crate::harness::{
+    ServerPorts, http_connect_to, proxy_agent_args, proxy_server_args, tunnel_client,
+};
 use crate::pki::TestPki;
 use crate::targets::{EchoServer, closed_port};
 
@@ -260,15 +262,6 @@ impl std::fmt::Display for ChurnReport {
     }
 }
 
-fn free_port() -> Result<u16, ChurnError> {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(setup)?;
-    Ok(listener.local_addr().map_err(setup)?.port())
-}
-
-fn path(p: PathBuf) -> String {
-    p.display().to_string()
-}
-
 /// The server and agent processes and how to reach them.
 struct Deployment {
     server: Supervised,
@@ -283,45 +276,21 @@ fn start_processes(
     logs: &Logs,
 ) -> Result<Deployment, ChurnError> {
     let cluster = ClusterName::new(CLUSTER).map_err(setup)?;
-    let (client_port, agent_port) = (free_port()?, free_port()?);
-    let server = ProcessSpec::new("proxy-server", &binaries.proxy_server).args([
-        "--server-id=churn".to_owned(),
-        "--proxy-strategies=destHost".to_owned(),
-        "--server-bind-address=127.0.0.1".to_owned(),
-        format!("--server-port={client_port}"),
-        "--agent-bind-address=127.0.0.1".to_owned(),
-        format!("--agent-port={agent_port}"),
-        "--health-bind-address=127.0.0.1".to_owned(),
-        format!("--health-port={}", free_port()?),
-        "--admin-bind-address=127.0.0.1".to_owned(),
-        format!("--admin-port={}", free_port()?),
-        format!("--server-cert={}", path(layout.proxy_server().cert)),
-        format!("--server-key={}", path(layout.proxy_server().key)),
-        format!("--server-ca-cert={}", path(layout.bundle())),
-        format!("--cluster-cert={}", path(layout.agent_server().cert)),
-        format!("--cluster-key={}", path(layout.agent_server().key)),
-        format!("--cluster-ca-cert={}", path(layout.bundle())),
-    ]);
-    let agent = ProcessSpec::new("proxy-agent", &binaries.proxy_agent).args([
-        "--proxy-server-host=127.0.0.1".to_owned(),
-        format!("--proxy-server-port={agent_port}"),
-        format!("--ca-cert={}", path(layout.bundle())),
-        format!("--agent-cert={}", path(layout.agent(&cluster).cert)),
-        format!("--agent-key={}", path(layout.agent(&cluster).key)),
-        "--agent-id=churn-agent".to_owned(),
-        format!("--agent-identifiers=host={CLUSTER}"),
-        format!("--host-alias={CLUSTER}=127.0.0.1"),
-        "--health-server-host=127.0.0.1".to_owned(),
-        format!("--health-server-port={}", free_port()?),
-        "--admin-bind-address=127.0.0.1".to_owned(),
-        format!("--admin-server-port={}", free_port()?),
-    ]);
+    let ports = ServerPorts::free();
+    let server = ProcessSpec::new("proxy-server", &binaries.proxy_server)
+        .args(proxy_server_args("churn", &ports, layout));
+    let agent = ProcessSpec::new("proxy-agent", &binaries.proxy_agent).args(proxy_agent_args(
+        &cluster,
+        "churn-agent",
+        ports.agent,
+        layout,
+    ));
     let server = Supervised::start(server, logs).map_err(setup)?;
     let agent = Supervised::start(agent, logs).map_err(setup)?;
     Ok(Deployment {
         server,
         agent: Mutex::new(agent),
-        client_addr: SocketAddr::from(([127, 0, 0, 1], client_port)),
+        client_addr: ports.client_addr(),
         logs: logs.clone(),
     })
 }

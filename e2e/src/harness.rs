@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use cluster_proxy_proto::Packet;
 use cluster_proxy_proto::client::TunnelClient;
+use cluster_proxy_proto::identity::ClusterName;
 use cluster_proxy_proto::konnectivity::agent_service_client::AgentServiceClient;
 use cluster_proxy_proto::metadata;
 use cluster_proxy_proto::transport::{TransportError, connect_channel};
@@ -545,4 +546,90 @@ impl LocalReplicas {
     pub fn client_address(&self, index: usize) -> String {
         format!("localhost:{}", self.servers[index].client_addr.port())
     }
+}
+
+/// Loopback ports of one proxy-server process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ServerPorts {
+    pub client: u16,
+    pub agent: u16,
+    pub health: u16,
+    pub admin: u16,
+}
+
+impl ServerPorts {
+    /// Four free loopback ports.
+    pub fn free() -> Self {
+        ServerPorts {
+            client: free_port(),
+            agent: free_port(),
+            health: free_port(),
+            admin: free_port(),
+        }
+    }
+
+    pub fn client_addr(&self) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], self.client))
+    }
+
+    pub fn health_addr(&self) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], self.health))
+    }
+}
+
+fn display(path: std::path::PathBuf) -> String {
+    path.display().to_string()
+}
+
+/// The flags of a proxy-server process on `ports` of loopback, routing by
+/// `destHost`, with the certificates of a test PKI written to `layout`
+/// ([`crate::pki::TestPki::write`]). Callers append their own flags.
+pub fn proxy_server_args(
+    server_id: &str,
+    ports: &ServerPorts,
+    layout: &cert_authority::files::Layout,
+) -> Vec<String> {
+    vec![
+        format!("--server-id={server_id}"),
+        "--proxy-strategies=destHost".to_owned(),
+        "--server-bind-address=127.0.0.1".to_owned(),
+        format!("--server-port={}", ports.client),
+        "--agent-bind-address=127.0.0.1".to_owned(),
+        format!("--agent-port={}", ports.agent),
+        "--health-bind-address=127.0.0.1".to_owned(),
+        format!("--health-port={}", ports.health),
+        "--admin-bind-address=127.0.0.1".to_owned(),
+        format!("--admin-port={}", ports.admin),
+        format!("--server-cert={}", display(layout.proxy_server().cert)),
+        format!("--server-key={}", display(layout.proxy_server().key)),
+        format!("--server-ca-cert={}", display(layout.bundle())),
+        format!("--cluster-cert={}", display(layout.agent_server().cert)),
+        format!("--cluster-key={}", display(layout.agent_server().key)),
+        format!("--cluster-ca-cert={}", display(layout.bundle())),
+    ]
+}
+
+/// The flags of a proxy-agent process of `cluster` dialing a proxy-server's
+/// agent port on loopback, with `cluster` resolving to 127.0.0.1 and its
+/// own health and admin ports. Callers append their own flags.
+pub fn proxy_agent_args(
+    cluster: &ClusterName,
+    agent_id: &str,
+    agent_port: u16,
+    layout: &cert_authority::files::Layout,
+) -> Vec<String> {
+    vec![
+        "--proxy-server-host=127.0.0.1".to_owned(),
+        format!("--proxy-server-port={agent_port}"),
+        format!("--ca-cert={}", display(layout.bundle())),
+        format!("--agent-cert={}", display(layout.agent(cluster).cert)),
+        format!("--agent-key={}", display(layout.agent(cluster).key)),
+        format!("--agent-id={agent_id}"),
+        format!("--agent-identifiers=host={cluster}"),
+        format!("--host-alias={cluster}=127.0.0.1"),
+        "--health-server-host=127.0.0.1".to_owned(),
+        format!("--health-server-port={}", free_port()),
+        "--admin-bind-address=127.0.0.1".to_owned(),
+        format!("--admin-server-port={}", free_port()),
+    ]
 }

@@ -18,7 +18,10 @@ use cluster_proxy_proto::packet::{self, Frame};
 use cluster_proxy_proto::transport::{ALPN_HTTP11, connect_channel};
 use cluster_proxy_runtime::logging::LogFormat;
 use cluster_proxy_runtime::telemetry::{self, SamplerChoice, TelemetryConfig};
-use e2e::harness::{AgentUnderTest, RawAgent, test_server_config, tunnel_client, wait_until};
+use e2e::harness::{
+    AgentUnderTest, RawAgent, ServerPorts, proxy_agent_args, proxy_server_args, test_server_config,
+    tunnel_client, wait_until,
+};
 use e2e::otlp::{Collector, Received, WAIT};
 use e2e::pki::TestPki;
 use e2e::targets::{EchoServer, closed_port};
@@ -351,10 +354,6 @@ async fn one_trace_per_tunneled_connection() {
     telemetry.shutdown().await;
 }
 
-fn free_port() -> u16 {
-    e2e::harness::free_port()
-}
-
 /// A proxy-server and a proxy-agent process (for cluster-a), exporting to
 /// `endpoint`: the server through the standard variables, the agent
 /// through the matching flags.
@@ -375,28 +374,10 @@ impl TracedProcesses {
             .unwrap();
         let certs = tempfile::tempdir().unwrap();
         let layout = pki.write(certs.path()).unwrap();
-        let path = |p: std::path::PathBuf| p.display().to_string();
         let cluster_a = cluster_proxy_proto::identity::ClusterName::new("cluster-a").unwrap();
-        let (client_port, agent_port) = (free_port(), free_port());
+        let ports = ServerPorts::free();
         let server = tokio::process::Command::new(&binaries.proxy_server)
-            .args([
-                "--server-id=server-traced".to_owned(),
-                "--proxy-strategies=destHost".to_owned(),
-                "--server-bind-address=127.0.0.1".to_owned(),
-                format!("--server-port={client_port}"),
-                "--agent-bind-address=127.0.0.1".to_owned(),
-                format!("--agent-port={agent_port}"),
-                "--health-bind-address=127.0.0.1".to_owned(),
-                format!("--health-port={}", free_port()),
-                "--admin-bind-address=127.0.0.1".to_owned(),
-                format!("--admin-port={}", free_port()),
-                format!("--server-cert={}", path(layout.proxy_server().cert)),
-                format!("--server-key={}", path(layout.proxy_server().key)),
-                format!("--server-ca-cert={}", path(layout.bundle())),
-                format!("--cluster-cert={}", path(layout.agent_server().cert)),
-                format!("--cluster-key={}", path(layout.agent_server().key)),
-                format!("--cluster-ca-cert={}", path(layout.bundle())),
-            ])
+            .args(proxy_server_args("server-traced", &ports, &layout))
             .env("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
             .env("OTEL_SERVICE_NAME", "hub-proxy-server")
             .env("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=test")
@@ -407,19 +388,13 @@ impl TracedProcesses {
             .spawn()
             .unwrap();
         let agent = tokio::process::Command::new(&binaries.proxy_agent)
+            .args(proxy_agent_args(
+                &cluster_a,
+                "cluster-a-agent",
+                ports.agent,
+                &layout,
+            ))
             .args([
-                "--proxy-server-host=127.0.0.1".to_owned(),
-                format!("--proxy-server-port={agent_port}"),
-                format!("--ca-cert={}", path(layout.bundle())),
-                format!("--agent-cert={}", path(layout.agent(&cluster_a).cert)),
-                format!("--agent-key={}", path(layout.agent(&cluster_a).key)),
-                "--agent-id=cluster-a-agent".to_owned(),
-                "--agent-identifiers=host=cluster-a".to_owned(),
-                "--host-alias=cluster-a=127.0.0.1".to_owned(),
-                "--health-server-host=127.0.0.1".to_owned(),
-                format!("--health-server-port={}", free_port()),
-                "--admin-bind-address=127.0.0.1".to_owned(),
-                format!("--admin-server-port={}", free_port()),
                 format!("--otlp-endpoint={endpoint}"),
                 "--otel-service-name=cluster-a-proxy-agent".to_owned(),
             ])
@@ -433,7 +408,7 @@ impl TracedProcesses {
         TracedProcesses {
             server,
             agent,
-            client_addr: format!("127.0.0.1:{client_port}").parse().unwrap(),
+            client_addr: ports.client_addr(),
             _certs: certs,
         }
     }
