@@ -1,0 +1,253 @@
+//! Benchmark: many concurrent connections through one agent, and how
+//! fairly they share the tunnel.
+//!
+//! ```sh
+//! cargo run --release -p e2e --example one_agent_fairness
+//! ```
+//!
+//! One proxy-server and one proxy-agent run as child processes (their RSS
+//! and CPU are their own, from `/proc`); this process runs the bulk target
+//! the agent dials and the hub-side clients. `CP_FAIR_CONNS` (10000)
+//! tunneled connections are opened through the gRPC frontend, spread over
+//! `CP_FAIR_CLIENTS` (16) client HTTP/2 connections (the server allows
+//! `--max-concurrent-streams` 1000 per connection), each asking the target
+//! for an endless download. Once every connection has received its first
+//! bytes, each one's bytes are counted over `CP_FAIR_SECONDS` (10) seconds.
+//!
+//! Reported: the total throughput, beside one connection alone measured in
+//! the same run over the same window; the per-connection distribution
+//! (min, p1, median, max) as a share of the fair share (total / N); how many
+//! connections got less than half their fair share; Jain's fairness index;
+//! server and agent RSS with every connection open.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, anyhow};
+use cluster_proxy_proto::client::TunnelClient;
+use cluster_proxy_proto::identity::ClusterName;
+use e2e::env::binaries::{Binaries, Progress};
+use e2e::harness::{ServerPorts, health_get, proxy_agent_args, proxy_server_args, tunnel_client};
+use e2e::loadgen::BulkServer;
+use e2e::pki::TestPki;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_util::sync::CancellationToken;
+
+const CLUSTER: &str = "cluster-a";
+
+fn knob(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// `(RSS MiB, CPU seconds)` of `pid`, from `/proc`.
+fn sample(pid: u32) -> anyhow::Result<(f64, f64)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let rss_kib: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .ok_or_else(|| anyhow!("no VmRSS for {pid}"))?;
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // Fields after the command name, which is in parentheses.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest.split_whitespace().collect())
+        .unwrap_or_default();
+    let ticks = |i: usize| -> f64 { fields.get(i).and_then(|v| v.parse().ok()).unwrap_or(0.0) };
+    // utime and stime are fields 14 and 15 of stat, 12 and 13 after the name.
+    Ok((rss_kib / 1024.0, (ticks(11) + ticks(12)) / 100.0))
+}
+
+/// Opens a tunneled connection to the bulk target and asks it for an
+/// endless download; returns once the first bytes arrived.
+async fn open_download(
+    client: &TunnelClient,
+    target: &str,
+) -> anyhow::Result<cluster_proxy_proto::client::TunnelStream> {
+    let mut stream = client.dial(target).await?;
+    let mut head = vec![b'D'];
+    head.extend_from_slice(&u64::MAX.to_be_bytes());
+    stream.write_all(&head).await?;
+    let mut first = [0u8; 1];
+    tokio::time::timeout(Duration::from_secs(60), stream.read_exact(&mut first))
+        .await
+        .map_err(|_| anyhow!("no first byte within 60 s"))??;
+    Ok(stream)
+}
+
+/// Reads `stream` until `stop`, adding every byte to `counter`.
+async fn drain(
+    mut stream: cluster_proxy_proto::client::TunnelStream,
+    counter: Arc<AtomicU64>,
+    stop: CancellationToken,
+) {
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            read = stream.read(&mut buf) => match read {
+                Ok(n) if n > 0 => {
+                    counter.fetch_add(n as u64, Ordering::Relaxed);
+                }
+                _ => return,
+            },
+        }
+    }
+}
+
+/// Bytes each counter gained over `window`, once all are running.
+async fn measure(counters: &[Arc<AtomicU64>], window: Duration) -> (Vec<u64>, Duration) {
+    let before: Vec<u64> = counters.iter().map(|c| c.load(Ordering::Relaxed)).collect();
+    let started = Instant::now();
+    tokio::time::sleep(window).await;
+    let elapsed = started.elapsed();
+    let gained = counters
+        .iter()
+        .zip(before)
+        .map(|(c, b)| c.load(Ordering::Relaxed) - b)
+        .collect();
+    (gained, elapsed)
+}
+
+fn gbit_per_s(bytes: u64, elapsed: Duration) -> f64 {
+    bytes as f64 * 8.0 / elapsed.as_secs_f64() / 1e9
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let connections = knob("CP_FAIR_CONNS", 10_000).max(1);
+    let clients = knob("CP_FAIR_CLIENTS", 16).max(1);
+    let window = Duration::from_secs(knob("CP_FAIR_SECONDS", 10) as u64);
+
+    let binaries = tokio::task::spawn_blocking(|| Binaries::build(Progress::Quiet)).await??;
+    let pki = TestPki::new(&[CLUSTER])?;
+    let certs = tempfile::tempdir()?;
+    let layout = pki.write(certs.path())?;
+    let ports = ServerPorts::free();
+    let mut server = tokio::process::Command::new(&binaries.proxy_server)
+        .args(proxy_server_args("fairness", &ports, &layout))
+        .env_remove("RUST_LOG")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .context("starting proxy-server")?;
+    let cluster = ClusterName::new(CLUSTER)?;
+    let mut agent = tokio::process::Command::new(&binaries.proxy_agent)
+        .args(proxy_agent_args(
+            &cluster,
+            "fairness-agent",
+            ports.agent,
+            &layout,
+        ))
+        .env_remove("RUST_LOG")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .context("starting proxy-agent")?;
+    let server_pid = server.id().ok_or_else(|| anyhow!("proxy-server exited"))?;
+    let agent_pid = agent.id().ok_or_else(|| anyhow!("proxy-agent exited"))?;
+    // Ready (static server count): an agent holds a tunnel.
+    let waiting = Instant::now();
+    while !matches!(
+        health_get(ports.health_addr(), "/readyz").await,
+        Ok((200, _))
+    ) {
+        if waiting.elapsed() > Duration::from_secs(60) {
+            return Err(anyhow!("the agent did not connect within 60 s"));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    let bulk = BulkServer::start().await?;
+    let target = format!("{CLUSTER}:{}", bulk.addr.port());
+    let mut tunnels = Vec::with_capacity(clients);
+    for _ in 0..clients {
+        tunnels.push(tunnel_client(pki.client_tls()?, ports.client_addr()).await?);
+    }
+
+    // Baseline: one connection alone, over the same window.
+    let stop = CancellationToken::new();
+    let single = Arc::new(AtomicU64::new(0));
+    let stream = open_download(&tunnels[0], &target).await?;
+    let reader = tokio::spawn(drain(stream, single.clone(), stop.clone()));
+    let (alone, alone_elapsed) = measure(std::slice::from_ref(&single), window).await;
+    stop.cancel();
+    reader.await?;
+    let alone_gbit = gbit_per_s(alone[0], alone_elapsed);
+
+    // Every connection open and receiving before the window starts.
+    let stop = CancellationToken::new();
+    let counters: Vec<Arc<AtomicU64>> = (0..connections)
+        .map(|_| Arc::new(AtomicU64::new(0)))
+        .collect();
+    let opening = Instant::now();
+    let mut readers = Vec::with_capacity(connections);
+    for chunk in counters.chunks(200).enumerate().map(|(i, c)| (i * 200, c)) {
+        let (offset, chunk) = chunk;
+        let opens = chunk.iter().enumerate().map(|(i, _)| {
+            let client = &tunnels[(offset + i) % clients];
+            open_download(client, &target)
+        });
+        let streams = futures_util::future::try_join_all(opens)
+            .await
+            .with_context(|| format!("opening connections {offset}.."))?;
+        for (stream, counter) in streams.into_iter().zip(chunk) {
+            readers.push(tokio::spawn(drain(stream, counter.clone(), stop.clone())));
+        }
+    }
+    let opened = opening.elapsed();
+    let (server_rss, _) = sample(server_pid)?;
+    let (agent_rss, _) = sample(agent_pid)?;
+    let (server_cpu_before, agent_cpu_before) = (sample(server_pid)?.1, sample(agent_pid)?.1);
+    let (mut gained, elapsed) = measure(&counters, window).await;
+    let (server_cpu, agent_cpu) = (
+        sample(server_pid)?.1 - server_cpu_before,
+        sample(agent_pid)?.1 - agent_cpu_before,
+    );
+    stop.cancel();
+    for reader in readers {
+        reader.await?;
+    }
+
+    gained.sort_unstable();
+    let total: u64 = gained.iter().sum();
+    let fair = total as f64 / connections as f64;
+    let share = |bytes: u64| bytes as f64 / fair.max(1.0);
+    let at = |p: f64| gained[((gained.len() - 1) as f64 * p).round() as usize];
+    let starved = gained.iter().filter(|&&b| share(b) < 0.5).count();
+    let squares: f64 = gained.iter().map(|&b| (b as f64).powi(2)).sum();
+    let jain = (total as f64).powi(2) / (connections as f64 * squares.max(1.0));
+    let gib = total as f64 / (1u64 << 30) as f64;
+
+    println!(
+        "one proxy-server and one proxy-agent (child processes); {connections} concurrent downloads over {clients} gRPC client connections, opened in {opened:.1?}"
+    );
+    println!(
+        "one connection alone: {alone_gbit:.2} Gbit/s; all {connections}: {:.2} Gbit/s in total ({:.0} % of one alone) over {elapsed:.1?}",
+        gbit_per_s(total, elapsed),
+        gbit_per_s(total, elapsed) / alone_gbit.max(1e-9) * 100.0,
+    );
+    println!(
+        "per connection, as a share of the fair share ({:.1} KiB/s): min {:.2}, p1 {:.2}, median {:.2}, max {:.2}; below half: {starved}; Jain's index {jain:.3}",
+        fair / elapsed.as_secs_f64() / 1024.0,
+        share(gained[0]),
+        share(at(0.01)),
+        share(at(0.5)),
+        share(gained[gained.len() - 1]),
+    );
+    println!(
+        "RSS with every connection open: server {server_rss:.0} MiB, agent {agent_rss:.0} MiB; CPU per GiB moved in the window: server {:.2} s, agent {:.2} s",
+        server_cpu / gib.max(1e-9),
+        agent_cpu / gib.max(1e-9),
+    );
+    let _ = server.kill().await;
+    let _ = agent.kill().await;
+    Ok(())
+}
