@@ -11,8 +11,9 @@
 //! tunneled connections are opened through the gRPC frontend, spread over
 //! `CP_FAIR_CLIENTS` (16) client HTTP/2 connections (the server allows
 //! `--max-concurrent-streams` 1000 per connection), each asking the target
-//! for an endless download. Once every connection has received its first
-//! bytes, each one's bytes are counted over `CP_FAIR_SECONDS` (10) seconds.
+//! for an endless download, and read from the moment it opens (200 dials at
+//! a time). Once every connection has received its first bytes, each one's
+//! bytes are counted over `CP_FAIR_SECONDS` (10) seconds.
 //!
 //! Reported: the total throughput, beside one connection alone measured in
 //! the same run over the same window; the per-connection distribution
@@ -151,6 +152,10 @@ async fn main() -> anyhow::Result<()> {
         .kill_on_drop(true)
         .spawn()
         .context("starting proxy-agent")?;
+    eprintln!(
+        "proxy-server metrics: http://{}/metrics",
+        ports.health_addr()
+    );
     let server_pid = server.id().ok_or_else(|| anyhow!("proxy-server exited"))?;
     let agent_pid = agent.id().ok_or_else(|| anyhow!("proxy-agent exited"))?;
     // Ready (static server count): an agent holds a tunnel.
@@ -188,19 +193,36 @@ async fn main() -> anyhow::Result<()> {
         .map(|_| Arc::new(AtomicU64::new(0)))
         .collect();
     let opening = Instant::now();
+    // Each connection is read from the moment it opens: a stream nobody
+    // reads holds its HTTP/2 window and slows its neighbours.
     let mut readers = Vec::with_capacity(connections);
-    for chunk in counters.chunks(200).enumerate().map(|(i, c)| (i * 200, c)) {
-        let (offset, chunk) = chunk;
-        let opens = chunk.iter().enumerate().map(|(i, _)| {
-            let client = &tunnels[(offset + i) % clients];
-            open_download(client, &target)
-        });
-        let streams = futures_util::future::try_join_all(opens)
+    let (opened_tx, mut opened_rx) = tokio::sync::mpsc::channel::<anyhow::Result<()>>(connections);
+    let dialing = Arc::new(tokio::sync::Semaphore::new(200));
+    for (i, counter) in counters.iter().enumerate() {
+        let client = tunnels[i % clients].clone();
+        let (target, counter, stop) = (target.clone(), counter.clone(), stop.clone());
+        let (opened_tx, dialing) = (opened_tx.clone(), dialing.clone());
+        readers.push(tokio::spawn(async move {
+            let permit = dialing.acquire_owned().await;
+            match open_download(&client, &target).await {
+                Ok(stream) => {
+                    drop(permit);
+                    let _ = opened_tx.send(Ok(())).await;
+                    drain(stream, counter, stop).await;
+                }
+                Err(e) => {
+                    let _ = opened_tx
+                        .send(Err(e.context(format!("connection {i}"))))
+                        .await;
+                }
+            }
+        }));
+    }
+    for _ in 0..connections {
+        opened_rx
+            .recv()
             .await
-            .with_context(|| format!("opening connections {offset}.."))?;
-        for (stream, counter) in streams.into_iter().zip(chunk) {
-            readers.push(tokio::spawn(drain(stream, counter.clone(), stop.clone())));
-        }
+            .ok_or_else(|| anyhow!("an opening task vanished"))??;
     }
     let opened = opening.elapsed();
     let (server_rss, _) = sample(server_pid)?;
