@@ -15,6 +15,9 @@
 //! a time). Once every connection has received its first bytes, each one's
 //! bytes are counted over `CP_FAIR_SECONDS` (10) seconds.
 //!
+//! `CP_FAIR_AGENT_RCVBUF` (0: the kernel's autotuning) is the agent's
+//! `--target-receive-buffer`.
+//!
 //! Reported: the total throughput, beside one connection alone measured in
 //! the same run over the same window; the per-connection distribution
 //! (min, p1, median, max) as a share of the fair share (total / N); how many
@@ -30,7 +33,7 @@ use cluster_proxy_proto::client::TunnelClient;
 use cluster_proxy_proto::identity::ClusterName;
 use e2e::env::binaries::{Binaries, Progress};
 use e2e::harness::{ServerPorts, health_get, proxy_agent_args, proxy_server_args, tunnel_client};
-use e2e::loadgen::BulkServer;
+use e2e::loadgen::pattern;
 use e2e::pki::TestPki;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
@@ -64,7 +67,38 @@ fn sample(pid: u32) -> anyhow::Result<(f64, f64)> {
     Ok((rss_kib / 1024.0, (ticks(11) + ticks(12)) / 100.0))
 }
 
-/// Opens a tunneled connection to the bulk target and asks it for an
+/// Targets that send without end, as fast as they are read. They stand in
+/// for services on other machines: their send buffers would not count
+/// against this kernel's TCP memory (`net.ipv4.tcp_mem`), so they are
+/// capped (`CP_FAIR_TARGET_SNDBUF`, 128 KiB); with thousands of
+/// connections, autotuned 4 MiB send buffers on this one machine pushed
+/// the kernel into TCP memory pressure, which drops segments and stalled
+/// every connection behind retransmission timeouts.
+async fn start_endless_target(send_buffer: u32) -> anyhow::Result<std::net::SocketAddr> {
+    let socket = tokio::net::TcpSocket::new_v4()?;
+    // Accepted sockets inherit the listener's buffer size.
+    socket.set_send_buffer_size(send_buffer)?;
+    socket.bind(std::net::SocketAddr::from(([127, 0, 0, 1], 0)))?;
+    let listener = socket.listen(4096)?;
+    let addr = listener.local_addr()?;
+    let chunk = bytes::Bytes::from(pattern(64 * 1024));
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            let chunk = chunk.clone();
+            tokio::spawn(async move {
+                // The 9-byte download request of `open_download`.
+                let mut request = [0u8; 9];
+                if socket.read_exact(&mut request).await.is_err() {
+                    return;
+                }
+                while socket.write_all(&chunk).await.is_ok() {}
+            });
+        }
+    });
+    Ok(addr)
+}
+
+/// Opens a tunneled connection to the endless target and asks it for an
 /// endless download; returns once the first bytes arrived.
 async fn open_download(
     client: &TunnelClient,
@@ -146,6 +180,10 @@ async fn main() -> anyhow::Result<()> {
             ports.agent,
             &layout,
         ))
+        .arg(format!(
+            "--target-receive-buffer={}",
+            knob("CP_FAIR_AGENT_RCVBUF", 0)
+        ))
         .env_remove("RUST_LOG")
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
@@ -170,8 +208,11 @@ async fn main() -> anyhow::Result<()> {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 
-    let bulk = BulkServer::start().await?;
-    let target = format!("{CLUSTER}:{}", bulk.addr.port());
+    let target_addr = start_endless_target(
+        u32::try_from(knob("CP_FAIR_TARGET_SNDBUF", 128 * 1024)).unwrap_or(u32::MAX),
+    )
+    .await?;
+    let target = format!("{CLUSTER}:{}", target_addr.port());
     let mut tunnels = Vec::with_capacity(clients);
     for _ in 0..clients {
         tunnels.push(tunnel_client(pki.client_tls()?, ports.client_addr()).await?);

@@ -68,6 +68,9 @@ pub struct AgentSettings {
     pub flow_control_window: u32,
     /// Per-connection receive buffer towards plain konnectivity servers.
     pub plain_peer_buffer: u32,
+    /// Kernel receive buffer (SO_RCVBUF) of each connection to a target, in
+    /// bytes; 0 leaves it to the kernel's autotuning.
+    pub target_receive_buffer: u32,
     /// Timeout for dials to endpoints in the cluster.
     #[serde(with = "serde_go")]
     pub dial_timeout: Duration,
@@ -120,6 +123,7 @@ impl Default for AgentSettings {
             kube_api_content_type: DEFAULT_CONTENT_TYPE.into(),
             flow_control_window: DEFAULT_WINDOW,
             plain_peer_buffer: 4 * 1024 * 1024,
+            target_receive_buffer: 0,
             dial_timeout: Duration::from_secs(5),
             host_alias: Vec::new(),
             credential_reload_interval: cluster_proxy_runtime::reload::DEFAULT_INTERVAL,
@@ -273,6 +277,11 @@ pub struct Cli {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub plain_peer_buffer: Option<u32>,
+    /// Kernel receive buffer (SO_RCVBUF) in bytes of each connection to a
+    /// target; bounds the kernel memory of thousands of busy connections (0: autotuning).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub target_receive_buffer: Option<u32>,
     /// Timeout for dials to endpoints (Go duration).
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -472,6 +481,8 @@ impl AgentSettings {
             .then(|| PathBuf::from(&self.service_account_token_path));
         config.flow_control_window = self.flow_control_window;
         config.plain_peer_buffer = self.plain_peer_buffer;
+        config.target_receive_buffer =
+            (self.target_receive_buffer > 0).then_some(self.target_receive_buffer);
         config.dial_timeout = self.dial_timeout;
         if self.credential_reload_interval.is_zero() {
             return Err(ConfigError::Invalid {

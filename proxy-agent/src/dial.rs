@@ -47,14 +47,30 @@ fn connect_error_text(e: &io::Error) -> Option<&'static str> {
     })
 }
 
+/// Connects to `addr`. A fixed receive buffer must be set before the
+/// connection exists: the window scale is agreed in the handshake.
+async fn connect(addr: SocketAddr, receive_buffer: Option<u32>) -> io::Result<TcpStream> {
+    let Some(size) = receive_buffer else {
+        return TcpStream::connect(addr).await;
+    };
+    let socket = match addr {
+        SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4()?,
+        SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6()?,
+    };
+    socket.set_recv_buffer_size(size)?;
+    socket.connect(addr).await
+}
+
 /// Names resolved locally before DNS, like a pod's `hostAliases`.
 pub type HostAliases = HashMap<String, IpAddr>;
 
-/// Opens a TCP connection to `address` (`host:port`) within `timeout`.
+/// Opens a TCP connection to `address` (`host:port`) within `timeout`,
+/// with a kernel receive buffer of `receive_buffer` bytes when given.
 pub async fn dial_tcp(
     address: &str,
     timeout: Duration,
     aliases: &HostAliases,
+    receive_buffer: Option<u32>,
 ) -> Result<TcpStream, DialError> {
     let Some((host, port)) = split_host_port(address) else {
         return Err(unknown(format!(
@@ -89,7 +105,7 @@ pub async fn dial_tcp(
             if let Ok(mut current) = current.lock() {
                 *current = Some(addr);
             }
-            match TcpStream::connect(addr).await {
+            match connect(addr, receive_buffer).await {
                 Ok(tcp) => {
                     // A target that vanishes mid-connection is noticed by
                     // the kernel's probes, not held open for hours.
@@ -136,7 +152,7 @@ mod tests {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let address = listener.local_addr().unwrap().to_string();
         drop(listener);
-        let err = dial_tcp(&address, Duration::from_secs(5), &HostAliases::new())
+        let err = dial_tcp(&address, Duration::from_secs(5), &HostAliases::new(), None)
             .await
             .unwrap_err();
         assert_eq!(
@@ -148,16 +164,21 @@ mod tests {
 
     #[tokio::test]
     async fn malformed_addresses_are_reported_not_panicked_on() {
-        let err = dial_tcp("no-port", Duration::from_secs(1), &HostAliases::new())
+        let err = dial_tcp("no-port", Duration::from_secs(1), &HostAliases::new(), None)
             .await
             .unwrap_err();
         assert_eq!(
             err.message,
             "dial tcp: address no-port: missing port in address"
         );
-        let err = dial_tcp("host:http99", Duration::from_secs(1), &HostAliases::new())
-            .await
-            .unwrap_err();
+        let err = dial_tcp(
+            "host:http99",
+            Duration::from_secs(1),
+            &HostAliases::new(),
+            None,
+        )
+        .await
+        .unwrap_err();
         assert!(err.message.contains("invalid port"), "{err}");
     }
 
@@ -167,6 +188,7 @@ mod tests {
             "does-not-exist.invalid:80",
             Duration::from_secs(5),
             &HostAliases::new(),
+            None,
         )
         .await
         .unwrap_err();
@@ -201,6 +223,7 @@ mod tests {
             &format!("cluster-a:{}", target.port()),
             Duration::from_millis(300),
             &aliases,
+            None,
         )
         .await
         .unwrap_err();
@@ -217,6 +240,7 @@ mod tests {
             &format!("cluster-a:{port}"),
             Duration::from_secs(5),
             &aliases,
+            None,
         )
         .await
         .unwrap();
@@ -226,9 +250,37 @@ mod tests {
     async fn connects_and_sets_nodelay() {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let address = listener.local_addr().unwrap().to_string();
-        let tcp = dial_tcp(&address, Duration::from_secs(5), &HostAliases::new())
+        let tcp = dial_tcp(&address, Duration::from_secs(5), &HostAliases::new(), None)
             .await
             .unwrap();
         assert!(tcp.nodelay().unwrap());
+    }
+
+    #[tokio::test]
+    async fn a_fixed_receive_buffer_is_set_before_connecting() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap().to_string();
+        let fixed = dial_tcp(
+            &address,
+            Duration::from_secs(5),
+            &HostAliases::new(),
+            Some(32 * 1024),
+        )
+        .await
+        .unwrap();
+        // Linux doubles the value for its bookkeeping.
+        assert_eq!(
+            socket2::SockRef::from(&fixed).recv_buffer_size().unwrap(),
+            64 * 1024
+        );
+        let autotuned = dial_tcp(&address, Duration::from_secs(5), &HostAliases::new(), None)
+            .await
+            .unwrap();
+        assert_ne!(
+            socket2::SockRef::from(&autotuned)
+                .recv_buffer_size()
+                .unwrap(),
+            64 * 1024
+        );
     }
 }

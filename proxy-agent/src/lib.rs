@@ -138,6 +138,8 @@ pub struct AgentConfig {
     pub flow_control_window: u32,
     /// Per-connection receive buffer when the server is plain konnectivity.
     pub plain_peer_buffer: u32,
+    /// SO_RCVBUF of each connection to a target (`None`: kernel autotuning).
+    pub target_receive_buffer: Option<u32>,
     pub dial_timeout: Duration,
     /// How often credential files are checked for rotation.
     pub credential_reload_interval: Duration,
@@ -169,6 +171,7 @@ impl AgentConfig {
             service_account_token_path: None,
             flow_control_window: DEFAULT_WINDOW,
             plain_peer_buffer: 4 * 1024 * 1024,
+            target_receive_buffer: None,
             dial_timeout: Duration::from_secs(5),
             host_aliases: dial::HostAliases::new(),
             credential_reload_interval: cluster_proxy_runtime::reload::DEFAULT_INTERVAL,

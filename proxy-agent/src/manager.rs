@@ -352,6 +352,7 @@ async fn connect_once(shared: Arc<Shared>) -> Result<Outcome, ConnectError> {
         our_window: config.flow_control_window,
         server_window,
         plain_peer_buffer: config.plain_peer_buffer,
+        target_receive_buffer: config.target_receive_buffer,
         dial_timeout: config.dial_timeout,
         host_aliases: std::sync::Arc::new(config.host_aliases.clone()),
         server_draining,

@@ -63,6 +63,7 @@ pub struct TunnelParams {
     /// The server's window: `Some` ⇒ flow control is on for this tunnel.
     pub server_window: Option<u32>,
     pub plain_peer_buffer: u32,
+    pub target_receive_buffer: Option<u32>,
     pub dial_timeout: Duration,
     pub host_aliases: std::sync::Arc<crate::dial::HostAliases>,
     /// Set when the server announces with DRAIN that it is stopping, so the
@@ -340,7 +341,12 @@ impl Tunnel {
                 span.in_scope(|| tracing::debug!(%server_id, random, %address, "dial abandoned"));
                 return;
             }
-            r = dial_tcp(&address, self.params.dial_timeout, &self.params.host_aliases)
+            r = dial_tcp(
+                &address,
+                self.params.dial_timeout,
+                &self.params.host_aliases,
+                self.params.target_receive_buffer,
+            )
                 .instrument(span.clone()) => r,
         };
         self.metrics
