@@ -9,12 +9,34 @@ use tokio::net::TcpStream;
 use tokio_rustls::TlsConnector;
 use tonic::transport::{Channel, Endpoint};
 
-/// HTTP/2 per-stream receive window. Large, because one agent stream carries
-/// every connection of a tunnel and per-connection fairness is enforced by
-/// [`crate::flow`], not by HTTP/2.
-pub const STREAM_WINDOW: u32 = 16 * 1024 * 1024;
-/// HTTP/2 connection receive window.
-pub const CONNECTION_WINDOW: u32 = 32 * 1024 * 1024;
+/// HTTP/2 receive windows of one connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HttpWindows {
+    /// Bytes one stream may have in flight towards us.
+    pub stream: u32,
+    /// Bytes all streams together may have in flight towards us.
+    pub connection: u32,
+}
+
+/// An agent's tunnel: one `Connect` stream carries every connection of the
+/// tunnel, and per-connection fairness is enforced by [`crate::flow`], not
+/// by HTTP/2, so the stream gets a large window.
+pub const TUNNEL_WINDOWS: HttpWindows = HttpWindows {
+    stream: 16 * 1024 * 1024,
+    connection: 32 * 1024 * 1024,
+};
+
+/// A client's connection: one `Proxy` stream per tunneled connection, many
+/// on one HTTP/2 connection. Bytes a stream's reader has not taken hold the
+/// connection's window too, so the stream window is a small part of it: a
+/// stream gets what the agent's flow control lets through per round trip
+/// ([`crate::flow::DEFAULT_WINDOW`]), and 64 streams whose readers stopped
+/// leave the others room. (With 16 of 32 MiB, four stalled readers held the
+/// whole window and no other connection on it, new dials included, moved.)
+pub const CLIENT_WINDOWS: HttpWindows = HttpWindows {
+    stream: crate::flow::DEFAULT_WINDOW,
+    connection: 128 * 1024 * 1024,
+};
 /// Largest gRPC message accepted. Upstream's limit is 4 MiB; we accept more
 /// so a client that writes a large buffer in one DATA packet is not cut off.
 pub const MAX_MESSAGE_SIZE: usize = 16 * 1024 * 1024;
@@ -80,24 +102,27 @@ pub fn host_port(host: &str, port: u16) -> String {
 }
 
 /// Opens a new HTTP/2 connection (never shared with other channels) to
-/// `host:port` over mTLS. The TLS config must offer ALPN `h2`.
+/// `host:port` over mTLS, with a client's windows ([`CLIENT_WINDOWS`]). The
+/// TLS config must offer ALPN `h2`.
 pub async fn connect_channel(
     host: &str,
     port: u16,
     tls: Arc<rustls::ClientConfig>,
     connect_timeout: Duration,
 ) -> Result<Channel, TransportError> {
-    connect_channel_with_keepalive(host, port, tls, connect_timeout, None).await
+    connect_channel_with(host, port, tls, connect_timeout, CLIENT_WINDOWS, None).await
 }
 
-/// [`connect_channel`] that also sends HTTP/2 pings every `keepalive` (even
-/// with no stream open) and drops the connection when one goes unanswered
-/// for 20 s, so a peer that vanished without closing is noticed.
-pub async fn connect_channel_with_keepalive(
+/// [`connect_channel`] with the given receive windows that also sends HTTP/2
+/// pings every `keepalive` (even with no stream open) and drops the
+/// connection when one goes unanswered for 20 s, so a peer that vanished
+/// without closing is noticed.
+pub async fn connect_channel_with(
     host: &str,
     port: u16,
     tls: Arc<rustls::ClientConfig>,
     connect_timeout: Duration,
+    windows: HttpWindows,
     keepalive: Option<Duration>,
 ) -> Result<Channel, TransportError> {
     let bare_host = host.trim_start_matches('[').trim_end_matches(']');
@@ -109,8 +134,8 @@ pub async fn connect_channel_with_keepalive(
             address: address.clone(),
             source,
         })?
-        .initial_stream_window_size(STREAM_WINDOW)
-        .initial_connection_window_size(CONNECTION_WINDOW)
+        .initial_stream_window_size(windows.stream)
+        .initial_connection_window_size(windows.connection)
         .tcp_nodelay(true);
     let endpoint = match keepalive.filter(|k| !k.is_zero()) {
         Some(interval) => endpoint

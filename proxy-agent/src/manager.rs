@@ -23,7 +23,7 @@ use cluster_proxy_proto::konnectivity::agent_service_client::AgentServiceClient;
 use cluster_proxy_proto::metadata;
 use cluster_proxy_proto::packet;
 use cluster_proxy_proto::transport::{
-    MAX_MESSAGE_SIZE, TransportError, connect_channel_with_keepalive, host_port,
+    MAX_MESSAGE_SIZE, TUNNEL_WINDOWS, TransportError, connect_channel_with, host_port,
 };
 use futures_util::StreamExt;
 use tokio::sync::{Notify, mpsc};
@@ -271,11 +271,12 @@ async fn connect_once(shared: Arc<Shared>) -> Result<Outcome, ConnectError> {
     let config = &shared.config;
     let timeout = config.connect_timeout;
     let tls = shared.tls.borrow().clone();
-    let channel = connect_channel_with_keepalive(
+    let channel = connect_channel_with(
         &config.proxy_server_host,
         config.proxy_server_port,
         tls,
         timeout,
+        TUNNEL_WINDOWS,
         Some(config.keepalive_time),
     )
     .await?;

@@ -557,6 +557,7 @@ pub async fn start_with_peers(
         Http2Settings {
             keepalive: keepalive(config.keepalive_time),
             max_concurrent_streams: config.max_concurrent_streams,
+            windows: cluster_proxy_proto::transport::TUNNEL_WINDOWS,
         },
     ));
 
@@ -598,6 +599,7 @@ pub async fn start_with_peers(
         Http2Settings {
             keepalive: keepalive(config.frontend_keepalive_time),
             max_concurrent_streams: config.max_concurrent_streams,
+            windows: cluster_proxy_proto::transport::CLIENT_WINDOWS,
         },
     ));
 

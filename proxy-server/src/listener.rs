@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cluster_proxy_proto::identity::ClusterName;
-use cluster_proxy_proto::transport::{CONNECTION_WINDOW, STREAM_WINDOW};
+use cluster_proxy_proto::transport::HttpWindows;
 use http::{Request, Response};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -147,6 +147,8 @@ pub struct Http2Settings {
     pub keepalive: Option<Duration>,
     /// Streams one connection may have open (`--max-concurrent-streams`).
     pub max_concurrent_streams: u32,
+    /// Receive windows: the agent port's tunnels or the client port's streams.
+    pub windows: HttpWindows,
 }
 
 /// Serves `listener` until `shutdown` fires, then stops accepting (closing
@@ -177,8 +179,8 @@ pub async fn serve<S, F, B>(
     builder
         .http2()
         .timer(TokioTimer::new())
-        .initial_stream_window_size(STREAM_WINDOW)
-        .initial_connection_window_size(CONNECTION_WINDOW)
+        .initial_stream_window_size(http2.windows.stream)
+        .initial_connection_window_size(http2.windows.connection)
         .max_frame_size(256 * 1024)
         // Beyond it the peer's new streams are refused (REFUSED_STREAM),
         // which a client retries: `--max-concurrent-streams`.
