@@ -46,40 +46,10 @@ use anyhow::anyhow;
 use cluster_proxy_proto::transport::ALPN_HTTP11;
 use e2e::env::binaries::{Binaries, Progress};
 use e2e::harness::{ServerPorts, proxy_server_args};
+use e2e::loadgen::{knob, process_usage};
 use e2e::pki::TestPki;
 use e2e::targets::EchoServer;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-fn knob(name: &str, default: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-/// `(RSS MiB, CPU seconds)` of `pid`, from `/proc`.
-fn sample(pid: u32) -> anyhow::Result<(f64, f64)> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    let rss_kib: f64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .ok_or_else(|| anyhow!("no VmRSS for {pid}"))?;
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    let after = stat
-        .rfind(')')
-        .and_then(|i| stat.get(i + 2..))
-        .ok_or_else(|| anyhow!("malformed /proc/{pid}/stat"))?;
-    let fields: Vec<&str> = after.split(' ').collect();
-    let ticks = |i: usize| -> anyhow::Result<f64> {
-        Ok(fields
-            .get(i)
-            .ok_or_else(|| anyhow!("short /proc/{pid}/stat"))?
-            .parse::<f64>()?)
-    };
-    // utime and stime, in USER_HZ (100 on Linux).
-    Ok((rss_kib / 1024.0, (ticks(11)? + ticks(12)?) / 100.0))
-}
 
 fn raise_open_file_limit(wanted: usize) {
     let pid = std::process::id().to_string();
@@ -230,7 +200,7 @@ impl Dials {
         F: Fn(String) -> Fut,
         Fut: std::future::Future<Output = anyhow::Result<()>>,
     {
-        let cpu_before = sample(pid)?.1;
+        let cpu_before = process_usage(pid)?.cpu_seconds;
         let per_dialer = count / DIALERS;
         let dialers = (0..DIALERS).map(|dialer| {
             let dial = &dial;
@@ -253,7 +223,7 @@ impl Dials {
         sorted.sort();
         Ok(Latencies {
             sorted,
-            server_cpu: sample(pid)?.1 - cpu_before,
+            server_cpu: process_usage(pid)?.cpu_seconds - cpu_before,
         })
     }
 
@@ -310,7 +280,7 @@ async fn main() -> anyhow::Result<()> {
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let (rss_empty, _) = sample(pid)?;
+    let rss_empty = process_usage(pid)?.rss_mib;
 
     let started = Instant::now();
     let mut agents = Vec::with_capacity(agent_count);
@@ -342,7 +312,7 @@ async fn main() -> anyhow::Result<()> {
     let connected = started.elapsed();
     eprintln!("{agent_count} agents connected in {connected:.1?}");
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let (rss_agents, _) = sample(pid)?;
+    let rss_agents = process_usage(pid)?.rss_mib;
 
     let tls = pki.client_tls_alpn(&[ALPN_HTTP11])?;
     let started = Instant::now();
@@ -375,7 +345,7 @@ async fn main() -> anyhow::Result<()> {
     let opened = started.elapsed();
     eprintln!("{} idle connections opened in {opened:.1?}", idle.len());
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let rss_idle = sample(pid)?.0;
+    let rss_idle = process_usage(pid)?.rss_mib;
     // One held gRPC connection, as a hub controller holds it.
     let grpc = e2e::harness::tunnel_client(pki.client_tls()?, client_addr).await?;
 
@@ -399,7 +369,7 @@ async fn main() -> anyhow::Result<()> {
         pid,
     )
     .await?;
-    let rss_after = sample(pid)?.0;
+    let rss_after = process_usage(pid)?.rss_mib;
 
     let kib_each = |delta_mib: f64, n: usize| delta_mib * 1024.0 / n.max(1) as f64;
     println!(

@@ -33,39 +33,12 @@ use cluster_proxy_proto::client::TunnelClient;
 use cluster_proxy_proto::identity::ClusterName;
 use e2e::env::binaries::{Binaries, Progress};
 use e2e::harness::{ServerPorts, health_get, proxy_agent_args, proxy_server_args, tunnel_client};
-use e2e::loadgen::pattern;
+use e2e::loadgen::{knob, pattern, process_usage};
 use e2e::pki::TestPki;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 
 const CLUSTER: &str = "cluster-a";
-
-fn knob(name: &str, default: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-/// `(RSS MiB, CPU seconds)` of `pid`, from `/proc`.
-fn sample(pid: u32) -> anyhow::Result<(f64, f64)> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    let rss_kib: f64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next())
-        .and_then(|v| v.parse().ok())
-        .ok_or_else(|| anyhow!("no VmRSS for {pid}"))?;
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    // Fields after the command name, which is in parentheses.
-    let fields: Vec<&str> = stat
-        .rsplit_once(')')
-        .map(|(_, rest)| rest.split_whitespace().collect())
-        .unwrap_or_default();
-    let ticks = |i: usize| -> f64 { fields.get(i).and_then(|v| v.parse().ok()).unwrap_or(0.0) };
-    // utime and stime are fields 14 and 15 of stat, 12 and 13 after the name.
-    Ok((rss_kib / 1024.0, (ticks(11) + ticks(12)) / 100.0))
-}
 
 /// Targets that send without end, as fast as they are read. They stand in
 /// for services on other machines: their send buffers would not count
@@ -266,13 +239,13 @@ async fn main() -> anyhow::Result<()> {
             .ok_or_else(|| anyhow!("an opening task vanished"))??;
     }
     let opened = opening.elapsed();
-    let (server_rss, _) = sample(server_pid)?;
-    let (agent_rss, _) = sample(agent_pid)?;
-    let (server_cpu_before, agent_cpu_before) = (sample(server_pid)?.1, sample(agent_pid)?.1);
+    let server_before = process_usage(server_pid)?;
+    let agent_before = process_usage(agent_pid)?;
+    let (server_rss, agent_rss) = (server_before.rss_mib, agent_before.rss_mib);
     let (mut gained, elapsed) = measure(&counters, window).await;
     let (server_cpu, agent_cpu) = (
-        sample(server_pid)?.1 - server_cpu_before,
-        sample(agent_pid)?.1 - agent_cpu_before,
+        process_usage(server_pid)?.cpu_seconds - server_before.cpu_seconds,
+        process_usage(agent_pid)?.cpu_seconds - agent_before.cpu_seconds,
     );
     stop.cancel();
     for reader in readers {

@@ -130,3 +130,54 @@ pub fn rss_bytes() -> Option<u64> {
     let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
     Some(pages * 4096)
 }
+
+/// A benchmark knob: the environment variable `name` as a number, or
+/// `default` when it is unset or not a number.
+pub fn knob(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// What a process has used so far, from `/proc` (Linux).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ProcessUsage {
+    pub rss_mib: f64,
+    /// User and system CPU time.
+    pub cpu_seconds: f64,
+}
+
+/// The resident set and CPU time of process `pid`.
+pub fn process_usage(pid: u32) -> std::io::Result<ProcessUsage> {
+    let malformed = |what: &str| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("/proc/{pid}/{what}"),
+        )
+    };
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let rss_kib: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .ok_or_else(|| malformed("status: no VmRSS"))?;
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // The fields after the command name, which is in parentheses.
+    let after = stat
+        .rfind(')')
+        .and_then(|i| stat.get(i + 2..))
+        .ok_or_else(|| malformed("stat"))?;
+    let fields: Vec<&str> = after.split(' ').collect();
+    let ticks = |i: usize| -> std::io::Result<f64> {
+        fields
+            .get(i)
+            .and_then(|v| v.parse::<f64>().ok())
+            .ok_or_else(|| malformed("stat: short"))
+    };
+    // utime and stime (fields 14 and 15), in USER_HZ (100 on Linux).
+    Ok(ProcessUsage {
+        rss_mib: rss_kib / 1024.0,
+        cpu_seconds: (ticks(11)? + ticks(12)?) / 100.0,
+    })
+}
