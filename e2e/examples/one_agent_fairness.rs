@@ -33,7 +33,7 @@ use cluster_proxy_proto::client::TunnelClient;
 use cluster_proxy_proto::identity::ClusterName;
 use e2e::env::binaries::{Binaries, Progress};
 use e2e::harness::{ServerPorts, health_get, proxy_agent_args, proxy_server_args, tunnel_client};
-use e2e::loadgen::{knob, pattern, process_usage};
+use e2e::loadgen::{knob, pattern, process_usage, request_download};
 use e2e::pki::TestPki;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
@@ -78,9 +78,7 @@ async fn open_download(
     target: &str,
 ) -> anyhow::Result<cluster_proxy_proto::client::TunnelStream> {
     let mut stream = client.dial(target).await?;
-    let mut head = vec![b'D'];
-    head.extend_from_slice(&u64::MAX.to_be_bytes());
-    stream.write_all(&head).await?;
+    request_download(&mut stream, u64::MAX).await?;
     let mut first = [0u8; 1];
     tokio::time::timeout(Duration::from_secs(60), stream.read_exact(&mut first))
         .await

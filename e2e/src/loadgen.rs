@@ -99,15 +99,20 @@ pub async fn upload<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S, len: u64) -> s
     Ok(())
 }
 
+/// Asks a bulk target for `len` bytes, without reading them.
+pub async fn request_download<S: AsyncWrite + Unpin>(s: &mut S, len: u64) -> std::io::Result<()> {
+    let mut head = vec![b'D'];
+    head.extend_from_slice(&len.to_be_bytes());
+    s.write_all(&head).await?;
+    s.flush().await
+}
+
 /// Asks a bulk target for `len` bytes and reads them all.
 pub async fn download<S: AsyncRead + AsyncWrite + Unpin>(
     s: &mut S,
     len: u64,
 ) -> std::io::Result<()> {
-    let mut head = vec![b'D'];
-    head.extend_from_slice(&len.to_be_bytes());
-    s.write_all(&head).await?;
-    s.flush().await?;
+    request_download(s, len).await?;
     let mut buf = vec![0u8; CHUNK];
     let mut left = len;
     while left > 0 {

@@ -7,7 +7,7 @@ use cluster_proxy_proto::transport::ALPN_HTTP11;
 use e2e::harness::{
     AgentUnderTest, http_connect, http_connect_over, test_server_config, tunnel_client, wait_until,
 };
-use e2e::loadgen::{BulkServer, download, pattern};
+use e2e::loadgen::{BulkServer, download, pattern, request_download};
 use e2e::pki::TestPki;
 use e2e::targets::{EchoServer, closed_port};
 use proxy_server::RunningServer;
@@ -221,8 +221,7 @@ async fn a_stalled_reader_does_not_slow_other_connections() {
     const SIZE: u64 = 64 * 1024 * 1024;
     // Connection A asks for 64 MiB and then does not read at all.
     let mut stalled = client.dial(&address).await.unwrap();
-    stalled.write_all(b"D").await.unwrap();
-    stalled.write_all(&SIZE.to_be_bytes()).await.unwrap();
+    request_download(&mut stalled, SIZE).await.unwrap();
     tokio::time::sleep(Duration::from_millis(500)).await;
     // Connections B (gRPC) and C (HTTP CONNECT) on the same tunnel move 64 MiB each meanwhile.
     let mut fast = client.dial(&address).await.unwrap();
@@ -280,9 +279,7 @@ async fn connect_delivers_the_tail_of_a_burst_to_a_slow_reader() {
     const BURST: u64 = 24 * 1024 * 1024 + 7;
     let mut buf = vec![0u8; 64 * 1024];
     for round in 0..12 {
-        let mut request = vec![b'D'];
-        request.extend_from_slice(&BURST.to_be_bytes());
-        stream.write_all(&request).await.unwrap();
+        request_download(&mut stream, BURST).await.unwrap();
         let mut left = BURST;
         while left > 0 {
             let want = usize::try_from(left).unwrap_or(usize::MAX).min(buf.len());
@@ -319,8 +316,7 @@ async fn stalled_readers_leave_their_client_connection_usable() {
     let mut stalled = Vec::new();
     for _ in 0..8 {
         let mut s = client.dial(&address).await.unwrap();
-        s.write_all(b"D").await.unwrap();
-        s.write_all(&ENDLESS.to_be_bytes()).await.unwrap();
+        request_download(&mut s, ENDLESS).await.unwrap();
         stalled.push(s);
     }
     // The stalled streams fill their windows within a fraction of a second;
