@@ -28,13 +28,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context as _, anyhow};
+use anyhow::anyhow;
 use cluster_proxy_proto::client::TunnelClient;
 use cluster_proxy_proto::identity::ClusterName;
 use e2e::env::binaries::{Binaries, Progress};
-use e2e::harness::{ServerPorts, health_get, proxy_agent_args, proxy_server_args, tunnel_client};
-use e2e::loadgen::{knob, pattern, process_usage, request_download};
+use e2e::harness::tunnel_client;
+use e2e::loadgen::{knob, pattern, request_download};
 use e2e::pki::TestPki;
+use e2e::processes::{ChildTunnel, ChildTunnelOptions};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 
@@ -132,52 +133,25 @@ async fn main() -> anyhow::Result<()> {
 
     let binaries = tokio::task::spawn_blocking(|| Binaries::build(Progress::Quiet)).await??;
     let pki = TestPki::new(&[CLUSTER])?;
-    let certs = tempfile::tempdir()?;
-    let layout = pki.write(certs.path())?;
-    let ports = ServerPorts::free();
-    let mut server = tokio::process::Command::new(&binaries.proxy_server)
-        .args(proxy_server_args("fairness", &ports, &layout))
-        .env_remove("RUST_LOG")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .context("starting proxy-server")?;
-    let cluster = ClusterName::new(CLUSTER)?;
-    let mut agent = tokio::process::Command::new(&binaries.proxy_agent)
-        .args(proxy_agent_args(
-            &cluster,
-            "fairness-agent",
-            ports.agent,
-            &layout,
-        ))
-        .arg(format!(
+    let options = ChildTunnelOptions {
+        agent_args: vec![format!(
             "--target-receive-buffer={}",
             knob("CP_FAIR_AGENT_RCVBUF", 0)
-        ))
-        .env_remove("RUST_LOG")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .context("starting proxy-agent")?;
+        )],
+        ..ChildTunnelOptions::default()
+    };
+    let processes = ChildTunnel::start(
+        &binaries,
+        &pki,
+        &ClusterName::new(CLUSTER)?,
+        "fairness",
+        &options,
+    )
+    .await?;
     eprintln!(
         "proxy-server metrics: http://{}/metrics",
-        ports.health_addr()
+        processes.ports.health_addr()
     );
-    let server_pid = server.id().ok_or_else(|| anyhow!("proxy-server exited"))?;
-    let agent_pid = agent.id().ok_or_else(|| anyhow!("proxy-agent exited"))?;
-    // Ready (static server count): an agent holds a tunnel.
-    let waiting = Instant::now();
-    while !matches!(
-        health_get(ports.health_addr(), "/readyz").await,
-        Ok((200, _))
-    ) {
-        if waiting.elapsed() > Duration::from_secs(60) {
-            return Err(anyhow!("the agent did not connect within 60 s"));
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 
     let target_addr = start_endless_target(
         u32::try_from(knob("CP_FAIR_TARGET_SNDBUF", 128 * 1024)).unwrap_or(u32::MAX),
@@ -186,7 +160,7 @@ async fn main() -> anyhow::Result<()> {
     let target = format!("{CLUSTER}:{}", target_addr.port());
     let mut tunnels = Vec::with_capacity(clients);
     for _ in 0..clients {
-        tunnels.push(tunnel_client(pki.client_tls()?, ports.client_addr()).await?);
+        tunnels.push(tunnel_client(pki.client_tls()?, processes.client_addr()).await?);
     }
 
     // Baseline: one connection alone, over the same window.
@@ -237,13 +211,13 @@ async fn main() -> anyhow::Result<()> {
             .ok_or_else(|| anyhow!("an opening task vanished"))??;
     }
     let opened = opening.elapsed();
-    let server_before = process_usage(server_pid)?;
-    let agent_before = process_usage(agent_pid)?;
+    let (server_before, agent_before) = processes.usage()?;
     let (server_rss, agent_rss) = (server_before.rss_mib, agent_before.rss_mib);
     let (mut gained, elapsed) = measure(&counters, window).await;
+    let (server_after, agent_after) = processes.usage()?;
     let (server_cpu, agent_cpu) = (
-        process_usage(server_pid)?.cpu_seconds - server_before.cpu_seconds,
-        process_usage(agent_pid)?.cpu_seconds - agent_before.cpu_seconds,
+        server_after.cpu_seconds - server_before.cpu_seconds,
+        agent_after.cpu_seconds - agent_before.cpu_seconds,
     );
     stop.cancel();
     for reader in readers {
@@ -281,7 +255,6 @@ async fn main() -> anyhow::Result<()> {
         server_cpu / gib.max(1e-9),
         agent_cpu / gib.max(1e-9),
     );
-    let _ = server.kill().await;
-    let _ = agent.kill().await;
+    drop(processes);
     Ok(())
 }

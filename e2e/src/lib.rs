@@ -11,5 +11,6 @@ pub mod kubeapi;
 pub mod loadgen;
 pub mod otlp;
 pub mod pki;
+pub mod processes;
 pub mod replicas;
 pub mod targets;

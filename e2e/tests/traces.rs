@@ -18,12 +18,10 @@ use cluster_proxy_proto::packet::{self, Frame};
 use cluster_proxy_proto::transport::{ALPN_HTTP11, connect_channel};
 use cluster_proxy_runtime::logging::LogFormat;
 use cluster_proxy_runtime::telemetry::{self, SamplerChoice, TelemetryConfig};
-use e2e::harness::{
-    AgentUnderTest, RawAgent, ServerPorts, proxy_agent_args, proxy_server_args, test_server_config,
-    tunnel_client, wait_until,
-};
+use e2e::harness::{AgentUnderTest, RawAgent, test_server_config, tunnel_client, wait_until};
 use e2e::otlp::{Collector, Received, WAIT};
 use e2e::pki::TestPki;
+use e2e::processes::{ChildTunnel, ChildTunnelOptions};
 use e2e::targets::{EchoServer, closed_port};
 use prost::Message;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -358,58 +356,37 @@ async fn one_trace_per_tunneled_connection() {
 /// `endpoint`: the server through the standard variables, the agent
 /// through the matching flags.
 struct TracedProcesses {
-    server: tokio::process::Child,
-    agent: tokio::process::Child,
+    processes: ChildTunnel,
     client_addr: SocketAddr,
-    _certs: tempfile::TempDir,
 }
 
 impl TracedProcesses {
     async fn start(pki: &TestPki, endpoint: &str) -> Self {
         use e2e::env::binaries::{Binaries, Progress};
-        use std::process::Stdio;
         let binaries = tokio::task::spawn_blocking(|| Binaries::build(Progress::Quiet))
             .await
             .unwrap()
             .unwrap();
-        let certs = tempfile::tempdir().unwrap();
-        let layout = pki.write(certs.path()).unwrap();
-        let cluster_a = cluster_proxy_proto::identity::ClusterName::new("cluster-a").unwrap();
-        let ports = ServerPorts::free();
-        let server = tokio::process::Command::new(&binaries.proxy_server)
-            .args(proxy_server_args("server-traced", &ports, &layout))
-            .env("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
-            .env("OTEL_SERVICE_NAME", "hub-proxy-server")
-            .env("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=test")
-            .env_remove("RUST_LOG")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .kill_on_drop(true)
-            .spawn()
-            .unwrap();
-        let agent = tokio::process::Command::new(&binaries.proxy_agent)
-            .args(proxy_agent_args(
-                &cluster_a,
-                "cluster-a-agent",
-                ports.agent,
-                &layout,
-            ))
-            .args([
+        let env = |name: &str, value: &str| (name.to_owned(), value.to_owned());
+        let options = ChildTunnelOptions {
+            server_env: vec![
+                env("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint),
+                env("OTEL_SERVICE_NAME", "hub-proxy-server"),
+                env("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=test"),
+            ],
+            agent_args: vec![
                 format!("--otlp-endpoint={endpoint}"),
                 "--otel-service-name=cluster-a-proxy-agent".to_owned(),
-            ])
-            .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
-            .env_remove("RUST_LOG")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .kill_on_drop(true)
-            .spawn()
+            ],
+            ..ChildTunnelOptions::default()
+        };
+        let cluster_a = cluster_proxy_proto::identity::ClusterName::new("cluster-a").unwrap();
+        let processes = ChildTunnel::start(&binaries, pki, &cluster_a, "traced", &options)
+            .await
             .unwrap();
         TracedProcesses {
-            server,
-            agent,
-            client_addr: ports.client_addr(),
-            _certs: certs,
+            client_addr: processes.client_addr(),
+            processes,
         }
     }
 
@@ -429,19 +406,11 @@ impl TracedProcesses {
     }
 
     /// SIGTERM to both; each must stop.
-    async fn stop(mut self) {
-        for child in [&mut self.server, &mut self.agent] {
-            if let Some(pid) = child.id() {
-                let _ = nix::sys::signal::kill(
-                    nix::unistd::Pid::from_raw(pid as i32),
-                    nix::sys::signal::Signal::SIGTERM,
-                );
-            }
-        }
-        for child in [&mut self.server, &mut self.agent] {
-            let status = tokio::time::timeout(WAIT, child.wait()).await;
-            assert!(status.is_ok(), "a process did not stop on SIGTERM");
-        }
+    async fn stop(self) {
+        self.processes
+            .stop()
+            .await
+            .expect("both processes stop on SIGTERM");
     }
 }
 
@@ -501,14 +470,11 @@ async fn server_and_agent_processes_export_linked_spans() {
     processes.stop().await;
 }
 
-fn rss_kib(child: &tokio::process::Child) -> u64 {
-    let pid = child.id().expect("the process is running");
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .expect("VmRSS in /proc/<pid>/status")
+/// The server's and the agent's resident set, in KiB.
+fn rss_kib(processes: &ChildTunnel) -> (u64, u64) {
+    let (server, agent) = processes.usage().expect("/proc of both processes");
+    let kib = |mib: f64| (mib * 1024.0).round() as u64;
+    (kib(server.rss_mib), kib(agent.rss_mib))
 }
 
 /// Connections made `parallel` at a time, `count` in all; panics on the
@@ -553,7 +519,7 @@ async fn a_collector_that_never_answers_stalls_nothing_and_memory_stays_bounded(
     // grow memory if the queues were not bounded.
     let parallel = 8;
     echo_many(&pki, processes.client_addr, &target, 3_000, parallel).await;
-    let (server_before, agent_before) = (rss_kib(&processes.server), rss_kib(&processes.agent));
+    let (server_before, agent_before) = rss_kib(&processes.processes);
     let started = std::time::Instant::now();
     tokio::time::timeout(
         Duration::from_secs(300),
@@ -562,7 +528,7 @@ async fn a_collector_that_never_answers_stalls_nothing_and_memory_stays_bounded(
     .await
     .expect("connections stalled behind a collector that never answers");
     let took = started.elapsed();
-    let (server_after, agent_after) = (rss_kib(&processes.server), rss_kib(&processes.agent));
+    let (server_after, agent_after) = rss_kib(&processes.processes);
     eprintln!(
         "12,000 connections with a black-hole collector took {took:?}; RSS KiB server {server_before} -> {server_after}, agent {agent_before} -> {agent_after}; {} exporter connections held",
         held.lock().unwrap_or_else(|p| p.into_inner()).len()
