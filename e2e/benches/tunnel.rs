@@ -13,10 +13,13 @@ use std::future::Future;
 use std::pin::Pin;
 use std::time::{Duration, Instant};
 
+use cluster_proxy_proto::identity::ClusterName;
 use cluster_proxy_runtime::telemetry::{self, SamplerChoice, TelemetryConfig};
+use e2e::env::binaries::{Binaries, Progress};
 use e2e::harness::{http_connect, test_server_config, tunnel_client};
 use e2e::loadgen::{BulkServer, download, rss_bytes, upload};
 use e2e::pki::TestPki;
+use e2e::processes::{ChildTunnel, ChildTunnelOptions};
 use e2e::targets::EchoServer;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
@@ -134,6 +137,42 @@ async fn idle_bytes_per_connection(path: &Path, port: u16, count: u64) -> f64 {
     after.saturating_sub(before) as f64 / count as f64
 }
 
+/// The two ways through a server's client port to cluster `bench`: a held
+/// gRPC client connection (one stream per dial) and HTTP CONNECT (a new
+/// mTLS connection per dial).
+async fn tunnel_paths(pki: &TestPki, client_addr: std::net::SocketAddr) -> [Path; 2] {
+    let grpc = tunnel_client(pki.client_tls().expect("tls"), client_addr)
+        .await
+        .expect("grpc client");
+    let connect_tls = pki
+        .client_tls_alpn(&[cluster_proxy_proto::transport::ALPN_HTTP11])
+        .expect("tls");
+    [
+        Path {
+            name: "tunnel, gRPC client",
+            dial: Box::new(move |port| {
+                let grpc = grpc.clone();
+                Box::pin(async move {
+                    Box::new(grpc.dial(&format!("bench:{port}")).await.expect("dial")) as BoxIo
+                })
+            }),
+        },
+        Path {
+            name: "tunnel, HTTP CONNECT",
+            dial: Box::new(move |port| {
+                let tls = connect_tls.clone();
+                Box::pin(async move {
+                    Box::new(
+                        http_connect(tls, client_addr, &format!("bench:{port}"))
+                            .await
+                            .expect("connect"),
+                    ) as BoxIo
+                })
+            }),
+        },
+    ]
+}
+
 type Rows = Vec<(&'static str, Vec<f64>)>;
 
 fn main() {
@@ -149,24 +188,28 @@ fn main() {
     compare_tracing(&runtime);
 }
 
-/// Tracing off against tracing on, alternating: two server-and-agent
-/// setups live side by side, one on a runtime without a subscriber (as
-/// the services run without an OTLP endpoint), one on a runtime whose
-/// threads export every span (100 % sampling) to an OTLP collector; each of
-/// `CP_BENCH_ROUNDS` rounds measures every figure on both, in alternating
-/// order, so drift in this machine's speed hits both alike. Reports the
-/// median of the per-round ratios, and the spread.
+/// Tracing off against tracing on, alternating, with the services as they
+/// run in production: two proxy-server + proxy-agent pairs as child
+/// processes, one without an OTLP endpoint, one whose processes export every
+/// span (`OTEL_TRACES_SAMPLER=always_on`) to a collector in this process
+/// that only counts them (the least a receiver does). The clients run here:
+/// the "on" clients on a runtime whose threads export their `tunnel.dial`
+/// spans too. Each of `CP_BENCH_ROUNDS` rounds measures every figure on
+/// both pairs, in alternating order, so drift in this machine's speed hits
+/// both alike. Reports the median of the per-round ratios and the spread,
+/// and the server's and agent's CPU time over all rounds.
 fn compare_tracing(runtime: &tokio::runtime::Runtime) {
     let mib = env_u64("CP_BENCH_MIB", 1024);
     let connects = env_u64("CP_BENCH_CONNECTS", 2_000);
     let rounds = env_u64("CP_BENCH_ROUNDS", 5).max(1);
     let (collector, collector_addr, stop) = runtime
-        .block_on(e2e::otlp::Collector::start())
+        .block_on(e2e::otlp::Collector::start_counting())
         .expect("collector");
+    let endpoint = format!("http://{collector_addr}");
     let config = TelemetryConfig {
-        endpoint: Some(format!("http://{collector_addr}")),
+        endpoint: Some(endpoint.clone()),
         sampler: SamplerChoice::AlwaysOn,
-        ..TelemetryConfig::off("tunnel-bench")
+        ..TelemetryConfig::off("bench-client")
     };
     let (dispatch, telemetry) = {
         let _entered = runtime.enter();
@@ -176,10 +219,8 @@ fn compare_tracing(runtime: &tokio::runtime::Runtime) {
     };
     // With a single registered dispatcher, tracing computes a callsite's
     // interest from the subscriber of the thread that first hits it: the
-    // off setup would then disable the connection spans for good. A second
-    // registered (no-op) dispatcher makes it ask both. The off setup pays a
-    // thread-local read per span callsite for it, as a process with tracing
-    // configured but not on that thread would.
+    // off clients would then disable the dial spans for good. A second
+    // registered (no-op) dispatcher makes it ask both.
     let _second_dispatcher = tracing::Dispatch::new(tracing::subscriber::NoSubscriber::default());
     // Every thread of this runtime (workers and blocking threads) exports;
     // the thread-local default lives as long as the thread, so its guard
@@ -189,11 +230,58 @@ fn compare_tracing(runtime: &tokio::runtime::Runtime) {
         .on_thread_start(move || std::mem::forget(tracing::dispatcher::set_default(&dispatch)))
         .build()
         .expect("tokio runtime");
-    let off = runtime.block_on(setup());
-    let on = traced.block_on(setup());
+
+    let binaries = Binaries::build(Progress::Quiet).expect("building the services");
+    let pki = TestPki::new(&["bench"]).expect("pki");
+    let cluster = ClusterName::new("bench").expect("cluster name");
+    let exporting = |service: &str| {
+        vec![
+            ("OTEL_EXPORTER_OTLP_ENDPOINT".to_owned(), endpoint.clone()),
+            ("OTEL_SERVICE_NAME".to_owned(), service.to_owned()),
+            ("OTEL_TRACES_SAMPLER".to_owned(), "always_on".to_owned()),
+        ]
+    };
+    let off_options = ChildTunnelOptions::default();
+    let on_options = ChildTunnelOptions {
+        server_env: exporting("bench-proxy-server"),
+        agent_env: exporting("bench-proxy-agent"),
+        ..ChildTunnelOptions::default()
+    };
+    let off = runtime
+        .block_on(ChildTunnel::start(
+            &binaries,
+            &pki,
+            &cluster,
+            "off",
+            &off_options,
+        ))
+        .expect("processes without tracing");
+    let on = traced
+        .block_on(ChildTunnel::start(
+            &binaries,
+            &pki,
+            &cluster,
+            "on",
+            &on_options,
+        ))
+        .expect("processes with tracing");
+    // Each side's targets run on that side's runtime: a target on the other
+    // runtime would add a cross-runtime wake-up to every round trip of one
+    // side only.
+    let targets = || async {
+        (
+            BulkServer::start().await.expect("bulk target"),
+            EchoServer::start().await.expect("echo target"),
+        )
+    };
+    let off_targets = runtime.block_on(targets());
+    let on_targets = traced.block_on(targets());
+    let _cpu_latency = hold_cpu_latency();
+    let off_paths = runtime.block_on(tunnel_paths(&pki, off.client_addr()));
+    let on_paths = traced.block_on(tunnel_paths(&pki, on.client_addr()));
     let bytes = mib * 1024 * 1024;
     println!(
-        "tracing off vs on, {rounds} rounds alternating; single transfers {mib} MiB, {connects} connects"
+        "tracing off vs on (proxy-server and proxy-agent as processes), {rounds} rounds alternating; single transfers {mib} MiB, {connects} connects"
     );
     let figures = [
         "1 conn up",
@@ -203,49 +291,64 @@ fn compare_tracing(runtime: &tokio::runtime::Runtime) {
     ];
     // ratios[path][figure][round]
     let mut ratios = vec![vec![Vec::new(); figures.len()]; 2];
+    // Server + agent CPU seconds, [off, on], per path.
+    let mut cpu = [[0.0f64; 2]; 2];
+    let cpu_seconds = |processes: &ChildTunnel| {
+        let (server, agent) = processes.usage().expect("/proc of the services");
+        server.cpu_seconds + agent.cpu_seconds
+    };
     for round in 0..rounds {
-        for (p, path_index) in [1usize, 2].into_iter().enumerate() {
-            for (f, _) in figures.iter().enumerate() {
-                let measure = |setup: &Setup, rt: &tokio::runtime::Runtime| {
-                    let path = &setup.paths[path_index];
-                    rt.block_on(async {
+        for (p, path_ratios) in ratios.iter_mut().enumerate() {
+            for (f, figure_ratios) in path_ratios.iter_mut().enumerate() {
+                let mut measure = |on_side: bool| {
+                    let (paths, rt, processes, (bulk, echo)) = if on_side {
+                        (&on_paths, &traced, &on, &on_targets)
+                    } else {
+                        (&off_paths, runtime, &off, &off_targets)
+                    };
+                    let path = &paths[p];
+                    let cpu_before = cpu_seconds(processes);
+                    let value = rt.block_on(async {
                         match f {
-                            0 => throughput(path, setup.bulk.addr.port(), 1, bytes, true).await,
-                            1 => throughput(path, setup.bulk.addr.port(), 1, bytes, false).await,
-                            2 => {
-                                connects_per_second(path, setup.echo.addr.port(), connects, 1).await
-                            }
-                            _ => {
-                                connects_per_second(path, setup.echo.addr.port(), connects, 8).await
-                            }
+                            0 => throughput(path, bulk.addr.port(), 1, bytes, true).await,
+                            1 => throughput(path, bulk.addr.port(), 1, bytes, false).await,
+                            2 => connects_per_second(path, echo.addr.port(), connects, 1).await,
+                            _ => connects_per_second(path, echo.addr.port(), connects, 8).await,
                         }
-                    })
+                    });
+                    cpu[p][usize::from(on_side)] += cpu_seconds(processes) - cpu_before;
+                    value
                 };
                 let (off_value, on_value) = if round % 2 == 0 {
-                    let o = measure(&off, runtime);
-                    (o, measure(&on, &traced))
+                    let o = measure(false);
+                    (o, measure(true))
                 } else {
-                    let n = measure(&on, &traced);
-                    (measure(&off, runtime), n)
+                    let n = measure(true);
+                    (measure(false), n)
                 };
-                ratios[p][f].push(on_value / off_value);
+                figure_ratios.push(on_value / off_value);
             }
         }
         eprintln!("round {} of {rounds} done", round + 1);
     }
     runtime.block_on(telemetry.shutdown());
+    // SIGTERM flushes the services' last batches.
+    traced
+        .block_on(on.stop())
+        .expect("stopping the traced processes");
+    let counts = collector.counts();
     println!(
-        "spans received: {} (server `tunnel.connection` spans: {})\n",
-        collector.spans().len(),
-        collector
-            .spans()
+        "spans received: {} ({})\n",
+        counts.values().sum::<u64>(),
+        counts
             .iter()
-            .filter(|s| s.name == "tunnel.connection")
-            .count()
+            .map(|(name, count)| format!("{name} {count}"))
+            .collect::<Vec<_>>()
+            .join(", ")
     );
     stop.cancel();
-    println!("| path | {} |", figures.join(" | "));
-    println!("|---|{}", "---|".repeat(figures.len()));
+    println!("| path | {} | server + agent CPU |", figures.join(" | "));
+    println!("|---|{}---|", "---|".repeat(figures.len()));
     for (p, name) in ["tunnel, gRPC client", "tunnel, HTTP CONNECT"]
         .iter()
         .enumerate()
@@ -264,9 +367,17 @@ fn compare_tracing(runtime: &tokio::runtime::Runtime) {
                 )
             })
             .collect();
-        println!("| {name} | {} |", cells.join(" | "));
+        println!(
+            "| {name} | {} | {:.1} s off, {:.1} s on ({:+.1} %) |",
+            cells.join(" | "),
+            cpu[p][0],
+            cpu[p][1],
+            (cpu[p][1] / cpu[p][0].max(1e-9) - 1.0) * 100.0
+        );
     }
-    println!("\nTracing on ÷ off: median of the rounds' ratios (lowest–highest round).");
+    println!(
+        "\nTracing on ÷ off: median of the rounds' ratios (lowest–highest round). CPU: the same work on both sides, summed over every round."
+    );
 }
 
 /// A server, an agent, the targets and the three paths to them.
@@ -305,13 +416,7 @@ async fn setup() -> Setup {
     let bulk = BulkServer::start().await.expect("bulk target");
     let echo = EchoServer::start().await.expect("echo target");
 
-    let grpc = tunnel_client(pki.client_tls().expect("tls"), server.client_addr)
-        .await
-        .expect("grpc client");
-    let connect_tls = pki
-        .client_tls_alpn(&[cluster_proxy_proto::transport::ALPN_HTTP11])
-        .expect("tls");
-    let client_addr = server.client_addr;
+    let [grpc, connect] = tunnel_paths(&pki, server.client_addr).await;
     let paths = [
         Path {
             name: "direct TCP",
@@ -325,28 +430,8 @@ async fn setup() -> Setup {
                 })
             }),
         },
-        Path {
-            name: "tunnel, gRPC client",
-            dial: Box::new(move |port| {
-                let grpc = grpc.clone();
-                Box::pin(async move {
-                    Box::new(grpc.dial(&format!("bench:{port}")).await.expect("dial")) as BoxIo
-                })
-            }),
-        },
-        Path {
-            name: "tunnel, HTTP CONNECT",
-            dial: Box::new(move |port| {
-                let tls = connect_tls.clone();
-                Box::pin(async move {
-                    Box::new(
-                        http_connect(tls, client_addr, &format!("bench:{port}"))
-                            .await
-                            .expect("connect"),
-                    ) as BoxIo
-                })
-            }),
-        },
+        grpc,
+        connect,
     ];
     Setup {
         paths,

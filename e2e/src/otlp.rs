@@ -88,6 +88,9 @@ pub struct Collector {
     sink: Option<Arc<Mutex<std::fs::File>>>,
     /// Spans kept in memory at most (oldest dropped first); 0: no limit.
     keep: usize,
+    /// Only count spans by name ([`Collector::start_counting`]).
+    count_only: bool,
+    counts: Arc<Mutex<BTreeMap<String, u64>>>,
 }
 
 fn text_of(value: Option<&Value>) -> String {
@@ -166,6 +169,25 @@ impl TraceService for Collector {
         &self,
         request: tonic::Request<ExportTraceServiceRequest>,
     ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+        if self.count_only {
+            let request = request.into_inner();
+            let mut counts = self.counts.lock().unwrap_or_else(PoisonError::into_inner);
+            let names = request
+                .resource_spans
+                .iter()
+                .flat_map(|resource| &resource.scope_spans)
+                .flat_map(|scope| &scope.spans)
+                .map(|span| span.name.as_str());
+            for name in names {
+                match counts.get_mut(name) {
+                    Some(count) => *count += 1,
+                    None => {
+                        counts.insert(name.to_owned(), 1);
+                    }
+                }
+            }
+            return Ok(tonic::Response::new(ExportTraceServiceResponse::default()));
+        }
         let received = received_from(request.into_inner());
         if let Some(sink) = &self.sink {
             let mut lines = Vec::new();
@@ -197,6 +219,26 @@ impl Collector {
         Collector::default().serve("127.0.0.1:0").await
     }
 
+    /// A collector that only counts the spans it receives, by name (see
+    /// [`Collector::counts`]): the least a receiver does, so a benchmark
+    /// sharing the machine with it measures the senders' cost.
+    pub async fn start_counting() -> Result<(Self, SocketAddr, CancellationToken), CollectorError> {
+        Collector {
+            count_only: true,
+            ..Collector::default()
+        }
+        .serve("127.0.0.1:0")
+        .await
+    }
+
+    /// How many spans of each name a counting collector received.
+    pub fn counts(&self) -> BTreeMap<String, u64> {
+        self.counts
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
     /// A collector on `address` that appends every span to `path` as a JSON
     /// line and keeps only the latest `keep` in memory (for `e2e up`).
     pub async fn start_with_file(
@@ -213,9 +255,9 @@ impl Collector {
                 source,
             })?;
         Collector {
-            spans: Arc::default(),
             sink: Some(Arc::new(Mutex::new(file))),
             keep,
+            ..Collector::default()
         }
         .serve(address)
         .await
