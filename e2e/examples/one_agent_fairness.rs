@@ -18,6 +18,15 @@
 //! `CP_FAIR_AGENT_RCVBUF` (0: the kernel's autotuning) is the agent's
 //! `--target-receive-buffer`.
 //!
+//! `CP_FAIR_STALLED` (0) connections that ask for the same endless download
+//! and are never read are then added on the same client connections and
+//! tunnel; the running downloads are measured with them held and again
+//! after they close, `CP_FAIR_STALL_ROUNDS` (3) times, and their throughput
+//! with the stalled ones is reported against the mean of the windows just
+//! before and after. They share the running downloads' client HTTP/2
+//! connections, or with `CP_FAIR_STALLED_OWN_CLIENT=1` only the tunnel
+//! (a client connection of their own).
+//!
 //! Reported: the total throughput, beside one connection alone measured in
 //! the same run over the same window; the per-connection distribution
 //! (min, p1, median, max) as a share of the fair share (total / N); how many
@@ -121,6 +130,53 @@ async fn measure(counters: &[Arc<AtomicU64>], window: Duration) -> (Vec<u64>, Du
     (gained, elapsed)
 }
 
+/// The running downloads' throughput with stalled connections held, as a
+/// share of the mean of the windows just before and just after, per round.
+struct StalledEffect {
+    ratios: Vec<f64>,
+}
+
+/// How long stalled connections get to fill every buffer their flow
+/// windows allow (server, client HTTP/2 stream, agent) before the window
+/// with them is measured, and to be gone after they close.
+const STALL_SETTLE: Duration = Duration::from_secs(2);
+
+/// `rounds` times: opens `count` connections that ask for an endless
+/// download and are never read, spread over the same client connections
+/// (and so the same tunnel) as the running downloads, measures the running
+/// downloads with them held, closes them and measures again. `before` is
+/// the throughput of the window just measured without them. Alternating
+/// keeps this VM's drift (±10 % between windows) out of the ratios.
+async fn stalled_effect(
+    tunnels: &[TunnelClient],
+    target: &str,
+    counters: &[Arc<AtomicU64>],
+    count: usize,
+    rounds: usize,
+    window: Duration,
+    before: f64,
+) -> anyhow::Result<StalledEffect> {
+    let mut ratios = Vec::with_capacity(rounds);
+    let mut without = before;
+    for _ in 0..rounds {
+        let mut stalled = Vec::with_capacity(count);
+        for i in 0..count {
+            stalled.push(open_download(&tunnels[i % tunnels.len()], target).await?);
+        }
+        tokio::time::sleep(STALL_SETTLE).await;
+        let (with, with_elapsed) = measure(counters, window).await;
+        drop(stalled);
+        tokio::time::sleep(STALL_SETTLE).await;
+        let (after, after_elapsed) = measure(counters, window).await;
+        let after = gbit_per_s(after.iter().sum(), after_elapsed);
+        let with = gbit_per_s(with.iter().sum(), with_elapsed);
+        ratios.push(with / ((without + after) / 2.0).max(1e-9));
+        without = after;
+    }
+    ratios.sort_by(f64::total_cmp);
+    Ok(StalledEffect { ratios })
+}
+
 fn gbit_per_s(bytes: u64, elapsed: Duration) -> f64 {
     bytes as f64 * 8.0 / elapsed.as_secs_f64() / 1e9
 }
@@ -219,6 +275,31 @@ async fn main() -> anyhow::Result<()> {
         server_after.cpu_seconds - server_before.cpu_seconds,
         agent_after.cpu_seconds - agent_before.cpu_seconds,
     );
+    let stalled = knob("CP_FAIR_STALLED", 0);
+    let stalled_effect = if stalled > 0 {
+        let with_all = gbit_per_s(gained.iter().sum(), elapsed);
+        let rounds = knob("CP_FAIR_STALL_ROUNDS", 3).max(1);
+        let own_client = knob("CP_FAIR_STALLED_OWN_CLIENT", 0) == 1;
+        let stalled_clients = if own_client {
+            vec![tunnel_client(pki.client_tls()?, processes.client_addr()).await?]
+        } else {
+            tunnels.clone()
+        };
+        Some(
+            stalled_effect(
+                &stalled_clients,
+                &target,
+                &counters,
+                stalled,
+                rounds,
+                window,
+                with_all,
+            )
+            .await?,
+        )
+    } else {
+        None
+    };
     stop.cancel();
     for reader in readers {
         reader.await?;
@@ -255,6 +336,21 @@ async fn main() -> anyhow::Result<()> {
         server_cpu / gib.max(1e-9),
         agent_cpu / gib.max(1e-9),
     );
+    if let Some(effect) = stalled_effect {
+        let ratios = &effect.ratios;
+        println!(
+            "with {stalled} stalled connections (never read; sharing {}), the others' throughput against the windows around it, over {} rounds: median {:.1} % (lowest {:.1} %, highest {:.1} %)",
+            if knob("CP_FAIR_STALLED_OWN_CLIENT", 0) == 1 {
+                "the tunnel only"
+            } else {
+                "the tunnel and the client connections"
+            },
+            ratios.len(),
+            ratios[ratios.len() / 2] * 100.0,
+            ratios[0] * 100.0,
+            ratios[ratios.len() - 1] * 100.0,
+        );
+    }
     drop(processes);
     Ok(())
 }
