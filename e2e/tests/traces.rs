@@ -458,7 +458,7 @@ async fn server_and_agent_processes_export_linked_spans() {
         .await;
     assert_eq!(
         attr(&server_span, "cluster_proxy.server_id"),
-        "server-traced"
+        "traced-server"
     );
     assert_eq!(attr(&server_span, "cluster_proxy.bytes_to_agent"), "6");
     let agent_span = collector
