@@ -2,7 +2,6 @@
 //! leader, and while leading run the hub and addon controllers.
 #![forbid(unsafe_code)]
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use addon_manager::addon::{self, AddonMetrics, AddonSettings};
@@ -11,10 +10,9 @@ use addon_manager::hub::{self, HubMetrics, HubSettings};
 use addon_manager::settings::{Cli, Settings};
 use anyhow::Context;
 use cluster_proxy_control::leader::{Election, spawn_election};
-use cluster_proxy_runtime::metrics::encode_registry;
-use cluster_proxy_runtime::{admin, cli, net, shutdown::Signals, telemetry};
+use cluster_proxy_runtime::metrics::register_leader_gauge;
+use cluster_proxy_runtime::{admin, cli, shutdown::Signals, telemetry};
 use k8s_openapi::api::coordination::v1::Lease;
-use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
 
@@ -47,25 +45,19 @@ async fn run(settings: Settings) -> anyhow::Result<()> {
     let hub_metrics = HubMetrics::register(&mut registry);
     let addon_metrics = AddonMetrics::default();
     addon_metrics.register(&mut registry);
-    let leader = Gauge::<i64>::default();
-    registry.register(
+    let leader = register_leader_gauge(
+        &mut registry,
         "addon_manager_leader",
         "1 while this replica leads and runs the controllers, 0 otherwise",
-        leader.clone(),
     );
-    let registry = Arc::new(registry);
-    let (listener, address) = net::bind(
-        "health port",
+    let stop = CancellationToken::new();
+    admin::serve_controller_health(
         &settings.health_bind_address,
         settings.health_port,
+        registry,
+        stop.clone(),
     )
     .await?;
-    // A standby replica is ready too, so a rollout does not wait on
-    // leadership.
-    let routes = admin::Routes::probes(|| Ok(())).with_metrics(move || encode_registry(&registry));
-    let stop = CancellationToken::new();
-    tokio::spawn(admin::serve(listener, routes, stop.clone()));
-    tracing::info!(%address, "serving /healthz, /readyz and /metrics");
 
     let stopped = stop.clone();
     let Election {

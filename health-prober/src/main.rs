@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use anyhow::Context;
 use cluster_proxy_control::leader::{Election, spawn_election};
-use cluster_proxy_runtime::metrics::encode_registry;
+use cluster_proxy_runtime::metrics::register_leader_gauge;
 use cluster_proxy_runtime::reload::DEFAULT_INTERVAL;
-use cluster_proxy_runtime::{admin, cli, net, shutdown::Signals, telemetry};
+use cluster_proxy_runtime::{admin, cli, shutdown::Signals, telemetry};
 use health_prober::metrics::ProberMetrics;
 use health_prober::probe::ProbeTarget;
 use health_prober::prober::Prober;
@@ -17,7 +17,6 @@ use health_prober::replicas::Replica;
 use health_prober::settings::{Cli, Settings};
 use health_prober::tls;
 use k8s_openapi::api::coordination::v1::Lease;
-use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
 
@@ -69,23 +68,19 @@ async fn run(settings: Settings) -> anyhow::Result<()> {
     let mut registry = Registry::default();
     let metrics = ProberMetrics::default();
     metrics.register(&mut registry);
-    let leader = Gauge::<i64>::default();
-    registry.register(
+    let leader = register_leader_gauge(
+        &mut registry,
         "health_prober_leader",
         "1 while this replica leads and probes, 0 otherwise",
-        leader.clone(),
     );
-    let registry = Arc::new(registry);
-    let (listener, address) = net::bind(
-        "health port",
+    let stop = CancellationToken::new();
+    admin::serve_controller_health(
         &settings.health_bind_address,
         settings.health_port,
+        registry,
+        stop.clone(),
     )
     .await?;
-    let routes = admin::Routes::probes(|| Ok(())).with_metrics(move || encode_registry(&registry));
-    let stop = CancellationToken::new();
-    tokio::spawn(admin::serve(listener, routes, stop.clone()));
-    tracing::info!(%address, "serving /healthz, /readyz and /metrics");
 
     let prober = Arc::new(
         Prober::new(

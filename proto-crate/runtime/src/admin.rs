@@ -112,6 +112,26 @@ impl Routes {
     }
 }
 
+/// The health port of a controller that elects a leader: binds
+/// `host:port` and serves `/healthz` and `/readyz` (always OK: a replica on
+/// standby is ready too, so a rollout does not wait on leadership) and
+/// `registry` at `/metrics` until `shutdown` is cancelled. Returns the
+/// bound address.
+pub async fn serve_controller_health(
+    host: &str,
+    port: u16,
+    registry: prometheus_client::registry::Registry,
+    shutdown: CancellationToken,
+) -> Result<std::net::SocketAddr, crate::net::BindError> {
+    let (listener, address) = crate::net::bind("health port", host, port).await?;
+    let registry = Arc::new(registry);
+    let routes =
+        Routes::probes(|| Ok(())).with_metrics(move || crate::metrics::encode_registry(&registry));
+    tokio::spawn(serve(listener, routes, shutdown));
+    tracing::info!(%address, "serving /healthz, /readyz and /metrics");
+    Ok(address)
+}
+
 /// Serves `routes` on `listener` until `shutdown` is cancelled; open
 /// connections are closed then too.
 pub async fn serve(listener: TcpListener, routes: Routes, shutdown: CancellationToken) {

@@ -177,6 +177,18 @@ fn sample_of(line: &str, name: &str) -> bool {
 }
 
 /// The OpenMetrics text of `registry`.
+/// Registers the gauge a leader-electing controller sets to 1 while it
+/// leads and 0 otherwise.
+pub fn register_leader_gauge(
+    registry: &mut Registry,
+    name: &str,
+    help: &str,
+) -> prometheus_client::metrics::gauge::Gauge<i64> {
+    let leader = prometheus_client::metrics::gauge::Gauge::<i64>::default();
+    registry.register(name, help, leader.clone());
+    leader
+}
+
 pub fn encode_registry(registry: &Registry) -> String {
     let mut out = String::new();
     // Writing into a String cannot fail.
