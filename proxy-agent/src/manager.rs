@@ -465,18 +465,27 @@ impl Backoff {
 /// spread connections; the delay is uniformly random below it.
 const QUICK_RETRY_CEILING: Duration = Duration::from_millis(20);
 
-/// Duplicates in a row, per replica, that a spreading balancer makes
-/// unlikely: with one replica of `n` missing, a random pick misses it `4n`
-/// times in a row with probability `(1 - 1/n)^(4n)` < 2 %.
-const PATIENCE_PER_REPLICA: u32 = 4;
+/// Duplicates in a row, per replica, before the pace slows: with one replica
+/// of `n` missing, a random pick misses it `8n` times in a row with
+/// probability `(1 - 1/n)^(8n)` < 0.04 %.
+const PATIENCE_PER_REPLICA: u32 = 8;
+
+/// How much the delay ceiling grows per duplicate once patience is spent.
+/// Gentle on purpose: with doubling, a random balancer's ordinary bad luck
+/// (one agent in ~700 with five replicas) reached `--sync-interval`'s pace
+/// within ten attempts; growing by a quarter, an agent still makes about 60
+/// attempts in its first 8 s, and one behind a balancer that never hands out
+/// another replica reaches upstream's pace after ~18 more attempts (2 s with
+/// the default 1 s `--sync-interval`).
+const SLOWDOWN_PER_DUPLICATE: f64 = 1.25;
 
 /// Pacing of attempts while replicas are missing and the balancer keeps
 /// handing out ones we hold. A uniformly random delay below a ceiling ("full
 /// jitter") breaks the lockstep of agents that started together. After more
 /// duplicates in a row than a spreading balancer would plausibly give, the
-/// ceiling doubles per duplicate up to `--sync-interval` (upstream's pace),
-/// so a balancer with client affinity, which never hands out another
-/// replica, costs no more than upstream.
+/// ceiling grows per duplicate up to `--sync-interval` (upstream's pace), so
+/// a balancer with client affinity, which never hands out another replica,
+/// costs little more than upstream.
 struct QuickRetry {
     streak: u32,
     cap: Duration,
@@ -491,14 +500,15 @@ impl QuickRetry {
         let patience = u32::try_from(server_count)
             .unwrap_or(u32::MAX)
             .saturating_mul(PATIENCE_PER_REPLICA);
+        // Bounded so the factor stays finite; 1.25^100 × 20 ms is years,
+        // far beyond any cap.
         let beyond = self
             .streak
             .saturating_add(1)
             .saturating_sub(patience)
-            .min(20);
-        QUICK_RETRY_CEILING
-            .saturating_mul(1u32 << beyond)
-            .min(self.cap)
+            .min(100);
+        let factor = SLOWDOWN_PER_DUPLICATE.powi(beyond as i32);
+        QUICK_RETRY_CEILING.mul_f64(factor).min(self.cap)
     }
 
     fn next(&mut self, server_count: usize) -> Duration {
@@ -598,16 +608,43 @@ mod tests {
         assert_eq!(b.current, Duration::from_secs(1));
     }
 
+    /// The CI failure of 2026-11-26: behind a random balancer in front of
+    /// five replicas, one agent of six still missed one replica after 8 s
+    /// (`e2e/tests/ha.rs`), because doubling the ceiling after 20
+    /// duplicates left room for only ~27 attempts, and one agent in ~700
+    /// misses a replica that often. Even when every delay is as long as
+    /// its ceiling, the pacing must leave room for enough attempts that a
+    /// random pick misses the last replica with odds below 10^-5.
+    #[test]
+    fn a_random_balancer_gets_enough_attempts_to_find_the_last_replica() {
+        let replicas = 5;
+        let mut quick = QuickRetry::new(Duration::from_secs(10));
+        let mut elapsed = Duration::ZERO;
+        let mut attempts = 0u32;
+        while elapsed < Duration::from_secs(8) {
+            attempts += 1;
+            elapsed += quick.ceiling(replicas);
+            quick.next(replicas);
+        }
+        let miss_all = (1.0 - 1.0 / replicas as f64).powi(attempts as i32);
+        assert!(
+            miss_all < 1e-5,
+            "{attempts} attempts in 8 s miss the last replica with odds {miss_all:e}"
+        );
+    }
+
     #[test]
     fn quick_retries_stay_short_while_a_balancer_spreads_then_slow_to_the_sync_interval() {
         let sync = Duration::from_secs(1);
         let mut quick = QuickRetry::new(sync);
-        // Two replicas: 8 short retries before the delays start to grow.
-        for _ in 0..8 {
+        // Two replicas: 16 short retries before the delays start to grow.
+        for _ in 0..16 {
             assert_eq!(quick.ceiling(2), QUICK_RETRY_CEILING);
             assert!(quick.next(2) <= QUICK_RETRY_CEILING);
         }
-        assert_eq!(quick.ceiling(2), QUICK_RETRY_CEILING * 2);
+        assert_eq!(quick.ceiling(2), QUICK_RETRY_CEILING.mul_f64(1.25));
+        quick.next(2);
+        assert_eq!(quick.ceiling(2), QUICK_RETRY_CEILING.mul_f64(1.25 * 1.25));
         for _ in 0..100 {
             assert!(quick.next(2) <= sync);
         }
