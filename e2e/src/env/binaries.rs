@@ -16,6 +16,10 @@ pub const PACKAGES: &[(&str, &str)] = &[
     ("e2e", "e2e"),
 ];
 
+/// Names a directory of prebuilt binaries that [`Binaries::build`] uses
+/// instead of building.
+pub const BINARIES_DIR_VARIABLE: &str = "CP_BINARIES_DIR";
+
 #[derive(Debug, thiserror::Error)]
 pub enum BuildError {
     #[error("cannot tell where the build output lives: {0}")]
@@ -65,8 +69,14 @@ impl Binaries {
     }
 
     /// Builds (or confirms up to date) every binary with the profile of the
-    /// running executable, then returns their paths.
+    /// running executable, then returns their paths. With
+    /// `CP_BINARIES_DIR` set, builds nothing and takes the binaries from
+    /// that directory instead (to compare builds, e.g. two commits, with
+    /// the same benchmark executable).
     pub fn build(progress: Progress) -> Result<Self, BuildError> {
+        if let Some(dir) = std::env::var_os(BINARIES_DIR_VARIABLE) {
+            return Self::in_dir(Path::new(&dir));
+        }
         let dir = Self::output_dir()?;
         let profile = match dir.file_name().and_then(|n| n.to_str()) {
             Some("debug") => "dev".to_string(),
