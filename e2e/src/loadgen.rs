@@ -5,6 +5,8 @@
 //! (upload), or `b'D'` + u64 length and reads that many bytes (download).
 
 use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
@@ -15,23 +17,41 @@ const CHUNK: usize = 256 * 1024;
 /// The bulk-transfer target. Stops when dropped.
 pub struct BulkServer {
     pub addr: SocketAddr,
+    sent: Arc<AtomicU64>,
     _target: TcpTarget,
 }
 
 impl BulkServer {
     pub async fn start() -> std::io::Result<Self> {
-        let target = TcpTarget::serve(|mut socket| async move {
-            let _ = serve_bulk(&mut socket).await;
+        let sent = Arc::new(AtomicU64::new(0));
+        let counter = sent.clone();
+        let target = TcpTarget::serve(move |mut socket| {
+            let counter = counter.clone();
+            async move {
+                let _ = serve_bulk(&mut socket, &counter).await;
+            }
         })
         .await?;
         Ok(BulkServer {
             addr: target.addr,
+            sent,
             _target: target,
         })
     }
+
+    /// Download bytes the target's sockets have taken so far, over every
+    /// connection (counted per written chunk of up to 256 KiB): when it
+    /// stops growing while a download is unfinished, the reader's whole
+    /// path is full.
+    pub fn bytes_sent(&self) -> u64 {
+        self.sent.load(Ordering::Relaxed)
+    }
 }
 
-async fn serve_bulk<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S) -> std::io::Result<()> {
+async fn serve_bulk<S: AsyncRead + AsyncWrite + Unpin>(
+    s: &mut S,
+    sent: &AtomicU64,
+) -> std::io::Result<()> {
     loop {
         let mut op = [0u8; 9];
         if s.read_exact(&mut op).await.is_err() {
@@ -60,6 +80,7 @@ async fn serve_bulk<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S) -> std::io::Re
                 while left > 0 {
                     let n = usize::try_from(left.min(CHUNK as u64)).unwrap_or(CHUNK);
                     s.write_all(&buf[..n]).await?;
+                    sent.fetch_add(n as u64, Ordering::Relaxed);
                     left -= n as u64;
                 }
             }

@@ -191,7 +191,10 @@ async fn killed_agent_closes_connections_and_fails_dials_at_once() {
         .unwrap();
     // Start a transfer far larger than can finish, then kill the agent mid-way.
     let transfer = tokio::spawn(async move { download(&mut s, 64 * 1024 * 1024 * 1024).await });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        wait_until(Duration::from_secs(30), || bulk.bytes_sent() >= 1024 * 1024).await,
+        "the transfer never started"
+    );
     agents.pop().unwrap().kill();
     let result = tokio::time::timeout(Duration::from_secs(10), transfer)
         .await
@@ -222,7 +225,22 @@ async fn a_stalled_reader_does_not_slow_other_connections() {
     // Connection A asks for 64 MiB and then does not read at all.
     let mut stalled = client.dial(&address).await.unwrap();
     request_download(&mut stalled, SIZE).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Before the others start, A's whole path (target socket, agent,
+    // tunnel, server, client stream) is full: the target can write no more.
+    let mut last = (0u64, std::time::Instant::now());
+    let full = wait_until(Duration::from_secs(30), || {
+        let sent = bulk.bytes_sent();
+        if sent != last.0 {
+            last = (sent, std::time::Instant::now());
+        }
+        sent > 0 && last.1.elapsed() >= Duration::from_millis(200)
+    })
+    .await;
+    assert!(
+        full && bulk.bytes_sent() < SIZE,
+        "the unread download never filled its path: the target sent {} of {SIZE} bytes",
+        bulk.bytes_sent()
+    );
     // Connections B (gRPC) and C (HTTP CONNECT) on the same tunnel move 64 MiB each meanwhile.
     let mut fast = client.dial(&address).await.unwrap();
     tokio::time::timeout(LONG, download(&mut fast, SIZE))
