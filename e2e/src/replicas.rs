@@ -327,3 +327,137 @@ pub async fn wait_full_mesh(
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
+
+/// Why one echo round trip through the tunnel failed.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct EchoError(String);
+
+/// One echo round trip (1 byte) through a fresh tunneled connection to
+/// `target` via `via` (a replica's client port or a balancer in front of
+/// them), HTTP CONNECT for even `n` and the gRPC client for odd `n`.
+pub async fn echo_once(
+    pki: &TestPki,
+    via: SocketAddr,
+    target: &str,
+    n: usize,
+) -> Result<(), EchoError> {
+    use cluster_proxy_proto::transport::ALPN_HTTP11;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let fail = |what: &str, e: &dyn std::fmt::Display| EchoError(format!("{what}: {e}"));
+    let byte = [(n % 251) as u8];
+    let mut back = [0u8; 1];
+    if n.is_multiple_of(2) {
+        let tls = pki
+            .client_tls_alpn(&[ALPN_HTTP11])
+            .map_err(|e| fail("client TLS", &e))?;
+        let mut stream = crate::harness::http_connect(tls, via, target)
+            .await
+            .map_err(|e| fail("CONNECT", &e))?;
+        stream
+            .write_all(&byte)
+            .await
+            .map_err(|e| fail("write", &e))?;
+        stream
+            .read_exact(&mut back)
+            .await
+            .map_err(|e| fail("read", &e))?;
+    } else {
+        let tls = pki.client_tls().map_err(|e| fail("client TLS", &e))?;
+        let client = crate::harness::tunnel_client(tls, via)
+            .await
+            .map_err(|e| fail("gRPC connect", &e))?;
+        let mut stream = client
+            .dial(target)
+            .await
+            .map_err(|e| fail("gRPC dial", &e))?;
+        stream
+            .write_all(&byte)
+            .await
+            .map_err(|e| fail("write", &e))?;
+        stream
+            .read_exact(&mut back)
+            .await
+            .map_err(|e| fail("read", &e))?;
+    }
+    if back != byte {
+        return Err(EchoError(format!("echo answered {back:?} for {byte:?}")));
+    }
+    Ok(())
+}
+
+/// Dials back to back through one address until finished, an
+/// [`echo_once`] each (alternating the frontend, cycling through
+/// `targets`); counts the dials and keeps every failure.
+pub struct DialLoop {
+    done: Arc<std::sync::atomic::AtomicUsize>,
+    failures: Arc<Mutex<Vec<String>>>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    task: JoinHandle<()>,
+}
+
+impl DialLoop {
+    pub fn start(pki: Arc<TestPki>, via: SocketAddr, targets: Vec<String>) -> Self {
+        use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+        let done = Arc::new(AtomicUsize::new(0));
+        let failures = Arc::new(Mutex::new(Vec::new()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let task = {
+            let (done, failures, stop) = (done.clone(), failures.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut n = 0usize;
+                while !stop.load(Ordering::SeqCst) && !targets.is_empty() {
+                    let target = &targets[n % targets.len()];
+                    if let Err(e) = echo_once(&pki, via, target, n).await {
+                        failures
+                            .lock()
+                            .unwrap_or_else(PoisonError::into_inner)
+                            .push(format!("dial {n} to {target}: {e}"));
+                    }
+                    done.fetch_add(1, Ordering::SeqCst);
+                    n += 1;
+                }
+            })
+        };
+        DialLoop {
+            done,
+            failures,
+            stop,
+            task,
+        }
+    }
+
+    /// Dials made so far, failed ones included.
+    pub fn done(&self) -> usize {
+        self.done.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Waits until `more` further dials were made; panics (a test helper)
+    /// if the loop stalls for `timeout`.
+    pub async fn wait_for(&self, more: usize, timeout: Duration) {
+        let target = self.done() + more;
+        assert!(
+            crate::harness::wait_until(timeout, || self.done() >= target).await,
+            "dial loop stalled at {} dials",
+            self.done()
+        );
+    }
+
+    /// Stops the loop: the number of dials and every failure.
+    pub async fn finish(self) -> (usize, Vec<String>) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        let ended = self.task.await;
+        let done = self.done.load(std::sync::atomic::Ordering::SeqCst);
+        if let Err(e) = ended {
+            return (done, vec![format!("the dial loop panicked: {e}")]);
+        }
+        let failures = self
+            .failures
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        (done, failures)
+    }
+}

@@ -6,18 +6,16 @@
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use cluster_proxy_proto::transport::ALPN_HTTP11;
 use e2e::env::balancer::{self, Selection};
-use e2e::harness::{http_connect, tunnel_client, wait_until};
+use e2e::harness::{http_connect, wait_until};
 use e2e::pki::TestPki;
-use e2e::replicas::{Replicas, start_agents, wait_full_mesh};
+use e2e::replicas::{DialLoop, Replicas, echo_once, start_agents, wait_full_mesh};
 use e2e::targets::EchoServer;
 use proxy_agent::{AgentConfig, RunningAgent};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::sync::Mutex;
 
 /// Long enough that an agent pacing its retries by the sync interval, as
 /// upstream does after a duplicate, cannot make a second attempt within
@@ -101,103 +99,6 @@ async fn many_agents_behind_round_robin_reach_three_replicas() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agents_behind_a_random_balancer_reach_five_replicas() {
     converge(5, 6, Selection::Random).await;
-}
-
-/// One echo round trip through a fresh tunneled connection to `target`,
-/// alternating the frontend by `n`.
-async fn echo_once(pki: &TestPki, via: SocketAddr, target: &str, n: usize) -> Result<(), String> {
-    let byte = [(n % 251) as u8];
-    let mut back = [0u8; 1];
-    if n.is_multiple_of(2) {
-        let tls = pki
-            .client_tls_alpn(&[ALPN_HTTP11])
-            .map_err(|e| e.to_string())?;
-        let mut stream = http_connect(tls, via, target)
-            .await
-            .map_err(|e| format!("CONNECT: {e}"))?;
-        stream.write_all(&byte).await.map_err(|e| e.to_string())?;
-        stream
-            .read_exact(&mut back)
-            .await
-            .map_err(|e| e.to_string())?;
-    } else {
-        let client = tunnel_client(pki.client_tls().map_err(|e| e.to_string())?, via)
-            .await
-            .map_err(|e| format!("gRPC connect: {e}"))?;
-        let mut stream = client
-            .dial(target)
-            .await
-            .map_err(|e| format!("gRPC dial: {e}"))?;
-        stream.write_all(&byte).await.map_err(|e| e.to_string())?;
-        stream
-            .read_exact(&mut back)
-            .await
-            .map_err(|e| e.to_string())?;
-    }
-    if back != byte {
-        return Err(format!("echo answered {back:?} for {byte:?}"));
-    }
-    Ok(())
-}
-
-/// Dials continuously (sequentially) until `stop`; counts successes and
-/// keeps every failure.
-struct DialLoop {
-    done: Arc<AtomicUsize>,
-    failures: Arc<Mutex<Vec<String>>>,
-    stop: Arc<AtomicBool>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl DialLoop {
-    fn start(pki: Arc<TestPki>, via: SocketAddr, targets: Vec<String>) -> Self {
-        let done = Arc::new(AtomicUsize::new(0));
-        let failures = Arc::new(Mutex::new(Vec::new()));
-        let stop = Arc::new(AtomicBool::new(false));
-        let task = {
-            let (done, failures, stop) = (done.clone(), failures.clone(), stop.clone());
-            tokio::spawn(async move {
-                let mut n = 0usize;
-                while !stop.load(Ordering::SeqCst) {
-                    let target = &targets[n % targets.len()];
-                    if let Err(e) = echo_once(&pki, via, target, n).await {
-                        failures
-                            .lock()
-                            .await
-                            .push(format!("dial {n} to {target}: {e}"));
-                    }
-                    done.fetch_add(1, Ordering::SeqCst);
-                    n += 1;
-                }
-            })
-        };
-        DialLoop {
-            done,
-            failures,
-            stop,
-            task,
-        }
-    }
-
-    fn done(&self) -> usize {
-        self.done.load(Ordering::SeqCst)
-    }
-
-    async fn wait_for(&self, more: usize, timeout: Duration) {
-        let target = self.done() + more;
-        assert!(
-            wait_until(timeout, || self.done() >= target).await,
-            "dial loop stalled at {} dials",
-            self.done()
-        );
-    }
-
-    async fn finish(self) -> (usize, Vec<String>) {
-        self.stop.store(true, Ordering::SeqCst);
-        self.task.await.unwrap();
-        let failures = self.failures.lock().await.clone();
-        (self.done.load(Ordering::SeqCst), failures)
-    }
 }
 
 /// An agent that keeps dialing the Service after it holds every replica

@@ -5,23 +5,19 @@
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use cluster_proxy_proto::metadata;
 use cluster_proxy_proto::packet::{self, Frame};
-use cluster_proxy_proto::transport::ALPN_HTTP11;
 use e2e::env::balancer::{self, Backends, Selection};
-use e2e::harness::{RawAgent, health_get, http_connect, test_server_config, wait_until};
+use e2e::harness::{RawAgent, health_get, test_server_config, wait_until};
 use e2e::pki::TestPki;
-use e2e::replicas::{PEER_REFRESH, PeerSet, Replicas, start_agents, wait_full_mesh};
+use e2e::replicas::{DialLoop, PEER_REFRESH, PeerSet, Replicas, start_agents, wait_full_mesh};
 use e2e::targets::EchoServer;
 use prost::Message;
 use proxy_agent::RunningAgent;
 use proxy_server::RunningServer;
 use proxy_server::peers::PeerLookup;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::sync::Mutex;
 
 /// Agents wait this long between attempts once they hold every replica
 /// they know of, so only the SERVER_COUNT packet can bring them to a new
@@ -32,84 +28,6 @@ const STEP: Duration = Duration::from_secs(10);
 
 fn clusters(n: usize) -> Vec<String> {
     (0..n).map(|i| format!("cluster-{i}")).collect()
-}
-
-/// Dials through `via` back to back until stopped, one HTTP CONNECT and a
-/// 1-byte echo each; keeps every failure.
-struct DialLoop {
-    done: Arc<AtomicUsize>,
-    failures: Arc<Mutex<Vec<String>>>,
-    stop: Arc<AtomicBool>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl DialLoop {
-    fn start(pki: Arc<TestPki>, via: SocketAddr, targets: Vec<String>) -> Self {
-        let done = Arc::new(AtomicUsize::new(0));
-        let failures = Arc::new(Mutex::new(Vec::new()));
-        let stop = Arc::new(AtomicBool::new(false));
-        let task = {
-            let (done, failures, stop) = (done.clone(), failures.clone(), stop.clone());
-            tokio::spawn(async move {
-                let mut n = 0usize;
-                while !stop.load(Ordering::SeqCst) {
-                    let target = &targets[n % targets.len()];
-                    if let Err(e) = echo_once(&pki, via, target, n).await {
-                        failures
-                            .lock()
-                            .await
-                            .push(format!("dial {n} to {target}: {e}"));
-                    }
-                    done.fetch_add(1, Ordering::SeqCst);
-                    n += 1;
-                }
-            })
-        };
-        DialLoop {
-            done,
-            failures,
-            stop,
-            task,
-        }
-    }
-
-    async fn wait_for(&self, more: usize) {
-        let target = self.done.load(Ordering::SeqCst) + more;
-        assert!(
-            wait_until(Duration::from_secs(30), || self.done.load(Ordering::SeqCst)
-                >= target)
-            .await,
-            "dial loop stalled at {} dials",
-            self.done.load(Ordering::SeqCst)
-        );
-    }
-
-    async fn finish(self) -> (usize, Vec<String>) {
-        self.stop.store(true, Ordering::SeqCst);
-        self.task.await.unwrap();
-        let failures = self.failures.lock().await.clone();
-        (self.done.load(Ordering::SeqCst), failures)
-    }
-}
-
-async fn echo_once(pki: &TestPki, via: SocketAddr, target: &str, n: usize) -> Result<(), String> {
-    let byte = [(n % 251) as u8];
-    let tls = pki
-        .client_tls_alpn(&[ALPN_HTTP11])
-        .map_err(|e| e.to_string())?;
-    let mut stream = http_connect(tls, via, target)
-        .await
-        .map_err(|e| format!("CONNECT: {e}"))?;
-    stream.write_all(&byte).await.map_err(|e| e.to_string())?;
-    let mut back = [0u8; 1];
-    stream
-        .read_exact(&mut back)
-        .await
-        .map_err(|e| e.to_string())?;
-    if back != byte {
-        return Err(format!("echo answered {back:?} for {byte:?}"));
-    }
-    Ok(())
 }
 
 /// Waits until every agent holds `server_id` and knows of `count` replicas;
@@ -189,7 +107,7 @@ async fn scaling_two_three_two_reaches_every_replica_and_fails_no_dial() {
         Selection::RoundRobin,
     ));
     let dials = DialLoop::start(pki.clone(), hub_service, targets);
-    dials.wait_for(20).await;
+    dials.wait_for(20, Duration::from_secs(30)).await;
 
     // Up: a third replica, counted by its peers a refresh later.
     let scaled_up = Instant::now();
@@ -234,7 +152,7 @@ async fn scaling_two_three_two_reaches_every_replica_and_fails_no_dial() {
             server.tunnel_count()
         );
     }
-    dials.wait_for(50).await;
+    dials.wait_for(50, Duration::from_secs(30)).await;
 
     // Down: the last replica leaves the client Service, drains, and its
     // peers stop counting it.
@@ -269,7 +187,7 @@ async fn scaling_two_three_two_reaches_every_replica_and_fails_no_dial() {
             server.tunnel_count()
         );
     }
-    dials.wait_for(50).await;
+    dials.wait_for(50, Duration::from_secs(30)).await;
     let (done, failures) = dials.finish().await;
     eprintln!("{done} dials while scaling 2 → 3 → 2");
     assert!(
