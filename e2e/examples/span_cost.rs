@@ -1,5 +1,5 @@
 //! Micro-benchmark: the CPU cost of one connection span (the proxy-server's
-//! `tunnel.connection` shape: remote parent, attributes recorded as the
+//! own `tunnel.connection` span: remote parent, attributes recorded as the
 //! dial proceeds, context extracted for the agent) with the services' real
 //! OpenTelemetry layer exporting to a counting OTLP receiver in this
 //! process: `CP_SPANS` (100000) spans, none dropped.
@@ -10,36 +10,18 @@
 
 use std::time::{Duration, Instant};
 
-use cluster_proxy_proto::trace::{SPAN_TARGET, TraceHeaders};
+use cluster_proxy_proto::trace::TraceHeaders;
 use cluster_proxy_runtime::telemetry::{self, SamplerChoice, TelemetryConfig};
 use e2e::loadgen::{knob, process_usage};
-use tracing::field;
+use proxy_server::dial::{DialOrigin, connection_span};
 
 fn one_span(parent: &TraceHeaders) -> Option<TraceHeaders> {
-    let span = tracing::info_span!(
-        target: SPAN_TARGET,
-        "tunnel.connection",
-        otel.kind = "server",
-        otel.status_code = field::Empty,
-        network.transport = "tcp",
-        server.address = "bench",
-        server.port = "8080",
-        client.address = field::Empty,
-        cluster_proxy.frontend = "grpc",
-        cluster_proxy.client_identity = field::Empty,
-        cluster_proxy.server_id = "server-1",
-        cluster_proxy.strategy = field::Empty,
-        cluster_proxy.cluster = field::Empty,
-        cluster_proxy.agent_id = field::Empty,
-        cluster_proxy.tunnel = field::Empty,
-        cluster_proxy.connect_id = field::Empty,
-        cluster_proxy.dial_latency_ms = field::Empty,
-        cluster_proxy.bytes_to_agent = field::Empty,
-        cluster_proxy.bytes_from_agent = field::Empty,
-        cluster_proxy.end_reason = field::Empty,
-        error.message = field::Empty,
-    );
-    parent.make_parent_of(&span);
+    let origin = DialOrigin {
+        frontend: "grpc",
+        client: None,
+        trace: Some(parent.clone()),
+    };
+    let span = connection_span("server-1", "bench:8080", &origin);
     span.record("client.address", "127.0.0.1");
     span.record("cluster_proxy.client_identity", "CN=client");
     span.record("cluster_proxy.strategy", "destHost");
