@@ -9,8 +9,13 @@
 //! Export is a batch processor on its own thread with a bounded queue
 //! ([`MAX_QUEUE_SPANS`]): ending a span never waits for the collector, and
 //! when the collector is down or slow, spans beyond the queue are dropped
-//! rather than buffered without bound. [`Telemetry::shutdown`] (or dropping
-//! the guard) flushes what is queued.
+//! rather than buffered without bound. The gRPC channel to the collector
+//! (connecting, encoding each batch, HTTP/2) runs on a Tokio runtime of its
+//! own, on its own thread (`otel-export`), never on the runtime that
+//! carries the tunnel: encoding a batch of hundreds of spans takes
+//! milliseconds, which on a data-path worker would hold up every task
+//! queued behind it. [`Telemetry::shutdown`] (or dropping the guard)
+//! flushes what is queued.
 //!
 //! While traces are exported, every log line carries the `trace_id` and
 //! `span_id` of the span it was written in (a JSON field, or `key=value` at
@@ -80,6 +85,8 @@ pub enum TelemetryError {
     ResourceAttribute(String),
     #[error("OTLP endpoint {endpoint:?}: {reason}")]
     Endpoint { endpoint: String, reason: String },
+    #[error("starting the trace exporter's runtime: {0}")]
+    ExportRuntime(#[source] std::io::Error),
 }
 
 /// Which spans are recorded and exported.
@@ -247,6 +254,52 @@ impl TelemetryFlags {
 #[derive(Debug, Default)]
 pub struct Telemetry {
     provider: Option<SdkTracerProvider>,
+    /// Declared after `provider`, so it outlives the final flush.
+    export_runtime: Option<ExportRuntime>,
+}
+
+/// The exporter's own Tokio runtime (one thread, `otel-export`); it stops
+/// when dropped.
+#[derive(Debug)]
+struct ExportRuntime {
+    handle: tokio::runtime::Handle,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl ExportRuntime {
+    fn start() -> Result<Self, TelemetryError> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(TelemetryError::ExportRuntime)?;
+        let handle = runtime.handle().clone();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name("otel-export".into())
+            .spawn(move || {
+                runtime.block_on(async {
+                    let _ = stopped.await;
+                });
+            })
+            .map_err(TelemetryError::ExportRuntime)?;
+        Ok(ExportRuntime {
+            handle,
+            stop: Some(stop),
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Drop for ExportRuntime {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
 }
 
 impl Telemetry {
@@ -262,6 +315,9 @@ impl Telemetry {
         if let Some(provider) = self.provider.take() {
             let _ = tokio::task::spawn_blocking(move || provider.shutdown()).await;
         }
+        if let Some(export_runtime) = self.export_runtime.take() {
+            let _ = tokio::task::spawn_blocking(move || drop(export_runtime)).await;
+        }
     }
 }
 
@@ -275,21 +331,26 @@ impl Drop for Telemetry {
     }
 }
 
-/// Builds the exporting tracer provider (inside a Tokio runtime: the gRPC
-/// channel to the collector connects lazily on it).
-pub fn tracer_provider(
+/// Builds the exporting tracer provider, with the runtime its gRPC channel
+/// to the collector runs on (see the module's introduction).
+fn tracer_provider(
     config: &TelemetryConfig,
     endpoint: &str,
-) -> Result<SdkTracerProvider, TelemetryError> {
-    let exporter = opentelemetry_otlp::SpanExporter::builder()
-        .with_tonic()
-        .with_endpoint(endpoint)
-        .with_timeout(EXPORT_TIMEOUT)
-        .build()
-        .map_err(|e| TelemetryError::Endpoint {
-            endpoint: endpoint.to_owned(),
-            reason: e.to_string(),
-        })?;
+) -> Result<(SdkTracerProvider, ExportRuntime), TelemetryError> {
+    let export_runtime = ExportRuntime::start()?;
+    // The channel spawns its tasks on the runtime it is built in.
+    let exporter = {
+        let _entered = export_runtime.handle.enter();
+        opentelemetry_otlp::SpanExporter::builder()
+            .with_tonic()
+            .with_endpoint(endpoint)
+            .with_timeout(EXPORT_TIMEOUT)
+            .build()
+            .map_err(|e| TelemetryError::Endpoint {
+                endpoint: endpoint.to_owned(),
+                reason: e.to_string(),
+            })?
+    };
     let batch = BatchSpanProcessor::builder(exporter)
         .with_batch_config(
             BatchConfigBuilder::default()
@@ -307,11 +368,12 @@ pub fn tracer_provider(
                 .map(|(k, v)| KeyValue::new(k.clone(), v.clone())),
         )
         .build();
-    Ok(SdkTracerProvider::builder()
+    let provider = SdkTracerProvider::builder()
         .with_span_processor(batch)
         .with_sampler(config.sampler.sampler())
         .with_resource(resource)
-        .build())
+        .build();
+    Ok((provider, export_runtime))
 }
 
 /// Installs the global subscriber: the log output of [`crate::logging`]
@@ -329,7 +391,7 @@ pub fn init(
     };
     let filter = EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| EnvFilter::new(filter_for_verbosity(verbosity)));
-    let provider = tracer_provider(config, endpoint)?;
+    let (provider, export_runtime) = tracer_provider(config, endpoint)?;
     let tracer = provider.tracer("cluster-proxy");
     let fmt = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
@@ -353,6 +415,7 @@ pub fn init(
     }
     Ok(Telemetry {
         provider: Some(provider),
+        export_runtime: Some(export_runtime),
     })
 }
 
@@ -366,7 +429,7 @@ pub fn export_dispatch(
     let Some(endpoint) = &config.endpoint else {
         return Ok(None);
     };
-    let provider = tracer_provider(config, endpoint)?;
+    let (provider, export_runtime) = tracer_provider(config, endpoint)?;
     let layer = span_layer(provider.tracer("cluster-proxy")).with_filter(EnvFilter::new(format!(
         "off,{}=info",
         cluster_proxy_proto::trace::SPAN_TARGET
@@ -376,6 +439,7 @@ pub fn export_dispatch(
         dispatch,
         Telemetry {
             provider: Some(provider),
+            export_runtime: Some(export_runtime),
         },
     )))
 }
@@ -612,6 +676,49 @@ mod tests {
                 "{bad}"
             );
         }
+    }
+
+    /// Threads of this process named like the exporter's runtime thread.
+    fn export_threads() -> usize {
+        std::fs::read_dir("/proc/self/task")
+            .map(|tasks| {
+                tasks
+                    .filter_map(Result::ok)
+                    .filter(|task| {
+                        std::fs::read_to_string(task.path().join("comm"))
+                            .is_ok_and(|comm| comm.trim() == "otel-export")
+                    })
+                    .count()
+            })
+            .unwrap_or(0)
+    }
+
+    /// The exporter's gRPC channel runs on a runtime of its own, so it can
+    /// be set up where no Tokio runtime exists, and the runtime that carries
+    /// the tunnel never encodes a batch. Built on the caller's runtime, as
+    /// before, this panicked: the channel spawns its tasks where it is built.
+    #[test]
+    fn the_exporter_runs_on_a_runtime_of_its_own() {
+        assert!(tokio::runtime::Handle::try_current().is_err());
+        let config = TelemetryConfig {
+            // Nothing listens there: exports fail at once.
+            endpoint: Some("http://127.0.0.1:9".into()),
+            sampler: SamplerChoice::AlwaysOn,
+            ..TelemetryConfig::off("test")
+        };
+        let (dispatch, telemetry) = export_dispatch(&config)
+            .expect("an exporter without an ambient runtime")
+            .expect("an endpoint");
+        assert!(telemetry.exporting());
+        assert!(export_threads() >= 1, "no otel-export thread");
+        tracing::dispatcher::with_default(&dispatch, || {
+            let span =
+                tracing::info_span!(target: cluster_proxy_proto::trace::SPAN_TARGET, "test.span");
+            drop(span);
+        });
+        // Flushes to the unreachable collector and stops the runtime; the
+        // export timeout bounds it.
+        drop(telemetry);
     }
 
     #[test]
