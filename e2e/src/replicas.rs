@@ -343,26 +343,17 @@ pub async fn echo_once(
     n: usize,
 ) -> Result<(), EchoError> {
     use cluster_proxy_proto::transport::ALPN_HTTP11;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     let fail = |what: &str, e: &dyn std::fmt::Display| EchoError(format!("{what}: {e}"));
     let byte = [(n % 251) as u8];
-    let mut back = [0u8; 1];
-    if n.is_multiple_of(2) {
+    let back = if n.is_multiple_of(2) {
         let tls = pki
             .client_tls_alpn(&[ALPN_HTTP11])
             .map_err(|e| fail("client TLS", &e))?;
         let mut stream = crate::harness::http_connect(tls, via, target)
             .await
             .map_err(|e| fail("CONNECT", &e))?;
-        stream
-            .write_all(&byte)
-            .await
-            .map_err(|e| fail("write", &e))?;
-        stream
-            .read_exact(&mut back)
-            .await
-            .map_err(|e| fail("read", &e))?;
+        echo_byte(&mut stream, byte).await
     } else {
         let tls = pki.client_tls().map_err(|e| fail("client TLS", &e))?;
         let client = crate::harness::tunnel_client(tls, via)
@@ -372,19 +363,26 @@ pub async fn echo_once(
             .dial(target)
             .await
             .map_err(|e| fail("gRPC dial", &e))?;
-        stream
-            .write_all(&byte)
-            .await
-            .map_err(|e| fail("write", &e))?;
-        stream
-            .read_exact(&mut back)
-            .await
-            .map_err(|e| fail("read", &e))?;
+        echo_byte(&mut stream, byte).await
     }
+    .map_err(|e| fail("echo", &e))?;
     if back != byte {
         return Err(EchoError(format!("echo answered {back:?} for {byte:?}")));
     }
     Ok(())
+}
+
+/// Writes `byte` and reads one byte back.
+async fn echo_byte<S>(stream: &mut S, byte: [u8; 1]) -> std::io::Result<[u8; 1]>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    stream.write_all(&byte).await?;
+    let mut back = [0u8; 1];
+    stream.read_exact(&mut back).await?;
+    Ok(back)
 }
 
 /// Dials back to back through one address until finished, an
