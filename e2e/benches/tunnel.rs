@@ -17,7 +17,7 @@ use cluster_proxy_proto::identity::ClusterName;
 use cluster_proxy_runtime::telemetry::{self, SamplerChoice, TelemetryConfig};
 use e2e::env::binaries::{Binaries, Progress};
 use e2e::harness::{http_connect, test_server_config, tunnel_client};
-use e2e::loadgen::{BulkServer, download, rss_bytes, upload};
+use e2e::loadgen::{BulkServer, download, process_usage, rss_bytes, upload};
 use e2e::pki::TestPki;
 use e2e::processes::{ChildTunnel, ChildTunnelOptions};
 use e2e::targets::EchoServer;
@@ -211,12 +211,21 @@ fn compare_tracing(runtime: &tokio::runtime::Runtime) {
         sampler: SamplerChoice::AlwaysOn,
         ..TelemetryConfig::off("bench-client")
     };
+    let traced_parts =
+        std::env::var("CP_BENCH_TRACED").unwrap_or_else(|_| "client,server,agent".to_owned());
+    let traces = |part: &str| traced_parts.split(',').any(|p| p.trim() == part);
+    let sampler = std::env::var("CP_BENCH_SAMPLER").unwrap_or_else(|_| "always_on".to_owned());
+    let config = TelemetryConfig {
+        sampler: SamplerChoice::parse(Some(&sampler), None).expect("CP_BENCH_SAMPLER"),
+        ..config
+    };
     let (dispatch, telemetry) = {
         let _entered = runtime.enter();
         telemetry::export_dispatch(&config)
             .expect("telemetry")
             .expect("an endpoint")
     };
+    let client_dispatch = traces("client").then_some(dispatch);
     // With a single registered dispatcher, tracing computes a callsite's
     // interest from the subscriber of the thread that first hits it: the
     // off clients would then disable the dial spans for good. A second
@@ -227,24 +236,34 @@ fn compare_tracing(runtime: &tokio::runtime::Runtime) {
     // is deliberately never dropped.
     let traced = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
-        .on_thread_start(move || std::mem::forget(tracing::dispatcher::set_default(&dispatch)))
+        .on_thread_start(move || {
+            if let Some(dispatch) = &client_dispatch {
+                std::mem::forget(tracing::dispatcher::set_default(dispatch));
+            }
+        })
         .build()
         .expect("tokio runtime");
 
     let binaries = Binaries::build(Progress::Quiet).expect("building the services");
     let pki = TestPki::new(&["bench"]).expect("pki");
     let cluster = ClusterName::new("bench").expect("cluster name");
-    let exporting = |service: &str| {
+    let exporting = |part: &str| {
+        if !traces(part) {
+            return Vec::new();
+        }
         vec![
             ("OTEL_EXPORTER_OTLP_ENDPOINT".to_owned(), endpoint.clone()),
-            ("OTEL_SERVICE_NAME".to_owned(), service.to_owned()),
-            ("OTEL_TRACES_SAMPLER".to_owned(), "always_on".to_owned()),
+            (
+                "OTEL_SERVICE_NAME".to_owned(),
+                format!("bench-proxy-{part}"),
+            ),
+            ("OTEL_TRACES_SAMPLER".to_owned(), sampler.clone()),
         ]
     };
     let off_options = ChildTunnelOptions::default();
     let on_options = ChildTunnelOptions {
-        server_env: exporting("bench-proxy-server"),
-        agent_env: exporting("bench-proxy-agent"),
+        server_env: exporting("server"),
+        agent_env: exporting("agent"),
         ..ChildTunnelOptions::default()
     };
     let off = runtime
@@ -281,7 +300,7 @@ fn compare_tracing(runtime: &tokio::runtime::Runtime) {
     let on_paths = traced.block_on(tunnel_paths(&pki, on.client_addr()));
     let bytes = mib * 1024 * 1024;
     println!(
-        "tracing off vs on (proxy-server and proxy-agent as processes), {rounds} rounds alternating; single transfers {mib} MiB, {connects} connects"
+        "tracing off vs on (proxy-server and proxy-agent as processes), {rounds} rounds alternating; single transfers {mib} MiB, {connects} connects; traced: {traced_parts}, sampler {sampler}"
     );
     let figures = [
         "1 conn up",
@@ -293,9 +312,13 @@ fn compare_tracing(runtime: &tokio::runtime::Runtime) {
     let mut ratios = vec![vec![Vec::new(); figures.len()]; 2];
     // Server + agent CPU seconds, [off, on], per path.
     let mut cpu = [[0.0f64; 2]; 2];
-    let cpu_seconds = |processes: &ChildTunnel| {
+    // CPU seconds of [server, agent, this process] during the connects
+    // figures, [path][off, on].
+    let mut connect_cpu = [[[0.0f64; 3]; 2]; 2];
+    let cpu_parts = |processes: &ChildTunnel| {
         let (server, agent) = processes.usage().expect("/proc of the services");
-        server.cpu_seconds + agent.cpu_seconds
+        let own = process_usage(std::process::id()).expect("/proc/self");
+        [server.cpu_seconds, agent.cpu_seconds, own.cpu_seconds]
     };
     for round in 0..rounds {
         for (p, path_ratios) in ratios.iter_mut().enumerate() {
@@ -307,7 +330,7 @@ fn compare_tracing(runtime: &tokio::runtime::Runtime) {
                         (&off_paths, runtime, &off, &off_targets)
                     };
                     let path = &paths[p];
-                    let cpu_before = cpu_seconds(processes);
+                    let cpu_before = cpu_parts(processes);
                     let value = rt.block_on(async {
                         match f {
                             0 => throughput(path, bulk.addr.port(), 1, bytes, true).await,
@@ -316,7 +339,14 @@ fn compare_tracing(runtime: &tokio::runtime::Runtime) {
                             _ => connects_per_second(path, echo.addr.port(), connects, 8).await,
                         }
                     });
-                    cpu[p][usize::from(on_side)] += cpu_seconds(processes) - cpu_before;
+                    let cpu_after = cpu_parts(processes);
+                    let side = usize::from(on_side);
+                    cpu[p][side] += (cpu_after[0] - cpu_before[0]) + (cpu_after[1] - cpu_before[1]);
+                    if f >= 2 {
+                        for (part, total) in connect_cpu[p][side].iter_mut().enumerate() {
+                            *total += cpu_after[part] - cpu_before[part];
+                        }
+                    }
                     value
                 };
                 let (off_value, on_value) = if round % 2 == 0 {
@@ -378,6 +408,26 @@ fn compare_tracing(runtime: &tokio::runtime::Runtime) {
     println!(
         "\nTracing on ÷ off: median of the rounds' ratios (lowest–highest round). CPU: the same work on both sides, summed over every round."
     );
+    // Both connects figures of every round: 2 × rounds × connects each side.
+    let connections = (2 * rounds * connects) as f64;
+    println!("\nCPU per connection in the connects figures, µs, off → on:");
+    println!("| path | proxy-server | proxy-agent | benchmark (clients, targets, receiver) |");
+    println!("|---|---|---|---|");
+    for (p, name) in ["tunnel, gRPC client", "tunnel, HTTP CONNECT"]
+        .iter()
+        .enumerate()
+    {
+        let cells: Vec<String> = (0..3)
+            .map(|part| {
+                format!(
+                    "{:.0} → {:.0}",
+                    connect_cpu[p][0][part] / connections * 1e6,
+                    connect_cpu[p][1][part] / connections * 1e6
+                )
+            })
+            .collect();
+        println!("| {name} | {} |", cells.join(" | "));
+    }
 }
 
 /// A server, an agent, the targets and the three paths to them.

@@ -338,7 +338,7 @@ impl Tunnel {
         let started = Instant::now();
         let result = tokio::select! {
             _ = token.cancelled() => {
-                span.in_scope(|| tracing::debug!(%server_id, random, %address, "dial abandoned"));
+                tracing::debug!(parent: &span, %server_id, random, %address, "dial abandoned");
                 return;
             }
             r = dial_tcp(
@@ -369,9 +369,7 @@ impl Tunnel {
                 span.record("error.message", e.message.as_str());
                 self.tables().pending.remove(&random);
                 self.metrics.dial_failed(e.reason);
-                span.in_scope(|| {
-                    tracing::info!(%server_id, random, %address, error = %e, "endpoint dial failed")
-                });
+                tracing::info!(parent: &span, %server_id, random, %address, error = %e, "endpoint dial failed");
                 let _ = self
                     .out
                     .ordered
@@ -514,14 +512,24 @@ impl Tunnel {
         if let End::TargetError(e) = &end {
             span.record("error.message", e.as_str());
         }
-        span.in_scope(|| match &end {
-            End::TargetError(e) => {
-                tracing::debug!(%server_id, connect_id, error = %e, "endpoint connection failed")
-            }
-            other => {
-                tracing::debug!(%server_id, connect_id, reason = ?other, "endpoint connection closed")
-            }
-        });
+        // An explicit parent rather than entering the span: entering costs
+        // a pass through every layer even when the event is filtered out.
+        match &end {
+            End::TargetError(e) => tracing::debug!(
+                parent: span,
+                %server_id,
+                connect_id,
+                error = %e,
+                "endpoint connection failed"
+            ),
+            other => tracing::debug!(
+                parent: span,
+                %server_id,
+                connect_id,
+                reason = ?other,
+                "endpoint connection closed"
+            ),
+        }
         if self.cancel.is_cancelled() {
             // The tunnel is gone; the server cleans up on its side.
             return;

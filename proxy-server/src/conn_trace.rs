@@ -93,11 +93,11 @@ impl Drop for ConnTrace {
         }
         span.record(
             "cluster_proxy.bytes_to_agent",
-            self.bytes_to_agent.load(Ordering::Relaxed),
+            saturating_i64(self.bytes_to_agent.load(Ordering::Relaxed)),
         );
         span.record(
             "cluster_proxy.bytes_from_agent",
-            self.bytes_from_agent.load(Ordering::Relaxed),
+            saturating_i64(self.bytes_from_agent.load(Ordering::Relaxed)),
         );
         let end = self.end.get_mut().unwrap_or_else(|p| p.into_inner()).take();
         let (reason, error) = end.unwrap_or((EndReason::ClientClose, String::new()));
@@ -108,5 +108,81 @@ impl Drop for ConnTrace {
         if matches!(reason, EndReason::TunnelClosed | EndReason::ProtocolError) {
             span.record("otel.status_code", "ERROR");
         }
+    }
+}
+
+/// A counter as a span attribute: OpenTelemetry's integers are signed, and
+/// the OpenTelemetry layer records a `u64` as its decimal string (an
+/// allocation, and a string attribute where an integer belongs).
+pub(crate) fn saturating_i64(value: u64) -> i64 {
+    i64::try_from(value).unwrap_or(i64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use tracing::field::{Field, Visit};
+    use tracing::span::{Attributes, Id, Record};
+    use tracing_subscriber::layer::{Context, SubscriberExt};
+    use tracing_subscriber::registry::Registry;
+
+    use super::*;
+
+    /// How each recorded field arrived: `i64` or `other`.
+    #[derive(Clone, Default)]
+    struct FieldKinds(Arc<Mutex<Vec<(String, &'static str)>>>);
+
+    impl Visit for FieldKinds {
+        fn record_i64(&mut self, field: &Field, _: i64) {
+            self.push(field, "i64");
+        }
+        fn record_debug(&mut self, field: &Field, _: &dyn std::fmt::Debug) {
+            self.push(field, "other");
+        }
+    }
+
+    impl FieldKinds {
+        fn push(&self, field: &Field, kind: &'static str) {
+            if let Ok(mut kinds) = self.0.lock() {
+                kinds.push((field.name().to_owned(), kind));
+            }
+        }
+        fn kind_of(&self, name: &str) -> Option<&'static str> {
+            let kinds = self.0.lock().ok()?;
+            kinds.iter().find(|(n, _)| n == name).map(|(_, k)| *k)
+        }
+    }
+
+    impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for FieldKinds {
+        fn on_new_span(&self, attrs: &Attributes<'_>, _: &Id, _: Context<'_, S>) {
+            attrs.record(&mut self.clone());
+        }
+        fn on_record(&self, _: &Id, values: &Record<'_>, _: Context<'_, S>) {
+            values.record(&mut self.clone());
+        }
+    }
+
+    /// The OpenTelemetry layer turns every non-`i64` integer into its
+    /// decimal string: the byte counts must reach it as `i64`.
+    #[test]
+    fn byte_counts_are_recorded_as_signed_integers() {
+        let kinds = FieldKinds::default();
+        let subscriber = Registry::default().with(kinds.clone());
+        tracing::subscriber::with_default(subscriber, || {
+            let span = tracing::info_span!(
+                "tunnel.connection",
+                cluster_proxy.bytes_to_agent = tracing::field::Empty,
+                cluster_proxy.bytes_from_agent = tracing::field::Empty,
+                cluster_proxy.end_reason = tracing::field::Empty,
+            );
+            let trace = ConnTrace::new(span);
+            trace.mark_established();
+            trace.sent_to_agent(5);
+            trace.received_from_agent(7);
+        });
+        assert_eq!(kinds.kind_of("cluster_proxy.bytes_to_agent"), Some("i64"));
+        assert_eq!(kinds.kind_of("cluster_proxy.bytes_from_agent"), Some("i64"));
+        assert_eq!(saturating_i64(u64::MAX), i64::MAX);
     }
 }

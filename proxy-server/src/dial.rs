@@ -119,6 +119,14 @@ pub struct DialOrigin {
 /// and not a copy of it.
 pub fn connection_span(server_id: &str, address: &str, origin: &DialOrigin) -> Span {
     let (host, port) = packet::split_host_port(address).unwrap_or((address, ""));
+    // Known values go in at creation: each later `record` is one more pass
+    // through the subscriber's layers on the connection's path.
+    let client_ip = origin
+        .client
+        .as_ref()
+        .and_then(|client| client.remote.ip())
+        .map(field::display);
+    let client_identity = origin.client.as_ref().map(|client| client.subject.as_str());
     let span = tracing::info_span!(
         target: SPAN_TARGET,
         "tunnel.connection",
@@ -127,9 +135,9 @@ pub fn connection_span(server_id: &str, address: &str, origin: &DialOrigin) -> S
         network.transport = "tcp",
         server.address = host,
         server.port = port,
-        client.address = field::Empty,
+        client.address = client_ip,
         cluster_proxy.frontend = origin.frontend,
-        cluster_proxy.client_identity = field::Empty,
+        cluster_proxy.client_identity = client_identity,
         cluster_proxy.server_id = server_id,
         cluster_proxy.strategy = field::Empty,
         cluster_proxy.cluster = field::Empty,
@@ -147,12 +155,6 @@ pub fn connection_span(server_id: &str, address: &str, origin: &DialOrigin) -> S
     }
     if let Some(trace) = &origin.trace {
         trace.make_parent_of(&span);
-    }
-    if let Some(client) = &origin.client {
-        if let Some(ip) = client.remote.ip() {
-            span.record("client.address", field::display(ip));
-        }
-        span.record("cluster_proxy.client_identity", client.subject.as_str());
     }
     span
 }
@@ -252,7 +254,12 @@ impl Dialer {
         if !span.is_disabled() {
             span.record("cluster_proxy.strategy", strategy.name());
             span.record("cluster_proxy.agent_id", tunnel.agent_id());
-            span.record("cluster_proxy.tunnel", tunnel.id());
+            // As i64: OpenTelemetry has no unsigned integers, and the layer
+            // would format a u64 into a string.
+            span.record(
+                "cluster_proxy.tunnel",
+                crate::conn_trace::saturating_i64(tunnel.id()),
+            );
             if let Some(cluster) = tunnel.cluster() {
                 span.record("cluster_proxy.cluster", cluster.as_str());
             }

@@ -34,7 +34,8 @@ use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::trace::{
     BatchConfigBuilder, BatchSpanProcessor, Sampler, SdkTracerProvider,
 };
-use tracing::Subscriber;
+use tracing::{Level, Subscriber};
+use tracing_subscriber::filter::Targets;
 use tracing_subscriber::fmt::format::Writer;
 use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields};
 use tracing_subscriber::layer::SubscriberExt;
@@ -400,11 +401,7 @@ pub fn init(
         });
     // The connection spans (target SPAN_TARGET) go to the exporter only; the
     // log output keeps its own filter.
-    let export_filter = EnvFilter::new(format!(
-        "{},{}=info",
-        filter_for_verbosity(verbosity),
-        cluster_proxy_proto::trace::SPAN_TARGET
-    ));
+    let export_filter = export_targets(&filter_for_verbosity(verbosity));
     let installed = tracing_subscriber::registry()
         .with(fmt.with_filter(filter))
         .with(span_layer(tracer).with_filter(export_filter))
@@ -430,10 +427,7 @@ pub fn export_dispatch(
         return Ok(None);
     };
     let (provider, export_runtime) = tracer_provider(config, endpoint)?;
-    let layer = span_layer(provider.tracer("cluster-proxy")).with_filter(EnvFilter::new(format!(
-        "off,{}=info",
-        cluster_proxy_proto::trace::SPAN_TARGET
-    )));
+    let layer = span_layer(provider.tracer("cluster-proxy")).with_filter(export_targets("off"));
     let dispatch = tracing::Dispatch::new(tracing_subscriber::registry().with(layer));
     Ok(Some((
         dispatch,
@@ -444,13 +438,30 @@ pub fn export_dispatch(
     )))
 }
 
+/// What the exporting layer sees: `directives` (`target=level`, as
+/// [`filter_for_verbosity`] writes them) and the connection and reconcile
+/// spans ([`cluster_proxy_proto::trace::SPAN_TARGET`]). A static target
+/// filter rather than an `EnvFilter`: an `EnvFilter` beside a layer takes a
+/// lock on every record, enter and close of every span it lets through, and
+/// a connection span has a dozen of those.
+fn export_targets(directives: &str) -> Targets {
+    directives
+        .parse::<Targets>()
+        .unwrap_or_else(|_| Targets::new())
+        .with_target(cluster_proxy_proto::trace::SPAN_TARGET, Level::INFO)
+}
+
 /// The layer that turns spans into OpenTelemetry spans. Without the
 /// source location (`code.*`), thread (`thread.*`) and busy/idle-time
 /// attributes the layer adds by default: a connection span is made for
 /// every tunneled connection, and each of those costs allocations and
 /// clock reads per span (the inactivity tracking, per poll) on the data
 /// path and bytes on the wire, and says nothing the span's name and
-/// attributes do not.
+/// attributes do not. Without context activation either: nothing here reads
+/// OpenTelemetry's thread-local current context (parents come from the
+/// `tracing` span tree and [`cluster_proxy_proto::trace`]), and activating
+/// it costs a lock, a context clone and two stack operations per poll of
+/// every instrumented future.
 fn span_layer<S>(
     tracer: opentelemetry_sdk::trace::Tracer,
 ) -> tracing_opentelemetry::OpenTelemetryLayer<S, opentelemetry_sdk::trace::Tracer>
@@ -462,6 +473,7 @@ where
         .with_location(false)
         .with_threads(false)
         .with_tracked_inactivity(false)
+        .with_context_activation(false)
 }
 
 /// The span of one reconcile of a controller (`reconcile`), named after
@@ -710,7 +722,15 @@ mod tests {
             .expect("an exporter without an ambient runtime")
             .expect("an endpoint");
         assert!(telemetry.exporting());
-        assert!(export_threads() >= 1, "no otel-export thread");
+        // The new thread names itself once it runs: wait for that.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while export_threads() == 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no otel-export thread"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
         tracing::dispatcher::with_default(&dispatch, || {
             let span =
                 tracing::info_span!(target: cluster_proxy_proto::trace::SPAN_TARGET, "test.span");
