@@ -10,7 +10,7 @@
 
 use std::time::{Duration, Instant};
 
-use cluster_proxy_proto::trace::TraceHeaders;
+use cluster_proxy_proto::trace::{TraceHeaders, record_fields};
 use cluster_proxy_runtime::telemetry::{self, SamplerChoice, TelemetryConfig};
 use e2e::loadgen::{knob, process_usage};
 use proxy_server::dial::{DialOrigin, connection_span};
@@ -28,19 +28,35 @@ fn one_span(parent: &TraceHeaders) -> Option<TraceHeaders> {
         trace: Some(parent.clone()),
     };
     let span = connection_span("server-1", "bench:8080", &origin);
-    span.record("cluster_proxy.strategy", "destHost");
-    span.record("cluster_proxy.agent_id", "bench-agent");
-    span.record("cluster_proxy.tunnel", 7i64);
-    span.record("cluster_proxy.cluster", "bench");
+    // Recorded in the same passes as the server records them.
+    record_fields(
+        &span,
+        [
+            ("cluster_proxy.strategy", Some(&"destHost")),
+            ("cluster_proxy.agent_id", Some(&"bench-agent")),
+            ("cluster_proxy.tunnel", Some(&7i64)),
+            ("cluster_proxy.cluster", Some(&"bench")),
+        ],
+    );
     let headers = TraceHeaders::from_span(&span);
-    span.record("cluster_proxy.connect_id", 42i64);
-    span.record("cluster_proxy.dial_latency_ms", 0.4f64);
     {
         let _entered = span.enter();
     }
-    span.record("cluster_proxy.bytes_to_agent", 1i64);
-    span.record("cluster_proxy.bytes_from_agent", 1i64);
-    span.record("cluster_proxy.end_reason", "client_close");
+    record_fields(
+        &span,
+        [
+            ("cluster_proxy.dial_latency_ms", Some(&0.4f64)),
+            ("cluster_proxy.connect_id", Some(&42i64)),
+        ],
+    );
+    record_fields(
+        &span,
+        [
+            ("cluster_proxy.bytes_to_agent", Some(&1i64)),
+            ("cluster_proxy.bytes_from_agent", Some(&1i64)),
+            ("cluster_proxy.end_reason", Some(&"client_close")),
+        ],
+    );
     headers
 }
 

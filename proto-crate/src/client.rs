@@ -85,8 +85,13 @@ impl TunnelClient {
         );
         let result = self.dial_in(address, &span).instrument(span.clone()).await;
         if let Err(e) = &result {
-            span.record("otel.status_code", "ERROR");
-            span.record("error.message", tracing::field::display(e));
+            crate::trace::record_fields(
+                &span,
+                [
+                    ("otel.status_code", Some(&"ERROR")),
+                    ("error.message", Some(&tracing::field::display(e))),
+                ],
+            );
         }
         result
     }

@@ -219,9 +219,85 @@ impl From<TraceHeaders> for crate::konnectivity::TraceContext {
     }
 }
 
+/// Records several fields of `span` in one pass through the subscriber:
+/// each `Span::record` is a pass of its own, through every layer and its
+/// filter, and a connection span has a dozen fields to fill in. A `None`
+/// value, or a name the span does not declare, records nothing.
+pub fn record_fields<const N: usize>(
+    span: &tracing::Span,
+    values: [(&str, Option<&dyn tracing::Value>); N],
+) {
+    // A disabled span has no metadata: nothing to record.
+    let Some(metadata) = span.metadata() else {
+        return;
+    };
+    let fields = metadata.fields();
+    let Some(placeholder) = fields.iter().next() else {
+        return;
+    };
+    let declared: [Option<tracing::field::Field>; N] =
+        std::array::from_fn(|i| fields.field(values[i].0));
+    let entries: [(&tracing::field::Field, Option<&dyn tracing::Value>); N] =
+        std::array::from_fn(|i| match &declared[i] {
+            Some(field) => (field, values[i].1),
+            None => (&placeholder, None),
+        });
+    span.record_all(&fields.value_set(&entries));
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn record_fields_records_every_value_in_one_pass() {
+        use std::sync::{Arc, Mutex};
+        use tracing_subscriber::layer::SubscriberExt;
+
+        #[derive(Clone, Default)]
+        struct Passes(Arc<Mutex<Vec<Vec<String>>>>);
+        struct Names<'a>(&'a mut Vec<String>);
+        impl tracing::field::Visit for Names<'_> {
+            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                self.0.push(format!("{}={value:?}", field.name()));
+            }
+        }
+        impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Passes {
+            fn on_record(
+                &self,
+                _: &tracing::span::Id,
+                values: &tracing::span::Record<'_>,
+                _: tracing_subscriber::layer::Context<'_, S>,
+            ) {
+                let mut names = Vec::new();
+                values.record(&mut Names(&mut names));
+                self.0.lock().unwrap().push(names);
+            }
+        }
+        let passes = Passes::default();
+        let subscriber = tracing_subscriber::registry().with(passes.clone());
+        tracing::subscriber::with_default(subscriber, || {
+            let span = tracing::info_span!(
+                "s",
+                a = tracing::field::Empty,
+                b = tracing::field::Empty,
+                c = tracing::field::Empty
+            );
+            record_fields(
+                &span,
+                [
+                    ("a", Some(&1i64)),
+                    ("not_declared", Some(&2i64)),
+                    ("b", None),
+                    ("c", Some(&"x")),
+                ],
+            );
+            // A disabled span: nothing, and no panic.
+            record_fields(&tracing::Span::none(), [("a", Some(&1i64))]);
+        });
+        let passes = passes.0.lock().unwrap().clone();
+        assert_eq!(passes, vec![vec!["a=1".to_owned(), "c=\"x\"".to_owned()]]);
+    }
 
     const VALID: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
 

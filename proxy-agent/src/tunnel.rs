@@ -23,7 +23,7 @@ use cluster_proxy_proto::flow::{
     FlowError, READ_CHUNK, ReceiveQueue, ReceiveQueueRx, SendCredit, Stray, StrayIds, WindowTracker,
 };
 use cluster_proxy_proto::packet::{self, Frame, PROTOCOL_TCP};
-use cluster_proxy_proto::trace::{SPAN_TARGET, TraceHeaders};
+use cluster_proxy_proto::trace::{SPAN_TARGET, TraceHeaders, record_fields};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::Notify;
@@ -352,21 +352,32 @@ impl Tunnel {
         self.metrics
             .dial_duration
             .observe(started.elapsed().as_secs_f64());
-        span.record(
-            "cluster_proxy.dial_latency_ms",
-            started.elapsed().as_secs_f64() * 1e3,
-        );
+        let latency_ms = started.elapsed().as_secs_f64() * 1e3;
         let tcp = match result {
             Ok(tcp) => {
-                if let Ok(peer) = tcp.peer_addr() {
-                    span.record("network.peer.address", field::display(peer.ip()));
-                }
+                let peer = tcp.peer_addr().ok().map(|peer| field::display(peer.ip()));
+                record_fields(
+                    &span,
+                    [
+                        ("cluster_proxy.dial_latency_ms", Some(&latency_ms)),
+                        (
+                            "network.peer.address",
+                            peer.as_ref().map(|p| p as &dyn tracing::Value),
+                        ),
+                    ],
+                );
                 tcp
             }
             Err(e) => {
-                span.record("otel.status_code", "ERROR");
-                span.record("cluster_proxy.end_reason", e.reason.label());
-                span.record("error.message", e.message.as_str());
+                record_fields(
+                    &span,
+                    [
+                        ("cluster_proxy.dial_latency_ms", Some(&latency_ms)),
+                        ("otel.status_code", Some(&"ERROR")),
+                        ("cluster_proxy.end_reason", Some(&e.reason.label())),
+                        ("error.message", Some(&e.message.as_str())),
+                    ],
+                );
                 self.tables().pending.remove(&random);
                 self.metrics.dial_failed(e.reason);
                 tracing::info!(parent: &span, %server_id, random, %address, error = %e, "endpoint dial failed");
@@ -499,19 +510,27 @@ impl Tunnel {
         self.tables().conns.remove(&connect_id);
         credit.close();
         let server_id = &self.params.server_id;
-        span.record(
-            "cluster_proxy.end_reason",
-            match &end {
-                End::TargetEof => "target_close",
-                End::TargetError(_) => "target_error",
-                End::CloseRequested => "server_close",
-                End::Aborted => "aborted",
-                End::TunnelGone => "tunnel_closed",
-            },
+        let reason = match &end {
+            End::TargetEof => "target_close",
+            End::TargetError(_) => "target_error",
+            End::CloseRequested => "server_close",
+            End::Aborted => "aborted",
+            End::TunnelGone => "tunnel_closed",
+        };
+        let error = match &end {
+            End::TargetError(e) => Some(e.as_str()),
+            _ => None,
+        };
+        record_fields(
+            span,
+            [
+                ("cluster_proxy.end_reason", Some(&reason)),
+                (
+                    "error.message",
+                    error.as_ref().map(|e| e as &dyn tracing::Value),
+                ),
+            ],
         );
-        if let End::TargetError(e) = &end {
-            span.record("error.message", e.as_str());
-        }
         // An explicit parent rather than entering the span: entering costs
         // a pass through every layer even when the event is filtered out.
         match &end {

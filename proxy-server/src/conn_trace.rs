@@ -9,6 +9,7 @@
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
+use cluster_proxy_proto::trace::record_fields;
 use tracing::Span;
 
 /// How a connection ended, as the span's `cluster_proxy.end_reason` says it.
@@ -91,23 +92,23 @@ impl Drop for ConnTrace {
         if span.is_disabled() || !self.established.load(Ordering::Relaxed) {
             return;
         }
-        span.record(
-            "cluster_proxy.bytes_to_agent",
-            saturating_i64(self.bytes_to_agent.load(Ordering::Relaxed)),
-        );
-        span.record(
-            "cluster_proxy.bytes_from_agent",
-            saturating_i64(self.bytes_from_agent.load(Ordering::Relaxed)),
-        );
         let end = self.end.get_mut().unwrap_or_else(|p| p.into_inner()).take();
         let (reason, error) = end.unwrap_or((EndReason::ClientClose, String::new()));
-        span.record("cluster_proxy.end_reason", reason.as_str());
-        if !error.is_empty() {
-            span.record("error.message", error.as_str());
-        }
-        if matches!(reason, EndReason::TunnelClosed | EndReason::ProtocolError) {
-            span.record("otel.status_code", "ERROR");
-        }
+        let failed = matches!(reason, EndReason::TunnelClosed | EndReason::ProtocolError);
+        // As i64: OpenTelemetry's integers are signed (see saturating_i64).
+        let to_agent = saturating_i64(self.bytes_to_agent.load(Ordering::Relaxed));
+        let from_agent = saturating_i64(self.bytes_from_agent.load(Ordering::Relaxed));
+        let error = error.as_str();
+        record_fields(
+            span,
+            [
+                ("cluster_proxy.bytes_to_agent", Some(&to_agent)),
+                ("cluster_proxy.bytes_from_agent", Some(&from_agent)),
+                ("cluster_proxy.end_reason", Some(&reason.as_str())),
+                ("error.message", (!error.is_empty()).then_some(&error as _)),
+                ("otel.status_code", failed.then_some(&"ERROR" as _)),
+            ],
+        );
     }
 }
 

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cluster_proxy_proto::packet;
-use cluster_proxy_proto::trace::{SPAN_TARGET, TraceHeaders};
+use cluster_proxy_proto::trace::{SPAN_TARGET, TraceHeaders, record_fields};
 use http::StatusCode;
 use tokio::sync::oneshot;
 use tracing::{Instrument, Span, field};
@@ -191,16 +191,28 @@ impl Dialer {
             .instrument(span.clone())
             .await;
         let latency = started.elapsed();
-        span.record("cluster_proxy.dial_latency_ms", latency.as_secs_f64() * 1e3);
+        let latency_ms = latency.as_secs_f64() * 1e3;
         match &result {
             Ok(established) => {
-                span.record("cluster_proxy.connect_id", established.connect_id());
+                record_fields(
+                    &span,
+                    [
+                        ("cluster_proxy.dial_latency_ms", Some(&latency_ms)),
+                        ("cluster_proxy.connect_id", Some(&established.connect_id())),
+                    ],
+                );
                 self.metrics.dial_duration.observe(latency.as_secs_f64())
             }
             Err(f) => {
-                span.record("cluster_proxy.end_reason", f.reason());
-                span.record("error.message", f.message().as_str());
-                span.record("otel.status_code", "ERROR");
+                record_fields(
+                    &span,
+                    [
+                        ("cluster_proxy.dial_latency_ms", Some(&latency_ms)),
+                        ("cluster_proxy.end_reason", Some(&f.reason())),
+                        ("error.message", Some(&f.message().as_str())),
+                        ("otel.status_code", Some(&"ERROR")),
+                    ],
+                );
                 // A span event only: SPAN_TARGET is never logged.
                 let event = match f {
                     DialFailure::Timeout(_) => "dial timeout",
@@ -251,19 +263,24 @@ impl Dialer {
                 client.subject
             )));
         }
-        if !span.is_disabled() {
-            span.record("cluster_proxy.strategy", strategy.name());
-            span.record("cluster_proxy.agent_id", tunnel.agent_id());
-            // As i64: OpenTelemetry has no unsigned integers, and the layer
-            // would format a u64 into a string.
-            span.record(
-                "cluster_proxy.tunnel",
-                crate::conn_trace::saturating_i64(tunnel.id()),
-            );
-            if let Some(cluster) = tunnel.cluster() {
-                span.record("cluster_proxy.cluster", cluster.as_str());
-            }
-        }
+        let cluster = tunnel.cluster().map(|cluster| cluster.as_str());
+        record_fields(
+            span,
+            [
+                ("cluster_proxy.strategy", Some(&strategy.name())),
+                ("cluster_proxy.agent_id", Some(&tunnel.agent_id())),
+                // As i64: OpenTelemetry has no unsigned integers, and the
+                // layer would format a u64 into a string.
+                (
+                    "cluster_proxy.tunnel",
+                    Some(&crate::conn_trace::saturating_i64(tunnel.id())),
+                ),
+                (
+                    "cluster_proxy.cluster",
+                    cluster.as_ref().map(|c| c as &dyn tracing::Value),
+                ),
+            ],
+        );
         let trace = tunnel
             .accepts_trace_context()
             .then(|| TraceHeaders::from_span(span))
