@@ -462,7 +462,7 @@ fn export_targets(directives: &str) -> Targets {
 /// `tracing` span tree and [`cluster_proxy_proto::trace`]), and activating
 /// it costs a lock, a context clone and two stack operations per poll of
 /// every instrumented future.
-fn span_layer<S>(
+pub fn span_layer<S>(
     tracer: opentelemetry_sdk::trace::Tracer,
 ) -> tracing_opentelemetry::OpenTelemetryLayer<S, opentelemetry_sdk::trace::Tracer>
 where
