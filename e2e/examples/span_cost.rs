@@ -10,55 +10,9 @@
 
 use std::time::{Duration, Instant};
 
-use cluster_proxy_proto::trace::{TraceHeaders, record_fields};
 use cluster_proxy_runtime::telemetry::{self, SamplerChoice, TelemetryConfig};
 use e2e::loadgen::{knob, process_usage};
-use proxy_server::dial::{DialOrigin, connection_span};
-use proxy_server::listener::{PeerInfo, Remote};
-
-fn one_span(parent: &TraceHeaders) -> Option<TraceHeaders> {
-    let origin = DialOrigin {
-        frontend: "grpc",
-        client: Some(std::sync::Arc::new(PeerInfo {
-            remote: Remote::Tcp(([127, 0, 0, 1], 40000).into()),
-            subject: "CN=client".to_owned(),
-            cluster: None,
-            identity_error: None,
-        })),
-        trace: Some(parent.clone()),
-    };
-    let span = connection_span("server-1", "bench:8080", &origin);
-    // Recorded in the same passes as the server records them.
-    record_fields(
-        &span,
-        [
-            ("cluster_proxy.strategy", Some(&"destHost")),
-            ("cluster_proxy.agent_id", Some(&"bench-agent")),
-            ("cluster_proxy.tunnel", Some(&7i64)),
-            ("cluster_proxy.cluster", Some(&"bench")),
-        ],
-    );
-    let headers = TraceHeaders::from_span(&span);
-    {
-        let _entered = span.enter();
-    }
-    record_fields(
-        &span,
-        [
-            ("cluster_proxy.dial_latency_ms", Some(&0.4f64)),
-            ("cluster_proxy.connect_id", Some(&42i64)),
-        ],
-    );
-    record_fields(
-        &span,
-        [
-            ("cluster_proxy.bytes_to_agent", Some(&1i64)),
-            ("cluster_proxy.bytes_from_agent", Some(&1i64)),
-            ("cluster_proxy.end_reason", Some(&"client_close")),
-        ],
-    );
-    headers
-}
+use e2e::span_shapes::{grpc_origin, sampled_parent, server_connection_span};
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> anyhow::Result<()> {
@@ -75,10 +29,7 @@ async fn main() -> anyhow::Result<()> {
     };
     let (dispatch, telemetry) =
         telemetry::export_dispatch(&config)?.ok_or_else(|| anyhow::anyhow!("no endpoint"))?;
-    let parent = TraceHeaders {
-        traceparent: "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into(),
-        tracestate: String::new(),
-    };
+    let origin = grpc_origin(&sampled_parent());
     // Spans are made in chunks that fit the export queue, each chunk once
     // the receiver has the previous one, so none is dropped; the cost is
     // this process's CPU time (span code, the exporter's encoding and the
@@ -90,11 +41,14 @@ async fn main() -> anyhow::Result<()> {
     let mut made = 0;
     while made < count {
         let dispatch = dispatch.clone();
-        let parent = parent.clone();
+        let origin = origin.clone();
         tokio::task::spawn_blocking(move || {
             tracing::dispatcher::with_default(&dispatch, || {
                 for _ in 0..chunk {
-                    assert!(one_span(&parent).is_some(), "no context to send on");
+                    assert!(
+                        server_connection_span(&origin).is_some(),
+                        "no context to send on"
+                    );
                 }
             })
         })

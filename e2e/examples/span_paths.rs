@@ -3,8 +3,7 @@
 //! processor that only counts (no export, no receiver):
 //!
 //! - `layer`: the `tracing` span through the services' OpenTelemetry layer,
-//!   recorded as the server records it (creation, three `record_fields`
-//!   passes, the context for the agent, one enter);
+//!   recorded as the server records it ([`e2e::span_shapes`]);
 //! - `sdk`: the same span built once, at the connection's end, from its
 //!   final state with the OpenTelemetry SDK (what a connection span made
 //!   outside `tracing` would cost).
@@ -19,15 +18,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime};
 
-use cluster_proxy_proto::trace::{TraceHeaders, record_fields};
+use cluster_proxy_proto::trace::TraceHeaders;
 use cluster_proxy_runtime::telemetry::span_layer;
 use e2e::loadgen::{knob, process_usage};
+use e2e::span_shapes::{grpc_origin, sampled_parent, server_connection_span};
 use opentelemetry::trace::{SpanKind, TraceContextExt as _, Tracer, TracerProvider as _};
 use opentelemetry::{Context, KeyValue};
 use opentelemetry_sdk::error::OTelSdkResult;
 use opentelemetry_sdk::trace::{Sampler, SdkTracerProvider, SpanData, SpanProcessor};
-use proxy_server::dial::{DialOrigin, connection_span};
-use proxy_server::listener::{PeerInfo, Remote};
 use tracing_subscriber::layer::SubscriberExt;
 
 /// Counts the spans that end; exports nothing.
@@ -45,53 +43,6 @@ impl SpanProcessor for Counting {
     fn shutdown_with_timeout(&self, _: Duration) -> OTelSdkResult {
         Ok(())
     }
-}
-
-fn origin(parent: &TraceHeaders) -> DialOrigin {
-    DialOrigin {
-        frontend: "grpc",
-        client: Some(Arc::new(PeerInfo {
-            remote: Remote::Tcp(([127, 0, 0, 1], 40000).into()),
-            subject: "CN=client".to_owned(),
-            cluster: None,
-            identity_error: None,
-        })),
-        trace: Some(parent.clone()),
-    }
-}
-
-/// The server's span through `tracing`, as `proxy_server::dial` records it.
-fn through_layer(origin: &DialOrigin) -> Option<TraceHeaders> {
-    let span = connection_span("server-1", "bench:8080", origin);
-    record_fields(
-        &span,
-        [
-            ("cluster_proxy.strategy", Some(&"destHost")),
-            ("cluster_proxy.agent_id", Some(&"bench-agent")),
-            ("cluster_proxy.tunnel", Some(&7i64)),
-            ("cluster_proxy.cluster", Some(&"bench")),
-        ],
-    );
-    let headers = TraceHeaders::from_span(&span);
-    {
-        let _entered = span.enter();
-    }
-    record_fields(
-        &span,
-        [
-            ("cluster_proxy.dial_latency_ms", Some(&0.4f64)),
-            ("cluster_proxy.connect_id", Some(&42i64)),
-        ],
-    );
-    record_fields(
-        &span,
-        [
-            ("cluster_proxy.bytes_to_agent", Some(&1i64)),
-            ("cluster_proxy.bytes_from_agent", Some(&1i64)),
-            ("cluster_proxy.end_reason", Some(&"client_close")),
-        ],
-    );
-    headers
 }
 
 /// The same span, its ids made when the dial starts (the agent needs the
@@ -142,17 +93,17 @@ fn main() -> anyhow::Result<()> {
         .with_span_processor(Counting(ended.clone()))
         .with_sampler(Sampler::AlwaysOn)
         .build();
-    let parent = TraceHeaders {
-        traceparent: "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into(),
-        tracestate: String::new(),
-    };
+    let parent = sampled_parent();
 
     let subscriber = tracing_subscriber::registry().with(span_layer(provider.tracer("bench")));
-    let origin = origin(&parent);
+    let origin = grpc_origin(&parent);
     let layer_cpu = tracing::subscriber::with_default(subscriber, || {
         let before = cpu_seconds();
         for _ in 0..count {
-            anyhow::ensure!(through_layer(&origin).is_some(), "no context for the agent");
+            anyhow::ensure!(
+                server_connection_span(&origin).is_some(),
+                "no context for the agent"
+            );
         }
         Ok(cpu_seconds() - before)
     })?;

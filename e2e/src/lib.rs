@@ -13,4 +13,5 @@ pub mod otlp;
 pub mod pki;
 pub mod processes;
 pub mod replicas;
+pub mod span_shapes;
 pub mod targets;

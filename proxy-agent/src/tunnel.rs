@@ -510,16 +510,12 @@ impl Tunnel {
         self.tables().conns.remove(&connect_id);
         credit.close();
         let server_id = &self.params.server_id;
-        let reason = match &end {
-            End::TargetEof => "target_close",
-            End::TargetError(_) => "target_error",
-            End::CloseRequested => "server_close",
-            End::Aborted => "aborted",
-            End::TunnelGone => "tunnel_closed",
-        };
-        let error = match &end {
-            End::TargetError(e) => Some(e.as_str()),
-            _ => None,
+        let (reason, error) = match &end {
+            End::TargetEof => ("target_close", None),
+            End::TargetError(e) => ("target_error", Some(e.as_str())),
+            End::CloseRequested => ("server_close", None),
+            End::Aborted => ("aborted", None),
+            End::TunnelGone => ("tunnel_closed", None),
         };
         record_fields(
             span,
