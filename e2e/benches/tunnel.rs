@@ -14,6 +14,7 @@ use std::pin::Pin;
 use std::time::{Duration, Instant};
 
 use cluster_proxy_proto::identity::ClusterName;
+use cluster_proxy_proto::trace::BoxedTracer;
 use cluster_proxy_runtime::telemetry::{self, SamplerChoice, TelemetryConfig};
 use e2e::env::binaries::{Binaries, Progress};
 use e2e::harness::{http_connect, test_server_config, tunnel_client};
@@ -140,10 +141,20 @@ async fn idle_bytes_per_connection(path: &Path, port: u16, count: u64) -> f64 {
 /// The two ways through a server's client port to cluster `bench`: a held
 /// gRPC client connection (one stream per dial) and HTTP CONNECT (a new
 /// mTLS connection per dial).
-async fn tunnel_paths(pki: &TestPki, client_addr: std::net::SocketAddr) -> [Path; 2] {
+/// The gRPC and CONNECT paths to the server at `client_addr`; gRPC dials
+/// are traced with `tracer` when given.
+async fn tunnel_paths(
+    pki: &TestPki,
+    client_addr: std::net::SocketAddr,
+    tracer: Option<BoxedTracer>,
+) -> [Path; 2] {
     let grpc = tunnel_client(pki.client_tls().expect("tls"), client_addr)
         .await
         .expect("grpc client");
+    let grpc = match tracer {
+        Some(tracer) => grpc.with_tracer(tracer),
+        None => grpc,
+    };
     let connect_tls = pki
         .client_tls_alpn(&[cluster_proxy_proto::transport::ALPN_HTTP11])
         .expect("tls");
@@ -193,7 +204,7 @@ fn main() {
 /// processes, one without an OTLP endpoint, one whose processes export every
 /// span (`OTEL_TRACES_SAMPLER=always_on`) to a collector in this process
 /// that only counts them (the least a receiver does). The clients run here:
-/// the "on" clients on a runtime whose threads export their `tunnel.dial`
+/// the "on" clients on a runtime of their own, exporting their `tunnel.dial`
 /// spans too. Each of `CP_BENCH_ROUNDS` rounds measures every figure on
 /// both pairs, in alternating order, so drift in this machine's speed hits
 /// both alike. Reports the median of the per-round ratios and the spread,
@@ -219,28 +230,19 @@ fn compare_tracing(runtime: &tokio::runtime::Runtime) {
         sampler: SamplerChoice::parse(Some(&sampler), None).expect("CP_BENCH_SAMPLER"),
         ..config
     };
-    let (dispatch, telemetry) = {
+    let (_, telemetry) = {
         let _entered = runtime.enter();
         telemetry::export_dispatch(&config)
             .expect("telemetry")
             .expect("an endpoint")
     };
-    let client_dispatch = traces("client").then_some(dispatch);
-    // With a single registered dispatcher, tracing computes a callsite's
-    // interest from the subscriber of the thread that first hits it: the
-    // off clients would then disable the dial spans for good. A second
-    // registered (no-op) dispatcher makes it ask both.
-    let _second_dispatcher = tracing::Dispatch::new(tracing::subscriber::NoSubscriber::default());
-    // Every thread of this runtime (workers and blocking threads) exports;
-    // the thread-local default lives as long as the thread, so its guard
-    // is deliberately never dropped.
+    let client_tracer = traces("client")
+        .then(|| telemetry.connection_tracer())
+        .flatten();
+    // The "on" side's clients, targets and tasks run on a runtime of their
+    // own, so that each side's work stays on its own threads.
     let traced = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
-        .on_thread_start(move || {
-            if let Some(dispatch) = &client_dispatch {
-                std::mem::forget(tracing::dispatcher::set_default(dispatch));
-            }
-        })
         .build()
         .expect("tokio runtime");
 
@@ -296,8 +298,8 @@ fn compare_tracing(runtime: &tokio::runtime::Runtime) {
     let off_targets = runtime.block_on(targets());
     let on_targets = traced.block_on(targets());
     let _cpu_latency = hold_cpu_latency();
-    let off_paths = runtime.block_on(tunnel_paths(&pki, off.client_addr()));
-    let on_paths = traced.block_on(tunnel_paths(&pki, on.client_addr()));
+    let off_paths = runtime.block_on(tunnel_paths(&pki, off.client_addr(), None));
+    let on_paths = traced.block_on(tunnel_paths(&pki, on.client_addr(), client_tracer));
     let bytes = mib * 1024 * 1024;
     println!(
         "tracing off vs on (proxy-server and proxy-agent as processes), {rounds} rounds alternating; single transfers {mib} MiB, {connects} connects; traced: {traced_parts}, sampler {sampler}"
@@ -466,7 +468,7 @@ async fn setup() -> Setup {
     let bulk = BulkServer::start().await.expect("bulk target");
     let echo = EchoServer::start().await.expect("echo target");
 
-    let [grpc, connect] = tunnel_paths(&pki, server.client_addr).await;
+    let [grpc, connect] = tunnel_paths(&pki, server.client_addr, None).await;
     let paths = [
         Path {
             name: "direct TCP",

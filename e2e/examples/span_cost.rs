@@ -1,8 +1,8 @@
 //! Micro-benchmark: the CPU cost of one connection span (the proxy-server's
-//! own `tunnel.connection` span: remote parent, attributes recorded as the
-//! dial proceeds, context extracted for the agent) with the services' real
-//! OpenTelemetry layer exporting to a counting OTLP receiver in this
-//! process: `CP_SPANS` (100000) spans, none dropped.
+//! own `tunnel.connection` span: remote parent, attributes added as the
+//! dial proceeds, context taken for the agent) with the services' real
+//! exporter sending to a counting OTLP receiver in this process:
+//! `CP_SPANS` (100000) spans, none dropped.
 //!
 //! ```sh
 //! cargo run --release -p e2e --example span_cost
@@ -19,7 +19,7 @@ async fn main() -> anyhow::Result<()> {
     let count = knob("CP_SPANS", 100_000);
     let (collector, addr, stop) = e2e::otlp::Collector::start_counting().await?;
     // `CP_SPAN_SAMPLER=always_off` measures making spans that are not
-    // sampled: the layer's work on the connection's own path, no export.
+    // sampled: the work on the connection's own path, no export.
     let sampler = std::env::var("CP_SPAN_SAMPLER").unwrap_or_else(|_| "always_on".to_owned());
     let exported = sampler == "always_on";
     let config = TelemetryConfig {
@@ -27,8 +27,15 @@ async fn main() -> anyhow::Result<()> {
         sampler: SamplerChoice::parse(Some(&sampler), None)?,
         ..TelemetryConfig::off("span-cost")
     };
-    let (dispatch, telemetry) =
+    let (_, telemetry) =
         telemetry::export_dispatch(&config)?.ok_or_else(|| anyhow::anyhow!("no endpoint"))?;
+    let tracer = telemetry
+        .connection_tracer()
+        .ok_or_else(|| anyhow::anyhow!("no tracer"))?;
+    anyhow::ensure!(
+        cluster_proxy_proto::trace::install_tracer(tracer).is_ok(),
+        "a tracer was already installed"
+    );
     let origin = grpc_origin(&sampled_parent());
     // Spans are made in chunks that fit the export queue, each chunk once
     // the receiver has the previous one, so none is dropped; the cost is
@@ -40,17 +47,14 @@ async fn main() -> anyhow::Result<()> {
     let started = Instant::now();
     let mut made = 0;
     while made < count {
-        let dispatch = dispatch.clone();
         let origin = origin.clone();
         tokio::task::spawn_blocking(move || {
-            tracing::dispatcher::with_default(&dispatch, || {
-                for _ in 0..chunk {
-                    assert!(
-                        server_connection_span(&origin).is_some(),
-                        "no context to send on"
-                    );
-                }
-            })
+            for _ in 0..chunk {
+                assert!(
+                    server_connection_span(&origin).is_some(),
+                    "no context to send on"
+                );
+            }
         })
         .await?;
         made += chunk;

@@ -1,12 +1,14 @@
-//! The proxy-server's connection span as the span benchmarks make it
-//! (`examples/span_cost.rs`, `examples/span_paths.rs`): the server's own
-//! [`connection_span`], for a gRPC client with a remote parent, recorded in
-//! the same passes as `proxy_server::dial` and `conn_trace` record it.
+//! The proxy-server's connection span as the span benchmark
+//! (`examples/span_cost.rs`) makes it: the server's own [`ConnTrace`], for
+//! a gRPC client with a remote parent, taken through the same steps as
+//! `proxy_server::dial` takes it (start, routing, the context for the
+//! agent, the dial result, the end).
 
 use std::sync::Arc;
 
-use cluster_proxy_proto::trace::{TraceHeaders, record_fields};
-use proxy_server::dial::{DialOrigin, connection_span};
+use cluster_proxy_proto::trace::TraceHeaders;
+use proxy_server::conn_trace::ConnTrace;
+use proxy_server::dial::DialOrigin;
 use proxy_server::listener::{PeerInfo, Remote};
 
 /// A sampled remote parent, as a client's `traceparent` brings it.
@@ -31,37 +33,16 @@ pub fn grpc_origin(parent: &TraceHeaders) -> DialOrigin {
     }
 }
 
-/// One whole connection span: made, routed, its context taken for the
-/// agent, dialed, ended. Returns the context the agent would get.
+/// One whole connection span: started, routed, its context taken for the
+/// agent, dialed, one byte each way, ended. Returns the context the agent
+/// would get.
 pub fn server_connection_span(origin: &DialOrigin) -> Option<TraceHeaders> {
-    let span = connection_span("server-1", "bench:8080", origin);
-    record_fields(
-        &span,
-        [
-            ("cluster_proxy.strategy", Some(&"destHost")),
-            ("cluster_proxy.agent_id", Some(&"bench-agent")),
-            ("cluster_proxy.tunnel", Some(&7i64)),
-            ("cluster_proxy.cluster", Some(&"bench")),
-        ],
-    );
-    let headers = TraceHeaders::from_span(&span);
-    {
-        let _entered = span.enter();
-    }
-    record_fields(
-        &span,
-        [
-            ("cluster_proxy.dial_latency_ms", Some(&0.4f64)),
-            ("cluster_proxy.connect_id", Some(&42i64)),
-        ],
-    );
-    record_fields(
-        &span,
-        [
-            ("cluster_proxy.bytes_to_agent", Some(&1i64)),
-            ("cluster_proxy.bytes_from_agent", Some(&1i64)),
-            ("cluster_proxy.end_reason", Some(&"client_close")),
-        ],
-    );
+    let trace = ConnTrace::start("server-1", "bench:8080", origin);
+    trace.routed("destHost", "bench-agent", 7, Some("bench"));
+    let headers = trace.headers();
+    trace.mark_established();
+    trace.dialed(0.4, 42);
+    trace.sent_to_agent(1);
+    trace.received_from_agent(1);
     headers
 }

@@ -8,6 +8,7 @@
 //! once the agent has flushed what was written.
 
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -24,9 +25,11 @@ use crate::Packet;
 use crate::flow::READ_CHUNK;
 use crate::konnectivity::proxy_service_client::ProxyServiceClient;
 use crate::packet::{self, Frame};
-use crate::trace::TraceHeaders;
+use crate::trace::{DirectSpan, TraceHeaders};
 use crate::transport::MAX_MESSAGE_SIZE;
-use tracing::Instrument;
+use opentelemetry::KeyValue;
+use opentelemetry::global::BoxedTracer;
+use opentelemetry::trace::SpanKind;
 
 /// Default time to wait for the agent's dial response (upstream's backstop).
 pub const DEFAULT_DIAL_TIMEOUT: Duration = Duration::from_secs(30);
@@ -50,6 +53,9 @@ pub enum DialError {
 pub struct TunnelClient {
     grpc: ProxyServiceClient<Channel>,
     dial_timeout: Duration,
+    /// The tracer of this client's dial spans, when not the process's
+    /// ([`crate::trace::install_tracer`]).
+    tracer: Option<Arc<BoxedTracer>>,
 }
 
 impl TunnelClient {
@@ -59,7 +65,16 @@ impl TunnelClient {
                 .max_decoding_message_size(MAX_MESSAGE_SIZE)
                 .max_encoding_message_size(MAX_MESSAGE_SIZE),
             dial_timeout: DEFAULT_DIAL_TIMEOUT,
+            tracer: None,
         }
+    }
+
+    /// Makes this client's dial spans with `tracer` instead of the
+    /// process's tracer (`cluster_proxy_runtime::telemetry::init` installs
+    /// that one; without either, dials are not traced).
+    pub fn with_tracer(mut self, tracer: BoxedTracer) -> Self {
+        self.tracer = Some(Arc::new(tracer));
+        self
     }
 
     pub fn with_dial_timeout(mut self, timeout: Duration) -> Self {
@@ -71,35 +86,42 @@ impl TunnelClient {
     /// cluster or a service the agent serves).
     ///
     /// The dial is a client span (`tunnel.dial`, a child of the caller's
-    /// current span when there is one); its W3C trace context goes to the
-    /// server in the stream's metadata, so the server's and the agent's spans
-    /// join the same trace when an OpenTelemetry layer is installed.
+    /// current `tracing` span when an OpenTelemetry layer records it); its
+    /// W3C trace context goes to the server in the stream's metadata, so the
+    /// server's and the agent's spans join the same trace. It is made with
+    /// the OpenTelemetry API directly ([`DirectSpan`]): the dial is on the
+    /// connection's path, and a `tracing` span costs a pass through every
+    /// layer per creation, record, poll and close.
     pub async fn dial(&self, address: &str) -> Result<TunnelStream, DialError> {
-        let span = tracing::info_span!(
-            target: crate::trace::SPAN_TARGET,
-            "tunnel.dial",
-            otel.kind = "client",
-            otel.status_code = tracing::field::Empty,
-            server.address = address,
-            error.message = tracing::field::Empty,
-        );
-        let result = self.dial_in(address, &span).instrument(span.clone()).await;
+        let mut span = self.dial_span(address);
+        let result = self.dial_in(address, span.headers()).await;
         if let Err(e) = &result {
-            crate::trace::record_fields(
-                &span,
-                [
-                    ("otel.status_code", Some(&"ERROR")),
-                    ("error.message", Some(&tracing::field::display(e))),
-                ],
-            );
+            span.fail(&e.to_string());
         }
         result
+    }
+
+    fn dial_span(&self, address: &str) -> DirectSpan {
+        let tracer = match self.tracer.as_deref() {
+            Some(tracer) => tracer,
+            None => match DirectSpan::installed_tracer() {
+                Some(tracer) => tracer,
+                None => return DirectSpan::disabled(),
+            },
+        };
+        let parent = {
+            use tracing_opentelemetry::OpenTelemetrySpanExt;
+            tracing::Span::current().context()
+        };
+        let mut span = DirectSpan::start_with(tracer, "tunnel.dial", SpanKind::Client, &parent);
+        span.set_attributes(|| [KeyValue::new("server.address", address.to_owned())]);
+        span
     }
 
     async fn dial_in(
         &self,
         address: &str,
-        span: &tracing::Span,
+        trace: Option<TraceHeaders>,
     ) -> Result<TunnelStream, DialError> {
         let (requests, request_rx) = mpsc::channel::<Packet>(16);
         // Non-negative and non-zero, like the Go client's rand.Int63().
@@ -107,7 +129,7 @@ impl TunnelClient {
         // The channel has room: this cannot fail before the stream starts.
         let _ = requests.try_send(packet::dial_request(address, random));
         let mut request = tonic::Request::new(ReceiverStream::new(request_rx));
-        if let Some(trace) = TraceHeaders::from_span(span) {
+        if let Some(trace) = trace {
             trace.insert_into_metadata(request.metadata_mut());
         }
         let mut responses = self.grpc.clone().proxy(request).await?.into_inner();

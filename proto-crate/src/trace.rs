@@ -15,10 +15,17 @@ use std::str::FromStr;
 
 use opentelemetry::trace::{SpanContext, SpanId, TraceContextExt, TraceFlags, TraceId, TraceState};
 
-/// The `tracing` target of the spans that make up a connection's trace
-/// (client dial, server connection, agent dial). Log filters leave it off,
-/// so with no exporter these spans are disabled and cost nothing; the
-/// OpenTelemetry layer enables it (`cluster_proxy_runtime::telemetry`).
+pub mod direct;
+
+pub use direct::{DirectSpan, install_tracer};
+pub use opentelemetry::global::BoxedTracer;
+
+/// The `tracing` target of the spans exported but never logged (the
+/// controllers' reconciles, the health-prober's rounds and probes). Log
+/// filters leave it off, so with no exporter these spans are disabled and
+/// cost nothing; the OpenTelemetry layer enables it
+/// (`cluster_proxy_runtime::telemetry`). The connection spans themselves
+/// are [`DirectSpan`]s.
 pub const SPAN_TARGET: &str = "cluster_proxy_trace";
 
 /// The W3C header / gRPC metadata key of the parent span.
@@ -99,8 +106,12 @@ impl TraceHeaders {
     /// The headers that make a receiver's span a child of `context`'s span;
     /// `None` when it has no valid span (tracing off, or not sampled in).
     pub fn from_context(context: &opentelemetry::Context) -> Option<Self> {
-        let span = context.span();
-        let span_context = span.span_context();
+        Self::from_span_context(context.span().span_context())
+    }
+
+    /// The headers that make a receiver's span a child of the span with
+    /// `span_context`; `None` when it is not valid.
+    pub fn from_span_context(span_context: &SpanContext) -> Option<Self> {
         if !span_context.is_valid() {
             return None;
         }
@@ -113,13 +124,6 @@ impl TraceHeaders {
             ),
             tracestate: span_context.trace_state().header(),
         })
-    }
-
-    /// The headers that continue `span`'s trace; `None` when no
-    /// OpenTelemetry layer records it.
-    pub fn from_span(span: &tracing::Span) -> Option<Self> {
-        use tracing_opentelemetry::OpenTelemetrySpanExt;
-        Self::from_context(&span.context())
     }
 
     /// The remote parent these headers name, or `None` when `traceparent` is
@@ -135,16 +139,6 @@ impl TraceHeaders {
             state,
         );
         Some(opentelemetry::Context::new().with_remote_span_context(parent))
-    }
-
-    /// Makes `span` continue the trace these headers name (a no-op when they
-    /// are malformed or no OpenTelemetry layer records the span). Call it
-    /// before the span is first entered.
-    pub fn make_parent_of(&self, span: &tracing::Span) {
-        use tracing_opentelemetry::OpenTelemetrySpanExt;
-        if let Some(parent) = self.to_context() {
-            let _ = span.set_parent(parent);
-        }
     }
 
     /// Reads the headers from gRPC request metadata; `None` without `traceparent`.
@@ -219,85 +213,9 @@ impl From<TraceHeaders> for crate::konnectivity::TraceContext {
     }
 }
 
-/// Records several fields of `span` in one pass through the subscriber:
-/// each `Span::record` is a pass of its own, through every layer and its
-/// filter, and a connection span has a dozen fields to fill in. A `None`
-/// value, or a name the span does not declare, records nothing.
-pub fn record_fields<const N: usize>(
-    span: &tracing::Span,
-    values: [(&str, Option<&dyn tracing::Value>); N],
-) {
-    // A disabled span has no metadata: nothing to record.
-    let Some(metadata) = span.metadata() else {
-        return;
-    };
-    let fields = metadata.fields();
-    let Some(placeholder) = fields.iter().next() else {
-        return;
-    };
-    let declared: [Option<tracing::field::Field>; N] =
-        std::array::from_fn(|i| fields.field(values[i].0));
-    let entries: [(&tracing::field::Field, Option<&dyn tracing::Value>); N] =
-        std::array::from_fn(|i| match &declared[i] {
-            Some(field) => (field, values[i].1),
-            None => (&placeholder, None),
-        });
-    span.record_all(&fields.value_set(&entries));
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn record_fields_records_every_value_in_one_pass() {
-        use std::sync::{Arc, Mutex};
-        use tracing_subscriber::layer::SubscriberExt;
-
-        #[derive(Clone, Default)]
-        struct Passes(Arc<Mutex<Vec<Vec<String>>>>);
-        struct Names<'a>(&'a mut Vec<String>);
-        impl tracing::field::Visit for Names<'_> {
-            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
-                self.0.push(format!("{}={value:?}", field.name()));
-            }
-        }
-        impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Passes {
-            fn on_record(
-                &self,
-                _: &tracing::span::Id,
-                values: &tracing::span::Record<'_>,
-                _: tracing_subscriber::layer::Context<'_, S>,
-            ) {
-                let mut names = Vec::new();
-                values.record(&mut Names(&mut names));
-                self.0.lock().unwrap().push(names);
-            }
-        }
-        let passes = Passes::default();
-        let subscriber = tracing_subscriber::registry().with(passes.clone());
-        tracing::subscriber::with_default(subscriber, || {
-            let span = tracing::info_span!(
-                "s",
-                a = tracing::field::Empty,
-                b = tracing::field::Empty,
-                c = tracing::field::Empty
-            );
-            record_fields(
-                &span,
-                [
-                    ("a", Some(&1i64)),
-                    ("not_declared", Some(&2i64)),
-                    ("b", None),
-                    ("c", Some(&"x")),
-                ],
-            );
-            // A disabled span: nothing, and no panic.
-            record_fields(&tracing::Span::none(), [("a", Some(&1i64))]);
-        });
-        let passes = passes.0.lock().unwrap().clone();
-        assert_eq!(passes, vec![vec!["a=1".to_owned(), "c=\"x\"".to_owned()]]);
-    }
 
     const VALID: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
 

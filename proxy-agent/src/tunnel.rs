@@ -23,12 +23,14 @@ use cluster_proxy_proto::flow::{
     FlowError, READ_CHUNK, ReceiveQueue, ReceiveQueueRx, SendCredit, Stray, StrayIds, WindowTracker,
 };
 use cluster_proxy_proto::packet::{self, Frame, PROTOCOL_TCP};
-use cluster_proxy_proto::trace::{SPAN_TARGET, TraceHeaders, record_fields};
+use cluster_proxy_proto::trace::{DirectSpan, TraceHeaders};
+use opentelemetry::KeyValue;
+use opentelemetry::trace::SpanKind;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
-use tracing::{Instrument, Span, field};
+use tracing::field;
 
 use crate::dial::dial_tcp;
 use crate::metrics::{Metrics, Segment};
@@ -288,10 +290,8 @@ impl Tunnel {
         self.tables().pending.insert(random, token.clone());
         let tunnel = self.clone();
         let span = self.dial_span(&address, connect_id, trace.as_ref());
-        // Not `.instrument(span)`: the task lives as long as the connection
-        // and is polled once per packet; entering the span on every poll is
-        // a cost per packet when tracing is on. The span is entered for the
-        // dial and its log lines, and ends with the task.
+        // The span ends with the connection, or with the task if the dial
+        // is abandoned.
         tokio::spawn(async move {
             tunnel
                 .dial_task(address, random, connect_id, token, span)
@@ -301,28 +301,23 @@ impl Tunnel {
 
     /// The span of one dial and the connection it opens: a child of the
     /// server's connection span when the server sent its trace context.
-    fn dial_span(&self, address: &str, connect_id: i64, trace: Option<&TraceHeaders>) -> Span {
-        let (host, port) = packet::split_host_port(address).unwrap_or((address, ""));
-        let span = tracing::info_span!(
-            target: SPAN_TARGET,
-            "agent.dial",
-            otel.kind = "client",
-            otel.status_code = field::Empty,
-            network.transport = "tcp",
-            server.address = host,
-            server.port = port,
-            network.peer.address = field::Empty,
-            cluster_proxy.server_id = %self.params.server_id,
-            cluster_proxy.connect_id = connect_id,
-            cluster_proxy.dial_latency_ms = field::Empty,
-            cluster_proxy.end_reason = field::Empty,
-            error.message = field::Empty,
-        );
-        if let Some(trace) = trace
-            && !span.is_disabled()
-        {
-            trace.make_parent_of(&span);
-        }
+    fn dial_span(
+        &self,
+        address: &str,
+        connect_id: i64,
+        trace: Option<&TraceHeaders>,
+    ) -> DirectSpan {
+        let mut span = DirectSpan::start("agent.dial", SpanKind::Client, trace);
+        span.set_attributes(|| {
+            let (host, port) = packet::split_host_port(address).unwrap_or((address, ""));
+            [
+                KeyValue::new("network.transport", "tcp"),
+                KeyValue::new("server.address", host.to_owned()),
+                KeyValue::new("server.port", port.to_owned()),
+                KeyValue::new("cluster_proxy.server_id", self.params.server_id.clone()),
+                KeyValue::new("cluster_proxy.connect_id", connect_id),
+            ]
+        });
         span
     }
 
@@ -332,13 +327,13 @@ impl Tunnel {
         random: i64,
         connect_id: i64,
         token: CancellationToken,
-        span: Span,
+        mut span: DirectSpan,
     ) {
         let server_id = &self.params.server_id;
         let started = Instant::now();
         let result = tokio::select! {
             _ = token.cancelled() => {
-                tracing::debug!(parent: &span, %server_id, random, %address, "dial abandoned");
+                tracing::debug!(%server_id, random, %address, trace_id = span.trace_id().map(field::display), "dial abandoned");
                 return;
             }
             r = dial_tcp(
@@ -346,8 +341,7 @@ impl Tunnel {
                 self.params.dial_timeout,
                 &self.params.host_aliases,
                 self.params.target_receive_buffer,
-            )
-                .instrument(span.clone()) => r,
+            ) => r,
         };
         self.metrics
             .dial_duration
@@ -355,32 +349,32 @@ impl Tunnel {
         let latency_ms = started.elapsed().as_secs_f64() * 1e3;
         let tcp = match result {
             Ok(tcp) => {
-                let peer = tcp.peer_addr().ok().map(|peer| field::display(peer.ip()));
-                record_fields(
-                    &span,
-                    [
-                        ("cluster_proxy.dial_latency_ms", Some(&latency_ms)),
-                        (
-                            "network.peer.address",
-                            peer.as_ref().map(|p| p as &dyn tracing::Value),
-                        ),
-                    ],
-                );
+                span.set_attributes(|| {
+                    let mut attributes =
+                        vec![KeyValue::new("cluster_proxy.dial_latency_ms", latency_ms)];
+                    if let Ok(peer) = tcp.peer_addr() {
+                        attributes
+                            .push(KeyValue::new("network.peer.address", peer.ip().to_string()));
+                    }
+                    attributes
+                });
                 tcp
             }
             Err(e) => {
-                record_fields(
-                    &span,
+                span.set_attributes(|| {
                     [
-                        ("cluster_proxy.dial_latency_ms", Some(&latency_ms)),
-                        ("otel.status_code", Some(&"ERROR")),
-                        ("cluster_proxy.end_reason", Some(&e.reason.label())),
-                        ("error.message", Some(&e.message.as_str())),
-                    ],
-                );
+                        KeyValue::new("cluster_proxy.dial_latency_ms", latency_ms),
+                        KeyValue::new("cluster_proxy.end_reason", e.reason.label()),
+                    ]
+                });
+                // The log line is an event of the span too.
+                span.add_event("endpoint dial failed", || {
+                    vec![KeyValue::new("error.message", e.message.clone())]
+                });
+                span.fail(&e.message);
                 self.tables().pending.remove(&random);
                 self.metrics.dial_failed(e.reason);
-                tracing::info!(parent: &span, %server_id, random, %address, error = %e, "endpoint dial failed");
+                tracing::info!(%server_id, random, %address, error = %e, trace_id = span.trace_id().map(field::display), "endpoint dial failed");
                 let _ = self
                     .out
                     .ordered
@@ -430,7 +424,7 @@ impl Tunnel {
             .is_ok()
         {
             self.clone()
-                .run_connection(connect_id, tcp, rx, credit.clone(), abort, &span)
+                .run_connection(connect_id, tcp, rx, credit.clone(), abort, &mut span)
                 .await;
         } else {
             self.tables().conns.remove(&connect_id);
@@ -446,7 +440,7 @@ impl Tunnel {
         mut rx: ReceiveQueueRx<Event>,
         credit: SendCredit,
         abort: Arc<Abort>,
-        span: &Span,
+        span: &mut DirectSpan,
     ) {
         #[derive(Debug)]
         enum End {
@@ -517,31 +511,28 @@ impl Tunnel {
             End::Aborted => ("aborted", None),
             End::TunnelGone => ("tunnel_closed", None),
         };
-        record_fields(
-            span,
-            [
-                ("cluster_proxy.end_reason", Some(&reason)),
-                (
-                    "error.message",
-                    error.as_ref().map(|e| e as &dyn tracing::Value),
-                ),
-            ],
-        );
-        // An explicit parent rather than entering the span: entering costs
-        // a pass through every layer even when the event is filtered out.
+        span.set_attributes(|| {
+            let mut attributes = vec![KeyValue::new("cluster_proxy.end_reason", reason)];
+            if let Some(error) = error {
+                attributes.push(KeyValue::new("error.message", error.to_owned()));
+            }
+            attributes
+        });
+        span.end();
+        let trace_id = span.trace_id().map(field::display);
         match &end {
             End::TargetError(e) => tracing::debug!(
-                parent: span,
                 %server_id,
                 connect_id,
                 error = %e,
+                trace_id,
                 "endpoint connection failed"
             ),
             other => tracing::debug!(
-                parent: span,
                 %server_id,
                 connect_id,
                 reason = ?other,
+                trace_id,
                 "endpoint connection closed"
             ),
         }

@@ -1,16 +1,21 @@
 //! The span of one tunneled connection: opened when the dial starts, ended
 //! when the connection is gone, with bytes each way and how it ended.
 //!
-//! Counting costs one relaxed atomic add per DATA packet; the span itself is
-//! created and recorded once per connection. With no exporter installed the
-//! span is disabled (see `cluster_proxy_proto::trace::SPAN_TARGET`) and only
-//! the counters remain.
+//! Counting costs one relaxed atomic add per DATA packet; the span is made
+//! with the OpenTelemetry API directly ([`DirectSpan`]), its attributes
+//! added in four steps (start, routing, dial result, end) and only when the
+//! span is sampled. With no exporter the span is disabled and only the
+//! counters remain.
 
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard};
 
-use cluster_proxy_proto::trace::record_fields;
-use tracing::Span;
+use cluster_proxy_proto::packet;
+use cluster_proxy_proto::trace::{DirectSpan, TraceHeaders};
+use opentelemetry::KeyValue;
+use opentelemetry::trace::{SpanKind, TraceId};
+
+use crate::dial::DialOrigin;
 
 /// How a connection ended, as the span's `cluster_proxy.end_reason` says it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -40,7 +45,7 @@ impl EndReason {
 /// the span ends when the last of them lets go.
 #[derive(Debug)]
 pub struct ConnTrace {
-    span: Span,
+    span: Mutex<DirectSpan>,
     bytes_to_agent: AtomicU64,
     bytes_from_agent: AtomicU64,
     /// Set once the agent accepted the dial; a failed dial's span is
@@ -51,9 +56,39 @@ pub struct ConnTrace {
 }
 
 impl ConnTrace {
-    pub fn new(span: Span) -> Self {
+    /// Starts the proxy-server's span for one tunneled connection
+    /// (`tunnel.connection`, see the README's "Tracing"), a child of the
+    /// client's trace context when it sent one, with what is known before
+    /// routing: the client and the address it asks for.
+    pub fn start(server_id: &str, address: &str, origin: &DialOrigin) -> Self {
+        let mut span =
+            DirectSpan::start("tunnel.connection", SpanKind::Server, origin.trace.as_ref());
+        span.set_attributes(|| {
+            let (host, port) = packet::split_host_port(address).unwrap_or((address, ""));
+            let mut attributes = vec![
+                KeyValue::new("network.transport", "tcp"),
+                KeyValue::new("server.address", host.to_owned()),
+                KeyValue::new("server.port", port.to_owned()),
+                KeyValue::new("cluster_proxy.frontend", origin.frontend),
+                KeyValue::new("cluster_proxy.server_id", server_id.to_owned()),
+            ];
+            if let Some(client) = &origin.client {
+                if let Some(ip) = client.remote.ip() {
+                    attributes.push(KeyValue::new("client.address", ip.to_string()));
+                }
+                attributes.push(KeyValue::new(
+                    "cluster_proxy.client_identity",
+                    client.subject.clone(),
+                ));
+            }
+            attributes
+        });
+        Self::with_span(span)
+    }
+
+    fn with_span(span: DirectSpan) -> Self {
         ConnTrace {
-            span,
+            span: Mutex::new(span),
             bytes_to_agent: AtomicU64::new(0),
             bytes_from_agent: AtomicU64::new(0),
             established: AtomicBool::new(false),
@@ -61,8 +96,74 @@ impl ConnTrace {
         }
     }
 
-    pub fn span(&self) -> &Span {
-        &self.span
+    fn span(&self) -> MutexGuard<'_, DirectSpan> {
+        self.span.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Records the tunnel the dial was routed to.
+    pub fn routed(
+        &self,
+        strategy: &'static str,
+        agent_id: &str,
+        tunnel: u64,
+        cluster: Option<&str>,
+    ) {
+        self.span().set_attributes(|| {
+            let mut attributes = vec![
+                KeyValue::new("cluster_proxy.strategy", strategy),
+                KeyValue::new("cluster_proxy.agent_id", agent_id.to_owned()),
+                KeyValue::new("cluster_proxy.tunnel", saturating_i64(tunnel)),
+            ];
+            if let Some(cluster) = cluster {
+                attributes.push(KeyValue::new("cluster_proxy.cluster", cluster.to_owned()));
+            }
+            attributes
+        });
+    }
+
+    /// The trace context for the agent's span.
+    pub fn headers(&self) -> Option<TraceHeaders> {
+        self.span().headers()
+    }
+
+    /// The trace id, for log lines about this connection.
+    pub fn trace_id(&self) -> Option<TraceId> {
+        self.span().trace_id()
+    }
+
+    /// Records a dial the agent accepted.
+    pub fn dialed(&self, latency_ms: f64, connect_id: i64) {
+        self.span().set_attributes(|| {
+            [
+                KeyValue::new("cluster_proxy.dial_latency_ms", latency_ms),
+                KeyValue::new("cluster_proxy.connect_id", connect_id),
+            ]
+        });
+    }
+
+    /// Records a failed dial, with an event named `event`, and ends the span.
+    pub fn dial_failed(
+        &self,
+        latency_ms: f64,
+        reason: &'static str,
+        message: &str,
+        event: &'static str,
+    ) {
+        let mut span = self.span();
+        span.set_attributes(|| {
+            [
+                KeyValue::new("cluster_proxy.dial_latency_ms", latency_ms),
+                KeyValue::new("cluster_proxy.end_reason", reason),
+            ]
+        });
+        span.add_event(event, || {
+            vec![
+                KeyValue::new("cluster_proxy.end_reason", reason),
+                KeyValue::new("error.message", message.to_owned()),
+            ]
+        });
+        span.fail(message);
+        span.end();
     }
 
     pub fn mark_established(&self) {
@@ -88,102 +189,43 @@ impl ConnTrace {
 
 impl Drop for ConnTrace {
     fn drop(&mut self) {
-        let span = &self.span;
-        if span.is_disabled() || !self.established.load(Ordering::Relaxed) {
+        let span = self.span.get_mut().unwrap_or_else(|p| p.into_inner());
+        if !span.is_recording() || !self.established.load(Ordering::Relaxed) {
             return;
         }
         let end = self.end.get_mut().unwrap_or_else(|p| p.into_inner()).take();
         let (reason, error) = end.unwrap_or((EndReason::ClientClose, String::new()));
-        let failed = matches!(reason, EndReason::TunnelClosed | EndReason::ProtocolError);
-        // As i64: OpenTelemetry's integers are signed (see saturating_i64).
         let to_agent = saturating_i64(self.bytes_to_agent.load(Ordering::Relaxed));
         let from_agent = saturating_i64(self.bytes_from_agent.load(Ordering::Relaxed));
-        let error = error.as_str();
-        record_fields(
-            span,
+        span.set_attributes(|| {
             [
-                ("cluster_proxy.bytes_to_agent", Some(&to_agent)),
-                ("cluster_proxy.bytes_from_agent", Some(&from_agent)),
-                ("cluster_proxy.end_reason", Some(&reason.as_str())),
-                ("error.message", (!error.is_empty()).then_some(&error as _)),
-                ("otel.status_code", failed.then_some(&"ERROR" as _)),
-            ],
-        );
+                KeyValue::new("cluster_proxy.bytes_to_agent", to_agent),
+                KeyValue::new("cluster_proxy.bytes_from_agent", from_agent),
+                KeyValue::new("cluster_proxy.end_reason", reason.as_str()),
+            ]
+        });
+        let failed = matches!(reason, EndReason::TunnelClosed | EndReason::ProtocolError);
+        if failed {
+            span.fail(&error);
+        } else if !error.is_empty() {
+            span.set_attributes(|| [KeyValue::new("error.message", error)]);
+        }
+        span.end();
     }
 }
 
-/// A counter as a span attribute: OpenTelemetry's integers are signed, and
-/// the OpenTelemetry layer records a `u64` as its decimal string (an
-/// allocation, and a string attribute where an integer belongs).
+/// A counter as a span attribute: OpenTelemetry's integers are signed.
 pub(crate) fn saturating_i64(value: u64) -> i64 {
     i64::try_from(value).unwrap_or(i64::MAX)
 }
 
 #[cfg(test)]
 mod tests {
-    use std::sync::{Arc, Mutex};
-
-    use tracing::field::{Field, Visit};
-    use tracing::span::{Attributes, Id, Record};
-    use tracing_subscriber::layer::{Context, SubscriberExt};
-    use tracing_subscriber::registry::Registry;
-
     use super::*;
 
-    /// How each recorded field arrived: `i64` or `other`.
-    #[derive(Clone, Default)]
-    struct FieldKinds(Arc<Mutex<Vec<(String, &'static str)>>>);
-
-    impl Visit for FieldKinds {
-        fn record_i64(&mut self, field: &Field, _: i64) {
-            self.push(field, "i64");
-        }
-        fn record_debug(&mut self, field: &Field, _: &dyn std::fmt::Debug) {
-            self.push(field, "other");
-        }
-    }
-
-    impl FieldKinds {
-        fn push(&self, field: &Field, kind: &'static str) {
-            if let Ok(mut kinds) = self.0.lock() {
-                kinds.push((field.name().to_owned(), kind));
-            }
-        }
-        fn kind_of(&self, name: &str) -> Option<&'static str> {
-            let kinds = self.0.lock().ok()?;
-            kinds.iter().find(|(n, _)| n == name).map(|(_, k)| *k)
-        }
-    }
-
-    impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for FieldKinds {
-        fn on_new_span(&self, attrs: &Attributes<'_>, _: &Id, _: Context<'_, S>) {
-            attrs.record(&mut self.clone());
-        }
-        fn on_record(&self, _: &Id, values: &Record<'_>, _: Context<'_, S>) {
-            values.record(&mut self.clone());
-        }
-    }
-
-    /// The OpenTelemetry layer turns every non-`i64` integer into its
-    /// decimal string: the byte counts must reach it as `i64`.
     #[test]
-    fn byte_counts_are_recorded_as_signed_integers() {
-        let kinds = FieldKinds::default();
-        let subscriber = Registry::default().with(kinds.clone());
-        tracing::subscriber::with_default(subscriber, || {
-            let span = tracing::info_span!(
-                "tunnel.connection",
-                cluster_proxy.bytes_to_agent = tracing::field::Empty,
-                cluster_proxy.bytes_from_agent = tracing::field::Empty,
-                cluster_proxy.end_reason = tracing::field::Empty,
-            );
-            let trace = ConnTrace::new(span);
-            trace.mark_established();
-            trace.sent_to_agent(5);
-            trace.received_from_agent(7);
-        });
-        assert_eq!(kinds.kind_of("cluster_proxy.bytes_to_agent"), Some("i64"));
-        assert_eq!(kinds.kind_of("cluster_proxy.bytes_from_agent"), Some("i64"));
+    fn counters_saturate_into_signed_attributes() {
         assert_eq!(saturating_i64(u64::MAX), i64::MAX);
+        assert_eq!(saturating_i64(5), 5);
     }
 }

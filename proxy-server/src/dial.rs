@@ -5,10 +5,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cluster_proxy_proto::packet;
-use cluster_proxy_proto::trace::{SPAN_TARGET, TraceHeaders, record_fields};
+use cluster_proxy_proto::trace::TraceHeaders;
 use http::StatusCode;
 use tokio::sync::oneshot;
-use tracing::{Instrument, Span, field};
+use tracing::field;
 
 use crate::conn_trace::ConnTrace;
 use crate::listener::PeerInfo;
@@ -112,53 +112,6 @@ pub struct DialOrigin {
     pub trace: Option<TraceHeaders>,
 }
 
-/// The proxy-server's span for one tunneled connection (`tunnel.connection`,
-/// see the README's "Tracing"): its fields, the client's identity and its
-/// parent from the client's trace context. The dialer records the rest as
-/// the dial proceeds. Public so the span-cost benchmark measures this span
-/// and not a copy of it.
-pub fn connection_span(server_id: &str, address: &str, origin: &DialOrigin) -> Span {
-    let (host, port) = packet::split_host_port(address).unwrap_or((address, ""));
-    // Known values go in at creation: each later `record` is one more pass
-    // through the subscriber's layers on the connection's path.
-    let client_ip = origin
-        .client
-        .as_ref()
-        .and_then(|client| client.remote.ip())
-        .map(field::display);
-    let client_identity = origin.client.as_ref().map(|client| client.subject.as_str());
-    let span = tracing::info_span!(
-        target: SPAN_TARGET,
-        "tunnel.connection",
-        otel.kind = "server",
-        otel.status_code = field::Empty,
-        network.transport = "tcp",
-        server.address = host,
-        server.port = port,
-        client.address = client_ip,
-        cluster_proxy.frontend = origin.frontend,
-        cluster_proxy.client_identity = client_identity,
-        cluster_proxy.server_id = server_id,
-        cluster_proxy.strategy = field::Empty,
-        cluster_proxy.cluster = field::Empty,
-        cluster_proxy.agent_id = field::Empty,
-        cluster_proxy.tunnel = field::Empty,
-        cluster_proxy.connect_id = field::Empty,
-        cluster_proxy.dial_latency_ms = field::Empty,
-        cluster_proxy.bytes_to_agent = field::Empty,
-        cluster_proxy.bytes_from_agent = field::Empty,
-        cluster_proxy.end_reason = field::Empty,
-        error.message = field::Empty,
-    );
-    if span.is_disabled() {
-        return span;
-    }
-    if let Some(trace) = &origin.trace {
-        trace.make_parent_of(&span);
-    }
-    span
-}
-
 /// Cancels a pending dial when the dialing future is dropped or times out.
 struct PendingGuard<'a> {
     tunnel: &'a AgentTunnel,
@@ -185,47 +138,21 @@ impl Dialer {
         origin: DialOrigin,
     ) -> Result<Established, DialFailure> {
         let started = Instant::now();
-        let span = connection_span(&self.server_id, address, &origin);
-        let result = self
-            .dial_inner(address, random, &origin, &span)
-            .instrument(span.clone())
-            .await;
+        let trace = Arc::new(ConnTrace::start(&self.server_id, address, &origin));
+        let result = self.dial_inner(address, random, &origin, &trace).await;
         let latency = started.elapsed();
         let latency_ms = latency.as_secs_f64() * 1e3;
         match &result {
             Ok(established) => {
-                record_fields(
-                    &span,
-                    [
-                        ("cluster_proxy.dial_latency_ms", Some(&latency_ms)),
-                        ("cluster_proxy.connect_id", Some(&established.connect_id())),
-                    ],
-                );
+                trace.dialed(latency_ms, established.connect_id());
                 self.metrics.dial_duration.observe(latency.as_secs_f64())
             }
             Err(f) => {
-                record_fields(
-                    &span,
-                    [
-                        ("cluster_proxy.dial_latency_ms", Some(&latency_ms)),
-                        ("cluster_proxy.end_reason", Some(&f.reason())),
-                        ("error.message", Some(&f.message().as_str())),
-                        ("otel.status_code", Some(&"ERROR")),
-                    ],
-                );
-                // A span event only: SPAN_TARGET is never logged.
                 let event = match f {
                     DialFailure::Timeout(_) => "dial timeout",
                     _ => "dial failed",
                 };
-                tracing::event!(
-                    target: SPAN_TARGET,
-                    parent: &span,
-                    tracing::Level::INFO,
-                    cluster_proxy.end_reason = f.reason(),
-                    error.message = f.message().as_str(),
-                    "{event}"
-                );
+                trace.dial_failed(latency_ms, f.reason(), &f.message(), event);
                 self.metrics.dial_failed(f.reason())
             }
         }
@@ -237,7 +164,7 @@ impl Dialer {
         address: &str,
         random: i64,
         origin: &DialOrigin,
-        span: &Span,
+        trace: &Arc<ConnTrace>,
     ) -> Result<Established, DialFailure> {
         if address.is_empty() {
             return Err(DialFailure::BadRequest(
@@ -256,6 +183,7 @@ impl Dialer {
                 client = client.subject,
                 cluster,
                 address,
+                trace_id = trace.trace_id().map(field::display),
                 "dial refused by --client-policy"
             );
             return Err(DialFailure::Forbidden(format!(
@@ -263,29 +191,17 @@ impl Dialer {
                 client.subject
             )));
         }
-        let cluster = tunnel.cluster().map(|cluster| cluster.as_str());
-        record_fields(
-            span,
-            [
-                ("cluster_proxy.strategy", Some(&strategy.name())),
-                ("cluster_proxy.agent_id", Some(&tunnel.agent_id())),
-                // As i64: OpenTelemetry has no unsigned integers, and the
-                // layer would format a u64 into a string.
-                (
-                    "cluster_proxy.tunnel",
-                    Some(&crate::conn_trace::saturating_i64(tunnel.id())),
-                ),
-                (
-                    "cluster_proxy.cluster",
-                    cluster.as_ref().map(|c| c as &dyn tracing::Value),
-                ),
-            ],
+        trace.routed(
+            strategy.name(),
+            tunnel.agent_id(),
+            tunnel.id(),
+            tunnel.cluster().map(|cluster| cluster.as_str()),
         );
-        let trace = tunnel
+        let context = tunnel
             .accepts_trace_context()
-            .then(|| TraceHeaders::from_span(span))
+            .then(|| trace.headers())
             .flatten();
-        let reply = tunnel.register_pending(random, Arc::new(ConnTrace::new(span.clone())))?;
+        let reply = tunnel.register_pending(random, trace.clone())?;
         let mut guard = PendingGuard {
             tunnel: &tunnel,
             random,
@@ -295,7 +211,7 @@ impl Dialer {
         // whose ordered lane stays full must not hold the dial forever.
         let exchange = async {
             tunnel
-                .send_ordered(packet::dial_request_traced(address, random, trace))
+                .send_ordered(packet::dial_request_traced(address, random, context))
                 .await
                 .map_err(|_| DialFailure::TunnelClosed("agent tunnel closed".into()))?;
             wait(reply).await

@@ -17,6 +17,11 @@
 //! queued behind it. [`Telemetry::shutdown`] (or dropping the guard)
 //! flushes what is queued.
 //!
+//! The connection spans of the proxy-server and the proxy-agent do not go
+//! through `tracing`: they are made with the same provider's tracer
+//! directly ([`cluster_proxy_proto::trace::direct`]), which [`init`]
+//! installs.
+//!
 //! While traces are exported, every log line carries the `trace_id` and
 //! `span_id` of the span it was written in (a JSON field, or `key=value` at
 //! the end of a text line), so logs and traces can be joined.
@@ -279,6 +284,7 @@ impl ExportRuntime {
         let thread = std::thread::Builder::new()
             .name("otel-export".into())
             .spawn(move || {
+                yield_to_the_data_path(None);
                 runtime.block_on(async {
                     let _ = stopped.await;
                 });
@@ -307,6 +313,17 @@ impl Telemetry {
     /// Whether spans are exported.
     pub fn exporting(&self) -> bool {
         self.provider.is_some()
+    }
+
+    /// The tracer for connection spans made outside `tracing`
+    /// ([`cluster_proxy_proto::trace::DirectSpan`]): the same provider, so
+    /// the same batch queue, sampler and resource, as the layer's. `None`
+    /// when nothing is exported.
+    pub fn connection_tracer(&self) -> Option<opentelemetry::global::BoxedTracer> {
+        let provider = self.provider.as_ref()?;
+        Some(opentelemetry::global::BoxedTracer::new(Box::new(
+            provider.tracer("cluster-proxy"),
+        )))
     }
 
     /// Sends the spans still queued and stops the exporter. The flush runs on
@@ -352,6 +369,9 @@ fn tracer_provider(
                 reason: e.to_string(),
             })?
     };
+    // The processor starts a thread of its own (it turns each batch into
+    // OTLP messages): the threads that appear while it is built are its.
+    let threads_before = thread_ids();
     let batch = BatchSpanProcessor::builder(exporter)
         .with_batch_config(
             BatchConfigBuilder::default()
@@ -360,6 +380,9 @@ fn tracer_provider(
                 .build(),
         )
         .build();
+    for thread in thread_ids().difference(&threads_before) {
+        yield_to_the_data_path(Some(*thread));
+    }
     let resource = Resource::builder_empty()
         .with_service_name(config.service_name.clone())
         .with_attributes(
@@ -375,6 +398,34 @@ fn tracer_provider(
         .with_resource(resource)
         .build();
     Ok((provider, export_runtime))
+}
+
+/// The nice value of the export threads (the batch processor's and the
+/// `otel-export` runtime's): the lowest priority. Export must never slow the
+/// data path; on a saturated machine a batch of hundreds of spans turned
+/// into OTLP and encoded holds a core for milliseconds, and at the default
+/// priority the scheduler gives it the same share as the tunnel's workers.
+/// Starved, the queue fills and spans are dropped ([`MAX_QUEUE_SPANS`]),
+/// which is the bound this module promises anyway.
+pub const EXPORT_THREAD_NICE: i32 = 19;
+
+/// This process's thread ids (Linux); empty where `/proc` is not there.
+fn thread_ids() -> std::collections::BTreeSet<i32> {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return Default::default();
+    };
+    tasks
+        .filter_map(Result::ok)
+        .filter_map(|task| task.file_name().to_str()?.parse().ok())
+        .collect()
+}
+
+/// Gives `thread` (the calling thread when `None`) the lowest priority
+/// ([`EXPORT_THREAD_NICE`]). Lowering a priority needs no privilege; a
+/// failure (a thread gone already) only leaves it where it was.
+fn yield_to_the_data_path(thread: Option<i32>) {
+    let thread = thread.and_then(rustix::process::Pid::from_raw);
+    let _ = rustix::process::setpriority_process(thread, EXPORT_THREAD_NICE);
 }
 
 /// Installs the global subscriber: the log output of [`crate::logging`]
@@ -410,10 +461,16 @@ pub fn init(
         let _ = provider.shutdown();
         return Ok(Telemetry::default());
     }
-    Ok(Telemetry {
+    let telemetry = Telemetry {
         provider: Some(provider),
         export_runtime: Some(export_runtime),
-    })
+    };
+    // The connection spans are made with the provider's tracer directly
+    // (`cluster_proxy_proto::trace::direct`), not through the layer.
+    if let Some(tracer) = telemetry.connection_tracer() {
+        let _ = cluster_proxy_proto::trace::install_tracer(tracer);
+    }
+    Ok(telemetry)
 }
 
 /// The exporting subscriber `config` describes, spans only (no log
@@ -703,6 +760,62 @@ mod tests {
                     .count()
             })
             .unwrap_or(0)
+    }
+
+    /// The nice value of each thread of this process whose name starts
+    /// with `prefix`.
+    fn nice_of_threads(prefix: &str) -> Vec<i32> {
+        let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+            return Vec::new();
+        };
+        tasks
+            .filter_map(Result::ok)
+            .filter(|task| {
+                std::fs::read_to_string(task.path().join("comm"))
+                    .is_ok_and(|comm| comm.starts_with(prefix))
+            })
+            .filter_map(|task| {
+                // Field 19 of stat, counted after the name's closing paren.
+                let stat = std::fs::read_to_string(task.path().join("stat")).ok()?;
+                let after_name = stat.rsplit_once(')')?.1;
+                after_name.split_whitespace().nth(16)?.parse().ok()
+            })
+            .collect()
+    }
+
+    /// Export never competes with the data path at equal priority: both the
+    /// batch processor's thread and the `otel-export` runtime's run at the
+    /// lowest priority.
+    #[test]
+    fn the_export_threads_run_at_the_lowest_priority() {
+        let config = TelemetryConfig {
+            endpoint: Some("http://127.0.0.1:9".into()),
+            sampler: SamplerChoice::AlwaysOn,
+            ..TelemetryConfig::off("test")
+        };
+        let (_dispatch, telemetry) = export_dispatch(&config).unwrap().unwrap();
+        // Threads name themselves once they run: wait for both names.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let export = nice_of_threads("otel-export");
+            let batch = nice_of_threads("OpenTelemetry");
+            if !export.is_empty() && !batch.is_empty() {
+                assert!(
+                    export
+                        .iter()
+                        .chain(&batch)
+                        .all(|nice| *nice == EXPORT_THREAD_NICE),
+                    "export threads' nice values: {export:?} and {batch:?}"
+                );
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "export threads not found: {export:?} {batch:?}"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        drop(telemetry);
     }
 
     /// The exporter's gRPC channel runs on a runtime of its own, so it can
