@@ -226,8 +226,11 @@ fn compare_tracing(runtime: &tokio::runtime::Runtime) {
         std::env::var("CP_BENCH_TRACED").unwrap_or_else(|_| "client,server,agent".to_owned());
     let traces = |part: &str| traced_parts.split(',').any(|p| p.trim() == part);
     let sampler = std::env::var("CP_BENCH_SAMPLER").unwrap_or_else(|_| "always_on".to_owned());
+    // E.g. `0.1` with `parentbased_traceidratio`: the ratio of traces kept.
+    let sampler_arg = std::env::var("CP_BENCH_SAMPLER_ARG").ok();
     let config = TelemetryConfig {
-        sampler: SamplerChoice::parse(Some(&sampler), None).expect("CP_BENCH_SAMPLER"),
+        sampler: SamplerChoice::parse(Some(&sampler), sampler_arg.as_deref())
+            .expect("CP_BENCH_SAMPLER and CP_BENCH_SAMPLER_ARG"),
         ..config
     };
     let (_, telemetry) = {
@@ -253,14 +256,18 @@ fn compare_tracing(runtime: &tokio::runtime::Runtime) {
         if !traces(part) {
             return Vec::new();
         }
-        vec![
+        let mut env = vec![
             ("OTEL_EXPORTER_OTLP_ENDPOINT".to_owned(), endpoint.clone()),
             (
                 "OTEL_SERVICE_NAME".to_owned(),
                 format!("bench-proxy-{part}"),
             ),
             ("OTEL_TRACES_SAMPLER".to_owned(), sampler.clone()),
-        ]
+        ];
+        if let Some(arg) = &sampler_arg {
+            env.push(("OTEL_TRACES_SAMPLER_ARG".to_owned(), arg.clone()));
+        }
+        env
     };
     let off_options = ChildTunnelOptions::default();
     let on_options = ChildTunnelOptions {
@@ -302,7 +309,8 @@ fn compare_tracing(runtime: &tokio::runtime::Runtime) {
     let on_paths = traced.block_on(tunnel_paths(&pki, on.client_addr(), client_tracer));
     let bytes = mib * 1024 * 1024;
     println!(
-        "tracing off vs on (proxy-server and proxy-agent as processes), {rounds} rounds alternating; single transfers {mib} MiB, {connects} connects; traced: {traced_parts}, sampler {sampler}"
+        "tracing off vs on (proxy-server and proxy-agent as processes), {rounds} rounds alternating; single transfers {mib} MiB, {connects} connects; traced: {traced_parts}, sampler {sampler} {}",
+        sampler_arg.as_deref().unwrap_or("")
     );
     let figures = [
         "1 conn up",
