@@ -138,11 +138,9 @@ async fn idle_bytes_per_connection(path: &Path, port: u16, count: u64) -> f64 {
     after.saturating_sub(before) as f64 / count as f64
 }
 
-/// The two ways through a server's client port to cluster `bench`: a held
-/// gRPC client connection (one stream per dial) and HTTP CONNECT (a new
-/// mTLS connection per dial).
-/// The gRPC and CONNECT paths to the server at `client_addr`; gRPC dials
-/// are traced with `tracer` when given.
+/// The two ways through the client port at `client_addr` to cluster
+/// `bench`: a held gRPC client connection (one stream per dial, traced with
+/// `tracer` when given) and HTTP CONNECT (a new mTLS connection per dial).
 async fn tunnel_paths(
     pki: &TestPki,
     client_addr: std::net::SocketAddr,
@@ -233,9 +231,9 @@ fn compare_tracing(runtime: &tokio::runtime::Runtime) {
             .expect("CP_BENCH_SAMPLER and CP_BENCH_SAMPLER_ARG"),
         ..config
     };
-    let (_, telemetry) = {
+    let telemetry = {
         let _entered = runtime.enter();
-        telemetry::export_dispatch(&config)
+        telemetry::exporter(&config)
             .expect("telemetry")
             .expect("an endpoint")
     };

@@ -27,8 +27,7 @@ async fn main() -> anyhow::Result<()> {
         sampler: SamplerChoice::parse(Some(&sampler), None)?,
         ..TelemetryConfig::off("span-cost")
     };
-    let (_, telemetry) =
-        telemetry::export_dispatch(&config)?.ok_or_else(|| anyhow::anyhow!("no endpoint"))?;
+    let telemetry = telemetry::exporter(&config)?.ok_or_else(|| anyhow::anyhow!("no endpoint"))?;
     let tracer = telemetry
         .connection_tracer()
         .ok_or_else(|| anyhow::anyhow!("no tracer"))?;

@@ -23,6 +23,7 @@ use cluster_proxy_proto::flow::{
     FlowError, READ_CHUNK, ReceiveQueue, ReceiveQueueRx, SendCredit, Stray, StrayIds, WindowTracker,
 };
 use cluster_proxy_proto::packet::{self, Frame, PROTOCOL_TCP};
+use cluster_proxy_proto::trace::direct::tcp_server_attributes;
 use cluster_proxy_proto::trace::{DirectSpan, TraceHeaders};
 use opentelemetry::KeyValue;
 use opentelemetry::trace::SpanKind;
@@ -309,14 +310,12 @@ impl Tunnel {
     ) -> DirectSpan {
         let mut span = DirectSpan::start("agent.dial", SpanKind::Client, trace);
         span.set_attributes(|| {
-            let (host, port) = packet::split_host_port(address).unwrap_or((address, ""));
-            [
-                KeyValue::new("network.transport", "tcp"),
-                KeyValue::new("server.address", host.to_owned()),
-                KeyValue::new("server.port", port.to_owned()),
+            let mut attributes = Vec::from(tcp_server_attributes(address));
+            attributes.extend([
                 KeyValue::new("cluster_proxy.server_id", self.params.server_id.clone()),
                 KeyValue::new("cluster_proxy.connect_id", connect_id),
-            ]
+            ]);
+            attributes
         });
         span
     }

@@ -10,7 +10,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
-use cluster_proxy_proto::packet;
+use cluster_proxy_proto::trace::direct::tcp_server_attributes;
 use cluster_proxy_proto::trace::{DirectSpan, TraceHeaders};
 use opentelemetry::KeyValue;
 use opentelemetry::trace::{SpanKind, TraceId};
@@ -64,14 +64,11 @@ impl ConnTrace {
         let mut span =
             DirectSpan::start("tunnel.connection", SpanKind::Server, origin.trace.as_ref());
         span.set_attributes(|| {
-            let (host, port) = packet::split_host_port(address).unwrap_or((address, ""));
-            let mut attributes = vec![
-                KeyValue::new("network.transport", "tcp"),
-                KeyValue::new("server.address", host.to_owned()),
-                KeyValue::new("server.port", port.to_owned()),
+            let mut attributes = Vec::from(tcp_server_attributes(address));
+            attributes.extend([
                 KeyValue::new("cluster_proxy.frontend", origin.frontend),
                 KeyValue::new("cluster_proxy.server_id", server_id.to_owned()),
-            ];
+            ]);
             if let Some(client) = &origin.client {
                 if let Some(ip) = client.remote.ip() {
                     attributes.push(KeyValue::new("client.address", ip.to_string()));
@@ -83,10 +80,6 @@ impl ConnTrace {
             }
             attributes
         });
-        Self::with_span(span)
-    }
-
-    fn with_span(span: DirectSpan) -> Self {
         ConnTrace {
             span: Mutex::new(span),
             bytes_to_agent: AtomicU64::new(0),

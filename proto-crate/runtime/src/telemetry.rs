@@ -17,10 +17,10 @@
 //! queued behind it. [`Telemetry::shutdown`] (or dropping the guard)
 //! flushes what is queued.
 //!
-//! The connection spans of the proxy-server and the proxy-agent do not go
-//! through `tracing`: they are made with the same provider's tracer
-//! directly ([`cluster_proxy_proto::trace::direct`]), which [`init`]
-//! installs.
+//! The connection spans (the proxy-server's, the proxy-agent's and the Rust
+//! client's) do not go through `tracing`: they are made with the same
+//! provider's tracer directly ([`cluster_proxy_proto::trace::direct`]),
+//! which [`init`] installs.
 //!
 //! While traces are exported, every log line carries the `trace_id` and
 //! `span_id` of the span it was written in (a JSON field, or `key=value` at
@@ -473,26 +473,20 @@ pub fn init(
     Ok(telemetry)
 }
 
-/// The exporting subscriber `config` describes, spans only (no log
-/// output), as a dispatcher that is not installed: for a process that
-/// compares tracing on and off side by side (the tunnel benchmark) by
-/// making it the default of some threads only. `None` without an endpoint.
-pub fn export_dispatch(
-    config: &TelemetryConfig,
-) -> Result<Option<(tracing::Dispatch, Telemetry)>, TelemetryError> {
+/// The exporter `config` describes, with no subscriber and no tracer
+/// installed: for a process that compares tracing on and off side by side
+/// (the tunnel benchmark, `span_cost`) and hands its
+/// [`Telemetry::connection_tracer`] only to what it traces. `None` without
+/// an endpoint.
+pub fn exporter(config: &TelemetryConfig) -> Result<Option<Telemetry>, TelemetryError> {
     let Some(endpoint) = &config.endpoint else {
         return Ok(None);
     };
     let (provider, export_runtime) = tracer_provider(config, endpoint)?;
-    let layer = span_layer(provider.tracer("cluster-proxy")).with_filter(export_targets("off"));
-    let dispatch = tracing::Dispatch::new(tracing_subscriber::registry().with(layer));
-    Ok(Some((
-        dispatch,
-        Telemetry {
-            provider: Some(provider),
-            export_runtime: Some(export_runtime),
-        },
-    )))
+    Ok(Some(Telemetry {
+        provider: Some(provider),
+        export_runtime: Some(export_runtime),
+    }))
 }
 
 /// What the exporting layer sees: `directives` (`target=level`, as
@@ -519,7 +513,7 @@ fn export_targets(directives: &str) -> Targets {
 /// `tracing` span tree and [`cluster_proxy_proto::trace`]), and activating
 /// it costs a lock, a context clone and two stack operations per poll of
 /// every instrumented future.
-pub fn span_layer<S>(
+fn span_layer<S>(
     tracer: opentelemetry_sdk::trace::Tracer,
 ) -> tracing_opentelemetry::OpenTelemetryLayer<S, opentelemetry_sdk::trace::Tracer>
 where
@@ -747,36 +741,30 @@ mod tests {
         }
     }
 
-    /// Threads of this process named like the exporter's runtime thread.
-    fn export_threads() -> usize {
-        std::fs::read_dir("/proc/self/task")
-            .map(|tasks| {
-                tasks
-                    .filter_map(Result::ok)
-                    .filter(|task| {
-                        std::fs::read_to_string(task.path().join("comm"))
-                            .is_ok_and(|comm| comm.trim() == "otel-export")
-                    })
-                    .count()
-            })
-            .unwrap_or(0)
-    }
-
-    /// The nice value of each thread of this process whose name starts
+    /// The `/proc` directories of this process's threads whose name starts
     /// with `prefix`.
-    fn nice_of_threads(prefix: &str) -> Vec<i32> {
+    fn threads_named(prefix: &str) -> Vec<std::path::PathBuf> {
         let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
             return Vec::new();
         };
         tasks
             .filter_map(Result::ok)
+            .map(|task| task.path())
             .filter(|task| {
-                std::fs::read_to_string(task.path().join("comm"))
+                std::fs::read_to_string(task.join("comm"))
                     .is_ok_and(|comm| comm.starts_with(prefix))
             })
+            .collect()
+    }
+
+    /// The nice value of each thread of this process whose name starts
+    /// with `prefix`.
+    fn nice_of_threads(prefix: &str) -> Vec<i32> {
+        threads_named(prefix)
+            .iter()
             .filter_map(|task| {
                 // Field 19 of stat, counted after the name's closing paren.
-                let stat = std::fs::read_to_string(task.path().join("stat")).ok()?;
+                let stat = std::fs::read_to_string(task.join("stat")).ok()?;
                 let after_name = stat.rsplit_once(')')?.1;
                 after_name.split_whitespace().nth(16)?.parse().ok()
             })
@@ -793,7 +781,7 @@ mod tests {
             sampler: SamplerChoice::AlwaysOn,
             ..TelemetryConfig::off("test")
         };
-        let (_dispatch, telemetry) = export_dispatch(&config).unwrap().unwrap();
+        let telemetry = exporter(&config).unwrap().unwrap();
         // Threads name themselves once they run: wait for both names.
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         loop {
@@ -831,24 +819,28 @@ mod tests {
             sampler: SamplerChoice::AlwaysOn,
             ..TelemetryConfig::off("test")
         };
-        let (dispatch, telemetry) = export_dispatch(&config)
+        let telemetry = exporter(&config)
             .expect("an exporter without an ambient runtime")
             .expect("an endpoint");
         assert!(telemetry.exporting());
         // The new thread names itself once it runs: wait for that.
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while export_threads() == 0 {
+        while threads_named("otel-export").is_empty() {
             assert!(
                 std::time::Instant::now() < deadline,
                 "no otel-export thread"
             );
             std::thread::sleep(Duration::from_millis(1));
         }
-        tracing::dispatcher::with_default(&dispatch, || {
-            let span =
-                tracing::info_span!(target: cluster_proxy_proto::trace::SPAN_TARGET, "test.span");
-            drop(span);
-        });
+        let tracer = telemetry.connection_tracer().expect("a tracer");
+        let span = cluster_proxy_proto::trace::DirectSpan::start_with(
+            &tracer,
+            "test.span",
+            opentelemetry::trace::SpanKind::Internal,
+            &opentelemetry::Context::new(),
+        );
+        assert!(span.is_recording());
+        drop(span);
         // Flushes to the unreachable collector and stops the runtime; the
         // export timeout bounds it.
         drop(telemetry);

@@ -39,6 +39,18 @@ pub fn tracer_installed() -> bool {
     TRACER.get().is_some()
 }
 
+/// The attributes of a TCP connection to `address` (`host:port`), as the
+/// semantic conventions for network spans name them: `network.transport`,
+/// `server.address` and `server.port`.
+pub fn tcp_server_attributes(address: &str) -> [KeyValue; 3] {
+    let (host, port) = crate::packet::split_host_port(address).unwrap_or((address, ""));
+    [
+        KeyValue::new("network.transport", "tcp"),
+        KeyValue::new("server.address", host.to_owned()),
+        KeyValue::new("server.port", port.to_owned()),
+    ]
+}
+
 /// One span, started when the work starts and ended when it is dropped (or
 /// by [`DirectSpan::end`]).
 #[derive(Debug)]
