@@ -71,7 +71,8 @@ impl TunnelClient {
 
     /// Makes this client's dial spans with `tracer` instead of the
     /// process's tracer (`cluster_proxy_runtime::telemetry::init` installs
-    /// that one; without either, dials are not traced).
+    /// that one; without either, the dial spans come from OpenTelemetry's
+    /// global tracer provider, a no-op unless the program set one).
     pub fn with_tracer(mut self, tracer: BoxedTracer) -> Self {
         self.tracer = Some(Arc::new(tracer));
         self
@@ -102,16 +103,33 @@ impl TunnelClient {
     }
 
     fn dial_span(&self, address: &str) -> DirectSpan {
-        let tracer = match self.tracer.as_deref() {
+        let global;
+        let tracer = match self
+            .tracer
+            .as_deref()
+            .or_else(|| DirectSpan::installed_tracer())
+        {
             Some(tracer) => tracer,
-            None => match DirectSpan::installed_tracer() {
-                Some(tracer) => tracer,
-                None => return DirectSpan::disabled(),
-            },
+            // A program that set OpenTelemetry up itself, with a global
+            // tracer provider, gets the dial spans without telling this
+            // client, as from any instrumented library. Without one this is
+            // the API's no-op tracer, which still passes a parent's context
+            // on to the server.
+            None => {
+                global = opentelemetry::global::tracer("cluster-proxy");
+                &global
+            }
         };
         let parent = {
+            use opentelemetry::trace::TraceContextExt;
             use tracing_opentelemetry::OpenTelemetrySpanExt;
-            tracing::Span::current().context()
+            let of_tracing_span = tracing::Span::current().context();
+            if of_tracing_span.has_active_span() {
+                of_tracing_span
+            } else {
+                // The OpenTelemetry API's own current context (`attach`).
+                opentelemetry::Context::current()
+            }
         };
         let mut span = DirectSpan::start_with(tracer, "tunnel.dial", SpanKind::Client, &parent);
         span.set_attributes(|| [KeyValue::new("server.address", address.to_owned())]);
@@ -298,5 +316,54 @@ impl AsyncWrite for TunnelStream {
             this.close_sent = true;
         }
         Poll::Ready(Ok(()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use opentelemetry::trace::{Span as _, TraceContextExt as _, Tracer as _, TracerProvider as _};
+    use opentelemetry_sdk::trace::SdkTracerProvider;
+
+    use super::*;
+    use crate::trace::direct::tests::Ended;
+
+    /// A program with an OpenTelemetry set-up of its own (a global tracer
+    /// provider, the parent attached as the API's current context) gets
+    /// the dial span without handing this client a tracer.
+    #[tokio::test]
+    async fn without_a_tracer_of_its_own_the_dial_span_comes_from_the_global_provider() {
+        let ended = Ended::default();
+        let provider = SdkTracerProvider::builder()
+            .with_span_processor(ended.clone())
+            .build();
+        opentelemetry::global::set_tracer_provider(provider.clone());
+        let channel = tonic::transport::Endpoint::from_static("http://127.0.0.1:1").connect_lazy();
+        let client = TunnelClient::new(channel);
+        let parent = provider
+            .tracer("caller")
+            .start_with_context("request", &opentelemetry::Context::new());
+        let parent_context = parent.span_context().clone();
+        let attached = opentelemetry::Context::current_with_span(parent).attach();
+        let span = client.dial_span("cluster-a:443");
+        drop(attached);
+        let headers = span.headers().expect("the dial span has ids to send");
+        assert!(
+            headers
+                .traceparent
+                .contains(&parent_context.trace_id().to_string()),
+            "{headers:?}"
+        );
+        drop(span);
+        let ended = ended.0.lock().expect("ended spans");
+        let dial = ended
+            .iter()
+            .find(|s| s.name == "tunnel.dial")
+            .expect("a tunnel.dial span from the global provider");
+        assert_eq!(dial.parent_span_id, parent_context.span_id());
+        assert!(
+            dial.attributes
+                .iter()
+                .any(|kv| kv.key.as_str() == "server.address")
+        );
     }
 }

@@ -177,7 +177,7 @@ impl Drop for DirectSpan {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::sync::{Arc, Mutex};
     use std::time::Duration;
 
@@ -189,7 +189,7 @@ mod tests {
 
     /// Keeps every span that ends.
     #[derive(Debug, Clone, Default)]
-    struct Ended(Arc<Mutex<Vec<SpanData>>>);
+    pub(crate) struct Ended(pub(crate) Arc<Mutex<Vec<SpanData>>>);
 
     impl SpanProcessor for Ended {
         fn on_start(&self, _: &mut opentelemetry_sdk::trace::Span, _: &opentelemetry::Context) {}
