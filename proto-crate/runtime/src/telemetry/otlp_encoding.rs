@@ -7,17 +7,20 @@
 //! value, a `Vec` for every id) and then encodes them (prost computes the
 //! length of every nested message once per level it is nested in). With
 //! every connection sampled that was most of what a span cost its
-//! process. Here each span is written once, borrowing its attributes; the
-//! only copies are of each span's bytes into its enclosing messages.
+//! process. Here each message's length is computed once, from the spans
+//! as they are (the `*_len` functions), and the request is then written in
+//! one pass into one buffer of exactly that size, borrowing every
+//! attribute: no intermediate messages and no copies.
 //!
-//! The field numbers are those of the published proto definitions; the
-//! tests decode what is written with the `opentelemetry-proto` messages and
-//! compare it with the SDK's own conversion of the same spans.
+//! The field numbers are those of the published proto definitions. Each
+//! `put_*` function has a `*_len` twin that must agree with it; the tests
+//! compare the whole request byte for byte with what prost writes for the
+//! SDK's own conversion of the same spans.
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use bytes::BufMut;
-use opentelemetry::trace::{SpanId, SpanKind, Status};
+use opentelemetry::trace::{Event, Link, SpanId, SpanKind, Status};
 use opentelemetry::{Array, InstrumentationScope, KeyValue, StringValue, Value};
 use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::trace::SpanData;
@@ -34,6 +37,11 @@ const CONTEXT_HAS_IS_REMOTE: u32 = 0x100;
 /// `SpanFlags.SPAN_FLAGS_CONTEXT_IS_REMOTE_MASK`.
 const CONTEXT_IS_REMOTE: u32 = 0x200;
 
+fn varint_len(value: u64) -> usize {
+    // One byte per started 7 bits, at least one.
+    (64 - (value | 1).leading_zeros() as usize).div_ceil(7)
+}
+
 fn put_varint(buf: &mut Vec<u8>, mut value: u64) {
     while value >= 0x80 {
         buf.put_u8((value as u8 & 0x7f) | 0x80);
@@ -42,18 +50,40 @@ fn put_varint(buf: &mut Vec<u8>, mut value: u64) {
     buf.put_u8(value as u8);
 }
 
+fn key_len(field: u32) -> usize {
+    varint_len(u64::from(field << 3))
+}
+
 fn put_key(buf: &mut Vec<u8>, field: u32, wire_type: u32) {
     put_varint(buf, u64::from(field << 3 | wire_type));
 }
 
-/// A length-delimited field: `bytes`, `string` or an embedded message.
-fn put_bytes(buf: &mut Vec<u8>, field: u32, bytes: &[u8]) {
+/// A length-delimited field (`bytes`, `string` or an embedded message) of
+/// `len` bytes.
+fn delimited_len(field: u32, len: usize) -> usize {
+    key_len(field) + varint_len(len as u64) + len
+}
+
+/// The key and length of a length-delimited field, before its content.
+fn put_delimited_header(buf: &mut Vec<u8>, field: u32, len: usize) {
     put_key(buf, field, LENGTH_DELIMITED);
-    put_varint(buf, bytes.len() as u64);
+    put_varint(buf, len as u64);
+}
+
+fn put_bytes(buf: &mut Vec<u8>, field: u32, bytes: &[u8]) {
+    put_delimited_header(buf, field, bytes.len());
     buf.put_slice(bytes);
 }
 
 /// A `string` or `bytes` field; proto3 leaves an empty one out.
+fn nonempty_len(field: u32, len: usize) -> usize {
+    if len == 0 {
+        0
+    } else {
+        delimited_len(field, len)
+    }
+}
+
 fn put_nonempty(buf: &mut Vec<u8>, field: u32, bytes: &[u8]) {
     if !bytes.is_empty() {
         put_bytes(buf, field, bytes);
@@ -61,11 +91,23 @@ fn put_nonempty(buf: &mut Vec<u8>, field: u32, bytes: &[u8]) {
 }
 
 /// A `uint32`, `int64` or enum field; proto3 leaves a zero out.
+fn uint_len(field: u32, value: u64) -> usize {
+    if value == 0 {
+        0
+    } else {
+        key_len(field) + varint_len(value)
+    }
+}
+
 fn put_uint(buf: &mut Vec<u8>, field: u32, value: u64) {
     if value != 0 {
         put_key(buf, field, VARINT);
         put_varint(buf, value);
     }
+}
+
+fn fixed64_len(field: u32, value: u64) -> usize {
+    if value == 0 { 0 } else { key_len(field) + 8 }
 }
 
 fn put_fixed64(buf: &mut Vec<u8>, field: u32, value: u64) {
@@ -75,24 +117,15 @@ fn put_fixed64(buf: &mut Vec<u8>, field: u32, value: u64) {
     }
 }
 
+fn fixed32_len(field: u32, value: u32) -> usize {
+    if value == 0 { 0 } else { key_len(field) + 4 }
+}
+
 fn put_fixed32(buf: &mut Vec<u8>, field: u32, value: u32) {
     if value != 0 {
         put_key(buf, field, FIXED32);
         buf.put_u32_le(value);
     }
-}
-
-/// An embedded message written by `write` into `scratch`, then copied into
-/// `buf` behind its length (which is only known once it is written).
-fn put_message(
-    buf: &mut Vec<u8>,
-    field: u32,
-    scratch: &mut Vec<u8>,
-    write: impl FnOnce(&mut Vec<u8>),
-) {
-    scratch.clear();
-    write(scratch);
-    put_bytes(buf, field, scratch);
 }
 
 fn unix_nanos(time: SystemTime) -> u64 {
@@ -101,50 +134,23 @@ fn unix_nanos(time: SystemTime) -> u64 {
     })
 }
 
-/// The encoded length of an `AnyValue` holding `value`. Attributes are
-/// written straight into their span: their lengths are computed, not
-/// found by writing them aside.
+/// An `AnyValue` holding `value`. Every member of a oneof is written when
+/// set, zero or empty included: it says which member is set.
 fn any_value_len(value: &Value) -> usize {
     match value {
-        Value::Bool(_) => 2,
-        Value::I64(i) => 1 + varint_len(*i as u64),
-        Value::F64(_) => 9,
-        Value::String(s) => delimited_len(s.as_str().len()),
-        Value::Array(array) => delimited_len(array_value_len(array)),
-        other => delimited_len(other.as_str().len()),
+        Value::Bool(_) => key_len(2) + 1,
+        Value::I64(i) => key_len(3) + varint_len(*i as u64),
+        Value::F64(_) => key_len(4) + 8,
+        Value::String(s) => delimited_len(1, s.as_str().len()),
+        Value::Array(array) => delimited_len(5, array_value_len(array)),
+        // A kind of value this exporter does not know yet goes as its text.
+        other => delimited_len(1, other.as_str().len()),
     }
-}
-
-/// The encoded length of an `ArrayValue` (its elements are `AnyValue`s,
-/// field 1).
-fn array_value_len(array: &Array) -> usize {
-    fn elements(lens: impl Iterator<Item = usize>) -> usize {
-        lens.map(delimited_len).sum()
-    }
-    match array {
-        Array::Bool(values) => elements(values.iter().map(|_| 2)),
-        Array::I64(values) => elements(values.iter().map(|i| 1 + varint_len(*i as u64))),
-        Array::F64(values) => elements(values.iter().map(|_| 9)),
-        Array::String(values) => elements(values.iter().map(|s| delimited_len(s.as_str().len()))),
-        other => elements(std::iter::once(delimited_len(other.to_string().len()))),
-    }
-}
-
-fn varint_len(value: u64) -> usize {
-    // One byte per started 7 bits, at least one.
-    (64 - (value | 1).leading_zeros() as usize).div_ceil(7)
-}
-
-/// The length of a length-delimited field's key (for fields below 16),
-/// length and `len` bytes of content.
-fn delimited_len(len: usize) -> usize {
-    1 + varint_len(len as u64) + len
 }
 
 fn put_any_value(buf: &mut Vec<u8>, value: &Value) {
     match value {
         Value::Bool(b) => {
-            // A false bool still says which member of the oneof is set.
             put_key(buf, 2, VARINT);
             put_varint(buf, u64::from(*b));
         }
@@ -158,63 +164,148 @@ fn put_any_value(buf: &mut Vec<u8>, value: &Value) {
         }
         Value::String(s) => put_bytes(buf, 1, s.as_str().as_bytes()),
         Value::Array(array) => {
-            put_key(buf, 5, LENGTH_DELIMITED);
-            put_varint(buf, array_value_len(array) as u64);
+            put_delimited_header(buf, 5, array_value_len(array));
             put_array_value(buf, array);
         }
-        // A kind of value this exporter does not know yet goes as its text.
         other => put_bytes(buf, 1, other.as_str().as_bytes()),
     }
 }
 
-fn put_array_value(buf: &mut Vec<u8>, array: &Array) {
-    fn each<T>(buf: &mut Vec<u8>, values: &[T], to_value: impl Fn(&T) -> Value) {
-        for value in values {
-            let value = to_value(value);
-            put_key(buf, 1, LENGTH_DELIMITED);
-            put_varint(buf, any_value_len(&value) as u64);
-            put_any_value(buf, &value);
-        }
-    }
+/// The elements of an `ArrayValue` (field 1, each an `AnyValue`), as
+/// values. Arrays are rare in spans; converting each element keeps one
+/// encoder for values.
+fn array_elements(array: &Array) -> Vec<Value> {
     match array {
-        Array::Bool(values) => each(buf, values, |b| Value::Bool(*b)),
-        Array::I64(values) => each(buf, values, |i| Value::I64(*i)),
-        Array::F64(values) => each(buf, values, |f| Value::F64(*f)),
-        Array::String(values) => each(buf, values, |s: &StringValue| Value::String(s.clone())),
-        other => each(buf, &[other.to_string()], |s| {
-            Value::String(s.clone().into())
-        }),
+        Array::Bool(values) => values.iter().map(|b| Value::Bool(*b)).collect(),
+        Array::I64(values) => values.iter().map(|i| Value::I64(*i)).collect(),
+        Array::F64(values) => values.iter().map(|f| Value::F64(*f)).collect(),
+        Array::String(values) => values
+            .iter()
+            .map(|s: &StringValue| Value::String(s.clone()))
+            .collect(),
+        other => vec![Value::String(other.to_string().into())],
     }
 }
 
-/// `KeyValue` messages, one per attribute, as field `field` of `buf`.
+fn array_value_len(array: &Array) -> usize {
+    array_elements(array)
+        .iter()
+        .map(|value| delimited_len(1, any_value_len(value)))
+        .sum()
+}
+
+fn put_array_value(buf: &mut Vec<u8>, array: &Array) {
+    for value in array_elements(array) {
+        put_delimited_header(buf, 1, any_value_len(&value));
+        put_any_value(buf, &value);
+    }
+}
+
+/// A `KeyValue`: the key, then the value.
+fn key_value_len(attribute: &KeyValue) -> usize {
+    nonempty_len(1, attribute.key.as_str().len())
+        + delimited_len(2, any_value_len(&attribute.value))
+}
+
+fn put_key_value(buf: &mut Vec<u8>, attribute: &KeyValue) {
+    put_nonempty(buf, 1, attribute.key.as_str().as_bytes());
+    put_delimited_header(buf, 2, any_value_len(&attribute.value));
+    put_any_value(buf, &attribute.value);
+}
+
+/// One `KeyValue` field `field` per attribute.
+fn attributes_len<'a>(field: u32, attributes: impl IntoIterator<Item = &'a KeyValue>) -> usize {
+    attributes
+        .into_iter()
+        .map(|attribute| delimited_len(field, key_value_len(attribute)))
+        .sum()
+}
+
 fn put_attributes<'a>(
     buf: &mut Vec<u8>,
     field: u32,
     attributes: impl IntoIterator<Item = &'a KeyValue>,
 ) {
     for attribute in attributes {
-        let key = attribute.key.as_str();
-        let value_len = any_value_len(&attribute.value);
-        let len = if key.is_empty() {
-            0
-        } else {
-            delimited_len(key.len())
-        } + delimited_len(value_len);
-        put_key(buf, field, LENGTH_DELIMITED);
-        put_varint(buf, len as u64);
-        put_nonempty(buf, 1, key.as_bytes());
-        put_key(buf, 2, LENGTH_DELIMITED);
-        put_varint(buf, value_len as u64);
-        put_any_value(buf, &attribute.value);
+        put_delimited_header(buf, field, key_value_len(attribute));
+        put_key_value(buf, attribute);
     }
 }
 
 /// `InstrumentationScope`: name, version, attributes.
+fn scope_len(scope: &InstrumentationScope) -> usize {
+    nonempty_len(1, scope.name().len())
+        + nonempty_len(2, scope.version().unwrap_or_default().len())
+        + attributes_len(3, scope.attributes())
+}
+
 fn put_scope(buf: &mut Vec<u8>, scope: &InstrumentationScope) {
     put_nonempty(buf, 1, scope.name().as_bytes());
     put_nonempty(buf, 2, scope.version().unwrap_or_default().as_bytes());
     put_attributes(buf, 3, scope.attributes());
+}
+
+/// `Span.Event`.
+fn event_len(event: &Event) -> usize {
+    fixed64_len(1, unix_nanos(event.timestamp))
+        + nonempty_len(2, event.name.len())
+        + attributes_len(3, &event.attributes)
+        + uint_len(4, u64::from(event.dropped_attributes_count))
+}
+
+fn put_event(buf: &mut Vec<u8>, event: &Event) {
+    put_fixed64(buf, 1, unix_nanos(event.timestamp));
+    put_nonempty(buf, 2, event.name.as_bytes());
+    put_attributes(buf, 3, &event.attributes);
+    put_uint(buf, 4, u64::from(event.dropped_attributes_count));
+}
+
+/// `Span.Link`.
+fn link_len(link: &Link) -> usize {
+    let linked = &link.span_context;
+    delimited_len(1, 16)
+        + delimited_len(2, 8)
+        + nonempty_len(3, linked.trace_state().header().len())
+        + attributes_len(4, &link.attributes)
+        + uint_len(5, u64::from(link.dropped_attributes_count))
+        + fixed32_len(
+            6,
+            span_flags(linked.trace_flags().to_u8(), linked.is_remote()),
+        )
+}
+
+fn put_link(buf: &mut Vec<u8>, link: &Link) {
+    let linked = &link.span_context;
+    put_bytes(buf, 1, &linked.trace_id().to_bytes());
+    put_bytes(buf, 2, &linked.span_id().to_bytes());
+    put_nonempty(buf, 3, linked.trace_state().header().as_bytes());
+    put_attributes(buf, 4, &link.attributes);
+    put_uint(buf, 5, u64::from(link.dropped_attributes_count));
+    put_fixed32(
+        buf,
+        6,
+        span_flags(linked.trace_flags().to_u8(), linked.is_remote()),
+    );
+}
+
+/// `Status`: the message (errors only), then the code.
+fn status_len(status: &Status) -> usize {
+    match status {
+        Status::Unset => 0,
+        Status::Ok => uint_len(3, 1),
+        Status::Error { description } => nonempty_len(2, description.len()) + uint_len(3, 2),
+    }
+}
+
+fn put_status(buf: &mut Vec<u8>, status: &Status) {
+    match status {
+        Status::Unset => {}
+        Status::Ok => put_uint(buf, 3, 1),
+        Status::Error { description } => {
+            put_nonempty(buf, 2, description.as_bytes());
+            put_uint(buf, 3, 2);
+        }
+    }
 }
 
 fn span_kind(kind: &SpanKind) -> u64 {
@@ -236,65 +327,105 @@ fn span_flags(trace_flags: u8, parent_is_remote: bool) -> u32 {
     u32::from(trace_flags) | CONTEXT_HAS_IS_REMOTE | remote
 }
 
-/// One `Span` message's fields.
-fn put_span(buf: &mut Vec<u8>, scratch: &mut Vec<u8>, span: &SpanData) {
-    let context = &span.span_context;
-    put_bytes(buf, 1, &context.trace_id().to_bytes());
-    put_bytes(buf, 2, &context.span_id().to_bytes());
-    put_nonempty(buf, 3, context.trace_state().header().as_bytes());
-    if span.parent_span_id != SpanId::INVALID {
-        put_bytes(buf, 4, &span.parent_span_id.to_bytes());
+/// A span with what its encoding needs more than once.
+struct SpanFields<'a> {
+    span: &'a SpanData,
+    /// `tracestate`, rendered once.
+    trace_state: String,
+    /// The length of its `Span` message.
+    len: usize,
+}
+
+impl<'a> SpanFields<'a> {
+    fn new(span: &'a SpanData) -> Self {
+        let trace_state = span.span_context.trace_state().header();
+        let mut fields = SpanFields {
+            span,
+            trace_state,
+            len: 0,
+        };
+        fields.len = fields.compute_len();
+        fields
     }
-    put_nonempty(buf, 5, span.name.as_bytes());
-    put_uint(buf, 6, span_kind(&span.span_kind));
-    put_fixed64(buf, 7, unix_nanos(span.start_time));
-    put_fixed64(buf, 8, unix_nanos(span.end_time));
-    put_attributes(buf, 9, &span.attributes);
-    put_uint(buf, 10, u64::from(span.dropped_attributes_count));
-    for event in &span.events.events {
-        put_message(buf, 11, scratch, |event_buf| {
-            put_fixed64(event_buf, 1, unix_nanos(event.timestamp));
-            put_nonempty(event_buf, 2, event.name.as_bytes());
-            put_attributes(event_buf, 3, &event.attributes);
-            put_uint(event_buf, 4, u64::from(event.dropped_attributes_count));
-        });
+
+    fn flags(&self) -> u32 {
+        span_flags(
+            self.span.span_context.trace_flags().to_u8(),
+            self.span.parent_span_is_remote,
+        )
     }
-    put_uint(buf, 12, u64::from(span.events.dropped_count));
-    for link in &span.links.links {
-        put_message(buf, 13, scratch, |link_buf| {
-            let linked = &link.span_context;
-            put_bytes(link_buf, 1, &linked.trace_id().to_bytes());
-            put_bytes(link_buf, 2, &linked.span_id().to_bytes());
-            put_nonempty(link_buf, 3, linked.trace_state().header().as_bytes());
-            put_attributes(link_buf, 4, &link.attributes);
-            put_uint(link_buf, 5, u64::from(link.dropped_attributes_count));
-            put_fixed32(
-                link_buf,
-                6,
-                span_flags(linked.trace_flags().to_u8(), linked.is_remote()),
-            );
-        });
+
+    fn compute_len(&self) -> usize {
+        let span = self.span;
+        let parent = if span.parent_span_id != SpanId::INVALID {
+            delimited_len(4, 8)
+        } else {
+            0
+        };
+        delimited_len(1, 16)
+            + delimited_len(2, 8)
+            + nonempty_len(3, self.trace_state.len())
+            + parent
+            + nonempty_len(5, span.name.len())
+            + uint_len(6, span_kind(&span.span_kind))
+            + fixed64_len(7, unix_nanos(span.start_time))
+            + fixed64_len(8, unix_nanos(span.end_time))
+            + attributes_len(9, &span.attributes)
+            + uint_len(10, u64::from(span.dropped_attributes_count))
+            + span
+                .events
+                .events
+                .iter()
+                .map(|event| delimited_len(11, event_len(event)))
+                .sum::<usize>()
+            + uint_len(12, u64::from(span.events.dropped_count))
+            + span
+                .links
+                .links
+                .iter()
+                .map(|link| delimited_len(13, link_len(link)))
+                .sum::<usize>()
+            + uint_len(14, u64::from(span.links.dropped_count))
+            // Always there, as the SDK's conversion has it.
+            + delimited_len(15, status_len(&span.status))
+            + fixed32_len(16, self.flags())
     }
-    put_uint(buf, 14, u64::from(span.links.dropped_count));
-    put_message(buf, 15, scratch, |status_buf| match &span.status {
-        Status::Unset => {}
-        Status::Ok => put_uint(status_buf, 3, 1),
-        Status::Error { description } => {
-            put_nonempty(status_buf, 2, description.as_bytes());
-            put_uint(status_buf, 3, 2);
+
+    fn put(&self, buf: &mut Vec<u8>) {
+        let span = self.span;
+        let context = &span.span_context;
+        put_bytes(buf, 1, &context.trace_id().to_bytes());
+        put_bytes(buf, 2, &context.span_id().to_bytes());
+        put_nonempty(buf, 3, self.trace_state.as_bytes());
+        if span.parent_span_id != SpanId::INVALID {
+            put_bytes(buf, 4, &span.parent_span_id.to_bytes());
         }
-    });
-    put_fixed32(
-        buf,
-        16,
-        span_flags(context.trace_flags().to_u8(), span.parent_span_is_remote),
-    );
+        put_nonempty(buf, 5, span.name.as_bytes());
+        put_uint(buf, 6, span_kind(&span.span_kind));
+        put_fixed64(buf, 7, unix_nanos(span.start_time));
+        put_fixed64(buf, 8, unix_nanos(span.end_time));
+        put_attributes(buf, 9, &span.attributes);
+        put_uint(buf, 10, u64::from(span.dropped_attributes_count));
+        for event in &span.events.events {
+            put_delimited_header(buf, 11, event_len(event));
+            put_event(buf, event);
+        }
+        put_uint(buf, 12, u64::from(span.events.dropped_count));
+        for link in &span.links.links {
+            put_delimited_header(buf, 13, link_len(link));
+            put_link(buf, link);
+        }
+        put_uint(buf, 14, u64::from(span.links.dropped_count));
+        put_delimited_header(buf, 15, status_len(&span.status));
+        put_status(buf, &span.status);
+        put_fixed32(buf, 16, self.flags());
+    }
 }
 
 /// Encodes batches of spans of one process (one resource).
 #[derive(Debug, Default)]
 pub(crate) struct SpanEncoder {
-    /// The `Resource` message, encoded once.
+    /// The `Resource` message's content, encoded once.
     resource: Vec<u8>,
     resource_schema_url: String,
 }
@@ -305,7 +436,7 @@ impl SpanEncoder {
             .iter()
             .map(|(key, value)| KeyValue::new(key.clone(), value.clone()))
             .collect();
-        let mut encoded = Vec::new();
+        let mut encoded = Vec::with_capacity(attributes_len(1, &attributes));
         put_attributes(&mut encoded, 1, &attributes);
         SpanEncoder {
             resource: encoded,
@@ -317,46 +448,66 @@ impl SpanEncoder {
     /// holding a `ScopeSpans` per instrumentation scope, in the order each
     /// scope first appears.
     pub(crate) fn encode_request(&self, spans: &[SpanData]) -> Vec<u8> {
-        let mut scopes: Vec<&InstrumentationScope> = Vec::new();
-        let mut scope_of_span = Vec::with_capacity(spans.len());
+        struct Scope<'a> {
+            scope: &'a InstrumentationScope,
+            spans: Vec<SpanFields<'a>>,
+            len: usize,
+        }
+        let mut scopes: Vec<Scope<'_>> = Vec::new();
         for span in spans {
-            let scope = &span.instrumentation_scope;
-            let index = match scopes.iter().position(|known| *known == scope) {
+            let of = &span.instrumentation_scope;
+            let index = match scopes.iter().position(|known| known.scope == of) {
                 Some(index) => index,
                 None => {
-                    scopes.push(scope);
+                    scopes.push(Scope {
+                        scope: of,
+                        spans: Vec::new(),
+                        len: 0,
+                    });
                     scopes.len() - 1
                 }
             };
-            scope_of_span.push(index);
+            scopes[index].spans.push(SpanFields::new(span));
         }
-        let mut scratch = Vec::with_capacity(256);
-        let mut span_buf = Vec::with_capacity(1024);
-        let mut scope_buf = Vec::with_capacity(spans.len() * 512);
-        let mut resource_spans = Vec::with_capacity(spans.len() * 512 + self.resource.len());
-        put_bytes(&mut resource_spans, 1, &self.resource);
-        for (index, scope) in scopes.iter().enumerate() {
-            scope_buf.clear();
-            put_message(&mut scope_buf, 1, &mut scratch, |buf| put_scope(buf, scope));
-            for (span, _) in spans
+        for scope in &mut scopes {
+            scope.len = delimited_len(1, scope_len(scope.scope))
+                + scope
+                    .spans
+                    .iter()
+                    .map(|span| delimited_len(2, span.len))
+                    .sum::<usize>()
+                + nonempty_len(3, scope.scope.schema_url().unwrap_or_default().len());
+        }
+        let resource_spans_len = delimited_len(1, self.resource.len())
+            + scopes
                 .iter()
-                .zip(&scope_of_span)
-                .filter(|(_, of)| **of == index)
-            {
-                span_buf.clear();
-                put_span(&mut span_buf, &mut scratch, span);
-                put_bytes(&mut scope_buf, 2, &span_buf);
+                .map(|scope| delimited_len(2, scope.len))
+                .sum::<usize>()
+            + nonempty_len(3, self.resource_schema_url.len());
+        let request_len = delimited_len(1, resource_spans_len);
+        let mut request = Vec::with_capacity(request_len);
+        put_delimited_header(&mut request, 1, resource_spans_len);
+        put_bytes(&mut request, 1, &self.resource);
+        for scope in &scopes {
+            put_delimited_header(&mut request, 2, scope.len);
+            put_delimited_header(&mut request, 1, scope_len(scope.scope));
+            put_scope(&mut request, scope.scope);
+            for span in &scope.spans {
+                put_delimited_header(&mut request, 2, span.len);
+                span.put(&mut request);
             }
             put_nonempty(
-                &mut scope_buf,
+                &mut request,
                 3,
-                scope.schema_url().unwrap_or_default().as_bytes(),
+                scope.scope.schema_url().unwrap_or_default().as_bytes(),
             );
-            put_bytes(&mut resource_spans, 2, &scope_buf);
         }
-        put_nonempty(&mut resource_spans, 3, self.resource_schema_url.as_bytes());
-        let mut request = Vec::with_capacity(resource_spans.len() + 8);
-        put_bytes(&mut request, 1, &resource_spans);
+        put_nonempty(&mut request, 3, self.resource_schema_url.as_bytes());
+        debug_assert_eq!(
+            request.len(),
+            request_len,
+            "a *_len function disagrees with its put_*"
+        );
         request
     }
 }
