@@ -222,8 +222,9 @@ fn percent_decode(text: &str) -> Option<String> {
     String::from_utf8(out).ok()
 }
 
-/// A checked tracing configuration.
-#[derive(Debug, Clone, PartialEq)]
+/// A checked tracing configuration. Its `Debug` leaves header values out:
+/// they are often credentials.
+#[derive(Clone, PartialEq)]
 pub struct TelemetryConfig {
     /// Where spans go; `None` turns export off.
     pub endpoint: Option<String>,
@@ -234,6 +235,30 @@ pub struct TelemetryConfig {
     pub headers: Vec<(String, String)>,
     /// The CA bundle (PEM) an https collector's certificate must chain to.
     pub ca_certificate: Option<std::path::PathBuf>,
+}
+
+impl std::fmt::Debug for TelemetryConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TelemetryConfig")
+            .field("endpoint", &self.endpoint)
+            .field("service_name", &self.service_name)
+            .field("sampler", &self.sampler)
+            .field("resource_attributes", &self.resource_attributes)
+            .field("headers", &RedactedHeaders(&self.headers))
+            .field("ca_certificate", &self.ca_certificate)
+            .finish()
+    }
+}
+
+/// Header names with their values left out, for `Debug`.
+pub(crate) struct RedactedHeaders<'a>(pub(crate) &'a [(String, String)]);
+
+impl std::fmt::Debug for RedactedHeaders<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_map()
+            .entries(self.0.iter().map(|(name, _)| (name, "<redacted>")))
+            .finish()
+    }
 }
 
 impl TelemetryConfig {
@@ -974,6 +999,17 @@ mod tests {
             bad.telemetry.to_config("demo"),
             Err(TelemetryError::Header(_))
         ));
+    }
+
+    #[test]
+    fn debug_output_names_headers_but_leaves_their_values_out() {
+        let config = TelemetryConfig {
+            headers: vec![("x-api-key".to_owned(), "s3cr3t-value".to_owned())],
+            ..TelemetryConfig::off("demo")
+        };
+        let printed = format!("{config:?}");
+        assert!(printed.contains("x-api-key"), "{printed}");
+        assert!(!printed.contains("s3cr3t-value"), "{printed}");
     }
 
     #[test]

@@ -27,7 +27,7 @@ use super::{EXPORT_TIMEOUT, TelemetryError};
 const EXPORT_PATH: &str = "/opentelemetry.proto.collector.trace.v1.TraceService/Export";
 
 /// Where and how spans are sent.
-#[derive(Debug, Clone, Default)]
+#[derive(Clone, Default)]
 pub(crate) struct CollectorConfig {
     pub endpoint: String,
     /// Extra gRPC metadata on every export (`OTEL_EXPORTER_OTLP_HEADERS`).
@@ -36,9 +36,10 @@ pub(crate) struct CollectorConfig {
     pub ca_certificate_pem: Option<Vec<u8>>,
 }
 
-/// Sends [`SpanData`] batches to one collector.
-#[derive(Debug)]
+/// Sends [`SpanData`] batches to one collector. Its `Debug` names the
+/// headers it sends, not their values.
 pub(crate) struct OtlpSpanExporter {
+    endpoint: String,
     grpc: tonic::client::Grpc<Channel>,
     metadata: MetadataMap,
     encoder: SpanEncoder,
@@ -83,6 +84,7 @@ impl OtlpSpanExporter {
             metadata.append(name, value);
         }
         Ok(OtlpSpanExporter {
+            endpoint: config.endpoint.clone(),
             grpc: tonic::client::Grpc::new(endpoint.connect_lazy()),
             metadata,
             encoder: SpanEncoder::default(),
@@ -103,6 +105,24 @@ impl OtlpSpanExporter {
             .unary(request, path, EncodedRequestCodec)
             .await?
             .into_inner())
+    }
+}
+
+impl std::fmt::Debug for OtlpSpanExporter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let header_names: Vec<&str> = self
+            .metadata
+            .keys()
+            .map(|key| match key {
+                tonic::metadata::KeyRef::Ascii(key) => key.as_str(),
+                tonic::metadata::KeyRef::Binary(key) => key.as_str(),
+            })
+            .collect();
+        f.debug_struct("OtlpSpanExporter")
+            .field("endpoint", &self.endpoint)
+            .field("headers", &header_names)
+            .field("failing", &self.failing)
+            .finish_non_exhaustive()
     }
 }
 
@@ -343,6 +363,21 @@ mod tests {
         };
         export_one_span(&config, "test.untrusted");
         assert_eq!(recorder.span_names(), ["test.tls"]);
+    }
+
+    #[test]
+    fn debug_output_names_headers_but_leaves_their_values_out() {
+        let runtime = tokio::runtime::Runtime::new().expect("runtime");
+        let _entered = runtime.enter();
+        let exporter = OtlpSpanExporter::new(&CollectorConfig {
+            endpoint: "http://127.0.0.1:4317".to_owned(),
+            headers: vec![("x-api-key".to_owned(), "s3cr3t-value".to_owned())],
+            ca_certificate_pem: None,
+        })
+        .expect("exporter");
+        let printed = format!("{exporter:?}");
+        assert!(printed.contains("x-api-key"), "{printed}");
+        assert!(!printed.contains("s3cr3t-value"), "{printed}");
     }
 
     #[test]
