@@ -947,34 +947,17 @@ mod tests {
                 .and_then(|e| e.to_str())
                 .map(str::to_owned)
         };
-        assert_eq!(
-            env_of("otlp_endpoint").as_deref(),
-            Some("OTEL_EXPORTER_OTLP_ENDPOINT")
-        );
-        assert_eq!(
-            env_of("otel_service_name").as_deref(),
-            Some("OTEL_SERVICE_NAME")
-        );
-        assert_eq!(
-            env_of("otel_traces_sampler").as_deref(),
-            Some("OTEL_TRACES_SAMPLER")
-        );
-        assert_eq!(
-            env_of("otel_traces_sampler_arg").as_deref(),
-            Some("OTEL_TRACES_SAMPLER_ARG")
-        );
-        assert_eq!(
-            env_of("otel_resource_attributes").as_deref(),
-            Some("OTEL_RESOURCE_ATTRIBUTES")
-        );
-        assert_eq!(
-            env_of("otlp_headers").as_deref(),
-            Some("OTEL_EXPORTER_OTLP_HEADERS")
-        );
-        assert_eq!(
-            env_of("otlp_certificate").as_deref(),
-            Some("OTEL_EXPORTER_OTLP_CERTIFICATE")
-        );
+        for (flag, variable) in [
+            ("otlp_endpoint", "OTEL_EXPORTER_OTLP_ENDPOINT"),
+            ("otel_service_name", "OTEL_SERVICE_NAME"),
+            ("otel_traces_sampler", "OTEL_TRACES_SAMPLER"),
+            ("otel_traces_sampler_arg", "OTEL_TRACES_SAMPLER_ARG"),
+            ("otel_resource_attributes", "OTEL_RESOURCE_ATTRIBUTES"),
+            ("otlp_headers", "OTEL_EXPORTER_OTLP_HEADERS"),
+            ("otlp_certificate", "OTEL_EXPORTER_OTLP_CERTIFICATE"),
+        ] {
+            assert_eq!(env_of(flag).as_deref(), Some(variable), "{flag}");
+        }
         let demo = Demo::try_parse_from([
             "demo",
             "--otlp-endpoint=https://collector:4317",

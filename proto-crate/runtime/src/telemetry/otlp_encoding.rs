@@ -201,23 +201,19 @@ fn put_array_value(buf: &mut Vec<u8>, array: &Array) {
     }
 }
 
-/// A `KeyValue`: the key, then the value.
-fn key_value_len(attribute: &KeyValue) -> usize {
-    nonempty_len(1, attribute.key.as_str().len())
-        + delimited_len(2, any_value_len(&attribute.value))
-}
-
-fn put_key_value(buf: &mut Vec<u8>, attribute: &KeyValue) {
-    put_nonempty(buf, 1, attribute.key.as_str().as_bytes());
-    put_delimited_header(buf, 2, any_value_len(&attribute.value));
-    put_any_value(buf, &attribute.value);
+/// A `KeyValue`: the key, then an `AnyValue` of `value_len` bytes.
+fn key_value_len(key: &str, value_len: usize) -> usize {
+    nonempty_len(1, key.len()) + delimited_len(2, value_len)
 }
 
 /// One `KeyValue` field `field` per attribute.
 fn attributes_len<'a>(field: u32, attributes: impl IntoIterator<Item = &'a KeyValue>) -> usize {
     attributes
         .into_iter()
-        .map(|attribute| delimited_len(field, key_value_len(attribute)))
+        .map(|attribute| {
+            let value_len = any_value_len(&attribute.value);
+            delimited_len(field, key_value_len(attribute.key.as_str(), value_len))
+        })
         .sum()
 }
 
@@ -227,8 +223,13 @@ fn put_attributes<'a>(
     attributes: impl IntoIterator<Item = &'a KeyValue>,
 ) {
     for attribute in attributes {
-        put_delimited_header(buf, field, key_value_len(attribute));
-        put_key_value(buf, attribute);
+        // The value's length goes into two headers: computed once.
+        let key = attribute.key.as_str();
+        let value_len = any_value_len(&attribute.value);
+        put_delimited_header(buf, field, key_value_len(key, value_len));
+        put_nonempty(buf, 1, key.as_bytes());
+        put_delimited_header(buf, 2, value_len);
+        put_any_value(buf, &attribute.value);
     }
 }
 
