@@ -9,6 +9,8 @@
 //!   cluster may claim.
 //! * [`flow`] — the per-connection flow-control primitives (credit and bounded
 //!   receive buffers) that keep one slow connection from stalling a tunnel.
+//! * [`grpc_framing`] — gRPC framing of packets that neither copies a received
+//!   message out of its HTTP/2 frame nor a sent payload into an encode buffer.
 //! * [`duration`] / [`strconv`] — Go's duration and boolean syntaxes, as upstream flags use them.
 //! * [`trace`] — W3C trace-context propagation (gRPC metadata, HTTP headers, dial requests).
 //! * [`transport`] / [`client`] — mTLS gRPC channels and a tunnel dialer for Rust users.
@@ -29,6 +31,7 @@ pub mod client;
 pub mod connector;
 pub mod duration;
 pub mod flow;
+pub mod grpc_framing;
 pub mod identifiers;
 pub mod identity;
 pub mod metadata;

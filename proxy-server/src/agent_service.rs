@@ -16,16 +16,15 @@
 
 use std::sync::Arc;
 
-use cluster_proxy_proto::Packet;
 use cluster_proxy_proto::flow::parse_window;
 use cluster_proxy_proto::identifiers::AgentIdentifiers;
-use cluster_proxy_proto::konnectivity::agent_service_server::AgentService;
 use cluster_proxy_proto::metadata;
 use cluster_proxy_proto::packet::Frame;
 use tonic::metadata::{MetadataMap, MetadataValue};
-use tonic::{Request, Response, Status, Streaming};
+use tonic::{Request, Response, Status};
 use tracing::{info, warn};
 
+use crate::grpc_service::{InboundPackets, PacketMethod};
 use crate::listener::PeerInfo;
 use crate::metrics::{GaugeGuard, Metrics};
 use crate::registry::{Registry, Strategy};
@@ -77,7 +76,7 @@ fn single_value<'a>(md: &'a MetadataMap, key: &str) -> Result<Option<&'a str>, S
 impl AgentEndpoint {
     fn admit(
         &self,
-        request: &Request<Streaming<Packet>>,
+        request: &Request<InboundPackets>,
     ) -> Result<(String, AgentIdentifiers, Arc<PeerInfo>), Status> {
         let md = request.metadata();
         let agent_id = single_value(md, metadata::AGENT_ID)?
@@ -123,14 +122,16 @@ impl AgentEndpoint {
     }
 }
 
-#[tonic::async_trait]
-impl AgentService for AgentEndpoint {
-    type ConnectStream = OutboundStream;
+impl PacketMethod for AgentEndpoint {
+    const SERVICE: &'static str =
+        cluster_proxy_proto::konnectivity::agent_service_server::SERVICE_NAME;
+    const PATH: &'static str = "/AgentService/Connect";
+    type Outbound = OutboundStream;
 
-    async fn connect(
+    async fn call(
         &self,
-        request: Request<Streaming<Packet>>,
-    ) -> Result<Response<Self::ConnectStream>, Status> {
+        request: Request<InboundPackets>,
+    ) -> Result<Response<Self::Outbound>, Status> {
         let (agent_id, identifiers, peer) = match self.admit(&request) {
             Ok(admitted) => admitted,
             Err(status) if is_go_grpc(request.metadata()) => return Ok(refusal_for_go(status)),
@@ -300,7 +301,7 @@ pub(crate) fn is_oversized(status: &Status) -> bool {
 /// Dispatches the agent's packets until its stream ends; returns why it ended.
 async fn read_agent(
     tunnel: &Arc<AgentTunnel>,
-    mut inbound: Streaming<Packet>,
+    mut inbound: InboundPackets,
     metrics: &Metrics,
 ) -> String {
     loop {

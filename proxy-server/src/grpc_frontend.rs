@@ -13,15 +13,15 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 use cluster_proxy_proto::Packet;
 use cluster_proxy_proto::flow::FlowError;
-use cluster_proxy_proto::konnectivity::proxy_service_server::ProxyService;
 use cluster_proxy_proto::packet::{self, Frame, PROTOCOL_TCP};
 use futures_util::Stream;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
-use tonic::{Request, Response, Status, Streaming};
+use tonic::{Request, Response, Status};
 use tracing::debug;
 
 use crate::dial::{DialFailure, DialOrigin, Dialer};
+use crate::grpc_service::{InboundPackets, PacketMethod};
 use crate::listener::PeerInfo;
 use crate::metrics::{GaugeGuard, Metrics, Segment};
 use crate::tunnel::{ConnReceiver, ConnSender, FrontendEvent};
@@ -38,14 +38,16 @@ pub struct GrpcFrontend {
 /// read them; a client that lets them pile up loses its stream.
 const REPLY_QUEUE: usize = 16;
 
-#[tonic::async_trait]
-impl ProxyService for GrpcFrontend {
-    type ProxyStream = ProxyResponse;
+impl PacketMethod for GrpcFrontend {
+    const SERVICE: &'static str =
+        cluster_proxy_proto::konnectivity::proxy_service_server::SERVICE_NAME;
+    const PATH: &'static str = "/ProxyService/Proxy";
+    type Outbound = ProxyResponse;
 
-    async fn proxy(
+    async fn call(
         &self,
-        request: Request<Streaming<Packet>>,
-    ) -> Result<Response<Self::ProxyStream>, Status> {
+        request: Request<InboundPackets>,
+    ) -> Result<Response<Self::Outbound>, Status> {
         let origin = DialOrigin {
             frontend: "grpc",
             client: request.extensions().get::<Arc<PeerInfo>>().cloned(),
@@ -113,7 +115,7 @@ impl Session {
         }
     }
 
-    async fn next(&self, inbound: &mut Streaming<Packet>) -> Option<Frame> {
+    async fn next(&self, inbound: &mut InboundPackets) -> Option<Frame> {
         match inbound.message().await {
             Ok(Some(p)) => {
                 let frame = Frame::from_packet(p);
@@ -133,7 +135,7 @@ impl Session {
         }
     }
 
-    async fn run(self, mut inbound: Streaming<Packet>, relay: oneshot::Sender<ConnReceiver>) {
+    async fn run(self, mut inbound: InboundPackets, relay: oneshot::Sender<ConnReceiver>) {
         // 1. Wait for the dial request, for a bounded time: an idle stream
         //    holds a task and HTTP/2 stream slot.
         let first = tokio::time::timeout(self.first_packet_timeout, self.first_dial(&mut inbound));
@@ -151,7 +153,7 @@ impl Session {
 
     /// The stream's DIAL_REQ (address and dial id); `None` when the stream
     /// ended or broke the protocol first (already answered).
-    async fn first_dial(&self, inbound: &mut Streaming<Packet>) -> Option<(String, i64)> {
+    async fn first_dial(&self, inbound: &mut InboundPackets) -> Option<(String, i64)> {
         loop {
             match self.next(inbound).await {
                 None => return None,
@@ -187,7 +189,7 @@ impl Session {
 
     async fn relay(
         self,
-        mut inbound: Streaming<Packet>,
+        mut inbound: InboundPackets,
         relay: oneshot::Sender<ConnReceiver>,
         address: String,
         random: i64,

@@ -12,6 +12,7 @@ pub mod config;
 pub mod conn_trace;
 pub mod dial;
 pub mod grpc_frontend;
+pub mod grpc_service;
 pub mod http_connect;
 pub mod listener;
 pub mod metrics;
@@ -28,8 +29,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use cluster_proxy_proto::konnectivity::agent_service_server::AgentServiceServer;
-use cluster_proxy_proto::konnectivity::proxy_service_server::ProxyServiceServer;
 use cluster_proxy_proto::transport::{ALPN_H2, ALPN_HTTP11, MAX_MESSAGE_SIZE};
 use cluster_proxy_runtime::admin;
 use cluster_proxy_runtime::net::{BindError, bind};
@@ -49,6 +48,7 @@ use crate::agent_service::{AgentEndpoint, AgentEndpointSettings};
 use crate::config::{Mode, ServerConfig};
 use crate::dial::Dialer;
 use crate::grpc_frontend::GrpcFrontend;
+use crate::grpc_service::PacketService;
 use crate::http_connect::ConnectFrontend;
 use crate::listener::{Http2Settings, Listener, PeerInfo, Protocols};
 use crate::metrics::Metrics;
@@ -542,11 +542,11 @@ pub async fn start_with_peers(
         metrics: metrics.clone(),
         draining: draining.clone(),
     };
-    let agent_routes = Routes::new(
-        AgentServiceServer::new(agent_endpoint)
-            .max_decoding_message_size(limit(config.max_packet_size))
-            .max_encoding_message_size(MAX_MESSAGE_SIZE),
-    );
+    let agent_routes = Routes::new(PacketService::new(
+        agent_endpoint,
+        limit(config.max_packet_size),
+        MAX_MESSAGE_SIZE,
+    ));
     tasks.spawn(listener::serve(
         "agent",
         Listener::Tcp(agent_listener, tls.agent),
@@ -562,15 +562,15 @@ pub async fn start_with_peers(
     ));
 
     let grpc = matches!(config.mode, Mode::Both | Mode::Grpc).then(|| {
-        Routes::new(
-            ProxyServiceServer::new(GrpcFrontend {
+        Routes::new(PacketService::new(
+            GrpcFrontend {
                 dialer: dialer.clone(),
                 metrics: metrics.clone(),
                 first_packet_timeout: config.first_packet_timeout,
-            })
-            .max_decoding_message_size(limit(config.max_packet_size))
-            .max_encoding_message_size(MAX_MESSAGE_SIZE),
-        )
+            },
+            limit(config.max_packet_size),
+            MAX_MESSAGE_SIZE,
+        ))
     });
     let connect = matches!(config.mode, Mode::Both | Mode::HttpConnect).then(|| {
         Arc::new(ConnectFrontend {
