@@ -18,12 +18,11 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::PollSender;
-use tonic::Streaming;
 use tonic::transport::Channel;
 
 use crate::Packet;
 use crate::flow::READ_CHUNK;
-use crate::konnectivity::proxy_service_client::ProxyServiceClient;
+use crate::grpc_framing::{PROXY_PATH, PacketStream, streaming_call};
 use crate::packet::{self, Frame};
 use crate::trace::{DirectSpan, TraceHeaders};
 use crate::transport::MAX_MESSAGE_SIZE;
@@ -51,7 +50,7 @@ pub enum DialError {
 /// Dials through one proxy-server.
 #[derive(Clone, Debug)]
 pub struct TunnelClient {
-    grpc: ProxyServiceClient<Channel>,
+    channel: Channel,
     dial_timeout: Duration,
     /// The tracer of this client's dial spans, when not the process's
     /// ([`crate::trace::install_tracer`]).
@@ -61,9 +60,7 @@ pub struct TunnelClient {
 impl TunnelClient {
     pub fn new(channel: Channel) -> Self {
         TunnelClient {
-            grpc: ProxyServiceClient::new(channel)
-                .max_decoding_message_size(MAX_MESSAGE_SIZE)
-                .max_encoding_message_size(MAX_MESSAGE_SIZE),
+            channel,
             dial_timeout: DEFAULT_DIAL_TIMEOUT,
             tracer: None,
         }
@@ -150,7 +147,15 @@ impl TunnelClient {
         if let Some(trace) = trace {
             trace.insert_into_metadata(request.metadata_mut());
         }
-        let mut responses = self.grpc.clone().proxy(request).await?.into_inner();
+        let mut responses = streaming_call(
+            &mut self.channel.clone(),
+            http::uri::PathAndQuery::from_static(PROXY_PATH),
+            request,
+            MAX_MESSAGE_SIZE,
+            MAX_MESSAGE_SIZE,
+        )
+        .await?
+        .into_inner();
         let connect_id = match tokio::time::timeout(
             self.dial_timeout,
             wait_dial_response(&mut responses, random),
@@ -174,10 +179,7 @@ impl TunnelClient {
     }
 }
 
-async fn wait_dial_response(
-    responses: &mut Streaming<Packet>,
-    random: i64,
-) -> Result<i64, DialError> {
+async fn wait_dial_response(responses: &mut Responses, random: i64) -> Result<i64, DialError> {
     loop {
         let Some(p) = responses.message().await? else {
             return Err(DialError::TunnelClosed);
@@ -204,6 +206,9 @@ async fn wait_dial_response(
     }
 }
 
+/// The server's packets on one `Proxy` stream.
+type Responses = PacketStream<tonic::body::Body>;
+
 /// Largest DATA payload one write produces.
 const MAX_WRITE: usize = 4 * READ_CHUNK;
 
@@ -212,7 +217,7 @@ const MAX_WRITE: usize = 4 * READ_CHUNK;
 pub struct TunnelStream {
     connect_id: i64,
     requests: PollSender<Packet>,
-    responses: Streaming<Packet>,
+    responses: Responses,
     /// The unread rest of the last DATA payload.
     pending: Bytes,
     read_closed: bool,

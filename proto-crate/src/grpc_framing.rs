@@ -29,6 +29,11 @@ use tonic::Status;
 use crate::Packet;
 use crate::konnectivity::packet::Payload;
 
+/// The paths of konnectivity's two streaming methods (its protos declare no
+/// package).
+pub const AGENT_CONNECT_PATH: &str = "/AgentService/Connect";
+pub const PROXY_PATH: &str = "/ProxyService/Proxy";
+
 /// The compressed flag and the big-endian message length before every message.
 pub const MESSAGE_PREFIX_LEN: usize = 5;
 
@@ -347,7 +352,9 @@ where
             return match trailers.and_then(Status::from_header_map) {
                 Some(status) if status.code() != tonic::Code::Ok => Err(status),
                 Some(_) => Ok(None),
-                None => Err(Status::internal("the stream ended without a grpc-status")),
+                None => Err(Status::unknown(
+                    "protocol error: missing grpc-status trailer, stream was terminated without a final status",
+                )),
             };
         }
         Ok(None)
@@ -488,6 +495,86 @@ where
     fn is_end_stream(&self) -> bool {
         self.ended && self.payload.is_none()
     }
+}
+
+/// Opens a bidirectional streaming call of packets on `service` (a tonic
+/// `Channel`), as tonic's generated clients do: `request`'s metadata become
+/// headers, a trailers-only error or a non-gRPC HTTP answer is the call's
+/// error, and the response's packets are read with [`PacketStream`].
+pub async fn streaming_call<T, S>(
+    service: &mut T,
+    path: http::uri::PathAndQuery,
+    request: tonic::Request<S>,
+    max_decoding_message_size: usize,
+    max_encoding_message_size: usize,
+) -> Result<tonic::Response<PacketStream<T::ResponseBody>>, Status>
+where
+    T: tonic::client::GrpcService<tonic::body::Body>,
+    T::ResponseBody: Body<Data = Bytes> + Unpin,
+    <T::ResponseBody as Body>::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    S: Stream<Item = Packet> + Send + Unpin + 'static,
+{
+    let (metadata, extensions, packets) = request.into_parts();
+    let body = PacketBody::new(
+        futures_util::StreamExt::map(packets, Ok),
+        Role::Client,
+        max_encoding_message_size,
+    );
+    let mut http = http::Request::new(tonic::body::Body::new(body));
+    *http.method_mut() = http::Method::POST;
+    *http.version_mut() = http::Version::HTTP_2;
+    *http.uri_mut() = http::Uri::from(path);
+    *http.headers_mut() = metadata.into_headers();
+    *http.extensions_mut() = extensions;
+    http.headers_mut()
+        .insert(http::header::TE, http::HeaderValue::from_static("trailers"));
+    http.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/grpc"),
+    );
+    std::future::poll_fn(|cx| service.poll_ready(cx))
+        .await
+        .map_err(|e| Status::from_error(e.into()))?;
+    let response = service
+        .call(http)
+        .await
+        .map_err(|e| Status::from_error(e.into()))?;
+    if let Some(status) = Status::from_header_map(response.headers()) {
+        if status.code() != tonic::Code::Ok {
+            return Err(status);
+        }
+    } else if response.status() != http::StatusCode::OK {
+        return Err(status_of_http(response.status()));
+    }
+    let (parts, body) = response.into_parts();
+    Ok(tonic::Response::from_parts(
+        tonic::metadata::MetadataMap::from_headers(parts.headers),
+        PacketStream::new(body, Direction::Response, max_decoding_message_size),
+        parts.extensions,
+    ))
+}
+
+/// The gRPC status of an HTTP answer without one (gRPC's
+/// http-grpc-status-mapping, as tonic applies it).
+fn status_of_http(status: http::StatusCode) -> Status {
+    let code = match status {
+        http::StatusCode::BAD_REQUEST => tonic::Code::Internal,
+        http::StatusCode::UNAUTHORIZED => tonic::Code::Unauthenticated,
+        http::StatusCode::FORBIDDEN => tonic::Code::PermissionDenied,
+        http::StatusCode::NOT_FOUND => tonic::Code::Unimplemented,
+        http::StatusCode::TOO_MANY_REQUESTS
+        | http::StatusCode::BAD_GATEWAY
+        | http::StatusCode::SERVICE_UNAVAILABLE
+        | http::StatusCode::GATEWAY_TIMEOUT => tonic::Code::Unavailable,
+        _ => tonic::Code::Unknown,
+    };
+    Status::new(
+        code,
+        format!(
+            "grpc-status header missing, mapped from HTTP status code {}",
+            status.as_u16()
+        ),
+    )
 }
 
 #[cfg(test)]
@@ -817,5 +904,85 @@ mod tests {
         .await;
         assert_eq!(frames.concat(), wire(&[packet::close_request(1)]));
         assert!(trailers.is_none());
+    }
+
+    /// A stand-in server: answers every call with `answer(request)`.
+    fn server(
+        answer: fn(&http::Request<tonic::body::Body>) -> http::Response<tonic::body::Body>,
+    ) -> impl tonic::client::GrpcService<
+        tonic::body::Body,
+        ResponseBody = tonic::body::Body,
+        Future = std::future::Ready<Result<http::Response<tonic::body::Body>, Status>>,
+        Error = Status,
+    > {
+        tower::service_fn(move |request: http::Request<tonic::body::Body>| {
+            std::future::ready(Ok(answer(&request)))
+        })
+    }
+
+    fn call_request() -> tonic::Request<futures_util::stream::Iter<std::vec::IntoIter<Packet>>> {
+        let mut request = tonic::Request::new(futures_util::stream::iter(vec![packet::drain()]));
+        request.metadata_mut().insert(
+            "agentid",
+            tonic::metadata::MetadataValue::from_static("a-1"),
+        );
+        request
+    }
+
+    #[tokio::test]
+    async fn a_call_sends_grpc_headers_and_reads_the_answer() {
+        let mut ok = server(|request| {
+            assert_eq!(request.uri().path(), AGENT_CONNECT_PATH);
+            assert_eq!(request.method(), http::Method::POST);
+            assert_eq!(request.headers()["te"], "trailers");
+            assert_eq!(request.headers()["content-type"], "application/grpc");
+            assert_eq!(request.headers()["agentid"], "a-1");
+            let mut ok = HeaderMap::new();
+            Status::ok("").add_header(&mut ok).unwrap();
+            let frames = vec![
+                Ok(Frame::data(Bytes::from(wire(&[packet::close_request(4)])))),
+                Ok(Frame::trailers(ok)),
+            ];
+            let mut response = http::Response::new(tonic::body::Body::new(body(frames)));
+            response
+                .headers_mut()
+                .insert("serverid", http::HeaderValue::from_static("s-1"));
+            response
+        });
+        let path = http::uri::PathAndQuery::from_static(AGENT_CONNECT_PATH);
+        let response = streaming_call(&mut ok, path, call_request(), MAX, MAX)
+            .await
+            .unwrap();
+        assert_eq!(response.metadata().get("serverid").unwrap(), "s-1");
+        let mut packets = response.into_inner();
+        assert_eq!(
+            packets.message().await.unwrap(),
+            Some(packet::close_request(4))
+        );
+        assert_eq!(packets.message().await.unwrap(), None);
+    }
+
+    #[tokio::test]
+    async fn a_refused_call_is_the_servers_status_or_the_http_statuss() {
+        let mut refused = server(|_| Status::permission_denied("not yours").into_http());
+        let path = http::uri::PathAndQuery::from_static(PROXY_PATH);
+        let e = streaming_call(&mut refused, path.clone(), call_request(), MAX, MAX)
+            .await
+            .unwrap_err();
+        assert_eq!(
+            (e.code(), e.message()),
+            (tonic::Code::PermissionDenied, "not yours")
+        );
+
+        let mut not_grpc = server(|_| {
+            let mut response = http::Response::new(tonic::body::Body::empty());
+            *response.status_mut() = http::StatusCode::NOT_FOUND;
+            response
+        });
+        let e = streaming_call(&mut not_grpc, path, call_request(), MAX, MAX)
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unimplemented);
+        assert!(e.message().contains("404"), "{e}");
     }
 }

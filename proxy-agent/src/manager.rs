@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use cluster_proxy_proto::Packet;
 use cluster_proxy_proto::flow::{FlowError, parse_window};
-use cluster_proxy_proto::konnectivity::agent_service_client::AgentServiceClient;
+use cluster_proxy_proto::grpc_framing::{AGENT_CONNECT_PATH, streaming_call};
 use cluster_proxy_proto::metadata;
 use cluster_proxy_proto::packet;
 use cluster_proxy_proto::transport::{
@@ -280,21 +280,25 @@ async fn connect_once(shared: Arc<Shared>) -> Result<Outcome, ConnectError> {
         Some(config.keepalive_time),
     )
     .await?;
-    let mut client = AgentServiceClient::new(channel)
-        .max_decoding_message_size(MAX_MESSAGE_SIZE)
-        .max_encoding_message_size(MAX_MESSAGE_SIZE);
+    let mut client = channel;
     let cancel = shared.root.child_token();
     let (out, requests) = tunnel::outgoing(cancel.clone());
     let counting = shared.metrics.clone();
     let requests =
         requests.inspect(move |p| counting.packet(Segment::FromAgent, packet::type_name(p)));
-    let mut request = tonic::Request::new(requests);
+    let mut request = tonic::Request::new(Box::pin(requests));
     shared.request_metadata(request.metadata_mut())?;
     // Dropping the request stream on failure (cancel) ends the attempt cleanly.
     let _guard = cancel.clone().drop_guard();
     // Boxed as `dyn Future + Send` at a concrete site: awaited inline, rustc
     // fails to prove this tonic future Send for every lifetime.
-    let connect: Pin<Box<dyn Future<Output = _> + Send + '_>> = Box::pin(client.connect(request));
+    let connect: Pin<Box<dyn Future<Output = _> + Send + '_>> = Box::pin(streaming_call(
+        &mut client,
+        http::uri::PathAndQuery::from_static(AGENT_CONNECT_PATH),
+        request,
+        MAX_MESSAGE_SIZE,
+        MAX_MESSAGE_SIZE,
+    ));
     let response = tokio::time::timeout(timeout, connect)
         .await
         .map_err(|_| ConnectError::Timeout(timeout))?
@@ -402,10 +406,10 @@ async fn run_tunnel(
     server_id: String,
     params: TunnelParams,
     out: tunnel::Outgoing,
-    incoming: tonic::Streaming<Packet>,
+    incoming: tunnel::Incoming,
     cancel: CancellationToken,
     // Held so the HTTP/2 connection lives as long as the tunnel.
-    _client: AgentServiceClient<tonic::transport::Channel>,
+    _client: tonic::transport::Channel,
 ) {
     let metrics = shared.metrics.clone();
     let control = out.control.clone();

@@ -48,6 +48,8 @@ pub const ORDERED_CAPACITY: usize = 64;
 
 /// The sending side of a tunnel (see [`cluster_proxy_proto::flow::Outbound`]).
 pub type Outgoing = cluster_proxy_proto::flow::Outbound;
+/// The server's packets, as the tunnel reads them.
+pub type Incoming = cluster_proxy_proto::grpc_framing::PacketStream<tonic::body::Body>;
 
 /// The request stream of a tunnel: control packets first, and it ends when
 /// `cancel` fires so the HTTP/2 stream closes with the tunnel.
@@ -608,7 +610,7 @@ impl Tunnel {
 pub async fn serve(
     params: TunnelParams,
     out: Outgoing,
-    mut incoming: tonic::Streaming<Packet>,
+    mut incoming: Incoming,
     cancel: CancellationToken,
     metrics: Arc<Metrics>,
 ) -> TunnelEnd {

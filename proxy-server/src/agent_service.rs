@@ -125,7 +125,7 @@ impl AgentEndpoint {
 impl PacketMethod for AgentEndpoint {
     const SERVICE: &'static str =
         cluster_proxy_proto::konnectivity::agent_service_server::SERVICE_NAME;
-    const PATH: &'static str = "/AgentService/Connect";
+    const PATH: &'static str = cluster_proxy_proto::grpc_framing::AGENT_CONNECT_PATH;
     type Outbound = OutboundStream;
 
     async fn call(

@@ -41,7 +41,7 @@ const REPLY_QUEUE: usize = 16;
 impl PacketMethod for GrpcFrontend {
     const SERVICE: &'static str =
         cluster_proxy_proto::konnectivity::proxy_service_server::SERVICE_NAME;
-    const PATH: &'static str = "/ProxyService/Proxy";
+    const PATH: &'static str = cluster_proxy_proto::grpc_framing::PROXY_PATH;
     type Outbound = ProxyResponse;
 
     async fn call(
