@@ -3,7 +3,7 @@
 //!
 //! A session task reads the client's packets (dial, then DATA towards the
 //! agent). The response stream reads the connection's receive queue itself,
-//! so bytes from the agent reach tonic without another task hop.
+//! so bytes from the agent reach the HTTP/2 stream without another task hop.
 
 use std::future::Future;
 use std::pin::Pin;
