@@ -271,7 +271,7 @@ async fn connect_once(shared: Arc<Shared>) -> Result<Outcome, ConnectError> {
     let config = &shared.config;
     let timeout = config.connect_timeout;
     let tls = shared.tls.borrow().clone();
-    let channel = connect_channel_with(
+    let mut channel = connect_channel_with(
         &config.proxy_server_host,
         config.proxy_server_port,
         tls,
@@ -280,7 +280,6 @@ async fn connect_once(shared: Arc<Shared>) -> Result<Outcome, ConnectError> {
         Some(config.keepalive_time),
     )
     .await?;
-    let mut client = channel;
     let cancel = shared.root.child_token();
     let (out, requests) = tunnel::outgoing(cancel.clone());
     let counting = shared.metrics.clone();
@@ -291,9 +290,9 @@ async fn connect_once(shared: Arc<Shared>) -> Result<Outcome, ConnectError> {
     // Dropping the request stream on failure (cancel) ends the attempt cleanly.
     let _guard = cancel.clone().drop_guard();
     // Boxed as `dyn Future + Send` at a concrete site: awaited inline, rustc
-    // fails to prove this tonic future Send for every lifetime.
+    // fails to prove this call's future Send for every lifetime.
     let connect: Pin<Box<dyn Future<Output = _> + Send + '_>> = Box::pin(streaming_call(
-        &mut client,
+        &mut channel,
         http::uri::PathAndQuery::from_static(AGENT_CONNECT_PATH),
         request,
         MAX_MESSAGE_SIZE,
@@ -376,7 +375,7 @@ async fn connect_once(shared: Arc<Shared>) -> Result<Outcome, ConnectError> {
         _guard.disarm();
         let metrics = shared.metrics.clone();
         tokio::spawn(async move {
-            let _client = client;
+            let _channel = channel;
             let end = tunnel::serve(params, out, incoming, cancel.clone(), metrics).await;
             cancel.cancel();
             tracing::debug!(%server_id, reason = %end, "duplicate tunnel closed");
@@ -396,7 +395,7 @@ async fn connect_once(shared: Arc<Shared>) -> Result<Outcome, ConnectError> {
     );
     _guard.disarm();
     tokio::spawn(run_tunnel(
-        shared, server_id, params, out, incoming, cancel, client,
+        shared, server_id, params, out, incoming, cancel, channel,
     ));
     Ok(Outcome::Added)
 }
@@ -409,7 +408,7 @@ async fn run_tunnel(
     incoming: tunnel::Incoming,
     cancel: CancellationToken,
     // Held so the HTTP/2 connection lives as long as the tunnel.
-    _client: tonic::transport::Channel,
+    _channel: tonic::transport::Channel,
 ) {
     let metrics = shared.metrics.clone();
     let control = out.control.clone();
