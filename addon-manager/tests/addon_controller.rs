@@ -82,10 +82,19 @@ impl Hub {
     /// The API with the CRDs, the hub namespace and CA Secret, and the MPC
     /// when `with_mpc`; the controllers are not running yet.
     async fn new(with_mpc: bool) -> Hub {
+        Hub::with_options(with_mpc, false).await
+    }
+
+    /// [`Hub::new`], keeping a record of every request when
+    /// `record_requests`.
+    async fn with_options(with_mpc: bool, record_requests: bool) -> Hub {
         let dir = tempfile::tempdir().unwrap();
-        let api = KubeApi::start(KubeApiOptions::new(dir.path()))
-            .await
-            .unwrap();
+        let api = KubeApi::start(KubeApiOptions {
+            record_requests,
+            ..KubeApiOptions::new(dir.path())
+        })
+        .await
+        .unwrap();
         api.register_crds_from_yaml(OCM_CRDS).unwrap();
         api.register_crds_from_yaml(MPC_CRD).unwrap();
         let admin = api.client().await.unwrap();
@@ -127,8 +136,11 @@ impl Hub {
     }
 
     fn start(&mut self, settings: AddonSettings) {
+        self.start_with_client(settings, self.admin.clone());
+    }
+
+    fn start_with_client(&mut self, settings: AddonSettings, client: kube::Client) {
         let (stop, stopped) = oneshot::channel::<()>();
-        let client = self.admin.clone();
         let metrics = self.metrics.clone();
         self.stop = Some(stop);
         self.task = Some(tokio::spawn(async move {
@@ -424,6 +436,54 @@ async fn placement_installs_the_agent_and_removal_cleans_up() {
         hub.work("cluster-a").await.is_none().then_some(())
     })
     .await;
+    hub.stop().await;
+}
+
+/// Regression: a reconcile triggered by the events of the objects the first
+/// one created ran on a cached addon without the status just written, and
+/// wrote it again (with new transition times when a second had passed).
+/// Holding the addon watch back makes the cache lag every time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lagging_cache_does_not_rewrite_the_status() {
+    let mut hub = Hub::with_options(true, true).await;
+    hub.cluster("cluster-a", true).await;
+    hub.decide(&["cluster-a"]).await;
+    let lagging = hub
+        .api
+        .client_with_lagging_watches("managedclusteraddons", Duration::from_secs(2))
+        .await
+        .unwrap();
+    hub.start_with_client(AddonSettings::new(HUB), lagging);
+    let addon = hub
+        .wait_condition(
+            "cluster-a",
+            "RegistrationApplied",
+            "True",
+            "SetPermissionApplied",
+        )
+        .await;
+    // The first reconcile writes the status; the events of the work and RBAC
+    // it created queue a second one on the lagging cache, and the delayed
+    // status event a third.
+    eventually("three reconciles", || async {
+        (hub.metrics.reconciliation_count("managedclusteraddon") >= 3).then_some(())
+    })
+    .await;
+    let status_writes = hub
+        .api
+        .requests()
+        .into_iter()
+        .filter(|request| {
+            request.verb == "patch"
+                && request.resource == "managedclusteraddons"
+                && request.subresource.as_deref() == Some("status")
+        })
+        .count();
+    assert_eq!(status_writes, 1, "the status was written more than once");
+    assert_eq!(
+        hub.addon("cluster-a").await.unwrap().resource_version(),
+        addon.resource_version()
+    );
     hub.stop().await;
 }
 

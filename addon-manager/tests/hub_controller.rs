@@ -15,6 +15,7 @@ use addon_manager::hub::{self, HubMetrics, HubSettings, ReconcileResult};
 use bytes::Bytes;
 use cluster_proxy_proto::api::find_condition;
 use cluster_proxy_proto::api::proxy::v1alpha1::ManagedProxyConfiguration;
+use e2e::kubeapi::lag::LaggingWatches;
 use e2e::kubeapi::{KubeApi, KubeApiOptions};
 use http_body_util::BodyExt;
 use http_body_util::combinators::UnsyncBoxBody;
@@ -51,12 +52,13 @@ where
 }
 
 /// Fails PATCH requests for Deployments with `status` while `remaining` > 0,
-/// and records when each failure was served.
+/// and records when each failure was served; counts the MPC status writes.
 #[derive(Default)]
 struct Faults {
     status: AtomicU16,
     remaining: AtomicU32,
     served: Mutex<Vec<Instant>>,
+    mpc_status_writes: AtomicU32,
 }
 
 impl Faults {
@@ -115,8 +117,14 @@ where
     }
 
     fn call(&mut self, request: http::Request<kube::client::Body>) -> Self::Future {
-        let targeted = request.method() == http::Method::PATCH
-            && request.uri().path().contains("/deployments/");
+        let path = request.uri().path();
+        let targeted = request.method() == http::Method::PATCH && path.contains("/deployments/");
+        if request.method() == http::Method::PATCH
+            && path.contains("/managedproxyconfigurations/")
+            && path.ends_with("/status")
+        {
+            self.faults.mpc_status_writes.fetch_add(1, Ordering::SeqCst);
+        }
         if targeted && let Some(code) = self.faults.take() {
             let status = json!({
                 "kind": "Status", "apiVersion": "v1", "status": "Failure",
@@ -152,6 +160,12 @@ struct Hub {
 
 impl Hub {
     async fn start(settings: HubSettings) -> Hub {
+        Hub::start_lagging(settings, Duration::ZERO).await
+    }
+
+    /// Starts the controller with its MPC watch events held back by
+    /// `mpc_watch_lag`, so its cache trails the API.
+    async fn start_lagging(settings: HubSettings, mpc_watch_lag: Duration) -> Hub {
         let dir = tempfile::tempdir().unwrap();
         let api = KubeApi::start(KubeApiOptions::new(dir.path()))
             .await
@@ -171,6 +185,10 @@ impl Hub {
                 inner,
                 faults: layer_faults.clone(),
             }))
+            .with_layer(&LaggingWatches::new(
+                "managedproxyconfigurations",
+                mpc_watch_lag,
+            ))
             .build();
 
         let metrics = HubMetrics::default();
@@ -436,6 +454,35 @@ async fn deploys_keeps_still_when_current_and_follows_spec_changes() {
         .await;
     assert_eq!(mpc.status.unwrap().last_observed_generation, Some(2));
 
+    hub.stop().await;
+}
+
+/// Regression: a reconcile triggered by the owned objects' events ran on a
+/// cached MPC that did not have the status just written yet, rewrote the
+/// same condition and moved its transition time (a CI failure of
+/// `deploys_keeps_still_when_current_and_follows_spec_changes`). Holding the
+/// MPC watch back makes the cache lag every time.
+#[tokio::test]
+async fn a_lagging_cache_does_not_rewrite_the_status() {
+    let hub = Hub::start_lagging(quick_settings(), Duration::from_secs(2)).await;
+    hub.create_mpc("cluster-proxy", json!({})).await;
+    let mpc = hub
+        .wait_condition("cluster-proxy", "True", "SuccessfullyDeployed")
+        .await;
+    // The first reconcile deploys and writes the status; the owned objects'
+    // events queue a second one that runs on the lagging cache, and the
+    // delayed status event a third.
+    eventually("three reconciles", || async {
+        (hub.metrics.reconciles(ReconcileResult::Success) >= 3).then_some(())
+    })
+    .await;
+    assert_eq!(
+        hub.faults.mpc_status_writes.load(Ordering::SeqCst),
+        1,
+        "the status was written more than once"
+    );
+    let mpc_after = hub.mpcs().get("cluster-proxy").await.unwrap();
+    assert_eq!(mpc_after.resource_version(), mpc.resource_version());
     hub.stop().await;
 }
 

@@ -82,13 +82,30 @@ pub async fn reconcile(
         .namespace
         .clone()
         .ok_or(AddonError::Incomplete("metadata.namespace"))?;
-    let outcome = evaluate(&addon, &namespace, &context).await?;
+    let mut outcome = evaluate(&addon, &namespace, &context).await?;
     if !outcome.deleted && !outcome.status.is_current(&addon) {
-        let mut patch = ManagedClusterAddOn::new(ADDON_NAME, Default::default());
-        patch.metadata.namespace = Some(namespace.clone());
-        patch.status = Some(outcome.status.to_status());
+        // `addon` comes from the controller's cache, which can lag behind our
+        // own last status write: a reconcile triggered by another object's
+        // event may run before the addon's status event arrives. Judged
+        // against that stale status, a current one would be rewritten and its
+        // transition times moved; so the addon is read back first, and
+        // evaluated again when it changed.
         let api = Api::<ManagedClusterAddOn>::namespaced(context.client.clone(), &namespace);
-        apply::apply_status(&api, &patch).await?;
+        let Some(live) = get_opt(&api, ADDON_NAME).await? else {
+            return Ok(Action::await_change());
+        };
+        if live.metadata.deletion_timestamp.is_some() {
+            return Ok(Action::await_change());
+        }
+        if live.resource_version() != addon.resource_version() {
+            outcome = evaluate(&live, &namespace, &context).await?;
+        }
+        if !outcome.deleted && !outcome.status.is_current(&live) {
+            let mut patch = ManagedClusterAddOn::new(ADDON_NAME, Default::default());
+            patch.metadata.namespace = Some(namespace.clone());
+            patch.status = Some(outcome.status.to_status());
+            apply::apply_status(&api, &patch).await?;
+        }
     }
     Ok(match outcome.requeue {
         Some(after) => Action::requeue(after),

@@ -8,8 +8,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use cluster_proxy_proto::api::proxy::v1alpha1::{
-    CONDITION_PROXY_SERVER_DEPLOYED, InvalidSpec, ManagedProxyConfiguration, REASON_INVALID_SPEC,
-    REASON_NOT_YET_DEPLOYED, REASON_SUCCESSFULLY_DEPLOYED,
+    CONDITION_PROXY_SERVER_DEPLOYED, InvalidSpec, ManagedProxyConfiguration,
+    ManagedProxyConfigurationStatus, REASON_INVALID_SPEC, REASON_NOT_YET_DEPLOYED,
+    REASON_SUCCESSFULLY_DEPLOYED,
 };
 use cluster_proxy_proto::api::{
     CONDITION_FALSE, CONDITION_TRUE, Condition, find_condition, is_condition_true,
@@ -411,20 +412,15 @@ fn not_yet_deployed_condition(message: String) -> Condition {
     }
 }
 
-/// Writes `condition` (the only condition type this controller owns) and
-/// `lastObservedGeneration`, by server-side apply of the status subresource,
-/// so cert-authority's certificate conditions — a list-map entry per type,
-/// owned by its own field manager — stay as they are. Nothing is written
-/// when the status already says the same; an unchanged status keeps its
-/// `lastTransitionTime`.
-async fn write_status(
-    context: &Context,
-    mpc: &ManagedProxyConfiguration,
+/// `condition` as it is to be written over `status`: the transition time of
+/// a condition whose status did not change is kept. `None` when `status`
+/// already says exactly that, so there is nothing to write.
+fn status_update(
+    status: Option<&ManagedProxyConfigurationStatus>,
+    generation: Option<i64>,
     mut condition: Condition,
-) -> Result<(), HubError> {
-    let generation = mpc.metadata.generation;
+) -> Option<Condition> {
     condition.observed_generation = generation;
-    let status = mpc.status.as_ref();
     let current = status.and_then(|status| find_condition(&status.conditions, &condition.type_));
     if let Some(current) = current
         && current.status == condition.status
@@ -432,10 +428,43 @@ async fn write_status(
         condition.last_transition_time = current.last_transition_time.clone();
     }
     let observed = status.and_then(|status| status.last_observed_generation);
-    if current == Some(&condition) && observed == generation {
+    (current != Some(&condition) || observed != generation).then_some(condition)
+}
+
+/// Writes `condition` (the only condition type this controller owns) and
+/// `lastObservedGeneration`, by server-side apply of the status subresource,
+/// so cert-authority's certificate conditions — a list-map entry per type,
+/// owned by its own field manager — stay as they are. Nothing is written
+/// when the status already says the same; an unchanged status keeps its
+/// `lastTransitionTime`.
+///
+/// `mpc` comes from the controller's cache, which can lag behind our own
+/// last status write (a reconcile triggered by an owned object's event runs
+/// before the MPC's status event arrives). Before writing, the status is
+/// read back from the API, so a stale cache neither rewrites a current
+/// status nor moves its transition time.
+async fn write_status(
+    context: &Context,
+    mpc: &ManagedProxyConfiguration,
+    condition: Condition,
+) -> Result<(), HubError> {
+    let generation = mpc.metadata.generation;
+    if status_update(mpc.status.as_ref(), generation, condition.clone()).is_none() {
         return Ok(());
     }
     let name = mpc.name_any();
+    let api = Api::<ManagedProxyConfiguration>::all(context.client.clone());
+    let live = api.get_opt(&name).await.map_err(|source| {
+        HubError::api("reading back", "ManagedProxyConfiguration", &name, source)
+    })?;
+    // Gone, or a newer spec than the one this reconcile rendered: that
+    // generation's own watch event brings the reconcile that reports on it.
+    let Some(live) = live.filter(|live| live.metadata.generation == generation) else {
+        return Ok(());
+    };
+    let Some(condition) = status_update(live.status.as_ref(), generation, condition) else {
+        return Ok(());
+    };
     let patch = json!({
         "apiVersion": ManagedProxyConfiguration::api_version(&()),
         "kind": ManagedProxyConfiguration::kind(&()),
@@ -445,21 +474,20 @@ async fn write_status(
             "conditions": [condition],
         },
     });
-    Api::<ManagedProxyConfiguration>::all(context.client.clone())
-        .patch_status(
+    api.patch_status(
+        &name,
+        &PatchParams::apply(FIELD_MANAGER).force(),
+        &Patch::Apply(&patch),
+    )
+    .await
+    .map_err(|source| {
+        HubError::api(
+            "writing the status of",
+            "ManagedProxyConfiguration",
             &name,
-            &PatchParams::apply(FIELD_MANAGER).force(),
-            &Patch::Apply(&patch),
+            source,
         )
-        .await
-        .map_err(|source| {
-            HubError::api(
-                "writing the status of",
-                "ManagedProxyConfiguration",
-                &name,
-                source,
-            )
-        })?;
+    })?;
     Ok(())
 }
 

@@ -39,6 +39,7 @@
 
 pub mod fields;
 pub mod http;
+pub mod lag;
 pub mod lifecycle;
 pub mod openapi;
 pub mod protobuf;
@@ -321,6 +322,25 @@ impl KubeApi {
     /// A client authenticated as the administrator.
     pub async fn client(&self) -> Result<kube::Client, KubeApiError> {
         Self::client_from(&self.kubeconfig).await
+    }
+
+    /// The administrator's client, with the events of `plural`'s watches
+    /// held back by `delay` ([`lag::LaggingWatches`]): a controller run on it
+    /// has a cache that trails the API.
+    pub async fn client_with_lagging_watches(
+        &self,
+        plural: &str,
+        delay: Duration,
+    ) -> Result<kube::Client, KubeApiError> {
+        let kubeconfig = kube::config::Kubeconfig::read_from(&self.kubeconfig)
+            .map_err(|e| KubeApiError::Client(e.to_string()))?;
+        let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
+            .await
+            .map_err(|e| KubeApiError::Client(e.to_string()))?;
+        Ok(kube::client::ClientBuilder::try_from(config)
+            .map_err(|e| KubeApiError::Client(e.to_string()))?
+            .with_layer(&lag::LaggingWatches::new(plural, delay))
+            .build())
     }
 
     /// Serves the CustomResourceDefinitions in `yaml` (multi-document),
