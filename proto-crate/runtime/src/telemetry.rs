@@ -27,9 +27,13 @@
 //! the end of a text line), so logs and traces can be joined.
 //!
 //! The standard variables `OTEL_SERVICE_NAME`, `OTEL_TRACES_SAMPLER`,
-//! `OTEL_TRACES_SAMPLER_ARG`, `OTEL_RESOURCE_ATTRIBUTES`,
-//! `OTEL_EXPORTER_OTLP_HEADERS` and `OTEL_EXPORTER_OTLP_CERTIFICATE` are
-//! read as the defaults of the matching flags.
+//! `OTEL_TRACES_SAMPLER_ARG`, `OTEL_RESOURCE_ATTRIBUTES`, `OTEL_SDK_DISABLED`
+//! and the exporter's `OTEL_EXPORTER_OTLP_{ENDPOINT, HEADERS, CERTIFICATE,
+//! PROTOCOL, COMPRESSION, TIMEOUT}` are read as the defaults of the matching
+//! flags; each `OTEL_EXPORTER_OTLP_TRACES_*` variant (and its hidden
+//! `--otlp-traces-*` flag) takes precedence over its signal-less form, as
+//! the specification says. Only the `grpc` protocol is spoken: any other is
+//! refused at startup rather than sent to a port that expects HTTP.
 //!
 //! The exporter is ours ([`otlp_exporter`]): it writes each batch straight
 //! into OTLP protobuf ([`otlp_encoding`]) instead of building the
@@ -60,7 +64,8 @@ use crate::logging::{LogFormat, filter_for_verbosity};
 
 /// Spans held for export at most; more are dropped while the collector lags.
 pub const MAX_QUEUE_SPANS: usize = 4096;
-/// Longest a single export may take before it is abandoned.
+/// Longest a single export may take before it is abandoned, unless
+/// `OTEL_EXPORTER_OTLP_TIMEOUT` says otherwise.
 pub const EXPORT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often queued spans are sent.
 pub const EXPORT_INTERVAL: Duration = Duration::from_secs(1);
@@ -90,6 +95,33 @@ pub struct TelemetryFlags {
     /// CA bundle (PEM file) an https collector's certificate must chain to.
     #[arg(long, env = "OTEL_EXPORTER_OTLP_CERTIFICATE")]
     pub otlp_certificate: Option<std::path::PathBuf>,
+    /// OTLP transport; only grpc (the default) is spoken.
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_PROTOCOL")]
+    pub otlp_protocol: Option<String>,
+    /// Compression of each export: none (default) or gzip.
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_COMPRESSION")]
+    pub otlp_compression: Option<String>,
+    /// Longest an export may take, in milliseconds (default 5000); a batch that takes longer is dropped.
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_TIMEOUT")]
+    pub otlp_timeout: Option<String>,
+    /// true turns trace export off whatever else is set.
+    #[arg(long, env = "OTEL_SDK_DISABLED")]
+    pub otel_sdk_disabled: Option<String>,
+    // The traces-only forms of the exporter settings; each overrides the
+    // signal-less one above. Hidden from --help: the variables are what
+    // deployments set.
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", hide = true)]
+    pub otlp_traces_endpoint: Option<String>,
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_TRACES_HEADERS", hide = true)]
+    pub otlp_traces_headers: Option<String>,
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE", hide = true)]
+    pub otlp_traces_certificate: Option<std::path::PathBuf>,
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", hide = true)]
+    pub otlp_traces_protocol: Option<String>,
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_TRACES_COMPRESSION", hide = true)]
+    pub otlp_traces_compression: Option<String>,
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", hide = true)]
+    pub otlp_traces_timeout: Option<String>,
 }
 
 /// A configuration the flags describe that cannot work.
@@ -114,6 +146,24 @@ pub enum TelemetryError {
     Endpoint { endpoint: String, reason: String },
     #[error("starting the trace exporter's runtime: {0}")]
     ExportRuntime(#[source] std::io::Error),
+    #[error(
+        "OTLP protocol {0:?} is not spoken here: only grpc is (point the endpoint at the collector's OTLP/gRPC port, usually 4317)"
+    )]
+    Protocol(String),
+    #[error("OTLP compression {0:?}: expected none or gzip")]
+    Compression(String),
+    #[error("OTLP timeout {0:?} is not a positive number of milliseconds")]
+    Timeout(String),
+    #[error("OTEL_SDK_DISABLED {0:?}: expected true or false")]
+    SdkDisabled(String),
+}
+
+/// How each export is compressed on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ExportCompression {
+    #[default]
+    None,
+    Gzip,
 }
 
 /// Which spans are recorded and exported.
@@ -235,6 +285,9 @@ pub struct TelemetryConfig {
     pub headers: Vec<(String, String)>,
     /// The CA bundle (PEM) an https collector's certificate must chain to.
     pub ca_certificate: Option<std::path::PathBuf>,
+    pub compression: ExportCompression,
+    /// Longest one export may take, connecting included.
+    pub export_timeout: Duration,
 }
 
 impl std::fmt::Debug for TelemetryConfig {
@@ -246,6 +299,8 @@ impl std::fmt::Debug for TelemetryConfig {
             .field("resource_attributes", &self.resource_attributes)
             .field("headers", &RedactedHeaders(&self.headers))
             .field("ca_certificate", &self.ca_certificate)
+            .field("compression", &self.compression)
+            .field("export_timeout", &self.export_timeout)
             .finish()
     }
 }
@@ -271,7 +326,51 @@ impl TelemetryConfig {
             resource_attributes: Vec::new(),
             headers: Vec::new(),
             ca_certificate: None,
+            compression: ExportCompression::None,
+            export_timeout: EXPORT_TIMEOUT,
         }
+    }
+}
+
+/// The traces-only form of a setting when it is given, else the general one;
+/// blank values count as not given.
+fn for_traces<'a>(traces: Option<&'a str>, general: Option<&'a str>) -> Option<&'a str> {
+    let given = |value: Option<&'a str>| value.map(str::trim).filter(|v| !v.is_empty());
+    given(traces).or(given(general))
+}
+
+fn parse_protocol(text: Option<&str>) -> Result<(), TelemetryError> {
+    match text {
+        None | Some("grpc") => Ok(()),
+        Some(other) => Err(TelemetryError::Protocol(other.to_owned())),
+    }
+}
+
+fn parse_compression(text: Option<&str>) -> Result<ExportCompression, TelemetryError> {
+    match text {
+        None | Some("none") => Ok(ExportCompression::None),
+        Some("gzip") => Ok(ExportCompression::Gzip),
+        Some(other) => Err(TelemetryError::Compression(other.to_owned())),
+    }
+}
+
+fn parse_timeout(text: Option<&str>) -> Result<Duration, TelemetryError> {
+    let Some(text) = text else {
+        return Ok(EXPORT_TIMEOUT);
+    };
+    text.parse::<u64>()
+        .ok()
+        .filter(|millis| *millis > 0)
+        .map(Duration::from_millis)
+        .ok_or_else(|| TelemetryError::Timeout(text.to_owned()))
+}
+
+fn parse_sdk_disabled(text: Option<&str>) -> Result<bool, TelemetryError> {
+    match text.map(str::trim).filter(|t| !t.is_empty()) {
+        None => Ok(false),
+        Some(t) if t.eq_ignore_ascii_case("true") => Ok(true),
+        Some(t) if t.eq_ignore_ascii_case("false") => Ok(false),
+        Some(other) => Err(TelemetryError::SdkDisabled(other.to_owned())),
     }
 }
 
@@ -279,12 +378,17 @@ impl TelemetryFlags {
     /// Checks the flags; `default_service_name` names the service when
     /// `OTEL_SERVICE_NAME` does not. An empty endpoint means off.
     pub fn to_config(&self, default_service_name: &str) -> Result<TelemetryConfig, TelemetryError> {
-        let endpoint = self
-            .otlp_endpoint
-            .as_deref()
-            .map(str::trim)
-            .filter(|e| !e.is_empty())
-            .map(str::to_owned);
+        let disabled = parse_sdk_disabled(self.otel_sdk_disabled.as_deref())?;
+        let endpoint = for_traces(
+            self.otlp_traces_endpoint.as_deref(),
+            self.otlp_endpoint.as_deref(),
+        )
+        .filter(|_| !disabled)
+        .map(str::to_owned);
+        parse_protocol(for_traces(
+            self.otlp_traces_protocol.as_deref(),
+            self.otlp_protocol.as_deref(),
+        ))?;
         if let Some(endpoint) = &endpoint {
             let uri: http::Uri =
                 endpoint
@@ -316,11 +420,27 @@ impl TelemetryFlags {
             resource_attributes: parse_resource_attributes(
                 self.otel_resource_attributes.as_deref().unwrap_or(""),
             )?,
-            headers: parse_headers(self.otlp_headers.as_deref().unwrap_or(""))?,
+            headers: parse_headers(
+                for_traces(
+                    self.otlp_traces_headers.as_deref(),
+                    self.otlp_headers.as_deref(),
+                )
+                .unwrap_or(""),
+            )?,
             ca_certificate: self
-                .otlp_certificate
+                .otlp_traces_certificate
                 .clone()
+                .filter(|path| !path.as_os_str().is_empty())
+                .or_else(|| self.otlp_certificate.clone())
                 .filter(|path| !path.as_os_str().is_empty()),
+            compression: parse_compression(for_traces(
+                self.otlp_traces_compression.as_deref(),
+                self.otlp_compression.as_deref(),
+            ))?,
+            export_timeout: parse_timeout(for_traces(
+                self.otlp_traces_timeout.as_deref(),
+                self.otlp_timeout.as_deref(),
+            ))?,
         })
     }
 }
@@ -437,6 +557,8 @@ fn tracer_provider(
         endpoint: endpoint.to_owned(),
         headers: config.headers.clone(),
         ca_certificate_pem,
+        compression: config.compression,
+        timeout: config.export_timeout,
     };
     let export_runtime = ExportRuntime::start()?;
     // The channel spawns its tasks on the runtime it is built in.
@@ -955,6 +1077,22 @@ mod tests {
             ("otel_resource_attributes", "OTEL_RESOURCE_ATTRIBUTES"),
             ("otlp_headers", "OTEL_EXPORTER_OTLP_HEADERS"),
             ("otlp_certificate", "OTEL_EXPORTER_OTLP_CERTIFICATE"),
+            ("otlp_protocol", "OTEL_EXPORTER_OTLP_PROTOCOL"),
+            ("otlp_compression", "OTEL_EXPORTER_OTLP_COMPRESSION"),
+            ("otlp_timeout", "OTEL_EXPORTER_OTLP_TIMEOUT"),
+            ("otel_sdk_disabled", "OTEL_SDK_DISABLED"),
+            ("otlp_traces_endpoint", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"),
+            ("otlp_traces_headers", "OTEL_EXPORTER_OTLP_TRACES_HEADERS"),
+            (
+                "otlp_traces_certificate",
+                "OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE",
+            ),
+            ("otlp_traces_protocol", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"),
+            (
+                "otlp_traces_compression",
+                "OTEL_EXPORTER_OTLP_TRACES_COMPRESSION",
+            ),
+            ("otlp_traces_timeout", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT"),
         ] {
             assert_eq!(env_of(flag).as_deref(), Some(variable), "{flag}");
         }
@@ -982,6 +1120,89 @@ mod tests {
             bad.telemetry.to_config("demo"),
             Err(TelemetryError::Header(_))
         ));
+    }
+
+    /// The traces-only settings override the general ones; protocols other
+    /// than grpc, unknown compressions, bad timeouts and a bad
+    /// `OTEL_SDK_DISABLED` are refused with what was wrong.
+    #[test]
+    fn traces_settings_override_the_general_ones_and_bad_values_are_refused() {
+        #[derive(clap::Parser)]
+        struct Demo {
+            #[command(flatten)]
+            telemetry: TelemetryFlags,
+        }
+        let config_of = |args: &[&str]| {
+            <Demo as clap::Parser>::try_parse_from(
+                std::iter::once("demo").chain(args.iter().copied()),
+            )
+            .expect("the flags parse")
+            .telemetry
+            .to_config("demo")
+        };
+
+        let defaults = config_of(&["--otlp-endpoint=http://collector:4317"]).unwrap();
+        assert_eq!(defaults.compression, ExportCompression::None);
+        assert_eq!(defaults.export_timeout, EXPORT_TIMEOUT);
+
+        let config = config_of(&[
+            "--otlp-endpoint=http://general:4317",
+            "--otlp-traces-endpoint=http://traces:4317",
+            "--otlp-headers=who=general",
+            "--otlp-traces-headers=who=traces",
+            "--otlp-certificate=/general.pem",
+            "--otlp-traces-certificate=/traces.pem",
+            "--otlp-compression=none",
+            "--otlp-traces-compression=gzip",
+            "--otlp-timeout=10000",
+            "--otlp-traces-timeout=2500",
+            "--otlp-protocol=http/protobuf",
+            "--otlp-traces-protocol=grpc",
+        ])
+        .unwrap();
+        assert_eq!(config.endpoint.as_deref(), Some("http://traces:4317"));
+        assert_eq!(config.headers, [("who".to_owned(), "traces".to_owned())]);
+        assert_eq!(
+            config.ca_certificate.as_deref(),
+            Some(std::path::Path::new("/traces.pem"))
+        );
+        assert_eq!(config.compression, ExportCompression::Gzip);
+        assert_eq!(config.export_timeout, Duration::from_millis(2500));
+
+        // Blank traces-only values fall back to the general ones.
+        let config = config_of(&[
+            "--otlp-endpoint=http://general:4317",
+            "--otlp-traces-endpoint=",
+            "--otlp-compression=gzip",
+        ])
+        .unwrap();
+        assert_eq!(config.endpoint.as_deref(), Some("http://general:4317"));
+        assert_eq!(config.compression, ExportCompression::Gzip);
+
+        let disabled = config_of(&[
+            "--otlp-endpoint=http://collector:4317",
+            "--otel-sdk-disabled=TRUE",
+        ])
+        .unwrap();
+        assert_eq!(disabled.endpoint, None);
+        let enabled = config_of(&[
+            "--otlp-endpoint=http://collector:4317",
+            "--otel-sdk-disabled=false",
+        ])
+        .unwrap();
+        assert!(enabled.endpoint.is_some());
+
+        for (args, wanted) in [
+            (["--otlp-protocol=http/protobuf"], "only grpc"),
+            (["--otlp-traces-protocol=http/json"], "only grpc"),
+            (["--otlp-compression=zstd"], "expected none or gzip"),
+            (["--otlp-timeout=0"], "milliseconds"),
+            (["--otlp-traces-timeout=5s"], "milliseconds"),
+            (["--otel-sdk-disabled=yes"], "expected true or false"),
+        ] {
+            let error = config_of(&args).expect_err(args[0]);
+            assert!(error.to_string().contains(wanted), "{}: {error}", args[0]);
+        }
     }
 
     #[test]

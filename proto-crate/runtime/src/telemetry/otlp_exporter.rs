@@ -22,18 +22,21 @@ use tonic::metadata::MetadataMap;
 use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
 
 use super::otlp_encoding::SpanEncoder;
-use super::{EXPORT_TIMEOUT, TelemetryError};
+use super::{ExportCompression, TelemetryError};
 
 const EXPORT_PATH: &str = "/opentelemetry.proto.collector.trace.v1.TraceService/Export";
 
 /// Where and how spans are sent.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub(crate) struct CollectorConfig {
     pub endpoint: String,
     /// Extra gRPC metadata on every export (`OTEL_EXPORTER_OTLP_HEADERS`).
     pub headers: Vec<(String, String)>,
     /// The CA bundle (PEM) an `https` collector's certificate must chain to.
     pub ca_certificate_pem: Option<Vec<u8>>,
+    pub compression: ExportCompression,
+    /// Longest one export may take, connecting included.
+    pub timeout: std::time::Duration,
 }
 
 /// Sends [`SpanData`] batches to one collector. Its `Debug` names the
@@ -58,8 +61,8 @@ impl OtlpSpanExporter {
         };
         let mut endpoint = Endpoint::from_shared(config.endpoint.clone())
             .map_err(|e| invalid(e.to_string()))?
-            .timeout(EXPORT_TIMEOUT)
-            .connect_timeout(EXPORT_TIMEOUT);
+            .timeout(config.timeout)
+            .connect_timeout(config.timeout);
         if endpoint.uri().scheme_str() == Some("https") {
             let Some(ca) = &config.ca_certificate_pem else {
                 return Err(invalid(
@@ -83,9 +86,13 @@ impl OtlpSpanExporter {
                 .map_err(|_| TelemetryError::Header(key.clone()))?;
             metadata.append(name, value);
         }
+        let mut grpc = tonic::client::Grpc::new(endpoint.connect_lazy());
+        if config.compression == ExportCompression::Gzip {
+            grpc = grpc.send_compressed(tonic::codec::CompressionEncoding::Gzip);
+        }
         Ok(OtlpSpanExporter {
             endpoint: config.endpoint.clone(),
-            grpc: tonic::client::Grpc::new(endpoint.connect_lazy()),
+            grpc,
             metadata,
             encoder: SpanEncoder::default(),
             failing: AtomicBool::new(false),
@@ -257,6 +264,18 @@ mod tests {
         /// Serves on a loopback port (TLS with `tls`) from a runtime of its
         /// own; returns the port and the runtime, which stops it when dropped.
         fn serve(&self, tls: Option<ServerTlsConfig>) -> (u16, tokio::runtime::Runtime) {
+            self.serve_with(tls, false)
+        }
+
+        fn serve_accepting_gzip(&self) -> (u16, tokio::runtime::Runtime) {
+            self.serve_with(None, true)
+        }
+
+        fn serve_with(
+            &self,
+            tls: Option<ServerTlsConfig>,
+            accept_gzip: bool,
+        ) -> (u16, tokio::runtime::Runtime) {
             let runtime = tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(1)
                 .enable_all()
@@ -270,7 +289,11 @@ mod tests {
             if let Some(tls) = tls {
                 server = server.tls_config(tls).expect("server TLS");
             }
-            let router = server.add_service(TraceServiceServer::new(self.clone()));
+            let mut service = TraceServiceServer::new(self.clone());
+            if accept_gzip {
+                service = service.accept_compressed(tonic::codec::CompressionEncoding::Gzip);
+            }
+            let router = server.add_service(service);
             runtime.spawn(
                 router
                     .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
@@ -370,9 +393,8 @@ mod tests {
         let runtime = tokio::runtime::Runtime::new().expect("runtime");
         let _entered = runtime.enter();
         let exporter = OtlpSpanExporter::new(&CollectorConfig {
-            endpoint: "http://127.0.0.1:4317".to_owned(),
             headers: vec![("x-api-key".to_owned(), "s3cr3t-value".to_owned())],
-            ca_certificate_pem: None,
+            ..collector("http://127.0.0.1:4317")
         })
         .expect("exporter");
         let printed = format!("{exporter:?}");
@@ -404,22 +426,88 @@ mod tests {
         assert!(error.to_string().contains("bad key"), "{error}");
     }
 
+    fn collector(endpoint: &str) -> CollectorConfig {
+        CollectorConfig {
+            endpoint: endpoint.to_owned(),
+            headers: Vec::new(),
+            ca_certificate_pem: None,
+            compression: ExportCompression::None,
+            timeout: crate::telemetry::EXPORT_TIMEOUT,
+        }
+    }
+
     #[test]
     fn an_export_to_a_collector_that_is_down_fails_within_the_timeout() {
         let exporter = {
             let runtime = tokio::runtime::Runtime::new().expect("runtime");
             let _entered = runtime.enter();
-            let exporter = OtlpSpanExporter::new(&CollectorConfig {
-                endpoint: "http://127.0.0.1:9".to_owned(),
-                ..CollectorConfig::default()
-            })
-            .expect("exporter");
+            let exporter =
+                OtlpSpanExporter::new(&collector("http://127.0.0.1:9")).expect("exporter");
             (exporter, runtime)
         };
         let started = std::time::Instant::now();
         let result = exporter.1.block_on(exporter.0.export(Vec::new()));
         assert!(result.is_err());
-        assert!(started.elapsed() < EXPORT_TIMEOUT + Duration::from_secs(1));
+        assert!(started.elapsed() < crate::telemetry::EXPORT_TIMEOUT + Duration::from_secs(1));
         assert!(exporter.0.failing.load(Ordering::Relaxed));
+    }
+
+    /// `OTEL_EXPORTER_OTLP_TIMEOUT`: a collector that takes the connection
+    /// and never answers holds an export for the configured time, no longer.
+    #[test]
+    fn a_silent_collector_holds_an_export_for_the_configured_timeout() {
+        let runtime = tokio::runtime::Runtime::new().expect("runtime");
+        let silent = runtime
+            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+            .expect("a loopback port");
+        let port = silent.local_addr().expect("its address").port();
+        let timeout = Duration::from_millis(300);
+        let exporter = {
+            let _entered = runtime.enter();
+            OtlpSpanExporter::new(&CollectorConfig {
+                timeout,
+                ..collector(&format!("http://127.0.0.1:{port}"))
+            })
+            .expect("exporter")
+        };
+        let started = std::time::Instant::now();
+        let result = runtime.block_on(exporter.export(Vec::new()));
+        let took = started.elapsed();
+        assert!(result.is_err());
+        assert!(took >= timeout, "gave up after {took:?}");
+        assert!(took < Duration::from_secs(3), "held for {took:?}");
+        drop(silent);
+    }
+
+    /// `OTEL_EXPORTER_OTLP_COMPRESSION=gzip`: a collector that does not
+    /// take gzip refuses the export (so it really is compressed), one that
+    /// does gets the span.
+    #[test]
+    fn gzip_exports_reach_a_collector_that_accepts_gzip() {
+        let gzip = TelemetryConfig {
+            compression: ExportCompression::Gzip,
+            ..config(String::new())
+        };
+        let plain = Recorder::default();
+        let (port, _plain_runtime) = plain.serve(None);
+        export_one_span(
+            &TelemetryConfig {
+                endpoint: Some(format!("http://127.0.0.1:{port}")),
+                ..gzip.clone()
+            },
+            "test.refused",
+        );
+        assert!(plain.span_names().is_empty());
+
+        let accepting = Recorder::default();
+        let (port, _runtime) = accepting.serve_accepting_gzip();
+        export_one_span(
+            &TelemetryConfig {
+                endpoint: Some(format!("http://127.0.0.1:{port}")),
+                ..gzip
+            },
+            "test.gzip",
+        );
+        assert_eq!(accepting.span_names(), ["test.gzip"]);
     }
 }
