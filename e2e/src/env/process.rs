@@ -221,6 +221,11 @@ impl Supervised {
             None => Command::new(&self.spec.program),
         };
         command.args(&self.spec.args).env("NO_COLOR", "1");
+        // Where traces go is `up`'s choice (its receiver, `--otlp-endpoint`
+        // or none): a shell's `OTEL_*` settings would override or break it.
+        for variable in crate::processes::inherited_otel_variables() {
+            command.env_remove(variable);
+        }
         if let Some(endpoint) = &self.logs.trace_endpoint {
             command
                 .env("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
