@@ -302,15 +302,26 @@ fn dump_logs(env: &Environment) {
     }
 }
 
-/// Replaces the MPC's agent entrypoint.
+/// Replaces the MPC's agent entrypoint. The controllers write the MPC's
+/// status meanwhile, which moves its resourceVersion: a replace that loses
+/// that race gets a 409 and is made again from a fresh read, as `kubectl
+/// edit` would.
 async fn set_entrypoint(admin: &kube::Client, entrypoint: Value) {
     let mpcs: Api<ManagedProxyConfiguration> = Api::all(admin.clone());
-    let mut mpc = serde_json::to_value(mpcs.get("cluster-proxy").await.unwrap()).unwrap();
-    mpc["spec"]["proxyServer"]["entrypoint"] = entrypoint;
-    let mpc: ManagedProxyConfiguration = serde_json::from_value(mpc).unwrap();
-    mpcs.replace("cluster-proxy", &PostParams::default(), &mpc)
-        .await
-        .expect("replacing the MPC's entrypoint");
+    for _ in 0..20 {
+        let mut mpc = serde_json::to_value(mpcs.get("cluster-proxy").await.unwrap()).unwrap();
+        mpc["spec"]["proxyServer"]["entrypoint"] = entrypoint.clone();
+        let mpc: ManagedProxyConfiguration = serde_json::from_value(mpc).unwrap();
+        match mpcs
+            .replace("cluster-proxy", &PostParams::default(), &mpc)
+            .await
+        {
+            Ok(_) => return,
+            Err(kube::Error::Api(status)) if status.code == 409 => continue,
+            Err(error) => panic!("replacing the MPC's entrypoint: {error}"),
+        }
+    }
+    panic!("replacing the MPC's entrypoint: 20 conflicts in a row");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
