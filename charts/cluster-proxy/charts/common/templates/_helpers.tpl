@@ -152,5 +152,18 @@ nothing when global.otlp.endpoint is empty. */}}
 - name: OTEL_TRACES_SAMPLER_ARG
   value: {{ . | quote }}
 {{- end }}
+{{- with $otlp.compression }}
+- name: OTEL_EXPORTER_OTLP_COMPRESSION
+  value: {{ . | quote }}
+{{- end }}
+{{- with ($otlp.headersSecret | default dict) }}
+{{- if .name }}
+- name: OTEL_EXPORTER_OTLP_HEADERS
+  valueFrom:
+    secretKeyRef:
+      name: {{ .name | quote }}
+      key: {{ .key | default "headers" | quote }}
+{{- end }}
+{{- end }}
 {{- end }}
 {{- end -}}
