@@ -427,12 +427,11 @@ impl TelemetryFlags {
                 )
                 .unwrap_or(""),
             )?,
-            ca_certificate: self
-                .otlp_traces_certificate
-                .clone()
-                .filter(|path| !path.as_os_str().is_empty())
-                .or_else(|| self.otlp_certificate.clone())
-                .filter(|path| !path.as_os_str().is_empty()),
+            ca_certificate: [&self.otlp_traces_certificate, &self.otlp_certificate]
+                .into_iter()
+                .flatten()
+                .find(|path| !path.as_os_str().is_empty())
+                .cloned(),
             compression: parse_compression(for_traces(
                 self.otlp_traces_compression.as_deref(),
                 self.otlp_compression.as_deref(),
