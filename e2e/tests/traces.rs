@@ -354,7 +354,9 @@ async fn one_trace_per_tunneled_connection() {
 
 /// A proxy-server and a proxy-agent process (for cluster-a), exporting to
 /// `endpoint`: the server through the standard variables, the agent
-/// through the matching flags.
+/// through the matching flags. The agent runs Tokio's single-threaded
+/// scheduler (`--worker-threads=1`) and the server the multi-threaded one,
+/// so the span export, the tunnel and the SIGTERM flush are checked on both.
 struct TracedProcesses {
     processes: ChildTunnel,
     client_addr: SocketAddr,
@@ -377,6 +379,7 @@ impl TracedProcesses {
             agent_args: vec![
                 format!("--otlp-endpoint={endpoint}"),
                 "--otel-service-name=cluster-a-proxy-agent".to_owned(),
+                "--worker-threads=1".to_owned(),
             ],
             ..ChildTunnelOptions::default()
         };

@@ -79,6 +79,10 @@ pub struct AgentSettings {
     /// How often certificate files are checked for rotation.
     #[serde(with = "serde_go")]
     pub credential_reload_interval: Duration,
+    /// Threads running the service's tasks; 0 is one per CPU the process
+    /// may use (its cgroup's CPU limit counts). One means Tokio's
+    /// single-threaded scheduler (see `cluster_proxy_runtime::workers`).
+    pub worker_threads: u32,
     /// klog-style verbosity (`-v`); `RUST_LOG` overrides it.
     pub v: u8,
     pub log_format: LogFormat,
@@ -127,6 +131,7 @@ impl Default for AgentSettings {
             dial_timeout: Duration::from_secs(5),
             host_alias: Vec::new(),
             credential_reload_interval: cluster_proxy_runtime::reload::DEFAULT_INTERVAL,
+            worker_threads: cluster_proxy_runtime::workers::PER_CPU,
             v: 0,
             log_format: LogFormat::Auto,
         }
@@ -294,6 +299,10 @@ pub struct Cli {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub credential_reload_interval: Option<String>,
+    /// Threads running the tunnel's tasks (0: one per CPU this process may use, the cgroup CPU limit included; 1: a single-threaded scheduler, the least CPU per byte when one core is all the process gets).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub worker_threads: Option<u32>,
     #[command(flatten)]
     #[serde(flatten)]
     pub logging: LogFlags,
@@ -581,6 +590,23 @@ mod tests {
             assert!(c.sync_forever);
             Ok(())
         });
+    }
+
+    #[test]
+    fn worker_threads_default_to_one_per_cpu_and_follow_env_and_flag() {
+        assert_eq!(
+            parse(&[]).unwrap().worker_threads,
+            cluster_proxy_runtime::workers::PER_CPU
+        );
+        assert_eq!(parse(&["--worker-threads=1"]).unwrap().worker_threads, 1);
+        figment::Jail::expect_with(|jail| {
+            jail.set_env("PROXY_AGENT_WORKER_THREADS", "3");
+            let c = AgentSettings::load(&Cli::parse_from(["proxy-agent"]))
+                .map_err(|e| e.to_string())?;
+            assert_eq!(c.worker_threads, 3);
+            Ok(())
+        });
+        assert!(Cli::try_parse_from(["proxy-agent", "--worker-threads=-1"]).is_err());
     }
 
     #[test]

@@ -1,12 +1,17 @@
 #![forbid(unsafe_code)]
 use anyhow::Context;
-use cluster_proxy_runtime::{cli, shutdown::Signals, telemetry};
+use cluster_proxy_runtime::{cli, shutdown::Signals, telemetry, workers};
 use proxy_agent::{AgentSettings, Cli};
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     let cli: Cli = cli::parse(&AgentSettings::default());
     let settings = AgentSettings::load(&cli)?;
+    workers::build(settings.worker_threads)
+        .context("starting the runtime (--worker-threads)")?
+        .block_on(run(cli, settings))
+}
+
+async fn run(cli: Cli, settings: AgentSettings) -> anyhow::Result<()> {
     let telemetry = telemetry::init(
         settings.v,
         settings.log_format,

@@ -125,6 +125,10 @@ pub struct ServerConfig {
     /// How long a new `Proxy` stream may go without its DIAL_REQ.
     #[serde(with = "serde_go")]
     pub first_packet_timeout: Duration,
+    /// Threads running the service's tasks; 0 is one per CPU the process
+    /// may use (its cgroup's CPU limit counts). One means Tokio's
+    /// single-threaded scheduler (see `cluster_proxy_runtime::workers`).
+    pub worker_threads: u32,
     /// klog-style verbosity (`-v`); `RUST_LOG` overrides it.
     pub v: u8,
     pub log_format: LogFormat,
@@ -196,6 +200,7 @@ impl Default for ServerConfig {
             max_pending_dials_per_tunnel: 1024,
             max_stray_closes_per_tunnel: 1024,
             first_packet_timeout: Duration::from_secs(30),
+            worker_threads: cluster_proxy_runtime::workers::PER_CPU,
             v: 0,
             log_format: LogFormat::Auto,
         }
@@ -445,6 +450,10 @@ pub struct Cli {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub first_packet_timeout: Option<String>,
+    /// Threads running the tunnel's tasks (0: one per CPU this process may use, the cgroup CPU limit included; 1: a single-threaded scheduler, the least CPU per byte when one core is all the process gets).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub worker_threads: Option<u32>,
     #[command(flatten)]
     #[serde(flatten)]
     pub logging: LogFlags,
@@ -717,6 +726,22 @@ mod tests {
             assert!(c.enable_profiling, "Go's boolean spelling");
             Ok(())
         });
+    }
+
+    #[test]
+    fn worker_threads_default_to_one_per_cpu_and_follow_env_and_flag() {
+        figment::Jail::expect_with(|jail| {
+            assert_eq!(
+                parse(&[]).map_err(|e| e.to_string())?.worker_threads,
+                cluster_proxy_runtime::workers::PER_CPU
+            );
+            jail.set_env("PROXY_SERVER_WORKER_THREADS", "3");
+            assert_eq!(parse(&[]).map_err(|e| e.to_string())?.worker_threads, 3);
+            let flag = parse(&["--worker-threads=1"]).map_err(|e| e.to_string())?;
+            assert_eq!(flag.worker_threads, 1, "the flag wins over the variable");
+            Ok(())
+        });
+        assert!(Cli::try_parse_from(["proxy-server", "--worker-threads=many"]).is_err());
     }
 
     #[test]

@@ -1,12 +1,17 @@
 #![forbid(unsafe_code)]
 use anyhow::Context;
-use cluster_proxy_runtime::{cli, shutdown::Signals, telemetry};
+use cluster_proxy_runtime::{cli, shutdown::Signals, telemetry, workers};
 use proxy_server::config::{Cli, ServerConfig};
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     let cli: Cli = cli::parse(&ServerConfig::default());
     let config = ServerConfig::load(&cli)?;
+    workers::build(config.worker_threads)
+        .context("starting the runtime (--worker-threads)")?
+        .block_on(run(cli, config))
+}
+
+async fn run(cli: Cli, config: ServerConfig) -> anyhow::Result<()> {
     let telemetry = telemetry::init(
         config.v,
         config.log_format,

@@ -17,6 +17,8 @@
 //! * [`metrics`] — Prometheus exposition and the metric-naming rule.
 //! * [`net`] — binding listeners with errors that say which port failed.
 //! * [`shutdown`] — SIGTERM/SIGINT handling for graceful shutdown.
+//! * [`workers`] — the Tokio runtime of a data-path service, sized by
+//!   `--worker-threads`.
 //!
 //! It links no Kubernetes client: the data plane (proxy-server, proxy-agent)
 //! depends on it.
@@ -34,6 +36,7 @@ pub mod shutdown;
 #[cfg(feature = "otlp")]
 pub mod telemetry;
 pub mod tls;
+pub mod workers;
 
 #[cfg(test)]
 pub(crate) mod test_pki;
