@@ -6,7 +6,7 @@
 //! default 10000; `CP_BENCH_CONNECTS`, default 2000; `CP_BENCH_IDLE`, default 1000).
 //!
 //! `CP_BENCH_TRACING=1` compares tracing off and on instead (see
-//! [`compare_tracing`]): single-connection throughput and connects/s, in
+//! [`compare_tracing`]): single-connection throughput, connects/s and round-trip time, in
 //! `CP_BENCH_ROUNDS` (5) alternating rounds, reported as ratios.
 
 use std::future::Future;
@@ -211,6 +211,7 @@ fn compare_tracing(runtime: &tokio::runtime::Runtime) {
     let mib = env_u64("CP_BENCH_MIB", 1024);
     let connects = env_u64("CP_BENCH_CONNECTS", 2_000);
     let rounds = env_u64("CP_BENCH_ROUNDS", 5).max(1);
+    let round_trip_count = env_u64("CP_BENCH_RTT", 10_000);
     let (collector, collector_addr, stop) = runtime
         .block_on(e2e::otlp::Collector::start_counting())
         .expect("collector");
@@ -267,10 +268,24 @@ fn compare_tracing(runtime: &tokio::runtime::Runtime) {
         }
         env
     };
+    // `CP_BENCH_ON_ENV` (`NAME=value,NAME=value`): more variables for the
+    // "on" side's server and agent, e.g. with `CP_BENCH_TRACED=none` to
+    // compare a runtime setting instead of tracing.
+    let on_env: Vec<(String, String)> = std::env::var("CP_BENCH_ON_ENV")
+        .unwrap_or_default()
+        .split(',')
+        .filter(|pair| !pair.trim().is_empty())
+        .map(|pair| {
+            let (name, value) = pair
+                .split_once('=')
+                .expect("CP_BENCH_ON_ENV: NAME=value pairs separated by commas");
+            (name.trim().to_owned(), value.trim().to_owned())
+        })
+        .collect();
     let off_options = ChildTunnelOptions::default();
     let on_options = ChildTunnelOptions {
-        server_env: exporting("server"),
-        agent_env: exporting("agent"),
+        server_env: [exporting("server"), on_env.clone()].concat(),
+        agent_env: [exporting("agent"), on_env.clone()].concat(),
         ..ChildTunnelOptions::default()
     };
     let off = runtime
@@ -307,7 +322,7 @@ fn compare_tracing(runtime: &tokio::runtime::Runtime) {
     let on_paths = traced.block_on(tunnel_paths(&pki, on.client_addr(), client_tracer));
     let bytes = mib * 1024 * 1024;
     println!(
-        "tracing off vs on (proxy-server and proxy-agent as processes), {rounds} rounds alternating; single transfers {mib} MiB, {connects} connects; traced: {traced_parts}, sampler {sampler} {}",
+        "tracing off vs on (proxy-server and proxy-agent as processes), {rounds} rounds alternating; single transfers {mib} MiB, {connects} connects, {round_trip_count} round trips; traced: {traced_parts}, sampler {sampler} {}; more for the \"on\" side: {on_env:?}",
         sampler_arg.as_deref().unwrap_or("")
     );
     let figures = [
@@ -315,9 +330,12 @@ fn compare_tracing(runtime: &tokio::runtime::Runtime) {
         "1 conn down",
         "connects/s",
         "connects/s (8 parallel)",
+        "RTT p50 (lower is better)",
     ];
     // ratios[path][figure][round]
     let mut ratios = vec![vec![Vec::new(); figures.len()]; 2];
+    // The measured values, [path][figure][off, on][round].
+    let mut values = vec![vec![[Vec::new(), Vec::new()]; figures.len()]; 2];
     // Server + agent CPU seconds, [off, on], per path.
     let mut cpu = [[0.0f64; 2]; 2];
     // CPU seconds of [server, agent, this process] during the connects
@@ -344,13 +362,17 @@ fn compare_tracing(runtime: &tokio::runtime::Runtime) {
                             0 => throughput(path, bulk.addr.port(), 1, bytes, true).await,
                             1 => throughput(path, bulk.addr.port(), 1, bytes, false).await,
                             2 => connects_per_second(path, echo.addr.port(), connects, 1).await,
-                            _ => connects_per_second(path, echo.addr.port(), connects, 8).await,
+                            3 => connects_per_second(path, echo.addr.port(), connects, 8).await,
+                            _ => round_trips(path, echo.addr.port(), round_trip_count)
+                                .await
+                                .0
+                                .as_secs_f64(),
                         }
                     });
                     let cpu_after = cpu_parts(processes);
                     let side = usize::from(on_side);
                     cpu[p][side] += (cpu_after[0] - cpu_before[0]) + (cpu_after[1] - cpu_before[1]);
-                    if f >= 2 {
+                    if f == 2 || f == 3 {
                         for (part, total) in connect_cpu[p][side].iter_mut().enumerate() {
                             *total += cpu_after[part] - cpu_before[part];
                         }
@@ -365,6 +387,8 @@ fn compare_tracing(runtime: &tokio::runtime::Runtime) {
                     (measure(false), n)
                 };
                 figure_ratios.push(on_value / off_value);
+                values[p][f][0].push(off_value);
+                values[p][f][1].push(on_value);
             }
         }
         eprintln!("round {} of {rounds} done", round + 1);
@@ -416,6 +440,30 @@ fn compare_tracing(runtime: &tokio::runtime::Runtime) {
     println!(
         "\nTracing on ÷ off: median of the rounds' ratios (lowest–highest round). CPU: the same work on both sides, summed over every round."
     );
+    println!("\nThe values, median of the rounds, off → on:");
+    println!("| path | {} |", figures.join(" | "));
+    println!("|---|{}", "---|".repeat(figures.len()));
+    for (p, name) in ["tunnel, gRPC client", "tunnel, HTTP CONNECT"]
+        .iter()
+        .enumerate()
+    {
+        let cells: Vec<String> = values[p]
+            .iter()
+            .enumerate()
+            .map(|(f, sides)| {
+                let [off, on] = sides.clone().map(|mut v| {
+                    v.sort_by(f64::total_cmp);
+                    v[v.len() / 2]
+                });
+                match f {
+                    0 | 1 => format!("{off:.2} → {on:.2} Gbit/s"),
+                    2 | 3 => format!("{off:.0} → {on:.0} /s"),
+                    _ => format!("{:.0} → {:.0} µs", off * 1e6, on * 1e6),
+                }
+            })
+            .collect();
+        println!("| {name} | {} |", cells.join(" | "));
+    }
     // Both connects figures of every round: 2 × rounds × connects each side.
     let connections = (2 * rounds * connects) as f64;
     println!("\nCPU per connection in the connects figures, µs, off → on:");
