@@ -368,6 +368,8 @@ impl AgentSettings {
         if self.dial_timeout.is_zero() {
             return Err(invalid("dial-timeout", "must be greater than 0"));
         }
+        cluster_proxy_runtime::workers::check(self.worker_threads)
+            .map_err(|reason| invalid("worker-threads", reason))?;
         AgentIdentifiers::parse_like_upstream(&self.agent_identifiers)
             .map_err(|e| invalid("agent-identifiers", e.to_string()))?;
         if self.agent_id.contains(|c: char| !c.is_ascii_graphic()) {
@@ -607,6 +609,8 @@ mod tests {
             Ok(())
         });
         assert!(Cli::try_parse_from(["proxy-agent", "--worker-threads=-1"]).is_err());
+        let refused = parse(&["--worker-threads=100000"]).expect_err("too many threads");
+        assert!(refused.to_string().contains("worker-threads"), "{refused}");
     }
 
     #[test]

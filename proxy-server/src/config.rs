@@ -523,6 +523,8 @@ impl ServerConfig {
         if self.server_count == 0 {
             return Err(invalid("server-count", "must be at least 1"));
         }
+        cluster_proxy_runtime::workers::check(self.worker_threads)
+            .map_err(|reason| invalid("worker-threads", reason))?;
         self.server_count_source()?;
         if self.server_count_refresh_interval.is_zero() {
             return Err(invalid(
@@ -739,6 +741,8 @@ mod tests {
             assert_eq!(parse(&[]).map_err(|e| e.to_string())?.worker_threads, 3);
             let flag = parse(&["--worker-threads=1"]).map_err(|e| e.to_string())?;
             assert_eq!(flag.worker_threads, 1, "the flag wins over the variable");
+            let refused = parse(&["--worker-threads=100000"]).expect_err("too many threads");
+            assert!(refused.to_string().contains("worker-threads"), "{refused}");
             Ok(())
         });
         assert!(Cli::try_parse_from(["proxy-server", "--worker-threads=many"]).is_err());

@@ -15,6 +15,21 @@ use std::num::NonZeroUsize;
 /// `--worker-threads 0`: one worker per CPU this process may use.
 pub const PER_CPU: u32 = 0;
 
+/// The most worker threads `--worker-threads` accepts. Each is a thread
+/// spawned at start; far more than the CPUs only adds hand-offs, and a
+/// mistyped count must not exhaust the process's threads.
+pub const MAX_WORKERS: u32 = 1024;
+
+/// Why a `--worker-threads` value is refused, if it is.
+pub fn check(requested: u32) -> Result<(), String> {
+    if requested > MAX_WORKERS {
+        return Err(format!(
+            "{requested} is more than {MAX_WORKERS}; 0 means one per CPU"
+        ));
+    }
+    Ok(())
+}
+
 /// How many worker threads `--worker-threads requested` means:
 /// [`PER_CPU`] is the CPUs this process may use (its affinity mask and its
 /// cgroup's CPU quota, as [`std::thread::available_parallelism`] reads them,
@@ -44,6 +59,14 @@ pub fn build(requested: u32) -> std::io::Result<tokio::runtime::Runtime> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn counts_past_the_maximum_are_refused() {
+        assert!(check(PER_CPU).is_ok());
+        assert!(check(MAX_WORKERS).is_ok());
+        let refused = check(MAX_WORKERS + 1).expect_err("too many");
+        assert!(refused.contains("more than 1024"), "{refused}");
+    }
 
     #[test]
     fn an_explicit_count_is_kept_and_zero_means_the_usable_cpus() {
