@@ -411,19 +411,14 @@ fn compare_tracing(runtime: &tokio::runtime::Runtime) {
     stop.cancel();
     println!("| path | {} | server + agent CPU |", figures.join(" | "));
     println!("|---|{}---|", "---|".repeat(figures.len()));
-    for (p, name) in ["tunnel, gRPC client", "tunnel, HTTP CONNECT"]
-        .iter()
-        .enumerate()
-    {
+    for (p, name) in off_paths.iter().map(|path| path.name).enumerate() {
         let cells: Vec<String> = ratios[p]
             .iter()
             .map(|per_round| {
-                let mut sorted = per_round.clone();
-                sorted.sort_by(f64::total_cmp);
-                let median = sorted[sorted.len() / 2];
+                let sorted = sorted(per_round);
                 format!(
                     "{:.1} % ({:.0}–{:.0})",
-                    median * 100.0,
+                    median(&sorted) * 100.0,
                     sorted[0] * 100.0,
                     sorted[sorted.len() - 1] * 100.0
                 )
@@ -443,18 +438,12 @@ fn compare_tracing(runtime: &tokio::runtime::Runtime) {
     println!("\nThe values, median of the rounds, off → on:");
     println!("| path | {} |", figures.join(" | "));
     println!("|---|{}", "---|".repeat(figures.len()));
-    for (p, name) in ["tunnel, gRPC client", "tunnel, HTTP CONNECT"]
-        .iter()
-        .enumerate()
-    {
+    for (p, name) in off_paths.iter().map(|path| path.name).enumerate() {
         let cells: Vec<String> = values[p]
             .iter()
             .enumerate()
             .map(|(f, sides)| {
-                let [off, on] = sides.clone().map(|mut v| {
-                    v.sort_by(f64::total_cmp);
-                    v[v.len() / 2]
-                });
+                let [off, on] = sides.each_ref().map(|v| median(&sorted(v)));
                 match f {
                     0 | 1 => format!("{off:.2} → {on:.2} Gbit/s"),
                     2 | 3 => format!("{off:.0} → {on:.0} /s"),
@@ -469,10 +458,7 @@ fn compare_tracing(runtime: &tokio::runtime::Runtime) {
     println!("\nCPU per connection in the connects figures, µs, off → on:");
     println!("| path | proxy-server | proxy-agent | benchmark (clients, targets, receiver) |");
     println!("|---|---|---|---|");
-    for (p, name) in ["tunnel, gRPC client", "tunnel, HTTP CONNECT"]
-        .iter()
-        .enumerate()
-    {
+    for (p, name) in off_paths.iter().map(|path| path.name).enumerate() {
         let cells: Vec<String> = (0..3)
             .map(|part| {
                 format!(
@@ -484,6 +470,18 @@ fn compare_tracing(runtime: &tokio::runtime::Runtime) {
             .collect();
         println!("| {name} | {} |", cells.join(" | "));
     }
+}
+
+/// `values` in ascending order.
+fn sorted(values: &[f64]) -> Vec<f64> {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    sorted
+}
+
+/// The middle of `sorted` (the upper one of an even count).
+fn median(sorted: &[f64]) -> f64 {
+    sorted[sorted.len() / 2]
 }
 
 /// A server, an agent, the targets and the three paths to them.
