@@ -107,6 +107,14 @@ build_bins "$control_profile" "${control_plane[@]}" "${cli_bins[@]}"
 
 target_dir="${CARGO_TARGET_DIR:-$root/target}"
 context="$target_dir/images/context"
+# Whether binary $1 asks for a program interpreter (a scratch image has none). readelf's
+# whole output is read first: `readelf | grep -q` under pipefail can fail with SIGPIPE.
+dynamically_linked() {
+  local headers
+  headers=$(readelf -l "$1") || die "readelf cannot read $1"
+  grep -q 'Requesting program interpreter' <<<"$headers"
+}
+
 rm -rf "$context"
 mkdir -p "$context"
 for name in "${images[@]}"; do
@@ -116,9 +124,7 @@ for name in "${images[@]}"; do
       [ "$control_bin" = "$bin" ] && out="$target_dir/$triple/$control_profile"
     done
     # A dynamic binary would not start in a scratch image: refuse it here.
-    if readelf -l "$out/$bin" | grep -q 'Requesting program interpreter'; then
-      die "$out/$bin is dynamically linked"
-    fi
+    ! dynamically_linked "$out/$bin" || die "$out/$bin is dynamically linked"
     cp "$out/$bin" "$context/$bin"
   done
 done
@@ -135,9 +141,7 @@ done
 
 if [ ${#cli_bins[@]} -gt 0 ]; then
   cli="$target_dir/$triple/$control_profile/cluster-proxy"
-  if readelf -l "$cli" | grep -q 'Requesting program interpreter'; then
-    die "$cli is dynamically linked"
-  fi
+  ! dynamically_linked "$cli" || die "$cli is dynamically linked"
   mkdir -p "$target_dir/images/bin"
   cp "$cli" "$target_dir/images/bin/cluster-proxy"
   "$target_dir/images/bin/cluster-proxy" --version >/dev/null || die "the static cluster-proxy CLI does not run"

@@ -67,7 +67,7 @@ done
 
 log "images (images/build.sh)"
 images/build.sh
-tag=$(podman images --format '{{.Tag}}' localhost/cluster-proxy/proxy-server | head -n1)
+tag=$(podman images --format '{{.Tag}}' localhost/cluster-proxy/proxy-server | sed -n 1p)
 [ -n "$tag" ] || die "images/build.sh built no proxy-server image"
 for image in proxy-server proxy-agent cert-authority addon-manager health-prober; do
   podman save --format docker-archive -o "${work}/${image}.tar" "localhost/cluster-proxy/${image}:${tag}"
@@ -75,7 +75,7 @@ done
 
 log "kind clusters: ${hub} ${managed[*]}"
 for cluster in "$hub" "${managed[@]}"; do
-  kind get clusters | grep -qx "$cluster" || kind create cluster --name "$cluster" --wait 120s
+  grep -qx "$cluster" <<<"$(kind get clusters)" || kind create cluster --name "$cluster" --wait 120s
 done
 for image in proxy-server cert-authority addon-manager health-prober; do
   kind load image-archive "${work}/${image}.tar" --name "$hub"
@@ -128,10 +128,11 @@ proxy_host="proxy-entrypoint.${addon_ns}.svc"
 # Whether cluster $2's kube-apiserver answers /healthz through the proxy-server on local port $1.
 reach() {
   local port=$1 cluster=$2
-  curl -sS --fail --max-time 10 \
+  local answer
+  answer=$(curl -sS --fail --max-time 10 \
     --proxy "https://${proxy_host}:${port}" --resolve "${proxy_host}:${port}:127.0.0.1" \
     --proxy-cacert "${work}/ca.crt" --proxy-cert "${work}/tls.crt" --proxy-key "${work}/tls.key" \
-    --insecure "https://${cluster}:443/healthz" | grep -qx ok
+    --insecure "https://${cluster}:443/healthz") && [ "$answer" = ok ]
 }
 
 # Port-forwards local port 18090+i to replica i's client port (background jobs of this shell);
