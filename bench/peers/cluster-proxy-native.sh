@@ -11,6 +11,14 @@
 
 cpn_bin() { echo "${CP_BIN_DIR:-${CP_REPO:-.}/target/release}/$1"; }
 
+# CP_WORKER_THREADS=N gives proxy-server, proxy-agent and both forwards `--worker-threads N`
+# (1: one thread each, which on a 2-core machine shared by every process costs less CPU per byte);
+# unset, each runs its default (one worker per CPU).
+cpn_workers=()
+if [ -n "${CP_WORKER_THREADS:-}" ]; then
+  cpn_workers=("--worker-threads=$CP_WORKER_THREADS")
+fi
+
 peer_check() {
   local b
   for b in proxy-server proxy-agent cert-authority cluster-proxy; do
@@ -32,14 +40,15 @@ start_server() {
     --agent-bind-address="$HUB_IP" --agent-port="$CPN_AGENT" \
     --health-bind-address=127.0.0.1 --health-port="$CPN_HEALTH" --admin-bind-address=127.0.0.1 --admin-port="$CPN_ADMIN" \
     --server-cert "$p/proxy-server/tls.crt" --server-key "$p/proxy-server/tls.key" --server-ca-cert "$p/ca-bundle.crt" \
-    --cluster-cert "$p/agent-server/tls.crt" --cluster-key "$p/agent-server/tls.key" --cluster-ca-cert "$p/ca-bundle.crt"
+    --cluster-cert "$p/agent-server/tls.crt" --cluster-key "$p/agent-server/tls.key" --cluster-ca-cert "$p/ca-bundle.crt" \
+    "${cpn_workers[@]}"
   wait_tcp hub "$HUB_IP" "$CPN_AGENT"
   local target port
   for target in "iperf:$CPN_FWD_IPERF:$TARGET_IPERF_PORT" "echo:$CPN_FWD_ECHO:$TARGET_ECHO_PORT"; do
     IFS=: read -r _ port target_port <<<"$target"
     spawn_server "forward-${target%%:*}" "$(cpn_bin cluster-proxy)" port-forward "cluster-a:$target_port" "127.0.0.1:$port" \
       --proxy-server "127.0.0.1:$CPN_CLIENT" --proxy-ca-cert "$p/ca-bundle.crt" \
-      --proxy-cert "$p/proxy-client/tls.crt" --proxy-key "$p/proxy-client/tls.key"
+      --proxy-cert "$p/proxy-client/tls.crt" --proxy-key "$p/proxy-client/tls.key" "${cpn_workers[@]}"
   done
   wait_tcp hub 127.0.0.1 "$CPN_FWD_ECHO"
 }
@@ -49,7 +58,8 @@ start_agent() {
   spawn_agent proxy-agent "$(cpn_bin proxy-agent)" --proxy-server-host="$HUB_IP" --proxy-server-port="$CPN_AGENT" \
     --ca-cert "$p/ca-bundle.crt" --agent-cert "$p/agents/cluster-a/tls.crt" --agent-key "$p/agents/cluster-a/tls.key" \
     --agent-identifiers=host=cluster-a --host-alias=cluster-a=127.0.0.1 \
-    --health-server-host=127.0.0.1 --health-server-port="$CPN_AHEALTH" --admin-bind-address=127.0.0.1 --admin-server-port="$CPN_AADMIN"
+    --health-server-host=127.0.0.1 --health-server-port="$CPN_AHEALTH" --admin-bind-address=127.0.0.1 --admin-server-port="$CPN_AADMIN" \
+    "${cpn_workers[@]}"
 }
 
 client_endpoint() {

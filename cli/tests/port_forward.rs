@@ -54,6 +54,8 @@ async fn the_binary_carries_an_echo_and_stops_on_sigterm() {
     args.push(port.to_string());
     args.extend(["--proxy-server".into(), tunnel.client_address(0)]);
     args.extend(tunnel.credential_flags());
+    // Tokio's single-threaded scheduler: everything below on one thread.
+    args.push("--worker-threads=1".into());
     let mut child = tokio::process::Command::new(common::BIN)
         .args(&args)
         .env_remove("KUBECONFIG")
@@ -226,6 +228,11 @@ async fn bad_input_fails_with_a_clear_error() {
         "is not a port",
     )
     .await;
+    for (count, complaint) in [("1025", "more than 1024"), ("two", "is not a thread count")] {
+        let mut flags = with_files(&server);
+        flags.extend(["--worker-threads".into(), count.into()]);
+        fails_saying(forward_args("cluster-a:443", "0", &flags), complaint).await;
+    }
     fails_saying(
         forward_args(
             "cluster-a:443",
