@@ -42,7 +42,7 @@ use cluster_proxy_proto::client::TunnelClient;
 use cluster_proxy_proto::identity::ClusterName;
 use e2e::env::binaries::{Binaries, Progress};
 use e2e::harness::tunnel_client;
-use e2e::loadgen::{knob, pattern, request_download};
+use e2e::loadgen::{knob, pattern, process_usage, request_download};
 use e2e::pki::TestPki;
 use e2e::processes::{ChildTunnel, ChildTunnelOptions};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -131,9 +131,66 @@ async fn measure(counters: &[Arc<AtomicU64>], window: Duration) -> (Vec<u64>, Du
 }
 
 /// The running downloads' throughput with stalled connections held, as a
-/// share of the mean of the windows just before and just after, per round.
+/// share of the mean of the windows just before and just after, per round,
+/// and what each window cost.
 struct StalledEffect {
     ratios: Vec<f64>,
+    /// CPU seconds per GiB moved in the windows with stalled connections.
+    cost_with: Vec<WindowCost>,
+    /// The same in the windows after them, without.
+    cost_without: Vec<WindowCost>,
+}
+
+/// CPU seconds per GiB the running downloads moved in one window: the
+/// server, the agent, and this process (the clients reading, the target).
+#[derive(Clone, Copy)]
+struct WindowCost {
+    server: f64,
+    agent: f64,
+    benchmark: f64,
+}
+
+/// CPU time so far of the server, the agent and this process.
+fn cpu_seconds(processes: &ChildTunnel) -> anyhow::Result<[f64; 3]> {
+    let (server, agent) = processes.usage()?;
+    let benchmark = process_usage(std::process::id())?;
+    Ok([server.cpu_seconds, agent.cpu_seconds, benchmark.cpu_seconds])
+}
+
+/// Measures one window like [`measure`], with its [`WindowCost`].
+async fn measure_with_cost(
+    processes: &ChildTunnel,
+    counters: &[Arc<AtomicU64>],
+    window: Duration,
+) -> anyhow::Result<(f64, WindowCost)> {
+    let before = cpu_seconds(processes)?;
+    let (gained, elapsed) = measure(counters, window).await;
+    let after = cpu_seconds(processes)?;
+    let bytes: u64 = gained.iter().sum();
+    let gib = (bytes as f64 / (1u64 << 30) as f64).max(1e-9);
+    let per_gib = |i: usize| (after[i] - before[i]) / gib;
+    Ok((
+        gbit_per_s(bytes, elapsed),
+        WindowCost {
+            server: per_gib(0),
+            agent: per_gib(1),
+            benchmark: per_gib(2),
+        },
+    ))
+}
+
+/// The median of each process's CPU per GiB over `costs`.
+fn median_cost(costs: &[WindowCost]) -> WindowCost {
+    let median = |pick: fn(&WindowCost) -> f64| {
+        let mut values: Vec<f64> = costs.iter().map(pick).collect();
+        values.sort_by(f64::total_cmp);
+        values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
+    };
+    WindowCost {
+        server: median(|c| c.server),
+        agent: median(|c| c.agent),
+        benchmark: median(|c| c.benchmark),
+    }
 }
 
 /// How long stalled connections get to fill every buffer their flow
@@ -147,7 +204,9 @@ const STALL_SETTLE: Duration = Duration::from_secs(2);
 /// downloads with them held, closes them and measures again. `before` is
 /// the throughput of the window just measured without them. Alternating
 /// keeps this VM's drift (±10 % between windows) out of the ratios.
+#[allow(clippy::too_many_arguments)]
 async fn stalled_effect(
+    processes: &ChildTunnel,
     tunnels: &[TunnelClient],
     target: &str,
     counters: &[Arc<AtomicU64>],
@@ -157,6 +216,8 @@ async fn stalled_effect(
     before: f64,
 ) -> anyhow::Result<StalledEffect> {
     let mut ratios = Vec::with_capacity(rounds);
+    let mut cost_with = Vec::with_capacity(rounds);
+    let mut cost_without = Vec::with_capacity(rounds);
     let mut without = before;
     for _ in 0..rounds {
         let mut stalled = Vec::with_capacity(count);
@@ -164,17 +225,21 @@ async fn stalled_effect(
             stalled.push(open_download(&tunnels[i % tunnels.len()], target).await?);
         }
         tokio::time::sleep(STALL_SETTLE).await;
-        let (with, with_elapsed) = measure(counters, window).await;
+        let (with, with_cost) = measure_with_cost(processes, counters, window).await?;
         drop(stalled);
         tokio::time::sleep(STALL_SETTLE).await;
-        let (after, after_elapsed) = measure(counters, window).await;
-        let after = gbit_per_s(after.iter().sum(), after_elapsed);
-        let with = gbit_per_s(with.iter().sum(), with_elapsed);
+        let (after, after_cost) = measure_with_cost(processes, counters, window).await?;
         ratios.push(with / ((without + after) / 2.0).max(1e-9));
+        cost_with.push(with_cost);
+        cost_without.push(after_cost);
         without = after;
     }
     ratios.sort_by(f64::total_cmp);
-    Ok(StalledEffect { ratios })
+    Ok(StalledEffect {
+        ratios,
+        cost_with,
+        cost_without,
+    })
 }
 
 fn gbit_per_s(bytes: u64, elapsed: Duration) -> f64 {
@@ -287,6 +352,7 @@ async fn main() -> anyhow::Result<()> {
         };
         Some(
             stalled_effect(
+                &processes,
                 &stalled_clients,
                 &target,
                 &counters,
@@ -350,6 +416,16 @@ async fn main() -> anyhow::Result<()> {
             ratios[0] * 100.0,
             ratios[ratios.len() - 1] * 100.0,
         );
+        for (what, costs) in [
+            ("with", &effect.cost_with),
+            ("without", &effect.cost_without),
+        ] {
+            let cost = median_cost(costs);
+            println!(
+                "  CPU per GiB the others moved, windows {what} stalled connections (median): server {:.2} s, agent {:.2} s, this process (clients, target) {:.2} s",
+                cost.server, cost.agent, cost.benchmark,
+            );
+        }
     }
     drop(processes);
     Ok(())
