@@ -8,6 +8,7 @@
 //! another: `kubectl version --client | head -n1` failed a CI run after 18 s on
 //! a machine whose kubectl writes its version lines separately.
 
+use std::io::Read;
 use std::path::{Path, PathBuf};
 
 fn repo_root() -> PathBuf {
@@ -17,24 +18,44 @@ fn repo_root() -> PathBuf {
         .to_path_buf()
 }
 
-/// Every shell script of the repository, by the paths CI and users run.
+/// Every shell script of the repository: files named `*.sh` or starting
+/// with a shell's `#!` line (`.ci/run`), outside build output and `.git`.
 fn shell_scripts() -> Vec<PathBuf> {
-    let root = repo_root();
-    let mut scripts = vec![
-        root.join(".ci/run"),
-        root.join("images/build.sh"),
-        root.join("fuzz/run.sh"),
-        root.join("e2e/kind/run.sh"),
-    ];
-    let peers = root.join("bench/peers");
-    let mut plugins: Vec<PathBuf> = std::fs::read_dir(&peers)
-        .unwrap_or_else(|e| panic!("{}: {e}", peers.display()))
-        .map(|entry| entry.expect("a readable directory entry").path())
-        .filter(|path| path.extension().is_some_and(|ext| ext == "sh"))
-        .collect();
-    plugins.sort();
-    scripts.extend(plugins);
+    let mut scripts = Vec::new();
+    let mut directories = vec![repo_root()];
+    while let Some(directory) = directories.pop() {
+        let entries = std::fs::read_dir(&directory)
+            .unwrap_or_else(|e| panic!("{}: {e}", directory.display()));
+        for entry in entries {
+            let path = entry.expect("a readable directory entry").path();
+            let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+            if path.is_dir() {
+                if !matches!(name, "target" | ".git") {
+                    directories.push(path);
+                }
+            } else if name.ends_with(".sh") || starts_as_shell_script(&path) {
+                scripts.push(path);
+            }
+        }
+    }
+    scripts.sort();
     scripts
+}
+
+/// Whether `path` begins with a `#!` line that runs bash or sh.
+fn starts_as_shell_script(path: &Path) -> bool {
+    let mut head = [0u8; 64];
+    let Ok(read) = std::fs::File::open(path).and_then(|mut f| f.read(&mut head)) else {
+        return false;
+    };
+    let first_line = head[..read]
+        .split(|b| *b == b'\n')
+        .next()
+        .unwrap_or_default();
+    first_line.starts_with(b"#!")
+        && [&b"bash"[..], b"/sh"]
+            .iter()
+            .any(|shell| first_line.windows(shell.len()).any(|w| w == *shell))
 }
 
 /// The commands of `line` that read a pipe (after a single `|`), as their words.
@@ -96,8 +117,21 @@ fn early_exit_pipelines(script: &str) -> Vec<String> {
 
 #[test]
 fn no_pipeline_under_pipefail_ends_in_a_reader_that_quits_early() {
+    let scripts = shell_scripts();
+    let names: Vec<String> = scripts.iter().map(|s| s.display().to_string()).collect();
+    for expected in [
+        ".ci/run",
+        "images/build.sh",
+        "e2e/kind/run.sh",
+        "bench/peers/",
+    ] {
+        assert!(
+            names.iter().any(|name| name.contains(expected)),
+            "{expected} is not among the scripts found: {names:#?}"
+        );
+    }
     let mut findings = Vec::new();
-    for script in shell_scripts() {
+    for script in scripts {
         let text = std::fs::read_to_string(&script)
             .unwrap_or_else(|e| panic!("{}: {e}", script.display()));
         for finding in early_exit_pipelines(&text) {
