@@ -903,3 +903,128 @@ async fn the_default_deployment_config_applies_to_addons_naming_none() {
     assert_eq!(references[1].name.as_deref(), Some("fleet"));
     hub.stop().await;
 }
+
+fn containers_of(work: &ManifestWork) -> Vec<Value> {
+    deployment_of(work)["spec"]["template"]["spec"]["containers"]
+        .as_array()
+        .expect("the agent pod has containers")
+        .clone()
+}
+
+async fn annotate_cluster(hub: &Hub, cluster: &str, registries: Option<&str>) {
+    let patch = json!({"metadata": {"annotations": {
+        "open-cluster-management.io/image-registries": registries,
+    }}});
+    Api::<ManagedCluster>::all(hub.admin.clone())
+        .patch(cluster, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn image_mirrors_and_container_resources_follow_the_cluster_and_its_config() {
+    let mut hub = Hub::new(true).await;
+    hub.cluster("cluster-a", true).await;
+    hub.decide(&["cluster-a"]).await;
+    let adc: AddOnDeploymentConfig = object(json!({
+        "apiVersion": "addon.open-cluster-management.io/v1alpha1",
+        "kind": "AddOnDeploymentConfig",
+        "metadata": {"name": "fleet", "namespace": HUB},
+        "spec": {"resourceRequirements": [{
+            "containerID": "deployments:cluster-proxy-proxy-agent:proxy-agent",
+            "resources": {"requests": {"cpu": "250m"}, "limits": {"cpu": "1", "memory": "256Mi"}},
+        }]},
+    }));
+    let configs = Api::<AddOnDeploymentConfig>::namespaced(hub.admin.clone(), HUB);
+    configs.create(&PostParams::default(), &adc).await.unwrap();
+    let mut settings = AddonSettings::new(HUB);
+    settings.default_deployment_config = Some((HUB.to_owned(), "fleet".to_owned()));
+    hub.start(settings);
+
+    let work = eventually("cluster-a's work", || hub.work("cluster-a")).await;
+    let containers = containers_of(&work);
+    assert_eq!(
+        containers[0]["resources"],
+        json!({"requests": {"cpu": "250m"}, "limits": {"cpu": "1", "memory": "256Mi"}})
+    );
+    assert!(
+        containers[1].get("resources").is_none(),
+        "{}",
+        containers[1]
+    );
+    assert_eq!(containers[0]["image"], "registry.local/cluster-proxy:1");
+
+    // A mirror annotated on the ManagedCluster redeploys the agent from it.
+    annotate_cluster(
+        &hub,
+        "cluster-a",
+        Some(r#"{"registries":[{"source":"registry.local","mirror":"mirror.corp/ocm"}]}"#),
+    )
+    .await;
+    let mirrored = eventually("the work follows the annotation", || async {
+        let work = hub.work("cluster-a").await?;
+        containers_of(&work)
+            .iter()
+            .all(|container| container["image"] == "mirror.corp/ocm/cluster-proxy:1")
+            .then_some(work)
+    })
+    .await;
+
+    // A broken annotation is reported on the addon; the work stays as it was.
+    annotate_cluster(&hub, "cluster-a", Some("{registries: mirror.corp")).await;
+    let addon = hub
+        .wait_condition(
+            "cluster-a",
+            "ManifestApplied",
+            "False",
+            "InvalidImageRegistries",
+        )
+        .await;
+    assert!(
+        find_condition(addon.conditions(), "ManifestApplied")
+            .unwrap()
+            .message
+            .contains("open-cluster-management.io/image-registries")
+    );
+    assert_eq!(
+        hub.work("cluster-a").await.unwrap().resource_version(),
+        mirrored.resource_version()
+    );
+
+    // The annotation removed: the MPC's image again.
+    annotate_cluster(&hub, "cluster-a", None).await;
+    eventually("the MPC's image again", || async {
+        let work = hub.work("cluster-a").await?;
+        (containers_of(&work)[0]["image"] == "registry.local/cluster-proxy:1").then_some(())
+    })
+    .await;
+
+    // An ADC whose container ID is not kind:name:container is reported too.
+    let broken = json!({"spec": {"resourceRequirements": [{
+        "containerID": "proxy-agent", "resources": {"limits": {"cpu": "2"}},
+    }]}});
+    configs
+        .patch("fleet", &PatchParams::default(), &Patch::Merge(&broken))
+        .await
+        .unwrap();
+    let addon = hub
+        .wait_condition(
+            "cluster-a",
+            "ManifestApplied",
+            "False",
+            "InvalidResourceRequirements",
+        )
+        .await;
+    assert!(
+        find_condition(addon.conditions(), "ManifestApplied")
+            .unwrap()
+            .message
+            .contains("\"proxy-agent\"")
+    );
+    assert_eq!(
+        containers_of(&hub.work("cluster-a").await.unwrap())[0]["resources"]["limits"]["cpu"],
+        "1",
+        "the work keeps the last valid resources"
+    );
+    hub.stop().await;
+}

@@ -1,6 +1,7 @@
 //! Rendering of the agent's objects: the contract with OCM's names and with
 //! the local environment, which starts the agents from these exact fields.
 
+use addon_manager::addon::customize::{AgentCustomization, CustomizationError};
 use addon_manager::addon::install::cluster_management_addon;
 use addon_manager::addon::render::{
     self, AgentInputs, Entrypoint, EntrypointError, agent_ca_bundle, hub_agent_rbac, manifest_work,
@@ -8,10 +9,11 @@ use addon_manager::addon::render::{
 };
 use addon_manager::addon::{AddonSettings, InstallStrategy};
 use cluster_proxy_proto::api::addon::v1alpha1::{AddOnDeploymentConfig, ClusterManagementAddOn};
+use cluster_proxy_proto::api::cluster::v1::ManagedCluster;
 use cluster_proxy_proto::api::proxy::v1alpha1::ManagedProxyConfiguration;
 use cluster_proxy_proto::identity::ClusterName;
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{Container, Service};
+use k8s_openapi::api::core::v1::{Container, ResourceRequirements, Service};
 use serde_json::{Value, json};
 
 const CA: &[u8] = b"-----BEGIN CERTIFICATE-----\nMIIBhub\n-----END CERTIFICATE-----\n";
@@ -63,8 +65,19 @@ impl Rendered {
         adc: Option<&AddOnDeploymentConfig>,
         ca: &[u8],
     ) -> Self {
+        Self::for_cluster(mpc, adc, None, ca)
+    }
+
+    fn for_cluster(
+        mpc: &ManagedProxyConfiguration,
+        adc: Option<&AddOnDeploymentConfig>,
+        managed_cluster: Option<&ManagedCluster>,
+        ca: &[u8],
+    ) -> Self {
         let cluster = ClusterName::new("cluster-a").unwrap();
         let entrypoint = render::entrypoint(mpc, None).unwrap();
+        let customization =
+            AgentCustomization::new(&mpc.spec.proxy_agent.image, adc, managed_cluster).unwrap();
         let inputs = AgentInputs {
             cluster: &cluster,
             install_namespace: "open-cluster-management-cluster-proxy",
@@ -72,6 +85,7 @@ impl Rendered {
             deployment_config: adc,
             entrypoint: &entrypoint,
             ca_pem: ca,
+            customization: &customization,
         };
         let work = manifest_work(&inputs, None).unwrap();
         Rendered {
@@ -435,6 +449,182 @@ fn deployment_config_reaches_the_agent() {
         [CA, proxy_ca.as_slice()].concat(),
         "an https proxy's CA is trusted too"
     );
+}
+
+fn managed_cluster(annotations: Value) -> ManagedCluster {
+    serde_json::from_value(json!({
+        "apiVersion": "cluster.open-cluster-management.io/v1",
+        "kind": "ManagedCluster",
+        "metadata": {"name": "cluster-a", "annotations": annotations},
+        "spec": {"hubAcceptsClient": true},
+    }))
+    .expect("ManagedCluster fixture parses")
+}
+
+fn quantities(resources: &ResourceRequirements) -> Value {
+    serde_json::to_value(resources).unwrap()
+}
+
+#[test]
+fn resource_requirements_reach_the_containers_they_match() {
+    // Upstream's example ID first, then rules that overlap: for each
+    // container the last matching rule wins, as in the addon framework.
+    let config = adc(json!({"resourceRequirements": [
+        {"containerID": "*:*:*", "resources": {"requests": {"memory": "64Mi"}}},
+        {"containerID": "deployments:cluster-proxy-proxy-agent:proxy-agent",
+         "resources": {"requests": {"cpu": "150m", "memory": "250Mi"},
+                       "limits": {"cpu": "1", "memory": "512Mi"}}},
+        {"containerID": "deployments:some-other-addon:addon-agent",
+         "resources": {"limits": {"cpu": "5"}}},
+        {"containerID": "statefulsets:*:*", "resources": {"limits": {"cpu": "7"}}},
+    ]}));
+    let rendered = Rendered::new(&hostname_mpc(), Some(&config), CA);
+    assert_eq!(
+        quantities(&rendered.container("proxy-agent").resources.unwrap()),
+        json!({"requests": {"cpu": "150m", "memory": "250Mi"},
+               "limits": {"cpu": "1", "memory": "512Mi"}})
+    );
+    assert_eq!(
+        quantities(&rendered.container("addon-agent").resources.unwrap()),
+        json!({"requests": {"memory": "64Mi"}}),
+        "only the wildcard rule matches the addon-agent"
+    );
+
+    // A part may be a regular expression; an alternation stays in its part.
+    let config = adc(json!({"resourceRequirements": [
+        {"containerID": "deployments:cluster-proxy-.*:proxy-agent|addon-agent",
+         "resources": {"limits": {"memory": "300Mi"}}},
+    ]}));
+    let rendered = Rendered::new(&hostname_mpc(), Some(&config), CA);
+    for container in ["proxy-agent", "addon-agent"] {
+        assert_eq!(
+            quantities(&rendered.container(container).resources.unwrap()),
+            json!({"limits": {"memory": "300Mi"}}),
+            "{container}"
+        );
+    }
+
+    // Without a rule (or an ADC) the containers carry no resources, as upstream's chart.
+    let rendered = Rendered::new(&hostname_mpc(), None, CA);
+    assert!(rendered.container("proxy-agent").resources.is_none());
+    assert!(rendered.container("addon-agent").resources.is_none());
+    let untouched = Rendered::new(
+        &hostname_mpc(),
+        Some(&adc(json!({"resourceRequirements": [
+            {"containerID": "deployments:cluster-proxy-proxy-agent:service-proxy",
+             "resources": {"limits": {"cpu": "1"}}},
+        ]}))),
+        CA,
+    );
+    assert!(untouched.container("proxy-agent").resources.is_none());
+}
+
+#[test]
+fn malformed_container_ids_are_refused_with_the_entry() {
+    let image = "registry.local/cluster-proxy:1";
+    let refused = |id: &str| {
+        let config = adc(json!({"resourceRequirements": [
+            {"containerID": "*:*:*", "resources": {}},
+            {"containerID": id, "resources": {"limits": {"cpu": "1"}}},
+        ]}));
+        AgentCustomization::new(image, Some(&config), None).unwrap_err()
+    };
+    for id in [
+        "proxy-agent",
+        "deployments:cluster-proxy-proxy-agent",
+        "a:b:c:d",
+        "deployments::proxy-agent",
+    ] {
+        assert_eq!(
+            refused(id),
+            CustomizationError::ContainerIdShape {
+                index: 1,
+                id: id.to_owned()
+            },
+            "{id}"
+        );
+    }
+    let error = refused("deployments:cluster-proxy-(:proxy-agent");
+    assert!(
+        matches!(
+            &error,
+            CustomizationError::ContainerIdPattern { index: 1, .. }
+        ),
+        "{error:?}"
+    );
+    assert!(
+        error
+            .to_string()
+            .contains("resourceRequirements[1].containerID"),
+        "{error}"
+    );
+}
+
+#[test]
+fn image_registries_mirror_the_agent_image() {
+    let mirrors = |registries: Value| {
+        json!({
+            "open-cluster-management.io/image-registries": registries.to_string(),
+        })
+    };
+    let images = |rendered: &Rendered| {
+        ["proxy-agent", "addon-agent"].map(|name| rendered.container(name).image.unwrap())
+    };
+
+    // The ManagedCluster's annotation moves both containers to the mirror.
+    let cluster = managed_cluster(mirrors(json!({
+        "pullSecret": "open-cluster-management.pull-secret",
+        "registries": [{"source": "registry.local", "mirror": "mirror.corp:5000/ocm"}],
+    })));
+    let rendered = Rendered::for_cluster(&hostname_mpc(), None, Some(&cluster), CA);
+    assert_eq!(
+        images(&rendered),
+        ["mirror.corp:5000/ocm/cluster-proxy:1"; 2]
+    );
+
+    // An ADC's registries take precedence when they change the image...
+    let config = adc(json!({"registries": [{"source": "registry.local", "mirror": "adc.corp"}]}));
+    let rendered = Rendered::for_cluster(&hostname_mpc(), Some(&config), Some(&cluster), CA);
+    assert_eq!(images(&rendered), ["adc.corp/cluster-proxy:1"; 2]);
+    // ...and leave it to the annotation when none of them matches.
+    let config = adc(json!({"registries": [{"source": "quay.io", "mirror": "adc.corp"}]}));
+    let rendered = Rendered::for_cluster(&hostname_mpc(), Some(&config), Some(&cluster), CA);
+    assert_eq!(
+        images(&rendered),
+        ["mirror.corp:5000/ocm/cluster-proxy:1"; 2]
+    );
+
+    // No matching source, no annotation, an empty annotation: the MPC's image.
+    for annotations in [
+        mirrors(json!({"registries": [{"source": "quay.io", "mirror": "elsewhere"}]})),
+        json!({}),
+        json!({"open-cluster-management.io/image-registries": ""}),
+    ] {
+        let cluster = managed_cluster(annotations.clone());
+        let rendered = Rendered::for_cluster(&hostname_mpc(), None, Some(&cluster), CA);
+        assert_eq!(
+            images(&rendered),
+            ["registry.local/cluster-proxy:1"; 2],
+            "{annotations}"
+        );
+    }
+
+    // An annotation that is not the expected JSON is an error, not ignored.
+    for broken in ["{not json", r#"{"registries": "mirror.corp"}"#] {
+        let cluster =
+            managed_cluster(json!({"open-cluster-management.io/image-registries": broken}));
+        let error = AgentCustomization::new("registry.local/cluster-proxy:1", None, Some(&cluster))
+            .unwrap_err();
+        assert!(
+            matches!(error, CustomizationError::ImageRegistries { .. }),
+            "{broken}: {error:?}"
+        );
+        assert!(
+            error
+                .to_string()
+                .contains("open-cluster-management.io/image-registries")
+        );
+    }
 }
 
 #[test]

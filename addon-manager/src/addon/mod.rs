@@ -22,6 +22,7 @@
 
 pub mod config;
 pub mod csr;
+pub mod customize;
 pub mod install;
 pub mod reconcile;
 pub mod render;

@@ -28,12 +28,14 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Resource, ResourceExt};
 
 use super::config::{self, DeploymentConfigRef};
+use super::customize::{AgentCustomization, CustomizationError};
 use super::install;
 use super::render::{self, AgentInputs};
 use super::status::{
     Decided, OwnedStatus, REASON_CA_NOT_FOUND, REASON_CLUSTER_NOT_FOUND,
     REASON_CONFIGURATION_NOT_FOUND, REASON_CONFIGURED, REASON_ENTRYPOINT_NOT_READY,
-    REASON_INVALID_CLUSTER_NAME, REASON_INVALID_CONFIGURATION, REASON_INVALID_INSTALL_NAMESPACE,
+    REASON_INVALID_CLUSTER_NAME, REASON_INVALID_CONFIGURATION, REASON_INVALID_IMAGE_REGISTRIES,
+    REASON_INVALID_INSTALL_NAMESPACE, REASON_INVALID_RESOURCE_REQUIREMENTS,
     REASON_MANIFEST_APPLYING,
 };
 use super::{
@@ -341,6 +343,32 @@ async fn evaluate(
             None,
         );
     }
+    let customization = match AgentCustomization::new(
+        &mpc.spec.proxy_agent.image,
+        adc.as_ref(),
+        managed_cluster.as_ref(),
+    ) {
+        Ok(customization) => customization,
+        Err(invalid) => {
+            let reason = match invalid {
+                CustomizationError::ImageRegistries { .. } => REASON_INVALID_IMAGE_REGISTRIES,
+                CustomizationError::ContainerIdShape { .. }
+                | CustomizationError::ContainerIdPattern { .. } => {
+                    REASON_INVALID_RESOURCE_REQUIREMENTS
+                }
+            };
+            return stop(
+                status,
+                vec![Decided::new(
+                    CONDITION_MANIFEST_APPLIED,
+                    CONDITION_FALSE,
+                    reason,
+                    invalid.to_string(),
+                )],
+                None,
+            );
+        }
+    };
     let load_balancer = match render::load_balancer_service(&mpc) {
         None => None,
         Some((namespace, name)) => {
@@ -373,6 +401,7 @@ async fn evaluate(
         deployment_config: adc.as_ref(),
         entrypoint: &entrypoint,
         ca_pem: &ca_pem,
+        customization: &customization,
     };
     let desired = render::manifest_work(&inputs, owner)?;
     let works = Api::<ManifestWork>::namespaced(client.clone(), cluster);

@@ -31,6 +31,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, 
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use sha2::{Digest, Sha256};
 
+use super::customize::AgentCustomization;
 use super::{
     ADDON_NAME, AGENT_CA_SECRET, AGENT_CLIENT_CERT_SECRET, AGENT_DEPLOYMENT, AGENT_RBAC_NAME,
     AGENT_SERVICE_ACCOUNT, HUB_KUBECONFIG_SECRET, MANIFEST_WORK_NAME,
@@ -57,6 +58,11 @@ pub const VARIABLE_SERVICE_DOMAIN: &str = "serviceDomain";
 pub const DEFAULT_SERVICE_DOMAIN: &str = "svc.cluster.local";
 /// The proxy-agent's health port (konnectivity default).
 pub const AGENT_HEALTH_PORT: i32 = 8093;
+/// The tunnel container of the agent Deployment (the name in an ADC's
+/// `deployments:cluster-proxy-proxy-agent:proxy-agent`).
+pub const PROXY_AGENT_CONTAINER: &str = "proxy-agent";
+/// The Lease-renewing container of the agent Deployment.
+pub const ADDON_AGENT_CONTAINER: &str = "addon-agent";
 /// Where the agents run as a non-root user (distroless `nonroot`).
 const NON_ROOT_UID: i64 = 65532;
 
@@ -150,6 +156,8 @@ pub struct AgentInputs<'a> {
     pub entrypoint: &'a Entrypoint,
     /// The hub CA bundle (PEM) the agent verifies the proxy-servers with.
     pub ca_pem: &'a [u8],
+    /// The cluster's image and container resources.
+    pub customization: &'a AgentCustomization,
 }
 
 fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
@@ -322,7 +330,7 @@ pub fn agent_deployment(inputs: &AgentInputs<'_>) -> Deployment {
         ANNOTATION_WORKLOAD_MANAGEMENT.to_owned(),
         r#"{"effect":"PreferredDuringScheduling"}"#.to_owned(),
     );
-    let image = inputs.mpc.spec.proxy_agent.image.clone();
+    let image = inputs.customization.image().to_owned();
     let placement = inputs
         .deployment_config
         .and_then(|adc| adc.spec.node_placement.as_ref());
@@ -343,7 +351,7 @@ pub fn agent_deployment(inputs: &AgentInputs<'_>) -> Deployment {
         .collect();
 
     let proxy_agent = Container {
-        name: "proxy-agent".into(),
+        name: PROXY_AGENT_CONTAINER.into(),
         image: Some(image.clone()),
         command: Some(vec!["/proxy-agent".into()]),
         args: Some(proxy_agent_args(inputs)),
@@ -352,10 +360,13 @@ pub fn agent_deployment(inputs: &AgentInputs<'_>) -> Deployment {
         readiness_probe: Some(http_probe("/readyz", AGENT_HEALTH_PORT)),
         liveness_probe: Some(http_probe("/healthz", AGENT_HEALTH_PORT)),
         security_context: Some(hardened()),
+        resources: inputs
+            .customization
+            .resources(AGENT_DEPLOYMENT, PROXY_AGENT_CONTAINER),
         ..Container::default()
     };
     let addon_agent = Container {
-        name: "addon-agent".into(),
+        name: ADDON_AGENT_CONTAINER.into(),
         image: Some(image),
         command: Some(vec!["/addon-agent".into()]),
         args: Some(vec![
@@ -376,6 +387,9 @@ pub fn agent_deployment(inputs: &AgentInputs<'_>) -> Deployment {
         }]),
         volume_mounts: Some(vec![mount("hub-kubeconfig", "/etc/kubeconfig")]),
         security_context: Some(hardened()),
+        resources: inputs
+            .customization
+            .resources(AGENT_DEPLOYMENT, ADDON_AGENT_CONTAINER),
         ..Container::default()
     };
 

@@ -36,6 +36,11 @@ pub const REASON_INVALID_CONFIGURATION: &str = "InvalidManagedProxyConfiguration
 pub const REASON_INVALID_INSTALL_NAMESPACE: &str = "InvalidInstallNamespace";
 /// Reason: the agents' entrypoint is not known yet.
 pub const REASON_ENTRYPOINT_NOT_READY: &str = "EntrypointNotReady";
+/// Reason: the AddOnDeploymentConfig's `resourceRequirements` name a
+/// container ID that is not `kind:name:container` regular expressions.
+pub const REASON_INVALID_RESOURCE_REQUIREMENTS: &str = "InvalidResourceRequirements";
+/// Reason: the ManagedCluster's image registries annotation is not valid JSON.
+pub const REASON_INVALID_IMAGE_REGISTRIES: &str = "InvalidImageRegistries";
 /// `ManifestApplied` reason: the work exists, its agent has not reported.
 pub const REASON_MANIFEST_APPLYING: &str = "AddonManifestApplying";
 
