@@ -628,6 +628,57 @@ fn image_registries_mirror_the_agent_image() {
 }
 
 #[test]
+fn a_local_clusters_node_selector_annotation_places_its_agent() {
+    let local = |annotation: &str| -> ManagedCluster {
+        let mut cluster =
+            managed_cluster(json!({"open-cluster-management/nodeSelector": annotation}));
+        cluster.metadata.labels = Some([("local-cluster".to_owned(), "true".to_owned())].into());
+        cluster
+    };
+    let selector = |rendered: &Rendered| {
+        rendered
+            .deployment()
+            .spec
+            .unwrap()
+            .template
+            .spec
+            .unwrap()
+            .node_selector
+    };
+    let hub_itself = local(r#"{"node-role.kubernetes.io/infra": ""}"#);
+    let rendered = Rendered::for_cluster(&hostname_mpc(), None, Some(&hub_itself), CA);
+    assert_eq!(
+        selector(&rendered),
+        Some([("node-role.kubernetes.io/infra".to_owned(), String::new())].into())
+    );
+
+    // An ADC's own node selector takes precedence.
+    let config = adc(json!({"nodePlacement": {"nodeSelector": {"kubernetes.io/os": "linux"}}}));
+    let rendered = Rendered::for_cluster(&hostname_mpc(), Some(&config), Some(&hub_itself), CA);
+    assert_eq!(
+        selector(&rendered),
+        Some([("kubernetes.io/os".to_owned(), "linux".to_owned())].into())
+    );
+
+    // Only the local cluster's annotation counts; an empty object is no selector.
+    let remote = managed_cluster(json!({"open-cluster-management/nodeSelector": r#"{"a": "b"}"#}));
+    let rendered = Rendered::for_cluster(&hostname_mpc(), None, Some(&remote), CA);
+    assert_eq!(selector(&rendered), None);
+    let rendered = Rendered::for_cluster(&hostname_mpc(), None, Some(&local("{}")), CA);
+    assert_eq!(selector(&rendered), None);
+
+    for broken in ["node-role=infra", r#"{"zone": 3}"#] {
+        let error =
+            AgentCustomization::new("registry.local/cluster-proxy:1", None, Some(&local(broken)))
+                .unwrap_err();
+        assert!(
+            matches!(error, CustomizationError::NodeSelector { .. }),
+            "{broken}: {error:?}"
+        );
+    }
+}
+
+#[test]
 fn proxy_ca_is_merged_only_for_https_proxies() {
     use base64::Engine;
     let config = adc(json!({

@@ -1,12 +1,18 @@
-//! What one cluster's configuration changes in the agent's containers: the
-//! image (registry mirrors from the AddOnDeploymentConfig or the
-//! ManagedCluster's `open-cluster-management.io/image-registries`
-//! annotation) and the resource requests and limits of each container
-//! (the AddOnDeploymentConfig's `resourceRequirements`), with the addon
-//! framework's rules so an ADC written for another addon means the same here.
+//! What one cluster's configuration changes in the agent's pod: the image
+//! (registry mirrors from the AddOnDeploymentConfig or the ManagedCluster's
+//! `open-cluster-management.io/image-registries` annotation), the resource
+//! requests and limits of each container (the AddOnDeploymentConfig's
+//! `resourceRequirements`) and the node selector (the ADC's, else a local
+//! cluster's `open-cluster-management/nodeSelector` annotation), with the
+//! addon framework's rules so an ADC written for another addon means the
+//! same here.
+
+use std::collections::BTreeMap;
 
 use cluster_proxy_proto::api::addon::v1alpha1::{AddOnDeploymentConfig, ImageMirror};
-use cluster_proxy_proto::api::cluster::v1::{ANNOTATION_IMAGE_REGISTRIES, ManagedCluster};
+use cluster_proxy_proto::api::cluster::v1::{
+    ANNOTATION_IMAGE_REGISTRIES, ANNOTATION_NODE_SELECTOR, LABEL_LOCAL_CLUSTER, ManagedCluster,
+};
 use k8s_openapi::api::core::v1::ResourceRequirements;
 use regex::Regex;
 use serde::Deserialize;
@@ -38,6 +44,10 @@ pub enum CustomizationError {
         "ManagedCluster annotation {ANNOTATION_IMAGE_REGISTRIES} is not JSON of the form {{\"registries\":[{{\"source\":…,\"mirror\":…}}]}}: {reason}"
     )]
     ImageRegistries { reason: String },
+    #[error(
+        "ManagedCluster annotation {ANNOTATION_NODE_SELECTOR} is not a JSON object of label names to values: {reason}"
+    )]
+    NodeSelector { reason: String },
 }
 
 /// One `resourceRequirements` entry, its container ID compiled.
@@ -52,6 +62,7 @@ struct ResourceRule {
 pub struct AgentCustomization {
     image: String,
     resource_rules: Vec<ResourceRule>,
+    node_selector: Option<BTreeMap<String, String>>,
 }
 
 /// The annotation's value; `pullSecret` and unknown fields are ignored.
@@ -81,7 +92,13 @@ impl AgentCustomization {
         Ok(Self {
             image: agent_image(image, deployment_config, cluster)?,
             resource_rules: resource_rules(deployment_config)?,
+            node_selector: node_selector(deployment_config, cluster)?,
         })
+    }
+
+    /// The agent pod's node selector, if any.
+    pub fn node_selector(&self) -> Option<&BTreeMap<String, String>> {
+        self.node_selector.as_ref()
     }
 
     /// The image both agent containers run.
@@ -100,6 +117,46 @@ impl AgentCustomization {
             .find(|rule| rule.container_id.is_match(&id))
             .map(|rule| rule.resources.clone())
     }
+}
+
+/// The node selector: the ADC's `nodePlacement.nodeSelector` when it names
+/// labels, else, for the hub's own cluster (label `local-cluster=true`),
+/// the JSON object in its `open-cluster-management/nodeSelector`
+/// annotation.
+fn node_selector(
+    deployment_config: Option<&AddOnDeploymentConfig>,
+    cluster: Option<&ManagedCluster>,
+) -> Result<Option<BTreeMap<String, String>>, CustomizationError> {
+    let from_config = deployment_config
+        .and_then(|config| config.spec.node_placement.as_ref())
+        .and_then(|placement| placement.node_selector.clone())
+        .filter(|selector| !selector.is_empty());
+    if from_config.is_some() {
+        return Ok(from_config);
+    }
+    let Some(cluster) = cluster else {
+        return Ok(None);
+    };
+    let local = cluster
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|labels| labels.get(LABEL_LOCAL_CLUSTER))
+        .is_some_and(|value| value == "true");
+    let annotation = cluster
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|annotations| annotations.get(ANNOTATION_NODE_SELECTOR))
+        .filter(|value| !value.trim().is_empty());
+    let (true, Some(annotation)) = (local, annotation) else {
+        return Ok(None);
+    };
+    let selector: BTreeMap<String, String> =
+        serde_json::from_str(annotation).map_err(|error| CustomizationError::NodeSelector {
+            reason: error.to_string(),
+        })?;
+    Ok(Some(selector).filter(|selector| !selector.is_empty()))
 }
 
 /// The image after the registry mirrors: the ADC's `registries` when one of

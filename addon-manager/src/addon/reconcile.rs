@@ -35,8 +35,8 @@ use super::status::{
     Decided, OwnedStatus, REASON_CA_NOT_FOUND, REASON_CLUSTER_NOT_FOUND,
     REASON_CONFIGURATION_NOT_FOUND, REASON_CONFIGURED, REASON_ENTRYPOINT_NOT_READY,
     REASON_INVALID_CLUSTER_NAME, REASON_INVALID_CONFIGURATION, REASON_INVALID_IMAGE_REGISTRIES,
-    REASON_INVALID_INSTALL_NAMESPACE, REASON_INVALID_RESOURCE_REQUIREMENTS,
-    REASON_MANIFEST_APPLYING,
+    REASON_INVALID_INSTALL_NAMESPACE, REASON_INVALID_NODE_SELECTOR,
+    REASON_INVALID_RESOURCE_REQUIREMENTS, REASON_MANIFEST_APPLYING,
 };
 use super::{
     ADDON_NAME, AGENT_RBAC_NAME, AddonError, CA_BUNDLE_KEY, CA_BUNDLE_SECRET, Context,
@@ -352,6 +352,7 @@ async fn evaluate(
         Err(invalid) => {
             let reason = match invalid {
                 CustomizationError::ImageRegistries { .. } => REASON_INVALID_IMAGE_REGISTRIES,
+                CustomizationError::NodeSelector { .. } => REASON_INVALID_NODE_SELECTOR,
                 CustomizationError::ContainerIdShape { .. }
                 | CustomizationError::ContainerIdPattern { .. } => {
                     REASON_INVALID_RESOURCE_REQUIREMENTS

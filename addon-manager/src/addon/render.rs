@@ -337,9 +337,7 @@ pub fn agent_deployment(inputs: &AgentInputs<'_>) -> Deployment {
     let tolerations = placement
         .and_then(|placement| placement.tolerations.clone())
         .unwrap_or_else(default_tolerations);
-    let node_selector = placement
-        .and_then(|placement| placement.node_selector.clone())
-        .filter(|selector| !selector.is_empty());
+    let node_selector = inputs.customization.node_selector().cloned();
     let env = proxy_env(inputs.deployment_config);
     let image_pull_secrets: Vec<LocalObjectReference> = inputs
         .mpc

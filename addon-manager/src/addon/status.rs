@@ -41,6 +41,8 @@ pub const REASON_ENTRYPOINT_NOT_READY: &str = "EntrypointNotReady";
 pub const REASON_INVALID_RESOURCE_REQUIREMENTS: &str = "InvalidResourceRequirements";
 /// Reason: the ManagedCluster's image registries annotation is not valid JSON.
 pub const REASON_INVALID_IMAGE_REGISTRIES: &str = "InvalidImageRegistries";
+/// Reason: a local cluster's node selector annotation is not a JSON object.
+pub const REASON_INVALID_NODE_SELECTOR: &str = "InvalidNodeSelector";
 /// `ManifestApplied` reason: the work exists, its agent has not reported.
 pub const REASON_MANIFEST_APPLYING: &str = "AddonManifestApplying";
 
