@@ -301,8 +301,29 @@ async fn placement_installs_the_agent_and_removal_cleans_up() {
     .await;
     assert_eq!(
         management.annotations()["addon.open-cluster-management.io/lifecycle"],
-        "addon-manager"
+        "self",
+        "the controller installs the addons, so OCM's addon-manager must not"
     );
+    // Set back to OCM's value (as OCM does on a ClusterManagementAddOn that
+    // lost it): the controller says `self` again.
+    let handed_over = json!({"metadata": {"annotations": {"addon.open-cluster-management.io/lifecycle": "addon-manager"}}});
+    Api::<ClusterManagementAddOn>::all(hub.admin.clone())
+        .patch(
+            "cluster-proxy",
+            &PatchParams::default(),
+            &Patch::Merge(&handed_over),
+        )
+        .await
+        .unwrap();
+    eventually("the lifecycle annotation restored", || async {
+        let management = Api::<ClusterManagementAddOn>::all(hub.admin.clone())
+            .get("cluster-proxy")
+            .await
+            .unwrap();
+        (management.annotations()["addon.open-cluster-management.io/lifecycle"] == "self")
+            .then_some(())
+    })
+    .await;
 
     for cluster in ["cluster-a", "cluster-b"] {
         let addon = hub

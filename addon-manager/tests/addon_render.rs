@@ -845,7 +845,7 @@ fn cluster_management_addon_declares_upstreams_shape() {
             "kind": "ClusterManagementAddOn",
             "metadata": {
                 "name": "cluster-proxy",
-                "annotations": {"addon.open-cluster-management.io/lifecycle": "addon-manager"},
+                "annotations": {"addon.open-cluster-management.io/lifecycle": "self"},
             },
             "spec": {
                 "addOnMeta": {"displayName": "cluster-proxy", "description": "cluster-proxy"},

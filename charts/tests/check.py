@@ -185,8 +185,8 @@ def check_upstream_names(docs: list[dict]) -> None:
     if cma:
         expect(
             cma["metadata"]["annotations"].get("addon.open-cluster-management.io/lifecycle")
-            == "addon-manager",
-            "CMA lifecycle annotation",
+            == "self",
+            "CMA lifecycle annotation (self: the addon-manager installs the addons itself)",
         )
         expect(
             cma["spec"]["installStrategy"]

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use cluster_proxy_proto::api::addon::v1alpha1::{
     ANNOTATION_LIFECYCLE, AddOnConfig, ClusterManagementAddOn, ClusterManagementAddOnSpec,
     ConfigMeta, ConfigReferent, INSTALL_STRATEGY_MANUAL, INSTALL_STRATEGY_PLACEMENTS,
-    InstallStrategy as OcmInstallStrategy, LIFECYCLE_ADDON_MANAGER, ManagedClusterAddOn,
+    InstallStrategy as OcmInstallStrategy, LIFECYCLE_SELF, ManagedClusterAddOn,
     ManagedClusterAddOnSpec, PlacementStrategy,
 };
 use cluster_proxy_proto::api::cluster::v1::ManagedCluster;
@@ -37,8 +37,14 @@ use crate::apply;
 const CONTROLLER: &str = "install";
 
 /// The ClusterManagementAddOn `cluster-proxy` as addon-manager declares it
-/// (upstream §8): lifecycle annotation, metadata, supported configurations
-/// with the MPC `cluster-proxy` as default, and the install strategy.
+/// (upstream §8): metadata, supported configurations with the MPC
+/// `cluster-proxy` as default, and the install strategy; and the lifecycle
+/// annotation `self`, because this controller installs the addons and
+/// writes their configuration references. Upstream says `addon-manager`,
+/// which hands both to OCM's own addon-manager: with this controller doing
+/// them too, the two would race to create and delete the same addons and
+/// fight over `status.configReferences` (OCM sets `addon-manager` on every
+/// ClusterManagementAddOn that does not say `self`).
 pub fn cluster_management_addon(settings: &AddonSettings) -> ClusterManagementAddOn {
     let install_strategy = match &settings.install_strategy {
         InstallStrategy::Manual => OcmInstallStrategy {
@@ -88,12 +94,9 @@ pub fn cluster_management_addon(settings: &AddonSettings) -> ClusterManagementAd
         },
     );
     addon.metadata.annotations = Some(
-        [(
-            ANNOTATION_LIFECYCLE.to_owned(),
-            LIFECYCLE_ADDON_MANAGER.to_owned(),
-        )]
-        .into_iter()
-        .collect(),
+        [(ANNOTATION_LIFECYCLE.to_owned(), LIFECYCLE_SELF.to_owned())]
+            .into_iter()
+            .collect(),
     );
     addon
 }
