@@ -423,6 +423,18 @@ async fn placement_installs_the_agent_and_removal_cleans_up() {
     )
     .await;
 
+    // An installed addon deleted while its cluster is still placed comes back.
+    let first = hub.addon("cluster-b").await.unwrap();
+    hub.addons("cluster-b")
+        .delete("cluster-proxy", &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually("cluster-b's addon installed again", || async {
+        let addon = hub.addon("cluster-b").await?;
+        (addon.metadata.uid != first.metadata.uid).then_some(())
+    })
+    .await;
+
     // cluster-b leaves the placement: its addon and everything it owns go.
     hub.decide(&["cluster-a"]).await;
     eventually("cluster-b's addon removed", || async {

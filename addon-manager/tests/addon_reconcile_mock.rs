@@ -1,17 +1,22 @@
 //! The ManagedClusterAddOn reconcile against a scripted API (tower-test):
 //! which requests it sends, that it sends no write when everything is
 //! current, that a 409 is retried at once and an API failure backs off.
+//! The reconcile reads from its caches; the tests fill them with the fake's
+//! objects, as the controller's watches would.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use addon_manager::addon::cache::{self, Caches};
 use addon_manager::addon::reconcile::{error_policy, reconcile};
 use addon_manager::addon::{AddonMetrics, AddonSettings, Context};
 use cluster_proxy_proto::api::addon::v1alpha1::ManagedClusterAddOn;
 use http::{Method, Request, Response, StatusCode};
 use kube::client::Body;
 use kube::runtime::controller::Action;
+use kube::runtime::reflector::store::Writer;
+use kube::runtime::watcher::Event;
 use serde_json::{Value, json};
 
 const HUB: &str = "open-cluster-management-addon";
@@ -169,19 +174,59 @@ fn addon_object() -> ManagedClusterAddOn {
     .unwrap()
 }
 
-fn context(fake: &FakeApi) -> Arc<Context> {
-    Arc::new(Context {
-        client: fake.client(),
-        settings: AddonSettings::new(HUB),
-        metrics: AddonMetrics::default(),
-    })
+/// Caches holding the fake's objects now, each filled by a complete list.
+fn caches(fake: &FakeApi) -> Caches {
+    fn fill<K>(writer: &mut Writer<K>, objects: &[Value], kind: &str)
+    where
+        K: kube::Resource + Clone + serde::de::DeserializeOwned + 'static,
+        K::DynamicType: Eq + std::hash::Hash + Clone,
+    {
+        writer.apply_watcher_event(&Event::Init);
+        for object in objects.iter().filter(|object| object["kind"] == kind) {
+            let object: K = serde_json::from_value(object.clone()).unwrap();
+            writer.apply_watcher_event(&Event::InitApply(object));
+        }
+        writer.apply_watcher_event(&Event::InitDone);
+    }
+    let objects: Vec<Value> = fake.objects.lock().unwrap().values().cloned().collect();
+    let (caches, mut writers) = cache::caches();
+    let addon = &mut writers.addon;
+    fill(&mut addon.clusters, &objects, "ManagedCluster");
+    fill(&mut addon.mpcs, &objects, "ManagedProxyConfiguration");
+    fill(&mut addon.managements, &objects, "ClusterManagementAddOn");
+    fill(
+        &mut addon.deployment_configs,
+        &objects,
+        "AddOnDeploymentConfig",
+    );
+    fill(&mut addon.hub_secrets, &objects, "Secret");
+    fill(&mut addon.hub_services, &objects, "Service");
+    fill(&mut addon.works, &objects, "ManifestWork");
+    fill(&mut addon.roles, &objects, "Role");
+    fill(&mut addon.role_bindings, &objects, "RoleBinding");
+    let install = &mut writers.install;
+    fill(&mut install.decisions, &objects, "PlacementDecision");
+    fill(&mut install.managements, &objects, "ClusterManagementAddOn");
+    fill(&mut install.addons, &objects, "ManagedClusterAddOn");
+    writers.addon_filled.send_replace(true);
+    writers.install_filled.send_replace(true);
+    caches
+}
+
+fn context_for(fake: &FakeApi) -> Arc<Context> {
+    Arc::new(Context::new(
+        fake.client(),
+        AddonSettings::new(HUB),
+        AddonMetrics::default(),
+        caches(fake),
+    ))
 }
 
 #[tokio::test]
 async fn creates_then_writes_nothing_when_current() {
     let fake = FakeApi::default();
     hub_objects(&fake);
-    let context = context(&fake);
+    let context = context_for(&fake);
     let addon = addon_object();
     fake.put(ADDON, serde_json::to_value(&addon).unwrap());
 
@@ -198,8 +243,9 @@ async fn creates_then_writes_nothing_when_current() {
         ]
     );
 
-    // Second pass over what was stored: reads only.
+    // Second pass over what was stored, once the caches have caught up.
     fake.clear_log();
+    let context = context_for(&fake);
     let stored: ManagedClusterAddOn =
         serde_json::from_value(fake.objects.lock().unwrap()[ADDON].clone()).unwrap();
     reconcile(Arc::new(stored), context).await.unwrap();
@@ -214,7 +260,7 @@ async fn creates_then_writes_nothing_when_current() {
 async fn a_conflict_is_retried_at_once_and_succeeds() {
     let fake = FakeApi::default();
     hub_objects(&fake);
-    let context = context(&fake);
+    let context = context_for(&fake);
     let addon = Arc::new(addon_object());
     fake.fail_next(Method::PATCH, WORK, 409);
 
@@ -234,18 +280,20 @@ async fn a_conflict_is_retried_at_once_and_succeeds() {
 async fn an_api_failure_backs_off() {
     let fake = FakeApi::default();
     hub_objects(&fake);
-    let context = context(&fake);
+    let context = context_for(&fake);
     let addon = Arc::new(addon_object());
-    fake.fail_next(
-        Method::GET,
-        "/apis/cluster.open-cluster-management.io/v1/managedclusters/cluster-a",
-        500,
-    );
+    let role =
+        "/apis/rbac.authorization.k8s.io/v1/namespaces/cluster-a/roles/cluster-proxy-addon-agent";
+    fake.fail_next(Method::PATCH, role, 500);
     let error = reconcile(addon.clone(), context.clone()).await.unwrap_err();
     assert!(!error.is_conflict());
     assert_eq!(
         error_policy(addon, &error, context),
         Action::requeue(Duration::from_secs(5))
     );
-    assert!(fake.writes().is_empty(), "nothing written on a failed read");
+    assert_eq!(
+        fake.writes(),
+        vec![role.to_owned()],
+        "nothing written after a failed write"
+    );
 }

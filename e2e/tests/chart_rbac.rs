@@ -56,6 +56,22 @@ const SIGNER_SECRET: &str = "cluster-proxy-signer";
 const UNUSED_RULES: &[(&str, &str, &str, &str, &str)] = &[
     (
         "open-cluster-management:cluster-proxy:addon-manager",
+        "",
+        "services",
+        "get",
+        "the addon controller watches the hub namespace's Services and reads (get) only an \
+         agents' LoadBalancer Service in another namespace; the chart's MPC uses none",
+    ),
+    (
+        "open-cluster-management:cluster-proxy:addon-manager",
+        "addon.open-cluster-management.io",
+        "addondeploymentconfigs",
+        "get",
+        "the addon controller reads (get) an AddOnDeploymentConfig only when an addon names one \
+         its watch does not hold, before reporting it missing; the scenario names none",
+    ),
+    (
+        "open-cluster-management:cluster-proxy:addon-manager",
         "apps",
         "deployments",
         "delete",

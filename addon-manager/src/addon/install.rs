@@ -3,7 +3,9 @@
 //! placements' decisions select.
 //!
 //! The controller reconciles ManagedClusters; any change of a
-//! PlacementDecision or of the ClusterManagementAddOn reconciles them all.
+//! PlacementDecision or of the ClusterManagementAddOn reconciles them all,
+//! and a change of a cluster's ManagedClusterAddOn reconciles its cluster.
+//! It reads them from its caches ([`super::cache::InstallCache`]).
 //! ManagedClusterAddOns it creates are owned by the ClusterManagementAddOn;
 //! only those are ever deleted (when their cluster leaves the placements or
 //! is deleting; a deleted cluster's addon is removed by the addon
@@ -23,15 +25,19 @@ use cluster_proxy_proto::api::cluster::v1::ManagedCluster;
 use cluster_proxy_proto::api::cluster::v1beta1::{LABEL_PLACEMENT, PlacementDecision};
 use cluster_proxy_proto::api::proxy::v1alpha1::MANAGED_PROXY_CONFIGURATION_NAME;
 use futures_util::{Stream, StreamExt, stream};
-use kube::api::{DeleteParams, ListParams};
+use kube::api::DeleteParams;
 use kube::runtime::controller::{Action, Controller};
+use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Resource, ResourceExt};
 
+use super::cache::{InstallCacheWriters, cached_or_read};
 use super::config::{ADC_GROUP, ADC_RESOURCE, MPC_GROUP, MPC_RESOURCE};
 use super::reconcile::get_opt;
 use super::status::addon_meta;
-use super::{ADDON_NAME, AddonError, AddonSettings, Context, InstallStrategy, retry_after};
+use super::{
+    ADDON_NAME, AddonError, AddonSettings, Context, InstallStrategy, PlacementRef, retry_after,
+};
 use crate::apply;
 
 const CONTROLLER: &str = "install";
@@ -116,43 +122,49 @@ fn management_is_current(
             .all(|(key, value)| current.annotations().get(key) == Some(value))
 }
 
-/// Applies the ClusterManagementAddOn if it is missing or differs; returns
-/// it as stored.
+/// The ClusterManagementAddOn as it should be: the cached copy when it is
+/// current, else the one written now. Only one reconcile at a time looks
+/// closer, and it re-reads the object first, so a change seen by every
+/// cluster's reconcile at once is written once.
 pub async fn ensure_cluster_management_addon(
-    client: &kube::Client,
-    settings: &AddonSettings,
-) -> Result<ClusterManagementAddOn, AddonError> {
-    let api = Api::<ClusterManagementAddOn>::all(client.clone());
-    let desired = cluster_management_addon(settings);
+    context: &Context,
+) -> Result<Arc<ClusterManagementAddOn>, AddonError> {
+    let desired = cluster_management_addon(&context.settings);
+    let cached = context
+        .caches
+        .install
+        .managements
+        .get(&ObjectRef::new(ADDON_NAME));
+    if let Some(current) = cached.filter(|current| management_is_current(current, &desired)) {
+        return Ok(current);
+    }
+    let _only_one = context.management_write.lock().await;
+    let api = Api::<ClusterManagementAddOn>::all(context.client.clone());
     match get_opt(&api, ADDON_NAME).await? {
-        Some(current) if management_is_current(&current, &desired) => Ok(current),
-        _ => Ok(apply::apply(&api, &desired).await?),
+        Some(current) if management_is_current(&current, &desired) => Ok(Arc::new(current)),
+        _ => Ok(Arc::new(apply::apply(&api, &desired).await?)),
     }
 }
 
 /// The clusters the placements' decisions select now.
-pub async fn selected_clusters(
-    client: &kube::Client,
+pub fn selected_clusters(
+    decisions: &Store<PlacementDecision>,
     settings: &AddonSettings,
-) -> Result<BTreeSet<String>, AddonError> {
+) -> BTreeSet<String> {
     let mut clusters = BTreeSet::new();
     let InstallStrategy::Placements(placements) = &settings.install_strategy else {
-        return Ok(clusters);
+        return clusters;
     };
-    for placement in placements {
-        let api = Api::<PlacementDecision>::namespaced(client.clone(), &placement.namespace);
-        let decisions = api
-            .list(&ListParams::default().labels(&format!("{LABEL_PLACEMENT}={}", placement.name)))
-            .await
-            .map_err(AddonError::api(format!(
-                "listing the decisions of placement {}/{}",
-                placement.namespace, placement.name
-            )))?;
-        for decision in &decisions.items {
+    for decision in decisions.state() {
+        let of_placement = |placement: &&PlacementRef| {
+            decision.metadata.namespace.as_deref() == Some(placement.namespace.as_str())
+                && decision.labels().get(LABEL_PLACEMENT) == Some(&placement.name)
+        };
+        if placements.iter().any(|placement| of_placement(&placement)) {
             clusters.extend(decision.cluster_names().map(str::to_owned));
         }
     }
-    Ok(clusters)
+    clusters
 }
 
 /// Whether `addon` was created by the installer (owned by `management`).
@@ -190,17 +202,18 @@ pub async fn reconcile(
     context: Arc<Context>,
 ) -> Result<Action, AddonError> {
     context.metrics.reconciled(CONTROLLER);
-    let client = &context.client;
+    let cache = &context.caches.install;
+    cache.ready().await?;
     let settings = &context.settings;
-    let management = ensure_cluster_management_addon(client, settings).await?;
+    let management = ensure_cluster_management_addon(&context).await?;
     if settings.install_strategy == InstallStrategy::Manual {
         return Ok(Action::await_change());
     }
     let name = cluster.name_any();
     let wanted = cluster.metadata.deletion_timestamp.is_none()
-        && selected_clusters(client, settings).await?.contains(&name);
-    let api = Api::<ManagedClusterAddOn>::namespaced(client.clone(), &name);
-    let current = get_opt(&api, ADDON_NAME).await?;
+        && selected_clusters(&cache.decisions, settings).contains(&name);
+    let api = Api::<ManagedClusterAddOn>::namespaced(context.client.clone(), &name);
+    let current = cached_or_read(&cache.addons, &api, ADDON_NAME).await?;
     match current {
         None if wanted => {
             tracing::info!(cluster = %name, "installing the addon");
@@ -233,31 +246,46 @@ fn error_policy(cluster: Arc<ManagedCluster>, error: &AddonError, context: Arc<C
 /// The installation controller, as a stream of reconcile results.
 pub fn controller(
     context: Arc<Context>,
+    writers: InstallCacheWriters,
     shutdown: impl Future<Output = ()> + Send + Sync + 'static,
 ) -> impl Stream<Item = ()> + Send {
     let client = context.client.clone();
+    let by_name = watcher::Config::default().fields(&format!("metadata.name={ADDON_NAME}"));
+    // Each watch fills its cache before its event triggers a reconcile.
     let everything = stream::select_all(vec![
         watcher(
             Api::<PlacementDecision>::all(client.clone()),
             watcher::Config::default(),
         )
         .default_backoff()
+        .reflect(writers.decisions)
         .touched_objects()
         .filter_map(|result| async move { result.ok().map(|_| ()) })
         .boxed(),
         watcher(
             Api::<ClusterManagementAddOn>::all(client.clone()),
-            watcher::Config::default().fields(&format!("metadata.name={ADDON_NAME}")),
+            by_name.clone(),
         )
         .default_backoff()
+        .reflect(writers.managements)
         .touched_objects()
         .filter_map(|result| async move { result.ok().map(|_| ()) })
         .boxed(),
     ]);
+    let addons = watcher(Api::<ManagedClusterAddOn>::all(client.clone()), by_name)
+        .default_backoff()
+        .reflect(writers.addons)
+        .touched_objects();
     Controller::new(
         Api::<ManagedCluster>::all(client),
         watcher::Config::default(),
     )
+    .watches_stream(addons, |addon| {
+        addon
+            .metadata
+            .namespace
+            .map(|cluster| ObjectRef::<ManagedCluster>::new(&cluster))
+    })
     .reconcile_all_on(everything)
     .graceful_shutdown_on(shutdown)
     .run(

@@ -20,6 +20,7 @@
 //! reported as a `False` condition with a reason on the affected addon only;
 //! API errors are retried with backoff.
 
+pub mod cache;
 pub mod config;
 pub mod csr;
 pub mod customize;
@@ -130,6 +131,8 @@ pub enum AddonError {
     Render(#[from] cluster_proxy_proto::api::work::v1::ManifestError),
     #[error("object has no {0}")]
     Incomplete(&'static str),
+    #[error("the controllers' caches are closed (shutting down)")]
+    CacheClosed,
 }
 
 impl AddonError {
@@ -217,6 +220,30 @@ pub struct Context {
     pub client: kube::Client,
     pub settings: AddonSettings,
     pub metrics: AddonMetrics,
+    /// What the reconcilers read (see [`cache`]).
+    pub caches: cache::Caches,
+    /// Serializes writes of the ClusterManagementAddOn: every cluster's
+    /// install reconcile checks it, and after a change only one of them
+    /// needs to write it.
+    pub management_write: tokio::sync::Mutex<()>,
+}
+
+impl Context {
+    /// A context reading from `caches`.
+    pub fn new(
+        client: kube::Client,
+        settings: AddonSettings,
+        metrics: AddonMetrics,
+        caches: cache::Caches,
+    ) -> Self {
+        Self {
+            client,
+            settings,
+            metrics,
+            caches,
+            management_write: tokio::sync::Mutex::new(()),
+        }
+    }
 }
 
 /// How long to wait before retrying after an error: at once for a
@@ -248,13 +275,17 @@ pub async fn run(
             let _ = stopped.wait_for(|stop| *stop).await;
         }
     };
-    let context = Arc::new(Context {
-        client,
-        settings,
-        metrics,
-    });
-    let install = install::controller(context.clone(), signal());
-    let addons = reconcile::controller(context.clone(), signal());
+    let (caches, writers) = cache::caches();
+    tokio::spawn(caches.addon.clone().announce_filled(writers.addon_filled));
+    tokio::spawn(
+        caches
+            .install
+            .clone()
+            .announce_filled(writers.install_filled),
+    );
+    let context = Arc::new(Context::new(client, settings, metrics, caches));
+    let install = install::controller(context.clone(), writers.install, signal());
+    let addons = reconcile::controller(context.clone(), writers.addon, signal());
     let csrs = csr::controller(context, signal());
     tokio::join!(
         install.for_each(|_| async {}),

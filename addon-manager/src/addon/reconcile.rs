@@ -24,9 +24,11 @@ use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::reflector::ObjectRef;
+use kube::runtime::reflector::store::Writer;
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Resource, ResourceExt};
 
+use super::cache::{AddonCacheWriters, cached_or_read};
 use super::config::{self, DeploymentConfigRef};
 use super::customize::{AgentCustomization, CustomizationError};
 use super::install;
@@ -121,6 +123,8 @@ async fn evaluate(
     context: &Context,
 ) -> Result<Outcome, AddonError> {
     let client = &context.client;
+    let cache = &context.caches.addon;
+    cache.ready().await?;
     let now = now();
     let mut status = OwnedStatus::from_current(addon);
     let stop = |mut status: OwnedStatus, decided: Vec<Decided>, requeue: Option<Duration>| {
@@ -160,13 +164,11 @@ async fn evaluate(
     let cluster_name =
         ClusterName::new(cluster).map_err(|_| AddonError::Incomplete("a valid cluster name"))?;
 
-    let managed_cluster = get_opt(&Api::<ManagedCluster>::all(client.clone()), cluster).await?;
+    let managed_clusters = Api::<ManagedCluster>::all(client.clone());
+    let managed_cluster = cached_or_read(&cache.clusters, &managed_clusters, cluster).await?;
+    let managements = Api::<ClusterManagementAddOn>::all(client.clone());
     if managed_cluster.is_none() {
-        let management = get_opt(
-            &Api::<ClusterManagementAddOn>::all(client.clone()),
-            ADDON_NAME,
-        )
-        .await?;
+        let management = cached_or_read(&cache.managements, &managements, ADDON_NAME).await?;
         if management
             .as_ref()
             .is_some_and(|management| install::installed_by(addon, management))
@@ -192,8 +194,9 @@ async fn evaluate(
     }
 
     // Configurations: the MPC, and the AddOnDeploymentConfig if one applies.
-    let mpc = get_opt(
-        &Api::<ManagedProxyConfiguration>::all(client.clone()),
+    let mpc = cached_or_read(
+        &cache.mpcs,
+        &Api::all(client.clone()),
         MANAGED_PROXY_CONFIGURATION_NAME,
     )
     .await?;
@@ -211,18 +214,13 @@ async fn evaluate(
             None,
         );
     };
-    let management = get_opt(
-        &Api::<ClusterManagementAddOn>::all(client.clone()),
-        ADDON_NAME,
-    )
-    .await?;
-    let adc_ref = config::deployment_config_ref(addon, management.as_ref());
+    let management = cached_or_read(&cache.managements, &managements, ADDON_NAME).await?;
+    let adc_ref = config::deployment_config_ref(addon, management.as_deref());
     let adc = match &adc_ref {
         None => None,
         Some(reference) => {
-            let api =
-                Api::<AddOnDeploymentConfig>::namespaced(client.clone(), &reference.namespace);
-            match get_opt(&api, &reference.name).await? {
+            let api = Api::namespaced(client.clone(), &reference.namespace);
+            match cached_or_read(&cache.deployment_configs, &api, &reference.name).await? {
                 Some(adc) => Some(adc),
                 None => {
                     return stop(
@@ -239,7 +237,7 @@ async fn evaluate(
             }
         }
     };
-    status.config_references = Some(config_references(&mpc, adc_ref.as_ref(), adc.as_ref())?);
+    status.config_references = Some(config_references(&mpc, adc_ref.as_ref(), adc.as_deref())?);
     status.set(
         Decided::new(
             CONDITION_CONFIGURED,
@@ -251,11 +249,10 @@ async fn evaluate(
     );
 
     // Registration: needs the hub CA, whose hash is in the agent's subject.
-    let secrets = Api::<Secret>::namespaced(client.clone(), &context.settings.hub_namespace);
-    let ca_pem = get_opt(&secrets, CA_BUNDLE_SECRET)
+    let secrets = Api::namespaced(client.clone(), &context.settings.hub_namespace);
+    let ca_pem = cached_or_read(&cache.hub_secrets, &secrets, CA_BUNDLE_SECRET)
         .await?
-        .and_then(|secret| secret.data)
-        .and_then(|mut data| data.remove(CA_BUNDLE_KEY))
+        .and_then(|secret| secret.data.as_ref()?.get(CA_BUNDLE_KEY).cloned())
         .map(|bytes| bytes.0)
         .filter(|pem| !pem.is_empty());
     let Some(ca_pem) = ca_pem else {
@@ -284,7 +281,7 @@ async fn evaluate(
     };
     let install_namespace = render::install_namespace(
         addon,
-        adc.as_ref(),
+        adc.as_deref(),
         &context.settings.agent_install_namespace,
     );
     if !is_dns1123_label(&install_namespace) {
@@ -304,7 +301,9 @@ async fn evaluate(
     let owner = apply::owner_reference(addon);
     let (role, binding) = render::hub_agent_rbac(cluster, owner.clone());
     let roles = Api::<Role>::namespaced(client.clone(), cluster);
-    let current_role = get_opt(&roles, AGENT_RBAC_NAME).await?;
+    let current_role = cache
+        .roles
+        .get(&ObjectRef::new(AGENT_RBAC_NAME).within(cluster));
     if !current_role.is_some_and(|current| {
         current.rules == role.rules
             && current.metadata.owner_references == role.metadata.owner_references
@@ -312,7 +311,9 @@ async fn evaluate(
         apply::apply(&roles, &role).await?;
     }
     let bindings = Api::<RoleBinding>::namespaced(client.clone(), cluster);
-    let current_binding = get_opt(&bindings, AGENT_RBAC_NAME).await?;
+    let current_binding = cache
+        .role_bindings
+        .get(&ObjectRef::new(AGENT_RBAC_NAME).within(cluster));
     if !current_binding.is_some_and(|current| {
         current.subjects == binding.subjects
             && current.role_ref == binding.role_ref
@@ -345,8 +346,8 @@ async fn evaluate(
     }
     let customization = match AgentCustomization::new(
         &mpc.spec.proxy_agent.image,
-        adc.as_ref(),
-        managed_cluster.as_ref(),
+        adc.as_deref(),
+        managed_cluster.as_deref(),
     ) {
         Ok(customization) => customization,
         Err(invalid) => {
@@ -372,6 +373,13 @@ async fn evaluate(
     };
     let load_balancer = match render::load_balancer_service(&mpc) {
         None => None,
+        // The hub namespace's Services are cached (and watched); a load
+        // balancer elsewhere is read, and looked at again on a timer.
+        Some((namespace, name)) if namespace == context.settings.hub_namespace => cache
+            .hub_services
+            .get(&ObjectRef::new(&name).within(&namespace))
+            .as_deref()
+            .cloned(),
         Some((namespace, name)) => {
             get_opt(
                 &Api::<Service>::namespaced(client.clone(), &namespace),
@@ -399,14 +407,18 @@ async fn evaluate(
         cluster: &cluster_name,
         install_namespace: &install_namespace,
         mpc: &mpc,
-        deployment_config: adc.as_ref(),
+        deployment_config: adc.as_deref(),
         entrypoint: &entrypoint,
         ca_pem: &ca_pem,
         customization: &customization,
     };
     let desired = render::manifest_work(&inputs, owner)?;
     let works = Api::<ManifestWork>::namespaced(client.clone(), cluster);
-    let current = get_opt(&works, MANIFEST_WORK_NAME).await?;
+    let current = cache
+        .works
+        .get(&ObjectRef::new(MANIFEST_WORK_NAME).within(cluster))
+        .as_deref()
+        .cloned();
     let up_to_date = current.as_ref().is_some_and(|current| {
         current.spec == desired.spec
             && current.metadata.owner_references == desired.metadata.owner_references
@@ -504,82 +516,119 @@ pub fn error_policy(
     Action::requeue(retry_after(error))
 }
 
-fn touched<K, S>(stream: S) -> impl Stream<Item = ()> + Send + 'static
+/// `stream`'s events as triggers, after `writer`'s cache has taken them in.
+fn reflected<K, S>(writer: Writer<K>, stream: S) -> impl Stream<Item = ()> + Send + 'static
 where
-    K: Resource + Clone + std::fmt::Debug + Send + 'static,
+    K: Resource + Clone + std::fmt::Debug + Send + Sync + 'static,
+    K::DynamicType: Eq + std::hash::Hash + Clone + Default,
     S: Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
 {
     stream
         .default_backoff()
+        .reflect(writer)
         .touched_objects()
         .filter_map(|result| async move { result.ok().map(|_| ()) })
 }
 
 /// The ManagedClusterAddOn controller, as a stream of reconcile results.
+/// Every watch fills a cache of [`super::cache::AddonCache`] before its
+/// event triggers a reconcile.
 pub fn controller(
     context: Arc<Context>,
+    writers: AddonCacheWriters,
     shutdown: impl Future<Output = ()> + Send + Sync + 'static,
 ) -> impl Stream<Item = ()> + Send {
     let client = context.client.clone();
     let by_name = watcher::Config::default().fields(&format!("metadata.name={ADDON_NAME}"));
+    let rbac_by_name =
+        watcher::Config::default().fields(&format!("metadata.name={AGENT_RBAC_NAME}"));
     let hub_namespace = context.settings.hub_namespace.clone();
     let ca_secret = watcher::Config::default().fields(&format!("metadata.name={CA_BUNDLE_SECRET}"));
     // Any of these changes every addon's rendering.
     let everything = stream::select_all(vec![
-        touched(watcher(
-            Api::<ManagedProxyConfiguration>::all(client.clone()),
-            watcher::Config::default(),
-        ))
+        reflected(
+            writers.mpcs,
+            watcher(
+                Api::<ManagedProxyConfiguration>::all(client.clone()),
+                watcher::Config::default(),
+            ),
+        )
         .boxed(),
-        touched(watcher(
-            Api::<Secret>::namespaced(client.clone(), &hub_namespace),
-            ca_secret,
-        ))
+        reflected(
+            writers.hub_secrets,
+            watcher(
+                Api::<Secret>::namespaced(client.clone(), &hub_namespace),
+                ca_secret,
+            ),
+        )
         .boxed(),
-        touched(watcher(
-            Api::<AddOnDeploymentConfig>::all(client.clone()),
-            watcher::Config::default(),
-        ))
+        reflected(
+            writers.deployment_configs,
+            watcher(
+                Api::<AddOnDeploymentConfig>::all(client.clone()),
+                watcher::Config::default(),
+            ),
+        )
         .boxed(),
-        touched(watcher(
-            Api::<ClusterManagementAddOn>::all(client.clone()),
-            by_name.clone(),
-        ))
+        reflected(
+            writers.managements,
+            watcher(
+                Api::<ClusterManagementAddOn>::all(client.clone()),
+                by_name.clone(),
+            ),
+        )
         .boxed(),
-        touched(watcher(
-            Api::<Service>::namespaced(client.clone(), &hub_namespace),
-            watcher::Config::default(),
-        ))
+        reflected(
+            writers.hub_services,
+            watcher(
+                Api::<Service>::namespaced(client.clone(), &hub_namespace),
+                watcher::Config::default(),
+            ),
+        )
         .boxed(),
     ]);
-    Controller::new(
-        Api::<ManagedClusterAddOn>::all(client.clone()),
-        by_name.clone(),
-    )
-    .owns(
+    let works = watcher(
         Api::<ManifestWork>::all(client.clone()),
         watcher::Config::default().labels(&format!(
             "{}={ADDON_NAME}",
             cluster_proxy_proto::api::addon::v1alpha1::LABEL_ADDON_NAME
         )),
     )
-    .watches(
-        Api::<ManagedCluster>::all(client),
+    .default_backoff()
+    .reflect(writers.works)
+    .touched_objects();
+    let roles = watcher(Api::<Role>::all(client.clone()), rbac_by_name.clone())
+        .default_backoff()
+        .reflect(writers.roles)
+        .touched_objects();
+    let role_bindings = watcher(Api::<RoleBinding>::all(client.clone()), rbac_by_name)
+        .default_backoff()
+        .reflect(writers.role_bindings)
+        .touched_objects();
+    let clusters = watcher(
+        Api::<ManagedCluster>::all(client.clone()),
         watcher::Config::default(),
-        |cluster| {
+    )
+    .default_backoff()
+    .reflect(writers.clusters)
+    .touched_objects();
+    Controller::new(Api::<ManagedClusterAddOn>::all(client), by_name)
+        .owns_stream(works)
+        .owns_stream(roles)
+        .owns_stream(role_bindings)
+        .watches_stream(clusters, |cluster| {
             Some(ObjectRef::<ManagedClusterAddOn>::new(ADDON_NAME).within(&cluster.name_any()))
-        },
-    )
-    .reconcile_all_on(everything)
-    .graceful_shutdown_on(shutdown)
-    .run(
-        |object, context| crate::trace::traced(CONTROLLER, object, context, reconcile),
-        error_policy,
-        context,
-    )
-    .map(|result| {
-        if let Err(error) = result {
-            tracing::debug!(%error, "addon controller event");
-        }
-    })
+        })
+        .reconcile_all_on(everything)
+        .graceful_shutdown_on(shutdown)
+        .run(
+            |object, context| crate::trace::traced(CONTROLLER, object, context, reconcile),
+            error_policy,
+            context,
+        )
+        .map(|result| {
+            if let Err(error) = result {
+                tracing::debug!(%error, "addon controller event");
+            }
+        })
 }
