@@ -260,6 +260,14 @@ impl Hub {
     }
 }
 
+/// The message of `addon`'s condition `type_` (which must be set).
+fn condition_message(addon: &ManagedClusterAddOn, type_: &str) -> String {
+    find_condition(addon.conditions(), type_)
+        .unwrap_or_else(|| panic!("no {type_} condition"))
+        .message
+        .clone()
+}
+
 fn deployment_of(work: &ManifestWork) -> Value {
     let manifests = work
         .spec
@@ -684,12 +692,7 @@ async fn bad_input_is_a_false_condition_and_breaks_nothing_else() {
     let missing = hub
         .wait_condition("cluster-d", "Configured", "False", "ConfigurationNotFound")
         .await;
-    assert!(
-        find_condition(missing.conditions(), "Configured")
-            .unwrap()
-            .message
-            .contains("cluster-d/tuned")
-    );
+    assert!(condition_message(&missing, "Configured").contains("cluster-d/tuned"));
     eventually("cluster-a's work", || hub.work("cluster-a")).await;
     assert!(hub.work("1cluster").await.is_none());
     assert!(
@@ -751,12 +754,7 @@ async fn bad_input_is_a_false_condition_and_breaks_nothing_else() {
     let addon = hub
         .wait_condition("cluster-a", "Configured", "False", "ConfigurationNotFound")
         .await;
-    assert!(
-        find_condition(addon.conditions(), "Configured")
-            .unwrap()
-            .message
-            .contains("ManagedProxyConfiguration")
-    );
+    assert!(condition_message(&addon, "Configured").contains("ManagedProxyConfiguration"));
     // It comes back with an invalid spec: ManifestApplied says why.
     let mut invalid = mpc_object(2);
     invalid.spec.proxy_agent.replicas = -1;
@@ -772,12 +770,7 @@ async fn bad_input_is_a_false_condition_and_breaks_nothing_else() {
             "InvalidManagedProxyConfiguration",
         )
         .await;
-    assert!(
-        find_condition(addon.conditions(), "ManifestApplied")
-            .unwrap()
-            .message
-            .contains("spec.proxyAgent.replicas")
-    );
+    assert!(condition_message(&addon, "ManifestApplied").contains("spec.proxyAgent.replicas"));
     hub.stop().await;
 }
 
@@ -1014,9 +1007,7 @@ async fn image_mirrors_and_container_resources_follow_the_cluster_and_its_config
         )
         .await;
     assert!(
-        find_condition(addon.conditions(), "ManifestApplied")
-            .unwrap()
-            .message
+        condition_message(&addon, "ManifestApplied")
             .contains("open-cluster-management.io/image-registries")
     );
     assert_eq!(
@@ -1048,12 +1039,7 @@ async fn image_mirrors_and_container_resources_follow_the_cluster_and_its_config
             "InvalidResourceRequirements",
         )
         .await;
-    assert!(
-        find_condition(addon.conditions(), "ManifestApplied")
-            .unwrap()
-            .message
-            .contains("\"proxy-agent\"")
-    );
+    assert!(condition_message(&addon, "ManifestApplied").contains("\"proxy-agent\""));
     assert_eq!(
         containers_of(&hub.work("cluster-a").await.unwrap())[0]["resources"]["limits"]["cpu"],
         "1",

@@ -21,7 +21,9 @@ use std::sync::Arc;
 
 use tokio::sync::watch;
 
+use futures_util::{Stream, StreamExt};
 use kube::runtime::reflector::ObjectRef;
+use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Resource};
 
 use super::AddonError;
@@ -150,6 +152,34 @@ pub fn caches() -> (Caches, CacheWriters) {
             install_filled,
         },
     )
+}
+
+/// `stream`'s changed and deleted objects, each passed on only after
+/// `writer`'s cache has taken it in: a reconcile they trigger reads at
+/// least that change.
+pub(crate) fn reflected_objects<K, S>(
+    writer: Writer<K>,
+    stream: S,
+) -> impl Stream<Item = Result<K, watcher::Error>> + Send + 'static
+where
+    K: Resource + Clone + std::fmt::Debug + Send + Sync + 'static,
+    K::DynamicType: Eq + std::hash::Hash + Clone + Default,
+    S: Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
+{
+    stream.default_backoff().reflect(writer).touched_objects()
+}
+
+/// [`reflected_objects`] as bare triggers (for `reconcile_all_on`).
+pub(crate) fn reflected_triggers<K, S>(
+    writer: Writer<K>,
+    stream: S,
+) -> impl Stream<Item = ()> + Send + 'static
+where
+    K: Resource + Clone + std::fmt::Debug + Send + Sync + 'static,
+    K::DynamicType: Eq + std::hash::Hash + Clone + Default,
+    S: Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
+{
+    reflected_objects(writer, stream).filter_map(|result| async move { result.ok().map(|_| ()) })
 }
 
 /// `name` from `store`; when the cache does not have it, from the API. An

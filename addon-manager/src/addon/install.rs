@@ -28,10 +28,10 @@ use futures_util::{Stream, StreamExt, stream};
 use kube::api::DeleteParams;
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::reflector::{ObjectRef, Store};
-use kube::runtime::{WatchStreamExt, watcher};
+use kube::runtime::watcher;
 use kube::{Api, Resource, ResourceExt};
 
-use super::cache::{InstallCacheWriters, cached_or_read};
+use super::cache::{InstallCacheWriters, cached_or_read, reflected_objects, reflected_triggers};
 use super::config::{ADC_GROUP, ADC_RESOURCE, MPC_GROUP, MPC_RESOURCE};
 use super::reconcile::get_opt;
 use super::status::addon_meta;
@@ -253,29 +253,27 @@ pub fn controller(
     let by_name = watcher::Config::default().fields(&format!("metadata.name={ADDON_NAME}"));
     // Each watch fills its cache before its event triggers a reconcile.
     let everything = stream::select_all(vec![
-        watcher(
-            Api::<PlacementDecision>::all(client.clone()),
-            watcher::Config::default(),
+        reflected_triggers(
+            writers.decisions,
+            watcher(
+                Api::<PlacementDecision>::all(client.clone()),
+                watcher::Config::default(),
+            ),
         )
-        .default_backoff()
-        .reflect(writers.decisions)
-        .touched_objects()
-        .filter_map(|result| async move { result.ok().map(|_| ()) })
         .boxed(),
-        watcher(
-            Api::<ClusterManagementAddOn>::all(client.clone()),
-            by_name.clone(),
+        reflected_triggers(
+            writers.managements,
+            watcher(
+                Api::<ClusterManagementAddOn>::all(client.clone()),
+                by_name.clone(),
+            ),
         )
-        .default_backoff()
-        .reflect(writers.managements)
-        .touched_objects()
-        .filter_map(|result| async move { result.ok().map(|_| ()) })
         .boxed(),
     ]);
-    let addons = watcher(Api::<ManagedClusterAddOn>::all(client.clone()), by_name)
-        .default_backoff()
-        .reflect(writers.addons)
-        .touched_objects();
+    let addons = reflected_objects(
+        writers.addons,
+        watcher(Api::<ManagedClusterAddOn>::all(client.clone()), by_name),
+    );
     Controller::new(
         Api::<ManagedCluster>::all(client),
         watcher::Config::default(),

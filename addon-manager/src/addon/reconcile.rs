@@ -24,11 +24,10 @@ use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::reflector::ObjectRef;
-use kube::runtime::reflector::store::Writer;
-use kube::runtime::{WatchStreamExt, watcher};
+use kube::runtime::watcher;
 use kube::{Api, Resource, ResourceExt};
 
-use super::cache::{AddonCacheWriters, cached_or_read};
+use super::cache::{AddonCacheWriters, cached_or_read, reflected_objects, reflected_triggers};
 use super::config::{self, DeploymentConfigRef};
 use super::customize::{AgentCustomization, CustomizationError};
 use super::install;
@@ -516,20 +515,6 @@ pub fn error_policy(
     Action::requeue(retry_after(error))
 }
 
-/// `stream`'s events as triggers, after `writer`'s cache has taken them in.
-fn reflected<K, S>(writer: Writer<K>, stream: S) -> impl Stream<Item = ()> + Send + 'static
-where
-    K: Resource + Clone + std::fmt::Debug + Send + Sync + 'static,
-    K::DynamicType: Eq + std::hash::Hash + Clone + Default,
-    S: Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
-{
-    stream
-        .default_backoff()
-        .reflect(writer)
-        .touched_objects()
-        .filter_map(|result| async move { result.ok().map(|_| ()) })
-}
-
 /// The ManagedClusterAddOn controller, as a stream of reconcile results.
 /// Every watch fills a cache of [`super::cache::AddonCache`] before its
 /// event triggers a reconcile.
@@ -546,7 +531,7 @@ pub fn controller(
     let ca_secret = watcher::Config::default().fields(&format!("metadata.name={CA_BUNDLE_SECRET}"));
     // Any of these changes every addon's rendering.
     let everything = stream::select_all(vec![
-        reflected(
+        reflected_triggers(
             writers.mpcs,
             watcher(
                 Api::<ManagedProxyConfiguration>::all(client.clone()),
@@ -554,7 +539,7 @@ pub fn controller(
             ),
         )
         .boxed(),
-        reflected(
+        reflected_triggers(
             writers.hub_secrets,
             watcher(
                 Api::<Secret>::namespaced(client.clone(), &hub_namespace),
@@ -562,7 +547,7 @@ pub fn controller(
             ),
         )
         .boxed(),
-        reflected(
+        reflected_triggers(
             writers.deployment_configs,
             watcher(
                 Api::<AddOnDeploymentConfig>::all(client.clone()),
@@ -570,7 +555,7 @@ pub fn controller(
             ),
         )
         .boxed(),
-        reflected(
+        reflected_triggers(
             writers.managements,
             watcher(
                 Api::<ClusterManagementAddOn>::all(client.clone()),
@@ -578,7 +563,7 @@ pub fn controller(
             ),
         )
         .boxed(),
-        reflected(
+        reflected_triggers(
             writers.hub_services,
             watcher(
                 Api::<Service>::namespaced(client.clone(), &hub_namespace),
@@ -587,31 +572,31 @@ pub fn controller(
         )
         .boxed(),
     ]);
-    let works = watcher(
-        Api::<ManifestWork>::all(client.clone()),
-        watcher::Config::default().labels(&format!(
-            "{}={ADDON_NAME}",
-            cluster_proxy_proto::api::addon::v1alpha1::LABEL_ADDON_NAME
-        )),
-    )
-    .default_backoff()
-    .reflect(writers.works)
-    .touched_objects();
-    let roles = watcher(Api::<Role>::all(client.clone()), rbac_by_name.clone())
-        .default_backoff()
-        .reflect(writers.roles)
-        .touched_objects();
-    let role_bindings = watcher(Api::<RoleBinding>::all(client.clone()), rbac_by_name)
-        .default_backoff()
-        .reflect(writers.role_bindings)
-        .touched_objects();
-    let clusters = watcher(
-        Api::<ManagedCluster>::all(client.clone()),
-        watcher::Config::default(),
-    )
-    .default_backoff()
-    .reflect(writers.clusters)
-    .touched_objects();
+    let works = reflected_objects(
+        writers.works,
+        watcher(
+            Api::<ManifestWork>::all(client.clone()),
+            watcher::Config::default().labels(&format!(
+                "{}={ADDON_NAME}",
+                cluster_proxy_proto::api::addon::v1alpha1::LABEL_ADDON_NAME
+            )),
+        ),
+    );
+    let roles = reflected_objects(
+        writers.roles,
+        watcher(Api::<Role>::all(client.clone()), rbac_by_name.clone()),
+    );
+    let role_bindings = reflected_objects(
+        writers.role_bindings,
+        watcher(Api::<RoleBinding>::all(client.clone()), rbac_by_name),
+    );
+    let clusters = reflected_objects(
+        writers.clusters,
+        watcher(
+            Api::<ManagedCluster>::all(client.clone()),
+            watcher::Config::default(),
+        ),
+    );
     Controller::new(Api::<ManagedClusterAddOn>::all(client), by_name)
         .owns_stream(works)
         .owns_stream(roles)
