@@ -3,8 +3,10 @@
 //! (`ADDON_MANAGER_<FLAG>`) < flags.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use clap::Parser;
+use cluster_proxy_proto::duration::serde_go;
 pub use cluster_proxy_runtime::config::ConfigError;
 use cluster_proxy_runtime::config::{self, EnvSpec, invalid};
 use cluster_proxy_runtime::logging::{LogFlags, LogFormat};
@@ -20,6 +22,9 @@ pub const ENV: EnvSpec = EnvSpec {
 /// Upstream's probe port (`--health-probe-bind-address=:58081`); here the
 /// same port also serves `/metrics`.
 pub const DEFAULT_HEALTH_PORT: u16 = 58081;
+
+/// The longest `--placement-removal-grace` accepted.
+pub const MAX_REMOVAL_GRACE: Duration = Duration::from_secs(3600);
 
 /// The hub namespace when neither `--namespace` nor `POD_NAMESPACE` says.
 pub const DEFAULT_NAMESPACE: &str = "open-cluster-management-addon";
@@ -65,6 +70,14 @@ pub struct Cli {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub placement_name: Option<String>,
+    /// How long a cluster must stay out of every decision of the placement
+    /// before its addon is removed (a Go duration; 0s: at once). OCM's
+    /// placement controller rewrites a placement's PlacementDecisions one at
+    /// a time, so a cluster moving from one decision to another is briefly
+    /// in none.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub placement_removal_grace: Option<String>,
     /// Elect a leader on Lease `cluster-proxy-addon-manager` so that of
     /// several replicas exactly one writes.
     #[arg(long, value_parser = cluster_proxy_runtime::cli::parse_go_bool, num_args = 0..=1, default_missing_value = "true")]
@@ -97,6 +110,8 @@ pub struct Settings {
     pub agent_image_name: String,
     pub enable_kube_api_proxy: bool,
     pub placement_name: String,
+    #[serde(with = "serde_go")]
+    pub placement_removal_grace: Duration,
     pub leader_elect: bool,
     pub health_port: u16,
     pub health_bind_address: String,
@@ -116,6 +131,7 @@ impl Default for Settings {
             agent_image_name: String::new(),
             enable_kube_api_proxy: true,
             placement_name: "cluster-proxy-placement".into(),
+            placement_removal_grace: crate::addon::DEFAULT_REMOVAL_GRACE,
             leader_elect: true,
             health_port: DEFAULT_HEALTH_PORT,
             health_bind_address: String::new(),
@@ -156,6 +172,12 @@ impl Settings {
         if self.placement_name.is_empty() {
             return Err(invalid("placement_name", "must not be empty"));
         }
+        if self.placement_removal_grace > MAX_REMOVAL_GRACE {
+            return Err(invalid(
+                "placement_removal_grace",
+                "must be at most 1h: an addon outlives its cluster's removal by that long",
+            ));
+        }
         Ok(())
     }
 }
@@ -189,6 +211,14 @@ mod tests {
         assert!(!settings.leader_elect);
         assert_eq!(settings.health_port, DEFAULT_HEALTH_PORT);
         assert!(settings.enable_kube_api_proxy);
+        assert_eq!(
+            settings.placement_removal_grace,
+            crate::addon::DEFAULT_REMOVAL_GRACE
+        );
+        let settings = load(&[], &[("ADDON_MANAGER_PLACEMENT_REMOVAL_GRACE", "1m30s")]).unwrap();
+        assert_eq!(settings.placement_removal_grace, Duration::from_secs(90));
+        let settings = load(&["--placement-removal-grace=0s"], &[]).unwrap();
+        assert_eq!(settings.placement_removal_grace, Duration::ZERO);
     }
 
     #[test]
@@ -200,6 +230,15 @@ mod tests {
             err.to_string().contains("ADDON_MANAGER_HEALTH_PORT"),
             "{err}"
         );
+        for grace in ["ten", "-1s", "2h"] {
+            let err = load(&[&format!("--placement-removal-grace={grace}")], &[]).unwrap_err();
+            let err = err.to_string();
+            assert!(
+                err.contains("--placement-removal-grace")
+                    || err.contains("placement_removal_grace"),
+                "{grace}: {err}"
+            );
+        }
     }
 
     #[test]

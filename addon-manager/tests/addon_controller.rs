@@ -186,8 +186,14 @@ impl Hub {
 
     /// Sets the decisions of the default placement to `clusters`.
     async fn decide(&self, clusters: &[&str]) {
+        self.decide_in(1, clusters).await;
+    }
+
+    /// Sets the clusters of the default placement's decision object
+    /// `index` (OCM splits a placement's decisions 100 clusters to an object).
+    async fn decide_in(&self, index: usize, clusters: &[&str]) {
         let api = Api::<PlacementDecision>::namespaced(self.admin.clone(), HUB);
-        let name = "cluster-proxy-placement-decision-1";
+        let name = &format!("cluster-proxy-placement-decision-{index}");
         let decision = json!({
             "apiVersion": "cluster.open-cluster-management.io/v1beta1",
             "kind": "PlacementDecision",
@@ -298,7 +304,10 @@ async fn placement_installs_the_agent_and_removal_cleans_up() {
     hub.cluster("cluster-b", true).await;
     hub.cluster("cluster-c", true).await;
     hub.decide(&["cluster-a", "cluster-b"]).await;
-    hub.start(AddonSettings::new(HUB));
+    hub.start(AddonSettings {
+        removal_grace: Duration::from_secs(1),
+        ..AddonSettings::new(HUB)
+    });
 
     let management = eventually("the ClusterManagementAddOn", || async {
         Api::<ClusterManagementAddOn>::all(hub.admin.clone())
@@ -443,12 +452,18 @@ async fn placement_installs_the_agent_and_removal_cleans_up() {
     })
     .await;
 
-    // cluster-b leaves the placement: its addon and everything it owns go.
+    // cluster-b leaves the placement: after the grace, its addon and
+    // everything it owns go.
     hub.decide(&["cluster-a"]).await;
+    eventually("cluster-b's removal pending", || async {
+        (hub.metrics.pending_removal_count() == 1).then_some(())
+    })
+    .await;
     eventually("cluster-b's addon removed", || async {
         hub.addon("cluster-b").await.is_none().then_some(())
     })
     .await;
+    assert_eq!(hub.metrics.pending_removal_count(), 0);
     eventually("cluster-b's work garbage-collected", || async {
         hub.work("cluster-b").await.is_none().then_some(())
     })
@@ -477,6 +492,51 @@ async fn placement_installs_the_agent_and_removal_cleans_up() {
         hub.work("cluster-a").await.is_none().then_some(())
     })
     .await;
+    hub.stop().await;
+}
+
+/// Regression: OCM's placement controller rewrites a placement's decision
+/// objects one after another, so a cluster moving from one object to the
+/// next is in none between the two writes. The installer took that for the
+/// cluster leaving and removed its addon (uninstalling the agent), then
+/// installed it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_moving_between_decision_objects_keeps_its_addon() {
+    let mut hub = Hub::new(true).await;
+    for cluster in ["cluster-a", "cluster-b", "cluster-c"] {
+        hub.cluster(cluster, true).await;
+    }
+    hub.decide_in(1, &["cluster-a", "cluster-b"]).await;
+    hub.decide_in(2, &["cluster-c"]).await;
+    // Longer than any test run: the move must not depend on timing.
+    hub.start(AddonSettings {
+        removal_grace: Duration::from_secs(600),
+        ..AddonSettings::new(HUB)
+    });
+    let mut before = Vec::new();
+    for cluster in ["cluster-a", "cluster-b", "cluster-c"] {
+        let addon = eventually(&format!("{cluster}'s addon"), || hub.addon(cluster)).await;
+        before.push(addon.metadata.uid.clone());
+    }
+
+    // cluster-b moves from the first object to the second, first written
+    // first; the controller sees it in no decision.
+    hub.decide_in(1, &["cluster-a"]).await;
+    eventually("cluster-b's removal pending", || async {
+        (hub.metrics.pending_removal_count() == 1).then_some(())
+    })
+    .await;
+    hub.decide_in(2, &["cluster-b", "cluster-c"]).await;
+    eventually("cluster-b's removal called off", || async {
+        (hub.metrics.pending_removal_count() == 0).then_some(())
+    })
+    .await;
+
+    for (cluster, uid) in ["cluster-a", "cluster-b", "cluster-c"].iter().zip(&before) {
+        let addon = hub.addon(cluster).await.expect("the addon is still there");
+        assert_eq!(&addon.metadata.uid, uid, "{cluster}'s addon was re-created");
+        assert!(addon.metadata.deletion_timestamp.is_none());
+    }
     hub.stop().await;
 }
 

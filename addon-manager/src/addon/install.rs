@@ -7,13 +7,16 @@
 //! and a change of a cluster's ManagedClusterAddOn reconciles its cluster.
 //! It reads them from its caches ([`super::cache::InstallCache`]).
 //! ManagedClusterAddOns it creates are owned by the ClusterManagementAddOn;
-//! only those are ever deleted (when their cluster leaves the placements or
-//! is deleting; a deleted cluster's addon is removed by the addon
-//! controller). Addons users created are left alone.
+//! only those are ever deleted: when their cluster is deleting, or when it
+//! has been out of every decision for the removal grace
+//! ([`AddonSettings::removal_grace`], see [`PendingRemovals`]); a deleted
+//! cluster's addon is removed by the addon controller. Addons users created
+//! are left alone.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use cluster_proxy_proto::api::addon::v1alpha1::{
     ANNOTATION_LIFECYCLE, AddOnConfig, ClusterManagementAddOn, ClusterManagementAddOnSpec,
@@ -30,6 +33,8 @@ use kube::runtime::controller::{Action, Controller};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher;
 use kube::{Api, Resource, ResourceExt};
+use prometheus_client::metrics::gauge::Gauge;
+use tokio::time::Instant;
 
 use super::cache::{InstallCacheWriters, cached_or_read, reflected_objects, reflected_triggers};
 use super::config::{ADC_GROUP, ADC_RESOURCE, MPC_GROUP, MPC_RESOURCE};
@@ -196,6 +201,55 @@ pub fn installed_addon(
     addon
 }
 
+/// The installed addons whose cluster left the placements, and since when.
+///
+/// A cluster out of every decision is not taken for gone at once: OCM's
+/// placement controller writes a placement's decisions one object at a time,
+/// and a cluster moving between two of them is briefly in neither. Its
+/// addon is removed only once the cluster has stayed out for the grace;
+/// seen in a decision again, it is forgotten.
+pub struct PendingRemovals {
+    grace: Duration,
+    since: Mutex<HashMap<String, Instant>>,
+    gauge: Gauge,
+}
+
+impl PendingRemovals {
+    pub fn new(grace: Duration, gauge: Gauge) -> Self {
+        Self {
+            grace,
+            since: Mutex::new(HashMap::new()),
+            gauge,
+        }
+    }
+
+    /// How long `cluster`, out of every decision now, still has to stay out
+    /// before its addon goes; `None`: remove it now. The first call starts
+    /// the grace.
+    pub fn remaining(&self, cluster: &str) -> Option<Duration> {
+        let mut since = self.lock();
+        let left_at = *since.entry(cluster.to_owned()).or_insert_with(Instant::now);
+        let remaining = self.grace.saturating_sub(left_at.elapsed());
+        self.gauge.set(since.len() as i64);
+        (!remaining.is_zero()).then_some(remaining)
+    }
+
+    /// `cluster` is selected again, or its addon is gone: nothing pending.
+    pub fn forget(&self, cluster: &str) {
+        let mut since = self.lock();
+        if since.remove(cluster).is_some() {
+            self.gauge.set(since.len() as i64);
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Instant>> {
+        // The map holds plain data: a panic elsewhere leaves it consistent.
+        self.since
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
 /// Reconciles one ManagedCluster's installation.
 pub async fn reconcile(
     cluster: Arc<ManagedCluster>,
@@ -210,21 +264,35 @@ pub async fn reconcile(
         return Ok(Action::await_change());
     }
     let name = cluster.name_any();
-    let wanted = cluster.metadata.deletion_timestamp.is_none()
-        && selected_clusters(&cache.decisions, settings).contains(&name);
+    let deleting = cluster.metadata.deletion_timestamp.is_some();
+    let selected = selected_clusters(&cache.decisions, settings).contains(&name);
+    let wanted = !deleting && selected;
     let api = Api::<ManagedClusterAddOn>::namespaced(context.client.clone(), &name);
     let current = cached_or_read(&cache.addons, &api, ADDON_NAME).await?;
     match current {
+        Some(addon) if !wanted && installed_by(&addon, &management) => {
+            if !deleting && let Some(wait) = context.removals.remaining(&name) {
+                tracing::debug!(
+                    cluster = %name,
+                    remaining_ms = wait.as_millis() as u64,
+                    "the cluster is in no decision; its addon stays for the removal grace"
+                );
+                return Ok(Action::requeue(wait));
+            }
+            if deleting {
+                tracing::info!(cluster = %name, "the cluster is deleting; removing the addon");
+            } else {
+                tracing::info!(cluster = %name, "the cluster left the placements; removing the addon");
+            }
+            delete_addon(&api).await?;
+        }
         None if wanted => {
             tracing::info!(cluster = %name, "installing the addon");
             apply::apply(&api, &installed_addon(&name, settings, &management)).await?;
         }
-        Some(addon) if !wanted && installed_by(&addon, &management) => {
-            tracing::info!(cluster = %name, "the cluster left the placements; removing the addon");
-            delete_addon(&api).await?;
-        }
         _ => {}
     }
+    context.removals.forget(&name);
     Ok(Action::await_change())
 }
 

@@ -36,6 +36,7 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
 use crate::apply::ApplyError;
@@ -65,6 +66,10 @@ pub const DEFAULT_AGENT_INSTALL_NAMESPACE: &str = "open-cluster-management-clust
 /// The hub CA bundle Secret (written by cert-authority) and its key.
 pub const CA_BUNDLE_SECRET: &str = "proxy-server-ca";
 pub const CA_BUNDLE_KEY: &str = "ca.crt";
+
+/// How long a cluster must be out of every decision before its addon is
+/// removed, unless configured otherwise ([`AddonSettings::removal_grace`]).
+pub const DEFAULT_REMOVAL_GRACE: Duration = Duration::from_secs(10);
 
 /// A Placement by namespace and name.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -97,6 +102,13 @@ pub struct AddonSettings {
     /// its `spec.configs` names one; declared as the ClusterManagementAddOn's
     /// default.
     pub default_deployment_config: Option<(String, String)>,
+    /// How long a cluster must stay out of every decision of the placements
+    /// before the installer removes its addon. OCM's placement controller
+    /// writes a placement's PlacementDecisions (100 clusters each) one after
+    /// another, so when the sorted list shifts, a cluster moving from one
+    /// object to the next is in none of them between the two writes; without
+    /// a grace its agent would be uninstalled and installed again.
+    pub removal_grace: Duration,
 }
 
 impl AddonSettings {
@@ -111,6 +123,7 @@ impl AddonSettings {
                 name: DEFAULT_PLACEMENT.to_owned(),
             }]),
             default_deployment_config: None,
+            removal_grace: DEFAULT_REMOVAL_GRACE,
         }
     }
 }
@@ -158,6 +171,7 @@ pub struct AddonMetrics {
     reconciliations: Family<Vec<(String, String)>, Counter>,
     failures: Family<Vec<(String, String)>, Counter>,
     csr_decisions: Family<Vec<(String, String)>, Counter>,
+    pending_removals: Gauge,
 }
 
 impl AddonMetrics {
@@ -177,6 +191,11 @@ impl AddonMetrics {
             "addon_csr_decisions",
             "Proxy-agent CSRs seen, by decision (approved or left)",
             self.csr_decisions.clone(),
+        );
+        registry.register(
+            "addon_pending_removals",
+            "Installed addons whose cluster left the placements, waiting out the removal grace",
+            self.pending_removals.clone(),
         );
     }
 
@@ -207,6 +226,11 @@ impl AddonMetrics {
             .get()
     }
 
+    /// Installed addons waiting out the removal grace now.
+    pub fn pending_removal_count(&self) -> i64 {
+        self.pending_removals.get()
+    }
+
     /// Reconciliations of `controller` so far (for tests and diagnostics).
     pub fn reconciliation_count(&self, controller: &str) -> u64 {
         self.reconciliations
@@ -226,6 +250,8 @@ pub struct Context {
     /// install reconcile checks it, and after a change only one of them
     /// needs to write it.
     pub management_write: tokio::sync::Mutex<()>,
+    /// Clusters whose installed addon waits out the removal grace.
+    pub removals: install::PendingRemovals,
 }
 
 impl Context {
@@ -236,12 +262,15 @@ impl Context {
         metrics: AddonMetrics,
         caches: cache::Caches,
     ) -> Self {
+        let removals =
+            install::PendingRemovals::new(settings.removal_grace, metrics.pending_removals.clone());
         Self {
             client,
             settings,
             metrics,
             caches,
             management_write: tokio::sync::Mutex::new(()),
+            removals,
         }
     }
 }
