@@ -3,6 +3,7 @@
 //! the real group, version, scope and status subresource, parses into the
 //! shared API types, and keeps each field manager's conditions when two
 //! managers write the same status — as the real CRDs' list-map conditions do.
+//! Also the environment's placement controller, which writes those objects.
 
 use cluster_proxy_proto::api::addon::v1alpha1::{
     AddOnDeploymentConfig, ClusterManagementAddOn, ManagedClusterAddOn,
@@ -142,4 +143,100 @@ async fn two_managers_conditions_on_one_addon_both_survive() {
         matches!(&err, kube::Error::Api(s) if s.code == 422),
         "{err}"
     );
+}
+
+/// The environment's placement controller writes decisions as OCM's does:
+/// sorted, 100 clusters to an object, objects past the last deleted; so the
+/// control plane meets the same split decisions (and the same moves between
+/// objects) as on a real hub.
+#[tokio::test]
+async fn the_placement_controller_splits_decisions_as_ocm_does() {
+    use cluster_proxy_proto::api::cluster::v1beta1::LABEL_PLACEMENT;
+    use e2e::env::ocm::{MAX_CLUSTERS_PER_DECISION, sync_placements};
+    use kube::api::{DeleteParams, PostParams};
+
+    let (_dir, _api, client) = api().await;
+    let clusters = Api::<ManagedCluster>::all(client.clone());
+    for index in 1..=250 {
+        let cluster: ManagedCluster = serde_json::from_value(json!({
+            "metadata": {"name": format!("cluster-{index:03}")},
+            "spec": {"hubAcceptsClient": true},
+        }))
+        .unwrap();
+        clusters
+            .create(&PostParams::default(), &cluster)
+            .await
+            .unwrap();
+    }
+    let placement: Placement = serde_json::from_value(json!({
+        "metadata": {"name": "spread", "namespace": "default"},
+        "spec": {},
+    }))
+    .unwrap();
+    Api::<Placement>::namespaced(client.clone(), "default")
+        .create(&PostParams::default(), &placement)
+        .await
+        .unwrap();
+    let decisions = Api::<PlacementDecision>::namespaced(client.clone(), "default");
+    let split = || async {
+        let mut objects = decisions
+            .list(&ListParams::default().labels(&format!("{LABEL_PLACEMENT}=spread")))
+            .await
+            .unwrap()
+            .items;
+        objects.sort_by_key(|d| d.metadata.name.clone());
+        objects
+            .iter()
+            .map(|d| {
+                let names: Vec<String> = d.cluster_names().map(str::to_owned).collect();
+                (d.metadata.name.clone().unwrap(), names)
+            })
+            .collect::<Vec<_>>()
+    };
+
+    sync_placements(&client).await.unwrap();
+    let first = split().await;
+    let sizes: Vec<(&str, usize)> = first.iter().map(|(n, c)| (n.as_str(), c.len())).collect();
+    assert_eq!(
+        sizes,
+        [
+            ("spread-decision-1", MAX_CLUSTERS_PER_DECISION),
+            ("spread-decision-2", MAX_CLUSTERS_PER_DECISION),
+            ("spread-decision-3", 50)
+        ]
+    );
+    assert_eq!(first[1].1.first().map(String::as_str), Some("cluster-101"));
+
+    // A cluster sorting first shifts every boundary by one.
+    let early: ManagedCluster = serde_json::from_value(json!({
+        "metadata": {"name": "cluster-000"}, "spec": {"hubAcceptsClient": true},
+    }))
+    .unwrap();
+    clusters
+        .create(&PostParams::default(), &early)
+        .await
+        .unwrap();
+    sync_placements(&client).await.unwrap();
+    let shifted = split().await;
+    assert_eq!(
+        shifted[0].1.first().map(String::as_str),
+        Some("cluster-000")
+    );
+    assert_eq!(
+        shifted[1].1.first().map(String::as_str),
+        Some("cluster-100")
+    );
+    assert_eq!(shifted[2].1.len(), 51);
+
+    // Down to 40 clusters: one object left.
+    for index in 40..=250 {
+        clusters
+            .delete(&format!("cluster-{index:03}"), &DeleteParams::default())
+            .await
+            .unwrap();
+    }
+    sync_placements(&client).await.unwrap();
+    let shrunk = split().await;
+    assert_eq!(shrunk.len(), 1, "{shrunk:?}");
+    assert_eq!(shrunk[0].1.len(), 40);
 }

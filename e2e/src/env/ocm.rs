@@ -2,10 +2,11 @@
 //! that the real control plane (addon-manager, cert-authority) can install
 //! cluster-proxy on "managed clusters" that are only processes:
 //!
-//! * the **placement controller**: every `Placement` gets a
-//!   `PlacementDecision` (`<placement>-decision-1`, labelled with the
-//!   placement) listing the `ManagedCluster`s its predicates' label
-//!   selectors match (all clusters when it has none);
+//! * the **placement controller**: every `Placement` gets
+//!   `PlacementDecision`s (`<placement>-decision-<n>`, labelled with the
+//!   placement, 100 clusters each, written one after another as OCM does)
+//!   listing the `ManagedCluster`s its predicates' label selectors match
+//!   (all clusters when it has none);
 //! * the **registration agent** of each managed cluster: it accepts the
 //!   cluster (`hubAcceptsClient`, the cluster namespace, the cluster's
 //!   conditions), asks for the addon's agent certificate with a CSR made as
@@ -153,6 +154,10 @@ pub fn placement_selects(placement: &Value, clusters: &[Value]) -> BTreeSet<Stri
         .collect()
 }
 
+/// The most clusters OCM's placement controller puts in one
+/// PlacementDecision (`maxNumOfClusterDecisions`).
+pub const MAX_CLUSTERS_PER_DECISION: usize = 100;
+
 /// One pass of the placement controller.
 pub async fn sync_placements(client: &Client) -> Result<(), OcmError> {
     let clusters: Vec<Value> = Api::<ManagedCluster>::all(client.clone())
@@ -174,46 +179,7 @@ pub async fn sync_placements(client: &Client) -> Result<(), OcmError> {
         };
         let value = serde_json::to_value(&placement).unwrap_or(Value::Null);
         let selected = placement_selects(&value, &clusters);
-        let decisions: Api<PlacementDecision> = Api::namespaced(client.clone(), &namespace);
-        let decision_name = format!("{name}-decision-1");
-        let wanted: Vec<Value> = selected
-            .iter()
-            .map(|c| json!({"clusterName": c, "reason": ""}))
-            .collect();
-        let current = decisions.get_opt(&decision_name).await?;
-        let current_names: BTreeSet<String> = current
-            .as_ref()
-            .and_then(|d| d.status.as_ref())
-            .map(|s| {
-                s.decisions
-                    .iter()
-                    .flatten()
-                    .map(|d| d.cluster_name.clone())
-                    .collect()
-            })
-            .unwrap_or_default();
-        let params = PatchParams::apply(PLACEMENT_MANAGER).force();
-        if current.is_none() {
-            let object = json!({
-                "apiVersion": "cluster.open-cluster-management.io/v1beta1",
-                "kind": "PlacementDecision",
-                "metadata": {"name": decision_name, "namespace": namespace,
-                    "labels": {LABEL_PLACEMENT: name}},
-            });
-            decisions
-                .patch(&decision_name, &params, &Patch::Apply(&object))
-                .await?;
-        }
-        if current.is_none() || current_names != selected {
-            let status = json!({
-                "apiVersion": "cluster.open-cluster-management.io/v1beta1",
-                "kind": "PlacementDecision",
-                "metadata": {"name": decision_name, "namespace": namespace},
-                "status": {"decisions": wanted},
-            });
-            decisions
-                .patch_status(&decision_name, &params, &Patch::Apply(&status))
-                .await?;
+        if write_decisions(client, &namespace, &name, &selected).await? {
             let placements: Api<Placement> = Api::namespaced(client.clone(), &namespace);
             let status = json!({
                 "apiVersion": "cluster.open-cluster-management.io/v1beta1",
@@ -222,11 +188,98 @@ pub async fn sync_placements(client: &Client) -> Result<(), OcmError> {
                 "status": {"numberOfSelectedClusters": selected.len()},
             });
             placements
-                .patch_status(&name, &params, &Patch::Apply(&status))
+                .patch_status(
+                    &name,
+                    &PatchParams::apply(PLACEMENT_MANAGER).force(),
+                    &Patch::Apply(&status),
+                )
                 .await?;
         }
     }
     Ok(())
+}
+
+/// Writes `selected` as the decisions of `placement` the way OCM's
+/// placement controller does: sorted by name, split into objects
+/// `<placement>-decision-<n>` of at most [`MAX_CLUSTERS_PER_DECISION`] (one
+/// empty object when nothing is selected), written one after another, and
+/// objects past the last deleted. Like OCM's, the writes are not atomic:
+/// a cluster moving from one object to the next is briefly in none.
+/// Whether anything changed.
+async fn write_decisions(
+    client: &Client,
+    namespace: &str,
+    placement: &str,
+    selected: &BTreeSet<String>,
+) -> Result<bool, OcmError> {
+    let decisions: Api<PlacementDecision> = Api::namespaced(client.clone(), namespace);
+    let existing = decisions
+        .list(&ListParams::default().labels(&format!("{LABEL_PLACEMENT}={placement}")))
+        .await?;
+    let clusters_of = |decision: &PlacementDecision| -> Vec<String> {
+        decision
+            .status
+            .as_ref()
+            .and_then(|s| s.decisions.as_ref())
+            .into_iter()
+            .flatten()
+            .map(|d| d.cluster_name.clone())
+            .collect()
+    };
+    let current: BTreeMap<String, Vec<String>> = existing
+        .items
+        .iter()
+        .map(|d| (d.name_any(), clusters_of(d)))
+        .collect();
+    let selected: Vec<&String> = selected.iter().collect();
+    let mut slices: Vec<&[&String]> = selected.chunks(MAX_CLUSTERS_PER_DECISION).collect();
+    if slices.is_empty() {
+        slices.push(&[]);
+    }
+    let params = PatchParams::apply(PLACEMENT_MANAGER).force();
+    let mut changed = false;
+    let mut wanted_names = BTreeSet::new();
+    for (index, slice) in slices.iter().enumerate() {
+        let decision_name = format!("{placement}-decision-{}", index + 1);
+        wanted_names.insert(decision_name.clone());
+        let wanted: Vec<String> = slice.iter().map(|c| (*c).clone()).collect();
+        let current = current.get(&decision_name);
+        if current.is_none() {
+            let object = json!({
+                "apiVersion": "cluster.open-cluster-management.io/v1beta1",
+                "kind": "PlacementDecision",
+                "metadata": {"name": decision_name, "namespace": namespace,
+                    "labels": {LABEL_PLACEMENT: placement}},
+            });
+            decisions
+                .patch(&decision_name, &params, &Patch::Apply(&object))
+                .await?;
+        }
+        if current != Some(&wanted) {
+            let entries: Vec<Value> = wanted
+                .iter()
+                .map(|c| json!({"clusterName": c, "reason": ""}))
+                .collect();
+            let status = json!({
+                "apiVersion": "cluster.open-cluster-management.io/v1beta1",
+                "kind": "PlacementDecision",
+                "metadata": {"name": decision_name, "namespace": namespace},
+                "status": {"decisions": entries},
+            });
+            decisions
+                .patch_status(&decision_name, &params, &Patch::Apply(&status))
+                .await?;
+            changed = true;
+        }
+    }
+    for stale in current.keys().filter(|name| !wanted_names.contains(*name)) {
+        match decisions.delete(stale, &DeleteParams::default()).await {
+            Ok(_) => changed = true,
+            Err(error) if is_not_found(&error) => {}
+            Err(error) => return Err(error.into()),
+        }
+    }
+    Ok(changed)
 }
 
 /// Writes a kubeconfig for a user in groups and returns its path.
