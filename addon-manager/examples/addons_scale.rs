@@ -29,7 +29,6 @@ use tokio::sync::oneshot;
 
 const HUB: &str = "open-cluster-management-addon";
 const CA_PEM: &str = "-----BEGIN CERTIFICATE-----\nMIIBscaleCA\n-----END CERTIFICATE-----\n";
-const OCM_CRDS: &str = include_str!("../tests/fixtures/ocm-crds.yaml");
 const MPC_CRD: &str =
     include_str!("../../charts/cluster-proxy/crds/managedproxyconfigurations.yaml");
 /// Clusters per PlacementDecision, as OCM's placement controller splits them.
@@ -144,7 +143,7 @@ async fn main() -> anyhow::Result<()> {
         ..KubeApiOptions::new(dir.path())
     })
     .await?;
-    api.register_crds_from_yaml(OCM_CRDS)?;
+    api.register_crds_from_yaml(e2e::env::ocm::CRDS)?;
     api.register_crds_from_yaml(MPC_CRD)?;
     let admin = api.client().await?;
 

@@ -1,5 +1,5 @@
-//! The addon controllers against the in-memory Kubernetes API (with minimal
-//! OCM CRDs from `tests/fixtures/ocm-crds.yaml`): installation by
+//! The addon controllers against the in-memory Kubernetes API (with the
+//! environment's OCM CRDs, `e2e/crds/ocm.yaml`): installation by
 //! placement, the agent ManifestWork and the addon's status, updates,
 //! drift, removal, bad input, and CSR approval.
 
@@ -15,6 +15,7 @@ use cluster_proxy_proto::api::cluster::v1beta1::PlacementDecision;
 use cluster_proxy_proto::api::proxy::v1alpha1::ManagedProxyConfiguration;
 use cluster_proxy_proto::api::work::v1::ManifestWork;
 use cluster_proxy_proto::api::{Condition, find_condition};
+use e2e::harness::eventually;
 use e2e::kubeapi::{KubeApi, KubeApiOptions};
 use k8s_openapi::api::certificates::v1::CertificateSigningRequest;
 use k8s_openapi::api::core::v1::{Namespace, Secret};
@@ -24,29 +25,13 @@ use kube::{Api, Resource, ResourceExt};
 use serde_json::{Value, json};
 use tokio::sync::oneshot;
 
+/// How long a test waits for an observable state.
+const WAIT: Duration = Duration::from_secs(20);
+
 const HUB: &str = "open-cluster-management-addon";
 const CA_PEM: &str = "-----BEGIN CERTIFICATE-----\nMIIBtestCA\n-----END CERTIFICATE-----\n";
-const OCM_CRDS: &str = include_str!("fixtures/ocm-crds.yaml");
 const MPC_CRD: &str =
     include_str!("../../charts/cluster-proxy/crds/managedproxyconfigurations.yaml");
-
-async fn eventually<T, F, Fut>(what: &str, mut probe: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    loop {
-        if let Some(value) = probe().await {
-            return value;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
 
 struct Hub {
     api: KubeApi,
@@ -95,7 +80,7 @@ impl Hub {
         })
         .await
         .unwrap();
-        api.register_crds_from_yaml(OCM_CRDS).unwrap();
+        api.register_crds_from_yaml(e2e::env::ocm::CRDS).unwrap();
         api.register_crds_from_yaml(MPC_CRD).unwrap();
         let admin = api.client().await.unwrap();
         let hub = Hub {
@@ -256,6 +241,7 @@ impl Hub {
     ) -> ManagedClusterAddOn {
         eventually(
             &format!("{cluster}: {type_}={status} ({reason})"),
+            WAIT,
             || async {
                 let addon = self.addon(cluster).await?;
                 let condition: &Condition = find_condition(addon.conditions(), type_)?;
@@ -309,7 +295,7 @@ async fn placement_installs_the_agent_and_removal_cleans_up() {
         ..AddonSettings::new(HUB)
     });
 
-    let management = eventually("the ClusterManagementAddOn", || async {
+    let management = eventually("the ClusterManagementAddOn", WAIT, || async {
         Api::<ClusterManagementAddOn>::all(hub.admin.clone())
             .get_opt("cluster-proxy")
             .await
@@ -332,7 +318,7 @@ async fn placement_installs_the_agent_and_removal_cleans_up() {
         )
         .await
         .unwrap();
-    eventually("the lifecycle annotation restored", || async {
+    eventually("the lifecycle annotation restored", WAIT, || async {
         let management = Api::<ClusterManagementAddOn>::all(hub.admin.clone())
             .get("cluster-proxy")
             .await
@@ -385,7 +371,7 @@ async fn placement_installs_the_agent_and_removal_cleans_up() {
         let configured = find_condition(addon.conditions(), "Configured").unwrap();
         assert_eq!(configured.status, "True");
 
-        let work = eventually("the agent ManifestWork", || hub.work(cluster)).await;
+        let work = eventually("the agent ManifestWork", WAIT, || hub.work(cluster)).await;
         assert_eq!(
             work.labels()["open-cluster-management.io/addon-name"],
             "cluster-proxy"
@@ -446,7 +432,7 @@ async fn placement_installs_the_agent_and_removal_cleans_up() {
         .delete("cluster-proxy", &DeleteParams::default())
         .await
         .unwrap();
-    eventually("cluster-b's addon installed again", || async {
+    eventually("cluster-b's addon installed again", WAIT, || async {
         let addon = hub.addon("cluster-b").await?;
         (addon.metadata.uid != first.metadata.uid).then_some(())
     })
@@ -455,20 +441,20 @@ async fn placement_installs_the_agent_and_removal_cleans_up() {
     // cluster-b leaves the placement: after the grace, its addon and
     // everything it owns go.
     hub.decide(&["cluster-a"]).await;
-    eventually("cluster-b's removal pending", || async {
+    eventually("cluster-b's removal pending", WAIT, || async {
         (hub.metrics.pending_removal_count() == 1).then_some(())
     })
     .await;
-    eventually("cluster-b's addon removed", || async {
+    eventually("cluster-b's addon removed", WAIT, || async {
         hub.addon("cluster-b").await.is_none().then_some(())
     })
     .await;
     assert_eq!(hub.metrics.pending_removal_count(), 0);
-    eventually("cluster-b's work garbage-collected", || async {
+    eventually("cluster-b's work garbage-collected", WAIT, || async {
         hub.work("cluster-b").await.is_none().then_some(())
     })
     .await;
-    eventually("cluster-b's hub Role garbage-collected", || async {
+    eventually("cluster-b's hub Role garbage-collected", WAIT, || async {
         Api::<Role>::namespaced(hub.admin.clone(), "cluster-b")
             .get_opt("cluster-proxy-addon-agent")
             .await
@@ -484,11 +470,11 @@ async fn placement_installs_the_agent_and_removal_cleans_up() {
         .delete("cluster-a", &DeleteParams::default())
         .await
         .unwrap();
-    eventually("cluster-a's addon removed", || async {
+    eventually("cluster-a's addon removed", WAIT, || async {
         hub.addon("cluster-a").await.is_none().then_some(())
     })
     .await;
-    eventually("cluster-a's work garbage-collected", || async {
+    eventually("cluster-a's work garbage-collected", WAIT, || async {
         hub.work("cluster-a").await.is_none().then_some(())
     })
     .await;
@@ -515,19 +501,19 @@ async fn a_cluster_moving_between_decision_objects_keeps_its_addon() {
     });
     let mut before = Vec::new();
     for cluster in ["cluster-a", "cluster-b", "cluster-c"] {
-        let addon = eventually(&format!("{cluster}'s addon"), || hub.addon(cluster)).await;
+        let addon = eventually(&format!("{cluster}'s addon"), WAIT, || hub.addon(cluster)).await;
         before.push(addon.metadata.uid.clone());
     }
 
     // cluster-b moves from the first object to the second, first written
     // first; the controller sees it in no decision.
     hub.decide_in(1, &["cluster-a"]).await;
-    eventually("cluster-b's removal pending", || async {
+    eventually("cluster-b's removal pending", WAIT, || async {
         (hub.metrics.pending_removal_count() == 1).then_some(())
     })
     .await;
     hub.decide_in(2, &["cluster-b", "cluster-c"]).await;
-    eventually("cluster-b's removal called off", || async {
+    eventually("cluster-b's removal called off", WAIT, || async {
         (hub.metrics.pending_removal_count() == 0).then_some(())
     })
     .await;
@@ -566,7 +552,7 @@ async fn a_lagging_cache_does_not_rewrite_the_status() {
     // The first reconcile writes the status; the events of the work and RBAC
     // it created queue a second one on the lagging cache, and the delayed
     // status event a third.
-    eventually("three reconciles", || async {
+    eventually("three reconciles", WAIT, || async {
         (hub.metrics.reconciliation_count("managedclusteraddon") >= 3).then_some(())
     })
     .await;
@@ -594,7 +580,7 @@ async fn current_work_is_left_alone_changes_and_drift_are_applied() {
     hub.cluster("cluster-a", true).await;
     hub.decide(&["cluster-a"]).await;
     hub.start(AddonSettings::new(HUB));
-    let work = eventually("the agent ManifestWork", || hub.work("cluster-a")).await;
+    let work = eventually("the agent ManifestWork", WAIT, || hub.work("cluster-a")).await;
     let addon = hub
         .wait_condition(
             "cluster-a",
@@ -616,7 +602,7 @@ async fn current_work_is_left_alone_changes_and_drift_are_applied() {
         )
         .await
         .unwrap();
-    eventually("a reconcile after the touch", || async {
+    eventually("a reconcile after the touch", WAIT, || async {
         (hub.metrics.reconciliation_count("managedclusteraddon") > before).then_some(())
     })
     .await;
@@ -633,7 +619,7 @@ async fn current_work_is_left_alone_changes_and_drift_are_applied() {
         )
         .await
         .unwrap();
-    eventually("a second reconcile", || async {
+    eventually("a second reconcile", WAIT, || async {
         (hub.metrics.reconciliation_count("managedclusteraddon") > after_first).then_some(())
     })
     .await;
@@ -661,7 +647,7 @@ async fn current_work_is_left_alone_changes_and_drift_are_applied() {
         .await
         .unwrap();
     let generation = mpc.metadata.generation.unwrap().to_string();
-    let updated = eventually("the work follows the MPC", || async {
+    let updated = eventually("the work follows the MPC", WAIT, || async {
         let work = hub.work("cluster-a").await?;
         (deployment_of(&work)["spec"]["replicas"] == 3).then_some(work)
     })
@@ -686,7 +672,7 @@ async fn current_work_is_left_alone_changes_and_drift_are_applied() {
         )
         .await
         .unwrap();
-    eventually("the drifted work restored", || async {
+    eventually("the drifted work restored", WAIT, || async {
         let work = hub.work("cluster-a").await?;
         (work.spec.workload.as_ref()?.manifests.as_ref()?.len() == 7).then_some(())
     })
@@ -705,7 +691,7 @@ async fn current_work_is_left_alone_changes_and_drift_are_applied() {
         .await
         .unwrap();
     let expected = signer_organization_unit(new_ca.as_bytes());
-    eventually("the registration follows the CA", || async {
+    eventually("the registration follows the CA", WAIT, || async {
         let addon = hub.addon("cluster-a").await?;
         let registrations = addon.status?.registrations?;
         (registrations[0]
@@ -753,7 +739,7 @@ async fn bad_input_is_a_false_condition_and_breaks_nothing_else() {
         .wait_condition("cluster-d", "Configured", "False", "ConfigurationNotFound")
         .await;
     assert!(condition_message(&missing, "Configured").contains("cluster-d/tuned"));
-    eventually("cluster-a's work", || hub.work("cluster-a")).await;
+    eventually("cluster-a's work", WAIT, || hub.work("cluster-a")).await;
     assert!(hub.work("1cluster").await.is_none());
     assert!(
         hub.work("cluster-d").await.is_none(),
@@ -774,7 +760,7 @@ async fn bad_input_is_a_false_condition_and_breaks_nothing_else() {
         .create(&PostParams::default(), &adc)
         .await
         .unwrap();
-    let work = eventually("cluster-d's work", || hub.work("cluster-d")).await;
+    let work = eventually("cluster-d's work", WAIT, || hub.work("cluster-d")).await;
     let deployment = deployment_of(&work);
     assert_eq!(deployment["metadata"]["namespace"], "proxy-agents");
     assert_eq!(
@@ -907,12 +893,12 @@ async fn only_an_accepted_clusters_own_agent_csr_is_approved() {
     // cluster-b's identity asking for cluster-a, and not-yet-accepted cluster-c.
     file_csr(&hub, "stolen", "cluster-a", "cluster-b").await;
     file_csr(&hub, "not-accepted", "cluster-c", "cluster-c").await;
-    eventually("both CSRs looked at and left", || async {
+    eventually("both CSRs looked at and left", WAIT, || async {
         (hub.metrics.csr_decision_count("left") >= 2).then_some(())
     })
     .await;
     file_csr(&hub, "own", "cluster-a", "cluster-a").await;
-    eventually("cluster-a's own CSR approved", || async {
+    eventually("cluster-a's own CSR approved", WAIT, || async {
         is_approved(&csrs.get("own").await.unwrap()).then_some(())
     })
     .await;
@@ -939,7 +925,7 @@ async fn only_an_accepted_clusters_own_agent_csr_is_approved() {
         )
         .await
         .unwrap();
-    eventually("cluster-c's CSR approved once accepted", || async {
+    eventually("cluster-c's CSR approved once accepted", WAIT, || async {
         is_approved(&csrs.get("not-accepted").await.unwrap()).then_some(())
     })
     .await;
@@ -966,7 +952,7 @@ async fn the_default_deployment_config_applies_to_addons_naming_none() {
     settings.default_deployment_config = Some((HUB.to_owned(), "fleet".to_owned()));
     hub.start(settings);
 
-    let work = eventually("cluster-a's work", || hub.work("cluster-a")).await;
+    let work = eventually("cluster-a's work", WAIT, || hub.work("cluster-a")).await;
     let manifests = work.spec.workload.unwrap().manifests.unwrap();
     let service = manifests
         .iter()
@@ -1027,7 +1013,7 @@ async fn image_mirrors_and_container_resources_follow_the_cluster_and_its_config
     settings.default_deployment_config = Some((HUB.to_owned(), "fleet".to_owned()));
     hub.start(settings);
 
-    let work = eventually("cluster-a's work", || hub.work("cluster-a")).await;
+    let work = eventually("cluster-a's work", WAIT, || hub.work("cluster-a")).await;
     let containers = containers_of(&work);
     assert_eq!(
         containers[0]["resources"],
@@ -1047,7 +1033,7 @@ async fn image_mirrors_and_container_resources_follow_the_cluster_and_its_config
         Some(r#"{"registries":[{"source":"registry.local","mirror":"mirror.corp/ocm"}]}"#),
     )
     .await;
-    let mirrored = eventually("the work follows the annotation", || async {
+    let mirrored = eventually("the work follows the annotation", WAIT, || async {
         let work = hub.work("cluster-a").await?;
         containers_of(&work)
             .iter()
@@ -1077,7 +1063,7 @@ async fn image_mirrors_and_container_resources_follow_the_cluster_and_its_config
 
     // The annotation removed: the MPC's image again.
     annotate_cluster(&hub, "cluster-a", None).await;
-    eventually("the MPC's image again", || async {
+    eventually("the MPC's image again", WAIT, || async {
         let work = hub.work("cluster-a").await?;
         (containers_of(&work)[0]["image"] == "registry.local/cluster-proxy:1").then_some(())
     })

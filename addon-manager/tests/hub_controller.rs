@@ -15,6 +15,7 @@ use addon_manager::hub::{self, HubMetrics, HubSettings, ReconcileResult};
 use bytes::Bytes;
 use cluster_proxy_proto::api::find_condition;
 use cluster_proxy_proto::api::proxy::v1alpha1::ManagedProxyConfiguration;
+use e2e::harness::eventually;
 use e2e::kubeapi::lag::LaggingWatches;
 use e2e::kubeapi::{KubeApi, KubeApiOptions};
 use http_body_util::BodyExt;
@@ -32,24 +33,6 @@ const CRD: &str = include_str!("../../charts/cluster-proxy/crds/managedproxyconf
 const WAIT: Duration = Duration::from_secs(20);
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
-
-async fn eventually<T, F, Fut>(what: &str, mut probe: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Option<T>>,
-{
-    let deadline = tokio::time::Instant::now() + WAIT;
-    loop {
-        if let Some(value) = probe().await {
-            return value;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
 
 /// Fails PATCH requests for Deployments with `status` while `remaining` > 0,
 /// and records when each failure was served; counts the MPC status writes.
@@ -282,6 +265,7 @@ impl Hub {
         let mpcs = self.mpcs();
         eventually(
             &format!("{name}: ProxyServerDeployed={status} ({reason})"),
+            WAIT,
             || {
                 let mpcs = mpcs.clone();
                 async move {
@@ -409,7 +393,7 @@ async fn deploys_keeps_still_when_current_and_follows_spec_changes() {
         )
         .await
         .unwrap();
-    eventually("a reconcile after the annotation", || async {
+    eventually("a reconcile after the annotation", WAIT, || async {
         (hub.metrics.reconciles(ReconcileResult::Success) > successes).then_some(())
     })
     .await;
@@ -435,7 +419,7 @@ async fn deploys_keeps_still_when_current_and_follows_spec_changes() {
     hub.patch_spec("cluster-proxy", json!({"proxyServer": {"replicas": 3}}))
         .await;
     let deployments = hub.deployments();
-    let deployment = eventually("replicas 3", || async {
+    let deployment = eventually("replicas 3", WAIT, || async {
         let deployment = deployments.get("cluster-proxy").await.ok()?;
         (deployment.spec.as_ref()?.replicas == Some(3)).then_some(deployment)
     })
@@ -472,7 +456,7 @@ async fn a_lagging_cache_does_not_rewrite_the_status() {
     // The first reconcile deploys and writes the status; the owned objects'
     // events queue a second one that runs on the lagging cache, and the
     // delayed status event a third.
-    eventually("three reconciles", || async {
+    eventually("three reconciles", WAIT, || async {
         (hub.metrics.reconciles(ReconcileResult::Success) >= 3).then_some(())
     })
     .await;
@@ -536,7 +520,7 @@ async fn deleted_and_edited_objects_are_healed_from_watch_events() {
         .delete("cluster-proxy", &DeleteParams::default())
         .await
         .unwrap();
-    eventually("the Deployment back", || async {
+    eventually("the Deployment back", WAIT, || async {
         let deployment = deployments.get_opt("cluster-proxy").await.ok()??;
         (deployment.uid() != old.uid()).then_some(())
     })
@@ -546,7 +530,7 @@ async fn deleted_and_edited_objects_are_healed_from_watch_events() {
         .delete("proxy-entrypoint", &DeleteParams::default())
         .await
         .unwrap();
-    eventually("the Service back", || async {
+    eventually("the Service back", WAIT, || async {
         services.get_opt("proxy-entrypoint").await.ok()?.map(|_| ())
     })
     .await;
@@ -560,7 +544,7 @@ async fn deleted_and_edited_objects_are_healed_from_watch_events() {
         )
         .await
         .unwrap();
-    eventually("replicas back to 2", || async {
+    eventually("replicas back to 2", WAIT, || async {
         let deployment = deployments.get("cluster-proxy").await.ok()?;
         (deployment.spec?.replicas == Some(2)).then_some(())
     })
@@ -586,7 +570,7 @@ async fn entrypoint_switches_create_and_prune_their_objects() {
     )
     .await;
     let mpcs = hub.mpcs();
-    eventually("the condition says the LB has no address", || async {
+    eventually("the condition says the LB has no address", WAIT, || async {
         let mpc = mpcs.get("cluster-proxy").await.ok()?;
         deployed_message(&mpc)
             .contains("no address yet")
@@ -609,7 +593,7 @@ async fn entrypoint_switches_create_and_prune_their_objects() {
         )
         .await
         .unwrap();
-    eventually("the condition without the LB note", || async {
+    eventually("the condition without the LB note", WAIT, || async {
         let mpc = mpcs.get("cluster-proxy").await.ok()?;
         (deployed_message(&mpc) == "Replicas: 0").then_some(())
     })
@@ -626,12 +610,16 @@ async fn entrypoint_switches_create_and_prune_their_objects() {
         json!({"proxyServer": {"entrypoint": {"type": "PortForward", "loadBalancerService": null}}}),
     )
     .await;
-    eventually("the LB Service pruned and the RBAC created", || async {
-        let pruned = !exists(&services, "proxy-agent-entrypoint").await;
-        let role = exists(&roles, "cluster-proxy-addon-agent:portforward").await;
-        let binding = exists(&bindings, "cluster-proxy-addon-agent:portforward").await;
-        (pruned && role && binding).then_some(())
-    })
+    eventually(
+        "the LB Service pruned and the RBAC created",
+        WAIT,
+        || async {
+            let pruned = !exists(&services, "proxy-agent-entrypoint").await;
+            let role = exists(&roles, "cluster-proxy-addon-agent:portforward").await;
+            let binding = exists(&bindings, "cluster-proxy-addon-agent:portforward").await;
+            (pruned && role && binding).then_some(())
+        },
+    )
     .await;
     assert!(exists(&services, "proxy-entrypoint").await);
 
@@ -640,7 +628,7 @@ async fn entrypoint_switches_create_and_prune_their_objects() {
         json!({"proxyServer": {"entrypoint": {"type": "Hostname", "hostname": {"value": "10.0.0.1"}}}}),
     )
     .await;
-    eventually("the RBAC pruned", || async {
+    eventually("the RBAC pruned", WAIT, || async {
         let role = exists(&roles, "cluster-proxy-addon-agent:portforward").await;
         let binding = exists(&bindings, "cluster-proxy-addon-agent:portforward").await;
         (!role && !binding).then_some(())
@@ -662,7 +650,7 @@ async fn deleting_the_configuration_garbage_collects_its_objects_but_not_the_nam
     let deployments = hub.deployments();
     let services = hub.services();
     let accounts = Api::<ServiceAccount>::namespaced(hub.client.clone(), NS);
-    eventually("the owned objects gone", || async {
+    eventually("the owned objects gone", WAIT, || async {
         let deployment = exists(&deployments, "cluster-proxy").await;
         let service = exists(&services, "proxy-entrypoint").await;
         let account = exists(&accounts, "cluster-proxy").await;
@@ -670,7 +658,7 @@ async fn deleting_the_configuration_garbage_collects_its_objects_but_not_the_nam
     })
     .await;
     let mpcs = hub.mpcs();
-    eventually("the MPC gone", || async {
+    eventually("the MPC gone", WAIT, || async {
         (!exists(&mpcs, "cluster-proxy").await).then_some(())
     })
     .await;
@@ -824,7 +812,7 @@ async fn a_deleted_namespace_is_recreated_with_its_objects() {
         .await
         .unwrap();
     let deployments = hub.deployments();
-    eventually("the namespace and the Deployment back", || async {
+    eventually("the namespace and the Deployment back", WAIT, || async {
         let namespace = namespaces.get_opt(NS).await.ok()??;
         let fresh = namespace.uid() != old.uid() && namespace.metadata.deletion_timestamp.is_none();
         (fresh && exists(&deployments, "cluster-proxy").await).then_some(())
@@ -900,7 +888,7 @@ async fn an_edited_namespace_is_healed_from_its_own_watch_event() {
         )
         .await
         .unwrap();
-    eventually("the namespace label back", || async {
+    eventually("the namespace label back", WAIT, || async {
         let namespace = namespaces.get(NS).await.ok()?;
         (namespace.labels().get("open-cluster-management.io/addon")
             == Some(&"cluster-proxy".to_owned()))

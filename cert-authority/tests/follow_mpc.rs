@@ -12,6 +12,7 @@ use cert_authority::kubernetes::metrics::Metrics;
 use cert_authority::kubernetes::{self, KubeError, KubeOptions, rbac};
 use cluster_proxy_proto::api::proxy::v1alpha1::ManagedProxyConfiguration;
 use cluster_proxy_proto::api::{Condition, find_condition};
+use e2e::harness::eventually;
 use e2e::kubeapi::{KubeApi, KubeApiOptions};
 use k8s_openapi::api::core::v1::{Namespace, Secret, Service};
 use kube::api::{Patch, PatchParams, PostParams};
@@ -21,28 +22,13 @@ use serde_json::{Value, json};
 use tokio::sync::oneshot;
 use x509_parser::extensions::GeneralName;
 
+/// How long a test waits for an observable state.
+const WAIT: Duration = Duration::from_secs(60);
+
 const LEASE_NS: &str = "open-cluster-management-addon";
 const HUB_NS: &str = "hub-proxy";
 const MPC: &str = "cluster-proxy";
 const CRD: &str = include_str!("../../charts/cluster-proxy/crds/managedproxyconfigurations.yaml");
-
-async fn eventually<T, F, Fut>(what: &str, mut probe: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    loop {
-        if let Some(value) = probe().await {
-            return value;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
 
 /// Every request a client made, as (method, path and query).
 type RequestLog = Arc<Mutex<Vec<(String, String)>>>;
@@ -252,7 +238,7 @@ async fn certificate_when(
     wanted: impl Fn(&[String]) -> bool,
 ) -> String {
     let secrets = hub.secrets(HUB_NS);
-    eventually(&format!("{name} with {what}"), || {
+    eventually(&format!("{name} with {what}"), WAIT, || {
         let secrets = secrets.clone();
         let wanted = &wanted;
         async move {
@@ -272,6 +258,7 @@ fn has(sans: &[String], san: &str) -> bool {
 async fn signed_conditions(hub: &Hub, names: [&str; 3]) -> BTreeMap<String, Condition> {
     eventually(
         "three True certificate conditions matching the Secrets",
+        WAIT,
         || async {
             let conditions = hub.conditions().await;
             let mut found = BTreeMap::new();
@@ -472,13 +459,17 @@ async fn sans_names_namespace_and_conditions_follow_the_mpc() {
     certificate_when(&hub, "my-agent-server", "bar instead of foo", swapped).await;
     let second = signed_conditions(&hub, names).await;
     assert_transitioned_at(&second, PREVIOUS_TRANSITION);
-    eventually("the conditions to record the new generation", || async {
-        let generation = hub.mpcs().get(MPC).await.ok()?.metadata.generation;
-        let conditions = hub.conditions().await;
-        find_condition(&conditions, "ProxyServerSecretSigned")
-            .is_some_and(|c| c.observed_generation == generation)
-            .then_some(())
-    })
+    eventually(
+        "the conditions to record the new generation",
+        WAIT,
+        || async {
+            let generation = hub.mpcs().get(MPC).await.ok()?.metadata.generation;
+            let conditions = hub.conditions().await;
+            find_condition(&conditions, "ProxyServerSecretSigned")
+                .is_some_and(|c| c.observed_generation == generation)
+                .then_some(())
+        },
+    )
     .await;
     assert_deployed_condition_kept(&hub).await;
     authority.stop().await;
@@ -574,7 +565,7 @@ async fn without_an_mpc_it_waits_and_starts_when_one_appears() {
     let mut registry = Registry::default();
     let metrics = Metrics::register(&mut registry);
     let authority = Running::start(hub.api.client().await.unwrap(), metrics);
-    eventually("the leader to say it waits", || async {
+    eventually("the leader to say it waits", WAIT, || async {
         let text = exported(&registry);
         (text.contains("cert_authority_leader 1")
             && text.contains("cert_authority_waiting_for_configuration 1"))
@@ -599,7 +590,7 @@ async fn without_an_mpc_it_waits_and_starts_when_one_appears() {
         .await;
     certificate_when(&hub, "proxy-server", "foo", |sans| has(sans, "foo")).await;
     signed_conditions(&hub, ["proxy-server", "agent-server", "proxy-client"]).await;
-    eventually("the wait to end", || async {
+    eventually("the wait to end", WAIT, || async {
         exported(&registry)
             .contains("cert_authority_waiting_for_configuration 0")
             .then_some(())
@@ -620,7 +611,7 @@ async fn an_mpc_that_cannot_be_followed_gets_false_conditions_and_nothing_else()
     apply_deployed_condition(&hub).await;
     apply_previous_run_conditions(&hub).await;
     let authority = Running::start(hub.api.client().await.unwrap(), Metrics::default());
-    let conditions = eventually("three False conditions", || async {
+    let conditions = eventually("three False conditions", WAIT, || async {
         let conditions = hub.conditions().await;
         let unsigned = [
             "ProxyServerSecretSigned",

@@ -7,6 +7,7 @@
 use std::time::Duration;
 
 use cert_authority::kubernetes::{self, KubeOptions, LEASE_NAME, csr::SIGNER_NAME};
+use e2e::harness::eventually;
 use e2e::kubeapi::{KubeApi, KubeApiOptions};
 use k8s_openapi::api::certificates::v1::CertificateSigningRequest;
 use k8s_openapi::api::coordination::v1::Lease;
@@ -18,25 +19,10 @@ use rustls_pki_types::pem::PemObject;
 use serde_json::json;
 use tokio::sync::oneshot;
 
-const NS: &str = "open-cluster-management-addon";
+/// How long a test waits for an observable state.
+const WAIT: Duration = Duration::from_secs(20);
 
-async fn eventually<T, F, Fut>(what: &str, mut probe: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    loop {
-        if let Some(value) = probe().await {
-            return value;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
+const NS: &str = "open-cluster-management-addon";
 
 fn replica(
     client: kube::Client,
@@ -144,7 +130,10 @@ async fn two_replicas_one_leader_secrets_and_signed_agent_certificates() {
         "agent-server",
         "proxy-client",
     ] {
-        eventually(name, || async { secrets.get_opt(name).await.unwrap() }).await;
+        eventually(name, WAIT, || async {
+            secrets.get_opt(name).await.unwrap()
+        })
+        .await;
     }
     let leaf = secrets.get("proxy-server").await.unwrap();
     assert_eq!(leaf.type_.as_deref(), Some("kubernetes.io/tls"));
@@ -156,7 +145,7 @@ async fn two_replicas_one_leader_secrets_and_signed_agent_certificates() {
     );
 
     let leases: Api<Lease> = Api::namespaced(admin.clone(), NS);
-    let holder = eventually("a leader", || async {
+    let holder = eventually("a leader", WAIT, || async {
         leases
             .get_opt(LEASE_NAME)
             .await
@@ -171,7 +160,10 @@ async fn two_replicas_one_leader_secrets_and_signed_agent_certificates() {
     // trusted by the published bundle.
     submit_and_approve(&api, "agent-1", &request("anything", None)).await;
     let csrs: Api<CertificateSigningRequest> = Api::all(admin.clone());
-    let pem = eventually("a signed certificate", || certificate_of(&csrs, "agent-1")).await;
+    let pem = eventually("a signed certificate", WAIT, || {
+        certificate_of(&csrs, "agent-1")
+    })
+    .await;
     let der = CertificateDer::from_pem_slice(&pem).unwrap();
     let cluster = cert_authority::peer::cluster_of(&der).unwrap().unwrap();
     assert_eq!(cluster.as_str(), "cluster-a");
@@ -186,7 +178,7 @@ async fn two_replicas_one_leader_secrets_and_signed_agent_certificates() {
     // One from cluster-a claiming cluster-b fails, with the reason.
     let uri = "spiffe://cluster-proxy.open-cluster-management.io/cluster/cluster-b";
     submit_and_approve(&api, "agent-spoof", &request("x", Some(uri))).await;
-    let reason = eventually("a Failed condition", || async {
+    let reason = eventually("a Failed condition", WAIT, || async {
         let conditions = csrs.get("agent-spoof").await.ok()?.status?.conditions?;
         conditions
             .into_iter()
@@ -206,7 +198,7 @@ async fn two_replicas_one_leader_secrets_and_signed_agent_certificates() {
     };
     let _ = stop_leader.send(());
     leader_task.await.unwrap();
-    eventually("a new leader", || async {
+    eventually("a new leader", WAIT, || async {
         let now = leases
             .get_opt(LEASE_NAME)
             .await
@@ -217,7 +209,7 @@ async fn two_replicas_one_leader_secrets_and_signed_agent_certificates() {
     })
     .await;
     submit_and_approve(&api, "agent-2", &request("anything", None)).await;
-    eventually("a certificate from the new leader", || {
+    eventually("a certificate from the new leader", WAIT, || {
         certificate_of(&csrs, "agent-2")
     })
     .await;
@@ -382,7 +374,10 @@ async fn secrets_are_repaired_at_once_a_damaged_ca_is_kept_and_csrs_cost_no_ca_r
         "agent-server",
         "proxy-client",
     ] {
-        eventually(name, || async { secrets.get_opt(name).await.unwrap() }).await;
+        eventually(name, WAIT, || async {
+            secrets.get_opt(name).await.unwrap()
+        })
+        .await;
     }
     let signer = secrets.get("cluster-proxy-signer").await.unwrap();
     let bundle = data_of(&secrets.get("proxy-server-ca").await.unwrap(), "ca.crt");
@@ -394,7 +389,7 @@ async fn secrets_are_repaired_at_once_a_damaged_ca_is_kept_and_csrs_cost_no_ca_r
         .await
         .unwrap();
     let started = tokio::time::Instant::now();
-    eventually("proxy-server re-created", || async {
+    eventually("proxy-server re-created", WAIT, || async {
         let found = secrets.get_opt("proxy-server").await.unwrap()?;
         (found.metadata.uid != deleted_uid).then_some(())
     })
@@ -422,7 +417,7 @@ async fn secrets_are_repaired_at_once_a_damaged_ca_is_kept_and_csrs_cost_no_ca_r
     assert!(error.is_damaged_signer(), "{error}");
     // The running authority says so on the Secret, and writes nothing.
     let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(admin.clone(), NS);
-    let note = eventually("a SignerDamaged Event", || async {
+    let note = eventually("a SignerDamaged Event", WAIT, || async {
         events
             .list(&Default::default())
             .await
@@ -452,7 +447,7 @@ async fn secrets_are_repaired_at_once_a_damaged_ca_is_kept_and_csrs_cost_no_ca_r
         )
         .await
         .unwrap();
-    let agent_server = eventually("agent-server re-created", || async {
+    let agent_server = eventually("agent-server re-created", WAIT, || async {
         secrets.get_opt("agent-server").await.unwrap()
     })
     .await;
@@ -485,7 +480,7 @@ async fn secrets_are_repaired_at_once_a_damaged_ca_is_kept_and_csrs_cost_no_ca_r
         csrs.create(&PostParams::default(), &other).await.unwrap();
     }
     submit_and_approve(&api, "agent-after-others", &request("anything", None)).await;
-    eventually("a signed certificate", || {
+    eventually("a signed certificate", WAIT, || {
         certificate_of(&csrs, "agent-after-others")
     })
     .await;

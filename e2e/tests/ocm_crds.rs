@@ -16,14 +16,13 @@ use kube::Api;
 use kube::api::{ListParams, Patch, PatchParams};
 use serde_json::json;
 
-const OCM_CRDS: &str = include_str!("../crds/ocm.yaml");
 
 async fn api() -> (tempfile::TempDir, KubeApi, kube::Client) {
     let dir = tempfile::tempdir().unwrap();
     let api = KubeApi::start(KubeApiOptions::new(dir.path()))
         .await
         .unwrap();
-    assert_eq!(api.register_crds_from_yaml(OCM_CRDS).unwrap(), 9);
+    assert_eq!(api.register_crds_from_yaml(e2e::env::ocm::CRDS).unwrap(), 9);
     let client = api.client().await.unwrap();
     (dir, api, client)
 }

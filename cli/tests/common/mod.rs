@@ -88,7 +88,6 @@ fn credential_flags(ca: &Path, pair: &Pair) -> Vec<String> {
     ]
 }
 
-const OCM_CRDS: &str = include_str!("../../../addon-manager/tests/fixtures/ocm-crds.yaml");
 const MPC_CRD: &str =
     include_str!("../../../charts/cluster-proxy/crds/managedproxyconfigurations.yaml");
 
@@ -105,7 +104,7 @@ impl Hub {
         let api = KubeApi::start(KubeApiOptions::new(dir.path()))
             .await
             .unwrap();
-        api.register_crds_from_yaml(OCM_CRDS).unwrap();
+        api.register_crds_from_yaml(e2e::env::ocm::CRDS).unwrap();
         api.register_crds_from_yaml(MPC_CRD).unwrap();
         let client = api.client().await.unwrap();
         Hub {

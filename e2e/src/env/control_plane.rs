@@ -679,7 +679,7 @@ impl super::Environment {
             "../../../charts/cluster-proxy/crds/managedproxyconfigurations.yaml"
         ))
         .map_err(|e| api_err(e.to_string()))?;
-        api.register_crds_from_yaml(include_str!("../../crds/ocm.yaml"))
+        api.register_crds_from_yaml(super::ocm::CRDS)
             .map_err(|e| api_err(e.to_string()))?;
         let admin = api.client().await.map_err(|e| api_err(e.to_string()))?;
 

@@ -52,6 +52,11 @@ use super::kubelet::{DeploymentRunner, PodPlacement, RunnerStatus, SecretVolumes
 use super::process::{Logs, Supervised};
 use crate::kubeapi::selector::LabelSelector;
 
+/// OCM's CustomResourceDefinitions as the in-memory API serves them
+/// (`e2e/crds/ocm.yaml`): every OCM kind the control plane, the tests and
+/// the environment use.
+pub const CRDS: &str = include_str!("../../crds/ocm.yaml");
+
 /// The addon this environment installs.
 pub const ADDON_NAME: &str = "cluster-proxy";
 /// The ManifestWork addon-framework names for the addon's agent.

@@ -96,7 +96,6 @@ impl Tunnel {
     }
 }
 
-const OCM_CRDS: &str = include_str!("../../../addon-manager/tests/fixtures/ocm-crds.yaml");
 
 pub struct Hub {
     pub api: KubeApi,
@@ -110,7 +109,7 @@ impl Hub {
         let api = KubeApi::start(KubeApiOptions::new(dir.path()))
             .await
             .unwrap();
-        api.register_crds_from_yaml(OCM_CRDS).unwrap();
+        api.register_crds_from_yaml(e2e::env::ocm::CRDS).unwrap();
         let client = api.client().await.unwrap();
         for cluster in clusters {
             create_namespace(&client, cluster).await;
