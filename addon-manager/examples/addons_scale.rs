@@ -8,7 +8,14 @@
 //! ```sh
 //! cargo run --release -p addon-manager --example addons_scale
 //! CP_ADDONS_CLUSTERS=500 cargo run --release -p addon-manager --example addons_scale
+//! CP_ADDONS_REMOVAL_GRACE=0s cargo run --release -p addon-manager --example addons_scale
 //! ```
+//!
+//! The last phase adds `CP_ADDONS_JOINS` (5) clusters, each sorting first:
+//! OCM's placement controller then moves one cluster from every decision
+//! object to the next, one write at a time; it counts the addons deleted and
+//! re-created on the way (`CP_ADDONS_REMOVAL_GRACE`, the controller's
+//! removal grace).
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -17,9 +24,10 @@ use addon_manager::addon::{self, AddonMetrics, AddonSettings};
 use anyhow::{Context as _, bail};
 use cluster_proxy_proto::api::addon::v1alpha1::ManagedClusterAddOn;
 use cluster_proxy_proto::api::cluster::v1::ManagedCluster;
-use cluster_proxy_proto::api::cluster::v1beta1::PlacementDecision;
+use cluster_proxy_proto::api::cluster::v1beta1::Placement;
 use cluster_proxy_proto::api::proxy::v1alpha1::ManagedProxyConfiguration;
 use cluster_proxy_proto::api::work::v1::ManifestWork;
+use e2e::env::ocm::sync_placements;
 use e2e::kubeapi::{KubeApi, KubeApiOptions};
 use k8s_openapi::api::core::v1::{Namespace, Secret, Service};
 use kube::Api;
@@ -31,8 +39,6 @@ const HUB: &str = "open-cluster-management-addon";
 const CA_PEM: &str = "-----BEGIN CERTIFICATE-----\nMIIBscaleCA\n-----END CERTIFICATE-----\n";
 const MPC_CRD: &str =
     include_str!("../../charts/cluster-proxy/crds/managedproxyconfigurations.yaml");
-/// Clusters per PlacementDecision, as OCM's placement controller splits them.
-const DECISIONS_PER_OBJECT: usize = 100;
 
 fn env_usize(name: &str, default: usize) -> anyhow::Result<usize> {
     match std::env::var(name) {
@@ -133,9 +139,26 @@ async fn works_with_replicas(client: &kube::Client, replicas: i64) -> anyhow::Re
         .count())
 }
 
+/// Each cluster's addon UID.
+async fn addon_uids(client: &kube::Client) -> anyhow::Result<BTreeMap<String, String>> {
+    let addons = Api::<ManagedClusterAddOn>::all(client.clone())
+        .list(&ListParams::default())
+        .await?;
+    Ok(addons
+        .items
+        .into_iter()
+        .filter_map(|addon| Some((addon.metadata.namespace?, addon.metadata.uid?)))
+        .collect())
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let clusters = env_usize("CP_ADDONS_CLUSTERS", 200)?;
+    let removal_grace = match std::env::var("CP_ADDONS_REMOVAL_GRACE") {
+        Ok(text) => cluster_proxy_proto::duration::parse_go_duration(&text)
+            .with_context(|| format!("CP_ADDONS_REMOVAL_GRACE={text:?}"))?,
+        Err(_) => addon::DEFAULT_REMOVAL_GRACE,
+    };
     let limit = Duration::from_secs(env_usize("CP_ADDONS_TIMEOUT_SECS", 600)? as u64);
     let dir = tempfile::tempdir()?;
     let api = KubeApi::start(KubeApiOptions {
@@ -203,33 +226,16 @@ async fn main() -> anyhow::Result<()> {
             )
             .await?;
     }
-    let decisions = Api::<PlacementDecision>::namespaced(admin.clone(), HUB);
-    for (index, chunk) in names.chunks(DECISIONS_PER_OBJECT).enumerate() {
-        let name = format!("cluster-proxy-placement-decision-{}", index + 1);
-        let decision = json!({
-            "apiVersion": "cluster.open-cluster-management.io/v1beta1",
-            "kind": "PlacementDecision",
-            "metadata": {"name": name, "namespace": HUB,
-                "labels": {"cluster.open-cluster-management.io/placement": "cluster-proxy-placement"}},
-        });
-        let params = PatchParams::apply("placement-controller").force();
-        decisions
-            .patch(&name, &params, &Patch::Apply(&decision))
-            .await?;
-        let chosen: Vec<Value> = chunk
-            .iter()
-            .map(|cluster| json!({"clusterName": cluster, "reason": ""}))
-            .collect();
-        let status = json!({
-            "apiVersion": "cluster.open-cluster-management.io/v1beta1",
-            "kind": "PlacementDecision",
-            "metadata": {"name": name},
-            "status": {"decisions": chosen},
-        });
-        decisions
-            .patch_status(&name, &params, &Patch::Apply(&status))
-            .await?;
-    }
+    // The placement selects every cluster; the environment's placement
+    // controller writes its decisions as OCM's does (100 to an object).
+    let placement: Placement = object(json!({
+        "metadata": {"name": "cluster-proxy-placement", "namespace": HUB},
+        "spec": {},
+    }))?;
+    Api::<Placement>::namespaced(admin.clone(), HUB)
+        .create(&PostParams::default(), &placement)
+        .await?;
+    sync_placements(&admin).await?;
     println!("{clusters} clusters; the addon controllers start");
 
     let controller_client =
@@ -237,7 +243,10 @@ async fn main() -> anyhow::Result<()> {
     let (stop, stopped) = oneshot::channel::<()>();
     let controllers = tokio::spawn(addon::run(
         controller_client,
-        AddonSettings::new(HUB),
+        AddonSettings {
+            removal_grace,
+            ..AddonSettings::new(HUB)
+        },
         AddonMetrics::default(),
         async {
             let _ = stopped.await;
@@ -299,6 +308,60 @@ async fn main() -> anyhow::Result<()> {
     report(
         "unrelated Service (5 s after)",
         Duration::from_secs(5),
+        clusters,
+        &counts,
+    );
+
+    // Phase 4: clusters join at the head of the sorted list, one after
+    // another. With each, every decision object's last cluster moves to the
+    // next object, the objects written one after another: each mover is
+    // briefly in no decision.
+    let started = mark_after;
+    let uids = addon_uids(&admin).await?;
+    let joins = env_usize("CP_ADDONS_JOINS", 5)?;
+    let phase = Instant::now();
+    let mut movers = 0;
+    for join in 0..joins {
+        let before = clusters + join;
+        movers += before / e2e::env::ocm::MAX_CLUSTERS_PER_DECISION;
+        // Each newcomer sorts before the previous one.
+        let newcomer = format!("a-newcomer-{}", joins - join);
+        create_namespace(newcomer.clone()).await?;
+        managed_clusters
+            .create(
+                &PostParams::default(),
+                &object(
+                    json!({"metadata": {"name": newcomer}, "spec": {"hubAcceptsClient": true}}),
+                )?,
+            )
+            .await?;
+        sync_placements(&admin).await?;
+        wait_for(&format!("{newcomer}'s work"), 1, limit, || async {
+            let work = Api::<ManifestWork>::namespaced(admin.clone(), &newcomer)
+                .get_opt(addon::MANIFEST_WORK_NAME)
+                .await?;
+            Ok(usize::from(work.is_some()))
+        })
+        .await?;
+    }
+    // Long enough for a flap to happen and be repaired.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    wait_for("every work", clusters + joins, limit, || {
+        works_with_replicas(&admin, 2)
+    })
+    .await?;
+    let (_, counts) = requests_since(&api, started);
+    let after = addon_uids(&admin).await?;
+    let recreated = uids
+        .iter()
+        .filter(|(cluster, uid)| after.get(*cluster) != Some(*uid))
+        .count();
+    report(
+        &format!(
+            "{joins} clusters join at the head, {movers} clusters move between decision \
+             objects (removal grace {removal_grace:?}); addons deleted and re-created: {recreated}"
+        ),
+        phase.elapsed(),
         clusters,
         &counts,
     );

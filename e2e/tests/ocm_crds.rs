@@ -16,7 +16,6 @@ use kube::Api;
 use kube::api::{ListParams, Patch, PatchParams};
 use serde_json::json;
 
-
 async fn api() -> (tempfile::TempDir, KubeApi, kube::Client) {
     let dir = tempfile::tempdir().unwrap();
     let api = KubeApi::start(KubeApiOptions::new(dir.path()))

@@ -96,7 +96,6 @@ impl Tunnel {
     }
 }
 
-
 pub struct Hub {
     pub api: KubeApi,
     pub client: kube::Client,
