@@ -362,7 +362,7 @@ pub struct Cli {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub proxy_strategies: Option<String>,
-    /// TLS 1.2 cipher suites (upstream, comma-separated); accepted, the ring provider's safe defaults are used.
+    /// TLS 1.2 cipher suites to offer (IANA names, comma-separated, as upstream); empty: all of the ring provider's (ECDHE with AES-GCM or ChaCha20-Poly1305). Named suites without forward secrecy or AEAD are never offered; TLS 1.3 suites are always on.
     #[arg(long, value_name = "SUITES", value_parser = parse_go_list)]
     #[serde(
         skip_serializing_if = "Option::is_none",
@@ -573,6 +573,8 @@ impl ServerConfig {
         if self.first_packet_timeout.is_zero() {
             return Err(invalid("first-packet-timeout", "must be greater than zero"));
         }
+        cluster_proxy_runtime::tls::select_cipher_suites(&self.cipher_suites)
+            .map_err(|error| invalid("cipher-suites", error.to_string()))?;
         match self.tls_min_version.as_str() {
             "" | "VersionTLS12" | "VersionTLS13" => {}
             other => {
@@ -668,9 +670,6 @@ impl ServerConfig {
         }
         if self.enable_lease_controller {
             ignored.push("enable-lease-controller");
-        }
-        if !self.cipher_suites.is_empty() {
-            ignored.push("cipher-suites");
         }
         if self.xfr_channel_size != defaults.xfr_channel_size {
             ignored.push("xfr-channel-size");

@@ -145,25 +145,68 @@ impl PortFiles {
     fn build(
         &self,
         alpn: &[&[u8]],
-        min_version: tls::MinTlsVersion,
+        policy: &tls::ServerTlsPolicy,
     ) -> Result<Arc<rustls::ServerConfig>, TlsError> {
         let identity = Identity::from_files(&self.cert, &self.key)?;
         let roots = tls::roots(&Pem::file("CA bundle", &self.ca)?)?;
-        tls::server_config_with_min_version(identity, Some(roots), alpn, min_version)
+        tls::server_config_with_policy(identity, Some(roots), alpn, policy)
     }
 
     /// Loads now, then reloads whenever a file changes.
     fn watch(
         self,
         alpn: &'static [&'static [u8]],
-        min_version: tls::MinTlsVersion,
+        policy: tls::ServerTlsPolicy,
         interval: Duration,
     ) -> Result<Watched<rustls::ServerConfig>, ServerError> {
         let what = self.what;
         let paths = vec![self.cert.clone(), self.key.clone(), self.ca.clone()];
-        reload::watch_files(what, paths, interval, move || self.build(alpn, min_version))
+        reload::watch_files(what, paths, interval, move || self.build(alpn, &policy))
             .map_err(|source| ServerError::Tls { what, source })
     }
+}
+
+/// What the client and agent ports accept: `--tls-min-version`, and
+/// `--cipher-suites` for TLS 1.2 (names this build does not implement are
+/// never offered, with a warning; TLS 1.3 suites are always on, as in Go).
+pub fn tls_policy(config: &ServerConfig) -> Result<tls::ServerTlsPolicy, ServerError> {
+    let min_version = if config.tls_min_version == "VersionTLS13" {
+        tls::MinTlsVersion::Tls13
+    } else {
+        tls::MinTlsVersion::Tls12
+    };
+    if config.cipher_suites.is_empty() {
+        return Ok(tls::ServerTlsPolicy {
+            min_version,
+            tls12_suites: None,
+        });
+    }
+    let selection =
+        tls::select_cipher_suites(&config.cipher_suites).map_err(|source| ServerError::Tls {
+            what: "--cipher-suites",
+            source,
+        })?;
+    if !selection.unavailable.is_empty() {
+        tracing::warn!(
+            suites = %selection.unavailable.join(","),
+            "--cipher-suites names suites this build does not implement (no forward secrecy or not AEAD); they are never offered"
+        );
+    }
+    if !selection.tls13_fixed.is_empty() {
+        tracing::info!(
+            suites = %selection.tls13_fixed.join(","),
+            "--cipher-suites names TLS 1.3 suites; every TLS 1.3 suite stays on, as in Go"
+        );
+    }
+    if selection.tls12.is_empty() && min_version == tls::MinTlsVersion::Tls12 {
+        tracing::warn!(
+            "none of the --cipher-suites is a TLS 1.2 suite this build implements: only TLS 1.3 is accepted"
+        );
+    }
+    Ok(tls::ServerTlsPolicy {
+        min_version,
+        tls12_suites: Some(selection.tls12),
+    })
 }
 
 impl ServerTls {
@@ -185,11 +228,7 @@ impl ServerTls {
             Mode::Grpc => &[ALPN_H2],
             Mode::HttpConnect => &[ALPN_HTTP11],
         };
-        let min_version = if config.tls_min_version == "VersionTLS13" {
-            tls::MinTlsVersion::Tls13
-        } else {
-            tls::MinTlsVersion::Tls12
-        };
+        let policy = tls_policy(config)?;
         // A Unix-socket frontend has no TLS (upstream ignores the files then).
         let frontend = if config.uds_name.is_empty() {
             Some(PortFiles::new(
@@ -216,9 +255,9 @@ impl ServerTls {
         let interval = config.credential_reload_interval;
         Ok(ServerTls {
             frontend: frontend
-                .map(|files| files.watch(frontend_alpn, min_version, interval))
+                .map(|files| files.watch(frontend_alpn, policy.clone(), interval))
                 .transpose()?,
-            agent: agent.watch(&[ALPN_H2], min_version, interval)?,
+            agent: agent.watch(&[ALPN_H2], policy, interval)?,
         })
     }
 }

@@ -216,6 +216,14 @@ fn go_forms_of_booleans_lists_and_repeats() {
             "TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256"
         ]
     );
+    // A name Go would not know either is refused; one Go knows that this
+    // build does not implement (RSA key exchange) is accepted, never offered.
+    let err = load(&["--cipher-suites=TLS_MADE_UP_WITH_NOTHING"]).unwrap_err();
+    assert!(
+        err.to_string().contains("cipher-suites") && err.to_string().contains("TLS_MADE_UP"),
+        "{err}"
+    );
+    load(&["--cipher-suites=TLS_RSA_WITH_AES_128_GCM_SHA256,TLS_AES_128_GCM_SHA256"]).unwrap();
     let c = load(&["--server-count=2", "--server-count=3"]).unwrap();
     assert_eq!(c.server_count, 3);
     let err = Cli::try_parse_from(["proxy-server", "--enable-profiling=yes"])

@@ -56,6 +56,11 @@ pub enum TlsError {
     },
     #[error("TLS configuration: {0}")]
     Config(String),
+    #[error(
+        "unknown cipher suite {0:?}: expected an IANA name as Go's crypto/tls takes it, \
+         e.g. TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256"
+    )]
+    UnknownCipherSuite(String),
 }
 
 /// PEM material and where it came from (for error messages).
@@ -189,6 +194,99 @@ pub enum MinTlsVersion {
     Tls13,
 }
 
+/// What a server's TLS accepts: the oldest version and, for TLS 1.2, which
+/// cipher suites.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ServerTlsPolicy {
+    pub min_version: MinTlsVersion,
+    /// The TLS 1.2 suites offered; `None`: every one the provider has. TLS
+    /// 1.3 suites are not configurable (as in Go's `crypto/tls`).
+    pub tls12_suites: Option<Vec<rustls::CipherSuite>>,
+}
+
+/// The cipher suites a list of names (Go's `--cipher-suites`, an OCM TLS
+/// profile's `cipherSuites`) comes to here.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CipherSuiteSelection {
+    /// The named TLS 1.2 suites this build implements, in the provider's
+    /// order of preference.
+    pub tls12: Vec<rustls::CipherSuite>,
+    /// Named TLS 1.3 suites: always on, as in Go, so naming them changes
+    /// nothing.
+    pub tls13_fixed: Vec<String>,
+    /// Named suites Go knows and this build does not implement (RSA key
+    /// exchange, CBC, RC4, 3DES): never offered.
+    pub unavailable: Vec<String>,
+}
+
+/// TLS 1.3 suites by their IANA names.
+const TLS13_SUITE_NAMES: &[&str] = &[
+    "TLS_AES_128_GCM_SHA256",
+    "TLS_AES_256_GCM_SHA384",
+    "TLS_CHACHA20_POLY1305_SHA256",
+];
+
+/// TLS 1.2 suites Go's `crypto/tls` knows that the ring provider does not
+/// implement: no forward secrecy, or not an AEAD.
+const GO_SUITES_NOT_IMPLEMENTED: &[&str] = &[
+    "TLS_RSA_WITH_RC4_128_SHA",
+    "TLS_RSA_WITH_3DES_EDE_CBC_SHA",
+    "TLS_RSA_WITH_AES_128_CBC_SHA",
+    "TLS_RSA_WITH_AES_256_CBC_SHA",
+    "TLS_RSA_WITH_AES_128_CBC_SHA256",
+    "TLS_RSA_WITH_AES_128_GCM_SHA256",
+    "TLS_RSA_WITH_AES_256_GCM_SHA384",
+    "TLS_ECDHE_ECDSA_WITH_RC4_128_SHA",
+    "TLS_ECDHE_ECDSA_WITH_AES_128_CBC_SHA",
+    "TLS_ECDHE_ECDSA_WITH_AES_256_CBC_SHA",
+    "TLS_ECDHE_RSA_WITH_RC4_128_SHA",
+    "TLS_ECDHE_RSA_WITH_3DES_EDE_CBC_SHA",
+    "TLS_ECDHE_RSA_WITH_AES_128_CBC_SHA",
+    "TLS_ECDHE_RSA_WITH_AES_256_CBC_SHA",
+    "TLS_ECDHE_ECDSA_WITH_AES_128_CBC_SHA256",
+    "TLS_ECDHE_RSA_WITH_AES_128_CBC_SHA256",
+];
+
+/// Sorts `names` into the suites this build offers, the TLS 1.3 ones that
+/// are always on, and the ones it does not implement; a name Go would not
+/// know either is an error. Go's short ChaCha20 names (without `_SHA256`)
+/// are accepted.
+pub fn select_cipher_suites(names: &[String]) -> Result<CipherSuiteSelection, TlsError> {
+    let provider = provider();
+    let tls12: Vec<rustls::CipherSuite> = provider
+        .cipher_suites
+        .iter()
+        .filter(|suite| suite.version() == &rustls::version::TLS12)
+        .map(|suite| suite.suite())
+        .collect();
+    let mut selection = CipherSuiteSelection::default();
+    let mut named = Vec::new();
+    for name in names
+        .iter()
+        .map(|name| name.trim())
+        .filter(|n| !n.is_empty())
+    {
+        let canonical = match name {
+            "TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305" => "TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256",
+            "TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305" => {
+                "TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256"
+            }
+            other => other,
+        };
+        if let Some(suite) = tls12.iter().find(|s| s.as_str() == Some(canonical)) {
+            named.push(*suite);
+        } else if TLS13_SUITE_NAMES.contains(&canonical) {
+            selection.tls13_fixed.push(name.to_owned());
+        } else if GO_SUITES_NOT_IMPLEMENTED.contains(&canonical) {
+            selection.unavailable.push(name.to_owned());
+        } else {
+            return Err(TlsError::UnknownCipherSuite(name.to_owned()));
+        }
+    }
+    selection.tls12 = tls12.into_iter().filter(|s| named.contains(s)).collect();
+    Ok(selection)
+}
+
 /// A server config presenting `identity`. With `client_ca`, clients must
 /// present a certificate issued by it (mTLS).
 pub fn server_config(
@@ -206,8 +304,28 @@ pub fn server_config_with_min_version(
     alpn: &[&[u8]],
     min_version: MinTlsVersion,
 ) -> Result<Arc<ServerConfig>, TlsError> {
-    let provider = provider();
-    let versions: &[&rustls::SupportedProtocolVersion] = match min_version {
+    let policy = ServerTlsPolicy {
+        min_version,
+        tls12_suites: None,
+    };
+    server_config_with_policy(identity, client_ca, alpn, &policy)
+}
+
+/// [`server_config`] accepting what `policy` allows.
+pub fn server_config_with_policy(
+    identity: Identity,
+    client_ca: Option<Arc<RootCertStore>>,
+    alpn: &[&[u8]],
+    policy: &ServerTlsPolicy,
+) -> Result<Arc<ServerConfig>, TlsError> {
+    let mut provider = rustls::crypto::ring::default_provider();
+    if let Some(allowed) = &policy.tls12_suites {
+        provider.cipher_suites.retain(|suite| {
+            suite.version() != &rustls::version::TLS12 || allowed.contains(&suite.suite())
+        });
+    }
+    let provider = Arc::new(provider);
+    let versions: &[&rustls::SupportedProtocolVersion] = match policy.min_version {
         MinTlsVersion::Tls12 => rustls::DEFAULT_VERSIONS,
         MinTlsVersion::Tls13 => &[&rustls::version::TLS13],
     };
@@ -301,6 +419,124 @@ mod tests {
         .unwrap_err();
         assert!(matches!(err, TlsError::NotValidNow { .. }), "{err}");
         assert!(err.to_string().contains("s.crt"), "{err}");
+    }
+
+    /// Runs a handshake between `client` and `server` in memory; the
+    /// negotiated suite, or the error.
+    fn handshake(
+        client: Arc<ClientConfig>,
+        server: Arc<ServerConfig>,
+    ) -> Result<rustls::CipherSuite, rustls::Error> {
+        let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+        let mut client = rustls::ClientConnection::new(client, name)?;
+        let mut server = rustls::ServerConnection::new(server)?;
+        for _ in 0..10 {
+            let mut bytes = Vec::new();
+            client.write_tls(&mut bytes).unwrap();
+            server.read_tls(&mut bytes.as_slice()).unwrap();
+            server.process_new_packets()?;
+            let mut bytes = Vec::new();
+            server.write_tls(&mut bytes).unwrap();
+            client.read_tls(&mut bytes.as_slice()).unwrap();
+            client.process_new_packets()?;
+            if !client.is_handshaking() && !server.is_handshaking() {
+                return Ok(client.negotiated_cipher_suite().unwrap().suite());
+            }
+        }
+        panic!("the handshake did not finish");
+    }
+
+    /// A client speaking only `version`, offering only the suites named.
+    fn picky_client(
+        ca: &TestCa,
+        version: &'static rustls::SupportedProtocolVersion,
+        suites: &[rustls::CipherSuite],
+    ) -> Arc<ClientConfig> {
+        let mut provider = rustls::crypto::ring::default_provider();
+        provider
+            .cipher_suites
+            .retain(|suite| suites.contains(&suite.suite()));
+        let roots = roots(&Pem::text("ca.crt", &ca.cert_pem)).unwrap();
+        let config = ClientConfig::builder_with_provider(Arc::new(provider))
+            .with_protocol_versions(&[version])
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        Arc::new(config)
+    }
+
+    #[test]
+    fn cipher_suite_names_sort_into_offered_fixed_unavailable_or_unknown() {
+        let names: Vec<String> = [
+            "TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256",
+            " TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305",
+            "TLS_AES_128_GCM_SHA256",
+            "TLS_RSA_WITH_AES_128_CBC_SHA",
+            "",
+        ]
+        .map(String::from)
+        .to_vec();
+        let selection = select_cipher_suites(&names).unwrap();
+        assert_eq!(selection.tls12.len(), 2, "{selection:?}");
+        assert!(
+            selection
+                .tls12
+                .contains(&rustls::CipherSuite::TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256)
+        );
+        assert_eq!(selection.tls13_fixed, ["TLS_AES_128_GCM_SHA256"]);
+        assert_eq!(selection.unavailable, ["TLS_RSA_WITH_AES_128_CBC_SHA"]);
+        let err = select_cipher_suites(&["TLS_MADE_UP".to_owned()]).unwrap_err();
+        assert!(err.to_string().contains("TLS_MADE_UP"), "{err}");
+    }
+
+    #[test]
+    fn a_server_offers_only_the_tls12_suites_its_policy_names() {
+        use rustls::CipherSuite::{
+            TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256 as AES128,
+            TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256 as CHACHA, TLS13_AES_256_GCM_SHA384,
+        };
+        let ca = TestCa::new();
+        let leaf = ca.server("s");
+        let server = |policy: &ServerTlsPolicy| {
+            let identity = Identity::new(
+                &Pem::text("s.crt", &leaf.cert_pem),
+                &Pem::text("s.key", &leaf.key_pem),
+            )
+            .unwrap();
+            server_config_with_policy(identity, None, &[], policy).unwrap()
+        };
+        let only_aes = ServerTlsPolicy {
+            min_version: MinTlsVersion::Tls12,
+            tls12_suites: Some(vec![AES128]),
+        };
+        let tls12 = &rustls::version::TLS12;
+        let tls13 = &rustls::version::TLS13;
+        assert_eq!(
+            handshake(picky_client(&ca, tls12, &[AES128]), server(&only_aes)),
+            Ok(AES128)
+        );
+        assert!(handshake(picky_client(&ca, tls12, &[CHACHA]), server(&only_aes)).is_err());
+        // TLS 1.3 is not restricted by the list.
+        assert_eq!(
+            handshake(
+                picky_client(&ca, tls13, &[TLS13_AES_256_GCM_SHA384]),
+                server(&only_aes)
+            ),
+            Ok(TLS13_AES_256_GCM_SHA384)
+        );
+        // Without a list, every suite; with TLS 1.3 as the minimum, no TLS 1.2.
+        assert_eq!(
+            handshake(
+                picky_client(&ca, tls12, &[CHACHA]),
+                server(&ServerTlsPolicy::default())
+            ),
+            Ok(CHACHA)
+        );
+        let tls13_only = ServerTlsPolicy {
+            min_version: MinTlsVersion::Tls13,
+            tls12_suites: None,
+        };
+        assert!(handshake(picky_client(&ca, tls12, &[AES128]), server(&tls13_only)).is_err());
     }
 
     #[test]
