@@ -97,7 +97,10 @@ async fn run(settings: Settings) -> anyhow::Result<()> {
         let lost = CancellationToken::new();
         let hub = tokio::spawn(hub::run(
             client.clone(),
-            HubSettings::default(),
+            HubSettings {
+                tls_profile_namespace: Some(settings.namespace.clone()),
+                ..HubSettings::default()
+            },
             hub_metrics.clone(),
             lost.clone().cancelled_owned(),
         ));

@@ -21,7 +21,7 @@ use e2e::kubeapi::{KubeApi, KubeApiOptions};
 use http_body_util::BodyExt;
 use http_body_util::combinators::UnsyncBoxBody;
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{Namespace, Service, ServiceAccount};
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Service, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, ResourceExt};
@@ -303,7 +303,22 @@ fn quick_settings() -> HubSettings {
         backoff_initial: Duration::from_millis(100),
         backoff_max: Duration::from_secs(2),
         immediate_conflict_retries: 3,
+        tls_profile_namespace: None,
     }
+}
+
+/// The pod template's `tls-config-hash` annotation.
+fn tls_config_hash(deployment: &Deployment) -> Option<String> {
+    deployment
+        .spec
+        .as_ref()?
+        .template
+        .metadata
+        .as_ref()?
+        .annotations
+        .as_ref()?
+        .get("proxy.open-cluster-management.io/tls-config-hash")
+        .cloned()
 }
 
 fn args(deployment: &Deployment) -> Vec<String> {
@@ -893,6 +908,123 @@ async fn an_edited_namespace_is_healed_from_its_own_watch_event() {
         (namespace.labels().get("open-cluster-management.io/addon")
             == Some(&"cluster-proxy".to_owned()))
         .then_some(())
+    })
+    .await;
+    hub.stop().await;
+}
+
+/// OCM's TLS profile (upstream T1–T3): the ConfigMap `ocm-tls-profile` in
+/// addon-manager's namespace becomes the proxy-servers' `--tls-min-version`
+/// and `--cipher-suites` and a new `tls-config-hash` (so they roll); one
+/// they cannot follow is a False condition and leaves them as they are; its
+/// removal takes the flags away again.
+#[tokio::test]
+async fn the_ocm_tls_profile_reaches_the_proxy_servers() {
+    const ADDON_NS: &str = "open-cluster-management-addon";
+    let hub = Hub::start(HubSettings {
+        tls_profile_namespace: Some(ADDON_NS.to_owned()),
+        ..quick_settings()
+    })
+    .await;
+    let namespace: Namespace =
+        serde_json::from_value(json!({"metadata": {"name": ADDON_NS}})).unwrap();
+    Api::<Namespace>::all(hub.client.clone())
+        .create(&PostParams::default(), &namespace)
+        .await
+        .unwrap();
+    hub.create_mpc("cluster-proxy", json!({})).await;
+    hub.wait_condition("cluster-proxy", "True", "SuccessfullyDeployed")
+        .await;
+    let deployment = hub.deployments().get("cluster-proxy").await.unwrap();
+    assert!(
+        !args(&deployment)
+            .iter()
+            .any(|arg| arg.starts_with("--tls-min-version"))
+    );
+    assert_eq!(tls_config_hash(&deployment), None);
+
+    let configmaps = Api::<ConfigMap>::namespaced(hub.client.clone(), ADDON_NS);
+    let set_profile = |data: Value| {
+        let configmaps = configmaps.clone();
+        async move {
+            let object = json!({
+                "apiVersion": "v1", "kind": "ConfigMap",
+                "metadata": {"name": "ocm-tls-profile", "namespace": ADDON_NS},
+                "data": data,
+            });
+            configmaps
+                .patch(
+                    "ocm-tls-profile",
+                    &PatchParams::apply("tls-profile-sync").force(),
+                    &Patch::Apply(&object),
+                )
+                .await
+                .unwrap();
+        }
+    };
+    let deployment_where = |what: &'static str, wanted: fn(&Deployment) -> bool| {
+        let deployments = hub.deployments();
+        eventually(what, WAIT, move || {
+            let deployments = deployments.clone();
+            async move {
+                let deployment = deployments.get("cluster-proxy").await.ok()?;
+                wanted(&deployment).then_some(deployment)
+            }
+        })
+    };
+
+    set_profile(json!({
+        "minTLSVersion": "VersionTLS13",
+        "cipherSuites": "TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256",
+    }))
+    .await;
+    let strict = deployment_where("the profile's flags", |deployment| {
+        let args = args(deployment);
+        args.contains(&"--tls-min-version=VersionTLS13".to_owned())
+            && args.contains(&"--cipher-suites=TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256".to_owned())
+    })
+    .await;
+    let strict_hash = tls_config_hash(&strict).expect("the template carries the profile's hash");
+    assert_eq!(strict_hash.len(), 16);
+
+    // A suite no TLS stack knows: reported, the servers left alone.
+    set_profile(json!({"minTLSVersion": "VersionTLS13", "cipherSuites": "TLS_MADE_UP"})).await;
+    let mpc = hub
+        .wait_condition("cluster-proxy", "False", "InvalidTLSProfile")
+        .await;
+    assert!(
+        deployed_message(&mpc).contains("TLS_MADE_UP"),
+        "{}",
+        deployed_message(&mpc)
+    );
+    let kept = hub.deployments().get("cluster-proxy").await.unwrap();
+    assert_eq!(
+        tls_config_hash(&kept).as_deref(),
+        Some(strict_hash.as_str())
+    );
+
+    // TLS 1.0 is raised to 1.2, the oldest the proxy-server speaks.
+    set_profile(json!({"minTLSVersion": "VersionTLS10", "cipherSuites": ""})).await;
+    hub.wait_condition("cluster-proxy", "True", "SuccessfullyDeployed")
+        .await;
+    let relaxed = deployment_where("TLS 1.2 without a suite list", |deployment| {
+        let args = args(deployment);
+        args.contains(&"--tls-min-version=VersionTLS12".to_owned())
+            && !args.iter().any(|arg| arg.starts_with("--cipher-suites"))
+    })
+    .await;
+    assert_ne!(tls_config_hash(&relaxed), Some(strict_hash));
+
+    // Without the profile, no flags and no hash.
+    configmaps
+        .delete("ocm-tls-profile", &DeleteParams::default())
+        .await
+        .unwrap();
+    deployment_where("no TLS flags", |deployment| {
+        !args(deployment)
+            .iter()
+            .any(|arg| arg.starts_with("--tls-min-version"))
+            && tls_config_hash(deployment).is_none()
     })
     .await;
     hub.stop().await;

@@ -566,3 +566,40 @@ fn entrypoint_address_errors() {
         Err(EntrypointError::BadPort(70000))
     );
 }
+
+#[test]
+fn a_tls_profile_adds_its_flags_before_additional_args_and_a_template_hash() {
+    use addon_manager::hub::{TlsProfile, render_with_tls_profile};
+    let configuration = mpc(json!({"proxyServer": {"additionalArgs": ["-v=4"]}}));
+    let profile = TlsProfile::from_data(
+        &[
+            ("minTLSVersion".to_owned(), "VersionTLS13".to_owned()),
+            (
+                "cipherSuites".to_owned(),
+                "TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384".to_owned(),
+            ),
+        ]
+        .into(),
+    )
+    .unwrap();
+    let objects = render_with_tls_profile(&configuration, &profile).unwrap();
+    let args = container(&objects).args.clone().unwrap();
+    assert_eq!(
+        &args[args.len() - 3..],
+        [
+            "--tls-min-version=VersionTLS13",
+            "--cipher-suites=TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384",
+            "-v=4"
+        ]
+    );
+    let template = objects.deployment.spec.as_ref().unwrap().template.clone();
+    let annotations = template.metadata.unwrap().annotations.unwrap();
+    assert_eq!(
+        annotations["proxy.open-cluster-management.io/tls-config-hash"],
+        profile.hash()
+    );
+    // No profile: the template is what it was before profiles existed.
+    let plain = render(&configuration).unwrap();
+    let template = plain.deployment.spec.unwrap().template;
+    assert!(template.metadata.unwrap().annotations.is_none());
+}

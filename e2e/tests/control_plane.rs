@@ -312,6 +312,55 @@ async fn the_hub_follows_the_managed_proxy_configuration() {
     )
     .await;
 
+    // OCM's TLS profile: TLS 1.3 only. The proxy-servers roll with the
+    // flags, refuse a TLS 1.2 client, and still carry every cluster.
+    let replica = replica_client_addr(env.summary.hub_addr, 0);
+    let before = tokio::task::spawn_blocking(move || tls12_handshake(replica))
+        .await
+        .unwrap();
+    assert!(
+        !before.contains("ProtocolVersion") && before.contains("certificate"),
+        "without a profile TLS 1.2 is spoken (this client trusts no CA): {before}"
+    );
+    let configmaps: Api<k8s_openapi::api::core::v1::ConfigMap> =
+        Api::namespaced(admin.clone(), ADDON_NAMESPACE);
+    configmaps
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "metadata": {"name": "ocm-tls-profile", "namespace": ADDON_NAMESPACE},
+                "data": {"minTLSVersion": "VersionTLS13",
+                    "cipherSuites": "TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256"},
+            }))
+            .unwrap(),
+        )
+        .await
+        .unwrap();
+    wait_for(
+        "a TLS 1.2 client refused by the rolled proxy-server",
+        READY,
+        || async {
+            let refusal = tokio::task::spawn_blocking(move || tls12_handshake(replica))
+                .await
+                .map_err(|e| e.to_string())?;
+            if refusal.contains("ProtocolVersion") {
+                Ok(())
+            } else {
+                Err(refusal)
+            }
+        },
+    )
+    .await;
+    if let Err(err) = env.wait_clusters_ready(&names, 3, READY).await {
+        dump_logs(&env);
+        panic!("{err}");
+    }
+    let client = env.hub_client().unwrap();
+    wait_for("a cluster reached over TLS 1.3", READY, || async {
+        control_plane::reachable(&client, replica, &names[0]).await
+    })
+    .await;
+
     // An AddOnDeploymentConfig for cluster-a.
     let cluster = names[0].clone();
     let adcs: Api<cluster_proxy_proto::api::addon::v1alpha1::AddOnDeploymentConfig> =
@@ -475,4 +524,33 @@ async fn a_csr_from_another_clusters_identity_is_never_approved() {
         "the spoofed CSR was signed"
     );
     env.shutdown().await;
+}
+
+/// How a TLS 1.2-only client's handshake with `addr` ends: the error text,
+/// which names the alert (`ProtocolVersion` from a TLS 1.3-only server; a
+/// certificate error from one that speaks 1.2, as this client trusts no CA).
+fn tls12_handshake(addr: std::net::SocketAddr) -> String {
+    let config = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_protocol_versions(&[&rustls::version::TLS12])
+    .expect("TLS 1.2 is a valid version")
+    .with_root_certificates(rustls::RootCertStore::empty())
+    .with_no_client_auth();
+    let name = rustls_pki_types::ServerName::try_from("localhost").expect("a valid name");
+    let mut connection = match rustls::ClientConnection::new(std::sync::Arc::new(config), name) {
+        Ok(connection) => connection,
+        Err(error) => return error.to_string(),
+    };
+    let mut tcp = match std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5)) {
+        Ok(tcp) => tcp,
+        Err(error) => return format!("connect: {error}"),
+    };
+    let _ = tcp.set_read_timeout(Some(Duration::from_secs(5)));
+    while connection.is_handshaking() {
+        if let Err(error) = connection.complete_io(&mut tcp) {
+            return error.to_string();
+        }
+    }
+    "the handshake completed".to_owned()
 }

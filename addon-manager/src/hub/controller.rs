@@ -17,20 +17,25 @@ use cluster_proxy_proto::api::{
 };
 use futures_util::StreamExt;
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{Namespace, Service, ServiceAccount};
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Service, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams};
 use kube::runtime::controller::Action;
 use kube::runtime::reflector::ObjectRef;
-use kube::runtime::{Controller, watcher};
+use kube::runtime::{Controller, WatchStreamExt, watcher};
 use kube::{Api, Resource, ResourceExt};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use serde_json::json;
 
 use super::metrics::{HubMetrics, ReconcileResult};
-use super::render::{ADDON_NAME, HubObjects, LABEL_ADDON, RenderError, load_balancer_host, render};
+use super::render::{
+    ADDON_NAME, HubObjects, LABEL_ADDON, RenderError, load_balancer_host, render_with_tls_profile,
+};
+use super::tls_profile::{
+    REASON_INVALID_TLS_PROFILE, TLS_PROFILE_CONFIGMAP, TlsProfile, TlsProfileError,
+};
 use crate::apply::{ApplyError, FIELD_MANAGER, apply, is_conflict, is_not_found};
 
 /// How the hub controller paces itself.
@@ -47,6 +52,9 @@ pub struct HubSettings {
     pub backoff_max: Duration,
     /// Conflicts (409) in a row that are retried at once before backing off.
     pub immediate_conflict_retries: u32,
+    /// Where OCM's TLS profile ConfigMap ([`TLS_PROFILE_CONFIGMAP`]) is read
+    /// and watched: addon-manager's own namespace. `None`: no profile.
+    pub tls_profile_namespace: Option<String>,
 }
 
 impl Default for HubSettings {
@@ -57,6 +65,7 @@ impl Default for HubSettings {
             backoff_initial: Duration::from_millis(500),
             backoff_max: Duration::from_secs(300),
             immediate_conflict_retries: 3,
+            tls_profile_namespace: None,
         }
     }
 }
@@ -160,6 +169,21 @@ pub async fn run(
         watcher::Config::default(),
     );
     let configurations = controller.store();
+    // Any change of the TLS profile concerns every configuration.
+    let controller = match &settings.tls_profile_namespace {
+        Some(namespace) => {
+            let profile = watcher::Config::default()
+                .fields(&format!("metadata.name={TLS_PROFILE_CONFIGMAP}"));
+            let events = watcher(
+                Api::<ConfigMap>::namespaced(client.clone(), namespace),
+                profile,
+            )
+            .default_backoff()
+            .filter_map(|event| async move { event.ok().map(|_| ()) });
+            controller.reconcile_all_on(events)
+        }
+        None => controller,
+    };
     let context = Arc::new(Context {
         client: client.clone(),
         settings,
@@ -260,7 +284,15 @@ async fn reconcile_inner(
         write_status(context, mpc, invalid_condition(&invalid)).await?;
         return Ok(Outcome::Invalid);
     }
-    let objects = render(mpc)?;
+    let tls = match read_tls_profile(context).await? {
+        Ok(tls) => tls,
+        Err(problem) => {
+            tracing::warn!(configuration = %mpc.name_any(), %problem, "not deploying with a TLS profile the proxy-servers cannot follow");
+            write_status(context, mpc, invalid_tls_profile_condition(&problem)).await?;
+            return Ok(Outcome::Invalid);
+        }
+    };
+    let objects = render_with_tls_profile(mpc, &tls)?;
     match apply_all(mpc, &objects, context).await {
         Ok(action) => Ok(Outcome::Deployed(action)),
         Err(error) => {
@@ -387,6 +419,36 @@ fn truncate_message(mut message: String) -> String {
         message.push_str(" …");
     }
     message
+}
+
+/// OCM's TLS profile in [`HubSettings::tls_profile_namespace`]: none when
+/// that is unset or the ConfigMap does not exist; the inner error when the
+/// proxy-servers cannot follow it.
+async fn read_tls_profile(
+    context: &Context,
+) -> Result<Result<TlsProfile, TlsProfileError>, HubError> {
+    let Some(namespace) = &context.settings.tls_profile_namespace else {
+        return Ok(Ok(TlsProfile::default()));
+    };
+    let configmap = Api::<ConfigMap>::namespaced(context.client.clone(), namespace)
+        .get_opt(TLS_PROFILE_CONFIGMAP)
+        .await
+        .map_err(|source| HubError::api("reading", "ConfigMap", TLS_PROFILE_CONFIGMAP, source))?;
+    Ok(match configmap.and_then(|configmap| configmap.data) {
+        Some(data) => TlsProfile::from_data(&data),
+        None => Ok(TlsProfile::default()),
+    })
+}
+
+fn invalid_tls_profile_condition(problem: &TlsProfileError) -> Condition {
+    Condition {
+        type_: CONDITION_PROXY_SERVER_DEPLOYED.to_owned(),
+        status: CONDITION_FALSE.to_owned(),
+        reason: REASON_INVALID_TLS_PROFILE.to_owned(),
+        message: truncate_message(format!("{problem}; the proxy-servers are left as they are")),
+        observed_generation: None,
+        last_transition_time: Time(k8s_openapi::jiff::Timestamp::now()),
+    }
 }
 
 fn invalid_condition(invalid: &InvalidSpec) -> Condition {

@@ -56,6 +56,13 @@
 //!   itself and the CA, which deleting the MPC must not take away. Every
 //!   other object carries a controller owner reference to the MPC and is
 //!   garbage-collected with it.
+//! * **OCM's TLS profile** (ConfigMap `ocm-tls-profile` in
+//!   [`HubSettings::tls_profile_namespace`], see [`tls_profile`]) becomes the
+//!   proxy-servers' `--tls-min-version` and `--cipher-suites`, as upstream;
+//!   the ConfigMap is watched, where upstream restarts itself to see a
+//!   change, and a profile the proxy-servers cannot follow is
+//!   `ProxyServerDeployed=False` (`InvalidTLSProfile`) with what is deployed
+//!   left as it is.
 //! * **Multiple MPCs** are each reconciled; upstream exits when
 //!   `cluster-proxy` is missing at start. Only `cluster-proxy` is read by
 //!   the addon's agent rendering, as upstream.
@@ -63,7 +70,11 @@
 pub mod controller;
 pub mod metrics;
 pub mod render;
+pub mod tls_profile;
 
 pub use controller::{HubError, HubSettings, hub_problems, retry_delay, run};
 pub use metrics::{HubMetrics, ReconcileResult};
-pub use render::{EntrypointError, HubObjects, RenderError, entrypoint_address, render};
+pub use render::{
+    EntrypointError, HubObjects, RenderError, entrypoint_address, render, render_with_tls_profile,
+};
+pub use tls_profile::{TLS_PROFILE_CONFIGMAP, TlsProfile, TlsProfileError};

@@ -2,6 +2,7 @@
 //! run its proxy-servers out. No I/O, so every name, label and argument is
 //! checked by unit tests without an API server.
 
+use super::tls_profile::{ANNOTATION_TLS_CONFIG_HASH, TlsProfile};
 use std::collections::BTreeMap;
 
 use crate::apply::owner_reference;
@@ -140,6 +141,16 @@ pub fn pod_selector() -> BTreeMap<String, String> {
 /// user-server run in (the chart puts them together), and garbage collection
 /// of an owned Namespace would delete all of them with the MPC.
 pub fn render(mpc: &ManagedProxyConfiguration) -> Result<HubObjects, RenderError> {
+    render_with_tls_profile(mpc, &TlsProfile::default())
+}
+
+/// [`render`], the proxy-servers following the OCM TLS profile `tls`
+/// (`--tls-min-version`, `--cipher-suites` and the pod template annotation
+/// [`ANNOTATION_TLS_CONFIG_HASH`], so a change of profile rolls them).
+pub fn render_with_tls_profile(
+    mpc: &ManagedProxyConfiguration,
+    tls: &TlsProfile,
+) -> Result<HubObjects, RenderError> {
     let name = mpc.metadata.name.clone().ok_or(RenderError::Unnamed)?;
     let owner = owner_reference(mpc).ok_or(RenderError::NoUid)?;
     let namespace = namespace_of(mpc).to_owned();
@@ -202,9 +213,12 @@ pub fn render(mpc: &ManagedProxyConfiguration) -> Result<HubObjects, RenderError
                 // them (the replicas count each other, see `peer_service`).
                 metadata: Some(ObjectMeta {
                     labels: Some(pod_labels),
+                    annotations: (!tls.is_empty()).then(|| {
+                        BTreeMap::from([(ANNOTATION_TLS_CONFIG_HASH.to_owned(), tls.hash())])
+                    }),
                     ..ObjectMeta::default()
                 }),
-                spec: Some(pod_spec(mpc, &ports)),
+                spec: Some(pod_spec(mpc, &ports, tls)),
             },
             ..DeploymentSpec::default()
         }),
@@ -358,6 +372,15 @@ pub fn valid_load_balancer_annotations(
 /// the pod template and so no restart; `additionalArgs` may still set
 /// `--server-count-source=static --server-count=N`.
 pub fn proxy_server_args(mpc: &ManagedProxyConfiguration) -> Vec<String> {
+    proxy_server_args_with_tls_profile(mpc, &TlsProfile::default())
+}
+
+/// [`proxy_server_args`] with the TLS profile's flags before
+/// `additionalArgs` (which come last, so they can still override).
+pub fn proxy_server_args_with_tls_profile(
+    mpc: &ManagedProxyConfiguration,
+    tls: &TlsProfile,
+) -> Vec<String> {
     let mut args = vec![
         format!(
             "--server-count-source=dns:{PEER_SERVICE_NAME}.{}.svc",
@@ -380,11 +403,12 @@ pub fn proxy_server_args(mpc: &ManagedProxyConfiguration) -> Vec<String> {
             format!("--admin-port={}", ports.admin_server),
         ]);
     }
+    args.extend(tls.args());
     args.extend(mpc.spec.proxy_server.additional_args.iter().cloned());
     args
 }
 
-fn pod_spec(mpc: &ManagedProxyConfiguration, ports: &DeployPorts) -> PodSpec {
+fn pod_spec(mpc: &ManagedProxyConfiguration, ports: &DeployPorts, tls: &TlsProfile) -> PodSpec {
     let secrets = &mpc.spec.authentication.dump.secrets;
     let placement = &mpc.spec.proxy_server.node_placement;
     let health_probe = |path: &str| Probe {
@@ -402,7 +426,7 @@ fn pod_spec(mpc: &ManagedProxyConfiguration, ports: &DeployPorts) -> PodSpec {
         name: CONTAINER_NAME.to_owned(),
         image: Some(mpc.spec.proxy_server.image.clone()),
         command: Some(vec!["/proxy-server".to_owned()]),
-        args: Some(proxy_server_args(mpc)),
+        args: Some(proxy_server_args_with_tls_profile(mpc, tls)),
         env: Some(vec![EnvVar {
             name: SERVER_ID_ENV.to_owned(),
             value_from: Some(EnvVarSource {
