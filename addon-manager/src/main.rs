@@ -76,6 +76,7 @@ async fn run(settings: Settings) -> anyhow::Result<()> {
     let mut addon_settings = AddonSettings::new(&settings.namespace);
     addon_settings.agent_install_namespace = settings.agent_install_namespace.clone();
     addon_settings.removal_grace = settings.placement_removal_grace;
+    addon_settings.enable_kube_api_proxy = settings.enable_kube_api_proxy;
     addon_settings.install_strategy =
         addon::InstallStrategy::Placements(vec![addon::PlacementRef {
             namespace: settings.namespace.clone(),

@@ -74,6 +74,16 @@ impl Rendered {
         managed_cluster: Option<&ManagedCluster>,
         ca: &[u8],
     ) -> Self {
+        Self::with_kube_api_proxy(mpc, adc, managed_cluster, ca, true)
+    }
+
+    fn with_kube_api_proxy(
+        mpc: &ManagedProxyConfiguration,
+        adc: Option<&AddOnDeploymentConfig>,
+        managed_cluster: Option<&ManagedCluster>,
+        ca: &[u8],
+        kube_api_proxy: bool,
+    ) -> Self {
         let cluster = ClusterName::new("cluster-a").unwrap();
         let entrypoint = render::entrypoint(mpc, None).unwrap();
         let customization =
@@ -86,6 +96,7 @@ impl Rendered {
             entrypoint: &entrypoint,
             ca_pem: ca,
             customization: &customization,
+            kube_api_proxy,
         };
         let work = manifest_work(&inputs, None).unwrap();
         Rendered {
@@ -877,5 +888,32 @@ fn cluster_management_addon_declares_upstreams_shape() {
     assert_eq!(
         cma["spec"]["supportedConfigs"][1]["defaultConfig"],
         json!({"namespace": "open-cluster-management-addon", "name": "defaults"})
+    );
+}
+
+/// Regression: `--enable-kube-api-proxy=false` was parsed and ignored, so
+/// every cluster's kube-apiserver stayed reachable by its name. Now the agent
+/// answers only to its service-proxy host and the ExternalName Service is
+/// not deployed.
+#[test]
+fn without_the_kube_api_proxy_the_cluster_name_routes_nowhere() {
+    let rendered = Rendered::with_kube_api_proxy(&hostname_mpc(), None, None, CA, false);
+    let hashed = ClusterName::new("cluster-a").unwrap().service_proxy_host();
+    let args = rendered.container("proxy-agent").args.unwrap();
+    assert!(
+        args.contains(&format!("--agent-identifiers=host={hashed}")),
+        "{args:?}"
+    );
+    assert!(
+        !rendered
+            .manifests()
+            .iter()
+            .any(|m| m["kind"] == "Service" && m["metadata"]["name"] == "cluster-a"),
+        "no ExternalName Service for the cluster's name"
+    );
+    let with = Rendered::new(&hostname_mpc(), None, CA);
+    assert_eq!(
+        with.manifest("Service", "cluster-a")["spec"]["type"],
+        "ExternalName"
     );
 }

@@ -109,6 +109,10 @@ pub struct AddonSettings {
     /// object to the next is in none of them between the two writes; without
     /// a grace its agent would be uninstalled and installed again.
     pub removal_grace: Duration,
+    /// Make every cluster's kube-apiserver reachable through the tunnel by
+    /// the cluster's name (upstream's `--enable-kube-api-proxy`, default
+    /// true); see [`render::AgentInputs::kube_api_proxy`].
+    pub enable_kube_api_proxy: bool,
 }
 
 impl AddonSettings {
@@ -124,6 +128,7 @@ impl AddonSettings {
             }]),
             default_deployment_config: None,
             removal_grace: DEFAULT_REMOVAL_GRACE,
+            enable_kube_api_proxy: true,
         }
     }
 }

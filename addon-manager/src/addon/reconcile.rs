@@ -410,6 +410,7 @@ async fn evaluate(
         entrypoint: &entrypoint,
         ca_pem: &ca_pem,
         customization: &customization,
+        kube_api_proxy: context.settings.enable_kube_api_proxy,
     };
     let desired = render::manifest_work(&inputs, owner)?;
     let works = Api::<ManifestWork>::namespaced(client.clone(), cluster);

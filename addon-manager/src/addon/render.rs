@@ -158,6 +158,12 @@ pub struct AgentInputs<'a> {
     pub ca_pem: &'a [u8],
     /// The cluster's image and container resources.
     pub customization: &'a AgentCustomization,
+    /// Make the cluster's kube-apiserver reachable by the cluster's name
+    /// (`--enable-kube-api-proxy`): the agent identifiers `host=<cluster>`
+    /// and `host=<cluster>.<namespace>`, and the ExternalName Service
+    /// `<cluster>` they resolve through. Without it the agent answers only
+    /// to its service-proxy host.
+    pub kube_api_proxy: bool,
 }
 
 fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
@@ -305,10 +311,12 @@ fn secret_volume(name: &str, secret: &str) -> Volume {
 /// The proxy-agent's arguments, in the fixed order the local environment
 /// and upstream's chart use, then `spec.proxyAgent.additionalArgs`.
 pub fn proxy_agent_args(inputs: &AgentInputs<'_>) -> Vec<String> {
-    let identifiers = inputs
-        .cluster
-        .default_identifiers(inputs.install_namespace)
-        .to_query();
+    let mut identifiers = inputs.cluster.default_identifiers(inputs.install_namespace);
+    if !inputs.kube_api_proxy {
+        let service_proxy_host = inputs.cluster.service_proxy_host();
+        identifiers.hosts.retain(|host| *host == service_proxy_host);
+    }
+    let identifiers = identifiers.to_query();
     let mut args = vec![
         format!("--proxy-server-host={}", inputs.entrypoint.host),
         format!("--proxy-server-port={}", inputs.entrypoint.port),
@@ -503,15 +511,20 @@ pub fn agent_manifests(inputs: &AgentInputs<'_>) -> Result<Vec<Manifest>, Manife
             api_group: None,
         }],
     );
-    Ok(vec![
+    let mut manifests = vec![
         Manifest::new(&namespace_object)?,
         Manifest::new(&service_account)?,
         Manifest::new(&ca_secret)?,
-        Manifest::new(&cluster_service)?,
+    ];
+    if inputs.kube_api_proxy {
+        manifests.push(Manifest::new(&cluster_service)?);
+    }
+    manifests.extend([
         Manifest::new(&role)?,
         Manifest::new(&binding)?,
         Manifest::new(&agent_deployment(inputs))?,
-    ])
+    ]);
+    Ok(manifests)
 }
 
 /// The ManifestWork `addon-cluster-proxy-deploy-0` in the cluster's
