@@ -77,6 +77,11 @@ async fn run(settings: Settings) -> anyhow::Result<()> {
     addon_settings.agent_install_namespace = settings.agent_install_namespace.clone();
     addon_settings.removal_grace = settings.placement_removal_grace;
     addon_settings.enable_kube_api_proxy = settings.enable_kube_api_proxy;
+    addon_settings
+        .managed_proxy_configuration
+        .clone_from(&settings.managed_proxy_configuration);
+    addon_settings.agent_image =
+        (!settings.agent_image_name.is_empty()).then(|| settings.agent_image_name.clone());
     addon_settings.install_strategy =
         addon::InstallStrategy::Placements(vec![addon::PlacementRef {
             namespace: settings.namespace.clone(),

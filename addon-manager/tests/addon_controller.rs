@@ -1093,3 +1093,71 @@ async fn image_mirrors_and_container_resources_follow_the_cluster_and_its_config
     );
     hub.stop().await;
 }
+
+/// Regression: `--managed-proxy-configuration`, `--agent-image-name` and
+/// `--enable-kube-api-proxy` were parsed and ignored. The agents now follow
+/// the MPC named, run the image named, and without the kube-apiserver proxy
+/// get no ExternalName Service.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_named_configuration_and_agent_image_are_followed() {
+    let mut hub = Hub::new(false).await;
+    let mut mpc = mpc_object(1);
+    mpc.metadata.name = Some("fleet-proxy".to_owned());
+    Api::<ManagedProxyConfiguration>::all(hub.admin.clone())
+        .create(&PostParams::default(), &mpc)
+        .await
+        .unwrap();
+    hub.cluster("cluster-a", true).await;
+    hub.decide(&["cluster-a"]).await;
+    hub.start(AddonSettings {
+        managed_proxy_configuration: "fleet-proxy".to_owned(),
+        agent_image: Some("registry.local/agent-override:7".to_owned()),
+        enable_kube_api_proxy: false,
+        ..AddonSettings::new(HUB)
+    });
+
+    let addon = hub
+        .wait_condition(
+            "cluster-a",
+            "Configured",
+            "True",
+            "ConfigurationsConfigured",
+        )
+        .await;
+    let references = addon.status.unwrap().config_references.unwrap();
+    assert!(
+        references
+            .iter()
+            .any(|r| r.resource == "managedproxyconfigurations"
+                && r.name.as_deref() == Some("fleet-proxy")),
+        "{references:?}"
+    );
+    let management = Api::<ClusterManagementAddOn>::all(hub.admin.clone())
+        .get("cluster-proxy")
+        .await
+        .unwrap();
+    let supported = management.spec.supported_configs.unwrap();
+    assert!(
+        supported.iter().any(|config| config
+            .default_config
+            .as_ref()
+            .is_some_and(|default| default.name == "fleet-proxy")),
+        "{supported:?}"
+    );
+    let work = eventually("cluster-a's work", WAIT, || hub.work("cluster-a")).await;
+    let deployment = deployment_of(&work);
+    for container in deployment["spec"]["template"]["spec"]["containers"]
+        .as_array()
+        .unwrap()
+    {
+        assert_eq!(container["image"], "registry.local/agent-override:7");
+    }
+    let manifests = work.spec.workload.unwrap().manifests.unwrap();
+    assert!(
+        !manifests
+            .iter()
+            .any(|m| m.kind() == Some("Service") && m.name() == Some("cluster-a")),
+        "no ExternalName Service without the kube-apiserver proxy"
+    );
+    hub.stop().await;
+}

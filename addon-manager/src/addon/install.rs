@@ -26,7 +26,6 @@ use cluster_proxy_proto::api::addon::v1alpha1::{
 };
 use cluster_proxy_proto::api::cluster::v1::ManagedCluster;
 use cluster_proxy_proto::api::cluster::v1beta1::{LABEL_PLACEMENT, PlacementDecision};
-use cluster_proxy_proto::api::proxy::v1alpha1::MANAGED_PROXY_CONFIGURATION_NAME;
 use futures_util::{Stream, StreamExt, stream};
 use kube::api::DeleteParams;
 use kube::runtime::controller::{Action, Controller};
@@ -86,7 +85,7 @@ pub fn cluster_management_addon(settings: &AddonSettings) -> ClusterManagementAd
                     resource: MPC_RESOURCE.into(),
                     default_config: Some(ConfigReferent {
                         namespace: None,
-                        name: MANAGED_PROXY_CONFIGURATION_NAME.into(),
+                        name: settings.managed_proxy_configuration.clone(),
                     }),
                 },
                 ConfigMeta {

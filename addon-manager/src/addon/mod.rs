@@ -113,6 +113,13 @@ pub struct AddonSettings {
     /// the cluster's name (upstream's `--enable-kube-api-proxy`, default
     /// true); see [`render::AgentInputs::kube_api_proxy`].
     pub enable_kube_api_proxy: bool,
+    /// The ManagedProxyConfiguration the agents are rendered from and the
+    /// ClusterManagementAddOn names as its default configuration
+    /// (`--managed-proxy-configuration`, default `cluster-proxy`).
+    pub managed_proxy_configuration: String,
+    /// The agent image (`--agent-image-name`); `None`: the MPC's
+    /// `spec.proxyAgent.image`. Image mirrors apply to it either way.
+    pub agent_image: Option<String>,
 }
 
 impl AddonSettings {
@@ -129,6 +136,10 @@ impl AddonSettings {
             default_deployment_config: None,
             removal_grace: DEFAULT_REMOVAL_GRACE,
             enable_kube_api_proxy: true,
+            managed_proxy_configuration:
+                cluster_proxy_proto::api::proxy::v1alpha1::MANAGED_PROXY_CONFIGURATION_NAME
+                    .to_owned(),
+            agent_image: None,
         }
     }
 }

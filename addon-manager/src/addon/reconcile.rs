@@ -12,9 +12,7 @@ use cluster_proxy_proto::api::addon::v1alpha1::{
     REASON_MANIFESTS_APPLIED, REASON_MANIFESTS_APPLY_FAILED, REASON_SET_PERMISSION_APPLIED,
 };
 use cluster_proxy_proto::api::cluster::v1::ManagedCluster;
-use cluster_proxy_proto::api::proxy::v1alpha1::{
-    MANAGED_PROXY_CONFIGURATION_NAME, ManagedProxyConfiguration,
-};
+use cluster_proxy_proto::api::proxy::v1alpha1::ManagedProxyConfiguration;
 use cluster_proxy_proto::api::work::v1::{self as work, ManifestWork};
 use cluster_proxy_proto::api::{CONDITION_FALSE, CONDITION_TRUE, CONDITION_UNKNOWN};
 use cluster_proxy_proto::identity::{ClusterName, is_dns1123_label};
@@ -193,12 +191,8 @@ async fn evaluate(
     }
 
     // Configurations: the MPC, and the AddOnDeploymentConfig if one applies.
-    let mpc = cached_or_read(
-        &cache.mpcs,
-        &Api::all(client.clone()),
-        MANAGED_PROXY_CONFIGURATION_NAME,
-    )
-    .await?;
+    let mpc_name = context.settings.managed_proxy_configuration.as_str();
+    let mpc = cached_or_read(&cache.mpcs, &Api::all(client.clone()), mpc_name).await?;
     let Some(mpc) = mpc else {
         return stop(
             status,
@@ -206,9 +200,7 @@ async fn evaluate(
                 CONDITION_CONFIGURED,
                 CONDITION_FALSE,
                 REASON_CONFIGURATION_NOT_FOUND,
-                format!(
-                    "ManagedProxyConfiguration {MANAGED_PROXY_CONFIGURATION_NAME} does not exist"
-                ),
+                format!("ManagedProxyConfiguration {mpc_name} does not exist"),
             )],
             None,
         );
@@ -343,8 +335,9 @@ async fn evaluate(
             None,
         );
     }
+    let agent_image = context.settings.agent_image.as_deref();
     let customization = match AgentCustomization::new(
-        &mpc.spec.proxy_agent.image,
+        agent_image.unwrap_or(&mpc.spec.proxy_agent.image),
         adc.as_deref(),
         managed_cluster.as_deref(),
     ) {
@@ -454,7 +447,7 @@ fn config_references(
         })
     };
     let mut references = vec![config::mpc_reference(
-        MANAGED_PROXY_CONFIGURATION_NAME,
+        &mpc.name_any(),
         hash(config::spec_hash(&mpc.spec))?,
     )];
     if let (Some(reference), Some(adc)) = (adc_ref, adc) {
