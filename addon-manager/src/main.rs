@@ -77,6 +77,7 @@ async fn run(settings: Settings) -> anyhow::Result<()> {
     addon_settings.agent_install_namespace = settings.agent_install_namespace.clone();
     addon_settings.removal_grace = settings.placement_removal_grace;
     addon_settings.enable_kube_api_proxy = settings.enable_kube_api_proxy;
+    addon_settings.enable_network_policies = settings.enable_network_policies;
     addon_settings
         .managed_proxy_configuration
         .clone_from(&settings.managed_proxy_configuration);

@@ -66,6 +66,11 @@ pub struct Cli {
     #[arg(long, value_parser = cluster_proxy_runtime::cli::parse_go_bool, num_args = 0..=1, default_missing_value = "true")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub enable_kube_api_proxy: Option<bool>,
+    /// Ship a NetworkPolicy with every agent: in, only its health port; out,
+    /// DNS, the kube-apiserver (443, 6443) and the hub entrypoint's port.
+    #[arg(long, value_parser = cluster_proxy_runtime::cli::parse_go_bool, num_args = 0..=1, default_missing_value = "true")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub enable_network_policies: Option<bool>,
     /// The Placement (in --namespace) whose clusters get the addon.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -109,6 +114,7 @@ pub struct Settings {
     pub agent_install_namespace: String,
     pub agent_image_name: String,
     pub enable_kube_api_proxy: bool,
+    pub enable_network_policies: bool,
     pub placement_name: String,
     #[serde(with = "serde_go")]
     pub placement_removal_grace: Duration,
@@ -130,6 +136,7 @@ impl Default for Settings {
             agent_install_namespace: "open-cluster-management-cluster-proxy".into(),
             agent_image_name: String::new(),
             enable_kube_api_proxy: true,
+            enable_network_policies: false,
             placement_name: "cluster-proxy-placement".into(),
             placement_removal_grace: crate::addon::DEFAULT_REMOVAL_GRACE,
             leader_elect: true,

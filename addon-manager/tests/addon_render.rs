@@ -97,6 +97,7 @@ impl Rendered {
             ca_pem: ca,
             customization: &customization,
             kube_api_proxy,
+            network_policy: false,
         };
         let work = manifest_work(&inputs, None).unwrap();
         Rendered {
@@ -915,5 +916,68 @@ fn without_the_kube_api_proxy_the_cluster_name_routes_nowhere() {
     assert_eq!(
         with.manifest("Service", "cluster-a")["spec"]["type"],
         "ExternalName"
+    );
+}
+
+#[test]
+fn with_network_policies_the_agent_ships_its_own() {
+    let mpc =
+        mpc(json!({"type": "Hostname", "hostname": {"value": "proxy.hub.example"}, "port": 8091}));
+    let cluster = ClusterName::new("cluster-a").unwrap();
+    let entrypoint = render::entrypoint(&mpc, None).unwrap();
+    let customization = AgentCustomization::new(&mpc.spec.proxy_agent.image, None, None).unwrap();
+    let inputs = AgentInputs {
+        cluster: &cluster,
+        install_namespace: "open-cluster-management-cluster-proxy",
+        mpc: &mpc,
+        deployment_config: None,
+        entrypoint: &entrypoint,
+        ca_pem: CA,
+        customization: &customization,
+        kube_api_proxy: true,
+        network_policy: true,
+    };
+    let work = serde_json::to_value(manifest_work(&inputs, None).unwrap()).unwrap();
+    let manifests = work["spec"]["workload"]["manifests"].as_array().unwrap();
+    let policy = manifests
+        .iter()
+        .find(|m| m["kind"] == "NetworkPolicy")
+        .expect("the work carries the agent's NetworkPolicy");
+    assert_eq!(
+        policy["metadata"]["name"],
+        "cluster-proxy-proxy-agent-network-policy"
+    );
+    assert_eq!(
+        policy["metadata"]["namespace"],
+        "open-cluster-management-cluster-proxy"
+    );
+    let deployment = manifests
+        .iter()
+        .find(|m| m["kind"] == "Deployment")
+        .unwrap();
+    assert_eq!(
+        policy["spec"]["podSelector"]["matchLabels"], deployment["spec"]["selector"]["matchLabels"],
+        "it selects the agent pods"
+    );
+    let egress_ports: Vec<i64> = policy["spec"]["egress"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|rule| rule["ports"].as_array().unwrap().iter())
+        .filter(|port| port["protocol"] == "TCP")
+        .map(|port| port["port"].as_i64().unwrap())
+        .collect();
+    assert_eq!(entrypoint.port, 8091);
+    for port in [53, 443, 6443, 8091] {
+        assert!(egress_ports.contains(&port), "{port} in {egress_ports:?}");
+    }
+    assert_eq!(policy["spec"]["ingress"][0]["ports"][0]["port"], 8093);
+    // Off by default.
+    let plain = Rendered::new(&mpc, None, CA);
+    assert!(
+        !plain
+            .manifests()
+            .iter()
+            .any(|m| m["kind"] == "NetworkPolicy")
     );
 }

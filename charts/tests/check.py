@@ -321,6 +321,22 @@ def check_non_default(docs: list[dict]) -> None:
         find(docs, "NetworkPolicy", "cluster-proxy-health-prober", "proxy-servers") is not None,
         "non-default: NetworkPolicy cluster-proxy-health-prober",
     )
+    server_policy = find(docs, "NetworkPolicy", "cluster-proxy-proxy-server", "proxy-servers")
+    expect(server_policy is not None, "non-default: NetworkPolicy cluster-proxy-proxy-server")
+    if server_policy:
+        ingress_ports = {
+            port["port"] for rule in server_policy["spec"]["ingress"] for port in rule["ports"]
+        }
+        expect(
+            {8090, 8091} <= ingress_ports,
+            f"non-default: proxy-server NetworkPolicy admits clients and agents: {ingress_ports}",
+        )
+    if manager:
+        args = manager["spec"]["template"]["spec"]["containers"][0]["args"]
+        expect(
+            "--enable-network-policies=true" in args,
+            f"non-default: the agents get NetworkPolicies too: {args}",
+        )
     prober = find(docs, "Deployment", "cluster-proxy-health-prober", "proxy-servers")
     expect(prober is not None, "non-default: health-prober runs in the proxy-server namespace")
     if prober:

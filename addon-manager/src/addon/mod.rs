@@ -113,6 +113,10 @@ pub struct AddonSettings {
     /// the cluster's name (upstream's `--enable-kube-api-proxy`, default
     /// true); see [`render::AgentInputs::kube_api_proxy`].
     pub enable_kube_api_proxy: bool,
+    /// Ship a NetworkPolicy for the agent pods with every agent
+    /// (upstream's `--enable-network-policies`, default false); see
+    /// [`render::agent_network_policy`].
+    pub enable_network_policies: bool,
     /// The ManagedProxyConfiguration the agents are rendered from and the
     /// ClusterManagementAddOn names as its default configuration
     /// (`--managed-proxy-configuration`, default `cluster-proxy`).
@@ -136,6 +140,7 @@ impl AddonSettings {
             default_deployment_config: None,
             removal_grace: DEFAULT_REMOVAL_GRACE,
             enable_kube_api_proxy: true,
+            enable_network_policies: false,
             managed_proxy_configuration:
                 cluster_proxy_proto::api::proxy::v1alpha1::MANAGED_PROXY_CONFIGURATION_NAME
                     .to_owned(),

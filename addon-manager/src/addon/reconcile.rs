@@ -404,6 +404,7 @@ async fn evaluate(
         ca_pem: &ca_pem,
         customization: &customization,
         kube_api_proxy: context.settings.enable_kube_api_proxy,
+        network_policy: context.settings.enable_network_policies,
     };
     let desired = render::manifest_work(&inputs, owner)?;
     let works = Api::<ManifestWork>::namespaced(client.clone(), cluster);

@@ -26,6 +26,10 @@ use k8s_openapi::api::core::v1::{
     ObjectFieldSelector, PodSpec, PodTemplateSpec, Probe, SecretVolumeSource, SecurityContext,
     Service, ServiceAccount, ServiceSpec, Toleration, Volume, VolumeMount,
 };
+use k8s_openapi::api::networking::v1::{
+    NetworkPolicy, NetworkPolicyEgressRule, NetworkPolicyIngressRule, NetworkPolicyPort,
+    NetworkPolicySpec,
+};
 use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject as RbacSubject};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
@@ -164,6 +168,9 @@ pub struct AgentInputs<'a> {
     /// `<cluster>` they resolve through. Without it the agent answers only
     /// to its service-proxy host.
     pub kube_api_proxy: bool,
+    /// Ship [`AGENT_NETWORK_POLICY`] with the agent
+    /// (`--enable-network-policies`).
+    pub network_policy: bool,
 }
 
 fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
@@ -186,6 +193,59 @@ fn agent_labels() -> BTreeMap<String, String> {
         (LABEL_ADDON, ADDON_NAME),
         (LABEL_COMPONENT_NAME, COMPONENT_PROXY_AGENT),
     ])
+}
+
+/// The agent's NetworkPolicy (upstream's name), with `--enable-network-policies`.
+pub const AGENT_NETWORK_POLICY: &str = "cluster-proxy-proxy-agent-network-policy";
+/// Ports of a kube-apiserver the agent pods may reach with the policy on:
+/// the addon-agent renews its Lease there, and a cluster's name leads there.
+pub const KUBE_API_SERVER_PORTS: [i32; 2] = [443, 6443];
+
+/// The agent pods' NetworkPolicy: in, only the health port (probes and
+/// `/metrics`); out, DNS, the kube-apiserver's ports and the hub entrypoint's
+/// port. Upstream's, without the service-proxy ports. Other policies that
+/// select the agent pods add to it: NetworkPolicies are unions.
+pub fn agent_network_policy(namespace: &str, entrypoint_port: i32) -> NetworkPolicy {
+    let tcp = |port: i32| NetworkPolicyPort {
+        port: Some(IntOrString::Int(port)),
+        protocol: Some("TCP".into()),
+        ..NetworkPolicyPort::default()
+    };
+    let udp = |port: i32| NetworkPolicyPort {
+        protocol: Some("UDP".into()),
+        ..tcp(port)
+    };
+    let mut apiserver_and_hub: Vec<NetworkPolicyPort> = KUBE_API_SERVER_PORTS
+        .iter()
+        .map(|port| tcp(*port))
+        .collect();
+    if !KUBE_API_SERVER_PORTS.contains(&entrypoint_port) {
+        apiserver_and_hub.push(tcp(entrypoint_port));
+    }
+    NetworkPolicy {
+        metadata: meta(AGENT_NETWORK_POLICY, Some(namespace)),
+        spec: Some(NetworkPolicySpec {
+            pod_selector: Some(LabelSelector {
+                match_labels: Some(agent_labels()),
+                ..LabelSelector::default()
+            }),
+            policy_types: Some(vec!["Ingress".into(), "Egress".into()]),
+            ingress: Some(vec![NetworkPolicyIngressRule {
+                ports: Some(vec![tcp(AGENT_HEALTH_PORT)]),
+                ..NetworkPolicyIngressRule::default()
+            }]),
+            egress: Some(vec![
+                NetworkPolicyEgressRule {
+                    ports: Some(vec![udp(53), tcp(53), udp(5353), tcp(5353)]),
+                    ..NetworkPolicyEgressRule::default()
+                },
+                NetworkPolicyEgressRule {
+                    ports: Some(apiserver_and_hub),
+                    ..NetworkPolicyEgressRule::default()
+                },
+            ]),
+        }),
+    }
 }
 
 /// Tolerations upstream's agent chart sets unless the ADC names its own.
@@ -518,6 +578,12 @@ pub fn agent_manifests(inputs: &AgentInputs<'_>) -> Result<Vec<Manifest>, Manife
     ];
     if inputs.kube_api_proxy {
         manifests.push(Manifest::new(&cluster_service)?);
+    }
+    if inputs.network_policy {
+        manifests.push(Manifest::new(&agent_network_policy(
+            namespace,
+            inputs.entrypoint.port,
+        ))?);
     }
     manifests.extend([
         Manifest::new(&role)?,
