@@ -78,6 +78,9 @@ async fn run(settings: Settings) -> anyhow::Result<()> {
     addon_settings.removal_grace = settings.placement_removal_grace;
     addon_settings.enable_kube_api_proxy = settings.enable_kube_api_proxy;
     addon_settings.enable_network_policies = settings.enable_network_policies;
+    let image_pull_policy =
+        (!settings.image_pull_policy.is_empty()).then(|| settings.image_pull_policy.clone());
+    addon_settings.image_pull_policy = image_pull_policy.clone();
     addon_settings
         .managed_proxy_configuration
         .clone_from(&settings.managed_proxy_configuration);
@@ -106,6 +109,7 @@ async fn run(settings: Settings) -> anyhow::Result<()> {
             client.clone(),
             HubSettings {
                 tls_profile_namespace: Some(settings.namespace.clone()),
+                image_pull_policy: image_pull_policy.clone(),
                 ..HubSettings::default()
             },
             hub_metrics.clone(),

@@ -71,6 +71,11 @@ pub struct Cli {
     #[arg(long, value_parser = cluster_proxy_runtime::cli::parse_go_bool, num_args = 0..=1, default_missing_value = "true")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub enable_network_policies: Option<bool>,
+    /// imagePullPolicy of the proxy-server and agent containers: Always,
+    /// IfNotPresent or Never; empty: Kubernetes' default.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub image_pull_policy: Option<String>,
     /// The Placement (in --namespace) whose clusters get the addon.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -115,6 +120,7 @@ pub struct Settings {
     pub agent_image_name: String,
     pub enable_kube_api_proxy: bool,
     pub enable_network_policies: bool,
+    pub image_pull_policy: String,
     pub placement_name: String,
     #[serde(with = "serde_go")]
     pub placement_removal_grace: Duration,
@@ -137,6 +143,7 @@ impl Default for Settings {
             agent_image_name: String::new(),
             enable_kube_api_proxy: true,
             enable_network_policies: false,
+            image_pull_policy: String::new(),
             placement_name: "cluster-proxy-placement".into(),
             placement_removal_grace: crate::addon::DEFAULT_REMOVAL_GRACE,
             leader_elect: true,
@@ -178,6 +185,18 @@ impl Settings {
         }
         if self.placement_name.is_empty() {
             return Err(invalid("placement_name", "must not be empty"));
+        }
+        if !matches!(
+            self.image_pull_policy.as_str(),
+            "" | "Always" | "IfNotPresent" | "Never"
+        ) {
+            return Err(invalid(
+                "image_pull_policy",
+                format!(
+                    "{:?} is not one of Always, IfNotPresent, Never",
+                    self.image_pull_policy
+                ),
+            ));
         }
         if self.placement_removal_grace > MAX_REMOVAL_GRACE {
             return Err(invalid(
@@ -237,6 +256,8 @@ mod tests {
             err.to_string().contains("ADDON_MANAGER_HEALTH_PORT"),
             "{err}"
         );
+        let err = load(&["--image-pull-policy=always"], &[]).unwrap_err();
+        assert!(err.to_string().contains("image_pull_policy"), "{err}");
         for grace in ["ten", "-1s", "2h"] {
             let err = load(&[&format!("--placement-removal-grace={grace}")], &[]).unwrap_err();
             let err = err.to_string();

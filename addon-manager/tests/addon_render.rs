@@ -98,6 +98,7 @@ impl Rendered {
             customization: &customization,
             kube_api_proxy,
             network_policy: false,
+            image_pull_policy: None,
         };
         let work = manifest_work(&inputs, None).unwrap();
         Rendered {
@@ -936,6 +937,7 @@ fn with_network_policies_the_agent_ships_its_own() {
         customization: &customization,
         kube_api_proxy: true,
         network_policy: true,
+        image_pull_policy: Some("Always"),
     };
     let work = serde_json::to_value(manifest_work(&inputs, None).unwrap()).unwrap();
     let manifests = work["spec"]["workload"]["manifests"].as_array().unwrap();
@@ -972,6 +974,12 @@ fn with_network_policies_the_agent_ships_its_own() {
         assert!(egress_ports.contains(&port), "{port} in {egress_ports:?}");
     }
     assert_eq!(policy["spec"]["ingress"][0]["ports"][0]["port"], 8093);
+    for container in deployment["spec"]["template"]["spec"]["containers"]
+        .as_array()
+        .unwrap()
+    {
+        assert_eq!(container["imagePullPolicy"], "Always");
+    }
     // Off by default.
     let plain = Rendered::new(&mpc, None, CA);
     assert!(

@@ -304,6 +304,7 @@ fn quick_settings() -> HubSettings {
         backoff_max: Duration::from_secs(2),
         immediate_conflict_retries: 3,
         tls_profile_namespace: None,
+        image_pull_policy: None,
     }
 }
 

@@ -569,7 +569,7 @@ fn entrypoint_address_errors() {
 
 #[test]
 fn a_tls_profile_adds_its_flags_before_additional_args_and_a_template_hash() {
-    use addon_manager::hub::{TlsProfile, render_with_tls_profile};
+    use addon_manager::hub::{HubRenderOptions, TlsProfile, render_with};
     let configuration = mpc(json!({"proxyServer": {"additionalArgs": ["-v=4"]}}));
     let profile = TlsProfile::from_data(
         &[
@@ -582,7 +582,15 @@ fn a_tls_profile_adds_its_flags_before_additional_args_and_a_template_hash() {
         .into(),
     )
     .unwrap();
-    let objects = render_with_tls_profile(&configuration, &profile).unwrap();
+    let options = HubRenderOptions {
+        tls_profile: profile.clone(),
+        image_pull_policy: Some("Always".to_owned()),
+    };
+    let objects = render_with(&configuration, &options).unwrap();
+    assert_eq!(
+        container(&objects).image_pull_policy.as_deref(),
+        Some("Always")
+    );
     let args = container(&objects).args.clone().unwrap();
     assert_eq!(
         &args[args.len() - 3..],

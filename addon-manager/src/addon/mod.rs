@@ -124,6 +124,9 @@ pub struct AddonSettings {
     /// The agent image (`--agent-image-name`); `None`: the MPC's
     /// `spec.proxyAgent.image`. Image mirrors apply to it either way.
     pub agent_image: Option<String>,
+    /// The agent containers' `imagePullPolicy` (`--image-pull-policy`);
+    /// `None`: Kubernetes' default.
+    pub image_pull_policy: Option<String>,
 }
 
 impl AddonSettings {
@@ -145,6 +148,7 @@ impl AddonSettings {
                 cluster_proxy_proto::api::proxy::v1alpha1::MANAGED_PROXY_CONFIGURATION_NAME
                     .to_owned(),
             agent_image: None,
+            image_pull_policy: None,
         }
     }
 }

@@ -405,6 +405,7 @@ async fn evaluate(
         customization: &customization,
         kube_api_proxy: context.settings.enable_kube_api_proxy,
         network_policy: context.settings.enable_network_policies,
+        image_pull_policy: context.settings.image_pull_policy.as_deref(),
     };
     let desired = render::manifest_work(&inputs, owner)?;
     let works = Api::<ManifestWork>::namespaced(client.clone(), cluster);

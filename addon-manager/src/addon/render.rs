@@ -171,6 +171,9 @@ pub struct AgentInputs<'a> {
     /// Ship [`AGENT_NETWORK_POLICY`] with the agent
     /// (`--enable-network-policies`).
     pub network_policy: bool,
+    /// The containers' `imagePullPolicy` (`--image-pull-policy`); `None`:
+    /// Kubernetes' default.
+    pub image_pull_policy: Option<&'a str>,
 }
 
 fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
@@ -419,6 +422,7 @@ pub fn agent_deployment(inputs: &AgentInputs<'_>) -> Deployment {
     let proxy_agent = Container {
         name: PROXY_AGENT_CONTAINER.into(),
         image: Some(image.clone()),
+        image_pull_policy: inputs.image_pull_policy.map(str::to_owned),
         command: Some(vec!["/proxy-agent".into()]),
         args: Some(proxy_agent_args(inputs)),
         env: (!env.is_empty()).then_some(env),
@@ -434,6 +438,7 @@ pub fn agent_deployment(inputs: &AgentInputs<'_>) -> Deployment {
     let addon_agent = Container {
         name: ADDON_AGENT_CONTAINER.into(),
         image: Some(image),
+        image_pull_policy: inputs.image_pull_policy.map(str::to_owned),
         command: Some(vec!["/addon-agent".into()]),
         args: Some(vec![
             "--hub-kubeconfig=/etc/kubeconfig/kubeconfig".into(),

@@ -31,7 +31,8 @@ use serde_json::json;
 
 use super::metrics::{HubMetrics, ReconcileResult};
 use super::render::{
-    ADDON_NAME, HubObjects, LABEL_ADDON, RenderError, load_balancer_host, render_with_tls_profile,
+    ADDON_NAME, HubObjects, HubRenderOptions, LABEL_ADDON, RenderError, load_balancer_host,
+    render_with,
 };
 use super::tls_profile::{
     REASON_INVALID_TLS_PROFILE, TLS_PROFILE_CONFIGMAP, TlsProfile, TlsProfileError,
@@ -55,6 +56,9 @@ pub struct HubSettings {
     /// Where OCM's TLS profile ConfigMap ([`TLS_PROFILE_CONFIGMAP`]) is read
     /// and watched: addon-manager's own namespace. `None`: no profile.
     pub tls_profile_namespace: Option<String>,
+    /// The proxy-server container's `imagePullPolicy`; `None`: Kubernetes'
+    /// default.
+    pub image_pull_policy: Option<String>,
 }
 
 impl Default for HubSettings {
@@ -66,6 +70,7 @@ impl Default for HubSettings {
             backoff_max: Duration::from_secs(300),
             immediate_conflict_retries: 3,
             tls_profile_namespace: None,
+            image_pull_policy: None,
         }
     }
 }
@@ -292,7 +297,11 @@ async fn reconcile_inner(
             return Ok(Outcome::Invalid);
         }
     };
-    let objects = render_with_tls_profile(mpc, &tls)?;
+    let options = HubRenderOptions {
+        tls_profile: tls,
+        image_pull_policy: context.settings.image_pull_policy.clone(),
+    };
+    let objects = render_with(mpc, &options)?;
     match apply_all(mpc, &objects, context).await {
         Ok(action) => Ok(Outcome::Deployed(action)),
         Err(error) => {

@@ -75,6 +75,7 @@ pub mod tls_profile;
 pub use controller::{HubError, HubSettings, hub_problems, retry_delay, run};
 pub use metrics::{HubMetrics, ReconcileResult};
 pub use render::{
-    EntrypointError, HubObjects, RenderError, entrypoint_address, render, render_with_tls_profile,
+    EntrypointError, HubObjects, HubRenderOptions, RenderError, entrypoint_address, render,
+    render_with,
 };
 pub use tls_profile::{TLS_PROFILE_CONFIGMAP, TlsProfile, TlsProfileError};

@@ -141,16 +141,27 @@ pub fn pod_selector() -> BTreeMap<String, String> {
 /// user-server run in (the chart puts them together), and garbage collection
 /// of an owned Namespace would delete all of them with the MPC.
 pub fn render(mpc: &ManagedProxyConfiguration) -> Result<HubObjects, RenderError> {
-    render_with_tls_profile(mpc, &TlsProfile::default())
+    render_with(mpc, &HubRenderOptions::default())
 }
 
-/// [`render`], the proxy-servers following the OCM TLS profile `tls`
-/// (`--tls-min-version`, `--cipher-suites` and the pod template annotation
-/// [`ANNOTATION_TLS_CONFIG_HASH`], so a change of profile rolls them).
-pub fn render_with_tls_profile(
+/// What besides the MPC shapes the proxy-servers.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HubRenderOptions {
+    /// OCM's TLS profile: `--tls-min-version`, `--cipher-suites` and the pod
+    /// template annotation [`ANNOTATION_TLS_CONFIG_HASH`], so a change of
+    /// profile rolls them.
+    pub tls_profile: TlsProfile,
+    /// The container's `imagePullPolicy` (addon-manager's
+    /// `--image-pull-policy`); `None`: Kubernetes' default.
+    pub image_pull_policy: Option<String>,
+}
+
+/// [`render`] with `options`.
+pub fn render_with(
     mpc: &ManagedProxyConfiguration,
-    tls: &TlsProfile,
+    options: &HubRenderOptions,
 ) -> Result<HubObjects, RenderError> {
+    let tls = &options.tls_profile;
     let name = mpc.metadata.name.clone().ok_or(RenderError::Unnamed)?;
     let owner = owner_reference(mpc).ok_or(RenderError::NoUid)?;
     let namespace = namespace_of(mpc).to_owned();
@@ -218,7 +229,7 @@ pub fn render_with_tls_profile(
                     }),
                     ..ObjectMeta::default()
                 }),
-                spec: Some(pod_spec(mpc, &ports, tls)),
+                spec: Some(pod_spec(mpc, &ports, options)),
             },
             ..DeploymentSpec::default()
         }),
@@ -408,7 +419,11 @@ pub fn proxy_server_args_with_tls_profile(
     args
 }
 
-fn pod_spec(mpc: &ManagedProxyConfiguration, ports: &DeployPorts, tls: &TlsProfile) -> PodSpec {
+fn pod_spec(
+    mpc: &ManagedProxyConfiguration,
+    ports: &DeployPorts,
+    options: &HubRenderOptions,
+) -> PodSpec {
     let secrets = &mpc.spec.authentication.dump.secrets;
     let placement = &mpc.spec.proxy_server.node_placement;
     let health_probe = |path: &str| Probe {
@@ -426,7 +441,11 @@ fn pod_spec(mpc: &ManagedProxyConfiguration, ports: &DeployPorts, tls: &TlsProfi
         name: CONTAINER_NAME.to_owned(),
         image: Some(mpc.spec.proxy_server.image.clone()),
         command: Some(vec!["/proxy-server".to_owned()]),
-        args: Some(proxy_server_args_with_tls_profile(mpc, tls)),
+        image_pull_policy: options.image_pull_policy.clone(),
+        args: Some(proxy_server_args_with_tls_profile(
+            mpc,
+            &options.tls_profile,
+        )),
         env: Some(vec![EnvVar {
             name: SERVER_ID_ENV.to_owned(),
             value_from: Some(EnvVarSource {
