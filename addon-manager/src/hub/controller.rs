@@ -449,38 +449,32 @@ async fn read_tls_profile(
     })
 }
 
-fn invalid_tls_profile_condition(problem: &TlsProfileError) -> Condition {
+/// `ProxyServerDeployed=False` with `reason` and `message`.
+fn not_deployed(reason: &str, message: String) -> Condition {
     Condition {
         type_: CONDITION_PROXY_SERVER_DEPLOYED.to_owned(),
         status: CONDITION_FALSE.to_owned(),
-        reason: REASON_INVALID_TLS_PROFILE.to_owned(),
-        message: truncate_message(format!("{problem}; the proxy-servers are left as they are")),
-        observed_generation: None,
-        last_transition_time: Time(k8s_openapi::jiff::Timestamp::now()),
-    }
-}
-
-fn invalid_condition(invalid: &InvalidSpec) -> Condition {
-    Condition {
-        type_: CONDITION_PROXY_SERVER_DEPLOYED.to_owned(),
-        status: CONDITION_FALSE.to_owned(),
-        reason: REASON_INVALID_SPEC.to_owned(),
-        message: truncate_message(invalid.to_string()),
-        observed_generation: None,
-        last_transition_time: Time(k8s_openapi::jiff::Timestamp::now()),
-    }
-}
-
-/// The `False` condition while the objects could not be applied.
-fn not_yet_deployed_condition(message: String) -> Condition {
-    Condition {
-        type_: CONDITION_PROXY_SERVER_DEPLOYED.to_owned(),
-        status: CONDITION_FALSE.to_owned(),
-        reason: REASON_NOT_YET_DEPLOYED.to_owned(),
+        reason: reason.to_owned(),
         message: truncate_message(message),
         observed_generation: None,
         last_transition_time: Time(k8s_openapi::jiff::Timestamp::now()),
     }
+}
+
+fn invalid_tls_profile_condition(problem: &TlsProfileError) -> Condition {
+    not_deployed(
+        REASON_INVALID_TLS_PROFILE,
+        format!("{problem}; the proxy-servers are left as they are"),
+    )
+}
+
+fn invalid_condition(invalid: &InvalidSpec) -> Condition {
+    not_deployed(REASON_INVALID_SPEC, invalid.to_string())
+}
+
+/// The `False` condition while the objects could not be applied.
+fn not_yet_deployed_condition(message: String) -> Condition {
+    not_deployed(REASON_NOT_YET_DEPLOYED, message)
 }
 
 /// `condition` as it is to be written over `status`: the transition time of
