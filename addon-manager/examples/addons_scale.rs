@@ -185,32 +185,11 @@ async fn main() -> anyhow::Result<()> {
         }
     };
     create_namespace(HUB.to_owned()).await?;
-    let mut secret: Secret =
-        object(json!({"metadata": {"name": "proxy-server-ca", "namespace": HUB}}))?;
-    secret.data = Some(
-        [(
-            "ca.crt".to_owned(),
-            k8s_openapi::ByteString(CA_PEM.as_bytes().to_vec()),
-        )]
-        .into(),
-    );
+    let secret = e2e::env::ocm::ca_bundle_secret(HUB, CA_PEM);
     Api::<Secret>::namespaced(admin.clone(), HUB)
         .create(&PostParams::default(), &secret)
         .await?;
-    let mpc: ManagedProxyConfiguration = object(json!({
-        "apiVersion": "proxy.open-cluster-management.io/v1alpha1",
-        "kind": "ManagedProxyConfiguration",
-        "metadata": {"name": "cluster-proxy"},
-        "spec": {
-            "authentication": {},
-            "proxyServer": {
-                "image": "registry.local/cluster-proxy:1",
-                "namespace": HUB,
-                "entrypoint": {"type": "Hostname", "hostname": {"value": "proxy.hub.example"}, "port": 8091},
-            },
-            "proxyAgent": {"image": "registry.local/cluster-proxy:1", "replicas": 1},
-        },
-    }))?;
+    let mpc = e2e::env::ocm::sample_managed_proxy_configuration(HUB, 1)?;
     let mpcs = Api::<ManagedProxyConfiguration>::all(admin.clone());
     mpcs.create(&PostParams::default(), &mpc).await?;
     let names: Vec<String> = (0..clusters)

@@ -47,20 +47,7 @@ fn object<K: serde::de::DeserializeOwned>(value: Value) -> K {
 }
 
 fn mpc_object(replicas: i32) -> ManagedProxyConfiguration {
-    object(json!({
-        "apiVersion": "proxy.open-cluster-management.io/v1alpha1",
-        "kind": "ManagedProxyConfiguration",
-        "metadata": {"name": "cluster-proxy"},
-        "spec": {
-            "authentication": {},
-            "proxyServer": {
-                "image": "registry.local/cluster-proxy:1",
-                "namespace": HUB,
-                "entrypoint": {"type": "Hostname", "hostname": {"value": "proxy.hub.example"}, "port": 8091},
-            },
-            "proxyAgent": {"image": "registry.local/cluster-proxy:1", "replicas": replicas},
-        },
-    }))
+    e2e::env::ocm::sample_managed_proxy_configuration(HUB, replicas).expect("the sample parses")
 }
 
 impl Hub {
@@ -92,21 +79,7 @@ impl Hub {
             _dir: dir,
         };
         hub.namespace(HUB).await;
-        let secret: Secret = object(json!({
-            "metadata": {"name": "proxy-server-ca", "namespace": HUB},
-            "stringData": {"ca.crt": CA_PEM},
-        }));
-        let secret = Secret {
-            data: Some(
-                [(
-                    "ca.crt".to_owned(),
-                    k8s_openapi::ByteString(CA_PEM.as_bytes().to_vec()),
-                )]
-                .into(),
-            ),
-            string_data: None,
-            ..secret
-        };
+        let secret = e2e::env::ocm::ca_bundle_secret(HUB, CA_PEM);
         Api::<Secret>::namespaced(hub.admin.clone(), HUB)
             .create(&PostParams::default(), &secret)
             .await

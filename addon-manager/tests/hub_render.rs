@@ -331,7 +331,7 @@ fn deploy_ports_are_honoured_everywhere_and_additional_args_come_last_in_order()
             "inClusterServiceName": "my-entry"
         }
     }));
-    let args = proxy_server_args(&configuration);
+    let args = proxy_server_args(&configuration, &addon_manager::hub::TlsProfile::default());
     let tail = &args[args.len() - 7..];
     assert_eq!(
         tail,

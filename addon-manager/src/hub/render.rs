@@ -375,23 +375,14 @@ pub fn valid_load_balancer_annotations(
 }
 
 /// The proxy-server arguments: the fixed ones, the ports when
-/// `spec.deploy.ports` is set, then `additionalArgs` in their order (last, so
-/// a user's flag overrides ours).
+/// `spec.deploy.ports` is set, the TLS profile's flags, then `additionalArgs`
+/// in their order (last, so a user's flag overrides ours).
 ///
 /// The replicas count each other through the headless [`PEER_SERVICE_NAME`]
 /// Service rather than a `--server-count` flag, so scaling needs no change of
 /// the pod template and so no restart; `additionalArgs` may still set
 /// `--server-count-source=static --server-count=N`.
-pub fn proxy_server_args(mpc: &ManagedProxyConfiguration) -> Vec<String> {
-    proxy_server_args_with_tls_profile(mpc, &TlsProfile::default())
-}
-
-/// [`proxy_server_args`] with the TLS profile's flags before
-/// `additionalArgs` (which come last, so they can still override).
-pub fn proxy_server_args_with_tls_profile(
-    mpc: &ManagedProxyConfiguration,
-    tls: &TlsProfile,
-) -> Vec<String> {
+pub fn proxy_server_args(mpc: &ManagedProxyConfiguration, tls: &TlsProfile) -> Vec<String> {
     let mut args = vec![
         format!(
             "--server-count-source=dns:{PEER_SERVICE_NAME}.{}.svc",
@@ -442,10 +433,7 @@ fn pod_spec(
         image: Some(mpc.spec.proxy_server.image.clone()),
         command: Some(vec!["/proxy-server".to_owned()]),
         image_pull_policy: options.image_pull_policy.clone(),
-        args: Some(proxy_server_args_with_tls_profile(
-            mpc,
-            &options.tls_profile,
-        )),
+        args: Some(proxy_server_args(mpc, &options.tls_profile)),
         env: Some(vec![EnvVar {
             name: SERVER_ID_ENV.to_owned(),
             value_from: Some(EnvVarSource {

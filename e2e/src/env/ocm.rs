@@ -37,6 +37,7 @@ use cluster_proxy_proto::api::addon::v1alpha1::{
 };
 use cluster_proxy_proto::api::cluster::v1::ManagedCluster;
 use cluster_proxy_proto::api::cluster::v1beta1::{LABEL_PLACEMENT, Placement, PlacementDecision};
+use cluster_proxy_proto::api::proxy::v1alpha1::ManagedProxyConfiguration;
 use cluster_proxy_proto::api::work::v1::ManifestWork;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::certificates::v1::CertificateSigningRequest;
@@ -56,6 +57,50 @@ use crate::kubeapi::selector::LabelSelector;
 /// (`e2e/crds/ocm.yaml`): every OCM kind the control plane, the tests and
 /// the environment use.
 pub const CRDS: &str = include_str!("../../crds/ocm.yaml");
+
+/// A ManagedProxyConfiguration `cluster-proxy` for tests and examples of the
+/// addon controllers: proxy-servers in `hub_namespace` reached at
+/// `proxy.hub.example:8091`, `agent_replicas` agents, both on image
+/// `registry.local/cluster-proxy:1`.
+pub fn sample_managed_proxy_configuration(
+    hub_namespace: &str,
+    agent_replicas: i32,
+) -> Result<ManagedProxyConfiguration, serde_json::Error> {
+    serde_json::from_value(json!({
+        "apiVersion": "proxy.open-cluster-management.io/v1alpha1",
+        "kind": "ManagedProxyConfiguration",
+        "metadata": {"name": "cluster-proxy"},
+        "spec": {
+            "authentication": {},
+            "proxyServer": {
+                "image": "registry.local/cluster-proxy:1",
+                "namespace": hub_namespace,
+                "entrypoint": {"type": "Hostname", "hostname": {"value": "proxy.hub.example"}, "port": 8091},
+            },
+            "proxyAgent": {"image": "registry.local/cluster-proxy:1", "replicas": agent_replicas},
+        },
+    }))
+}
+
+/// The hub CA bundle Secret `proxy-server-ca` (key `ca.crt`) as
+/// cert-authority writes it, holding `ca_pem`.
+pub fn ca_bundle_secret(namespace: &str, ca_pem: &str) -> Secret {
+    Secret {
+        metadata: kube::api::ObjectMeta {
+            name: Some("proxy-server-ca".to_owned()),
+            namespace: Some(namespace.to_owned()),
+            ..Default::default()
+        },
+        data: Some(
+            [(
+                "ca.crt".to_owned(),
+                k8s_openapi::ByteString(ca_pem.as_bytes().to_vec()),
+            )]
+            .into(),
+        ),
+        ..Default::default()
+    }
+}
 
 /// The addon this environment installs.
 pub const ADDON_NAME: &str = "cluster-proxy";

@@ -294,21 +294,7 @@ pub fn server_config(
     client_ca: Option<Arc<RootCertStore>>,
     alpn: &[&[u8]],
 ) -> Result<Arc<ServerConfig>, TlsError> {
-    server_config_with_min_version(identity, client_ca, alpn, MinTlsVersion::Tls12)
-}
-
-/// [`server_config`] with an explicit minimum TLS version.
-pub fn server_config_with_min_version(
-    identity: Identity,
-    client_ca: Option<Arc<RootCertStore>>,
-    alpn: &[&[u8]],
-    min_version: MinTlsVersion,
-) -> Result<Arc<ServerConfig>, TlsError> {
-    let policy = ServerTlsPolicy {
-        min_version,
-        tls12_suites: None,
-    };
-    server_config_with_policy(identity, client_ca, alpn, &policy)
+    server_config_with_policy(identity, client_ca, alpn, &ServerTlsPolicy::default())
 }
 
 /// [`server_config`] accepting what `policy` allows.
