@@ -499,6 +499,164 @@ async fn a_cluster_moving_between_decision_objects_keeps_its_addon() {
     hub.stop().await;
 }
 
+/// Plays the cluster's work agent and registration agent: the work of
+/// `cluster` is applied (or not, when `applied` is false) and available at
+/// its current generation, and the addon is `Available`.
+async fn report_work(hub: &Hub, cluster: &str, applied: bool) {
+    let work = hub.work(cluster).await.expect("the work exists");
+    let generation = work.metadata.generation;
+    let condition = |type_: &str, ok: bool| {
+        json!({"type": type_, "status": if ok {"True"} else {"False"},
+            "reason": if ok {"Done"} else {"AppliedManifestWorkFailed"},
+            "message": if ok {"done"} else {"the Deployment is invalid"},
+            "lastTransitionTime": "2026-01-01T00:00:00Z", "observedGeneration": generation})
+    };
+    let status = json!({
+        "apiVersion": "work.open-cluster-management.io/v1", "kind": "ManifestWork",
+        "metadata": {"name": "addon-cluster-proxy-deploy-0", "namespace": cluster},
+        "status": {"conditions": [condition("Applied", applied), condition("Available", applied)]},
+    });
+    hub.works(cluster)
+        .patch_status(
+            "addon-cluster-proxy-deploy-0",
+            &PatchParams::apply("work-agent").force(),
+            &Patch::Apply(&status),
+        )
+        .await
+        .unwrap();
+    let available = json!({
+        "apiVersion": "addon.open-cluster-management.io/v1alpha1", "kind": "ManagedClusterAddOn",
+        "metadata": {"name": "cluster-proxy", "namespace": cluster},
+        "status": {"conditions": [{"type": "Available", "status": "True",
+            "reason": "ManagedClusterAddOnLeaseUpdated", "message": "renewed",
+            "lastTransitionTime": "2026-01-01T00:00:00Z"}]},
+    });
+    hub.addons(cluster)
+        .patch_status(
+            "cluster-proxy",
+            &PatchParams::apply("registration-agent").force(),
+            &Patch::Apply(&available),
+        )
+        .await
+        .unwrap();
+}
+
+/// The agent replicas `cluster`'s work deploys.
+async fn work_replicas(hub: &Hub, cluster: &str) -> Value {
+    let work = hub.work(cluster).await.expect("the work exists");
+    deployment_of(&work)["spec"]["replicas"].clone()
+}
+
+/// A `Progressive` rollout with `maxConcurrency: 1` updates one cluster at a
+/// time, in name order, each once the one before is applied and available;
+/// a failure stops it until the failed cluster recovers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_progressive_rollout_updates_one_cluster_at_a_time() {
+    let clusters = ["cluster-a", "cluster-b", "cluster-c"];
+    let mut hub = Hub::new(true).await;
+    for cluster in clusters {
+        hub.cluster(cluster, true).await;
+    }
+    hub.decide(&clusters).await;
+    hub.start(AddonSettings::new(HUB));
+    let management = eventually("the ClusterManagementAddOn", WAIT, || async {
+        Api::<ClusterManagementAddOn>::all(hub.admin.clone())
+            .get_opt("cluster-proxy")
+            .await
+            .unwrap()
+    })
+    .await;
+    // The user chooses the rollout on the ClusterManagementAddOn.
+    let rollout = json!({"spec": {"installStrategy": {"type": "Placements", "placements": [{
+        "name": "cluster-proxy-placement", "namespace": HUB,
+        "rolloutStrategy": {"type": "Progressive", "progressive": {"maxConcurrency": 1}}}]}}});
+    Api::<ClusterManagementAddOn>::all(hub.admin.clone())
+        .patch(
+            "cluster-proxy",
+            &PatchParams::default(),
+            &Patch::Merge(&rollout),
+        )
+        .await
+        .unwrap();
+    // Installation is not held back: every cluster gets its agent at once.
+    for cluster in clusters {
+        eventually(&format!("{cluster}'s work"), WAIT, || hub.work(cluster)).await;
+        report_work(&hub, cluster, true).await;
+        hub.wait_condition(cluster, "Progressing", "False", "Completed")
+            .await;
+        assert_eq!(work_replicas(&hub, cluster).await, 2);
+    }
+    // The controller keeps the user's rollout strategy.
+    let kept = Api::<ClusterManagementAddOn>::all(hub.admin.clone())
+        .get("cluster-proxy")
+        .await
+        .unwrap();
+    let placements = kept.spec.install_strategy.unwrap().placements.unwrap();
+    assert_eq!(
+        placements[0]
+            .rollout_strategy
+            .as_ref()
+            .and_then(|s| s.type_.as_deref()),
+        Some("Progressive"),
+        "{management:?}"
+    );
+
+    // A configuration change: cluster-a first, the others wait.
+    let patch = json!({"spec": {"proxyAgent": {"replicas": 3}}});
+    Api::<ManagedProxyConfiguration>::all(hub.admin.clone())
+        .patch(
+            "cluster-proxy",
+            &PatchParams::default(),
+            &Patch::Merge(&patch),
+        )
+        .await
+        .unwrap();
+    eventually("cluster-b and cluster-c wait", WAIT, || async {
+        (hub.metrics.rollout_waiting_count() == 2).then_some(())
+    })
+    .await;
+    hub.wait_condition("cluster-a", "Progressing", "True", "Progressing")
+        .await;
+    assert_eq!(work_replicas(&hub, "cluster-a").await, 3);
+    assert_eq!(work_replicas(&hub, "cluster-b").await, 2, "cluster-b waits");
+    assert_eq!(work_replicas(&hub, "cluster-c").await, 2, "cluster-c waits");
+    let waiting = hub.addon("cluster-b").await.unwrap();
+    let progressing = find_condition(waiting.conditions(), "Progressing").unwrap();
+    assert_eq!(
+        progressing.reason, "Completed",
+        "a waiting cluster keeps its last rollout's condition"
+    );
+
+    // cluster-a fails to apply: the rollout stops (maxFailures 0).
+    report_work(&hub, "cluster-a", false).await;
+    hub.wait_condition("cluster-a", "Progressing", "False", "Failed")
+        .await;
+    assert_eq!(hub.metrics.rollout_waiting_count(), 2);
+    assert_eq!(work_replicas(&hub, "cluster-b").await, 2, "stopped");
+
+    // cluster-a recovers: cluster-b's turn, then cluster-c's.
+    report_work(&hub, "cluster-a", true).await;
+    hub.wait_condition("cluster-a", "Progressing", "False", "Completed")
+        .await;
+    eventually("cluster-b updated", WAIT, || async {
+        (work_replicas(&hub, "cluster-b").await == 3).then_some(())
+    })
+    .await;
+    assert_eq!(work_replicas(&hub, "cluster-c").await, 2, "cluster-c waits");
+    report_work(&hub, "cluster-b", true).await;
+    eventually("cluster-c updated", WAIT, || async {
+        (work_replicas(&hub, "cluster-c").await == 3).then_some(())
+    })
+    .await;
+    report_work(&hub, "cluster-c", true).await;
+    for cluster in clusters {
+        hub.wait_condition(cluster, "Progressing", "False", "Completed")
+            .await;
+    }
+    assert_eq!(hub.metrics.rollout_waiting_count(), 0);
+    hub.stop().await;
+}
+
 /// Regression: a reconcile triggered by the events of the objects the first
 /// one created ran on a cached addon without the status just written, and
 /// wrote it again (with new transition times when a second had passed).

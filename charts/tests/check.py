@@ -296,6 +296,14 @@ def check_non_default(docs: list[dict]) -> None:
         is not None,
         "non-default: cert-authority Role in the proxy-server namespace",
     )
+    cma = find(docs, "ClusterManagementAddOn", "cluster-proxy")
+    placements = [] if cma is None else cma["spec"]["installStrategy"]["placements"]
+    expect(
+        len(placements) == 1
+        and placements[0].get("rolloutStrategy", {}).get("type") == "Progressive"
+        and placements[0]["rolloutStrategy"]["progressive"].get("maxConcurrency") == "25%",
+        f"non-default: addonManager.rolloutStrategy reaches the placement: {placements}",
+    )
     mpc = find(docs, "ManagedProxyConfiguration", "cluster-proxy")
     if mpc:
         expect(
@@ -451,6 +459,11 @@ def check_refusals() -> None:
         ({"enableServiceProxy": True}, "enableServiceProxy"),
         ({"unknownKey": 1}, "unknownKey"),
         ({"healthProber": {"timeout": "soon"}}, "timeout"),
+        ({"addonManager": {"rolloutStrategy": {"type": "Canary"}}}, "rolloutStrategy"),
+        (
+            {"addonManager": {"rolloutStrategy": {"progressive": {"maxConcurrency": "150%"}}}},
+            "maxConcurrency",
+        ),
         ({"global": {"otlp": {"endpoint": "otel-collector:4317"}}}, "endpoint"),
         ({"global": {"otlp": {"sampler": "sometimes"}}}, "sampler"),
         ({"healthProber": {"proxyServerAddresses": ["no-port"]}}, "proxyServerAddresses"),

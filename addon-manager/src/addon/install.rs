@@ -139,15 +139,56 @@ pub async fn ensure_cluster_management_addon(
         .install
         .managements
         .get(&ObjectRef::new(ADDON_NAME));
-    if let Some(current) = cached.filter(|current| management_is_current(current, &desired)) {
+    if let Some(current) = cached.filter(|current| {
+        management_is_current(
+            current,
+            &with_rollout_strategies_of(current, desired.clone()),
+        )
+    }) {
         return Ok(current);
     }
     let _only_one = context.management_write.lock().await;
     let api = Api::<ClusterManagementAddOn>::all(context.client.clone());
-    match get_opt(&api, ADDON_NAME).await? {
+    let current = get_opt(&api, ADDON_NAME).await?;
+    let desired = match &current {
+        Some(current) => with_rollout_strategies_of(current, desired),
+        None => desired,
+    };
+    match current {
         Some(current) if management_is_current(&current, &desired) => Ok(Arc::new(current)),
         _ => Ok(Arc::new(apply::apply(&api, &desired).await?)),
     }
+}
+
+/// `desired` with the `rolloutStrategy` that `current` gives each of its
+/// placements: the rollout is the user's to choose (by editing the object,
+/// or through the chart's `addonManager.rolloutStrategy`), the placements
+/// are ours.
+fn with_rollout_strategies_of(
+    current: &ClusterManagementAddOn,
+    mut desired: ClusterManagementAddOn,
+) -> ClusterManagementAddOn {
+    let declared = current
+        .spec
+        .install_strategy
+        .as_ref()
+        .and_then(|strategy| strategy.placements.as_ref());
+    let wanted = desired
+        .spec
+        .install_strategy
+        .as_mut()
+        .and_then(|strategy| strategy.placements.as_mut());
+    if let (Some(declared), Some(wanted)) = (declared, wanted) {
+        for placement in wanted {
+            placement.rollout_strategy = declared
+                .iter()
+                .find(|declared| {
+                    declared.namespace == placement.namespace && declared.name == placement.name
+                })
+                .and_then(|declared| declared.rollout_strategy.clone());
+        }
+    }
+    desired
 }
 
 /// The clusters the placements' decisions select now.

@@ -27,6 +27,7 @@ pub mod customize;
 pub mod install;
 pub mod reconcile;
 pub mod render;
+pub mod rollout;
 pub mod status;
 
 use std::future::Future;
@@ -197,6 +198,7 @@ pub struct AddonMetrics {
     failures: Family<Vec<(String, String)>, Counter>,
     csr_decisions: Family<Vec<(String, String)>, Counter>,
     pending_removals: Gauge,
+    rollout_waiting: Gauge,
 }
 
 impl AddonMetrics {
@@ -221,6 +223,11 @@ impl AddonMetrics {
             "addon_pending_removals",
             "Installed addons whose cluster left the placements, waiting out the removal grace",
             self.pending_removals.clone(),
+        );
+        registry.register(
+            "addon_rollout_waiting",
+            "Clusters whose configuration change waits for its turn in a Progressive or ProgressivePerGroup rollout",
+            self.rollout_waiting.clone(),
         );
     }
 
@@ -256,6 +263,10 @@ impl AddonMetrics {
         self.pending_removals.get()
     }
 
+    pub fn rollout_waiting_count(&self) -> i64 {
+        self.rollout_waiting.get()
+    }
+
     /// Reconciliations of `controller` so far (for tests and diagnostics).
     pub fn reconciliation_count(&self, controller: &str) -> u64 {
         self.reconciliations
@@ -277,6 +288,7 @@ pub struct Context {
     pub management_write: tokio::sync::Mutex<()>,
     /// Clusters whose installed addon waits out the removal grace.
     pub removals: install::PendingRemovals,
+    pub rollouts: rollout::Rollouts,
 }
 
 impl Context {
@@ -289,6 +301,7 @@ impl Context {
     ) -> Self {
         let removals =
             install::PendingRemovals::new(settings.removal_grace, metrics.pending_removals.clone());
+        let rollouts = rollout::Rollouts::new(metrics.rollout_waiting.clone());
         Self {
             client,
             settings,
@@ -296,6 +309,7 @@ impl Context {
             caches,
             management_write: tokio::sync::Mutex::new(()),
             removals,
+            rollouts,
         }
     }
 }

@@ -7,9 +7,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cluster_proxy_proto::api::addon::v1alpha1::{
-    AddOnDeploymentConfig, CONDITION_CONFIGURED, CONDITION_MANIFEST_APPLIED,
-    CONDITION_REGISTRATION_APPLIED, ClusterManagementAddOn, ManagedClusterAddOn,
-    REASON_MANIFESTS_APPLIED, REASON_MANIFESTS_APPLY_FAILED, REASON_SET_PERMISSION_APPLIED,
+    AddOnDeploymentConfig, CONDITION_CONFIGURED, CONDITION_MANIFEST_APPLIED, CONDITION_PROGRESSING,
+    CONDITION_REGISTRATION_APPLIED, ClusterManagementAddOn, ManagedClusterAddOn, REASON_COMPLETED,
+    REASON_FAILED, REASON_MANIFESTS_APPLIED, REASON_MANIFESTS_APPLY_FAILED, REASON_PROGRESSING,
+    REASON_SET_PERMISSION_APPLIED,
 };
 use cluster_proxy_proto::api::cluster::v1::ManagedCluster;
 use cluster_proxy_proto::api::proxy::v1alpha1::ManagedProxyConfiguration;
@@ -30,6 +31,7 @@ use super::config::{self, DeploymentConfigRef};
 use super::customize::{AgentCustomization, CustomizationError};
 use super::install;
 use super::render::{self, AgentInputs};
+use super::rollout;
 use super::status::{
     Decided, OwnedStatus, REASON_CA_NOT_FOUND, REASON_CLUSTER_NOT_FOUND,
     REASON_CONFIGURATION_NOT_FOUND, REASON_CONFIGURED, REASON_ENTRYPOINT_NOT_READY,
@@ -228,7 +230,11 @@ async fn evaluate(
             }
         }
     };
-    status.config_references = Some(config_references(&mpc, adc_ref.as_ref(), adc.as_deref())?);
+    // What this cluster has been told so far: kept while its change waits.
+    let previous_references = status.config_references.clone();
+    let references = config_references(&mpc, adc_ref.as_ref(), adc.as_deref())?;
+    let target = rollout::config_spec_hash(&references);
+    status.config_references = Some(references);
     status.set(
         Decided::new(
             CONDITION_CONFIGURED,
@@ -407,13 +413,70 @@ async fn evaluate(
         network_policy: context.settings.enable_network_policies,
         image_pull_policy: context.settings.image_pull_policy.as_deref(),
     };
-    let desired = render::manifest_work(&inputs, owner)?;
+    let mut desired = render::manifest_work(&inputs, owner)?;
+    desired
+        .metadata
+        .annotations
+        .get_or_insert_with(Default::default)
+        .insert(
+            rollout::ANNOTATION_CONFIG_SPEC_HASH.to_owned(),
+            target.clone(),
+        );
     let works = Api::<ManifestWork>::namespaced(client.clone(), cluster);
     let current = cache
         .works
         .get(&ObjectRef::new(MANIFEST_WORK_NAME).within(cluster))
         .as_deref()
         .cloned();
+
+    // A configuration change reaches an installed agent when its
+    // placement's rollout says so; until then its work stays as it is.
+    let management = management.as_deref();
+    let placement = rollout::placement_of(context, management, cluster);
+    let strategy = match placement.as_ref().map(|placement| &placement.strategy) {
+        None => rollout::Strategy::all(),
+        Some(Ok(strategy)) => strategy.clone(),
+        Some(Err(invalid)) => {
+            tracing::warn!(%cluster, %invalid, "the placement's rolloutStrategy cannot be followed; configuration changes wait");
+            rollout::Strategy::all()
+        }
+    };
+    let rollout_strategy_valid = placement
+        .as_ref()
+        .is_none_or(|placement| placement.strategy.is_ok());
+    let changing = current
+        .as_ref()
+        .is_some_and(|current| rollout::work_config_spec_hash(current) != Some(target.as_str()));
+    if changing {
+        let admission = match &placement {
+            Some(rollout::ClusterPlacement {
+                strategy: Err(invalid),
+                ..
+            }) => rollout::Admission::Wait(format!("invalid rolloutStrategy: {invalid}")),
+            Some(rollout::ClusterPlacement {
+                placement,
+                strategy: Ok(strategy),
+            }) if strategy.kind != rollout::RolloutKind::All => {
+                let members =
+                    rollout::members(context, placement, strategy, &mpc, management, now.0);
+                context
+                    .rollouts
+                    .decide(placement, strategy, cluster, &target, &members, now.0)
+            }
+            _ => rollout::Admission::Admit,
+        };
+        if let rollout::Admission::Wait(why) = admission {
+            tracing::debug!(%cluster, %why, "the configuration change waits for its turn");
+            status.config_references = previous_references;
+            status.set(manifest_applied(current.as_ref()), &now);
+            return Ok(Outcome {
+                status,
+                requeue: Some(rollout::WAITING_RECHECK),
+                deleted: false,
+            });
+        }
+    }
+
     let up_to_date = current.as_ref().is_some_and(|current| {
         current.spec == desired.spec
             && current.metadata.owner_references == desired.metadata.owner_references
@@ -423,6 +486,12 @@ async fn evaluate(
                 .iter()
                 .flatten()
                 .all(|(key, value)| current.labels().get(key) == Some(value))
+            && desired
+                .metadata
+                .annotations
+                .iter()
+                .flatten()
+                .all(|(key, value)| current.annotations().get(key) == Some(value))
     });
     let work = if up_to_date {
         current
@@ -431,11 +500,58 @@ async fn evaluate(
         Some(apply::apply(&works, &desired).await?)
     };
     status.set(manifest_applied(work.as_ref()), &now);
+
+    let phase = rollout::phase(&target, work.as_ref(), addon, &strategy, now.0);
+    if let Some(progressing) = progressing_condition(&phase) {
+        status.set(progressing, &now);
+    }
+    let requeue = phase.next_check(&strategy, now.0);
+    if let Some(placement) = placement.as_ref().filter(|_| rollout_strategy_valid)
+        && context.rollouts.has_waiting(&placement.placement)
+    {
+        // This cluster's progress may free a place for one waiting.
+        let members = rollout::members(
+            context,
+            &placement.placement,
+            &strategy,
+            &mpc,
+            management,
+            now.0,
+        );
+        context
+            .rollouts
+            .wake(&placement.placement, &strategy, &members, now.0);
+    }
     Ok(Outcome {
         status,
-        requeue: None,
+        requeue,
         deleted: false,
     })
+}
+
+/// The addon's `Progressing` condition for its cluster's rollout `phase`.
+fn progressing_condition(phase: &rollout::Phase) -> Option<Decided> {
+    match phase {
+        rollout::Phase::ToApply => None,
+        rollout::Phase::Progressing { .. } => Some(Decided::new(
+            CONDITION_PROGRESSING,
+            CONDITION_TRUE,
+            REASON_PROGRESSING,
+            "applying the configurations: waiting for the work to be applied and available and the addon to be Available",
+        )),
+        rollout::Phase::Succeeded { .. } => Some(Decided::new(
+            CONDITION_PROGRESSING,
+            CONDITION_FALSE,
+            REASON_COMPLETED,
+            "the configurations are applied and the addon is available",
+        )),
+        rollout::Phase::Failed { message } => Some(Decided::new(
+            CONDITION_PROGRESSING,
+            CONDITION_FALSE,
+            REASON_FAILED,
+            message.clone(),
+        )),
+    }
 }
 
 fn config_references(
@@ -593,7 +709,12 @@ pub fn controller(
             watcher::Config::default(),
         ),
     );
-    Controller::new(Api::<ManagedClusterAddOn>::all(client), by_name)
+    let mut controller = Controller::new(Api::<ManagedClusterAddOn>::all(client), by_name);
+    if let Some(turns) = context.rollouts.triggers() {
+        // Clusters whose turn in a rollout has come.
+        controller = controller.reconcile_on(turns);
+    }
+    controller
         .owns_stream(works)
         .owns_stream(roles)
         .owns_stream(role_bindings)

@@ -5,18 +5,19 @@
 
 use cluster_proxy_proto::api::Condition;
 use cluster_proxy_proto::api::addon::v1alpha1::{
-    AddOnMeta, CONDITION_CONFIGURED, CONDITION_MANIFEST_APPLIED, CONDITION_REGISTRATION_APPLIED,
-    ConfigGroupResource, ConfigReference, HEALTH_CHECK_LEASE, HealthCheck, ManagedClusterAddOn,
-    ManagedClusterAddOnStatus, RegistrationConfig,
+    AddOnMeta, CONDITION_CONFIGURED, CONDITION_MANIFEST_APPLIED, CONDITION_PROGRESSING,
+    CONDITION_REGISTRATION_APPLIED, ConfigGroupResource, ConfigReference, HEALTH_CHECK_LEASE,
+    HealthCheck, ManagedClusterAddOn, ManagedClusterAddOnStatus, RegistrationConfig,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
 use super::config::{ADC_GROUP, ADC_RESOURCE, MPC_GROUP, MPC_RESOURCE};
 
 /// The condition types this controller writes.
-pub const OWNED_CONDITIONS: [&str; 3] = [
+pub const OWNED_CONDITIONS: [&str; 4] = [
     CONDITION_CONFIGURED,
     CONDITION_MANIFEST_APPLIED,
+    CONDITION_PROGRESSING,
     CONDITION_REGISTRATION_APPLIED,
 ];
 
