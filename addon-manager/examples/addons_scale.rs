@@ -16,13 +16,20 @@
 //! object to the next, one write at a time; it counts the addons deleted and
 //! re-created on the way (`CP_ADDONS_REMOVAL_GRACE`, the controller's
 //! removal grace).
+//!
+//! Then an MPC change rolls out `Progressive` with `maxConcurrency`
+//! `CP_ADDONS_MAX_CONCURRENCY` (10%), a task playing every cluster's work
+//! agent (each updated work applied and available after `CP_ADDONS_APPLY_MS`,
+//! 200) and registration agent; it reports how long the rollout took and the
+//! most clusters found updating at once, and fails if that exceeds the
+//! limit.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use addon_manager::addon::{self, AddonMetrics, AddonSettings};
 use anyhow::{Context as _, bail};
-use cluster_proxy_proto::api::addon::v1alpha1::ManagedClusterAddOn;
+use cluster_proxy_proto::api::addon::v1alpha1::{ClusterManagementAddOn, ManagedClusterAddOn};
 use cluster_proxy_proto::api::cluster::v1::ManagedCluster;
 use cluster_proxy_proto::api::cluster::v1beta1::Placement;
 use cluster_proxy_proto::api::proxy::v1alpha1::ManagedProxyConfiguration;
@@ -30,8 +37,8 @@ use cluster_proxy_proto::api::work::v1::ManifestWork;
 use e2e::env::ocm::sync_placements;
 use e2e::kubeapi::{KubeApi, KubeApiOptions};
 use k8s_openapi::api::core::v1::{Namespace, Secret, Service};
-use kube::Api;
 use kube::api::{ListParams, Patch, PatchParams, PostParams};
+use kube::{Api, ResourceExt};
 use serde_json::{Value, json};
 use tokio::sync::oneshot;
 
@@ -149,6 +156,128 @@ async fn addon_uids(client: &kube::Client) -> anyhow::Result<BTreeMap<String, St
         .into_iter()
         .filter_map(|addon| Some((addon.metadata.namespace?, addon.metadata.uid?)))
         .collect())
+}
+
+/// How many addons have the `Progressing` condition with `reason`.
+async fn addons_progressing(client: &kube::Client, reason: &str) -> anyhow::Result<usize> {
+    let list = Api::<ManagedClusterAddOn>::all(client.clone())
+        .list(&ListParams::default())
+        .await?;
+    Ok(list
+        .items
+        .iter()
+        .filter(|addon| {
+            cluster_proxy_proto::api::find_condition(addon.conditions(), "Progressing")
+                .is_some_and(|condition| condition.reason == reason)
+        })
+        .count())
+}
+
+/// Every cluster's work agent and registration agent, played by one task:
+/// a work whose current generation is not yet reported is reported applied
+/// and available once it has waited the delay, and each addon is made
+/// `Available` once.
+struct WorkAgents {
+    stop: tokio::sync::watch::Sender<bool>,
+    most_at_once: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    task: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+impl WorkAgents {
+    fn start(client: kube::Client, delay: Duration) -> Self {
+        let (stop, mut stopped) = tokio::sync::watch::channel(false);
+        let most_at_once = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let most = most_at_once.clone();
+        let task = tokio::spawn(async move {
+            let works = Api::<ManifestWork>::all(client.clone());
+            let mut seen: BTreeMap<String, (i64, Instant)> = BTreeMap::new();
+            let mut available: std::collections::BTreeSet<String> = Default::default();
+            while !*stopped.borrow() {
+                let mut updating = 0;
+                for work in works.list(&ListParams::default()).await?.items {
+                    let cluster = work.namespace().unwrap_or_default();
+                    let generation = work.metadata.generation.unwrap_or_default();
+                    let reported = work
+                        .status
+                        .as_ref()
+                        .and_then(|status| status.conditions.as_deref())
+                        .and_then(|conditions| {
+                            cluster_proxy_proto::api::find_condition(conditions, "Applied")
+                        })
+                        .is_some_and(|applied| applied.observed_generation == Some(generation));
+                    if reported {
+                        continue;
+                    }
+                    updating += 1;
+                    let since = seen
+                        .entry(cluster.clone())
+                        .and_modify(|entry| {
+                            if entry.0 != generation {
+                                *entry = (generation, Instant::now());
+                            }
+                        })
+                        .or_insert((generation, Instant::now()))
+                        .1;
+                    if since.elapsed() < delay {
+                        continue;
+                    }
+                    let condition = |type_: &str| {
+                        json!({"type": type_, "status": "True", "reason": "Done", "message": "done",
+                            "lastTransitionTime": "2026-01-01T00:00:00Z", "observedGeneration": generation})
+                    };
+                    Api::<ManifestWork>::namespaced(client.clone(), &cluster)
+                        .patch_status(
+                            addon::MANIFEST_WORK_NAME,
+                            &PatchParams::apply("work-agent").force(),
+                            &Patch::Apply(&json!({
+                                "apiVersion": "work.open-cluster-management.io/v1", "kind": "ManifestWork",
+                                "metadata": {"name": addon::MANIFEST_WORK_NAME, "namespace": cluster},
+                                "status": {"conditions": [condition("Applied"), condition("Available")]},
+                            })),
+                        )
+                        .await?;
+                    if available.insert(cluster.clone()) {
+                        Api::<ManagedClusterAddOn>::namespaced(client.clone(), &cluster)
+                            .patch_status(
+                                addon::ADDON_NAME,
+                                &PatchParams::apply("registration-agent").force(),
+                                &Patch::Apply(&json!({
+                                    "apiVersion": "addon.open-cluster-management.io/v1alpha1",
+                                    "kind": "ManagedClusterAddOn",
+                                    "metadata": {"name": addon::ADDON_NAME, "namespace": cluster},
+                                    "status": {"conditions": [{"type": "Available", "status": "True",
+                                        "reason": "ManagedClusterAddOnLeaseUpdated", "message": "renewed",
+                                        "lastTransitionTime": "2026-01-01T00:00:00Z"}]},
+                                })),
+                            )
+                            .await?;
+                    }
+                }
+                most.fetch_max(updating, std::sync::atomic::Ordering::Relaxed);
+                let _ = tokio::time::timeout(Duration::from_millis(50), stopped.changed()).await;
+            }
+            Ok(())
+        });
+        Self {
+            stop,
+            most_at_once,
+            task,
+        }
+    }
+
+    /// Starts counting the works updating at once afresh.
+    fn reset_count(&self) {
+        self.most_at_once
+            .store(0, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Stops the agents; the most works found updating at once since the
+    /// last [`WorkAgents::reset_count`].
+    async fn stop(self) -> anyhow::Result<usize> {
+        let _ = self.stop.send(true);
+        self.task.await??;
+        Ok(self.most_at_once.load(std::sync::atomic::Ordering::Relaxed))
+    }
 }
 
 #[tokio::main]
@@ -344,6 +473,70 @@ async fn main() -> anyhow::Result<()> {
         clusters,
         &counts,
     );
+
+    // Phase 5: a Progressive rollout of an MPC change, the clusters' work
+    // and registration agents played by a task that reports each updated
+    // work applied and available after `CP_ADDONS_APPLY_MS` (a pod rollout).
+    let total = clusters + joins;
+    let max_concurrency = std::env::var("CP_ADDONS_MAX_CONCURRENCY").unwrap_or("10%".into());
+    let apply_delay = Duration::from_millis(env_usize("CP_ADDONS_APPLY_MS", 200)? as u64);
+    let agents = WorkAgents::start(admin.clone(), apply_delay);
+    wait_for("addons Completed before the rollout", total, limit, || {
+        addons_progressing(&admin, "Completed")
+    })
+    .await?;
+    agents.reset_count();
+    let started = requests_since(&api, 0).0;
+    let limit_clusters = match max_concurrency.strip_suffix('%') {
+        Some(percent) => (percent.parse::<usize>()? * total).div_ceil(100),
+        None => max_concurrency.parse()?,
+    };
+    let concurrency: Value = match max_concurrency.parse::<i64>() {
+        Ok(count) => json!(count),
+        Err(_) => json!(max_concurrency),
+    };
+    Api::<ClusterManagementAddOn>::all(admin.clone())
+        .patch(
+            addon::ADDON_NAME,
+            &PatchParams::default(),
+            &Patch::Merge(
+                &json!({"spec": {"installStrategy": {"type": "Placements", "placements": [{
+                "name": "cluster-proxy-placement", "namespace": HUB,
+                "rolloutStrategy": {"type": "Progressive",
+                    "progressive": {"maxConcurrency": concurrency}}}]}}}),
+            ),
+        )
+        .await?;
+    let phase = Instant::now();
+    mpcs.patch(
+        "cluster-proxy",
+        &PatchParams::default(),
+        &Patch::Merge(&json!({"spec": {"proxyAgent": {"replicas": 3}}})),
+    )
+    .await?;
+    wait_for("rolled-out works", total, limit, || {
+        works_with_replicas(&admin, 3)
+    })
+    .await?;
+    wait_for("addons Completed after the rollout", total, limit, || {
+        addons_progressing(&admin, "Completed")
+    })
+    .await?;
+    let took = phase.elapsed();
+    let most_at_once = agents.stop().await?;
+    let (_, counts) = requests_since(&api, started);
+    report(
+        &format!(
+            "Progressive rollout, maxConcurrency {max_concurrency} ({limit_clusters} clusters), \
+             each applied after {apply_delay:?}; the most clusters updating at once: {most_at_once}"
+        ),
+        took,
+        total,
+        &counts,
+    );
+    if most_at_once > limit_clusters {
+        bail!("{most_at_once} clusters updated at once, more than maxConcurrency {limit_clusters}");
+    }
 
     let _ = stop.send(());
     tokio::time::timeout(Duration::from_secs(30), controllers)

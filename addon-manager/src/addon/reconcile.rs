@@ -456,13 +456,14 @@ async fn evaluate(
             Some(rollout::ClusterPlacement {
                 placement,
                 strategy: Ok(strategy),
-            }) if strategy.kind != rollout::RolloutKind::All => {
-                let members =
-                    rollout::members(context, placement, strategy, &mpc, management, now.0);
-                context
-                    .rollouts
-                    .decide(placement, strategy, cluster, &target, &members, now.0)
-            }
+            }) if strategy.kind != rollout::RolloutKind::All => context.rollouts.decide(
+                placement,
+                strategy,
+                cluster,
+                &target,
+                || rollout::members(context, placement, strategy, &mpc, management, now.0),
+                now.0,
+            ),
             _ => rollout::Admission::Admit,
         };
         if let rollout::Admission::Wait(why) = admission {
@@ -506,21 +507,23 @@ async fn evaluate(
         status.set(progressing, &now);
     }
     let requeue = phase.next_check(&strategy, now.0);
-    if let Some(placement) = placement.as_ref().filter(|_| rollout_strategy_valid)
-        && context.rollouts.has_waiting(&placement.placement)
-    {
+    if let Some(placement) = placement.as_ref().filter(|_| rollout_strategy_valid) {
         // This cluster's progress may free a place for one waiting.
-        let members = rollout::members(
-            context,
+        context.rollouts.wake(
             &placement.placement,
             &strategy,
-            &mpc,
-            management,
+            || {
+                rollout::members(
+                    context,
+                    &placement.placement,
+                    &strategy,
+                    &mpc,
+                    management,
+                    now.0,
+                )
+            },
             now.0,
         );
-        context
-            .rollouts
-            .wake(&placement.placement, &strategy, &members, now.0);
     }
     Ok(Outcome {
         status,

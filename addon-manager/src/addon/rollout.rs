@@ -494,18 +494,21 @@ impl Rollouts {
     }
 
     /// Decides whether `cluster` of `placement`, whose configurations hash
-    /// to `target`, may be updated now; `members` are the placement's
-    /// clusters as the caches show them.
+    /// to `target`, may be updated now; `members` gives the placement's
+    /// clusters as the caches show them. It is called under the lock, so
+    /// that each decision sees the caches at least as new as the one
+    /// before and no admission is counted twice or missed.
     pub fn decide(
         &self,
         placement: &PlacementRef,
         strategy: &Strategy,
         cluster: &str,
         target: &str,
-        members: &[Member],
+        members: impl FnOnce() -> Vec<Member>,
         now: Timestamp,
     ) -> Admission {
         let mut placements = self.lock();
+        let members = &members();
         let state = placements.entry(Self::key(placement)).or_default();
         let member = members.iter().find(|member| member.cluster == cluster);
         let order = (
@@ -533,18 +536,23 @@ impl Rollouts {
         admission
     }
 
-    /// Wakes the waiting clusters of `placement` whose turn has come.
+    /// Wakes the waiting clusters of `placement` whose turn has come (see
+    /// [`Rollouts::decide`] for `members`).
     pub fn wake(
         &self,
         placement: &PlacementRef,
         strategy: &Strategy,
-        members: &[Member],
+        members: impl FnOnce() -> Vec<Member>,
         now: Timestamp,
     ) {
         let mut placements = self.lock();
-        let Some(state) = placements.get_mut(&Self::key(placement)) else {
+        let Some(state) = placements
+            .get_mut(&Self::key(placement))
+            .filter(|state| !state.waiting.is_empty())
+        else {
             return;
         };
+        let members = &members();
         // Clusters that left the placement wait no more.
         let present: BTreeSet<&str> = members
             .iter()
@@ -909,20 +917,20 @@ mod tests {
             .collect();
         // "b" is second in order: admitted; "c" and "d" are not.
         assert_eq!(
-            rollouts.decide(&placement(), &strategy, "b", "t", &members, now),
+            rollouts.decide(&placement(), &strategy, "b", "t", || members.clone(), now),
             Admission::Admit
         );
         assert!(matches!(
-            rollouts.decide(&placement(), &strategy, "c", "t", &members, now),
+            rollouts.decide(&placement(), &strategy, "c", "t", || members.clone(), now),
             Admission::Wait(_)
         ));
         // "a" is still in the first two (b was admitted, not yet visible).
         assert_eq!(
-            rollouts.decide(&placement(), &strategy, "a", "t", &members, now),
+            rollouts.decide(&placement(), &strategy, "a", "t", || members.clone(), now),
             Admission::Admit
         );
         assert!(matches!(
-            rollouts.decide(&placement(), &strategy, "d", "t", &members, now),
+            rollouts.decide(&placement(), &strategy, "d", "t", || members.clone(), now),
             Admission::Wait(_)
         ));
         assert!(rollouts.has_waiting(&placement()));
@@ -935,18 +943,18 @@ mod tests {
             member("d", 0, Phase::ToApply),
         ];
         let mut triggers = rollouts.trigger_receiver.lock().unwrap().take().unwrap();
-        rollouts.wake(&placement(), &strategy, &members, now);
+        rollouts.wake(&placement(), &strategy, || members.clone(), now);
         assert_eq!(
             triggers.try_recv().unwrap(),
             ObjectRef::new(ADDON_NAME).within("c")
         );
         assert!(triggers.try_recv().is_err(), "only c's turn has come");
         assert_eq!(
-            rollouts.decide(&placement(), &strategy, "c", "t", &members, now),
+            rollouts.decide(&placement(), &strategy, "c", "t", || members.clone(), now),
             Admission::Admit
         );
         assert!(matches!(
-            rollouts.decide(&placement(), &strategy, "d", "t", &members, now),
+            rollouts.decide(&placement(), &strategy, "d", "t", || members.clone(), now),
             Admission::Wait(_)
         ));
     }
@@ -972,7 +980,7 @@ mod tests {
             member("b", 0, Phase::ToApply),
         ];
         assert!(matches!(
-            rollouts.decide(&placement(), &strategy, "b", "t", &soaking, now),
+            rollouts.decide(&placement(), &strategy, "b", "t", || soaking.clone(), now),
             Admission::Wait(_)
         ));
         assert_eq!(
@@ -990,7 +998,7 @@ mod tests {
             member("b", 0, Phase::ToApply),
         ];
         assert_eq!(
-            rollouts.decide(&placement(), &strategy, "b", "t", &soaked, now),
+            rollouts.decide(&placement(), &strategy, "b", "t", || soaked.clone(), now),
             Admission::Admit
         );
     }
@@ -1008,7 +1016,7 @@ mod tests {
             member("b", 0, Phase::ToApply),
         ];
         let Admission::Wait(why) =
-            rollouts.decide(&placement(), &strategy, "b", "t", &members, now)
+            rollouts.decide(&placement(), &strategy, "b", "t", || members.clone(), now)
         else {
             panic!("one failure is more than maxFailures 0");
         };
@@ -1018,7 +1026,7 @@ mod tests {
             ..strategy
         };
         assert_eq!(
-            rollouts.decide(&placement(), &tolerant, "b", "t", &members, now),
+            rollouts.decide(&placement(), &tolerant, "b", "t", || members.clone(), now),
             Admission::Admit
         );
     }
@@ -1041,11 +1049,18 @@ mod tests {
             member("canary", 2, Phase::ToApply),
         ];
         assert!(matches!(
-            rollouts.decide(&placement(), &strategy, "a", "t", &members, now),
+            rollouts.decide(&placement(), &strategy, "a", "t", || members.clone(), now),
             Admission::Wait(_)
         ));
         assert_eq!(
-            rollouts.decide(&placement(), &strategy, "canary", "t", &members, now),
+            rollouts.decide(
+                &placement(),
+                &strategy,
+                "canary",
+                "t",
+                || members.clone(),
+                now
+            ),
             Admission::Admit
         );
         let members = vec![
@@ -1054,11 +1069,11 @@ mod tests {
             member("canary", 2, Phase::Succeeded { since: None }),
         ];
         assert_eq!(
-            rollouts.decide(&placement(), &strategy, "a", "t", &members, now),
+            rollouts.decide(&placement(), &strategy, "a", "t", || members.clone(), now),
             Admission::Admit
         );
         assert!(matches!(
-            rollouts.decide(&placement(), &strategy, "b", "t", &members, now),
+            rollouts.decide(&placement(), &strategy, "b", "t", || members.clone(), now),
             Admission::Wait(_)
         ));
     }
