@@ -173,10 +173,10 @@ async fn addons_progressing(client: &kube::Client, reason: &str) -> anyhow::Resu
         .count())
 }
 
-/// Every cluster's work agent and registration agent, played by one task:
-/// a work whose current generation is not yet reported is reported applied
-/// and available once it has waited the delay, and each addon is made
-/// `Available` once.
+/// Every cluster's work agent and registration agent, played by one task
+/// that watches the works as the clusters' agents do: a work whose current
+/// generation is not reported yet is reported applied and available once it
+/// has waited the delay, and each addon is made `Available` once.
 struct WorkAgents {
     stop: tokio::sync::watch::Sender<bool>,
     most_at_once: std::sync::Arc<std::sync::atomic::AtomicUsize>,
@@ -185,76 +185,86 @@ struct WorkAgents {
 
 impl WorkAgents {
     fn start(client: kube::Client, delay: Duration) -> Self {
+        use futures_util::StreamExt;
+        use kube::runtime::{WatchStreamExt, watcher};
         let (stop, mut stopped) = tokio::sync::watch::channel(false);
         let most_at_once = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let most = most_at_once.clone();
         let task = tokio::spawn(async move {
-            let works = Api::<ManifestWork>::all(client.clone());
-            let mut seen: BTreeMap<String, (i64, Instant)> = BTreeMap::new();
+            let mut works = std::pin::pin!(
+                watcher(
+                    Api::<ManifestWork>::all(client.clone()),
+                    watcher::Config::default()
+                )
+                .applied_objects()
+            );
+            // Works updated and not yet reported: their generation, since when.
+            let mut updating: BTreeMap<String, (i64, Instant)> = BTreeMap::new();
             let mut available: std::collections::BTreeSet<String> = Default::default();
-            while !*stopped.borrow() {
-                let mut updating = 0;
-                for work in works.list(&ListParams::default()).await?.items {
-                    let cluster = work.namespace().unwrap_or_default();
-                    let generation = work.metadata.generation.unwrap_or_default();
-                    let reported = work
-                        .status
-                        .as_ref()
-                        .and_then(|status| status.conditions.as_deref())
-                        .and_then(|conditions| {
-                            cluster_proxy_proto::api::find_condition(conditions, "Applied")
-                        })
-                        .is_some_and(|applied| applied.observed_generation == Some(generation));
-                    if reported {
-                        continue;
+            let mut reported_generation: BTreeMap<String, i64> = BTreeMap::new();
+            let mut tick = tokio::time::interval(Duration::from_millis(20));
+            loop {
+                tokio::select! {
+                    _ = stopped.changed() => break,
+                    event = works.next() => {
+                        let Some(work) = event.transpose()? else { break };
+                        let generation = work.metadata.generation.unwrap_or_default();
+                        let reported = work
+                            .status
+                            .as_ref()
+                            .and_then(|status| status.conditions.as_deref())
+                            .and_then(|conditions| {
+                                cluster_proxy_proto::api::find_condition(conditions, "Applied")
+                            })
+                            .is_some_and(|applied| applied.observed_generation == Some(generation));
+                        let cluster = work.namespace().unwrap_or_default();
+                        let newer = reported_generation
+                            .get(&cluster)
+                            .is_none_or(|done| *done < generation);
+                        if reported || !newer {
+                            // Reported: by this task, an event that was
+                            // still on its way.
+                        } else if updating.get(&cluster).is_none_or(|(seen, _)| *seen != generation) {
+                            updating.insert(cluster, (generation, Instant::now()));
+                        }
+                        most.fetch_max(updating.len(), std::sync::atomic::Ordering::Relaxed);
                     }
-                    updating += 1;
-                    let since = seen
-                        .entry(cluster.clone())
-                        .and_modify(|entry| {
-                            if entry.0 != generation {
-                                *entry = (generation, Instant::now());
-                            }
-                        })
-                        .or_insert((generation, Instant::now()))
-                        .1;
-                    if since.elapsed() < delay {
-                        continue;
-                    }
-                    let condition = |type_: &str| {
-                        json!({"type": type_, "status": "True", "reason": "Done", "message": "done",
-                            "lastTransitionTime": "2026-01-01T00:00:00Z", "observedGeneration": generation})
-                    };
-                    Api::<ManifestWork>::namespaced(client.clone(), &cluster)
-                        .patch_status(
-                            addon::MANIFEST_WORK_NAME,
-                            &PatchParams::apply("work-agent").force(),
-                            &Patch::Apply(&json!({
-                                "apiVersion": "work.open-cluster-management.io/v1", "kind": "ManifestWork",
-                                "metadata": {"name": addon::MANIFEST_WORK_NAME, "namespace": cluster},
-                                "status": {"conditions": [condition("Applied"), condition("Available")]},
-                            })),
-                        )
-                        .await?;
-                    if available.insert(cluster.clone()) {
-                        Api::<ManagedClusterAddOn>::namespaced(client.clone(), &cluster)
-                            .patch_status(
-                                addon::ADDON_NAME,
-                                &PatchParams::apply("registration-agent").force(),
-                                &Patch::Apply(&json!({
-                                    "apiVersion": "addon.open-cluster-management.io/v1alpha1",
-                                    "kind": "ManagedClusterAddOn",
-                                    "metadata": {"name": addon::ADDON_NAME, "namespace": cluster},
-                                    "status": {"conditions": [{"type": "Available", "status": "True",
-                                        "reason": "ManagedClusterAddOnLeaseUpdated", "message": "renewed",
-                                        "lastTransitionTime": "2026-01-01T00:00:00Z"}]},
-                                })),
-                            )
-                            .await?;
+                    _ = tick.tick() => {
+                        let due: Vec<(String, i64)> = updating
+                            .iter()
+                            .filter(|(_, (_, since))| since.elapsed() >= delay)
+                            .map(|(cluster, (generation, _))| (cluster.clone(), *generation))
+                            .collect();
+                        for (cluster, generation) in &due {
+                            updating.remove(cluster);
+                            reported_generation.insert(cluster.clone(), *generation);
+                        }
+                        let first_report: Vec<bool> =
+                            due.iter().map(|(cluster, _)| available.insert(cluster.clone())).collect();
+                        // The clusters' agents report side by side.
+                        let reports: Vec<(String, i64, bool)> = due
+                            .into_iter()
+                            .zip(first_report)
+                            .map(|((cluster, generation), first)| (cluster, generation, first))
+                            .collect();
+                        futures_util::stream::iter(reports)
+                            .map(|(cluster, generation, first)| {
+                                let client = client.clone();
+                                async move {
+                                    report_applied(&client, &cluster, generation).await?;
+                                    if first {
+                                        report_available(&client, &cluster).await?;
+                                    }
+                                    anyhow::Ok(())
+                                }
+                            })
+                            .buffer_unordered(16)
+                            .collect::<Vec<_>>()
+                            .await
+                            .into_iter()
+                            .collect::<anyhow::Result<Vec<()>>>()?;
                     }
                 }
-                most.fetch_max(updating, std::sync::atomic::Ordering::Relaxed);
-                let _ = tokio::time::timeout(Duration::from_millis(50), stopped.changed()).await;
             }
             Ok(())
         });
@@ -278,6 +288,50 @@ impl WorkAgents {
         self.task.await??;
         Ok(self.most_at_once.load(std::sync::atomic::Ordering::Relaxed))
     }
+}
+
+/// The work agent of `cluster` reports its work applied and available at
+/// `generation`.
+async fn report_applied(
+    client: &kube::Client,
+    cluster: &str,
+    generation: i64,
+) -> anyhow::Result<()> {
+    let condition = |type_: &str| {
+        json!({"type": type_, "status": "True", "reason": "Done", "message": "done",
+            "lastTransitionTime": "2026-01-01T00:00:00Z", "observedGeneration": generation})
+    };
+    Api::<ManifestWork>::namespaced(client.clone(), cluster)
+        .patch_status(
+            addon::MANIFEST_WORK_NAME,
+            &PatchParams::apply("work-agent").force(),
+            &Patch::Apply(&json!({
+                "apiVersion": "work.open-cluster-management.io/v1", "kind": "ManifestWork",
+                "metadata": {"name": addon::MANIFEST_WORK_NAME, "namespace": cluster},
+                "status": {"conditions": [condition("Applied"), condition("Available")]},
+            })),
+        )
+        .await?;
+    Ok(())
+}
+
+/// The registration agent of `cluster` reports the addon `Available`.
+async fn report_available(client: &kube::Client, cluster: &str) -> anyhow::Result<()> {
+    Api::<ManagedClusterAddOn>::namespaced(client.clone(), cluster)
+        .patch_status(
+            addon::ADDON_NAME,
+            &PatchParams::apply("registration-agent").force(),
+            &Patch::Apply(&json!({
+                "apiVersion": "addon.open-cluster-management.io/v1alpha1",
+                "kind": "ManagedClusterAddOn",
+                "metadata": {"name": addon::ADDON_NAME, "namespace": cluster},
+                "status": {"conditions": [{"type": "Available", "status": "True",
+                    "reason": "ManagedClusterAddOnLeaseUpdated", "message": "renewed",
+                    "lastTransitionTime": "2026-01-01T00:00:00Z"}]},
+            })),
+        )
+        .await?;
+    Ok(())
 }
 
 #[tokio::main]
@@ -349,13 +403,14 @@ async fn main() -> anyhow::Result<()> {
     let controller_client =
         KubeApi::client_from(&api.kubeconfig_for(CONTROLLER_USER, &["system:masters"])?).await?;
     let (stop, stopped) = oneshot::channel::<()>();
+    let metrics = AddonMetrics::default();
     let controllers = tokio::spawn(addon::run(
         controller_client,
         AddonSettings {
             removal_grace,
             ..AddonSettings::new(HUB)
         },
-        AddonMetrics::default(),
+        metrics.clone(),
         async {
             let _ = stopped.await;
         },
@@ -495,6 +550,7 @@ async fn main() -> anyhow::Result<()> {
         Ok(count) => json!(count),
         Err(_) => json!(max_concurrency),
     };
+    let reconciled = metrics.reconciliation_count("managedclusteraddon");
     Api::<ClusterManagementAddOn>::all(admin.clone())
         .patch(
             addon::ADDON_NAME,
@@ -507,6 +563,19 @@ async fn main() -> anyhow::Result<()> {
             ),
         )
         .await?;
+    // The strategy applies to changes the controller sees after it: every
+    // addon is reconciled once the ClusterManagementAddOn's event arrives.
+    wait_for(
+        "addons reconciled after the strategy",
+        total,
+        limit,
+        || async {
+            Ok(usize::try_from(
+                metrics.reconciliation_count("managedclusteraddon") - reconciled,
+            )?)
+        },
+    )
+    .await?;
     let phase = Instant::now();
     mpcs.patch(
         "cluster-proxy",

@@ -507,7 +507,12 @@ async fn evaluate(
         status.set(progressing, &now);
     }
     let requeue = phase.next_check(&strategy, now.0);
-    if let Some(placement) = placement.as_ref().filter(|_| rollout_strategy_valid) {
+    let recorded =
+        cluster_proxy_proto::api::find_condition(addon.conditions(), CONDITION_PROGRESSING);
+    if let Some(placement) = placement
+        .as_ref()
+        .filter(|_| rollout_strategy_valid && phase.frees_a_place(recorded, &strategy, now.0))
+    {
         // This cluster's progress may free a place for one waiting.
         context.rollouts.wake(
             &placement.placement,

@@ -316,6 +316,31 @@ impl Phase {
     }
 }
 
+impl Phase {
+    /// Whether the reconcile that found its cluster in this phase may have
+    /// freed a place, so that waiting clusters should be woken: the cluster
+    /// has just finished or failed (its `Progressing` condition, `recorded`,
+    /// does not say so yet), or its soak is over.
+    pub fn frees_a_place(
+        &self,
+        recorded: Option<&Condition>,
+        strategy: &Strategy,
+        now: Timestamp,
+    ) -> bool {
+        let recorded_reason = recorded.map(|condition| condition.reason.as_str());
+        match self {
+            Phase::Failed { .. } => recorded_reason != Some(REASON_FAILED),
+            Phase::Succeeded { since } => {
+                recorded_reason != Some(REASON_COMPLETED)
+                    || (!strategy.min_success_time.is_zero()
+                        && since
+                            .is_some_and(|since| elapsed(now, since) >= strategy.min_success_time))
+            }
+            Phase::ToApply | Phase::Progressing { .. } => false,
+        }
+    }
+}
+
 fn elapsed(now: Timestamp, since: Timestamp) -> Duration {
     Duration::try_from(now.duration_since(since)).unwrap_or(Duration::ZERO)
 }
@@ -437,6 +462,9 @@ struct PlacementState {
     admitted: HashMap<String, (String, tokio::time::Instant)>,
     /// Clusters told to wait, by group and name (the order of admission).
     waiting: BTreeSet<(i32, String)>,
+    /// Waiting clusters woken and not yet reconciled: each is woken once,
+    /// however many clusters finish before it runs.
+    woken: BTreeSet<String>,
 }
 
 /// The rollouts of every placement: who may update now, and who to wake
@@ -515,11 +543,21 @@ impl Rollouts {
             member.map_or(0, |member| member.group_index),
             cluster.to_owned(),
         );
+        // Admitted already (its work not yet in the reconcile's cache, or
+        // already holding the change): a second reconcile must not take
+        // the admission back.
+        let admitted = member.is_some_and(|member| member.phase != Phase::ToApply)
+            || state
+                .admitted
+                .get(cluster)
+                .is_some_and(|(admitted_for, _)| admitted_for == target);
         let admission = match admissible(state, strategy, members, now) {
+            _ if admitted => Admission::Admit,
             Ok(admissible) if admissible.contains(cluster) || member.is_none() => Admission::Admit,
             Ok(_) => Admission::Wait(waiting_reason(state, strategy, members, now)),
             Err(stopped) => Admission::Wait(stopped),
         };
+        state.woken.remove(cluster);
         match admission {
             Admission::Admit => {
                 state.waiting.remove(&order);
@@ -553,17 +591,21 @@ impl Rollouts {
             return;
         };
         let members = &members();
-        // Clusters that left the placement wait no more.
+        // Clusters that left the placement, or whose work holds the change
+        // already, wait no more.
         let present: BTreeSet<&str> = members
             .iter()
+            .filter(|member| member.phase == Phase::ToApply)
             .map(|member| member.cluster.as_str())
             .collect();
         state
             .waiting
             .retain(|(_, cluster)| present.contains(cluster.as_str()));
+        let waiting: BTreeSet<&String> = state.waiting.iter().map(|(_, cluster)| cluster).collect();
+        state.woken.retain(|cluster| waiting.contains(cluster));
         if let Ok(admissible) = admissible(state, strategy, members, now) {
             for (_, cluster) in &state.waiting {
-                if admissible.contains(cluster.as_str()) {
+                if admissible.contains(cluster.as_str()) && state.woken.insert(cluster.clone()) {
                     let _ = self
                         .triggers
                         .send(ObjectRef::new(ADDON_NAME).within(cluster));
@@ -759,8 +801,9 @@ pub fn members(
         return Vec::new();
     };
     let mpc_reference = config::mpc_reference(&mpc.name_any(), mpc_hash);
-    // AddOnDeploymentConfigs are few; each is hashed once.
-    let mut adc_references: HashMap<String, Option<ConfigReference>> = HashMap::new();
+    // Clusters differ only in their AddOnDeploymentConfig, and those are
+    // few: each target is computed once.
+    let mut targets: HashMap<Option<String>, Option<String>> = HashMap::new();
     let mut members = Vec::new();
     for decision in context.caches.install.decisions.state() {
         if !of_placement(&decision, placement) {
@@ -778,27 +821,27 @@ pub fn members(
             else {
                 continue;
             };
-            let mut references = vec![mpc_reference.clone()];
-            if let Some(adc_ref) = config::deployment_config_ref(&addon, management) {
-                let reference = adc_references
-                    .entry(adc_ref.to_string())
-                    .or_insert_with(|| {
+            let adc_ref = config::deployment_config_ref(&addon, management);
+            let target = targets
+                .entry(adc_ref.as_ref().map(ToString::to_string))
+                .or_insert_with(|| {
+                    let mut references = vec![mpc_reference.clone()];
+                    if let Some(adc_ref) = &adc_ref {
                         let adc = context
                             .caches
                             .addon
                             .deployment_configs
                             .get(&ObjectRef::new(&adc_ref.name).within(&adc_ref.namespace))?;
                         let hash = config::spec_hash(&adc.spec).ok()?;
-                        Some(config::adc_reference(&adc_ref, hash))
-                    });
-                // Its configuration is missing: the cluster is not in the
-                // rollout until it has one.
-                let Some(reference) = reference else {
-                    continue;
-                };
-                references.push(reference.clone());
-            }
-            let target = config_spec_hash(&references);
+                        references.push(config::adc_reference(adc_ref, hash));
+                    }
+                    Some(config_spec_hash(&references))
+                });
+            // Its configuration is missing: the cluster is not in the rollout
+            // until it has one.
+            let Some(target) = target else {
+                continue;
+            };
             let work = context
                 .caches
                 .addon
@@ -808,7 +851,7 @@ pub fn members(
                 cluster: cluster.to_owned(),
                 group_index,
                 group_name: group_name.clone(),
-                phase: phase(&target, work.as_deref(), &addon, strategy, now),
+                phase: phase(target, work.as_deref(), &addon, strategy, now),
             });
         }
     }
@@ -927,6 +970,11 @@ mod tests {
         // "a" is still in the first two (b was admitted, not yet visible).
         assert_eq!(
             rollouts.decide(&placement(), &strategy, "a", "t", || members.clone(), now),
+            Admission::Admit
+        );
+        // A second reconcile of "b" before its work shows keeps its admission.
+        assert_eq!(
+            rollouts.decide(&placement(), &strategy, "b", "t", || members.clone(), now),
             Admission::Admit
         );
         assert!(matches!(
