@@ -196,6 +196,7 @@ impl WorkAgents {
                     Api::<ManifestWork>::all(client.clone()),
                     watcher::Config::default()
                 )
+                .default_backoff()
                 .applied_objects()
             );
             // Works updated and not yet reported: their generation, since when.
@@ -207,7 +208,10 @@ impl WorkAgents {
                 tokio::select! {
                     _ = stopped.changed() => break,
                     event = works.next() => {
-                        let Some(work) = event.transpose()? else { break };
+                        // A watch error (history expired under load) re-lists.
+                        let Some(Ok(work)) = event else {
+                            if event.is_none() { break } else { continue }
+                        };
                         let generation = work.metadata.generation.unwrap_or_default();
                         let reported = work
                             .status
