@@ -436,10 +436,8 @@ async fn evaluate(
     let strategy = match placement.as_ref().map(|placement| &placement.strategy) {
         None => rollout::Strategy::all(),
         Some(Ok(strategy)) => strategy.clone(),
-        Some(Err(invalid)) => {
-            tracing::warn!(%cluster, %invalid, "the placement's rolloutStrategy cannot be followed; configuration changes wait");
-            rollout::Strategy::all()
-        }
+        // Changes wait (below); the rest of the rollout needs no strategy.
+        Some(Err(_)) => rollout::Strategy::all(),
     };
     let rollout_strategy_valid = placement
         .as_ref()
@@ -452,7 +450,10 @@ async fn evaluate(
             Some(rollout::ClusterPlacement {
                 strategy: Err(invalid),
                 ..
-            }) => rollout::Admission::Wait(format!("invalid rolloutStrategy: {invalid}")),
+            }) => {
+                tracing::warn!(%cluster, %invalid, "the placement's rolloutStrategy cannot be followed; the configuration change waits");
+                rollout::Admission::Wait(format!("invalid rolloutStrategy: {invalid}"))
+            }
             Some(rollout::ClusterPlacement {
                 placement,
                 strategy: Ok(strategy),
