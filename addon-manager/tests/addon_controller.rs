@@ -184,6 +184,18 @@ impl Hub {
         .unwrap();
     }
 
+    /// Merge-patches the MPC `cluster-proxy`, as a user editing it.
+    async fn patch_mpc(&self, patch: Value) -> ManagedProxyConfiguration {
+        Api::<ManagedProxyConfiguration>::all(self.admin.clone())
+            .patch(
+                "cluster-proxy",
+                &PatchParams::default(),
+                &Patch::Merge(&patch),
+            )
+            .await
+            .unwrap()
+    }
+
     fn addons(&self, cluster: &str) -> Api<ManagedClusterAddOn> {
         Api::namespaced(self.admin.clone(), cluster)
     }
@@ -602,15 +614,8 @@ async fn a_progressive_rollout_updates_one_cluster_at_a_time() {
     );
 
     // A configuration change: cluster-a first, the others wait.
-    let patch = json!({"spec": {"proxyAgent": {"replicas": 3}}});
-    Api::<ManagedProxyConfiguration>::all(hub.admin.clone())
-        .patch(
-            "cluster-proxy",
-            &PatchParams::default(),
-            &Patch::Merge(&patch),
-        )
-        .await
-        .unwrap();
+    hub.patch_mpc(json!({"spec": {"proxyAgent": {"replicas": 3}}}))
+        .await;
     eventually("cluster-b and cluster-c wait", WAIT, || async {
         (hub.metrics.rollout_waiting_count() == 2).then_some(())
     })
@@ -768,15 +773,9 @@ async fn current_work_is_left_alone_changes_and_drift_are_applied() {
     );
 
     // MPC spec change: replicas and the generation annotation follow.
-    let patch = json!({"spec": {"proxyAgent": {"replicas": 3}}});
-    let mpc = Api::<ManagedProxyConfiguration>::all(hub.admin.clone())
-        .patch(
-            "cluster-proxy",
-            &PatchParams::default(),
-            &Patch::Merge(&patch),
-        )
-        .await
-        .unwrap();
+    let mpc = hub
+        .patch_mpc(json!({"spec": {"proxyAgent": {"replicas": 3}}}))
+        .await;
     let generation = mpc.metadata.generation.unwrap().to_string();
     let updated = eventually("the work follows the MPC", WAIT, || async {
         let work = hub.work("cluster-a").await?;

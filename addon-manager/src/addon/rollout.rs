@@ -467,6 +467,15 @@ struct PlacementState {
     woken: BTreeSet<String>,
 }
 
+impl PlacementState {
+    /// Whether `member` takes one of the places of the rollout: it is
+    /// updating or soaking, or admitted before the cache shows its work.
+    fn holds_place(&self, member: &Member, strategy: &Strategy, now: Timestamp) -> bool {
+        member.phase.in_flight(strategy, now)
+            || (member.phase == Phase::ToApply && self.admitted.contains_key(&member.cluster))
+    }
+}
+
 /// The rollouts of every placement: who may update now, and who to wake
 /// when room frees up.
 pub struct Rollouts {
@@ -512,13 +521,6 @@ impl Rollouts {
 
     fn key(placement: &PlacementRef) -> (String, String) {
         (placement.namespace.clone(), placement.name.clone())
-    }
-
-    /// Whether clusters of `placement` wait for their turn.
-    pub fn has_waiting(&self, placement: &PlacementRef) -> bool {
-        self.lock()
-            .get(&Self::key(placement))
-            .is_some_and(|state| !state.waiting.is_empty())
     }
 
     /// Decides whether `cluster` of `placement`, whose configurations hash
@@ -653,10 +655,7 @@ fn admissible<'a>(
             "the rollout stopped: {failed} of {total} clusters failed, more than maxFailures ({max_failures})"
         ));
     }
-    let in_flight = |member: &Member| {
-        member.phase.in_flight(strategy, now)
-            || (member.phase == Phase::ToApply && state.admitted.contains_key(&member.cluster))
-    };
+    let in_flight = |member: &Member| state.holds_place(member, strategy, now);
     let pending = |member: &&Member| {
         member.phase == Phase::ToApply && !state.admitted.contains_key(&member.cluster)
     };
@@ -725,10 +724,7 @@ fn waiting_reason(
 ) -> String {
     let in_flight = members
         .iter()
-        .filter(|member| {
-            member.phase.in_flight(strategy, now)
-                || (member.phase == Phase::ToApply && state.admitted.contains_key(&member.cluster))
-        })
+        .filter(|member| state.holds_place(member, strategy, now))
         .count();
     match strategy.kind {
         RolloutKind::ProgressivePerGroup => {
@@ -951,7 +947,8 @@ mod tests {
 
     #[test]
     fn progressive_admits_at_most_max_concurrency_in_name_order() {
-        let rollouts = Rollouts::new(Gauge::default());
+        let waiting = Gauge::default();
+        let rollouts = Rollouts::new(waiting.clone());
         let strategy = progressive(IntOrString::Int(2));
         let now = Timestamp::now();
         let members: Vec<Member> = ["c", "a", "d", "b"]
@@ -981,7 +978,7 @@ mod tests {
             rollouts.decide(&placement(), &strategy, "d", "t", || members.clone(), now),
             Admission::Wait(_)
         ));
-        assert!(rollouts.has_waiting(&placement()));
+        assert_eq!(waiting.get(), 2, "c and d wait");
 
         // "a" succeeded, "b" progresses: one place is free, and it is "c"'s.
         let members = vec![
