@@ -662,6 +662,132 @@ async fn a_progressive_rollout_updates_one_cluster_at_a_time() {
     hub.stop().await;
 }
 
+/// The hub CA bundle the work ships to the agent (Secret `cluster-proxy-ca`).
+fn work_ca_bundle(work: &ManifestWork) -> String {
+    let secret = work
+        .spec
+        .workload
+        .as_ref()
+        .and_then(|workload| workload.manifests.as_ref())
+        .and_then(|manifests| {
+            manifests.iter().find(|m| {
+                m.kind() == Some("Secret") && m.0["metadata"]["name"] == "cluster-proxy-ca"
+            })
+        })
+        .expect("the work carries the CA bundle");
+    let encoded = secret.0["data"]["ca.crt"].as_str().expect("ca.crt is set");
+    let decoded = base64::Engine::decode(&base64::engine::general_purpose::STANDARD, encoded)
+        .expect("ca.crt is base64");
+    String::from_utf8(decoded).expect("the bundle is text")
+}
+
+/// A cluster waiting for its turn in a rollout keeps its configuration but
+/// still gets the rest: here a hub CA rollover, without which its agent
+/// would stop trusting the proxy-servers once they serve from the new CA.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_cluster_still_gets_a_ca_rollover() {
+    let clusters = ["cluster-a", "cluster-b"];
+    let mut hub = Hub::new(true).await;
+    for cluster in clusters {
+        hub.cluster(cluster, true).await;
+    }
+    hub.decide(&clusters).await;
+    hub.start(AddonSettings::new(HUB));
+    eventually("the ClusterManagementAddOn", WAIT, || async {
+        Api::<ClusterManagementAddOn>::all(hub.admin.clone())
+            .get_opt("cluster-proxy")
+            .await
+            .unwrap()
+    })
+    .await;
+    let rollout = json!({"spec": {"installStrategy": {"type": "Placements", "placements": [{
+        "name": "cluster-proxy-placement", "namespace": HUB,
+        "rolloutStrategy": {"type": "Progressive", "progressive": {"maxConcurrency": 1}}}]}}});
+    Api::<ClusterManagementAddOn>::all(hub.admin.clone())
+        .patch(
+            "cluster-proxy",
+            &PatchParams::default(),
+            &Patch::Merge(&rollout),
+        )
+        .await
+        .unwrap();
+    for cluster in clusters {
+        eventually(&format!("{cluster}'s work"), WAIT, || hub.work(cluster)).await;
+        report_work(&hub, cluster, true).await;
+        hub.wait_condition(cluster, "Progressing", "False", "Completed")
+            .await;
+    }
+    let installed = hub.addon("cluster-b").await.unwrap();
+    let installed_references = installed.status.as_ref().unwrap().config_references.clone();
+    let installed_hash = hub.work("cluster-b").await.unwrap().annotations()
+        ["open-cluster-management.io/config-spec-hash"]
+        .clone();
+
+    // A change that cluster-a takes first and never finishes: cluster-b waits.
+    hub.patch_mpc(json!({"spec": {"proxyAgent": {"replicas": 3}}}))
+        .await;
+    eventually("cluster-b waits", WAIT, || async {
+        (hub.metrics.rollout_waiting_count() == 1).then_some(())
+    })
+    .await;
+    assert_eq!(work_replicas(&hub, "cluster-a").await, 3);
+
+    // The hub CA rolls over while it waits.
+    let bundle =
+        format!("{CA_PEM}-----BEGIN CERTIFICATE-----\nMIIBnewCA\n-----END CERTIFICATE-----\n");
+    let rollover = json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "proxy-server-ca"},
+        "stringData": {"ca.crt": bundle}});
+    Api::<Secret>::namespaced(hub.admin.clone(), HUB)
+        .patch(
+            "proxy-server-ca",
+            &PatchParams::default(),
+            &Patch::Merge(&rollover),
+        )
+        .await
+        .unwrap();
+    for cluster in clusters {
+        eventually(
+            &format!("{cluster}'s agent gets the new bundle"),
+            WAIT,
+            || async {
+                let work = hub.work(cluster).await?;
+                (work_ca_bundle(&work) == bundle).then_some(())
+            },
+        )
+        .await;
+    }
+    // cluster-b still has its configuration: the same replicas, hash and
+    // references, and it still waits.
+    let waiting = hub.work("cluster-b").await.unwrap();
+    assert_eq!(
+        deployment_of(&waiting)["spec"]["replicas"],
+        2,
+        "cluster-b waits"
+    );
+    assert_eq!(
+        waiting.annotations()["open-cluster-management.io/config-spec-hash"],
+        installed_hash
+    );
+    let addon = hub.addon("cluster-b").await.unwrap();
+    assert_eq!(
+        addon.status.as_ref().unwrap().config_references,
+        installed_references
+    );
+    assert_eq!(hub.metrics.rollout_waiting_count(), 1);
+
+    // Its turn comes: the new configuration, with the new bundle.
+    report_work(&hub, "cluster-a", true).await;
+    eventually("cluster-b updated", WAIT, || async {
+        (work_replicas(&hub, "cluster-b").await == 3).then_some(())
+    })
+    .await;
+    assert_eq!(
+        work_ca_bundle(&hub.work("cluster-b").await.unwrap()),
+        bundle
+    );
+    hub.stop().await;
+}
+
 /// Regression: a reconcile triggered by the events of the objects the first
 /// one created ran on a cached addon without the status just written, and
 /// wrote it again (with new transition times when a second had passed).

@@ -20,6 +20,7 @@
 //! reported as a `False` condition with a reason on the affected addon only;
 //! API errors are retried with backoff.
 
+pub mod applied;
 pub mod cache;
 pub mod config;
 pub mod csr;

@@ -20,12 +20,13 @@ use cluster_proxy_proto::identity::{ClusterName, is_dns1123_label};
 use futures_util::{Stream, StreamExt, stream};
 use k8s_openapi::api::core::v1::{Secret, Service};
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{OwnerReference, Time};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
 use kube::{Api, Resource, ResourceExt};
 
+use super::applied::{ANNOTATION_APPLIED_CONFIGURATIONS, AppliedConfigurations};
 use super::cache::{AddonCacheWriters, cached_or_read, reflected_objects, reflected_triggers};
 use super::config::{self, DeploymentConfigRef};
 use super::customize::{AgentCustomization, CustomizationError};
@@ -232,6 +233,7 @@ async fn evaluate(
     };
     // What this cluster has been told so far: kept while its change waits.
     let previous_references = status.config_references.clone();
+    let previous_namespace = status.namespace.clone();
     let references = config_references(&mpc, adc_ref.as_ref(), adc.as_deref())?;
     let target = rollout::config_spec_hash(&references);
     status.config_references = Some(references);
@@ -329,99 +331,23 @@ async fn evaluate(
     );
 
     // Deployment: a valid MPC and a known entrypoint.
-    if let Err(invalid) = mpc.spec.validate() {
-        return stop(
-            status,
-            vec![Decided::new(
-                CONDITION_MANIFEST_APPLIED,
-                CONDITION_FALSE,
-                REASON_INVALID_CONFIGURATION,
-                invalid.to_string(),
-            )],
-            None,
-        );
-    }
-    let agent_image = context.settings.agent_image.as_deref();
-    let customization = match AgentCustomization::new(
-        agent_image.unwrap_or(&mpc.spec.proxy_agent.image),
-        adc.as_deref(),
-        managed_cluster.as_deref(),
-    ) {
-        Ok(customization) => customization,
-        Err(invalid) => {
-            let reason = match invalid {
-                CustomizationError::ImageRegistries { .. } => REASON_INVALID_IMAGE_REGISTRIES,
-                CustomizationError::NodeSelector { .. } => REASON_INVALID_NODE_SELECTOR,
-                CustomizationError::ContainerIdShape { .. }
-                | CustomizationError::ContainerIdPattern { .. } => {
-                    REASON_INVALID_RESOURCE_REQUIREMENTS
-                }
-            };
-            return stop(
-                status,
-                vec![Decided::new(
-                    CONDITION_MANIFEST_APPLIED,
-                    CONDITION_FALSE,
-                    reason,
-                    invalid.to_string(),
-                )],
-                None,
-            );
-        }
-    };
-    let load_balancer = match render::load_balancer_service(&mpc) {
-        None => None,
-        // The hub namespace's Services are cached (and watched); a load
-        // balancer elsewhere is read, and looked at again on a timer.
-        Some((namespace, name)) if namespace == context.settings.hub_namespace => cache
-            .hub_services
-            .get(&ObjectRef::new(&name).within(&namespace))
-            .as_deref()
-            .cloned(),
-        Some((namespace, name)) => {
-            get_opt(
-                &Api::<Service>::namespaced(client.clone(), &namespace),
-                &name,
-            )
-            .await?
-        }
-    };
-    let entrypoint = match render::entrypoint(&mpc, load_balancer.as_ref()) {
-        Ok(entrypoint) => entrypoint,
-        Err(pending) => {
-            return stop(
-                status,
-                vec![Decided::new(
-                    CONDITION_MANIFEST_APPLIED,
-                    CONDITION_FALSE,
-                    REASON_ENTRYPOINT_NOT_READY,
-                    pending.to_string(),
-                )],
-                Some(ENTRYPOINT_RETRY),
-            );
-        }
-    };
-    let inputs = AgentInputs {
-        cluster: &cluster_name,
-        install_namespace: &install_namespace,
-        mpc: &mpc,
-        deployment_config: adc.as_deref(),
-        entrypoint: &entrypoint,
+    let rendering = Rendering {
+        context,
+        cluster_name: &cluster_name,
+        managed_cluster: managed_cluster.as_deref(),
         ca_pem: &ca_pem,
-        customization: &customization,
-        kube_api_proxy: context.settings.enable_kube_api_proxy,
-        network_policy: context.settings.enable_network_policies,
-        image_pull_policy: context.settings.image_pull_policy.as_deref(),
+        owner,
     };
-    let mut desired = render::manifest_work(&inputs, owner)?;
-    desired
-        .metadata
-        .annotations
-        .get_or_insert_with(Default::default)
-        .insert(
-            rollout::ANNOTATION_CONFIG_SPEC_HASH.to_owned(),
-            target.clone(),
-        );
+    let applied = AppliedConfigurations::of(&mpc, adc_ref.as_ref(), adc.as_deref())
+        .to_annotation()
+        .map_err(|error| AddonError::Render(work::ManifestError::Serialize(error)))?;
+    let desired = match rendering
+        .work(&install_namespace, &mpc, adc.as_deref(), &target, &applied)
+        .await?
+    {
+        Ok(desired) => desired,
+        Err(refused) => return stop(status, vec![refused.condition], refused.requeue),
+    };
     let works = Api::<ManifestWork>::namespaced(client.clone(), cluster);
     let current = cache
         .works
@@ -430,7 +356,8 @@ async fn evaluate(
         .cloned();
 
     // A configuration change reaches an installed agent when its
-    // placement's rollout says so; until then its work stays as it is.
+    // placement's rollout says so; until then its work stays rendered from
+    // the configurations it has.
     let management = management.as_deref();
     let placement = rollout::placement_of(context, management, cluster);
     let strategy = match placement.as_ref().map(|placement| &placement.strategy) {
@@ -445,7 +372,7 @@ async fn evaluate(
     let changing = current
         .as_ref()
         .is_some_and(|current| rollout::work_config_spec_hash(current) != Some(target.as_str()));
-    if changing {
+    if let Some(current) = current.as_ref().filter(|_| changing) {
         let admission = match &placement {
             Some(rollout::ClusterPlacement {
                 strategy: Err(invalid),
@@ -470,7 +397,28 @@ async fn evaluate(
         if let rollout::Admission::Wait(why) = admission {
             tracing::debug!(%cluster, %why, "the configuration change waits for its turn");
             status.config_references = previous_references;
-            status.set(manifest_applied(current.as_ref()), &now);
+            let work = match rendering.previous_work(addon, current, &mpc).await? {
+                Ok(previous) if is_current(current, &previous.work) => {
+                    status.namespace = Some(previous.install_namespace);
+                    Some(current.clone())
+                }
+                Ok(previous) => {
+                    tracing::info!(%cluster, "applying the agent ManifestWork of a cluster waiting for its turn, from the configurations it has");
+                    status.namespace = Some(previous.install_namespace);
+                    Some(apply::apply(&works, &previous.work).await?)
+                }
+                Err(unrecorded @ NotRerendered::Unrecorded) => {
+                    tracing::debug!(%cluster, why = %unrecorded, "the work of a cluster waiting for its turn is left as it is");
+                    status.namespace = previous_namespace;
+                    Some(current.clone())
+                }
+                Err(why) => {
+                    tracing::warn!(%cluster, %why, "the work of a cluster waiting for its turn cannot be rendered from the configurations it has; it is left as it is");
+                    status.namespace = previous_namespace;
+                    Some(current.clone())
+                }
+            };
+            status.set(manifest_applied(work.as_ref()), &now);
             return Ok(Outcome {
                 status,
                 requeue: Some(rollout::WAITING_RECHECK),
@@ -479,22 +427,9 @@ async fn evaluate(
         }
     }
 
-    let up_to_date = current.as_ref().is_some_and(|current| {
-        current.spec == desired.spec
-            && current.metadata.owner_references == desired.metadata.owner_references
-            && desired
-                .metadata
-                .labels
-                .iter()
-                .flatten()
-                .all(|(key, value)| current.labels().get(key) == Some(value))
-            && desired
-                .metadata
-                .annotations
-                .iter()
-                .flatten()
-                .all(|(key, value)| current.annotations().get(key) == Some(value))
-    });
+    let up_to_date = current
+        .as_ref()
+        .is_some_and(|current| is_current(current, &desired));
     let work = if up_to_date {
         current
     } else {
@@ -536,6 +471,208 @@ async fn evaluate(
         requeue,
         deleted: false,
     })
+}
+
+/// Whether `current` already is `desired`: the same spec and owner, and
+/// every label and annotation `desired` sets (others may add theirs).
+fn is_current(current: &ManifestWork, desired: &ManifestWork) -> bool {
+    current.spec == desired.spec
+        && current.metadata.owner_references == desired.metadata.owner_references
+        && desired
+            .metadata
+            .labels
+            .iter()
+            .flatten()
+            .all(|(key, value)| current.labels().get(key) == Some(value))
+        && desired
+            .metadata
+            .annotations
+            .iter()
+            .flatten()
+            .all(|(key, value)| current.annotations().get(key) == Some(value))
+}
+
+/// Why the agent cannot be rendered: the `ManifestApplied` condition that
+/// says so, and when to look again.
+struct Refused {
+    condition: Decided,
+    requeue: Option<Duration>,
+}
+
+impl Refused {
+    fn new(reason: &str, message: impl Into<String>) -> Self {
+        Self {
+            condition: Decided::new(CONDITION_MANIFEST_APPLIED, CONDITION_FALSE, reason, message),
+            requeue: None,
+        }
+    }
+}
+
+/// Why a waiting cluster's work is not rendered again.
+#[derive(Debug, thiserror::Error)]
+enum NotRerendered {
+    /// Written by an addon-manager that did not record them.
+    #[error("the work does not record the configurations it was rendered from")]
+    Unrecorded,
+    #[error(transparent)]
+    Damaged(#[from] super::applied::AppliedConfigurationsError),
+    #[error("{0}")]
+    Refused(String),
+}
+
+/// A waiting cluster's work, rendered from the configurations it has.
+struct PreviousWork {
+    work: ManifestWork,
+    install_namespace: String,
+}
+
+/// What one cluster's agent is rendered with, but for its configurations.
+struct Rendering<'a> {
+    context: &'a Context,
+    cluster_name: &'a ClusterName,
+    managed_cluster: Option<&'a ManagedCluster>,
+    ca_pem: &'a [u8],
+    owner: Option<OwnerReference>,
+}
+
+impl Rendering<'_> {
+    /// The agent's work rendered from `mpc` and `adc`, annotated with them.
+    async fn work(
+        &self,
+        install_namespace: &str,
+        mpc: &ManagedProxyConfiguration,
+        adc: Option<&AddOnDeploymentConfig>,
+        config_spec_hash: &str,
+        applied_configurations: &str,
+    ) -> Result<Result<ManifestWork, Refused>, AddonError> {
+        let context = self.context;
+        if let Err(invalid) = mpc.spec.validate() {
+            return Ok(Err(Refused::new(
+                REASON_INVALID_CONFIGURATION,
+                invalid.to_string(),
+            )));
+        }
+        let agent_image = context.settings.agent_image.as_deref();
+        let customization = match AgentCustomization::new(
+            agent_image.unwrap_or(&mpc.spec.proxy_agent.image),
+            adc,
+            self.managed_cluster,
+        ) {
+            Ok(customization) => customization,
+            Err(invalid) => {
+                let reason = match invalid {
+                    CustomizationError::ImageRegistries { .. } => REASON_INVALID_IMAGE_REGISTRIES,
+                    CustomizationError::NodeSelector { .. } => REASON_INVALID_NODE_SELECTOR,
+                    CustomizationError::ContainerIdShape { .. }
+                    | CustomizationError::ContainerIdPattern { .. } => {
+                        REASON_INVALID_RESOURCE_REQUIREMENTS
+                    }
+                };
+                return Ok(Err(Refused::new(reason, invalid.to_string())));
+            }
+        };
+        let load_balancer = match render::load_balancer_service(mpc) {
+            None => None,
+            // The hub namespace's Services are cached (and watched); a load
+            // balancer elsewhere is read, and looked at again on a timer.
+            Some((namespace, name)) if namespace == context.settings.hub_namespace => context
+                .caches
+                .addon
+                .hub_services
+                .get(&ObjectRef::new(&name).within(&namespace))
+                .as_deref()
+                .cloned(),
+            Some((namespace, name)) => {
+                get_opt(
+                    &Api::<Service>::namespaced(context.client.clone(), &namespace),
+                    &name,
+                )
+                .await?
+            }
+        };
+        let entrypoint = match render::entrypoint(mpc, load_balancer.as_ref()) {
+            Ok(entrypoint) => entrypoint,
+            Err(pending) => {
+                return Ok(Err(Refused {
+                    requeue: Some(ENTRYPOINT_RETRY),
+                    ..Refused::new(REASON_ENTRYPOINT_NOT_READY, pending.to_string())
+                }));
+            }
+        };
+        let inputs = AgentInputs {
+            cluster: self.cluster_name,
+            install_namespace,
+            mpc,
+            deployment_config: adc,
+            entrypoint: &entrypoint,
+            ca_pem: self.ca_pem,
+            customization: &customization,
+            kube_api_proxy: context.settings.enable_kube_api_proxy,
+            network_policy: context.settings.enable_network_policies,
+            image_pull_policy: context.settings.image_pull_policy.as_deref(),
+        };
+        let mut desired = render::manifest_work(&inputs, self.owner.clone())?;
+        let annotations = desired
+            .metadata
+            .annotations
+            .get_or_insert_with(Default::default);
+        annotations.insert(
+            rollout::ANNOTATION_CONFIG_SPEC_HASH.to_owned(),
+            config_spec_hash.to_owned(),
+        );
+        annotations.insert(
+            ANNOTATION_APPLIED_CONFIGURATIONS.to_owned(),
+            applied_configurations.to_owned(),
+        );
+        Ok(Ok(desired))
+    }
+
+    /// `current` rendered again from the configurations it records, with
+    /// everything else as it is now; or why it cannot be.
+    async fn previous_work(
+        &self,
+        addon: &ManagedClusterAddOn,
+        current: &ManifestWork,
+        mpc: &ManagedProxyConfiguration,
+    ) -> Result<Result<PreviousWork, NotRerendered>, AddonError> {
+        let applied = match AppliedConfigurations::of_work(current) {
+            Ok(Some(applied)) => applied,
+            Ok(None) => return Ok(Err(NotRerendered::Unrecorded)),
+            Err(damaged) => return Ok(Err(damaged.into())),
+        };
+        let (Some(config_spec_hash), Some(applied_text)) = (
+            rollout::work_config_spec_hash(current),
+            current.annotations().get(ANNOTATION_APPLIED_CONFIGURATIONS),
+        ) else {
+            return Ok(Err(NotRerendered::Unrecorded));
+        };
+        let previous_mpc = applied.proxy_configuration(mpc);
+        let previous_adc = applied.deployment_config();
+        let install_namespace = render::install_namespace(
+            addon,
+            previous_adc.as_ref(),
+            &self.context.settings.agent_install_namespace,
+        );
+        if !is_dns1123_label(&install_namespace) {
+            return Ok(Err(NotRerendered::Refused(format!(
+                "install namespace {install_namespace:?} is not a DNS-1123 label"
+            ))));
+        }
+        Ok(self
+            .work(
+                &install_namespace,
+                &previous_mpc,
+                previous_adc.as_ref(),
+                config_spec_hash,
+                applied_text,
+            )
+            .await?
+            .map(|work| PreviousWork {
+                work,
+                install_namespace,
+            })
+            .map_err(|refused| NotRerendered::Refused(refused.condition.message)))
+    }
 }
 
 /// The addon's `Progressing` condition for its cluster's rollout `phase`.
