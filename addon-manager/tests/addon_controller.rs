@@ -797,11 +797,7 @@ async fn a_lagging_cache_does_not_rewrite_the_status() {
     let mut hub = Hub::with_options(true, true).await;
     hub.cluster("cluster-a", true).await;
     hub.decide(&["cluster-a"]).await;
-    let lagging = hub
-        .api
-        .client_with_lagging_watches("managedclusteraddons", Duration::from_secs(2))
-        .await
-        .unwrap();
+    let lagging = lagging_controller_client(&hub, "managedclusteraddons").await;
     hub.start_with_client(AddonSettings::new(HUB), lagging);
     let addon = hub
         .wait_condition(
@@ -832,6 +828,89 @@ async fn a_lagging_cache_does_not_rewrite_the_status() {
     assert_eq!(
         hub.addon("cluster-a").await.unwrap().resource_version(),
         addon.resource_version()
+    );
+    // Nor is the addon read back: our own write is known. The one read is
+    // the install controller's, confirming the addon is missing before it
+    // creates it.
+    assert_eq!(
+        requests_of(&hub, CONTROLLER_USER, "get", "managedclusteraddons"),
+        1
+    );
+    hub.stop().await;
+}
+
+/// The user the controllers run as in the tests that count their requests.
+const CONTROLLER_USER: &str = "cluster-proxy-addon-manager";
+
+/// A client for [`CONTROLLER_USER`] whose watches of `plural` trail the API
+/// by two seconds.
+async fn lagging_controller_client(hub: &Hub, plural: &str) -> kube::Client {
+    let kubeconfig = hub
+        .api
+        .kubeconfig_for(CONTROLLER_USER, &["system:masters"])
+        .unwrap();
+    KubeApi::lagging_client_from(&kubeconfig, plural, Duration::from_secs(2))
+        .await
+        .unwrap()
+}
+
+/// How many requests `user` made of `verb` on `resource` (not a
+/// subresource).
+fn requests_of(hub: &Hub, user: &str, verb: &str, resource: &str) -> usize {
+    hub.api
+        .requests()
+        .into_iter()
+        .filter(|request| {
+            request.user == user
+                && request.verb == verb
+                && request.resource == resource
+                && request.subresource.is_none()
+        })
+        .count()
+}
+
+/// The same for the objects the addon controller writes: a reconcile that
+/// runs before the watch event of the work (Role, RoleBinding) it just wrote
+/// neither writes it again nor takes it for missing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lagging_caches_do_not_rewrite_the_work_or_the_hub_rbac() {
+    let mut hub = Hub::with_options(true, true).await;
+    hub.cluster("cluster-a", true).await;
+    hub.decide(&["cluster-a"]).await;
+    let lagging = lagging_controller_client(&hub, "manifestworks").await;
+    hub.start_with_client(AddonSettings::new(HUB), lagging);
+    hub.wait_condition(
+        "cluster-a",
+        "RegistrationApplied",
+        "True",
+        "SetPermissionApplied",
+    )
+    .await;
+    // The events of the Role, RoleBinding and status the first reconcile
+    // wrote queue more while the work's event is held back.
+    eventually("three reconciles", WAIT, || async {
+        (hub.metrics.reconciliation_count("managedclusteraddon") >= 3).then_some(())
+    })
+    .await;
+    // The work agent reports; its event, after the work's own, reaches the
+    // cache and a reconcile on it.
+    report_work(&hub, "cluster-a", true).await;
+    hub.wait_condition(
+        "cluster-a",
+        "ManifestApplied",
+        "True",
+        "AddonManifestApplied",
+    )
+    .await;
+    assert_eq!(
+        requests_of(&hub, CONTROLLER_USER, "patch", "manifestworks"),
+        1,
+        "the work was written more than once"
+    );
+    assert_eq!(requests_of(&hub, CONTROLLER_USER, "patch", "roles"), 1);
+    assert_eq!(
+        requests_of(&hub, CONTROLLER_USER, "patch", "rolebindings"),
+        1
     );
     hub.stop().await;
 }

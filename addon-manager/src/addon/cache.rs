@@ -27,6 +27,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Resource};
 
 use super::AddonError;
+use super::own_writes::OwnWrites;
 use super::reconcile::get_opt;
 
 /// What the ManagedClusterAddOn controller reads.
@@ -45,6 +46,14 @@ pub struct AddonCache {
     /// The addon-agent's hub Roles and RoleBindings.
     pub roles: Store<Role>,
     pub role_bindings: Store<RoleBinding>,
+    /// Our writes of the works, Roles and RoleBindings the stores above
+    /// may not show yet (forgotten by their watches' events).
+    pub own_works: OwnWrites<ManifestWork>,
+    pub own_roles: OwnWrites<Role>,
+    pub own_role_bindings: OwnWrites<RoleBinding>,
+    /// Our status writes of the addons, which the controller's own store
+    /// may not show yet (forgotten when it shows another version).
+    pub own_statuses: OwnWrites<ManagedClusterAddOn>,
     filled: watch::Receiver<bool>,
 }
 
@@ -67,6 +76,10 @@ pub struct InstallCache {
     pub decisions: Store<PlacementDecision>,
     pub managements: Store<ClusterManagementAddOn>,
     pub addons: Store<ManagedClusterAddOn>,
+    /// Our writes (and reads) of the objects above the stores may not show
+    /// yet.
+    pub own_managements: OwnWrites<ClusterManagementAddOn>,
+    pub own_addons: OwnWrites<ManagedClusterAddOn>,
     filled: watch::Receiver<bool>,
 }
 
@@ -122,12 +135,18 @@ pub fn caches() -> (Caches, CacheWriters) {
                 works,
                 roles,
                 role_bindings,
+                own_works: OwnWrites::default(),
+                own_roles: OwnWrites::default(),
+                own_role_bindings: OwnWrites::default(),
+                own_statuses: OwnWrites::default(),
                 filled: addon_filled_rx,
             },
             install: InstallCache {
                 decisions,
                 managements: install_managements,
                 addons,
+                own_managements: OwnWrites::default(),
+                own_addons: OwnWrites::default(),
                 filled: install_filled_rx,
             },
         },
@@ -156,30 +175,39 @@ pub fn caches() -> (Caches, CacheWriters) {
 
 /// `stream`'s changed and deleted objects, each passed on only after
 /// `writer`'s cache has taken it in: a reconcile they trigger reads at
-/// least that change.
+/// least that change. Each event then ends `own`'s memory of the object.
 pub(crate) fn reflected_objects<K, S>(
     writer: Writer<K>,
+    own: Option<OwnWrites<K>>,
     stream: S,
 ) -> impl Stream<Item = Result<K, watcher::Error>> + Send + 'static
 where
-    K: Resource + Clone + std::fmt::Debug + Send + Sync + 'static,
-    K::DynamicType: Eq + std::hash::Hash + Clone + Default,
+    K: Resource<DynamicType = ()> + Clone + std::fmt::Debug + Send + Sync + 'static,
     S: Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
 {
-    stream.default_backoff().reflect(writer).touched_objects()
+    stream
+        .default_backoff()
+        .reflect(writer)
+        .inspect(move |event| {
+            if let (Some(own), Ok(event)) = (&own, event) {
+                own.seen(event);
+            }
+        })
+        .touched_objects()
 }
 
 /// [`reflected_objects`] as bare triggers (for `reconcile_all_on`).
 pub(crate) fn reflected_triggers<K, S>(
     writer: Writer<K>,
+    own: Option<OwnWrites<K>>,
     stream: S,
 ) -> impl Stream<Item = ()> + Send + 'static
 where
-    K: Resource + Clone + std::fmt::Debug + Send + Sync + 'static,
-    K::DynamicType: Eq + std::hash::Hash + Clone + Default,
+    K: Resource<DynamicType = ()> + Clone + std::fmt::Debug + Send + Sync + 'static,
     S: Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
 {
-    reflected_objects(writer, stream).filter_map(|result| async move { result.ok().map(|_| ()) })
+    reflected_objects(writer, own, stream)
+        .filter_map(|result| async move { result.ok().map(|_| ()) })
 }
 
 /// `name` from `store`; when the cache does not have it, from the API. An
@@ -194,13 +222,35 @@ pub(crate) async fn cached_or_read<K>(
 where
     K: Resource<DynamicType = ()> + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
 {
-    let key = match api.namespace() {
-        Some(namespace) => ObjectRef::new(name).within(namespace),
-        None => ObjectRef::new(name),
-    };
-    match store.get(&key) {
+    match store.get(&key_of(api, name)) {
         Some(cached) => Ok(Some(cached)),
         None => Ok(get_opt(api, name).await?.map(Arc::new)),
+    }
+}
+
+/// [`cached_or_read`], with this process's own writes the store may not
+/// show yet: an object just created here is not read back.
+pub(crate) async fn cached_or_own_or_read<K>(
+    store: &Store<K>,
+    own: &OwnWrites<K>,
+    api: &Api<K>,
+    name: &str,
+) -> Result<Option<Arc<K>>, AddonError>
+where
+    K: Resource<DynamicType = ()> + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let key = key_of(api, name);
+    match own.freshest(&key, store.get(&key)) {
+        Some(known) => Ok(Some(known)),
+        None => Ok(get_opt(api, name).await?.map(Arc::new)),
+    }
+}
+
+/// The reference to `name` in `api`'s namespace (if any).
+pub(crate) fn key_of<K: Resource<DynamicType = ()>>(api: &Api<K>, name: &str) -> ObjectRef<K> {
+    match api.namespace() {
+        Some(namespace) => ObjectRef::new(name).within(namespace),
+        None => ObjectRef::new(name),
     }
 }
 

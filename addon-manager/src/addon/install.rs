@@ -35,7 +35,9 @@ use kube::{Api, Resource, ResourceExt};
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::time::Instant;
 
-use super::cache::{InstallCacheWriters, cached_or_read, reflected_objects, reflected_triggers};
+use super::cache::{
+    InstallCacheWriters, cached_or_own_or_read, reflected_objects, reflected_triggers,
+};
 use super::config::{ADC_GROUP, ADC_RESOURCE, MPC_GROUP, MPC_RESOURCE};
 use super::reconcile::get_opt;
 use super::status::addon_meta;
@@ -134,30 +136,39 @@ pub async fn ensure_cluster_management_addon(
     context: &Context,
 ) -> Result<Arc<ClusterManagementAddOn>, AddonError> {
     let desired = cluster_management_addon(&context.settings);
-    let cached = context
-        .caches
-        .install
-        .managements
-        .get(&ObjectRef::new(ADDON_NAME));
-    if let Some(current) = cached.filter(|current| {
-        management_is_current(
-            current,
-            &with_rollout_strategies_of(current, desired.clone()),
-        )
-    }) {
+    let cache = &context.caches.install;
+    let key = ObjectRef::new(ADDON_NAME);
+    let known_current = || {
+        cache
+            .own_managements
+            .freshest(&key, cache.managements.get(&key))
+            .filter(|current| {
+                management_is_current(
+                    current,
+                    &with_rollout_strategies_of(current, desired.clone()),
+                )
+            })
+    };
+    if let Some(current) = known_current() {
         return Ok(current);
     }
     let _only_one = context.management_write.lock().await;
+    // The reconcile that held the lock before may have written it.
+    if let Some(current) = known_current() {
+        return Ok(current);
+    }
+    let cached = cache.managements.get(&key);
     let api = Api::<ClusterManagementAddOn>::all(context.client.clone());
     let current = get_opt(&api, ADDON_NAME).await?;
     let desired = match &current {
         Some(current) => with_rollout_strategies_of(current, desired),
         None => desired,
     };
-    match current {
-        Some(current) if management_is_current(&current, &desired) => Ok(Arc::new(current)),
-        _ => Ok(Arc::new(apply::apply(&api, &desired).await?)),
-    }
+    let newer = match current {
+        Some(current) if management_is_current(&current, &desired) => current,
+        _ => apply::apply(&api, &desired).await?,
+    };
+    Ok(cache.own_managements.wrote(cached.as_deref(), newer))
 }
 
 /// `desired` with the `rolloutStrategy` that `current` gives each of its
@@ -308,7 +319,7 @@ pub async fn reconcile(
     let selected = selected_clusters(&cache.decisions, settings).contains(&name);
     let wanted = !deleting && selected;
     let api = Api::<ManagedClusterAddOn>::namespaced(context.client.clone(), &name);
-    let current = cached_or_read(&cache.addons, &api, ADDON_NAME).await?;
+    let current = cached_or_own_or_read(&cache.addons, &cache.own_addons, &api, ADDON_NAME).await?;
     match current {
         Some(addon) if !wanted && installed_by(&addon, &management) => {
             if !deleting && let Some(wait) = context.removals.remaining(&name) {
@@ -328,7 +339,9 @@ pub async fn reconcile(
         }
         None if wanted => {
             tracing::info!(cluster = %name, "installing the addon");
-            apply::apply(&api, &installed_addon(&name, settings, &management)).await?;
+            let installed =
+                apply::apply(&api, &installed_addon(&name, settings, &management)).await?;
+            cache.own_addons.wrote(None, installed);
         }
         _ => {}
     }
@@ -363,6 +376,7 @@ pub fn controller(
     let everything = stream::select_all(vec![
         reflected_triggers(
             writers.decisions,
+            None,
             watcher(
                 Api::<PlacementDecision>::all(client.clone()),
                 watcher::Config::default(),
@@ -371,6 +385,7 @@ pub fn controller(
         .boxed(),
         reflected_triggers(
             writers.managements,
+            Some(context.caches.install.own_managements.clone()),
             watcher(
                 Api::<ClusterManagementAddOn>::all(client.clone()),
                 by_name.clone(),
@@ -380,6 +395,7 @@ pub fn controller(
     ]);
     let addons = reflected_objects(
         writers.addons,
+        Some(context.caches.install.own_addons.clone()),
         watcher(Api::<ManagedClusterAddOn>::all(client.clone()), by_name),
     );
     Controller::new(

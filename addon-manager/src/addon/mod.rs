@@ -26,6 +26,7 @@ pub mod config;
 pub mod csr;
 pub mod customize;
 pub mod install;
+pub mod own_writes;
 pub mod reconcile;
 pub mod render;
 pub mod rollout;

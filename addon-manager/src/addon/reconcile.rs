@@ -86,29 +86,30 @@ pub async fn reconcile(
         .namespace
         .clone()
         .ok_or(AddonError::Incomplete("metadata.namespace"))?;
-    let mut outcome = evaluate(&addon, &namespace, &context).await?;
+    // Our last status write, if the controller's store does not show it yet.
+    let statuses = &context.caches.addon.own_statuses;
+    let addon = statuses
+        .freshest(&ObjectRef::from_obj(addon.as_ref()), Some(addon.clone()))
+        .unwrap_or(addon);
+    let outcome = evaluate(&addon, &namespace, &context).await?;
     if !outcome.deleted && !outcome.status.is_current(&addon) {
-        // `addon` comes from the controller's cache, which can lag behind our
-        // own last status write: a reconcile triggered by another object's
-        // event may run before the addon's status event arrives. Judged
-        // against that stale status, a current one would be rewritten and its
-        // transition times moved; so the addon is read back first, and
-        // evaluated again when it changed.
+        // Judged against a status older than our own last write, a current
+        // one would be rewritten and its transition times moved; `addon` is
+        // at least that write (`own_statuses`), even when the controller's
+        // store has not shown it yet, so it is not read back first.
         let api = Api::<ManagedClusterAddOn>::namespaced(context.client.clone(), &namespace);
-        let Some(live) = get_opt(&api, ADDON_NAME).await? else {
-            return Ok(Action::await_change());
-        };
-        if live.metadata.deletion_timestamp.is_some() {
-            return Ok(Action::await_change());
-        }
-        if live.resource_version() != addon.resource_version() {
-            outcome = evaluate(&live, &namespace, &context).await?;
-        }
-        if !outcome.deleted && !outcome.status.is_current(&live) {
-            let mut patch = ManagedClusterAddOn::new(ADDON_NAME, Default::default());
-            patch.metadata.namespace = Some(namespace.clone());
-            patch.status = Some(outcome.status.to_status());
-            apply::apply_status(&api, &patch).await?;
+        let mut patch = ManagedClusterAddOn::new(ADDON_NAME, Default::default());
+        patch.metadata.namespace = Some(namespace.clone());
+        patch.status = Some(outcome.status.to_status());
+        match apply::apply_status(&api, &patch).await {
+            Ok(written) => {
+                statuses.wrote(Some(&addon), written);
+            }
+            // Deleted since the store showed it: nothing to write.
+            Err(error) if error.api_error().is_some_and(apply::is_not_found) => {
+                return Ok(Action::await_change());
+            }
+            Err(error) => return Err(error.into()),
         }
     }
     Ok(match outcome.requeue {
@@ -300,25 +301,32 @@ async fn evaluate(
     let owner = apply::owner_reference(addon);
     let (role, binding) = render::hub_agent_rbac(cluster, owner.clone());
     let roles = Api::<Role>::namespaced(client.clone(), cluster);
+    let role_key = ObjectRef::new(AGENT_RBAC_NAME).within(cluster);
     let current_role = cache
-        .roles
-        .get(&ObjectRef::new(AGENT_RBAC_NAME).within(cluster));
-    if !current_role.is_some_and(|current| {
+        .own_roles
+        .freshest(&role_key, cache.roles.get(&role_key));
+    if !current_role.as_ref().is_some_and(|current| {
         current.rules == role.rules
             && current.metadata.owner_references == role.metadata.owner_references
     }) {
-        apply::apply(&roles, &role).await?;
+        cache
+            .own_roles
+            .wrote(current_role.as_deref(), apply::apply(&roles, &role).await?);
     }
     let bindings = Api::<RoleBinding>::namespaced(client.clone(), cluster);
+    let binding_key = ObjectRef::new(AGENT_RBAC_NAME).within(cluster);
     let current_binding = cache
-        .role_bindings
-        .get(&ObjectRef::new(AGENT_RBAC_NAME).within(cluster));
-    if !current_binding.is_some_and(|current| {
+        .own_role_bindings
+        .freshest(&binding_key, cache.role_bindings.get(&binding_key));
+    if !current_binding.as_ref().is_some_and(|current| {
         current.subjects == binding.subjects
             && current.role_ref == binding.role_ref
             && current.metadata.owner_references == binding.metadata.owner_references
     }) {
-        apply::apply(&bindings, &binding).await?;
+        cache.own_role_bindings.wrote(
+            current_binding.as_deref(),
+            apply::apply(&bindings, &binding).await?,
+        );
     }
     status.set(
         Decided::new(
@@ -349,11 +357,14 @@ async fn evaluate(
         Err(refused) => return stop(status, vec![refused.condition], refused.requeue),
     };
     let works = Api::<ManifestWork>::namespaced(client.clone(), cluster);
+    let work_key = ObjectRef::new(MANIFEST_WORK_NAME).within(cluster);
     let current = cache
-        .works
-        .get(&ObjectRef::new(MANIFEST_WORK_NAME).within(cluster))
+        .own_works
+        .freshest(&work_key, cache.works.get(&work_key))
         .as_deref()
         .cloned();
+    let wrote_work =
+        |written| Arc::unwrap_or_clone(cache.own_works.wrote(current.as_ref(), written));
 
     // A configuration change reaches an installed agent when its
     // placement's rollout says so; until then its work stays rendered from
@@ -405,7 +416,7 @@ async fn evaluate(
                 Ok(previous) => {
                     tracing::info!(%cluster, "applying the agent ManifestWork of a cluster waiting for its turn, from the configurations it has");
                     status.namespace = Some(previous.install_namespace);
-                    Some(apply::apply(&works, &previous.work).await?)
+                    Some(wrote_work(apply::apply(&works, &previous.work).await?))
                 }
                 Err(unrecorded @ NotRerendered::Unrecorded) => {
                     tracing::debug!(%cluster, why = %unrecorded, "the work of a cluster waiting for its turn is left as it is");
@@ -434,7 +445,7 @@ async fn evaluate(
         current
     } else {
         tracing::info!(%cluster, "applying the agent ManifestWork");
-        Some(apply::apply(&works, &desired).await?)
+        Some(wrote_work(apply::apply(&works, &desired).await?))
     };
     status.set(manifest_applied(work.as_ref()), &now);
 
@@ -791,6 +802,7 @@ pub fn controller(
     let everything = stream::select_all(vec![
         reflected_triggers(
             writers.mpcs,
+            None,
             watcher(
                 Api::<ManagedProxyConfiguration>::all(client.clone()),
                 watcher::Config::default(),
@@ -799,6 +811,7 @@ pub fn controller(
         .boxed(),
         reflected_triggers(
             writers.hub_secrets,
+            None,
             watcher(
                 Api::<Secret>::namespaced(client.clone(), &hub_namespace),
                 ca_secret,
@@ -807,6 +820,7 @@ pub fn controller(
         .boxed(),
         reflected_triggers(
             writers.deployment_configs,
+            None,
             watcher(
                 Api::<AddOnDeploymentConfig>::all(client.clone()),
                 watcher::Config::default(),
@@ -815,6 +829,7 @@ pub fn controller(
         .boxed(),
         reflected_triggers(
             writers.managements,
+            None,
             watcher(
                 Api::<ClusterManagementAddOn>::all(client.clone()),
                 by_name.clone(),
@@ -823,6 +838,7 @@ pub fn controller(
         .boxed(),
         reflected_triggers(
             writers.hub_services,
+            None,
             watcher(
                 Api::<Service>::namespaced(client.clone(), &hub_namespace),
                 watcher::Config::default(),
@@ -830,8 +846,10 @@ pub fn controller(
         )
         .boxed(),
     ]);
+    let own = &context.caches.addon;
     let works = reflected_objects(
         writers.works,
+        Some(own.own_works.clone()),
         watcher(
             Api::<ManifestWork>::all(client.clone()),
             watcher::Config::default().labels(&format!(
@@ -842,14 +860,17 @@ pub fn controller(
     );
     let roles = reflected_objects(
         writers.roles,
+        Some(own.own_roles.clone()),
         watcher(Api::<Role>::all(client.clone()), rbac_by_name.clone()),
     );
     let role_bindings = reflected_objects(
         writers.role_bindings,
+        Some(own.own_role_bindings.clone()),
         watcher(Api::<RoleBinding>::all(client.clone()), rbac_by_name),
     );
     let clusters = reflected_objects(
         writers.clusters,
+        None,
         watcher(
             Api::<ManagedCluster>::all(client.clone()),
             watcher::Config::default(),

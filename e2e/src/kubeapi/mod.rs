@@ -332,7 +332,18 @@ impl KubeApi {
         plural: &str,
         delay: Duration,
     ) -> Result<kube::Client, KubeApiError> {
-        let kubeconfig = kube::config::Kubeconfig::read_from(&self.kubeconfig)
+        Self::lagging_client_from(&self.kubeconfig, plural, delay).await
+    }
+
+    /// [`KubeApi::client_with_lagging_watches`] for the user of
+    /// `kubeconfig` (see [`KubeApi::kubeconfig_for`]), so its requests can
+    /// be told from the test's own.
+    pub async fn lagging_client_from(
+        kubeconfig: &Path,
+        plural: &str,
+        delay: Duration,
+    ) -> Result<kube::Client, KubeApiError> {
+        let kubeconfig = kube::config::Kubeconfig::read_from(kubeconfig)
             .map_err(|e| KubeApiError::Client(e.to_string()))?;
         let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
             .await
