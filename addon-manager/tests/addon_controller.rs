@@ -559,6 +559,40 @@ async fn work_replicas(hub: &Hub, cluster: &str) -> Value {
     deployment_of(&work)["spec"]["replicas"].clone()
 }
 
+/// The ClusterManagementAddOn's rollout summary for the one placement:
+/// its `Progressing` condition's reason and message, and the MPC's last
+/// known good spec hash.
+async fn install_progression(hub: &Hub) -> Option<(String, String, Option<String>)> {
+    let management = Api::<ClusterManagementAddOn>::all(hub.admin.clone())
+        .get_opt("cluster-proxy")
+        .await
+        .unwrap()?;
+    let progressions = management.status?.install_progressions?;
+    let progression = progressions.first()?;
+    let condition = find_condition(progression.conditions.as_deref()?, "Progressing")?;
+    let good = progression
+        .config_references
+        .as_ref()?
+        .first()?
+        .last_known_good_config
+        .as_ref()
+        .and_then(|config| config.spec_hash.clone());
+    Some((condition.reason.clone(), condition.message.clone(), good))
+}
+
+/// Waits until the summary's `Progressing` says `reason` and `message`.
+async fn wait_install_progression(hub: &Hub, reason: &str, message: &str) -> Option<String> {
+    eventually(
+        &format!("installProgressions: {reason}, {message}"),
+        WAIT,
+        || async {
+            let (now_reason, now_message, good) = install_progression(hub).await?;
+            (now_reason == reason && now_message == message).then_some(good)
+        },
+    )
+    .await
+}
+
 /// A `Progressive` rollout with `maxConcurrency: 1` updates one cluster at a
 /// time, in name order, each once the one before is applied and available;
 /// a failure stops it until the failed cluster recovers.
@@ -598,6 +632,17 @@ async fn a_progressive_rollout_updates_one_cluster_at_a_time() {
             .await;
         assert_eq!(work_replicas(&hub, cluster).await, 2);
     }
+    // The ClusterManagementAddOn sums it up, as OCM's addon-manager would.
+    let installed_good = wait_install_progression(
+        &hub,
+        "Completed",
+        "selected clusters 3. configured addons 3/3 completed with no errors, 0 failed 0 timeout.",
+    )
+    .await;
+    assert!(
+        installed_good.is_some(),
+        "the installed configuration is the last known good"
+    );
     // The controller keeps the user's rollout strategy.
     let kept = Api::<ClusterManagementAddOn>::all(hub.admin.clone())
         .get("cluster-proxy")
@@ -625,6 +670,16 @@ async fn a_progressive_rollout_updates_one_cluster_at_a_time() {
     assert_eq!(work_replicas(&hub, "cluster-a").await, 3);
     assert_eq!(work_replicas(&hub, "cluster-b").await, 2, "cluster-b waits");
     assert_eq!(work_replicas(&hub, "cluster-c").await, 2, "cluster-c waits");
+    let good = wait_install_progression(
+        &hub,
+        "Progressing",
+        "selected clusters 3. configured addons 1/3 progressing..., 0 failed 0 timeout.",
+    )
+    .await;
+    assert_eq!(
+        good, installed_good,
+        "the last known good stays while rolling"
+    );
     let waiting = hub.addon("cluster-b").await.unwrap();
     let progressing = find_condition(waiting.conditions(), "Progressing").unwrap();
     assert_eq!(
@@ -638,6 +693,12 @@ async fn a_progressive_rollout_updates_one_cluster_at_a_time() {
         .await;
     assert_eq!(hub.metrics.rollout_waiting_count(), 2);
     assert_eq!(work_replicas(&hub, "cluster-b").await, 2, "stopped");
+    wait_install_progression(
+        &hub,
+        "Progressing",
+        "selected clusters 3. configured addons 0/3 progressing..., 1 failed 0 timeout.",
+    )
+    .await;
 
     // cluster-a recovers: cluster-b's turn, then cluster-c's.
     report_work(&hub, "cluster-a", true).await;
@@ -659,6 +720,16 @@ async fn a_progressive_rollout_updates_one_cluster_at_a_time() {
             .await;
     }
     assert_eq!(hub.metrics.rollout_waiting_count(), 0);
+    let good = wait_install_progression(
+        &hub,
+        "Completed",
+        "selected clusters 3. configured addons 3/3 completed with no errors, 0 failed 0 timeout.",
+    )
+    .await;
+    assert!(
+        good.is_some() && good != installed_good,
+        "the new configuration is the last known good"
+    );
     hub.stop().await;
 }
 

@@ -27,6 +27,7 @@ pub mod csr;
 pub mod customize;
 pub mod install;
 pub mod own_writes;
+pub mod progression;
 pub mod reconcile;
 pub mod render;
 pub mod rollout;
@@ -291,6 +292,8 @@ pub struct Context {
     /// Clusters whose installed addon waits out the removal grace.
     pub removals: install::PendingRemovals,
     pub rollouts: rollout::Rollouts,
+    /// Wakes the writer of the ClusterManagementAddOn's `installProgressions`.
+    pub progressions: progression::ProgressionSignal,
 }
 
 impl Context {
@@ -312,6 +315,7 @@ impl Context {
             management_write: tokio::sync::Mutex::new(()),
             removals,
             rollouts,
+            progressions: progression::ProgressionSignal::default(),
         }
     }
 }
@@ -327,7 +331,8 @@ pub(crate) fn retry_after(error: &AddonError) -> Duration {
     }
 }
 
-/// Runs the three addon controllers until `shutdown` completes.
+/// Runs the three addon controllers, and the writer of the
+/// ClusterManagementAddOn's `installProgressions`, until `shutdown` completes.
 pub async fn run(
     client: kube::Client,
     settings: AddonSettings,
@@ -356,10 +361,11 @@ pub async fn run(
     let context = Arc::new(Context::new(client, settings, metrics, caches));
     let install = install::controller(context.clone(), writers.install, signal());
     let addons = reconcile::controller(context.clone(), writers.addon, signal());
-    let csrs = csr::controller(context, signal());
+    let csrs = csr::controller(context.clone(), signal());
     tokio::join!(
         install.for_each(|_| async {}),
         addons.for_each(|_| async {}),
         csrs.for_each(|_| async {}),
+        progression::run(context, signal()),
     );
 }

@@ -104,6 +104,7 @@ pub async fn reconcile(
         match apply::apply_status(&api, &patch).await {
             Ok(written) => {
                 statuses.wrote(Some(&addon), written);
+                context.progressions.changed();
             }
             // Deleted since the store showed it: nothing to write.
             Err(error) if error.api_error().is_some_and(apply::is_not_found) => {

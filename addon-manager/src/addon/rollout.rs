@@ -287,7 +287,16 @@ pub enum Phase {
     Failed { message: String },
 }
 
+/// How the message of a cluster that failed by its `progressDeadline` starts.
+const DEADLINE_PASSED: &str = "not applied and available within the progressDeadline";
+
 impl Phase {
+    /// Whether it failed because its `progressDeadline` passed (OCM counts
+    /// those apart, as timeouts).
+    pub fn timed_out(&self) -> bool {
+        matches!(self, Phase::Failed { message } if message.starts_with(DEADLINE_PASSED))
+    }
+
     /// Whether it still occupies a place in the rollout at `now`.
     fn in_flight(&self, strategy: &Strategy, now: Timestamp) -> bool {
         match self {
@@ -409,10 +418,7 @@ pub fn phase(
             let since = condition.last_transition_time.0;
             match strategy.progress_deadline {
                 Some(deadline) if elapsed(now, since) >= deadline => Phase::Failed {
-                    message: format!(
-                        "not applied and available within the progressDeadline of {}",
-                        humanize(deadline)
-                    ),
+                    message: format!("{DEADLINE_PASSED} of {}", humanize(deadline)),
                 },
                 _ => Phase::Progressing { since: Some(since) },
             }
@@ -762,6 +768,17 @@ pub fn placement_of(
                 && decision.cluster_names().any(|name| name == cluster)
         })
     })?;
+    Some(ClusterPlacement {
+        placement: placement.clone(),
+        strategy: placement_strategy(management, placement),
+    })
+}
+
+/// The `rolloutStrategy` `management` gives `placement` (`All` when none).
+pub fn placement_strategy(
+    management: Option<&ClusterManagementAddOn>,
+    placement: &PlacementRef,
+) -> Result<Strategy, StrategyError> {
     let declared = management
         .and_then(|management| management.spec.install_strategy.as_ref())
         .and_then(|strategy| strategy.placements.as_ref())
@@ -771,13 +788,11 @@ pub fn placement_of(
             })
         })
         .and_then(|strategy| strategy.rollout_strategy.as_ref());
-    Some(ClusterPlacement {
-        placement: placement.clone(),
-        strategy: Strategy::parse(declared),
-    })
+    Strategy::parse(declared)
 }
 
-fn of_placement(decision: &PlacementDecision, placement: &PlacementRef) -> bool {
+/// Whether `decision` is one of `placement`'s.
+pub fn of_placement(decision: &PlacementDecision, placement: &PlacementRef) -> bool {
     decision.metadata.namespace.as_deref() == Some(placement.namespace.as_str())
         && decision.labels().get(LABEL_PLACEMENT) == Some(&placement.name)
 }
