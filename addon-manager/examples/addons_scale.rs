@@ -173,6 +173,31 @@ async fn addons_progressing(client: &kube::Client, reason: &str) -> anyhow::Resu
         .count())
 }
 
+/// How many addons the ClusterManagementAddOn's `installProgressions` says
+/// completed, once its `Progressing` condition says `Completed` (else 0).
+async fn summary_completed(client: &kube::Client) -> anyhow::Result<usize> {
+    let management = Api::<ClusterManagementAddOn>::all(client.clone())
+        .get("cluster-proxy")
+        .await?;
+    let progressions = management
+        .status
+        .and_then(|status| status.install_progressions)
+        .unwrap_or_default();
+    let done = progressions.first().and_then(|progression| {
+        let condition = cluster_proxy_proto::api::find_condition(
+            progression.conditions.as_deref()?,
+            "Progressing",
+        )?;
+        if condition.reason != "Completed" {
+            return None;
+        }
+        // "selected clusters N. configured addons done/configured completed ..."
+        let counts = condition.message.split("configured addons ").nth(1)?;
+        counts.split('/').next()?.parse::<usize>().ok()
+    });
+    Ok(done.unwrap_or(0))
+}
+
 /// Every cluster's work agent and registration agent, played by one task
 /// that watches the works as the clusters' agents do: a work whose current
 /// generation is not reported yet is reported applied and available once it
@@ -594,6 +619,14 @@ async fn main() -> anyhow::Result<()> {
     wait_for("addons Completed after the rollout", total, limit, || {
         addons_progressing(&admin, "Completed")
     })
+    .await?;
+    // The ClusterManagementAddOn's summary follows within a second or so.
+    wait_for(
+        "the ClusterManagementAddOn's installProgressions Completed",
+        total,
+        limit,
+        || summary_completed(&admin),
+    )
     .await?;
     let took = phase.elapsed();
     let most_at_once = agents.stop().await?;
