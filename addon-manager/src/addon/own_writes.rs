@@ -43,13 +43,35 @@ impl<K: Resource> OwnWrite<K> {
 /// The objects of one kind this process wrote and its cache has not shown
 /// yet.
 pub struct OwnWrites<K: Resource<DynamicType = ()>> {
-    writes: Arc<Mutex<HashMap<ObjectRef<K>, OwnWrite<K>>>>,
+    writes: Arc<Mutex<Writes<K>>>,
+    /// [`MEMORY`], but in tests.
+    memory: Duration,
 }
+
+struct Writes<K: Resource<DynamicType = ()>> {
+    by_object: HashMap<ObjectRef<K>, OwnWrite<K>>,
+    /// Writes since expired ones were last dropped: an object deleted
+    /// without an event this sees is never looked up again.
+    since_pruned: usize,
+}
+
+impl<K: Resource<DynamicType = ()>> Default for Writes<K> {
+    fn default() -> Self {
+        Self {
+            by_object: HashMap::new(),
+            since_pruned: 0,
+        }
+    }
+}
+
+/// Expired writes are dropped every this many writes.
+const PRUNE_EVERY: usize = 1024;
 
 impl<K: Resource<DynamicType = ()>> Clone for OwnWrites<K> {
     fn clone(&self) -> Self {
         Self {
             writes: self.writes.clone(),
+            memory: self.memory,
         }
     }
 }
@@ -58,6 +80,7 @@ impl<K: Resource<DynamicType = ()>> Default for OwnWrites<K> {
     fn default() -> Self {
         Self {
             writes: Arc::default(),
+            memory: MEMORY,
         }
     }
 }
@@ -70,14 +93,14 @@ where
     /// the object as it was before this process wrote it.
     pub fn freshest(&self, key: &ObjectRef<K>, cached: Option<Arc<K>>) -> Option<Arc<K>> {
         let mut writes = self.lock();
-        let Some(write) = writes.get(key) else {
+        let Some(write) = writes.by_object.get(key) else {
             return cached;
         };
         let cached_version = cached.as_ref().and_then(|object| object.resource_version());
-        if write.at.elapsed() < MEMORY && write.shows_older(cached_version.as_ref()) {
+        if write.at.elapsed() < self.memory && write.shows_older(cached_version.as_ref()) {
             return Some(write.written.clone());
         }
-        writes.remove(key);
+        writes.by_object.remove(key);
         cached
     }
 
@@ -93,14 +116,22 @@ where
             return written;
         }
         let mut writes = self.lock();
+        writes.since_pruned += 1;
+        if writes.since_pruned >= PRUNE_EVERY {
+            writes.since_pruned = 0;
+            let memory = self.memory;
+            writes
+                .by_object
+                .retain(|_, write| write.at.elapsed() < memory);
+        }
         let mut older = vec![before];
-        if let Some(earlier) = writes.remove(&key) {
+        if let Some(earlier) = writes.by_object.remove(&key) {
             // Writes in a row: the cache may still show any of the earlier.
             older.extend(earlier.older);
             older.push(earlier.written.resource_version());
         }
         older.dedup();
-        writes.insert(
+        writes.by_object.insert(
             key,
             OwnWrite {
                 older,
@@ -119,23 +150,24 @@ where
                 let key = ObjectRef::from_obj(object);
                 let mut writes = self.lock();
                 if writes
+                    .by_object
                     .get(&key)
                     .is_some_and(|write| !write.shows_older(object.resource_version().as_ref()))
                 {
-                    writes.remove(&key);
+                    writes.by_object.remove(&key);
                 }
             }
             watcher::Event::Delete(object) => {
-                self.lock().remove(&ObjectRef::from_obj(object));
+                self.lock().by_object.remove(&ObjectRef::from_obj(object));
             }
             // A re-list replaces the cache: what it shows is current.
-            watcher::Event::Init | watcher::Event::InitDone => self.lock().clear(),
+            watcher::Event::Init | watcher::Event::InitDone => self.lock().by_object.clear(),
         }
     }
 
     /// How many writes are remembered (for tests and metrics).
     pub fn len(&self) -> usize {
-        self.lock().len()
+        self.lock().by_object.len()
     }
 
     /// Whether no write is remembered.
@@ -143,7 +175,7 @@ where
         self.len() == 0
     }
 
-    fn lock(&self) -> MutexGuard<'_, HashMap<ObjectRef<K>, OwnWrite<K>>> {
+    fn lock(&self) -> MutexGuard<'_, Writes<K>> {
         // The map holds plain data: a panic elsewhere leaves it consistent.
         self.writes.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -219,6 +251,28 @@ mod tests {
             Some("first".into()),
             "forgotten"
         );
+    }
+
+    #[test]
+    fn expired_writes_are_not_fresher_and_are_dropped() {
+        let own = OwnWrites {
+            memory: Duration::ZERO,
+            ..OwnWrites::default()
+        };
+        let old = config_map(Some("1"), "old");
+        own.wrote(Some(&old), config_map(Some("2"), "new"));
+        assert_eq!(
+            value(own.freshest(&key(), Some(Arc::new(old)))),
+            Some("old".into())
+        );
+        // Writes of objects never looked up again (deleted, say) go with
+        // the pruning.
+        for index in 0..PRUNE_EVERY {
+            let mut object = config_map(Some("2"), "gone");
+            object.metadata.name = Some(format!("c{index}"));
+            own.wrote(None, object);
+        }
+        assert!(own.len() < PRUNE_EVERY / 2, "{} remembered", own.len());
     }
 
     #[test]
