@@ -593,17 +593,15 @@ async fn wait_install_progression(hub: &Hub, reason: &str, message: &str) -> Opt
     .await
 }
 
-/// A `Progressive` rollout with `maxConcurrency: 1` updates one cluster at a
-/// time, in name order, each once the one before is applied and available;
-/// a failure stops it until the failed cluster recovers.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_progressive_rollout_updates_one_cluster_at_a_time() {
-    let clusters = ["cluster-a", "cluster-b", "cluster-c"];
-    let mut hub = Hub::new(true).await;
+/// Places `clusters`, starts the controllers, chooses a `Progressive`
+/// rollout with `maxConcurrency: 1` on the ClusterManagementAddOn (as a user
+/// would) and plays the work and registration agents until every cluster's
+/// install is `Completed`; returns the ClusterManagementAddOn first seen.
+async fn install_one_at_a_time(hub: &mut Hub, clusters: &[&str]) -> ClusterManagementAddOn {
     for cluster in clusters {
         hub.cluster(cluster, true).await;
     }
-    hub.decide(&clusters).await;
+    hub.decide(clusters).await;
     hub.start(AddonSettings::new(HUB));
     let management = eventually("the ClusterManagementAddOn", WAIT, || async {
         Api::<ClusterManagementAddOn>::all(hub.admin.clone())
@@ -612,7 +610,6 @@ async fn a_progressive_rollout_updates_one_cluster_at_a_time() {
             .unwrap()
     })
     .await;
-    // The user chooses the rollout on the ClusterManagementAddOn.
     let rollout = json!({"spec": {"installStrategy": {"type": "Placements", "placements": [{
         "name": "cluster-proxy-placement", "namespace": HUB,
         "rolloutStrategy": {"type": "Progressive", "progressive": {"maxConcurrency": 1}}}]}}});
@@ -627,9 +624,22 @@ async fn a_progressive_rollout_updates_one_cluster_at_a_time() {
     // Installation is not held back: every cluster gets its agent at once.
     for cluster in clusters {
         eventually(&format!("{cluster}'s work"), WAIT, || hub.work(cluster)).await;
-        report_work(&hub, cluster, true).await;
+        report_work(hub, cluster, true).await;
         hub.wait_condition(cluster, "Progressing", "False", "Completed")
             .await;
+    }
+    management
+}
+
+/// A `Progressive` rollout with `maxConcurrency: 1` updates one cluster at a
+/// time, in name order, each once the one before is applied and available;
+/// a failure stops it until the failed cluster recovers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_progressive_rollout_updates_one_cluster_at_a_time() {
+    let clusters = ["cluster-a", "cluster-b", "cluster-c"];
+    let mut hub = Hub::new(true).await;
+    let management = install_one_at_a_time(&mut hub, &clusters).await;
+    for cluster in clusters {
         assert_eq!(work_replicas(&hub, cluster).await, 2);
     }
     // The ClusterManagementAddOn sums it up, as OCM's addon-manager would.
@@ -759,35 +769,7 @@ fn work_ca_bundle(work: &ManifestWork) -> String {
 async fn a_waiting_cluster_still_gets_a_ca_rollover() {
     let clusters = ["cluster-a", "cluster-b"];
     let mut hub = Hub::new(true).await;
-    for cluster in clusters {
-        hub.cluster(cluster, true).await;
-    }
-    hub.decide(&clusters).await;
-    hub.start(AddonSettings::new(HUB));
-    eventually("the ClusterManagementAddOn", WAIT, || async {
-        Api::<ClusterManagementAddOn>::all(hub.admin.clone())
-            .get_opt("cluster-proxy")
-            .await
-            .unwrap()
-    })
-    .await;
-    let rollout = json!({"spec": {"installStrategy": {"type": "Placements", "placements": [{
-        "name": "cluster-proxy-placement", "namespace": HUB,
-        "rolloutStrategy": {"type": "Progressive", "progressive": {"maxConcurrency": 1}}}]}}});
-    Api::<ClusterManagementAddOn>::all(hub.admin.clone())
-        .patch(
-            "cluster-proxy",
-            &PatchParams::default(),
-            &Patch::Merge(&rollout),
-        )
-        .await
-        .unwrap();
-    for cluster in clusters {
-        eventually(&format!("{cluster}'s work"), WAIT, || hub.work(cluster)).await;
-        report_work(&hub, cluster, true).await;
-        hub.wait_condition(cluster, "Progressing", "False", "Completed")
-            .await;
-    }
+    install_one_at_a_time(&mut hub, &clusters).await;
     let installed = hub.addon("cluster-b").await.unwrap();
     let installed_references = installed.status.as_ref().unwrap().config_references.clone();
     let installed_hash = hub.work("cluster-b").await.unwrap().annotations()
