@@ -10,6 +10,7 @@ use cluster_proxy_proto::api::proxy::v1alpha1::ManagedProxyConfiguration;
 use k8s_openapi::api::core::v1::{
     Container, LoadBalancerIngress, LoadBalancerStatus, Service, ServiceStatus,
 };
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use serde_json::{Value, json};
 
 fn mpc(spec_patch: Value) -> ManagedProxyConfiguration {
@@ -405,6 +406,40 @@ fn node_placement_reaches_the_pods() {
     let bare_pod = bare.deployment.spec.unwrap().template.spec.unwrap();
     assert_eq!(bare_pod.node_selector, None);
     assert_eq!(bare_pod.tolerations, None);
+}
+
+/// Requests and limits are ours to add (upstream's MPC has none); a
+/// namespace with a ResourceQuota admits only pods that set them.
+#[test]
+fn resources_reach_the_container_and_none_are_set_without_them() {
+    let sized = mpc(json!({"proxyServer": {"resources": {
+        "requests": {"cpu": "500m", "memory": "256Mi"},
+        "limits": {"cpu": "2", "memory": "1Gi"}
+    }}}));
+    let objects = render(&sized).unwrap();
+    let resources = container(&objects)
+        .resources
+        .clone()
+        .expect("resources set");
+    let quantity = |map: Option<&std::collections::BTreeMap<String, Quantity>>, key: &str| {
+        map.and_then(|map| map.get(key))
+            .map(|quantity| quantity.0.clone())
+    };
+    assert_eq!(
+        quantity(resources.requests.as_ref(), "cpu").as_deref(),
+        Some("500m")
+    );
+    assert_eq!(
+        quantity(resources.limits.as_ref(), "memory").as_deref(),
+        Some("1Gi")
+    );
+    // An MPC without them hashes as before: no rollout on upgrade.
+    let bare = mpc(json!({}));
+    assert!(container(&render(&bare).unwrap()).resources.is_none());
+    assert_eq!(
+        serde_json::to_value(&bare.spec).unwrap()["proxyServer"].get("resources"),
+        None
+    );
 }
 
 #[test]

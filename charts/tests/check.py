@@ -314,6 +314,13 @@ def check_non_default(docs: list[dict]) -> None:
             },
             f"non-default: LoadBalancer entrypoint {mpc['spec']['proxyServer']['entrypoint']}",
         )
+        expect(
+            mpc["spec"]["proxyServer"].get("resources") == {
+                "requests": {"cpu": "500m", "memory": "256Mi"},
+                "limits": {"cpu": "2", "memory": "1Gi"},
+            },
+            f"non-default: proxyServer.resources reach the MPC: {mpc['spec']['proxyServer'].get('resources')}",
+        )
     manager = find(docs, "Deployment", "cluster-proxy-addon-manager")
     if manager:
         image = manager["spec"]["template"]["spec"]["containers"][0]["image"]
@@ -452,6 +459,7 @@ def check_refusals() -> None:
         ({"global": {"commonLabels": {"helm.sh/chart": "x"}}}, "commonLabels"),
         ({"global": {"commonLabels": {"team": 1}}}, "commonLabels"),
         ({"proxyServer": {"port": 70000}}, "port"),
+        ({"proxyServer": {"resources": {"limit": {"cpu": 1}}}}, "limit"),
         ({"certAuthority": {"leafValidity": "ninety days"}}, "leafValidity"),
         ({"certAuthority": {"unknownKey": 1}}, "unknownKey"),
         ({"addonManager": {"image": {"name": "x", "digest": "latest"}}}, "digest"),

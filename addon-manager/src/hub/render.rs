@@ -481,6 +481,7 @@ fn pod_spec(
             read_only_mount("server-pki", SERVER_PKI_MOUNT),
             read_only_mount("agent-pki", AGENT_PKI_MOUNT),
         ]),
+        resources: mpc.spec.proxy_server.resources.clone(),
         ..Container::default()
     };
     PodSpec {

@@ -40,7 +40,7 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::Toleration;
+use k8s_openapi::api::core::v1::{ResourceRequirements, Toleration};
 use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -260,6 +260,11 @@ pub struct ProxyServer {
     /// Node selector and tolerations of the proxy-server pods.
     #[serde(default, skip_serializing_if = "NodePlacement::is_empty")]
     pub node_placement: NodePlacement,
+    /// Requests and limits of the proxy-server container (not in upstream's
+    /// API; a namespace with a ResourceQuota admits only pods that set them).
+    /// proxy-server runs as many worker threads as its CPU limit allows.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<ResourceRequirements>,
 }
 
 /// `spec.proxyServer.entrypoint`.
