@@ -71,6 +71,12 @@ pub struct Cli {
     #[arg(long, value_parser = cluster_proxy_runtime::cli::parse_go_bool, num_args = 0..=1, default_missing_value = "true")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub enable_network_policies: Option<bool>,
+    /// The ports of the managed clusters' kube-apiservers that policy lets
+    /// the agents reach, comma-separated (the endpoints' ports: policies
+    /// apply after the Service's translation).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub agent_kube_apiserver_ports: Option<String>,
     /// imagePullPolicy of the proxy-server and agent containers: Always,
     /// IfNotPresent or Never; empty: Kubernetes' default.
     #[arg(long)]
@@ -120,6 +126,7 @@ pub struct Settings {
     pub agent_image_name: String,
     pub enable_kube_api_proxy: bool,
     pub enable_network_policies: bool,
+    pub agent_kube_apiserver_ports: String,
     pub image_pull_policy: String,
     pub placement_name: String,
     #[serde(with = "serde_go")]
@@ -143,6 +150,7 @@ impl Default for Settings {
             agent_image_name: String::new(),
             enable_kube_api_proxy: true,
             enable_network_policies: false,
+            agent_kube_apiserver_ports: "443,6443".into(),
             image_pull_policy: String::new(),
             placement_name: "cluster-proxy-placement".into(),
             placement_removal_grace: crate::addon::DEFAULT_REMOVAL_GRACE,
@@ -198,6 +206,7 @@ impl Settings {
                 ),
             ));
         }
+        self.kube_apiserver_ports()?;
         if self.placement_removal_grace > MAX_REMOVAL_GRACE {
             return Err(invalid(
                 "placement_removal_grace",
@@ -205,6 +214,25 @@ impl Settings {
             ));
         }
         Ok(())
+    }
+}
+
+impl Settings {
+    /// `agent_kube_apiserver_ports` as ports: at least one, each 1–65535.
+    pub fn kube_apiserver_ports(&self) -> Result<Vec<i32>, ConfigError> {
+        let ports = self
+            .agent_kube_apiserver_ports
+            .split(',')
+            .map(str::trim)
+            .map(|port| match port.parse::<u16>() {
+                Ok(port) if port > 0 => Ok(i32::from(port)),
+                _ => Err(invalid(
+                    "agent_kube_apiserver_ports",
+                    format!("{port:?} is not a port (1-65535)"),
+                )),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(ports)
     }
 }
 
@@ -258,6 +286,23 @@ mod tests {
         );
         let err = load(&["--image-pull-policy=always"], &[]).unwrap_err();
         assert!(err.to_string().contains("image_pull_policy"), "{err}");
+        for ports in ["", "443,", "0", "443,70000", "https"] {
+            let err = load(&[&format!("--agent-kube-apiserver-ports={ports}")], &[]).unwrap_err();
+            assert!(
+                err.to_string().contains("agent_kube_apiserver_ports"),
+                "{ports}: {err}"
+            );
+        }
+        let settings = load(
+            &[],
+            &[("ADDON_MANAGER_AGENT_KUBE_APISERVER_PORTS", "6443, 8443")],
+        )
+        .unwrap();
+        assert_eq!(settings.kube_apiserver_ports().unwrap(), vec![6443, 8443]);
+        assert_eq!(
+            load(&[], &[]).unwrap().kube_apiserver_ports().unwrap(),
+            vec![443, 6443]
+        );
         for grace in ["ten", "-1s", "2h"] {
             let err = load(&[&format!("--placement-removal-grace={grace}")], &[]).unwrap_err();
             let err = err.to_string();

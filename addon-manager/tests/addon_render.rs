@@ -97,7 +97,7 @@ impl Rendered {
             ca_pem: ca,
             customization: &customization,
             kube_api_proxy,
-            network_policy: false,
+            network_policy: None,
             image_pull_policy: None,
         };
         let work = manifest_work(&inputs, None).unwrap();
@@ -936,7 +936,7 @@ fn with_network_policies_the_agent_ships_its_own() {
         ca_pem: CA,
         customization: &customization,
         kube_api_proxy: true,
-        network_policy: true,
+        network_policy: Some(&[6443, 8443]),
         image_pull_policy: Some("Always"),
     };
     let work = serde_json::to_value(manifest_work(&inputs, None).unwrap()).unwrap();
@@ -970,9 +970,13 @@ fn with_network_policies_the_agent_ships_its_own() {
         .map(|port| port["port"].as_i64().unwrap())
         .collect();
     assert_eq!(entrypoint.port, 8091);
-    for port in [53, 443, 6443, 8091] {
+    for port in [53, 6443, 8443, 8091] {
         assert!(egress_ports.contains(&port), "{port} in {egress_ports:?}");
     }
+    assert!(
+        !egress_ports.contains(&443),
+        "only the ports given: {egress_ports:?}"
+    );
     assert_eq!(policy["spec"]["ingress"][0]["ports"][0]["port"], 8093);
     for container in deployment["spec"]["template"]["spec"]["containers"]
         .as_array()

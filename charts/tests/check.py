@@ -349,8 +349,9 @@ def check_non_default(docs: list[dict]) -> None:
     if manager:
         args = manager["spec"]["template"]["spec"]["containers"][0]["args"]
         expect(
-            "--enable-network-policies=true" in args,
-            f"non-default: the agents get NetworkPolicies too: {args}",
+            "--enable-network-policies=true" in args
+            and "--agent-kube-apiserver-ports=6443,8443" in args,
+            f"non-default: the agents get NetworkPolicies too, with the kube-apiserver ports: {args}",
         )
     prober = find(docs, "Deployment", "cluster-proxy-health-prober", "proxy-servers")
     expect(prober is not None, "non-default: health-prober runs in the proxy-server namespace")
@@ -460,6 +461,7 @@ def check_refusals() -> None:
         ({"global": {"commonLabels": {"team": 1}}}, "commonLabels"),
         ({"proxyServer": {"port": 70000}}, "port"),
         ({"proxyServer": {"resources": {"limit": {"cpu": 1}}}}, "limit"),
+        ({"global": {"networkPolicies": {"apiServerPorts": []}}}, "apiServerPorts"),
         ({"certAuthority": {"leafValidity": "ninety days"}}, "leafValidity"),
         ({"certAuthority": {"unknownKey": 1}}, "unknownKey"),
         ({"addonManager": {"image": {"name": "x", "digest": "latest"}}}, "digest"),

@@ -121,6 +121,9 @@ pub struct AddonSettings {
     /// (upstream's `--enable-network-policies`, default false); see
     /// [`render::agent_network_policy`].
     pub enable_network_policies: bool,
+    /// The kube-apiserver ports that policy lets the agents reach
+    /// (`--agent-kube-apiserver-ports`, default 443 and 6443).
+    pub agent_kube_apiserver_ports: Vec<i32>,
     /// The ManagedProxyConfiguration the agents are rendered from and the
     /// ClusterManagementAddOn names as its default configuration
     /// (`--managed-proxy-configuration`, default `cluster-proxy`).
@@ -148,6 +151,7 @@ impl AddonSettings {
             removal_grace: DEFAULT_REMOVAL_GRACE,
             enable_kube_api_proxy: true,
             enable_network_policies: false,
+            agent_kube_apiserver_ports: render::KUBE_API_SERVER_PORTS.to_vec(),
             managed_proxy_configuration:
                 cluster_proxy_proto::api::proxy::v1alpha1::MANAGED_PROXY_CONFIGURATION_NAME
                     .to_owned(),

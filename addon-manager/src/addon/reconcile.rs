@@ -620,7 +620,10 @@ impl Rendering<'_> {
             ca_pem: self.ca_pem,
             customization: &customization,
             kube_api_proxy: context.settings.enable_kube_api_proxy,
-            network_policy: context.settings.enable_network_policies,
+            network_policy: context
+                .settings
+                .enable_network_policies
+                .then_some(context.settings.agent_kube_apiserver_ports.as_slice()),
             image_pull_policy: context.settings.image_pull_policy.as_deref(),
         };
         let mut desired = render::manifest_work(&inputs, self.owner.clone())?;

@@ -169,8 +169,9 @@ pub struct AgentInputs<'a> {
     /// to its service-proxy host.
     pub kube_api_proxy: bool,
     /// Ship [`AGENT_NETWORK_POLICY`] with the agent
-    /// (`--enable-network-policies`).
-    pub network_policy: bool,
+    /// (`--enable-network-policies`), letting it reach the kube-apiserver
+    /// on these ports (`--agent-kube-apiserver-ports`).
+    pub network_policy: Option<&'a [i32]>,
     /// The containers' `imagePullPolicy` (`--image-pull-policy`); `None`:
     /// Kubernetes' default.
     pub image_pull_policy: Option<&'a str>,
@@ -200,15 +201,20 @@ fn agent_labels() -> BTreeMap<String, String> {
 
 /// The agent's NetworkPolicy (upstream's name), with `--enable-network-policies`.
 pub const AGENT_NETWORK_POLICY: &str = "cluster-proxy-proxy-agent-network-policy";
-/// Ports of a kube-apiserver the agent pods may reach with the policy on:
-/// the addon-agent renews its Lease there, and a cluster's name leads there.
+/// Ports of a kube-apiserver the agent pods may reach with the policy on,
+/// unless `--agent-kube-apiserver-ports` says otherwise: the addon-agent
+/// renews its Lease there, and a cluster's name leads there.
 pub const KUBE_API_SERVER_PORTS: [i32; 2] = [443, 6443];
 
 /// The agent pods' NetworkPolicy: in, only the health port (probes and
-/// `/metrics`); out, DNS, the kube-apiserver's ports and the hub entrypoint's
+/// `/metrics`); out, DNS, `kube_apiserver_ports` and the hub entrypoint's
 /// port. Upstream's, without the service-proxy ports. Other policies that
 /// select the agent pods add to it: NetworkPolicies are unions.
-pub fn agent_network_policy(namespace: &str, entrypoint_port: i32) -> NetworkPolicy {
+pub fn agent_network_policy(
+    namespace: &str,
+    entrypoint_port: i32,
+    kube_apiserver_ports: &[i32],
+) -> NetworkPolicy {
     let tcp = |port: i32| NetworkPolicyPort {
         port: Some(IntOrString::Int(port)),
         protocol: Some("TCP".into()),
@@ -218,11 +224,9 @@ pub fn agent_network_policy(namespace: &str, entrypoint_port: i32) -> NetworkPol
         protocol: Some("UDP".into()),
         ..tcp(port)
     };
-    let mut apiserver_and_hub: Vec<NetworkPolicyPort> = KUBE_API_SERVER_PORTS
-        .iter()
-        .map(|port| tcp(*port))
-        .collect();
-    if !KUBE_API_SERVER_PORTS.contains(&entrypoint_port) {
+    let mut apiserver_and_hub: Vec<NetworkPolicyPort> =
+        kube_apiserver_ports.iter().map(|port| tcp(*port)).collect();
+    if !kube_apiserver_ports.contains(&entrypoint_port) {
         apiserver_and_hub.push(tcp(entrypoint_port));
     }
     NetworkPolicy {
@@ -584,10 +588,11 @@ pub fn agent_manifests(inputs: &AgentInputs<'_>) -> Result<Vec<Manifest>, Manife
     if inputs.kube_api_proxy {
         manifests.push(Manifest::new(&cluster_service)?);
     }
-    if inputs.network_policy {
+    if let Some(kube_apiserver_ports) = inputs.network_policy {
         manifests.push(Manifest::new(&agent_network_policy(
             namespace,
             inputs.entrypoint.port,
+            kube_apiserver_ports,
         ))?);
     }
     manifests.extend([
