@@ -31,6 +31,9 @@
 //!   `ManagedProxyConfigurationList`, the same value upstream sets.
 //! * Printer columns `Entrypoint`, `Replicas`, `Deployed` and `Age`; upstream
 //!   has none, so `kubectl get` showed only the name and age.
+//! * One field upstream lacks: `spec.proxyServer.resources` (the proxy-server
+//!   container's requests and limits, which a namespace with a ResourceQuota
+//!   requires). Optional; an object without it hashes and renders as before.
 //!
 //! Kept as upstream although it is odd: `replicas` has no minimum (a negative
 //! value is reported by addon-manager as a `False` condition instead of being
