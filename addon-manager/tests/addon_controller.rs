@@ -847,26 +847,10 @@ async fn a_waiting_cluster_still_gets_a_ca_rollover() {
 /// Holding the addon watch back makes the cache lag every time.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lagging_cache_does_not_rewrite_the_status() {
-    let mut hub = Hub::with_options(true, true).await;
-    hub.cluster("cluster-a", true).await;
-    hub.decide(&["cluster-a"]).await;
-    let lagging = lagging_controller_client(&hub, "managedclusteraddons").await;
-    hub.start_with_client(AddonSettings::new(HUB), lagging);
-    let addon = hub
-        .wait_condition(
-            "cluster-a",
-            "RegistrationApplied",
-            "True",
-            "SetPermissionApplied",
-        )
-        .await;
     // The first reconcile writes the status; the events of the work and RBAC
     // it created queue a second one on the lagging cache, and the delayed
     // status event a third.
-    eventually("three reconciles", WAIT, || async {
-        (hub.metrics.reconciliation_count("managedclusteraddon") >= 3).then_some(())
-    })
-    .await;
+    let (hub, addon) = installed_with_lagging_watches("managedclusteraddons").await;
     let status_writes = hub
         .api
         .requests()
@@ -907,6 +891,30 @@ async fn lagging_controller_client(hub: &Hub, plural: &str) -> kube::Client {
         .unwrap()
 }
 
+/// cluster-a installed by controllers whose watches of `plural` trail the
+/// API by two seconds, recording every request, once its registration is
+/// applied and three reconciles have run; with the addon as it was then.
+async fn installed_with_lagging_watches(plural: &str) -> (Hub, ManagedClusterAddOn) {
+    let mut hub = Hub::with_options(true, true).await;
+    hub.cluster("cluster-a", true).await;
+    hub.decide(&["cluster-a"]).await;
+    let lagging = lagging_controller_client(&hub, plural).await;
+    hub.start_with_client(AddonSettings::new(HUB), lagging);
+    let addon = hub
+        .wait_condition(
+            "cluster-a",
+            "RegistrationApplied",
+            "True",
+            "SetPermissionApplied",
+        )
+        .await;
+    eventually("three reconciles", WAIT, || async {
+        (hub.metrics.reconciliation_count("managedclusteraddon") >= 3).then_some(())
+    })
+    .await;
+    (hub, addon)
+}
+
 /// How many requests `user` made of `verb` on `resource` (not a
 /// subresource).
 fn requests_of(hub: &Hub, user: &str, verb: &str, resource: &str) -> usize {
@@ -927,24 +935,9 @@ fn requests_of(hub: &Hub, user: &str, verb: &str, resource: &str) -> usize {
 /// neither writes it again nor takes it for missing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lagging_caches_do_not_rewrite_the_work_or_the_hub_rbac() {
-    let mut hub = Hub::with_options(true, true).await;
-    hub.cluster("cluster-a", true).await;
-    hub.decide(&["cluster-a"]).await;
-    let lagging = lagging_controller_client(&hub, "manifestworks").await;
-    hub.start_with_client(AddonSettings::new(HUB), lagging);
-    hub.wait_condition(
-        "cluster-a",
-        "RegistrationApplied",
-        "True",
-        "SetPermissionApplied",
-    )
-    .await;
     // The events of the Role, RoleBinding and status the first reconcile
     // wrote queue more while the work's event is held back.
-    eventually("three reconciles", WAIT, || async {
-        (hub.metrics.reconciliation_count("managedclusteraddon") >= 3).then_some(())
-    })
-    .await;
+    let (hub, _) = installed_with_lagging_watches("manifestworks").await;
     // The work agent reports; its event, after the work's own, reaches the
     // cache and a reconcile on it.
     report_work(&hub, "cluster-a", true).await;
