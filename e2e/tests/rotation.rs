@@ -264,3 +264,83 @@ async fn credentials_and_the_ca_rotate_without_dropping_connections() {
     drop(agent);
     server.shutdown().await;
 }
+
+/// One CONNECT over a fresh TLS connection with `tls`: how the handshake went
+/// and the response head, empty when the server closed the connection
+/// without answering.
+async fn connect_once(
+    tls: Arc<rustls::ClientConfig>,
+    server: std::net::SocketAddr,
+) -> (Option<rustls::HandshakeKind>, String) {
+    let tcp = tokio::net::TcpStream::connect(server).await.unwrap();
+    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+    let mut stream = tokio_rustls::TlsConnector::from(tls)
+        .connect(name, tcp)
+        .await
+        .unwrap();
+    let kind = stream.get_ref().1.handshake_kind();
+    let request = b"CONNECT cluster-a:443 HTTP/1.1\r\nHost: cluster-a:443\r\n\r\n";
+    let mut head = Vec::new();
+    if stream.write_all(request).await.is_ok() && stream.flush().await.is_ok() {
+        let mut byte = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            match tokio::time::timeout(STEP, stream.read(&mut byte)).await {
+                Ok(Ok(1)) => head.push(byte[0]),
+                Ok(_) => break,
+                Err(_) => panic!("the server neither answered nor closed the connection"),
+            }
+        }
+    }
+    (kind, String::from_utf8_lossy(&head).into_owned())
+}
+
+/// A resumed TLS session brings back the certificate of the handshake that
+/// created it, unverified (rustls keeps sessions for 24 hours): the server
+/// must not accept it once that certificate has expired.
+#[tokio::test]
+async fn a_resumed_session_does_not_outlive_the_client_certificate() {
+    let pki = e2e::pki::TestPki::new(&[]).unwrap();
+    let server = proxy_server::start_with_tls(test_server_config(), pki.server_tls().unwrap())
+        .await
+        .unwrap();
+    let roots = tls::roots(&Pem::text("ca.crt", pki.ca.cert_pem())).unwrap();
+    let lifetime = Duration::from_secs(4);
+    for version in [&rustls::version::TLS13, &rustls::version::TLS12] {
+        let issued = std::time::SystemTime::now();
+        let short_lived = pki
+            .ca
+            .issue(&LeafRequest::client("short-lived").with_validity(lifetime))
+            .unwrap();
+        use rustls::pki_types::pem::PemObject;
+        let chain =
+            rustls::pki_types::CertificateDer::pem_slice_iter(short_lived.cert_pem.as_bytes())
+                .collect::<Result<Vec<_>, _>>()
+                .unwrap();
+        let key = rustls::pki_types::PrivateKeyDer::from_pem_slice(short_lived.key_pem.as_bytes())
+            .unwrap();
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut config = rustls::ClientConfig::builder_with_provider(provider)
+            .with_protocol_versions(&[version])
+            .unwrap()
+            .with_root_certificates(roots.clone())
+            .with_client_auth_cert(chain, key)
+            .unwrap();
+        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        let config = Arc::new(config);
+
+        let (kind, head) = connect_once(config.clone(), server.client_addr).await;
+        assert_eq!(kind, Some(rustls::HandshakeKind::Full), "{version:?}");
+        assert!(head.starts_with("HTTP/1.1 "), "{version:?}: {head:?}");
+        let (kind, head) = connect_once(config.clone(), server.client_addr).await;
+        assert_eq!(kind, Some(rustls::HandshakeKind::Resumed), "{version:?}");
+        assert!(head.starts_with("HTTP/1.1 "), "{version:?}: {head:?}");
+
+        // notAfter has a resolution of one second.
+        let expired = issued + lifetime + Duration::from_secs(1);
+        assert!(wait_until(STEP, || std::time::SystemTime::now() > expired).await);
+        let (kind, head) = connect_once(config, server.client_addr).await;
+        assert_eq!(kind, Some(rustls::HandshakeKind::Resumed), "{version:?}");
+        assert_eq!(head, "", "{version:?}: an expired certificate was served");
+    }
+    server.shutdown().await;
+}

@@ -7,7 +7,7 @@
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use cluster_proxy_proto::identity::ClusterName;
 use cluster_proxy_proto::transport::HttpWindows;
@@ -17,6 +17,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulConnection;
 use hyper_util::service::TowerToHyperService;
+use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
@@ -32,6 +33,8 @@ const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(60);
 /// finish before its request arrived would be closed unanswered, and its
 /// client would see a failed dial.
 const FIRST_REQUEST_WINDOW: Duration = Duration::from_secs(2);
+/// Time a refused peer gets to take our close_notify.
+const REFUSAL_CLOSE_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// Where a connection came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -78,6 +81,19 @@ pub enum Protocols {
     Http2Only,
     /// HTTP/2 (gRPC) and HTTP/1.1 (CONNECT), detected per connection.
     Http1And2,
+}
+
+/// A full handshake has just verified the peer's chain; a resumed session
+/// brought back an old one, which may have expired since (see
+/// [`cluster_proxy_runtime::peer::check_not_expired`]).
+fn resumed_chain_still_valid(
+    conn: &rustls::ServerConnection,
+) -> Result<(), cluster_proxy_runtime::peer::PeerError> {
+    if conn.handshake_kind() != Some(rustls::HandshakeKind::Resumed) {
+        return Ok(());
+    }
+    let chain = conn.peer_certificates().unwrap_or_default();
+    cluster_proxy_runtime::peer::check_not_expired(chain, SystemTime::now())
 }
 
 fn peer_info(remote: Remote, conn: &rustls::ServerConnection) -> PeerInfo {
@@ -252,6 +268,13 @@ pub async fn serve<S, F, B>(
                                 return;
                             }
                         };
+                    if let Err(refusal) = resumed_chain_still_valid(tls.get_ref().1) {
+                        info!(listener = name, %remote, error = %refusal, "resumed TLS session refused");
+                        // close_notify, bounded: a peer that stopped reading cannot hold us.
+                        let mut tls = tls;
+                        let _ = tokio::time::timeout(REFUSAL_CLOSE_TIMEOUT, tls.shutdown()).await;
+                        return;
+                    }
                     let peer = peer_info(remote, tls.get_ref().1);
                     server.serve(tls, peer, accepted_at).await;
                 });

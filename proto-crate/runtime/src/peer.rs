@@ -1,7 +1,9 @@
 //! Reading identities out of peer certificates.
 
 use cluster_proxy_proto::identity::{ClusterName, IdentityError};
+use std::time::{SystemTime, UNIX_EPOCH};
 use x509_parser::extensions::GeneralName;
+
 use x509_parser::prelude::{FromDer, X509Certificate};
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -12,6 +14,8 @@ pub enum PeerError {
     Identity(#[from] IdentityError),
     #[error("peer certificate names more than one cluster ({0} and {1})")]
     Ambiguous(String, String),
+    #[error("peer certificate {subject:?} expired at {not_after}")]
+    Expired { subject: String, not_after: String },
 }
 
 /// The cluster a certificate names (see [`cluster_proxy_proto::identity`]),
@@ -39,6 +43,32 @@ pub fn cluster_of(cert_der: &[u8]) -> Result<Option<ClusterName>, PeerError> {
         }
     }
     Ok(found)
+}
+
+/// Checks that no certificate of a presented `chain` has expired by `now`.
+///
+/// A resumed TLS session (a TLS 1.3 ticket, a TLS 1.2 session id) brings back
+/// the chain of the handshake that created it without verifying it again, and
+/// rustls keeps such sessions for 24 hours: without this check a client or an
+/// agent would stay trusted for up to a day after its certificate expired.
+/// Go's `crypto/tls` refuses to resume such a session too.
+pub fn check_not_expired(chain: &[impl AsRef<[u8]>], now: SystemTime) -> Result<(), PeerError> {
+    let now = now
+        .duration_since(UNIX_EPOCH)
+        .map(|since| i64::try_from(since.as_secs()).unwrap_or(i64::MAX))
+        .unwrap_or(0);
+    for der in chain {
+        let (_, cert) =
+            X509Certificate::from_der(der.as_ref()).map_err(|e| PeerError::Parse(e.to_string()))?;
+        let not_after = cert.validity().not_after;
+        if not_after.timestamp() < now {
+            return Err(PeerError::Expired {
+                subject: cert.subject().to_string(),
+                not_after: not_after.to_string(),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// The subject of a certificate, for logs.
@@ -87,6 +117,28 @@ mod tests {
         assert!(matches!(
             cluster_of(cert.der()),
             Err(PeerError::Ambiguous(_, _))
+        ));
+    }
+
+    #[test]
+    fn a_chain_is_expired_once_any_certificate_is() {
+        let ca = TestCa::new();
+        let ca_der = der(&ca.cert_pem);
+        let valid = der(&ca.client("valid", None).cert_pem);
+        let now = SystemTime::now();
+        assert_eq!(check_not_expired(&[&valid, &ca_der], now), Ok(()));
+        let expired = der(&ca.expired_server("expired").cert_pem);
+        let err = check_not_expired(&[&valid, &expired], now).unwrap_err();
+        assert!(
+            matches!(&err, PeerError::Expired { subject, .. } if subject.contains("CN=expired")),
+            "{err}"
+        );
+        // The same chain, an hour and a half earlier, was still valid.
+        let earlier = now - std::time::Duration::from_secs(90 * 60);
+        assert_eq!(check_not_expired(&[&valid, &expired], earlier), Ok(()));
+        assert!(matches!(
+            check_not_expired(&[b"not a certificate".as_slice()], now),
+            Err(PeerError::Parse(_))
         ));
     }
 
