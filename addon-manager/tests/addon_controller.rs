@@ -1357,6 +1357,160 @@ async fn the_default_deployment_config_applies_to_addons_naming_none() {
     hub.stop().await;
 }
 
+/// The service domain `cluster`'s work renders (its AddOnDeploymentConfig's
+/// `serviceDomain`), once the work exists.
+async fn work_service_domain(hub: &Hub, cluster: &str) -> Option<String> {
+    let work = hub.work(cluster).await?;
+    let manifests = work.spec.workload?.manifests?;
+    let service = manifests
+        .iter()
+        .find(|m| m.kind() == Some("Service") && m.name() == Some(cluster))?;
+    let name = service.0["spec"]["externalName"].as_str()?;
+    Some(name.trim_start_matches("kubernetes.default.").to_owned())
+}
+
+async fn wait_service_domain(hub: &Hub, cluster: &str, domain: &str) {
+    eventually(&format!("{cluster} renders {domain}"), WAIT, || async {
+        (work_service_domain(hub, cluster).await.as_deref() == Some(domain)).then_some(())
+    })
+    .await;
+}
+
+async fn deployment_config(hub: &Hub, name: &str, domain: &str) {
+    let adc: AddOnDeploymentConfig = object(json!({
+        "apiVersion": "addon.open-cluster-management.io/v1alpha1",
+        "kind": "AddOnDeploymentConfig",
+        "metadata": {"name": name, "namespace": HUB},
+        "spec": {"customizedVariables": [{"name": "serviceDomain", "value": domain}]},
+    }));
+    Api::<AddOnDeploymentConfig>::namespaced(hub.admin.clone(), HUB)
+        .patch(
+            name,
+            &PatchParams::apply("test").force(),
+            &Patch::Apply(&adc),
+        )
+        .await
+        .unwrap();
+}
+
+/// OCM's `installStrategy.placements[].configs`: the placement's
+/// AddOnDeploymentConfig wins over the ClusterManagementAddOn's default, an
+/// addon's own `configs` win over both, the controller keeps what the user
+/// wrote there, and a cluster out of every decision keeps what it has.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_placements_configs_override_the_default_deployment_config() {
+    let mut hub = Hub::new(true).await;
+    for cluster in ["cluster-a", "cluster-b"] {
+        hub.cluster(cluster, true).await;
+    }
+    hub.decide(&["cluster-a", "cluster-b"]).await;
+    deployment_config(&hub, "fleet", "svc.fleet.local").await;
+    deployment_config(&hub, "by-placement", "svc.placement.local").await;
+    deployment_config(&hub, "own", "svc.own.local").await;
+    hub.start(AddonSettings {
+        default_deployment_config: Some((HUB.to_owned(), "fleet".to_owned())),
+        removal_grace: Duration::from_secs(600),
+        ..AddonSettings::new(HUB)
+    });
+    for cluster in ["cluster-a", "cluster-b"] {
+        wait_service_domain(&hub, cluster, "svc.fleet.local").await;
+    }
+
+    // The user gives the placement a configuration.
+    let managements = Api::<ClusterManagementAddOn>::all(hub.admin.clone());
+    managements
+        .patch(
+            "cluster-proxy",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"installStrategy": {"placements": [{
+                "name": "cluster-proxy-placement", "namespace": HUB,
+                "configs": [{"group": "addon.open-cluster-management.io",
+                    "resource": "addondeploymentconfigs",
+                    "namespace": HUB, "name": "by-placement"}],
+            }]}}})),
+        )
+        .await
+        .unwrap();
+    for cluster in ["cluster-a", "cluster-b"] {
+        wait_service_domain(&hub, cluster, "svc.placement.local").await;
+    }
+    let addon = hub
+        .wait_condition(
+            "cluster-a",
+            "Configured",
+            "True",
+            "ConfigurationsConfigured",
+        )
+        .await;
+    let references = addon.status.unwrap().config_references.unwrap();
+    assert_eq!(references[1].name.as_deref(), Some("by-placement"));
+    // The summary's desired configuration is the placement's.
+    let summary = eventually("the placement's desired configuration", WAIT, || async {
+        let management = managements.get("cluster-proxy").await.ok()?;
+        let progression = management
+            .status?
+            .install_progressions?
+            .into_iter()
+            .next()?;
+        let adc = progression
+            .config_references?
+            .into_iter()
+            .find(|reference| reference.resource == "addondeploymentconfigs")?;
+        let desired = adc.desired_config?;
+        (desired.name == "by-placement").then_some(desired)
+    })
+    .await;
+    assert_eq!(summary.namespace.as_deref(), Some(HUB));
+    assert!(summary.spec_hash.is_some());
+
+    // An addon's own configuration wins over the placement's.
+    hub.addons("cluster-b")
+        .patch(
+            "cluster-proxy",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"configs": [{
+                "group": "addon.open-cluster-management.io",
+                "resource": "addondeploymentconfigs",
+                "namespace": HUB, "name": "own"}]}})),
+        )
+        .await
+        .unwrap();
+    wait_service_domain(&hub, "cluster-b", "svc.own.local").await;
+
+    // cluster-a leaves every decision (its addon waits out the removal
+    // grace); the default changes meanwhile, and every addon is reconciled.
+    hub.decide(&["cluster-b"]).await;
+    eventually("cluster-a's removal pending", WAIT, || async {
+        (hub.metrics.pending_removal_count() == 1).then_some(())
+    })
+    .await;
+    let reconciled = hub.metrics.reconciliation_count("managedclusteraddon");
+    deployment_config(&hub, "fleet", "svc.fleet2.local").await;
+    eventually("both addons reconciled again", WAIT, || async {
+        (hub.metrics.reconciliation_count("managedclusteraddon") >= reconciled + 2).then_some(())
+    })
+    .await;
+    assert_eq!(
+        work_service_domain(&hub, "cluster-a").await.as_deref(),
+        Some("svc.placement.local"),
+        "a cluster out of every decision was re-rendered"
+    );
+    let placements = managements
+        .get("cluster-proxy")
+        .await
+        .unwrap()
+        .spec
+        .install_strategy
+        .unwrap()
+        .placements
+        .unwrap();
+    assert!(
+        placements[0].configs.is_some(),
+        "the controller dropped the user's configs"
+    );
+    hub.stop().await;
+}
+
 fn containers_of(work: &ManifestWork) -> Vec<Value> {
     deployment_of(work)["spec"]["template"]["spec"]["containers"]
         .as_array()

@@ -304,6 +304,19 @@ def check_non_default(docs: list[dict]) -> None:
         and placements[0]["rolloutStrategy"]["progressive"].get("maxConcurrency") == "25%",
         f"non-default: addonManager.rolloutStrategy reaches the placement: {placements}",
     )
+    expect(
+        len(placements) == 1
+        and placements[0].get("configs")
+        == [
+            {
+                "group": "addon.open-cluster-management.io",
+                "resource": "addondeploymentconfigs",
+                "namespace": "open-cluster-management-addon",
+                "name": "fleet",
+            }
+        ],
+        f"non-default: addonManager.placementConfigs reaches the placement: {placements}",
+    )
     mpc = find(docs, "ManagedProxyConfiguration", "cluster-proxy")
     if mpc:
         expect(
@@ -470,6 +483,7 @@ def check_refusals() -> None:
         ({"unknownKey": 1}, "unknownKey"),
         ({"healthProber": {"timeout": "soon"}}, "timeout"),
         ({"addonManager": {"rolloutStrategy": {"type": "Canary"}}}, "rolloutStrategy"),
+        ({"addonManager": {"placementConfigs": [{"resource": "addondeploymentconfigs"}]}}, "name"),
         (
             {"addonManager": {"rolloutStrategy": {"progressive": {"maxConcurrency": "150%"}}}},
             "maxConcurrency",

@@ -2,8 +2,11 @@
 //! `configReferences` that record them (with OCM's spec hash).
 
 use cluster_proxy_proto::api::addon::v1alpha1::{
-    AddOnConfig, ClusterManagementAddOn, ConfigReference, ConfigSpecHash, ManagedClusterAddOn,
+    AddOnConfig, ClusterManagementAddOn, ConfigReference, ConfigReferent, ConfigSpecHash,
+    ManagedClusterAddOn,
 };
+
+use super::PlacementRef;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
@@ -33,45 +36,107 @@ fn is_deployment_config(group: &str, resource: &str) -> bool {
     group == ADC_GROUP && resource == ADC_RESOURCE
 }
 
-/// The AddOnDeploymentConfig for `addon`: the one its `spec.configs` names,
-/// else the ClusterManagementAddOn's default, else none. A reference
-/// without a namespace means the cluster's namespace.
+/// Where a cluster stands with the install strategy's placements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Selection<'a> {
+    /// No placements: users create the addons (the `Manual` strategy).
+    NoPlacements,
+    /// This placement's decisions select the cluster (the first that does).
+    By(&'a PlacementRef),
+    /// The strategy has placements and none selects the cluster now: its
+    /// addon waits out the removal grace (a placement's decisions being
+    /// rewritten, or the cluster leaving).
+    Unselected,
+}
+
+/// The AddOnDeploymentConfig for `addon`, in OCM's order of precedence: the
+/// one its `spec.configs` names, else the one the ClusterManagementAddOn's
+/// install strategy gives the placement that selects the cluster, else the
+/// ClusterManagementAddOn's default, else none. A cluster no placement
+/// selects keeps the one its status records, so the agents of a cluster
+/// briefly out of every decision are not re-rendered with the default
+/// and back. A reference without a namespace means the cluster's namespace.
 pub fn deployment_config_ref(
     addon: &ManagedClusterAddOn,
     management: Option<&ClusterManagementAddOn>,
+    selection: Selection<'_>,
 ) -> Option<DeploymentConfigRef> {
     let own_namespace = addon.metadata.namespace.clone().unwrap_or_default();
+    let resolve = |namespace: Option<&String>, name: &str| DeploymentConfigRef {
+        namespace: namespace
+            .filter(|namespace| !namespace.is_empty())
+            .cloned()
+            .unwrap_or_else(|| own_namespace.clone()),
+        name: name.to_owned(),
+    };
     let from_addon = addon
         .spec
         .configs
         .iter()
         .flatten()
-        .find(|config: &&AddOnConfig| is_deployment_config(&config.group, &config.resource))
-        .map(|config| DeploymentConfigRef {
-            namespace: config
-                .namespace
-                .clone()
-                .filter(|namespace| !namespace.is_empty())
-                .unwrap_or_else(|| own_namespace.clone()),
-            name: config.name.clone(),
-        });
-    from_addon.or_else(|| {
-        management?
-            .spec
-            .supported_configs
-            .iter()
-            .flatten()
-            .filter(|config| is_deployment_config(&config.group, &config.resource))
-            .find_map(|config| config.default_config.as_ref())
-            .map(|default| DeploymentConfigRef {
-                namespace: default
-                    .namespace
-                    .clone()
-                    .filter(|namespace| !namespace.is_empty())
-                    .unwrap_or_else(|| own_namespace.clone()),
-                name: default.name.clone(),
-            })
-    })
+        .find(|config: &&AddOnConfig| is_deployment_config(&config.group, &config.resource));
+    if let Some(config) = from_addon {
+        return Some(resolve(config.namespace.as_ref(), &config.name));
+    }
+    match selection {
+        Selection::By(placement) => {
+            if let Some(config) =
+                management.and_then(|management| placement_deployment_config(management, placement))
+            {
+                return Some(resolve(config.namespace.as_ref(), &config.name));
+            }
+        }
+        Selection::Unselected => {
+            let recorded = addon
+                .status
+                .iter()
+                .flat_map(|status| status.config_references.iter().flatten())
+                .find(|reference| is_deployment_config(&reference.group, &reference.resource))
+                .and_then(|reference| {
+                    Some(resolve(
+                        reference.namespace.as_ref(),
+                        reference.name.as_deref()?,
+                    ))
+                });
+            if recorded.is_some() {
+                return recorded;
+            }
+        }
+        Selection::NoPlacements => {}
+    }
+    default_deployment_config(management?)
+        .map(|default| resolve(default.namespace.as_ref(), &default.name))
+}
+
+/// The AddOnDeploymentConfig the install strategy's `configs` give
+/// `placement`'s clusters, if any.
+pub fn placement_deployment_config<'a>(
+    management: &'a ClusterManagementAddOn,
+    placement: &PlacementRef,
+) -> Option<&'a AddOnConfig> {
+    management
+        .spec
+        .install_strategy
+        .as_ref()?
+        .placements
+        .iter()
+        .flatten()
+        .filter(|strategy| {
+            strategy.namespace == placement.namespace && strategy.name == placement.name
+        })
+        .flat_map(|strategy| strategy.configs.iter().flatten())
+        .find(|config| is_deployment_config(&config.group, &config.resource))
+}
+
+/// The ClusterManagementAddOn's default AddOnDeploymentConfig, if any.
+pub fn default_deployment_config(management: &ClusterManagementAddOn) -> Option<&ConfigReferent> {
+    management
+        .spec
+        .supported_configs
+        .iter()
+        .flatten()
+        .filter(|config| is_deployment_config(&config.group, &config.resource))
+        .find_map(|config| config.default_config.as_ref())
 }
 
 /// Writes `value` as JSON with object keys sorted at every level, as Go's

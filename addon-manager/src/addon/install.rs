@@ -143,10 +143,7 @@ pub async fn ensure_cluster_management_addon(
             .own_managements
             .freshest(&key, cache.managements.get(&key))
             .filter(|current| {
-                management_is_current(
-                    current,
-                    &with_rollout_strategies_of(current, desired.clone()),
-                )
+                management_is_current(current, &with_user_choices_of(current, desired.clone()))
             })
     };
     if let Some(current) = known_current() {
@@ -161,7 +158,7 @@ pub async fn ensure_cluster_management_addon(
     let api = Api::<ClusterManagementAddOn>::all(context.client.clone());
     let current = get_opt(&api, ADDON_NAME).await?;
     let desired = match &current {
-        Some(current) => with_rollout_strategies_of(current, desired),
+        Some(current) => with_user_choices_of(current, desired),
         None => desired,
     };
     let newer = match current {
@@ -171,11 +168,12 @@ pub async fn ensure_cluster_management_addon(
     Ok(cache.own_managements.wrote(cached.as_deref(), newer))
 }
 
-/// `desired` with the `rolloutStrategy` that `current` gives each of its
-/// placements: the rollout is the user's to choose (by editing the object,
-/// or through the chart's `addonManager.rolloutStrategy`), the placements
-/// are ours.
-fn with_rollout_strategies_of(
+/// `desired` with the `rolloutStrategy` and the `configs` that `current`
+/// gives each of its placements: how changes roll out and which
+/// AddOnDeploymentConfig a placement's clusters get are the user's to choose
+/// (by editing the object, or through the chart's
+/// `addonManager.rolloutStrategy`), the placements are ours.
+fn with_user_choices_of(
     current: &ClusterManagementAddOn,
     mut desired: ClusterManagementAddOn,
 ) -> ClusterManagementAddOn {
@@ -191,12 +189,12 @@ fn with_rollout_strategies_of(
         .and_then(|strategy| strategy.placements.as_mut());
     if let (Some(declared), Some(wanted)) = (declared, wanted) {
         for placement in wanted {
-            placement.rollout_strategy = declared
-                .iter()
-                .find(|declared| {
-                    declared.namespace == placement.namespace && declared.name == placement.name
-                })
-                .and_then(|declared| declared.rollout_strategy.clone());
+            let declared = declared.iter().find(|declared| {
+                declared.namespace == placement.namespace && declared.name == placement.name
+            });
+            placement.rollout_strategy =
+                declared.and_then(|declared| declared.rollout_strategy.clone());
+            placement.configs = declared.and_then(|declared| declared.configs.clone());
         }
     }
     desired

@@ -119,12 +119,14 @@ impl Counts {
     }
 }
 
-/// The configurations a placement's clusters get by default: the MPC and,
-/// if the ClusterManagementAddOn names one, the default
-/// AddOnDeploymentConfig, each with the hash of its current spec.
+/// The configurations a placement's clusters get unless their addons name
+/// others: the MPC and, if the ClusterManagementAddOn names one, the
+/// AddOnDeploymentConfig of the placement's `configs` or else the default,
+/// each with the hash of its current spec.
 fn desired_configs(
     context: &Context,
     management: &ClusterManagementAddOn,
+    placement: &PlacementRef,
     mpc: Option<&ManagedProxyConfiguration>,
 ) -> Vec<InstallConfigReference> {
     let mpc_name = context.settings.managed_proxy_configuration.clone();
@@ -138,24 +140,20 @@ fn desired_configs(
         }),
         ..InstallConfigReference::default()
     }];
-    let default_adc = management
-        .spec
-        .supported_configs
-        .iter()
-        .flatten()
-        .filter(|supported| supported.group == ADC_GROUP && supported.resource == ADC_RESOURCE)
-        .find_map(|supported| supported.default_config.as_ref());
-    if let Some(default) = default_adc {
-        let namespace = default
-            .namespace
-            .clone()
-            .filter(|namespace| !namespace.is_empty());
+    let adc = match config::placement_deployment_config(management, placement) {
+        Some(config) => Some((config.namespace.as_ref(), &config.name)),
+        None => config::default_deployment_config(management)
+            .map(|default| (default.namespace.as_ref(), &default.name)),
+    };
+    if let Some((namespace, name)) = adc {
+        // Without a namespace, each cluster's own: no one spec to hash.
+        let namespace = namespace.filter(|namespace| !namespace.is_empty()).cloned();
         let spec_hash = namespace.as_ref().and_then(|namespace| {
             let adc = context
                 .caches
                 .addon
                 .deployment_configs
-                .get(&ObjectRef::new(&default.name).within(namespace))?;
+                .get(&ObjectRef::new(name).within(namespace))?;
             config::spec_hash(&adc.spec).ok()
         });
         references.push(InstallConfigReference {
@@ -163,7 +161,7 @@ fn desired_configs(
             resource: ADC_RESOURCE.into(),
             desired_config: Some(ConfigSpecHash {
                 namespace,
-                name: default.name.clone(),
+                name: name.clone(),
                 spec_hash,
             }),
             ..InstallConfigReference::default()
@@ -259,11 +257,11 @@ pub fn install_progressions(
         .as_ref()
         .and_then(|status| status.install_progressions.as_deref())
         .unwrap_or_default();
-    let desired = desired_configs(context, management, mpc);
     let now_time = Time(now);
     placements
         .iter()
         .map(|placement| {
+            let desired = desired_configs(context, management, placement, mpc);
             let known = previous.iter().find(|known| {
                 known.namespace == placement.namespace && known.name == placement.name
             });
@@ -272,7 +270,7 @@ pub fn install_progressions(
             InstallProgression {
                 namespace: placement.namespace.clone(),
                 name: placement.name.clone(),
-                config_references: Some(with_history(desired.clone(), known, completed)),
+                config_references: Some(with_history(desired, known, completed)),
                 conditions: Some(with_progressing(
                     known.and_then(|known| known.conditions.as_deref()),
                     completed,

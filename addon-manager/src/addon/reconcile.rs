@@ -42,7 +42,7 @@ use super::status::{
 };
 use super::{
     ADDON_NAME, AGENT_RBAC_NAME, AddonError, CA_BUNDLE_KEY, CA_BUNDLE_SECRET, Context,
-    MANIFEST_WORK_NAME, retry_after,
+    InstallStrategy, MANIFEST_WORK_NAME, retry_after,
 };
 use crate::apply;
 
@@ -211,7 +211,13 @@ async fn evaluate(
         );
     };
     let management = cached_or_read(&cache.managements, &managements, ADDON_NAME).await?;
-    let adc_ref = config::deployment_config_ref(addon, management.as_deref());
+    let placement = rollout::placement_of(context, management.as_deref(), cluster);
+    let selection = match (&placement, &context.settings.install_strategy) {
+        (Some(placement), _) => config::Selection::By(&placement.placement),
+        (None, InstallStrategy::Placements(_)) => config::Selection::Unselected,
+        (None, InstallStrategy::Manual) => config::Selection::NoPlacements,
+    };
+    let adc_ref = config::deployment_config_ref(addon, management.as_deref(), selection);
     let adc = match &adc_ref {
         None => None,
         Some(reference) => {
@@ -371,7 +377,6 @@ async fn evaluate(
     // placement's rollout says so; until then its work stays rendered from
     // the configurations it has.
     let management = management.as_deref();
-    let placement = rollout::placement_of(context, management, cluster);
     let strategy = match placement.as_ref().map(|placement| &placement.strategy) {
         None => rollout::Strategy::all(),
         Some(Ok(strategy)) => strategy.clone(),

@@ -774,6 +774,27 @@ pub fn placement_of(
     })
 }
 
+/// Each selected cluster's placement as [`placement_of`] finds it: the first
+/// of the install strategy's placements whose decisions select it.
+fn owning_placements(context: &Context) -> HashMap<String, &PlacementRef> {
+    let InstallStrategy::Placements(placements) = &context.settings.install_strategy else {
+        return HashMap::new();
+    };
+    let decisions = context.caches.install.decisions.state();
+    let mut owners = HashMap::new();
+    for placement in placements {
+        for decision in decisions
+            .iter()
+            .filter(|decision| of_placement(decision, placement))
+        {
+            for cluster in decision.cluster_names() {
+                owners.entry(cluster.to_owned()).or_insert(placement);
+            }
+        }
+    }
+    owners
+}
+
 /// The `rolloutStrategy` `management` gives `placement` (`All` when none).
 pub fn placement_strategy(
     management: Option<&ClusterManagementAddOn>,
@@ -816,6 +837,9 @@ pub fn members(
     // few: each target is computed once.
     let mut targets: HashMap<Option<String>, Option<String>> = HashMap::new();
     let mut members = Vec::new();
+    // A cluster some earlier placement selects too takes its configurations
+    // from that one, as its reconcile does (`placement_of`).
+    let owners = owning_placements(context);
     for decision in context.caches.install.decisions.state() {
         if !of_placement(&decision, placement) {
             continue;
@@ -832,7 +856,9 @@ pub fn members(
             else {
                 continue;
             };
-            let adc_ref = config::deployment_config_ref(&addon, management);
+            let owner = owners.get(cluster).copied().unwrap_or(placement);
+            let adc_ref =
+                config::deployment_config_ref(&addon, management, config::Selection::By(owner));
             let target = targets
                 .entry(adc_ref.as_ref().map(ToString::to_string))
                 .or_insert_with(|| {
