@@ -274,10 +274,12 @@ async fn connect_once(
 ) -> (Option<rustls::HandshakeKind>, String) {
     let tcp = tokio::net::TcpStream::connect(server).await.unwrap();
     let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
-    let mut stream = tokio_rustls::TlsConnector::from(tls)
+    let Ok(mut stream) = tokio_rustls::TlsConnector::from(tls)
         .connect(name, tcp)
         .await
-        .unwrap();
+    else {
+        return (None, String::new());
+    };
     let kind = stream.get_ref().1.handshake_kind();
     let request = b"CONNECT cluster-a:443 HTTP/1.1\r\nHost: cluster-a:443\r\n\r\n";
     let mut head = Vec::new();
@@ -318,15 +320,19 @@ async fn a_resumed_session_does_not_outlive_the_client_certificate() {
                 .unwrap();
         let key = rustls::pki_types::PrivateKeyDer::from_pem_slice(short_lived.key_pem.as_bytes())
             .unwrap();
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let mut config = rustls::ClientConfig::builder_with_provider(provider)
-            .with_protocol_versions(&[version])
-            .unwrap()
-            .with_root_certificates(roots.clone())
-            .with_client_auth_cert(chain, key)
-            .unwrap();
-        config.alpn_protocols = vec![b"http/1.1".to_vec()];
-        let config = Arc::new(config);
+        // Each config keeps its own sessions.
+        let client_config = || {
+            let provider = Arc::new(rustls::crypto::ring::default_provider());
+            let mut config = rustls::ClientConfig::builder_with_provider(provider)
+                .with_protocol_versions(&[version])
+                .unwrap()
+                .with_root_certificates(roots.clone())
+                .with_client_auth_cert(chain.clone(), key.clone_key())
+                .unwrap();
+            config.alpn_protocols = vec![b"http/1.1".to_vec()];
+            Arc::new(config)
+        };
+        let config = client_config();
 
         let (kind, head) = connect_once(config.clone(), server.client_addr).await;
         assert_eq!(kind, Some(rustls::HandshakeKind::Full), "{version:?}");
@@ -341,6 +347,25 @@ async fn a_resumed_session_does_not_outlive_the_client_certificate() {
         let (kind, head) = connect_once(config, server.client_addr).await;
         assert_eq!(kind, Some(rustls::HandshakeKind::Resumed), "{version:?}");
         assert_eq!(head, "", "{version:?}: an expired certificate was served");
+        // A full handshake with it fails as it always did.
+        let (_, head) = connect_once(client_config(), server.client_addr).await;
+        assert_eq!(head, "", "{version:?}");
     }
+    // Both refusals are counted apart from failed handshakes (the server
+    // counts a failed handshake after its alert has left).
+    let count = |reason: &str| {
+        let series = format!(
+            "cluster_proxy_server_tls_handshake_failures_total{{listener=\"client\",reason=\"{reason}\"}} "
+        );
+        server
+            .metrics_text()
+            .lines()
+            .find_map(|line| line.strip_prefix(series.as_str()).map(str::to_owned))
+    };
+    let counted = || {
+        count("expired_resumed_session").as_deref() == Some("2")
+            && count("error").as_deref() == Some("2")
+    };
+    assert!(wait_until(STEP, counted).await, "{}", server.metrics_text());
     server.shutdown().await;
 }

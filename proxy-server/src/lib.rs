@@ -509,7 +509,7 @@ pub async fn start_with_peers(
             config.server_port,
         )
         .await?;
-        (Listener::Tcp(listener, tls), addr, None)
+        (Listener::Tcp(listener, tls, metrics.clone()), addr, None)
     } else {
         let path = PathBuf::from(&config.uds_name);
         let listener = bind_unix(&path, config.delete_existing_uds_file)?;
@@ -588,7 +588,7 @@ pub async fn start_with_peers(
     ));
     tasks.spawn(listener::serve(
         "agent",
-        Listener::Tcp(agent_listener, tls.agent),
+        Listener::Tcp(agent_listener, tls.agent, metrics.clone()),
         Protocols::Http2Only,
         move |_peer: Arc<PeerInfo>| agent_routes.clone(),
         shutdown.clone(),

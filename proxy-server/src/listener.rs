@@ -24,6 +24,8 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info};
 
+use crate::metrics::Metrics;
+
 /// Time a client gets to finish the TLS handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Time an HTTP/1.1 client gets to send its request head (upstream: 60 s).
@@ -122,24 +124,26 @@ fn peer_info(remote: Remote, conn: &rustls::ServerConnection) -> PeerInfo {
     }
 }
 
-/// A listening socket: TCP (with TLS) or Unix (plain, `--uds-name`).
+/// A listening socket: TCP (with TLS; its failed handshakes counted in the
+/// metrics) or Unix (plain, `--uds-name`).
 pub enum Listener {
     Tcp(
         TcpListener,
         cluster_proxy_runtime::reload::Watched<rustls::ServerConfig>,
+        Arc<Metrics>,
     ),
     Unix(UnixListener),
 }
 
 enum Accepted {
-    Tcp(TcpStream, SocketAddr, TlsAcceptor),
+    Tcp(TcpStream, SocketAddr, TlsAcceptor, Arc<Metrics>),
     Unix(UnixStream),
 }
 
 impl Listener {
     async fn accept(&self) -> std::io::Result<Accepted> {
         match self {
-            Listener::Tcp(listener, tls) => {
+            Listener::Tcp(listener, tls, metrics) => {
                 let (tcp, remote) = listener.accept().await?;
                 let _ = tcp.set_nodelay(true);
                 // Agents and clients hold these connections for hours; one
@@ -149,7 +153,7 @@ impl Listener {
                 }
                 // The newest credentials for each handshake: rotation needs no restart.
                 let acceptor = TlsAcceptor::from(tls.borrow().clone());
-                Ok(Accepted::Tcp(tcp, remote, acceptor))
+                Ok(Accepted::Tcp(tcp, remote, acceptor, metrics.clone()))
             }
             Listener::Unix(listener) => Ok(Accepted::Unix(listener.accept().await?.0)),
         }
@@ -253,22 +257,25 @@ pub async fn serve<S, F, B>(
         let accepted_at = tokio::time::Instant::now();
         let server = server.clone();
         match accepted {
-            Accepted::Tcp(tcp, remote, acceptor) => {
+            Accepted::Tcp(tcp, remote, acceptor, metrics) => {
                 connections.spawn(async move {
                     let remote = Remote::Tcp(remote);
                     let tls =
                         match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
                             Ok(Ok(tls)) => tls,
                             Ok(Err(e)) => {
+                                metrics.tls_handshake_failed(name, "error");
                                 info!(listener = name, %remote, error = %e, "TLS handshake failed");
                                 return;
                             }
                             Err(_) => {
+                                metrics.tls_handshake_failed(name, "timeout");
                                 info!(listener = name, %remote, "TLS handshake timed out");
                                 return;
                             }
                         };
                     if let Err(refusal) = resumed_chain_still_valid(tls.get_ref().1) {
+                        metrics.tls_handshake_failed(name, "expired_resumed_session");
                         info!(listener = name, %remote, error = %refusal, "resumed TLS session refused");
                         // close_notify, bounded: a peer that stopped reading cannot hold us.
                         let mut tls = tls;

@@ -50,6 +50,8 @@ pub struct Metrics {
     pub peer_lookup_failures: Counter,
     /// Times a configured bound refused or dropped something, by `limit`.
     limited: Family<Labels, Counter>,
+    /// Connections whose TLS handshake failed, by `listener` and `reason`.
+    tls_handshake_failures: Family<Labels, Counter>,
     /// Unknown connection ids whose CLOSE_RSP the server awaits, summed
     /// over tunnels (bounded by `--max-stray-closes-per-tunnel` each).
     pub stray_close_backlog: Gauge,
@@ -174,6 +176,13 @@ impl Metrics {
             "Packets, streams, tunnels or dials refused or dropped because a configured bound (the limit label, named as its flag) was reached",
             limited.clone(),
         );
+        let tls_handshake_failures = Family::<Labels, Counter>::default();
+        register_counter(
+            ours,
+            "tls_handshake_failures",
+            "Connections to a TLS port (the listener label: client, agent) closed without a usable TLS session, by reason: error (a failed handshake, e.g. an unknown CA or an expired certificate, or a peer closing before it finished, as TCP health checks do), timeout, expired_resumed_session (a resumed session whose client certificate has expired since)",
+            tls_handshake_failures.clone(),
+        );
         let stray_close_backlog = Gauge::default();
         ours.register(
             "stray_close_backlog",
@@ -198,6 +207,7 @@ impl Metrics {
             server_count,
             peer_lookup_failures,
             limited,
+            tls_handshake_failures,
             stray_close_backlog,
             stream,
         }
@@ -225,6 +235,14 @@ impl Metrics {
     /// A bound named `limit` (its flag without `--max-`) refused or dropped something.
     pub fn limited(&self, limit: &'static str) {
         self.limited.get_or_create(&vec![("limit", limit)]).inc();
+    }
+
+    /// A connection to the TLS port `listener` ended without a usable TLS
+    /// session, for `reason`.
+    pub fn tls_handshake_failed(&self, listener: &'static str, reason: &'static str) {
+        self.tls_handshake_failures
+            .get_or_create(&vec![("listener", listener), ("reason", reason)])
+            .inc();
     }
 
     pub fn dial_failed(&self, reason: &'static str) {
