@@ -1319,29 +1319,15 @@ async fn the_default_deployment_config_applies_to_addons_naming_none() {
     let mut hub = Hub::new(true).await;
     hub.cluster("cluster-a", true).await;
     hub.decide(&["cluster-a"]).await;
-    let adc: AddOnDeploymentConfig = object(json!({
-        "apiVersion": "addon.open-cluster-management.io/v1alpha1",
-        "kind": "AddOnDeploymentConfig",
-        "metadata": {"name": "fleet", "namespace": HUB},
-        "spec": {"customizedVariables": [{"name": "serviceDomain", "value": "svc.fleet.local"}]},
-    }));
-    Api::<AddOnDeploymentConfig>::namespaced(hub.admin.clone(), HUB)
-        .create(&PostParams::default(), &adc)
-        .await
-        .unwrap();
+    deployment_config(&hub, "fleet", "svc.fleet.local").await;
     let mut settings = AddonSettings::new(HUB);
     settings.default_deployment_config = Some((HUB.to_owned(), "fleet".to_owned()));
     hub.start(settings);
 
-    let work = eventually("cluster-a's work", WAIT, || hub.work("cluster-a")).await;
-    let manifests = work.spec.workload.unwrap().manifests.unwrap();
-    let service = manifests
-        .iter()
-        .find(|m| m.kind() == Some("Service") && m.name() == Some("cluster-a"))
-        .unwrap();
+    eventually("cluster-a's work", WAIT, || hub.work("cluster-a")).await;
     assert_eq!(
-        service.0["spec"]["externalName"],
-        "kubernetes.default.svc.fleet.local"
+        work_service_domain(&hub, "cluster-a").await.as_deref(),
+        Some("svc.fleet.local")
     );
     let addon = hub
         .wait_condition(
@@ -1366,7 +1352,7 @@ async fn work_service_domain(hub: &Hub, cluster: &str) -> Option<String> {
         .iter()
         .find(|m| m.kind() == Some("Service") && m.name() == Some(cluster))?;
     let name = service.0["spec"]["externalName"].as_str()?;
-    Some(name.trim_start_matches("kubernetes.default.").to_owned())
+    Some(name.strip_prefix("kubernetes.default.")?.to_owned())
 }
 
 async fn wait_service_domain(hub: &Hub, cluster: &str, domain: &str) {
