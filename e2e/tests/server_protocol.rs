@@ -11,7 +11,7 @@ use cluster_proxy_proto::transport::ALPN_HTTP11;
 use e2e::harness::{RawAgent, RawAgentError, test_server_config, tunnel_client, wait_until};
 use e2e::pki::TestPki;
 use proxy_server::RunningServer;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 const STEP: Duration = Duration::from_secs(5);
 
@@ -305,6 +305,7 @@ async fn dial_data_and_close_round_trip_through_a_hand_driven_agent() {
         address,
         random,
         trace,
+        early_data,
     } = frame(agent.recv(STEP).await)
     else {
         panic!("expected DIAL_REQ");
@@ -315,6 +316,7 @@ async fn dial_data_and_close_round_trip_through_a_hand_driven_agent() {
     );
     // This agent did not advertise the trace-context extension.
     assert_eq!(trace, None);
+    assert!(early_data.is_empty());
     agent
         .to_server
         .send(packet::dial_response_ok(random, 7))
@@ -997,4 +999,438 @@ async fn a_plain_agents_stalled_connection_is_closed_so_the_tunnel_keeps_moving(
     }
     next.abort();
     server.shutdown().await;
+}
+
+/// The next DIAL_REQ's raw packet, skipping anything else the server sends.
+async fn next_dial_request(agent: &mut RawAgent) -> Packet {
+    loop {
+        let p = agent.recv(STEP).await.expect("a DIAL_REQ from the server");
+        if matches!(Frame::from_packet(p.clone()), Frame::DialRequest { .. }) {
+            return p;
+        }
+    }
+}
+
+#[tokio::test]
+async fn early_data_rides_in_the_dial_request_only_to_an_agent_that_advertised_it() {
+    use prost::Message;
+    let pki = TestPki::new(&["cluster-a", "cluster-b"]).unwrap();
+    let server = server(&pki).await;
+    let client = tunnel_client(pki.client_tls().unwrap(), server.client_addr)
+        .await
+        .unwrap();
+
+    // An agent with the extension gets the bytes in DIAL_REQ (field 101)
+    // and confirms writing them; nothing is sent twice.
+    let mut with_extension = RawAgent::connect_with(
+        &[(metadata::EARLY_DATA, metadata::EARLY_DATA_V1)],
+        pki.agent_tls("cluster-a").unwrap(),
+        server.agent_addr,
+        "agent-cluster-a",
+        "host=cluster-a",
+    )
+    .await
+    .unwrap();
+    assert!(wait_until(STEP, || server.tunnel_count() == 1).await);
+    let dialing = client.clone();
+    let dial = tokio::spawn(async move {
+        dialing
+            .dial_with_early_data(
+                "cluster-a:8443",
+                Bytes::from_static(b"GET / HTTP/1.1\r\n\r\n"),
+            )
+            .await
+    });
+    let Frame::DialRequest {
+        random, early_data, ..
+    } = Frame::from_packet(next_dial_request(&mut with_extension).await)
+    else {
+        unreachable!()
+    };
+    assert_eq!(&early_data[..], b"GET / HTTP/1.1\r\n\r\n");
+    with_extension
+        .to_server
+        .send(packet::dial_response_connected(random, 7, true))
+        .await
+        .unwrap();
+    let mut stream = dial.await.unwrap().unwrap();
+    stream.write_all(b"next").await.unwrap();
+    assert_eq!(
+        frame(with_extension.recv(STEP).await),
+        Frame::Data {
+            connect_id: 7,
+            data: Bytes::from_static(b"next")
+        },
+        "the early data must not follow as DATA too"
+    );
+
+    // An upstream-style agent (no extension) gets konnectivity's dial
+    // request byte for byte, then the bytes as the connection's first DATA
+    // from the server; the client, told they were delivered, does not
+    // send them again.
+    let mut upstream = agent(&pki, &server, "cluster-b", None).await;
+    assert!(wait_until(STEP, || server.tunnel_count() == 2).await);
+    let dialing = client.clone();
+    let dial = tokio::spawn(async move {
+        dialing
+            .dial_with_early_data("cluster-b:8443", Bytes::from_static(b"hello"))
+            .await
+    });
+    let request = next_dial_request(&mut upstream).await;
+    let Frame::DialRequest { random, .. } = Frame::from_packet(request.clone()) else {
+        unreachable!()
+    };
+    assert_eq!(
+        request.encode_to_vec(),
+        packet::dial_request("cluster-b:8443", random).encode_to_vec(),
+        "an upstream agent gets plain konnectivity bytes"
+    );
+    upstream
+        .to_server
+        .send(packet::dial_response_ok(random, 9))
+        .await
+        .unwrap();
+    let mut stream = dial.await.unwrap().unwrap();
+    assert_eq!(
+        frame(upstream.recv(STEP).await),
+        Frame::Data {
+            connect_id: 9,
+            data: Bytes::from_static(b"hello")
+        }
+    );
+    stream.write_all(b"world").await.unwrap();
+    assert_eq!(
+        frame(upstream.recv(STEP).await),
+        Frame::Data {
+            connect_id: 9,
+            data: Bytes::from_static(b"world")
+        }
+    );
+
+    // A failed dial drops the bytes and reports the agent's error.
+    let dialing = client.clone();
+    let dial = tokio::spawn(async move {
+        dialing
+            .dial_with_early_data("cluster-a:1", Bytes::from_static(b"lost"))
+            .await
+    });
+    let Frame::DialRequest { random, .. } =
+        Frame::from_packet(next_dial_request(&mut with_extension).await)
+    else {
+        unreachable!()
+    };
+    with_extension
+        .to_server
+        .send(packet::dial_response_error(
+            random,
+            "dial tcp 127.0.0.1:1: connect: connection refused",
+        ))
+        .await
+        .unwrap();
+    let err = dial.await.unwrap().unwrap_err();
+    assert!(err.to_string().contains("connection refused"), "{err}");
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn early_data_beyond_the_limit_follows_as_flow_controlled_data() {
+    use cluster_proxy_proto::client::MAX_EARLY_DATA;
+    use cluster_proxy_proto::konnectivity::proxy_service_client::ProxyServiceClient;
+    let pki = TestPki::new(&["cluster-a"]).unwrap();
+    let server = server(&pki).await;
+    let mut with_extension = RawAgent::connect_with(
+        &[(metadata::EARLY_DATA, metadata::EARLY_DATA_V1)],
+        pki.agent_tls("cluster-a").unwrap(),
+        server.agent_addr,
+        "agent-cluster-a",
+        "host=cluster-a",
+    )
+    .await
+    .unwrap();
+    assert!(wait_until(STEP, || server.tunnel_count() == 1).await);
+    let client = tunnel_client(pki.client_tls().unwrap(), server.client_addr)
+        .await
+        .unwrap();
+    // More than one dial request may carry: the first MAX_EARLY_DATA bytes
+    // ride with the dial, the rest follow as DATA, in order.
+    let first: Vec<u8> = (0..MAX_EARLY_DATA + 5000)
+        .map(|i| (i % 251) as u8)
+        .collect();
+    let sent = Bytes::from(first.clone());
+    let dial =
+        tokio::spawn(async move { client.dial_with_early_data("cluster-a:8443", sent).await });
+    let Frame::DialRequest {
+        random, early_data, ..
+    } = Frame::from_packet(next_dial_request(&mut with_extension).await)
+    else {
+        unreachable!()
+    };
+    assert_eq!(early_data.len(), MAX_EARLY_DATA);
+    with_extension
+        .to_server
+        .send(packet::dial_response_connected(random, 3, true))
+        .await
+        .unwrap();
+    let _stream = dial.await.unwrap().unwrap();
+    let mut received = early_data.to_vec();
+    while received.len() < first.len() {
+        match frame(with_extension.recv(STEP).await) {
+            Frame::Data {
+                connect_id: 3,
+                data,
+            } => received.extend_from_slice(&data),
+            other => panic!("expected DATA, got {other:?}"),
+        }
+    }
+    assert_eq!(received, first);
+
+    // A hand-written client may put more in its dial request than our
+    // client does; the server does not pass that past the agent's window
+    // inside a dial request, but as DATA after it.
+    let big = Bytes::from(vec![7u8; MAX_EARLY_DATA + 1]);
+    let channel = cluster_proxy_proto::transport::connect_channel(
+        "localhost",
+        server.client_addr.port(),
+        pki.client_tls().unwrap(),
+        STEP,
+    )
+    .await
+    .unwrap();
+    let (to_server, rx) = tokio::sync::mpsc::channel(4);
+    to_server
+        .send(packet::dial_request_with_early_data(
+            "cluster-a:8443",
+            77,
+            None,
+            big.clone(),
+        ))
+        .await
+        .unwrap();
+    let mut from_server = ProxyServiceClient::new(channel)
+        .proxy(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    let Frame::DialRequest {
+        random, early_data, ..
+    } = Frame::from_packet(next_dial_request(&mut with_extension).await)
+    else {
+        unreachable!()
+    };
+    assert!(
+        early_data.is_empty(),
+        "{} bytes in the dial request",
+        early_data.len()
+    );
+    with_extension
+        .to_server
+        .send(packet::dial_response_ok(random, 4))
+        .await
+        .unwrap();
+    assert!(matches!(
+        Frame::from_packet(from_server.message().await.unwrap().unwrap()),
+        Frame::DialResponse {
+            connect_id: 4,
+            early_data_written: true,
+            ..
+        }
+    ));
+    let mut received = Vec::new();
+    while received.len() < big.len() {
+        match frame(with_extension.recv(STEP).await) {
+            Frame::Data {
+                connect_id: 4,
+                data,
+            } => received.extend_from_slice(&data),
+            other => panic!("expected DATA, got {other:?}"),
+        }
+    }
+    assert_eq!(received, big);
+    server.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lazy_streams_first_write_rides_in_the_dial_request() {
+    let pki = TestPki::new(&["cluster-a"]).unwrap();
+    let server = server(&pki).await;
+    let mut agent = RawAgent::connect_with(
+        &[(metadata::EARLY_DATA, metadata::EARLY_DATA_V1)],
+        pki.agent_tls("cluster-a").unwrap(),
+        server.agent_addr,
+        "agent-cluster-a",
+        "host=cluster-a",
+    )
+    .await
+    .unwrap();
+    assert!(wait_until(STEP, || server.tunnel_count() == 1).await);
+    let client = tunnel_client(pki.client_tls().unwrap(), server.client_addr)
+        .await
+        .unwrap();
+
+    // The first write returns at once and rides with the dial; a second
+    // write and a read, in two tasks, both wait for the dial and both go on
+    // once it is answered.
+    let (mut reader, mut writer) = tokio::io::split(client.dial_lazily("cluster-a:8443"));
+    writer.write_all(b"hello").await.unwrap();
+    let writing = tokio::spawn(async move {
+        writer.write_all(b"more").await.unwrap();
+        writer
+    });
+    let reading = tokio::spawn(async move {
+        let mut buf = [0u8; 4];
+        reader.read_exact(&mut buf).await.unwrap();
+        buf
+    });
+    let Frame::DialRequest {
+        random, early_data, ..
+    } = Frame::from_packet(next_dial_request(&mut agent).await)
+    else {
+        unreachable!()
+    };
+    assert_eq!(&early_data[..], b"hello");
+    agent
+        .to_server
+        .send(packet::dial_response_connected(random, 5, true))
+        .await
+        .unwrap();
+    agent
+        .to_server
+        .send(packet::data(5, Bytes::from_static(b"pong")))
+        .await
+        .unwrap();
+    assert_eq!(
+        frame(agent.recv(STEP).await),
+        Frame::Data {
+            connect_id: 5,
+            data: Bytes::from_static(b"more")
+        }
+    );
+    let _writer = tokio::time::timeout(STEP, writing)
+        .await
+        .expect("the waiting writer was woken")
+        .unwrap();
+    let read = tokio::time::timeout(STEP, reading)
+        .await
+        .expect("the waiting reader was woken")
+        .unwrap();
+    assert_eq!(&read, b"pong");
+
+    // A protocol whose server speaks first: a read dials without data.
+    let mut stream = client.dial_lazily("cluster-a:22");
+    let reading = tokio::spawn(async move {
+        let mut banner = [0u8; 7];
+        stream.read_exact(&mut banner).await.unwrap();
+        banner
+    });
+    let Frame::DialRequest {
+        random, early_data, ..
+    } = Frame::from_packet(next_dial_request(&mut agent).await)
+    else {
+        unreachable!()
+    };
+    assert!(early_data.is_empty());
+    agent
+        .to_server
+        .send(packet::dial_response_ok(random, 6))
+        .await
+        .unwrap();
+    agent
+        .to_server
+        .send(packet::data(6, Bytes::from_static(b"SSH-2.0")))
+        .await
+        .unwrap();
+    assert_eq!(&reading.await.unwrap(), b"SSH-2.0");
+
+    // A failed dial is the error of the next read, with the agent's text.
+    let mut stream = client.dial_lazily("cluster-a:1");
+    stream.write_all(b"GET / HTTP/1.1\r\n\r\n").await.unwrap();
+    let Frame::DialRequest { random, .. } = Frame::from_packet(next_dial_request(&mut agent).await)
+    else {
+        unreachable!()
+    };
+    agent
+        .to_server
+        .send(packet::dial_response_error(
+            random,
+            "dial tcp 127.0.0.1:1: connect: connection refused",
+        ))
+        .await
+        .unwrap();
+    let mut buf = [0u8; 1];
+    let err = stream.read(&mut buf).await.unwrap_err();
+    assert_eq!(err.kind(), std::io::ErrorKind::ConnectionRefused);
+    assert!(err.to_string().contains("connection refused"), "{err}");
+    let err = stream.write_all(b"x").await.unwrap_err();
+    assert_eq!(err.kind(), std::io::ErrorKind::ConnectionRefused);
+
+    // A writer and a reader waiting on the dial are both woken, even when
+    // the one that polled last never polls again.
+    let mut stream = client.dial_lazily("cluster-a:8443");
+    stream.write_all(b"x").await.unwrap();
+    let (writer_woken, writer_waker) = WakeFlag::waker();
+    let (_, reader_waker) = WakeFlag::waker();
+    assert!(
+        std::pin::Pin::new(&mut stream)
+            .poll_write(&mut std::task::Context::from_waker(&writer_waker), b"y")
+            .is_pending()
+    );
+    let mut buf = [0u8; 1];
+    let mut read_buf = tokio::io::ReadBuf::new(&mut buf);
+    assert!(
+        std::pin::Pin::new(&mut stream)
+            .poll_read(
+                &mut std::task::Context::from_waker(&reader_waker),
+                &mut read_buf
+            )
+            .is_pending()
+    );
+    let Frame::DialRequest { random, .. } = Frame::from_packet(next_dial_request(&mut agent).await)
+    else {
+        unreachable!()
+    };
+    agent
+        .to_server
+        .send(packet::dial_response_connected(random, 8, true))
+        .await
+        .unwrap();
+    assert!(
+        wait_until(STEP, || writer_woken
+            .load(std::sync::atomic::Ordering::SeqCst))
+        .await,
+        "the waiting writer was not woken"
+    );
+    stream.write_all(b"y").await.unwrap();
+    assert_eq!(
+        frame(agent.recv(STEP).await),
+        Frame::Data {
+            connect_id: 8,
+            data: Bytes::from_static(b"y")
+        }
+    );
+
+    // Shut down before any use: nothing is dialed.
+    let mut unused = client.dial_lazily("cluster-a:8443");
+    unused.shutdown().await.unwrap();
+    assert!(unused.write_all(b"late").await.is_err());
+    server.shutdown().await;
+}
+
+/// A waker that only records that it was woken.
+struct WakeFlag(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl WakeFlag {
+    fn waker() -> (
+        std::sync::Arc<std::sync::atomic::AtomicBool>,
+        std::task::Waker,
+    ) {
+        let flag = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let waker = std::task::Waker::from(std::sync::Arc::new(WakeFlag(flag.clone())));
+        (flag, waker)
+    }
+}
+
+impl std::task::Wake for WakeFlag {
+    fn wake(self: std::sync::Arc<Self>) {
+        self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
 }

@@ -149,6 +149,47 @@ async fn a_thousand_concurrent_connections() {
 }
 
 #[tokio::test]
+async fn early_data_reaches_the_target_through_a_real_agent() {
+    let (pki, server, _agents) = setup(&["cluster-a"]).await;
+    let echo = EchoServer::start().await.unwrap();
+    let client = tunnel_client(pki.client_tls().unwrap(), server.client_addr)
+        .await
+        .unwrap();
+    // A small first write, and one larger than a dial request carries
+    // (the rest follows as DATA): each comes back whole and in order.
+    for size in [1, cluster_proxy_proto::client::MAX_EARLY_DATA * 3 + 17] {
+        let first = pattern(size);
+        let mut stream = client
+            .dial_with_early_data(
+                &format!("cluster-a:{}", echo.addr.port()),
+                bytes::Bytes::from(first.clone()),
+            )
+            .await
+            .unwrap();
+        stream.write_all(b"after").await.unwrap();
+        let mut back = vec![0u8; size + 5];
+        tokio::time::timeout(Duration::from_secs(10), stream.read_exact(&mut back))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(&back[..size], &first[..], "{size} bytes of early data");
+        assert_eq!(&back[size..], b"after");
+    }
+    // A dial that fails reports the agent's error, early data or not.
+    let port = closed_port().await.unwrap().port();
+    let err = client
+        .dial_with_early_data(
+            &format!("cluster-a:{port}"),
+            bytes::Bytes::from_static(b"GET /"),
+        )
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("connection refused"), "{err}");
+    server.shutdown().await;
+}
+
+#[tokio::test]
 async fn dial_to_a_closed_port_reports_the_agents_error() {
     let (pki, server, _agents) = setup(&["cluster-a"]).await;
     let port = closed_port().await.unwrap().port();

@@ -23,11 +23,13 @@ enum AnyPayload {
         address: String,
         random: i64,
         trace: Option<(String, String)>,
+        early_data: Vec<u8>,
     },
     DialResponse {
         error: String,
         connect_id: i64,
         random: i64,
+        early_data_written: bool,
     },
     CloseRequest(i64),
     CloseResponse(String, i64),
@@ -57,6 +59,7 @@ impl From<AnyPayload> for Option<Payload> {
                 address,
                 random,
                 trace,
+                early_data,
             } => Payload::DialRequest(DialRequest {
                 protocol,
                 address,
@@ -65,15 +68,18 @@ impl From<AnyPayload> for Option<Payload> {
                     traceparent,
                     tracestate,
                 }),
+                early_data: Bytes::from(early_data),
             }),
             AnyPayload::DialResponse {
                 error,
                 connect_id,
                 random,
+                early_data_written,
             } => Payload::DialResponse(DialResponse {
                 error,
                 connect_id,
                 random,
+                early_data_written,
             }),
             AnyPayload::CloseRequest(connect_id) => {
                 Payload::CloseRequest(CloseRequest { connect_id })

@@ -54,15 +54,18 @@ async fn hyper_gets_through_the_tunnel_by_cluster_name() {
     })
     .await
     .unwrap();
-    let http: Client<_, Empty<Bytes>> = Client::builder(TokioExecutor::new())
-        .build(connector(&tunnel, Duration::from_secs(5)).await);
-    for _ in 0..3 {
-        let uri = format!("http://cluster-a:{}/path?q=1", target.addr.port());
-        let response = http.get(uri.parse().unwrap()).await.unwrap();
-        assert_eq!(response.status(), 200);
-        let body = response.into_body().collect().await.unwrap().to_bytes();
-        // Origin-form, as to the server itself, not absolute-form as to a proxy.
-        assert_eq!(&body[..], b"GET /path?q=1 HTTP/1.1");
+    let plain = connector(&tunnel, Duration::from_secs(5)).await;
+    // With early data, each request's head rides in its dial request.
+    for connector in [plain.clone(), plain.with_early_data()] {
+        let http: Client<_, Empty<Bytes>> = Client::builder(TokioExecutor::new()).build(connector);
+        for _ in 0..3 {
+            let uri = format!("http://cluster-a:{}/path?q=1", target.addr.port());
+            let response = http.get(uri.parse().unwrap()).await.unwrap();
+            assert_eq!(response.status(), 200);
+            let body = response.into_body().collect().await.unwrap().to_bytes();
+            // Origin-form, as to the server itself, not absolute-form as to a proxy.
+            assert_eq!(&body[..], b"GET /path?q=1 HTTP/1.1");
+        }
     }
 }
 
@@ -84,17 +87,21 @@ async fn a_kube_client_lists_objects_behind_an_agent() {
     config.cluster_url = format!("https://cluster-a:{}", api.addr().port())
         .parse()
         .unwrap();
-    let client = kube_client(&config, connector(&tunnel, Duration::from_secs(5)).await).unwrap();
-    let namespaces = Api::<Namespace>::all(client)
-        .list(&Default::default())
-        .await
-        .unwrap();
-    let names: Vec<_> = namespaces
-        .items
-        .iter()
-        .filter_map(|n| n.metadata.name.clone())
-        .collect();
-    assert!(names.iter().any(|n| n == "kube-system"), "{names:?}");
+    let plain = connector(&tunnel, Duration::from_secs(5)).await;
+    // With early data, kube's TLS ClientHello rides in the dial request.
+    for connector in [plain.clone(), plain.with_early_data()] {
+        let client = kube_client(&config, connector).unwrap();
+        let namespaces = Api::<Namespace>::all(client)
+            .list(&Default::default())
+            .await
+            .unwrap();
+        let names: Vec<_> = namespaces
+            .items
+            .iter()
+            .filter_map(|n| n.metadata.name.clone())
+            .collect();
+        assert!(names.iter().any(|n| n == "kube-system"), "{names:?}");
+    }
     assert!(tunnel.servers[0].connection_count() >= 1);
 }
 
@@ -151,4 +158,32 @@ async fn dial_failures_say_what_went_wrong() {
         .await
         .unwrap_err();
     assert!(matches!(error, ConnectError::Timeout { .. }), "{error}");
+
+    // With early data the connection comes back at once, and a failed dial
+    // is the error of the request, with the same text.
+    let http: Client<_, Empty<Bytes>> =
+        Client::builder(TokioExecutor::new()).build(connector.with_early_data());
+    for (uri, expected) in [
+        ("http://cluster-b:80/".to_owned(), "No agent available"),
+        (
+            format!("http://cluster-a:{}/", closed.port()),
+            "connection refused",
+        ),
+    ] {
+        let error = http.get(uri.parse().unwrap()).await.unwrap_err();
+        let chain = error_chain(&error);
+        assert!(chain.contains(expected), "{uri}: {chain}");
+    }
+}
+
+/// An error and its sources, as one line.
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
 }

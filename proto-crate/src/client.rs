@@ -6,6 +6,12 @@
 //! ordinary `AsyncRead + AsyncWrite`. Konnectivity has no half-close: shutting
 //! down the write side sends CLOSE_REQ, which closes the tunneled connection
 //! once the agent has flushed what was written.
+//!
+//! A connection's first bytes can ride in its dial request (the early-data
+//! extension: [`TunnelClient::dial_with_early_data`], and
+//! [`TunnelClient::dial_lazily`] for TLS and hyper, whose first write is
+//! the early data), which saves a round trip through the tunnel for every
+//! protocol whose client speaks first.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -32,6 +38,11 @@ use opentelemetry::trace::SpanKind;
 
 /// Default time to wait for the agent's dial response (upstream's backstop).
 pub const DEFAULT_DIAL_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The most first bytes one dial request carries
+/// ([`TunnelClient::dial_with_early_data`]); the rest follows as DATA. A TLS
+/// ClientHello or an HTTP request head fits.
+pub const MAX_EARLY_DATA: usize = 16 * 1024;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DialError {
@@ -91,8 +102,72 @@ impl TunnelClient {
     /// connection's path, and a `tracing` span costs a pass through every
     /// layer per creation, record, poll and close.
     pub async fn dial(&self, address: &str) -> Result<TunnelStream, DialError> {
-        let mut span = self.dial_span(address);
-        let result = self.dial_in(address, span.headers()).await;
+        self.dial_with_early_data(address, Bytes::new()).await
+    }
+
+    /// [`TunnelClient::dial`], sending the connection's first bytes with the
+    /// dial request: the agent writes them to the target as soon as it has
+    /// connected, so a protocol whose client speaks first (HTTP, a TLS
+    /// ClientHello) has its answer one round trip through the tunnel sooner,
+    /// on a WAN link between hub and cluster that round trip's length. The
+    /// returned stream has already sent `first`.
+    ///
+    /// Up to [`MAX_EARLY_DATA`] bytes ride in the dial request, the rest
+    /// follow as DATA. When the server does not confirm that it delivered
+    /// them (an upstream proxy-server drops the extension field), the client
+    /// sends them as DATA after the dial, so the bytes arrive in every case.
+    /// A failed dial drops them: the target was never reached.
+    pub async fn dial_with_early_data(
+        &self,
+        address: &str,
+        first: Bytes,
+    ) -> Result<TunnelStream, DialError> {
+        let span = self.dial_span(address);
+        self.dial_traced(span, address, first)
+            .await
+            .map(|open| TunnelStream {
+                state: StreamState::Open(open),
+            })
+    }
+
+    /// A stream to `address` that dials on first use, without waiting:
+    /// the first write (up to [`MAX_EARLY_DATA`] bytes of it) rides in the
+    /// dial request as with [`TunnelClient::dial_with_early_data`], and a
+    /// read before any write dials without data (for protocols whose server
+    /// speaks first). Until the agent has answered, further writes wait; a
+    /// failed dial is the error of the next read or write
+    /// ([`std::io::ErrorKind::ConnectionRefused`] for the agent's refusal,
+    /// `TimedOut` for the dial timeout), with the dial's error text.
+    ///
+    /// This is what lets a TLS client (whose ClientHello is its first write)
+    /// or hyper save a tunneled round trip per connection without knowing
+    /// about the tunnel. The dial runs as a task of its own, so it proceeds
+    /// whether or not the stream is polled.
+    pub fn dial_lazily(&self, address: &str) -> TunnelStream {
+        TunnelStream {
+            state: StreamState::Unsent(Box::new(LazyDial {
+                client: self.clone(),
+                address: address.to_owned(),
+                span: self.dial_span(address),
+            })),
+        }
+    }
+
+    async fn dial_traced(
+        &self,
+        mut span: DirectSpan,
+        address: &str,
+        first: Bytes,
+    ) -> Result<OpenStream, DialError> {
+        if !first.is_empty() {
+            span.set_attributes(|| {
+                [KeyValue::new(
+                    "cluster_proxy.early_data_bytes",
+                    i64::try_from(first.len()).unwrap_or(i64::MAX),
+                )]
+            });
+        }
+        let result = self.dial_in(address, span.headers(), first).await;
         if let Err(e) = &result {
             span.fail(&e.to_string());
         }
@@ -137,12 +212,19 @@ impl TunnelClient {
         &self,
         address: &str,
         trace: Option<TraceHeaders>,
-    ) -> Result<TunnelStream, DialError> {
+        mut early: Bytes,
+    ) -> Result<OpenStream, DialError> {
         let (requests, request_rx) = mpsc::channel::<Packet>(16);
         // Non-negative and non-zero, like the Go client's rand.Int63().
         let random = (rand::random::<i64>() & i64::MAX).max(1);
+        let rest = early.split_off(early.len().min(MAX_EARLY_DATA));
         // The channel has room: this cannot fail before the stream starts.
-        let _ = requests.try_send(packet::dial_request(address, random));
+        let _ = requests.try_send(packet::dial_request_with_early_data(
+            address,
+            random,
+            None,
+            early.clone(),
+        ));
         let mut request = tonic::Request::new(ReceiverStream::new(request_rx));
         if let Some(trace) = trace {
             trace.insert_into_metadata(request.metadata_mut());
@@ -156,7 +238,7 @@ impl TunnelClient {
         )
         .await?
         .into_inner();
-        let connect_id = match tokio::time::timeout(
+        let (connect_id, early_written) = match tokio::time::timeout(
             self.dial_timeout,
             wait_dial_response(&mut responses, random),
         )
@@ -168,7 +250,18 @@ impl TunnelClient {
                 return Err(DialError::Timeout(self.dial_timeout));
             }
         };
-        Ok(TunnelStream {
+        // What no peer confirmed delivering, then what did not fit, in order.
+        let unsent = if early_written { Bytes::new() } else { early };
+        for mut chunk in [unsent, rest] {
+            while !chunk.is_empty() {
+                let piece = chunk.split_to(chunk.len().min(MAX_WRITE));
+                requests
+                    .send(packet::data(connect_id, piece))
+                    .await
+                    .map_err(|_| DialError::TunnelClosed)?;
+            }
+        }
+        Ok(OpenStream {
             connect_id,
             requests: PollSender::new(requests),
             responses,
@@ -179,7 +272,11 @@ impl TunnelClient {
     }
 }
 
-async fn wait_dial_response(responses: &mut Responses, random: i64) -> Result<i64, DialError> {
+/// The connection id and whether the request's early data was delivered.
+async fn wait_dial_response(
+    responses: &mut Responses,
+    random: i64,
+) -> Result<(i64, bool), DialError> {
     loop {
         let Some(p) = responses.message().await? else {
             return Err(DialError::TunnelClosed);
@@ -189,9 +286,10 @@ async fn wait_dial_response(responses: &mut Responses, random: i64) -> Result<i6
                 error,
                 connect_id,
                 random: r,
+                early_data_written,
             } if r == random => {
                 return if error.is_empty() && connect_id != 0 {
-                    Ok(connect_id)
+                    Ok((connect_id, early_data_written))
                 } else if error.is_empty() {
                     Err(DialError::Refused(
                         "dial response without a connection id".into(),
@@ -215,6 +313,136 @@ const MAX_WRITE: usize = 4 * READ_CHUNK;
 /// A TCP connection tunneled through the proxy-server. Reads and writes go
 /// straight to the gRPC stream, with no relay task in between.
 pub struct TunnelStream {
+    state: StreamState,
+}
+
+enum StreamState {
+    Open(OpenStream),
+    /// [`TunnelClient::dial_lazily`], before the first read or write.
+    Unsent(Box<LazyDial>),
+    /// The dial task of a lazy stream is running.
+    Dialing {
+        task: tokio::task::JoinHandle<Result<OpenStream, DialError>>,
+        wakers: Arc<DialWakers>,
+    },
+    /// The dial failed: every read and write returns this.
+    Failed {
+        kind: std::io::ErrorKind,
+        message: String,
+    },
+    /// Shut down before it was ever used: nothing was dialed.
+    Closed,
+}
+
+struct LazyDial {
+    client: TunnelClient,
+    address: String,
+    span: DirectSpan,
+}
+
+/// The tasks waiting on a lazy stream's dial: a reader and a writer may be
+/// different tasks (`tokio::io::split`), and a join handle remembers only the
+/// last waker it was polled with, so the handle is polled with one that wakes
+/// both.
+#[derive(Default)]
+struct DialWakers {
+    reader: std::sync::Mutex<Option<std::task::Waker>>,
+    writer: std::sync::Mutex<Option<std::task::Waker>>,
+}
+
+impl std::task::Wake for DialWakers {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        for slot in [&self.reader, &self.writer] {
+            let waker = slot.lock().ok().and_then(|mut w| w.take());
+            if let Some(waker) = waker {
+                waker.wake();
+            }
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Side {
+    Reader,
+    Writer,
+}
+
+fn failure_kind(error: &DialError) -> std::io::ErrorKind {
+    match error {
+        DialError::Refused(_) | DialError::DialClosed => std::io::ErrorKind::ConnectionRefused,
+        DialError::Timeout(_) => std::io::ErrorKind::TimedOut,
+        DialError::Stream(_) | DialError::TunnelClosed => std::io::ErrorKind::ConnectionAborted,
+    }
+}
+
+impl TunnelStream {
+    /// Starts a lazy stream's dial with `first` as its early data.
+    fn start_dial(&mut self, first: Bytes) {
+        let StreamState::Unsent(lazy) = std::mem::replace(&mut self.state, StreamState::Closed)
+        else {
+            return;
+        };
+        let LazyDial {
+            client,
+            address,
+            span,
+        } = *lazy;
+        let task = tokio::spawn(async move { client.dial_traced(span, &address, first).await });
+        self.state = StreamState::Dialing {
+            task,
+            wakers: Arc::default(),
+        };
+    }
+
+    /// Waits for a lazy stream's dial; `Ready(Ok)` once the stream is open.
+    fn poll_dialed(&mut self, cx: &mut Context<'_>, side: Side) -> Poll<std::io::Result<()>> {
+        match &mut self.state {
+            StreamState::Open(_) => Poll::Ready(Ok(())),
+            StreamState::Unsent(_) => {
+                self.start_dial(Bytes::new());
+                self.poll_dialed(cx, side)
+            }
+            StreamState::Dialing { task, wakers } => {
+                let slot = match side {
+                    Side::Reader => &wakers.reader,
+                    Side::Writer => &wakers.writer,
+                };
+                if let Ok(mut slot) = slot.lock() {
+                    *slot = Some(cx.waker().clone());
+                }
+                let wakers = wakers.clone();
+                let both = std::task::Waker::from(wakers.clone());
+                let joined =
+                    std::task::ready!(Pin::new(task).poll(&mut Context::from_waker(&both)));
+                self.state = match joined {
+                    Ok(Ok(open)) => StreamState::Open(open),
+                    Ok(Err(error)) => StreamState::Failed {
+                        kind: failure_kind(&error),
+                        message: error.to_string(),
+                    },
+                    Err(join) => StreamState::Failed {
+                        kind: std::io::ErrorKind::ConnectionAborted,
+                        message: format!("the dial task ended: {join}"),
+                    },
+                };
+                // The other side may be waiting on the same dial.
+                std::task::Wake::wake_by_ref(&wakers);
+                self.poll_dialed(cx, side)
+            }
+            StreamState::Failed { kind, message } => {
+                Poll::Ready(Err(std::io::Error::new(*kind, message.clone())))
+            }
+            StreamState::Closed => Poll::Ready(Err(broken_pipe())),
+        }
+    }
+}
+
+/// An open tunneled connection.
+struct OpenStream {
     connect_id: i64,
     requests: PollSender<Packet>,
     responses: Responses,
@@ -226,18 +454,31 @@ pub struct TunnelStream {
 
 impl std::fmt::Debug for TunnelStream {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TunnelStream")
-            .field("connect_id", &self.connect_id)
-            .field("read_closed", &self.read_closed)
-            .field("close_sent", &self.close_sent)
-            .finish_non_exhaustive()
+        let mut f = f.debug_struct("TunnelStream");
+        match &self.state {
+            StreamState::Open(open) => f
+                .field("connect_id", &open.connect_id)
+                .field("read_closed", &open.read_closed)
+                .field("close_sent", &open.close_sent),
+            StreamState::Unsent(lazy) => f
+                .field("dial", &"not started")
+                .field("address", &lazy.address),
+            StreamState::Dialing { .. } => f.field("dial", &"in flight"),
+            StreamState::Failed { message, .. } => f.field("dial_failed", message),
+            StreamState::Closed => f.field("closed", &true),
+        }
+        .finish_non_exhaustive()
     }
 }
 
 impl TunnelStream {
-    /// The agent-assigned connection id.
+    /// The agent-assigned connection id; 0 while a lazy stream's dial has
+    /// not completed (or failed).
     pub fn connect_id(&self) -> i64 {
-        self.connect_id
+        match &self.state {
+            StreamState::Open(open) => open.connect_id,
+            _ => 0,
+        }
     }
 }
 
@@ -255,6 +496,75 @@ impl AsyncRead for TunnelStream {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
         let this = self.get_mut();
+        if let StreamState::Open(open) = &mut this.state {
+            return open.poll_read(cx, buf);
+        }
+        std::task::ready!(this.poll_dialed(cx, Side::Reader))?;
+        match &mut this.state {
+            StreamState::Open(open) => open.poll_read(cx, buf),
+            _ => Poll::Ready(Err(broken_pipe())),
+        }
+    }
+}
+
+impl AsyncWrite for TunnelStream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        let this = self.get_mut();
+        match &mut this.state {
+            StreamState::Open(open) => return open.poll_write(cx, buf),
+            StreamState::Unsent(_) if !buf.is_empty() => {
+                // The first write rides with the dial and is done at once.
+                let n = buf.len().min(MAX_EARLY_DATA);
+                this.start_dial(Bytes::copy_from_slice(&buf[..n]));
+                return Poll::Ready(Ok(n));
+            }
+            _ => {}
+        }
+        std::task::ready!(this.poll_dialed(cx, Side::Writer))?;
+        match &mut this.state {
+            StreamState::Open(open) => open.poll_write(cx, buf),
+            _ => Poll::Ready(Err(broken_pipe())),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        // Packets are handed to the gRPC stream as they are written; a lazy
+        // stream's first write is in its dial request.
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        match &mut this.state {
+            StreamState::Open(open) => open.poll_shutdown(cx),
+            StreamState::Unsent(_) => {
+                // Never used: there is nothing to dial, nor to close.
+                this.state = StreamState::Closed;
+                Poll::Ready(Ok(()))
+            }
+            StreamState::Closed => Poll::Ready(Ok(())),
+            _ => {
+                std::task::ready!(this.poll_dialed(cx, Side::Writer))?;
+                match &mut this.state {
+                    StreamState::Open(open) => open.poll_shutdown(cx),
+                    _ => Poll::Ready(Err(broken_pipe())),
+                }
+            }
+        }
+    }
+}
+
+impl OpenStream {
+    fn poll_read(
+        &mut self,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let this = self;
         loop {
             if !this.pending.is_empty() {
                 let n = buf.remaining().min(this.pending.len());
@@ -283,15 +593,9 @@ impl AsyncRead for TunnelStream {
             }
         }
     }
-}
 
-impl AsyncWrite for TunnelStream {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<std::io::Result<usize>> {
-        let this = self.get_mut();
+    fn poll_write(&mut self, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        let this = self;
         if this.close_sent {
             return Poll::Ready(Err(broken_pipe()));
         }
@@ -306,13 +610,8 @@ impl AsyncWrite for TunnelStream {
         Poll::Ready(Ok(n))
     }
 
-    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        // Packets are handed to the gRPC stream as they are written.
-        Poll::Ready(Ok(()))
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        let this = self.get_mut();
+    fn poll_shutdown(&mut self, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        let this = self;
         if !this.close_sent {
             std::task::ready!(this.requests.poll_reserve(cx)).map_err(|_| broken_pipe())?;
             this.requests

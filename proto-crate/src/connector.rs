@@ -68,6 +68,7 @@ impl Connection for TunnelStream {
 pub struct TunnelConnector {
     client: TunnelClient,
     connect_timeout: Duration,
+    early_data: bool,
 }
 
 impl TunnelConnector {
@@ -77,13 +78,31 @@ impl TunnelConnector {
         TunnelConnector {
             client,
             connect_timeout,
+            early_data: false,
         }
+    }
+
+    /// Returns each connection at once and dials with its first write
+    /// ([`TunnelClient::dial_lazily`]): a TLS ClientHello or an HTTP
+    /// request rides in the dial request, which saves one round trip
+    /// through the tunnel per new connection (a WAN round trip when the
+    /// cluster is far from the hub). The price: a failed dial is no longer a
+    /// [`ConnectError`] but the I/O error of the connection's first read or
+    /// write (kind `ConnectionRefused` or `TimedOut`, with the dial's error
+    /// text), which hyper and kube report as a failed request.
+    pub fn with_early_data(mut self) -> Self {
+        self.early_data = true;
+        self.client = self.client.with_dial_timeout(self.connect_timeout);
+        self
     }
 
     /// Opens a tunneled connection to `uri`'s host and port (the scheme's
     /// default port when it names none).
     pub async fn connect(&self, uri: &http::Uri) -> Result<TunnelStream, ConnectError> {
         let address = target_address(uri)?;
+        if self.early_data {
+            return Ok(self.client.dial_lazily(&address));
+        }
         match tokio::time::timeout(self.connect_timeout, self.client.dial(&address)).await {
             Ok(Ok(stream)) => Ok(stream),
             Ok(Err(error)) => Err(ConnectError::from_dial(address, error)),

@@ -39,3 +39,13 @@ pub const TRACE_CONTEXT_W3C: &str = "w3c";
 pub const SERVER_COUNT_UPDATES: &str = "cluster-proxy-server-count-updates";
 /// The value of [`SERVER_COUNT_UPDATES`].
 pub const SERVER_COUNT_UPDATES_V1: &str = "v1";
+
+/// cluster-proxy extension negotiation on the agent tunnel: an agent that
+/// sends this key (value [`EARLY_DATA_V1`]) in its Connect request writes a
+/// dial request's `earlyData` (field 101) to the target as soon as it has
+/// connected, and says so in its dial response (`earlyDataWritten`, field
+/// 100). Only such an agent is sent the field; for any other agent the server
+/// sends the bytes as the connection's first DATA once the dial succeeded.
+pub const EARLY_DATA: &str = "cluster-proxy-early-data";
+/// The value of [`EARLY_DATA`].
+pub const EARLY_DATA_V1: &str = "v1";

@@ -35,6 +35,17 @@ pub fn dial_request_traced(
     random: i64,
     trace: Option<TraceHeaders>,
 ) -> Packet {
+    dial_request_with_early_data(address, random, trace, Bytes::new())
+}
+
+/// A dial request carrying the connection's first bytes (the early-data
+/// extension, field 101; empty, the field is absent from the wire).
+pub fn dial_request_with_early_data(
+    address: impl Into<String>,
+    random: i64,
+    trace: Option<TraceHeaders>,
+    early_data: Bytes,
+) -> Packet {
     packet(
         PacketType::DialReq,
         Payload::DialRequest(DialRequest {
@@ -42,17 +53,25 @@ pub fn dial_request_traced(
             address: address.into(),
             random,
             trace_context: trace.map(Into::into),
+            early_data,
         }),
     )
 }
 
 pub fn dial_response_ok(random: i64, connect_id: i64) -> Packet {
+    dial_response_connected(random, connect_id, false)
+}
+
+/// A successful dial response; `early_data_written` says the request's early
+/// data was delivered (extension field 100, absent from the wire when false).
+pub fn dial_response_connected(random: i64, connect_id: i64, early_data_written: bool) -> Packet {
     packet(
         PacketType::DialRsp,
         Payload::DialResponse(DialResponse {
             error: String::new(),
             connect_id,
             random,
+            early_data_written,
         }),
     )
 }
@@ -64,6 +83,7 @@ pub fn dial_response_error(random: i64, error: impl Into<String>) -> Packet {
             error: error.into(),
             connect_id: 0,
             random,
+            early_data_written: false,
         }),
     )
 }
@@ -140,11 +160,15 @@ pub enum Frame {
         random: i64,
         /// The dialer's trace context (cluster-proxy extension), if sent.
         trace: Option<TraceHeaders>,
+        /// The connection's first bytes (cluster-proxy extension), if sent.
+        early_data: Bytes,
     },
     DialResponse {
         error: String,
         connect_id: i64,
         random: i64,
+        /// The request's early data was delivered (cluster-proxy extension).
+        early_data_written: bool,
     },
     CloseRequest {
         connect_id: i64,
@@ -189,6 +213,7 @@ impl Frame {
                     address: p.address,
                     random: p.random,
                     trace: p.trace_context.map(Into::into),
+                    early_data: p.early_data,
                 }
             }
             Ok(PacketType::DialRsp) => {
@@ -200,6 +225,7 @@ impl Frame {
                     error: p.error,
                     connect_id: p.connect_id,
                     random: p.random,
+                    early_data_written: p.early_data_written,
                 }
             }
             Ok(PacketType::CloseReq) => {

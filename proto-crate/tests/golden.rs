@@ -32,6 +32,7 @@ fn dial_request_omits_the_default_type() {
             address: "a:1".into(),
             random: 5,
             trace: None,
+            early_data: Bytes::new(),
         },
     );
 }
@@ -45,6 +46,7 @@ fn dial_response_success_and_error() {
             error: String::new(),
             connect_id: 7,
             random: 5,
+            early_data_written: false,
         },
     );
     check(
@@ -54,6 +56,7 @@ fn dial_response_success_and_error() {
             error: "x".into(),
             connect_id: 0,
             random: 5,
+            early_data_written: false,
         },
     );
 }
@@ -85,7 +88,44 @@ fn trace_context_is_an_extension_field_absent_unless_sent() {
             address: "a:1".into(),
             random: 5,
             trace: Some(trace),
+            early_data: Bytes::new(),
         }
+    );
+}
+
+#[test]
+fn early_data_and_its_confirmation_are_extension_fields_absent_unless_sent() {
+    // Without early data: the very bytes upstream peers send and expect.
+    assert_eq!(
+        packet::dial_request_with_early_data("a:1", 5, None, Bytes::new()).encode_to_vec(),
+        hex("12 0c  0a 03 746370  12 03 613a31  18 05")
+    );
+    assert_eq!(
+        packet::dial_response_connected(5, 7, false).encode_to_vec(),
+        hex("08 01  1a 04  10 07  18 05")
+    );
+    check(
+        packet::dial_request_with_early_data("a:1", 5, None, Bytes::from_static(b"hi")),
+        // Field 101 (tag aa 06, length-delimited) after the plain fields.
+        "12 11  0a 03 746370  12 03 613a31  18 05  aa 06 02 6869",
+        Frame::DialRequest {
+            protocol: "tcp".into(),
+            address: "a:1".into(),
+            random: 5,
+            trace: None,
+            early_data: Bytes::from_static(b"hi"),
+        },
+    );
+    check(
+        packet::dial_response_connected(5, 7, true),
+        // Field 100 (tag a0 06, varint) after the plain fields.
+        "08 01  1a 07  10 07  18 05  a0 06 01",
+        Frame::DialResponse {
+            error: String::new(),
+            connect_id: 7,
+            random: 5,
+            early_data_written: true,
+        },
     );
 }
 

@@ -143,6 +143,26 @@ pub async fn dial_tcp(
     Ok(tcp)
 }
 
+/// Writes a dial's early data (the connection's first bytes, sent with the
+/// dial request) to the freshly connected target, within `timeout`: a target
+/// that accepts and never reads fails the dial instead of holding it.
+pub async fn write_early_data(
+    mut tcp: TcpStream,
+    early_data: &[u8],
+    timeout: Duration,
+    address: &str,
+) -> Result<TcpStream, DialError> {
+    use tokio::io::AsyncWriteExt;
+    match tokio::time::timeout(timeout, tcp.write_all(early_data)).await {
+        Ok(Ok(())) => Ok(tcp),
+        Ok(Err(e)) => Err(unknown(format!("write tcp {address}: {e}"))),
+        Err(_) => Err(DialError {
+            message: format!("write tcp {address}: i/o timeout"),
+            reason: DialFailure::Timeout,
+        }),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

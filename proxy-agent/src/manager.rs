@@ -222,6 +222,11 @@ impl Shared {
             metadata::TRACE_CONTEXT,
             AsciiMetadataValue::from_static(metadata::TRACE_CONTEXT_W3C),
         );
+        // Take a connection's first bytes with its dial (cluster-proxy extension).
+        md.insert(
+            metadata::EARLY_DATA,
+            AsciiMetadataValue::from_static(metadata::EARLY_DATA_V1),
+        );
         if let Some(path) = &self.config.service_account_token_path {
             // Re-read every time: the kubelet rotates projected tokens.
             let token = std::fs::read_to_string(path).map_err(|source| ConnectError::Token {

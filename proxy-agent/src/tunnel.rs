@@ -33,7 +33,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tracing::field;
 
-use crate::dial::dial_tcp;
+use crate::dial::{dial_tcp, write_early_data};
 use crate::metrics::{Metrics, Segment};
 
 /// Unknown connection ids answered at most per [`STRAY_HOLD`]: a server
@@ -192,7 +192,8 @@ impl Tunnel {
                 address,
                 random,
                 trace,
-            } => self.dial(protocol, address, random, trace),
+                early_data,
+            } => self.dial(protocol, address, random, trace, early_data),
             Frame::Data { connect_id, data } => self.data(connect_id, data).await,
             Frame::CloseRequest { connect_id } => {
                 let queue = self
@@ -279,6 +280,7 @@ impl Tunnel {
         address: String,
         random: i64,
         trace: Option<TraceHeaders>,
+        early_data: Bytes,
     ) {
         if protocol != PROTOCOL_TCP {
             tracing::warn!(server_id = %self.params.server_id, random, %protocol, "refusing dial with unsupported protocol");
@@ -297,7 +299,7 @@ impl Tunnel {
         // is abandoned.
         tokio::spawn(async move {
             tunnel
-                .dial_task(address, random, connect_id, token, span)
+                .dial_task(address, random, connect_id, early_data, token, span)
                 .await;
         });
     }
@@ -327,6 +329,7 @@ impl Tunnel {
         address: String,
         random: i64,
         connect_id: i64,
+        early_data: Bytes,
         token: CancellationToken,
         mut span: DirectSpan,
     ) {
@@ -348,6 +351,14 @@ impl Tunnel {
             .dial_duration
             .observe(started.elapsed().as_secs_f64());
         let latency_ms = started.elapsed().as_secs_f64() * 1e3;
+        // The connection's first bytes go out before the dial is answered:
+        // that is the round trip the client saves.
+        let result = match result {
+            Ok(tcp) if !early_data.is_empty() => {
+                write_early_data(tcp, &early_data, self.params.dial_timeout, &address).await
+            }
+            other => other,
+        };
         let tcp = match result {
             Ok(tcp) => {
                 span.set_attributes(|| {
@@ -420,7 +431,11 @@ impl Tunnel {
         if self
             .out
             .ordered
-            .send(packet::dial_response_ok(random, connect_id))
+            .send(packet::dial_response_connected(
+                random,
+                connect_id,
+                !early_data.is_empty(),
+            ))
             .await
             .is_ok()
         {

@@ -212,8 +212,10 @@ async fn dial(s: &mut Session, address: &str, random: i64) -> i64 {
             error,
             connect_id,
             random: r,
+            early_data_written,
         } => {
             assert_eq!(r, random);
+            assert!(!early_data_written, "no early data was sent");
             assert_eq!(error, "");
             assert!(connect_id > 0);
             connect_id
@@ -330,7 +332,8 @@ async fn serves_dials_data_and_closes_like_upstream() {
         Frame::DialResponse {
             error: format!("dial tcp {closed}: connect: connection refused"),
             connect_id: 0,
-            random: 7
+            random: 7,
+            early_data_written: false,
         }
     );
     let mut udp = packet::dial_request(target.to_string(), 8);
@@ -345,7 +348,8 @@ async fn serves_dials_data_and_closes_like_upstream() {
         Frame::DialResponse {
             error: "unsupported protocol \"udp\"".into(),
             connect_id: 0,
-            random: 8
+            random: 8,
+            early_data_written: false,
         }
     );
 
@@ -620,5 +624,65 @@ async fn a_server_flooding_unknown_ids_gets_a_bounded_number_of_answers() {
     .await;
     assert_eq!(read_data(&mut s, connect_id, 10).await, b"still here");
     assert_eq!(stray_replies_dropped(&agent), dropped);
+    stop(agent).await;
+}
+
+#[tokio::test]
+async fn writes_early_data_to_the_target_before_answering_the_dial() {
+    let pki = pki();
+    let (server, mut sessions) = fake_server(&pki, &["server-1"], 1, Some(65536)).await;
+    let target = echo_target().await;
+    let agent = proxy_agent::start(agent_config(&pki, server))
+        .await
+        .unwrap();
+    let (_, mut s) = session(&mut sessions).await;
+    assert_eq!(
+        s.metadata.get(metadata::EARLY_DATA).unwrap(),
+        metadata::EARLY_DATA_V1,
+        "the agent advertises the extension"
+    );
+
+    // The first bytes ride in the dial request; the answer confirms them,
+    // and they reach the target before anything sent after the dial.
+    s.send(packet::dial_request_with_early_data(
+        target.to_string(),
+        11,
+        None,
+        Bytes::from_static(b"first "),
+    ))
+    .await;
+    let id = match s.next().await {
+        Frame::DialResponse {
+            error,
+            connect_id,
+            random: 11,
+            early_data_written: true,
+        } if error.is_empty() => connect_id,
+        other => panic!("expected a DIAL_RSP confirming the early data, got {other:?}"),
+    };
+    s.send(packet::data(id, Bytes::from_static(b"then"))).await;
+    assert_eq!(read_data(&mut s, id, 10).await, b"first then");
+
+    // A dial that fails says nothing about the early data: it was dropped.
+    let closed = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    s.send(packet::dial_request_with_early_data(
+        closed.to_string(),
+        12,
+        None,
+        Bytes::from_static(b"lost"),
+    ))
+    .await;
+    assert_eq!(
+        s.next().await,
+        Frame::DialResponse {
+            error: format!("dial tcp {closed}: connect: connection refused"),
+            connect_id: 0,
+            random: 12,
+            early_data_written: false,
+        }
+    );
     stop(agent).await;
 }

@@ -159,6 +159,11 @@ impl PacketMethod for AgentEndpoint {
                 v.split(',')
                     .any(|f| f.trim() == metadata::SERVER_COUNT_UPDATES_V1)
             });
+        let early_data = request
+            .metadata()
+            .get(metadata::EARLY_DATA)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.split(',').any(|f| f.trim() == metadata::EARLY_DATA_V1));
         let settings = TunnelSettings {
             our_window: self.settings.flow_control_window,
             peer_window,
@@ -166,6 +171,7 @@ impl PacketMethod for AgentEndpoint {
             plain_stall_timeout: self.settings.plain_peer_stall_timeout,
             ordered_capacity: self.settings.ordered_capacity,
             trace_context,
+            early_data,
             server_count_updates,
             max_pending_dials: self.settings.max_pending_dials_per_tunnel,
             max_stray_closes: self.settings.max_stray_closes_per_tunnel,

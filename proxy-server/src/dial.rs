@@ -4,6 +4,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
+use cluster_proxy_proto::client::MAX_EARLY_DATA;
 use cluster_proxy_proto::packet;
 use cluster_proxy_proto::trace::TraceHeaders;
 use http::StatusCode;
@@ -131,15 +133,23 @@ impl Dialer {
     /// Dials `address` through the agent that serves its host. The
     /// connection's span (a child of the client's trace context, if it sent
     /// one) lives until the connection is gone.
+    ///
+    /// `early_data` (the connection's first bytes) rides in the dial request
+    /// to an agent that advertised the extension, which writes it before
+    /// answering ([`Established::early_data_written`]); for any other agent
+    /// the caller sends it as the connection's first DATA.
     pub async fn dial(
         &self,
         address: &str,
         random: i64,
         origin: DialOrigin,
+        early_data: Bytes,
     ) -> Result<Established, DialFailure> {
         let started = Instant::now();
         let trace = Arc::new(ConnTrace::start(&self.server_id, address, &origin));
-        let result = self.dial_inner(address, random, &origin, &trace).await;
+        let result = self
+            .dial_inner(address, random, &origin, &trace, early_data)
+            .await;
         let latency = started.elapsed();
         let latency_ms = latency.as_secs_f64() * 1e3;
         match &result {
@@ -165,6 +175,7 @@ impl Dialer {
         random: i64,
         origin: &DialOrigin,
         trace: &Arc<ConnTrace>,
+        early_data: Bytes,
     ) -> Result<Established, DialFailure> {
         if address.is_empty() {
             return Err(DialFailure::BadRequest(
@@ -201,6 +212,14 @@ impl Dialer {
             .accepts_trace_context()
             .then(|| trace.headers())
             .flatten();
+        // Bounded like a client's: the dial request bypasses the agent's
+        // flow-control window, so more is sent as DATA after the dial.
+        let early_data = if tunnel.accepts_early_data() && early_data.len() <= MAX_EARLY_DATA {
+            early_data
+        } else {
+            Bytes::new()
+        };
+        let early_bytes = early_data.len();
         let reply = tunnel.register_pending(random, trace.clone())?;
         let mut guard = PendingGuard {
             tunnel: &tunnel,
@@ -211,7 +230,9 @@ impl Dialer {
         // whose ordered lane stays full must not hold the dial forever.
         let exchange = async {
             tunnel
-                .send_ordered(packet::dial_request_traced(address, random, context))
+                .send_ordered(packet::dial_request_with_early_data(
+                    address, random, context, early_data,
+                ))
                 .await
                 .map_err(|_| DialFailure::TunnelClosed("agent tunnel closed".into()))?;
             wait(reply).await
@@ -219,8 +240,11 @@ impl Dialer {
         let outcome = tokio::time::timeout(self.timeout, exchange)
             .await
             .unwrap_or(Err(DialFailure::Timeout(self.timeout)));
-        if outcome.is_ok() {
+        if let Ok(established) = &outcome {
             guard.armed = false;
+            if established.early_data_written() {
+                trace.sent_to_agent(early_bytes);
+            }
         }
         outcome
     }

@@ -139,7 +139,7 @@ impl Session {
         // 1. Wait for the dial request, for a bounded time: an idle stream
         //    holds a task and HTTP/2 stream slot.
         let first = tokio::time::timeout(self.first_packet_timeout, self.first_dial(&mut inbound));
-        let (address, random) = match first.await {
+        let (address, random, early_data) = match first.await {
             Ok(Some(dial)) => dial,
             Ok(None) => return,
             Err(_) => {
@@ -148,12 +148,13 @@ impl Session {
                 return;
             }
         };
-        self.relay(inbound, relay, address, random).await
+        self.relay(inbound, relay, address, random, early_data)
+            .await
     }
 
-    /// The stream's DIAL_REQ (address and dial id); `None` when the stream
-    /// ended or broke the protocol first (already answered).
-    async fn first_dial(&self, inbound: &mut InboundPackets) -> Option<(String, i64)> {
+    /// The stream's DIAL_REQ (address, dial id and early data); `None` when
+    /// the stream ended or broke the protocol first (already answered).
+    async fn first_dial(&self, inbound: &mut InboundPackets) -> Option<(String, i64, Bytes)> {
         loop {
             match self.next(inbound).await {
                 None => return None,
@@ -161,6 +162,7 @@ impl Session {
                     protocol,
                     address,
                     random,
+                    early_data,
                     ..
                 }) => {
                     if protocol != PROTOCOL_TCP {
@@ -169,7 +171,7 @@ impl Session {
                         self.reply(packet::dial_response_error(random, error));
                         return None;
                     }
-                    return Some((address, random));
+                    return Some((address, random, early_data));
                 }
                 Some(Frame::Data { connect_id, .. }) => {
                     self.reply(packet::close_response(
@@ -193,10 +195,13 @@ impl Session {
         relay: oneshot::Sender<ConnReceiver>,
         address: String,
         random: i64,
+        early_data: Bytes,
     ) {
         // 2. Dial, while watching the client for DIAL_CLS or disconnect.
         //    Dropping the dial future cancels it (and tells the agent).
-        let dial = self.dialer.dial(&address, random, self.origin.clone());
+        let dial = self
+            .dialer
+            .dial(&address, random, self.origin.clone(), early_data.clone());
         tokio::pin!(dial);
         let established = loop {
             tokio::select! {
@@ -219,9 +224,25 @@ impl Session {
             }
         };
         let connect_id = established.connect_id();
-        self.reply(packet::dial_response_ok(random, connect_id));
+        let agent_wrote_early_data = established.early_data_written();
+        // Early data is delivered either way: by the agent, or below as the
+        // connection's first DATA (an agent without the extension). A client
+        // that does not see the confirmation (an upstream server) sends it
+        // again itself.
+        self.reply(packet::dial_response_connected(
+            random,
+            connect_id,
+            !early_data.is_empty(),
+        ));
         let (sender, receiver) = established.split();
         if relay.send(receiver).is_err() {
+            return;
+        }
+        if !agent_wrote_early_data
+            && !early_data.is_empty()
+            && self.forward(&sender, early_data).await.is_err()
+        {
+            sender.request_close();
             return;
         }
 

@@ -110,7 +110,11 @@ impl ConnectFrontend {
             client: request.extensions().get::<Arc<PeerInfo>>().cloned(),
             trace: TraceHeaders::from_http(request.headers()),
         };
-        let established = match self.dialer.dial(&address, random, origin).await {
+        let established = match self
+            .dialer
+            .dial(&address, random, origin, Bytes::new())
+            .await
+        {
             Ok(established) => established,
             Err(failure) => {
                 debug!(address, error = %failure.message(), "CONNECT dial failed");

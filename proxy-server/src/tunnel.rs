@@ -47,6 +47,9 @@ pub struct TunnelSettings {
     /// The agent advertised the trace-context extension: dial requests may
     /// carry the connection's trace context.
     pub trace_context: bool,
+    /// The agent advertised the early-data extension: dial requests may
+    /// carry the connection's first bytes.
+    pub early_data: bool,
     /// The agent advertised the server-count extension: it is sent
     /// SERVER_COUNT packets when the replica count changes.
     pub server_count_updates: bool,
@@ -187,6 +190,12 @@ impl AgentTunnel {
     /// Whether the agent reads trace context in dial requests.
     pub fn accepts_trace_context(&self) -> bool {
         self.settings.trace_context
+    }
+
+    /// Dial requests to this agent may carry early data (the connection's
+    /// first bytes).
+    pub fn accepts_early_data(&self) -> bool {
+        self.settings.early_data
     }
 
     pub fn is_draining(&self) -> bool {
@@ -372,7 +381,8 @@ impl AgentTunnel {
                 error,
                 connect_id,
                 random,
-            } => self.on_dial_response(error, connect_id, random),
+                early_data_written,
+            } => self.on_dial_response(error, connect_id, random, early_data_written),
             Frame::Data { connect_id, data } => {
                 if connect_id == 0 {
                     warn!(tunnel = self.id, agent_id = %self.agent_id, "dropping DATA with connection id 0");
@@ -458,7 +468,13 @@ impl AgentTunnel {
         }
     }
 
-    fn on_dial_response(self: &Arc<Self>, error: String, connect_id: i64, random: i64) {
+    fn on_dial_response(
+        self: &Arc<Self>,
+        error: String,
+        connect_id: i64,
+        random: i64,
+        early_data_written: bool,
+    ) {
         let mut state = self.state();
         let Some(waiter) = state.pending.remove(&random) else {
             drop(state);
@@ -518,6 +534,7 @@ impl AgentTunnel {
             rx,
             flow_on.then(|| WindowTracker::new(self.settings.our_window)),
             waiter.trace,
+            early_data_written,
         );
         // If the frontend is gone, dropping the reply closes the connection.
         let _ = waiter.reply.send(DialReply::Connected(established));
@@ -569,6 +586,8 @@ pub struct Established {
     credit: SendCredit,
     rx: ReceiveQueueRx<FrontendEvent>,
     tracker: Option<WindowTracker>,
+    /// The agent wrote the dial request's early data to the target.
+    early_data_written: bool,
 }
 
 impl Established {
@@ -579,6 +598,7 @@ impl Established {
         rx: ReceiveQueueRx<FrontendEvent>,
         tracker: Option<WindowTracker>,
         trace: Arc<ConnTrace>,
+        early_data_written: bool,
     ) -> Self {
         Established {
             shared: Arc::new(ConnShared {
@@ -591,11 +611,17 @@ impl Established {
             credit,
             rx,
             tracker,
+            early_data_written,
         }
     }
 
     pub fn connect_id(&self) -> i64 {
         self.shared.connect_id
+    }
+
+    /// The agent confirmed writing the dial request's early data.
+    pub fn early_data_written(&self) -> bool {
+        self.early_data_written
     }
 
     pub fn tunnel(&self) -> &Arc<AgentTunnel> {

@@ -49,6 +49,17 @@ pub struct DialRequest {
     /// request; unset, it is absent from the wire (upstream peers never see it).
     #[prost(message, optional, tag = "100")]
     pub trace_context: ::core::option::Option<TraceContext>,
+    /// cluster-proxy extension: the connection's first bytes ("early data"),
+    /// written to the target as soon as the agent has connected and before it
+    /// answers, so a client that speaks first saves a round trip through the
+    /// tunnel. A server sends it only to agents that advertised
+    /// `cluster-proxy-early-data` in their Connect request; a server that knows
+    /// the extension accepts it from any client and delivers it either way.
+    /// Whoever delivered the bytes says so in `DialResponse.earlyDataWritten`; a
+    /// client that does not see it set (an upstream server dropped the field)
+    /// sends the bytes as DATA itself, so no peer can lose them.
+    #[prost(bytes = "bytes", tag = "101")]
+    pub early_data: ::prost::bytes::Bytes,
 }
 /// cluster-proxy extension: W3C Trace Context (<https://www.w3.org/TR/trace-context/>).
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
@@ -69,6 +80,11 @@ pub struct DialResponse {
     /// Echo of DialRequest.random.
     #[prost(int64, tag = "3")]
     pub random: i64,
+    /// cluster-proxy extension: the dial request's `earlyData` was delivered
+    /// (written to the target, or queued to it as the connection's first
+    /// DATA). Set only in answer to a request that carried early data.
+    #[prost(bool, tag = "100")]
+    pub early_data_written: bool,
 }
 #[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct CloseRequest {
