@@ -19,6 +19,14 @@ if [ -n "${CP_WORKER_THREADS:-}" ]; then
   cpn_workers=("--worker-threads=$CP_WORKER_THREADS")
 fi
 
+# CP_EARLY_DATA_WAIT (a Go duration) gives both forwards `--early-data-wait`: how long a new
+# connection's first bytes are waited for so they ride in the dial request (default 10ms; 0s
+# dials at once, as before the early-data extension).
+cpn_forward_args=()
+if [ -n "${CP_EARLY_DATA_WAIT:-}" ]; then
+  cpn_forward_args=("--early-data-wait=$CP_EARLY_DATA_WAIT")
+fi
+
 peer_check() {
   local b
   for b in proxy-server proxy-agent cert-authority cluster-proxy; do
@@ -48,7 +56,7 @@ start_server() {
     IFS=: read -r _ port target_port <<<"$target"
     spawn_server "forward-${target%%:*}" "$(cpn_bin cluster-proxy)" port-forward "cluster-a:$target_port" "127.0.0.1:$port" \
       --proxy-server "127.0.0.1:$CPN_CLIENT" --proxy-ca-cert "$p/ca-bundle.crt" \
-      --proxy-cert "$p/proxy-client/tls.crt" --proxy-key "$p/proxy-client/tls.key" "${cpn_workers[@]}"
+      --proxy-cert "$p/proxy-client/tls.crt" --proxy-key "$p/proxy-client/tls.key" "${cpn_workers[@]}" "${cpn_forward_args[@]}"
   done
   wait_tcp hub 127.0.0.1 "$CPN_FWD_ECHO"
 }

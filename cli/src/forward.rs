@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use cluster_proxy_proto::client::MAX_EARLY_DATA;
 use cluster_proxy_proto::connector::{ConnectError, TunnelConnector};
 use cluster_proxy_proto::flow::READ_CHUNK;
 use tokio::net::{TcpListener, TcpStream};
@@ -17,6 +18,10 @@ use crate::address::ForwardTarget;
 /// per direction for the connection's life, and large enough that one read
 /// fills the largest DATA packet the tunnel client sends.
 pub const COPY_BUFFER: usize = 4 * READ_CHUNK;
+
+/// How long a new local connection's first bytes are waited for by default,
+/// so that they ride in the dial request (`--early-data-wait`).
+pub const DEFAULT_EARLY_DATA_WAIT: std::time::Duration = std::time::Duration::from_millis(10);
 
 /// Pause after a failed accept.
 const ACCEPT_RETRY: std::time::Duration = std::time::Duration::from_millis(50);
@@ -39,6 +44,8 @@ pub struct ForwardStats {
     pub accepted: AtomicU64,
     pub failed: AtomicU64,
     pub completed: AtomicU64,
+    /// Connections whose first bytes rode in the dial request.
+    pub early_data: AtomicU64,
 }
 
 /// A bound listener forwarding to one target.
@@ -48,6 +55,7 @@ pub struct PortForward {
     target: ForwardTarget,
     uri: http::Uri,
     stats: Arc<ForwardStats>,
+    early_data_wait: std::time::Duration,
 }
 
 impl PortForward {
@@ -73,7 +81,18 @@ impl PortForward {
             target,
             uri,
             stats: Arc::default(),
+            early_data_wait: DEFAULT_EARLY_DATA_WAIT,
         })
+    }
+
+    /// Waits up to `wait` for a new local connection's first bytes and
+    /// sends what came with the dial request, one tunneled round trip
+    /// sooner for protocols whose client speaks first (TLS, HTTP). A protocol
+    /// whose server speaks first waits that long once per connection; zero
+    /// dials at once.
+    pub fn with_early_data_wait(mut self, wait: std::time::Duration) -> Self {
+        self.early_data_wait = wait;
+        self
     }
 
     /// The address actually bound.
@@ -100,8 +119,9 @@ impl PortForward {
                         let uri = self.uri.clone();
                         let target = self.target.clone();
                         let stats = self.stats.clone();
+                        let wait = self.early_data_wait;
                         connections.spawn(async move {
-                            match forward(socket, &connector, &uri).await {
+                            match forward(socket, &connector, &uri, wait, &stats).await {
                                 Ok((up, down)) => {
                                     stats.completed.fetch_add(1, Ordering::Relaxed);
                                     tracing::debug!(%peer, %target, bytes_sent = up, bytes_received = down, "connection closed");
@@ -148,11 +168,42 @@ async fn forward(
     mut local: TcpStream,
     connector: &TunnelConnector,
     uri: &http::Uri,
+    early_data_wait: std::time::Duration,
+    stats: &ForwardStats,
 ) -> Result<(u64, u64), ConnectionError> {
     let _ = local.set_nodelay(true);
-    let mut tunnel = connector.connect(uri).await?;
+    let first = first_bytes(&local, early_data_wait).await?;
+    let Some(first) = first else {
+        // The client closed before sending anything: nothing to dial for.
+        return Ok((0, 0));
+    };
+    if !first.is_empty() {
+        stats.early_data.fetch_add(1, Ordering::Relaxed);
+    }
+    let mut tunnel = connector.connect_with_early_data(uri, first).await?;
     let copied =
         tokio::io::copy_bidirectional_with_sizes(&mut local, &mut tunnel, COPY_BUFFER, COPY_BUFFER)
             .await?;
     Ok(copied)
+}
+
+/// What the local client sent within `wait` of being accepted (empty when
+/// nothing came, `None` when it closed without sending).
+async fn first_bytes(
+    local: &TcpStream,
+    wait: std::time::Duration,
+) -> std::io::Result<Option<bytes::Bytes>> {
+    if wait.is_zero() || tokio::time::timeout(wait, local.readable()).await.is_err() {
+        return Ok(Some(bytes::Bytes::new()));
+    }
+    let mut first = vec![0u8; MAX_EARLY_DATA];
+    match local.try_read(&mut first) {
+        Ok(0) => Ok(None),
+        Ok(n) => {
+            first.truncate(n);
+            Ok(Some(first.into()))
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(Some(bytes::Bytes::new())),
+        Err(e) => Err(e),
+    }
 }

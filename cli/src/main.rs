@@ -120,6 +120,13 @@ struct PortForwardArgs {
     /// forward shares its cores with other busy processes.
     #[arg(long, default_value_t = workers::PER_CPU, value_parser = worker_threads)]
     worker_threads: u32,
+    /// How long a new connection's first bytes are waited for, so they ride
+    /// in the dial request and save a round trip through the tunnel (TLS,
+    /// HTTP: the client speaks first). A protocol whose server speaks first
+    /// (SSH) waits this long once per connection; 0s dials at once (Go
+    /// duration).
+    #[arg(long, default_value = "10ms", value_parser = parse_go_duration)]
+    early_data_wait: Duration,
 }
 
 fn worker_threads(text: &str) -> Result<u32, String> {
@@ -233,7 +240,9 @@ async fn port_forward(args: PortForwardArgs) -> anyhow::Result<()> {
         );
     }
     let connector = hub::connect(address, tls, args.proxy.timeout).await?;
-    let forward = PortForward::bind(args.local, connector, args.target.clone()).await?;
+    let forward = PortForward::bind(args.local, connector, args.target.clone())
+        .await?
+        .with_early_data_wait(args.early_data_wait);
     let bound = forward.local_addr()?;
     let mut signals = Signals::install().context("installing signal handlers")?;
     {

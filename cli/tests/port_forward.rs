@@ -309,3 +309,85 @@ async fn bad_input_fails_with_a_clear_error() {
     )
     .await;
 }
+
+#[tokio::test]
+async fn first_bytes_ride_with_the_dial_and_a_server_that_speaks_first_still_works() {
+    let tunnel = Tunnel::start(&["cluster-a"], 1).await;
+    let _agent = tunnel.agent("cluster-a", 0).await;
+
+    // A client that speaks first: its request goes with the dial. The wait
+    // is long here so that a loaded machine cannot make the count flaky.
+    let http = HttpServer::start("hello early").await.unwrap();
+    let target = ForwardTarget::parse(&format!("cluster-a:{}", http.addr.port())).unwrap();
+    let forward = PortForward::bind(
+        "127.0.0.1:0".parse().unwrap(),
+        connector(&tunnel).await,
+        target,
+    )
+    .await
+    .unwrap()
+    .with_early_data_wait(WAIT);
+    let local = forward.local_addr().unwrap();
+    let stats = forward.stats();
+    let running = tokio::spawn(forward.run(std::future::pending()));
+    for _ in 0..3 {
+        let mut stream = TcpStream::connect(local).await.unwrap();
+        stream
+            .write_all(b"GET / HTTP/1.1\r\nHost: cluster-a\r\n\r\n")
+            .await
+            .unwrap();
+        let mut response = Vec::new();
+        tokio::time::timeout(WAIT, stream.read_to_end(&mut response))
+            .await
+            .expect("no response")
+            .unwrap();
+        let response = String::from_utf8_lossy(&response);
+        assert!(response.ends_with("hello early"), "{response}");
+    }
+    assert_eq!(
+        stats.early_data.load(std::sync::atomic::Ordering::Relaxed),
+        3
+    );
+    running.abort();
+
+    // A server that speaks first: the dial goes once the wait is over.
+    let banner = e2e::targets::TcpTarget::serve(|mut socket| async move {
+        if socket.write_all(b"220 ready\r\n").await.is_ok() {
+            let (mut r, mut w) = socket.split();
+            let _ = tokio::io::copy(&mut r, &mut w).await;
+        }
+    })
+    .await
+    .unwrap();
+    let target = ForwardTarget::parse(&format!("cluster-a:{}", banner.addr.port())).unwrap();
+    let forward = PortForward::bind(
+        "127.0.0.1:0".parse().unwrap(),
+        connector(&tunnel).await,
+        target,
+    )
+    .await
+    .unwrap()
+    .with_early_data_wait(Duration::from_millis(50));
+    let local = forward.local_addr().unwrap();
+    let stats = forward.stats();
+    let running = tokio::spawn(forward.run(std::future::pending()));
+    let mut stream = BufReader::new(TcpStream::connect(local).await.unwrap());
+    let mut line = String::new();
+    tokio::time::timeout(WAIT, stream.read_line(&mut line))
+        .await
+        .expect("no banner")
+        .unwrap();
+    assert_eq!(line, "220 ready\r\n");
+    stream.get_mut().write_all(b"after").await.unwrap();
+    let mut echoed = [0u8; 5];
+    tokio::time::timeout(WAIT, stream.read_exact(&mut echoed))
+        .await
+        .expect("no echo")
+        .unwrap();
+    assert_eq!(&echoed, b"after");
+    assert_eq!(
+        stats.early_data.load(std::sync::atomic::Ordering::Relaxed),
+        0
+    );
+    running.abort();
+}

@@ -99,11 +99,24 @@ impl TunnelConnector {
     /// Opens a tunneled connection to `uri`'s host and port (the scheme's
     /// default port when it names none).
     pub async fn connect(&self, uri: &http::Uri) -> Result<TunnelStream, ConnectError> {
-        let address = target_address(uri)?;
         if self.early_data {
-            return Ok(self.client.dial_lazily(&address));
+            return Ok(self.client.dial_lazily(&target_address(uri)?));
         }
-        match tokio::time::timeout(self.connect_timeout, self.client.dial(&address)).await {
+        self.connect_with_early_data(uri, bytes::Bytes::new()).await
+    }
+
+    /// [`TunnelConnector::connect`], sending `first` (the connection's first
+    /// bytes, already read from its client) with the dial request
+    /// ([`TunnelClient::dial_with_early_data`]); dial failures are
+    /// [`ConnectError`]s as usual.
+    pub async fn connect_with_early_data(
+        &self,
+        uri: &http::Uri,
+        first: bytes::Bytes,
+    ) -> Result<TunnelStream, ConnectError> {
+        let address = target_address(uri)?;
+        let dial = self.client.dial_with_early_data(&address, first);
+        match tokio::time::timeout(self.connect_timeout, dial).await {
             Ok(Ok(stream)) => Ok(stream),
             Ok(Err(error)) => Err(ConnectError::from_dial(address, error)),
             Err(_) => Err(ConnectError::Timeout {
