@@ -1107,6 +1107,13 @@ async fn early_data_rides_in_the_dial_request_only_to_an_agent_that_advertised_i
         }
     );
 
+    let metrics = server.metrics_text();
+    for by in ["agent", "server"] {
+        let sample =
+            format!("cluster_proxy_server_early_data_dials_total{{delivered_by=\"{by}\"}} 1");
+        assert!(metrics.contains(&sample), "{sample} in\n{metrics}");
+    }
+
     // A failed dial drops the bytes and reports the agent's error.
     let dialing = client.clone();
     let dial = tokio::spawn(async move {

@@ -234,6 +234,9 @@ impl Session {
             connect_id,
             !early_data.is_empty(),
         ));
+        if !early_data.is_empty() {
+            self.metrics.early_data_dial(agent_wrote_early_data);
+        }
         let (sender, receiver) = established.split();
         if relay.send(receiver).is_err() {
             return;

@@ -52,6 +52,8 @@ pub struct Metrics {
     limited: Family<Labels, Counter>,
     /// Connections whose TLS handshake failed, by `listener` and `reason`.
     tls_handshake_failures: Family<Labels, Counter>,
+    /// Dials that carried early data, by who delivered it (`delivered_by`).
+    early_data_dials: Family<Labels, Counter>,
     /// Unknown connection ids whose CLOSE_RSP the server awaits, summed
     /// over tunnels (bounded by `--max-stray-closes-per-tunnel` each).
     pub stray_close_backlog: Gauge,
@@ -183,6 +185,13 @@ impl Metrics {
             "Connections to a TLS port (the listener label: client, agent) closed without a usable TLS session, by reason: error (a failed handshake, e.g. an unknown CA or an expired certificate, or a peer closing before it finished, as TCP health checks do), timeout, expired_resumed_session (a resumed session whose client certificate has expired since)",
             tls_handshake_failures.clone(),
         );
+        let early_data_dials = Family::<Labels, Counter>::default();
+        register_counter(
+            ours,
+            "early_data_dials",
+            "Established connections whose client sent early data (its first bytes with the dial request), by who delivered the bytes to the target: agent (in the dial request, to an agent that advertised the extension) or server (as the first DATA: an agent without the extension, or more than a dial request carries)",
+            early_data_dials.clone(),
+        );
         let stray_close_backlog = Gauge::default();
         ours.register(
             "stray_close_backlog",
@@ -208,6 +217,7 @@ impl Metrics {
             peer_lookup_failures,
             limited,
             tls_handshake_failures,
+            early_data_dials,
             stray_close_backlog,
             stream,
         }
@@ -242,6 +252,19 @@ impl Metrics {
     pub fn tls_handshake_failed(&self, listener: &'static str, reason: &'static str) {
         self.tls_handshake_failures
             .get_or_create(&vec![("listener", listener), ("reason", reason)])
+            .inc();
+    }
+
+    /// A connection was established with early data, delivered to the target
+    /// by the agent or by this server.
+    pub fn early_data_dial(&self, delivered_by_agent: bool) {
+        let by = if delivered_by_agent {
+            "agent"
+        } else {
+            "server"
+        };
+        self.early_data_dials
+            .get_or_create(&vec![("delivered_by", by)])
             .inc();
     }
 
