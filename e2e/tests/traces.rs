@@ -212,6 +212,39 @@ async fn one_trace_per_tunneled_connection() {
         "server_close"
     );
 
+    // 1b. Early data: the client's and the agent's spans say how many bytes
+    //     rode with the dial, and the server counts them as sent to the agent.
+    let mut stream = client
+        .dial_with_early_data(
+            &format!("cluster-a:{}", echo.addr.port()),
+            bytes::Bytes::from_static(b"early"),
+        )
+        .await
+        .unwrap();
+    let mut back = [0u8; 5];
+    stream.read_exact(&mut back).await.unwrap();
+    assert_eq!(&back, b"early");
+    stream.shutdown().await.unwrap();
+    drop(stream);
+    let early_dial = collector
+        .wait_for("tunnel.dial", |s| {
+            s.attributes.contains_key("cluster_proxy.early_data_bytes")
+        })
+        .await;
+    assert_eq!(attr(&early_dial, "cluster_proxy.early_data_bytes"), "5");
+    let early_agent = collector
+        .wait_for("agent.dial", |s| s.trace_id == early_dial.trace_id)
+        .await;
+    assert_eq!(attr(&early_agent, "cluster_proxy.early_data_bytes"), "5");
+    let early_connection = collector
+        .wait_for("tunnel.connection", |s| s.trace_id == early_dial.trace_id)
+        .await;
+    assert_eq!(attr(&early_connection, "cluster_proxy.bytes_to_agent"), "5");
+    assert_eq!(
+        attr(&early_connection, "cluster_proxy.bytes_from_agent"),
+        "5"
+    );
+
     // 2. A failed dial: the server's and the agent's spans carry the agent's error.
     let closed = closed_port().await.unwrap();
     let refused = client.dial(&format!("cluster-a:{}", closed.port())).await;

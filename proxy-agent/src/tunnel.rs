@@ -294,7 +294,15 @@ impl Tunnel {
         let token = self.cancel.child_token();
         self.tables().pending.insert(random, token.clone());
         let tunnel = self.clone();
-        let span = self.dial_span(&address, connect_id, trace.as_ref());
+        let mut span = self.dial_span(&address, connect_id, trace.as_ref());
+        if !early_data.is_empty() {
+            span.set_attributes(|| {
+                [KeyValue::new(
+                    "cluster_proxy.early_data_bytes",
+                    i64::try_from(early_data.len()).unwrap_or(i64::MAX),
+                )]
+            });
+        }
         // The span ends with the connection, or with the task if the dial
         // is abandoned.
         tokio::spawn(async move {
