@@ -99,6 +99,33 @@ async fn the_binary_carries_an_echo_and_stops_on_sigterm() {
     assert!(status.success(), "{status:?}");
 }
 
+/// A GET sent at once after connecting; the response up to the target's close.
+async fn http_get_until_close(local: std::net::SocketAddr) -> String {
+    let mut stream = TcpStream::connect(local).await.unwrap();
+    stream
+        .write_all(b"GET / HTTP/1.1\r\nHost: cluster-a\r\n\r\n")
+        .await
+        .unwrap();
+    let mut response = Vec::new();
+    tokio::time::timeout(WAIT, stream.read_to_end(&mut response))
+        .await
+        .expect("the target's close did not reach the client")
+        .unwrap();
+    String::from_utf8_lossy(&response).into_owned()
+}
+
+/// A forward from a free local port to `cluster:port` through `tunnel`.
+async fn forward_to(tunnel: &Tunnel, cluster: &str, port: u16) -> PortForward {
+    let target = ForwardTarget::parse(&format!("{cluster}:{port}")).unwrap();
+    PortForward::bind(
+        "127.0.0.1:0".parse().unwrap(),
+        connector(tunnel).await,
+        target,
+    )
+    .await
+    .unwrap()
+}
+
 async fn connector(tunnel: &Tunnel) -> TunnelConnector {
     let client = tunnel_client(
         tunnel.pki.client_tls().unwrap(),
@@ -113,14 +140,7 @@ async fn connector(tunnel: &Tunnel) -> TunnelConnector {
 async fn a_failed_connection_leaves_the_listener_serving() {
     let tunnel = Tunnel::start(&["cluster-b"], 1).await;
     let echo = EchoServer::start().await.unwrap();
-    let target = ForwardTarget::parse(&format!("cluster-b:{}", echo.addr.port())).unwrap();
-    let forward = PortForward::bind(
-        "127.0.0.1:0".parse().unwrap(),
-        connector(&tunnel).await,
-        target,
-    )
-    .await
-    .unwrap();
+    let forward = forward_to(&tunnel, "cluster-b", echo.addr.port()).await;
     let local = forward.local_addr().unwrap();
     let stats = forward.stats();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -159,28 +179,11 @@ async fn a_target_that_closes_first_ends_the_local_connection_after_its_data() {
     let tunnel = Tunnel::start(&["cluster-a"], 1).await;
     let _agent = tunnel.agent("cluster-a", 0).await;
     let http = HttpServer::start("hello through the tunnel").await.unwrap();
-    let target = ForwardTarget::parse(&format!("cluster-a:{}", http.addr.port())).unwrap();
-    let forward = PortForward::bind(
-        "127.0.0.1:0".parse().unwrap(),
-        connector(&tunnel).await,
-        target,
-    )
-    .await
-    .unwrap();
+    let forward = forward_to(&tunnel, "cluster-a", http.addr.port()).await;
     let local = forward.local_addr().unwrap();
     let running = tokio::spawn(forward.run(std::future::pending()));
     for _ in 0..3 {
-        let mut stream = TcpStream::connect(local).await.unwrap();
-        stream
-            .write_all(b"GET / HTTP/1.1\r\nHost: cluster-a\r\n\r\n")
-            .await
-            .unwrap();
-        let mut response = Vec::new();
-        tokio::time::timeout(WAIT, stream.read_to_end(&mut response))
-            .await
-            .expect("the target's close did not reach the client")
-            .unwrap();
-        let response = String::from_utf8_lossy(&response);
+        let response = http_get_until_close(local).await;
         assert!(response.starts_with("HTTP/1.1 200 OK"), "{response}");
         assert!(response.ends_with("hello through the tunnel"), "{response}");
     }
@@ -318,30 +321,14 @@ async fn first_bytes_ride_with_the_dial_and_a_server_that_speaks_first_still_wor
     // A client that speaks first: its request goes with the dial. The wait
     // is long here so that a loaded machine cannot make the count flaky.
     let http = HttpServer::start("hello early").await.unwrap();
-    let target = ForwardTarget::parse(&format!("cluster-a:{}", http.addr.port())).unwrap();
-    let forward = PortForward::bind(
-        "127.0.0.1:0".parse().unwrap(),
-        connector(&tunnel).await,
-        target,
-    )
-    .await
-    .unwrap()
-    .with_early_data_wait(WAIT);
+    let forward = forward_to(&tunnel, "cluster-a", http.addr.port())
+        .await
+        .with_early_data_wait(WAIT);
     let local = forward.local_addr().unwrap();
     let stats = forward.stats();
     let running = tokio::spawn(forward.run(std::future::pending()));
     for _ in 0..3 {
-        let mut stream = TcpStream::connect(local).await.unwrap();
-        stream
-            .write_all(b"GET / HTTP/1.1\r\nHost: cluster-a\r\n\r\n")
-            .await
-            .unwrap();
-        let mut response = Vec::new();
-        tokio::time::timeout(WAIT, stream.read_to_end(&mut response))
-            .await
-            .expect("no response")
-            .unwrap();
-        let response = String::from_utf8_lossy(&response);
+        let response = http_get_until_close(local).await;
         assert!(response.ends_with("hello early"), "{response}");
     }
     assert_eq!(
@@ -359,15 +346,9 @@ async fn first_bytes_ride_with_the_dial_and_a_server_that_speaks_first_still_wor
     })
     .await
     .unwrap();
-    let target = ForwardTarget::parse(&format!("cluster-a:{}", banner.addr.port())).unwrap();
-    let forward = PortForward::bind(
-        "127.0.0.1:0".parse().unwrap(),
-        connector(&tunnel).await,
-        target,
-    )
-    .await
-    .unwrap()
-    .with_early_data_wait(Duration::from_millis(50));
+    let forward = forward_to(&tunnel, "cluster-a", banner.addr.port())
+        .await
+        .with_early_data_wait(Duration::from_millis(50));
     let local = forward.local_addr().unwrap();
     let stats = forward.stats();
     let running = tokio::spawn(forward.run(std::future::pending()));

@@ -1001,6 +1001,22 @@ async fn a_plain_agents_stalled_connection_is_closed_so_the_tunnel_keeps_moving(
     server.shutdown().await;
 }
 
+/// An agent, driven by hand, that advertised the early-data extension.
+async fn early_data_agent(pki: &TestPki, server: &RunningServer, cluster: &str) -> RawAgent {
+    let before = server.tunnel_count();
+    let agent = RawAgent::connect_with(
+        &[(metadata::EARLY_DATA, metadata::EARLY_DATA_V1)],
+        pki.agent_tls(cluster).unwrap(),
+        server.agent_addr,
+        &format!("agent-{cluster}"),
+        &format!("host={cluster}"),
+    )
+    .await
+    .unwrap();
+    assert!(wait_until(STEP, || server.tunnel_count() > before).await);
+    agent
+}
+
 /// The next DIAL_REQ's raw packet, skipping anything else the server sends.
 async fn next_dial_request(agent: &mut RawAgent) -> Packet {
     loop {
@@ -1022,16 +1038,7 @@ async fn early_data_rides_in_the_dial_request_only_to_an_agent_that_advertised_i
 
     // An agent with the extension gets the bytes in DIAL_REQ (field 101)
     // and confirms writing them; nothing is sent twice.
-    let mut with_extension = RawAgent::connect_with(
-        &[(metadata::EARLY_DATA, metadata::EARLY_DATA_V1)],
-        pki.agent_tls("cluster-a").unwrap(),
-        server.agent_addr,
-        "agent-cluster-a",
-        "host=cluster-a",
-    )
-    .await
-    .unwrap();
-    assert!(wait_until(STEP, || server.tunnel_count() == 1).await);
+    let mut with_extension = early_data_agent(&pki, &server, "cluster-a").await;
     let dialing = client.clone();
     let dial = tokio::spawn(async move {
         dialing
@@ -1145,16 +1152,7 @@ async fn early_data_beyond_the_limit_follows_as_flow_controlled_data() {
     use cluster_proxy_proto::konnectivity::proxy_service_client::ProxyServiceClient;
     let pki = TestPki::new(&["cluster-a"]).unwrap();
     let server = server(&pki).await;
-    let mut with_extension = RawAgent::connect_with(
-        &[(metadata::EARLY_DATA, metadata::EARLY_DATA_V1)],
-        pki.agent_tls("cluster-a").unwrap(),
-        server.agent_addr,
-        "agent-cluster-a",
-        "host=cluster-a",
-    )
-    .await
-    .unwrap();
-    assert!(wait_until(STEP, || server.tunnel_count() == 1).await);
+    let mut with_extension = early_data_agent(&pki, &server, "cluster-a").await;
     let client = tunnel_client(pki.client_tls().unwrap(), server.client_addr)
         .await
         .unwrap();
@@ -1260,16 +1258,7 @@ async fn early_data_beyond_the_limit_follows_as_flow_controlled_data() {
 async fn a_lazy_streams_first_write_rides_in_the_dial_request() {
     let pki = TestPki::new(&["cluster-a"]).unwrap();
     let server = server(&pki).await;
-    let mut agent = RawAgent::connect_with(
-        &[(metadata::EARLY_DATA, metadata::EARLY_DATA_V1)],
-        pki.agent_tls("cluster-a").unwrap(),
-        server.agent_addr,
-        "agent-cluster-a",
-        "host=cluster-a",
-    )
-    .await
-    .unwrap();
-    assert!(wait_until(STEP, || server.tunnel_count() == 1).await);
+    let mut agent = early_data_agent(&pki, &server, "cluster-a").await;
     let client = tunnel_client(pki.client_tls().unwrap(), server.client_addr)
         .await
         .unwrap();
