@@ -811,30 +811,12 @@ async fn malformed_protobuf_ends_only_the_offending_stream() {
 
 #[tokio::test]
 async fn a_data_packet_larger_than_the_agents_window_is_forwarded_in_chunks() {
-    use cluster_proxy_proto::konnectivity::proxy_service_client::ProxyServiceClient;
     let pki = TestPki::new(&["cluster-a"]).unwrap();
     let server = server(&pki).await;
     // The agent grants only 64 KiB per connection.
     let mut agent = agent(&pki, &server, "cluster-a", Some(64 * 1024)).await;
-    let channel = cluster_proxy_proto::transport::connect_channel(
-        "localhost",
-        server.client_addr.port(),
-        pki.client_tls().unwrap(),
-        STEP,
-    )
-    .await
-    .unwrap();
-    let (to_server, rx) = tokio::sync::mpsc::channel(4);
-    to_server
-        .send(packet::dial_request("cluster-a:1", 42))
-        .await
-        .unwrap();
-    let mut from_server = ProxyServiceClient::new(channel)
-        .max_encoding_message_size(8 << 20)
-        .proxy(tokio_stream::wrappers::ReceiverStream::new(rx))
-        .await
-        .unwrap()
-        .into_inner();
+    let (to_server, mut from_server) =
+        raw_proxy_stream(&pki, &server, packet::dial_request("cluster-a:1", 42)).await;
     let Frame::DialRequest { random, .. } = frame(agent.recv(STEP).await) else {
         panic!("expected DIAL_REQ");
     };
@@ -1001,6 +983,43 @@ async fn a_plain_agents_stalled_connection_is_closed_so_the_tunnel_keeps_moving(
     server.shutdown().await;
 }
 
+/// A `Proxy` stream written by hand: `first` is sent, then whatever goes
+/// into the returned sender; large packets may be sent (8 MiB).
+async fn raw_proxy_stream(
+    pki: &TestPki,
+    server: &RunningServer,
+    first: Packet,
+) -> (tokio::sync::mpsc::Sender<Packet>, tonic::Streaming<Packet>) {
+    use cluster_proxy_proto::konnectivity::proxy_service_client::ProxyServiceClient;
+    let channel = cluster_proxy_proto::transport::connect_channel(
+        "localhost",
+        server.client_addr.port(),
+        pki.client_tls().unwrap(),
+        STEP,
+    )
+    .await
+    .unwrap();
+    let (to_server, rx) = tokio::sync::mpsc::channel(4);
+    to_server.send(first).await.unwrap();
+    let from_server = ProxyServiceClient::new(channel)
+        .max_encoding_message_size(8 << 20)
+        .proxy(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    (to_server, from_server)
+}
+
+/// The id and early data of the next dial request the agent gets.
+async fn next_dial(agent: &mut RawAgent) -> (i64, Bytes) {
+    match Frame::from_packet(next_dial_request(agent).await) {
+        Frame::DialRequest {
+            random, early_data, ..
+        } => (random, early_data),
+        _ => unreachable!("next_dial_request returns dial requests"),
+    }
+}
+
 /// An agent, driven by hand, that advertised the early-data extension.
 async fn early_data_agent(pki: &TestPki, server: &RunningServer, cluster: &str) -> RawAgent {
     let before = server.tunnel_count();
@@ -1048,12 +1067,7 @@ async fn early_data_rides_in_the_dial_request_only_to_an_agent_that_advertised_i
             )
             .await
     });
-    let Frame::DialRequest {
-        random, early_data, ..
-    } = Frame::from_packet(next_dial_request(&mut with_extension).await)
-    else {
-        unreachable!()
-    };
+    let (random, early_data) = next_dial(&mut with_extension).await;
     assert_eq!(&early_data[..], b"GET / HTTP/1.1\r\n\r\n");
     with_extension
         .to_server
@@ -1128,11 +1142,7 @@ async fn early_data_rides_in_the_dial_request_only_to_an_agent_that_advertised_i
             .dial_with_early_data("cluster-a:1", Bytes::from_static(b"lost"))
             .await
     });
-    let Frame::DialRequest { random, .. } =
-        Frame::from_packet(next_dial_request(&mut with_extension).await)
-    else {
-        unreachable!()
-    };
+    let (random, _) = next_dial(&mut with_extension).await;
     with_extension
         .to_server
         .send(packet::dial_response_error(
@@ -1149,7 +1159,6 @@ async fn early_data_rides_in_the_dial_request_only_to_an_agent_that_advertised_i
 #[tokio::test]
 async fn early_data_beyond_the_limit_follows_as_flow_controlled_data() {
     use cluster_proxy_proto::client::MAX_EARLY_DATA;
-    use cluster_proxy_proto::konnectivity::proxy_service_client::ProxyServiceClient;
     let pki = TestPki::new(&["cluster-a"]).unwrap();
     let server = server(&pki).await;
     let mut with_extension = early_data_agent(&pki, &server, "cluster-a").await;
@@ -1164,12 +1173,7 @@ async fn early_data_beyond_the_limit_follows_as_flow_controlled_data() {
     let sent = Bytes::from(first.clone());
     let dial =
         tokio::spawn(async move { client.dial_with_early_data("cluster-a:8443", sent).await });
-    let Frame::DialRequest {
-        random, early_data, ..
-    } = Frame::from_packet(next_dial_request(&mut with_extension).await)
-    else {
-        unreachable!()
-    };
+    let (random, early_data) = next_dial(&mut with_extension).await;
     assert_eq!(early_data.len(), MAX_EARLY_DATA);
     with_extension
         .to_server
@@ -1193,35 +1197,13 @@ async fn early_data_beyond_the_limit_follows_as_flow_controlled_data() {
     // client does; the server does not pass that past the agent's window
     // inside a dial request, but as DATA after it.
     let big = Bytes::from(vec![7u8; MAX_EARLY_DATA + 1]);
-    let channel = cluster_proxy_proto::transport::connect_channel(
-        "localhost",
-        server.client_addr.port(),
-        pki.client_tls().unwrap(),
-        STEP,
+    let (_to_server, mut from_server) = raw_proxy_stream(
+        &pki,
+        &server,
+        packet::dial_request_with_early_data("cluster-a:8443", 77, None, big.clone()),
     )
-    .await
-    .unwrap();
-    let (to_server, rx) = tokio::sync::mpsc::channel(4);
-    to_server
-        .send(packet::dial_request_with_early_data(
-            "cluster-a:8443",
-            77,
-            None,
-            big.clone(),
-        ))
-        .await
-        .unwrap();
-    let mut from_server = ProxyServiceClient::new(channel)
-        .proxy(tokio_stream::wrappers::ReceiverStream::new(rx))
-        .await
-        .unwrap()
-        .into_inner();
-    let Frame::DialRequest {
-        random, early_data, ..
-    } = Frame::from_packet(next_dial_request(&mut with_extension).await)
-    else {
-        unreachable!()
-    };
+    .await;
+    let (random, early_data) = next_dial(&mut with_extension).await;
     assert!(
         early_data.is_empty(),
         "{} bytes in the dial request",
@@ -1277,12 +1259,7 @@ async fn a_lazy_streams_first_write_rides_in_the_dial_request() {
         reader.read_exact(&mut buf).await.unwrap();
         buf
     });
-    let Frame::DialRequest {
-        random, early_data, ..
-    } = Frame::from_packet(next_dial_request(&mut agent).await)
-    else {
-        unreachable!()
-    };
+    let (random, early_data) = next_dial(&mut agent).await;
     assert_eq!(&early_data[..], b"hello");
     agent
         .to_server
@@ -1318,12 +1295,7 @@ async fn a_lazy_streams_first_write_rides_in_the_dial_request() {
         stream.read_exact(&mut banner).await.unwrap();
         banner
     });
-    let Frame::DialRequest {
-        random, early_data, ..
-    } = Frame::from_packet(next_dial_request(&mut agent).await)
-    else {
-        unreachable!()
-    };
+    let (random, early_data) = next_dial(&mut agent).await;
     assert!(early_data.is_empty());
     agent
         .to_server
@@ -1340,10 +1312,7 @@ async fn a_lazy_streams_first_write_rides_in_the_dial_request() {
     // A failed dial is the error of the next read, with the agent's text.
     let mut stream = client.dial_lazily("cluster-a:1");
     stream.write_all(b"GET / HTTP/1.1\r\n\r\n").await.unwrap();
-    let Frame::DialRequest { random, .. } = Frame::from_packet(next_dial_request(&mut agent).await)
-    else {
-        unreachable!()
-    };
+    let (random, _) = next_dial(&mut agent).await;
     agent
         .to_server
         .send(packet::dial_response_error(
@@ -1380,10 +1349,7 @@ async fn a_lazy_streams_first_write_rides_in_the_dial_request() {
             )
             .is_pending()
     );
-    let Frame::DialRequest { random, .. } = Frame::from_packet(next_dial_request(&mut agent).await)
-    else {
-        unreachable!()
-    };
+    let (random, _) = next_dial(&mut agent).await;
     agent
         .to_server
         .send(packet::dial_response_connected(random, 8, true))
