@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use cluster_proxy_proto::Packet;
+use cluster_proxy_proto::connector::ConnectError;
 use cluster_proxy_proto::metadata;
 use cluster_proxy_proto::packet::{self, Frame};
 use cluster_proxy_proto::transport::ALPN_HTTP11;
@@ -1325,6 +1326,14 @@ async fn a_lazy_streams_first_write_rides_in_the_dial_request() {
     let err = stream.read(&mut buf).await.unwrap_err();
     assert_eq!(err.kind(), std::io::ErrorKind::ConnectionRefused);
     assert!(err.to_string().contains("connection refused"), "{err}");
+    assert!(
+        matches!(
+            ConnectError::find_in(&err),
+            Some(ConnectError::Refused { address, reason })
+                if address == "cluster-a:1" && reason.contains("connection refused")
+        ),
+        "the I/O error carries the ConnectError a plain dial returns: {err:?}"
+    );
     let err = stream.write_all(b"x").await.unwrap_err();
     assert_eq!(err.kind(), std::io::ErrorKind::ConnectionRefused);
 

@@ -27,6 +27,7 @@ use tokio_util::sync::PollSender;
 use tonic::transport::Channel;
 
 use crate::Packet;
+use crate::connector::ConnectError;
 use crate::flow::READ_CHUNK;
 use crate::grpc_framing::{PROXY_PATH, PacketStream, streaming_call};
 use crate::packet::{self, Frame};
@@ -44,7 +45,7 @@ pub const DEFAULT_DIAL_TIMEOUT: Duration = Duration::from_secs(30);
 /// ClientHello or an HTTP request head fits.
 pub const MAX_EARLY_DATA: usize = 16 * 1024;
 
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum DialError {
     #[error("open proxy stream: {0}")]
     Stream(#[from] tonic::Status),
@@ -56,6 +57,9 @@ pub enum DialError {
     TunnelClosed,
     #[error("dial timeout after {0:?}")]
     Timeout(Duration),
+    /// A lazy stream's dial task did not finish (its runtime shut down).
+    #[error("the dial task ended: {0}")]
+    TaskEnded(String),
 }
 
 /// Dials through one proxy-server.
@@ -137,7 +141,9 @@ impl TunnelClient {
     /// speaks first). Until the agent has answered, further writes wait; a
     /// failed dial is the error of the next read or write
     /// ([`std::io::ErrorKind::ConnectionRefused`] for the agent's refusal,
-    /// `TimedOut` for the dial timeout), with the dial's error text.
+    /// `TimedOut` for the dial timeout) whose inner error is the
+    /// [`ConnectError`] a plain dial would have returned: through hyper or
+    /// kube, [`ConnectError::find_in`] finds it in the request's error.
     ///
     /// This is what lets a TLS client (whose ClientHello is its first write)
     /// or hyper save a tunneled round trip per connection without knowing
@@ -324,12 +330,11 @@ enum StreamState {
     Dialing {
         task: tokio::task::JoinHandle<Result<OpenStream, DialError>>,
         wakers: Arc<DialWakers>,
+        address: String,
     },
-    /// The dial failed: every read and write returns this.
-    Failed {
-        kind: std::io::ErrorKind,
-        message: String,
-    },
+    /// The dial failed: every read and write fails with an `io::Error`
+    /// whose inner error is this ([`ConnectError::find_in`]).
+    Failed(ConnectError),
     /// Shut down before it was ever used: nothing was dialed.
     Closed,
 }
@@ -371,14 +376,6 @@ enum Side {
     Writer,
 }
 
-fn failure_kind(error: &DialError) -> std::io::ErrorKind {
-    match error {
-        DialError::Refused(_) | DialError::DialClosed => std::io::ErrorKind::ConnectionRefused,
-        DialError::Timeout(_) => std::io::ErrorKind::TimedOut,
-        DialError::Stream(_) | DialError::TunnelClosed => std::io::ErrorKind::ConnectionAborted,
-    }
-}
-
 impl TunnelStream {
     /// Starts a lazy stream's dial with `first` as its early data.
     fn start_dial(&mut self, first: Bytes) {
@@ -391,10 +388,14 @@ impl TunnelStream {
             address,
             span,
         } = *lazy;
-        let task = tokio::spawn(async move { client.dial_traced(span, &address, first).await });
+        let task = {
+            let address = address.clone();
+            tokio::spawn(async move { client.dial_traced(span, &address, first).await })
+        };
         self.state = StreamState::Dialing {
             task,
             wakers: Arc::default(),
+            address,
         };
     }
 
@@ -406,7 +407,11 @@ impl TunnelStream {
                 self.start_dial(Bytes::new());
                 self.poll_dialed(cx, side)
             }
-            StreamState::Dialing { task, wakers } => {
+            StreamState::Dialing {
+                task,
+                wakers,
+                address,
+            } => {
                 let slot = match side {
                     Side::Reader => &wakers.reader,
                     Side::Writer => &wakers.writer,
@@ -418,23 +423,21 @@ impl TunnelStream {
                 let both = std::task::Waker::from(wakers.clone());
                 let joined =
                     std::task::ready!(Pin::new(task).poll(&mut Context::from_waker(&both)));
+                let address = std::mem::take(address);
                 self.state = match joined {
                     Ok(Ok(open)) => StreamState::Open(open),
-                    Ok(Err(error)) => StreamState::Failed {
-                        kind: failure_kind(&error),
-                        message: error.to_string(),
-                    },
-                    Err(join) => StreamState::Failed {
-                        kind: std::io::ErrorKind::ConnectionAborted,
-                        message: format!("the dial task ended: {join}"),
-                    },
+                    Ok(Err(error)) => StreamState::Failed(ConnectError::from_dial(address, error)),
+                    Err(join) => StreamState::Failed(ConnectError::from_dial(
+                        address,
+                        DialError::TaskEnded(join.to_string()),
+                    )),
                 };
                 // The other side may be waiting on the same dial.
                 std::task::Wake::wake_by_ref(&wakers);
                 self.poll_dialed(cx, side)
             }
-            StreamState::Failed { kind, message } => {
-                Poll::Ready(Err(std::io::Error::new(*kind, message.clone())))
+            StreamState::Failed(error) => {
+                Poll::Ready(Err(std::io::Error::new(error.io_kind(), error.clone())))
             }
             StreamState::Closed => Poll::Ready(Err(broken_pipe())),
         }
@@ -464,7 +467,7 @@ impl std::fmt::Debug for TunnelStream {
                 .field("dial", &"not started")
                 .field("address", &lazy.address),
             StreamState::Dialing { .. } => f.field("dial", &"in flight"),
-            StreamState::Failed { message, .. } => f.field("dial_failed", message),
+            StreamState::Failed(error) => f.field("dial_failed", error),
             StreamState::Closed => f.field("closed", &true),
         }
         .finish_non_exhaustive()

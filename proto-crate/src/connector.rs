@@ -21,7 +21,7 @@ use crate::client::{DialError, TunnelClient, TunnelStream};
 const NO_AGENT: &str = "No agent available";
 
 /// Why a connection through the tunnel could not be opened.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum ConnectError {
     #[error("invalid target {uri:?}: {reason}")]
     InvalidTarget { uri: String, reason: &'static str },
@@ -40,7 +40,36 @@ pub enum ConnectError {
 }
 
 impl ConnectError {
-    fn from_dial(address: String, error: DialError) -> Self {
+    /// The `io::ErrorKind` of a lazy stream's read or write that fails with
+    /// this ([`TunnelClient::dial_lazily`]).
+    pub fn io_kind(&self) -> std::io::ErrorKind {
+        match self {
+            ConnectError::InvalidTarget { .. } => std::io::ErrorKind::InvalidInput,
+            ConnectError::NoAgent { .. } | ConnectError::Refused { .. } => {
+                std::io::ErrorKind::ConnectionRefused
+            }
+            ConnectError::Timeout { .. } => std::io::ErrorKind::TimedOut,
+            ConnectError::Tunnel { .. } => std::io::ErrorKind::ConnectionAborted,
+        }
+    }
+
+    /// The `ConnectError` somewhere in `error`'s chain of sources: a
+    /// connector's error as hyper wraps it, or the inner error of the
+    /// `io::Error` a lazily dialed stream failed with (which hyper, TLS
+    /// and kube wrap in turn). `None` when the failure was not the tunnel's.
+    pub fn find_in<'a>(error: &'a (dyn std::error::Error + 'static)) -> Option<&'a ConnectError> {
+        std::iter::successors(Some(error), |e| e.source()).find_map(|e| {
+            e.downcast_ref::<ConnectError>().or_else(|| {
+                // `io::Error::source` skips its inner error and returns
+                // that error's source, so the inner error is looked at here.
+                e.downcast_ref::<std::io::Error>()
+                    .and_then(|io| io.get_ref())
+                    .and_then(|inner| inner.downcast_ref::<ConnectError>())
+            })
+        })
+    }
+
+    pub(crate) fn from_dial(address: String, error: DialError) -> Self {
         match error {
             DialError::Refused(reason) if reason == NO_AGENT => ConnectError::NoAgent { address },
             DialError::Refused(reason) => ConnectError::Refused { address, reason },
@@ -86,10 +115,12 @@ impl TunnelConnector {
     /// ([`TunnelClient::dial_lazily`]): a TLS ClientHello or an HTTP
     /// request rides in the dial request, which saves one round trip
     /// through the tunnel per new connection (a WAN round trip when the
-    /// cluster is far from the hub). The price: a failed dial is no longer a
-    /// [`ConnectError`] but the I/O error of the connection's first read or
-    /// write (kind `ConnectionRefused` or `TimedOut`, with the dial's error
-    /// text), which hyper and kube report as a failed request.
+    /// cluster is far from the hub). The price: a failed dial is not
+    /// returned by the connector but is the I/O error of the connection's
+    /// first read or write (kind `ConnectionRefused` or `TimedOut`), which
+    /// hyper and kube report as a failed request; the `io::Error`'s inner
+    /// error is the [`ConnectError`], which [`ConnectError::find_in`] finds
+    /// in the request's error.
     pub fn with_early_data(mut self) -> Self {
         self.early_data = true;
         self.client = self.client.with_dial_timeout(self.connect_timeout);
@@ -255,5 +286,38 @@ mod tests {
         let timeout =
             ConnectError::from_dial("c:443".into(), DialError::Timeout(Duration::from_secs(1)));
         assert!(matches!(timeout, ConnectError::Timeout { .. }), "{timeout}");
+    }
+
+    /// An error with a source, as hyper and TLS libraries wrap theirs.
+    #[derive(Debug, thiserror::Error)]
+    #[error("request failed")]
+    struct Wrapper(#[source] Box<dyn std::error::Error + Send + Sync>);
+
+    #[test]
+    fn a_connect_error_is_found_inside_io_errors_and_wrappers() {
+        let refused = ConnectError::from_dial(
+            "c:443".into(),
+            DialError::Refused("connect: connection refused".into()),
+        );
+        let io = std::io::Error::new(refused.io_kind(), refused.clone());
+        assert_eq!(io.kind(), std::io::ErrorKind::ConnectionRefused);
+        let wrapped = Wrapper(Box::new(Wrapper(Box::new(io))));
+        let found = ConnectError::find_in(&wrapped).expect("found through two wrappers");
+        assert!(
+            matches!(found, ConnectError::Refused { address, .. } if address == "c:443"),
+            "{found}"
+        );
+        let direct = Wrapper(Box::new(ConnectError::NoAgent {
+            address: "c:443".into(),
+        }));
+        assert!(matches!(
+            ConnectError::find_in(&direct),
+            Some(ConnectError::NoAgent { .. })
+        ));
+        let other = Wrapper(Box::new(std::io::Error::new(
+            std::io::ErrorKind::ConnectionReset,
+            "reset by peer",
+        )));
+        assert!(ConnectError::find_in(&other).is_none());
     }
 }
