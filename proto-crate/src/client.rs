@@ -209,7 +209,8 @@ impl TunnelClient {
                 opentelemetry::Context::current()
             }
         };
-        let mut span = DirectSpan::start_with(tracer, "tunnel.dial", SpanKind::Client, &parent);
+        // The address, the early data's size and an error.
+        let mut span = DirectSpan::start_with(tracer, "tunnel.dial", SpanKind::Client, &parent, 3);
         span.set_attributes(|| [KeyValue::new("server.address", address.to_owned())]);
         span
     }

@@ -320,14 +320,13 @@ impl Tunnel {
         connect_id: i64,
         trace: Option<&TraceHeaders>,
     ) -> DirectSpan {
-        let mut span = DirectSpan::start("agent.dial", SpanKind::Client, trace);
+        // 5 here, the early data's size, 2 after the dial, 2 at the end.
+        let mut span = DirectSpan::start("agent.dial", SpanKind::Client, trace, 10);
         span.set_attributes(|| {
-            let mut attributes = Vec::from(tcp_server_attributes(address));
-            attributes.extend([
+            tcp_server_attributes(address).into_iter().chain([
                 KeyValue::new("cluster_proxy.server_id", self.params.server_id.clone()),
                 KeyValue::new("cluster_proxy.connect_id", connect_id),
-            ]);
-            attributes
+            ])
         });
         span
     }
@@ -370,13 +369,11 @@ impl Tunnel {
         let tcp = match result {
             Ok(tcp) => {
                 span.set_attributes(|| {
-                    let mut attributes =
-                        vec![KeyValue::new("cluster_proxy.dial_latency_ms", latency_ms)];
-                    if let Ok(peer) = tcp.peer_addr() {
-                        attributes
-                            .push(KeyValue::new("network.peer.address", peer.ip().to_string()));
-                    }
-                    attributes
+                    [KeyValue::new("cluster_proxy.dial_latency_ms", latency_ms)]
+                        .into_iter()
+                        .chain(tcp.peer_addr().ok().map(|peer| {
+                            KeyValue::new("network.peer.address", peer.ip().to_string())
+                        }))
                 });
                 tcp
             }
@@ -536,11 +533,9 @@ impl Tunnel {
             End::TunnelGone => ("tunnel_closed", None),
         };
         span.set_attributes(|| {
-            let mut attributes = vec![KeyValue::new("cluster_proxy.end_reason", reason)];
-            if let Some(error) = error {
-                attributes.push(KeyValue::new("error.message", error.to_owned()));
-            }
-            attributes
+            [KeyValue::new("cluster_proxy.end_reason", reason)]
+                .into_iter()
+                .chain(error.map(|error| KeyValue::new("error.message", error.to_owned())))
         });
         span.end();
         let trace_id = span.trace_id().map(field::display);

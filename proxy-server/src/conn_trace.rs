@@ -41,6 +41,11 @@ impl EndReason {
     }
 }
 
+/// The most attributes `tunnel.connection` gets: 7 at the start, 4 when
+/// routed, 2 when dialed (or 2 and the error when the dial fails), 3 and
+/// an error at the end.
+const ATTRIBUTES: usize = 17;
+
 /// Shared by the tunnel's entry for the connection and the frontend's halves;
 /// the span ends when the last of them lets go.
 #[derive(Debug)]
@@ -61,24 +66,28 @@ impl ConnTrace {
     /// client's trace context when it sent one, with what is known before
     /// routing: the client and the address it asks for.
     pub fn start(server_id: &str, address: &str, origin: &DialOrigin) -> Self {
-        let mut span =
-            DirectSpan::start("tunnel.connection", SpanKind::Server, origin.trace.as_ref());
+        let mut span = DirectSpan::start(
+            "tunnel.connection",
+            SpanKind::Server,
+            origin.trace.as_ref(),
+            ATTRIBUTES,
+        );
         span.set_attributes(|| {
-            let mut attributes = Vec::from(tcp_server_attributes(address));
-            attributes.extend([
-                KeyValue::new("cluster_proxy.frontend", origin.frontend),
-                KeyValue::new("cluster_proxy.server_id", server_id.to_owned()),
-            ]);
-            if let Some(client) = &origin.client {
-                if let Some(ip) = client.remote.ip() {
-                    attributes.push(KeyValue::new("client.address", ip.to_string()));
-                }
-                attributes.push(KeyValue::new(
-                    "cluster_proxy.client_identity",
-                    client.subject.clone(),
-                ));
-            }
-            attributes
+            let client = origin.client.as_deref();
+            tcp_server_attributes(address)
+                .into_iter()
+                .chain([
+                    KeyValue::new("cluster_proxy.frontend", origin.frontend),
+                    KeyValue::new("cluster_proxy.server_id", server_id.to_owned()),
+                ])
+                .chain(
+                    client
+                        .and_then(|client| client.remote.ip())
+                        .map(|ip| KeyValue::new("client.address", ip.to_string())),
+                )
+                .chain(client.map(|client| {
+                    KeyValue::new("cluster_proxy.client_identity", client.subject.clone())
+                }))
         });
         ConnTrace {
             span: Mutex::new(span),
@@ -102,15 +111,15 @@ impl ConnTrace {
         cluster: Option<&str>,
     ) {
         self.span().set_attributes(|| {
-            let mut attributes = vec![
+            [
                 KeyValue::new("cluster_proxy.strategy", strategy),
                 KeyValue::new("cluster_proxy.agent_id", agent_id.to_owned()),
                 KeyValue::new("cluster_proxy.tunnel", saturating_i64(tunnel)),
-            ];
-            if let Some(cluster) = cluster {
-                attributes.push(KeyValue::new("cluster_proxy.cluster", cluster.to_owned()));
-            }
-            attributes
+            ]
+            .into_iter()
+            .chain(
+                cluster.map(|cluster| KeyValue::new("cluster_proxy.cluster", cluster.to_owned())),
+            )
         });
     }
 

@@ -1034,6 +1034,7 @@ mod tests {
             "test.span",
             opentelemetry::trace::SpanKind::Internal,
             &opentelemetry::Context::new(),
+            0,
         );
         assert!(span.is_recording());
         drop(span);

@@ -73,14 +73,22 @@ impl DirectSpan {
 
     /// Starts span `name`, a child of the span `parent` names (a new trace
     /// when there is none or it is malformed), with the process's tracer.
-    /// Disabled without one.
-    pub fn start(name: &'static str, kind: SpanKind, parent: Option<&TraceHeaders>) -> Self {
+    /// Disabled without one. `attributes` is the most attributes the span
+    /// will be given: room for them is made at once, so adding them one
+    /// step at a time never regrows the span's list (which showed as the
+    /// largest single cost of a connection span).
+    pub fn start(
+        name: &'static str,
+        kind: SpanKind,
+        parent: Option<&TraceHeaders>,
+        attributes: usize,
+    ) -> Self {
         match TRACER.get() {
             Some(tracer) => {
                 let parent = parent
                     .and_then(TraceHeaders::to_context)
                     .unwrap_or_default();
-                Self::start_with(tracer, name, kind, &parent)
+                Self::start_with(tracer, name, kind, &parent, attributes)
             }
             None => Self::disabled(),
         }
@@ -92,14 +100,18 @@ impl DirectSpan {
     }
 
     /// Starts span `name` with `tracer`, a child of `parent`'s span (a new
-    /// trace when it has none).
+    /// trace when it has none), with room for `attributes` attributes.
     pub fn start_with(
         tracer: &BoxedTracer,
         name: &'static str,
         kind: SpanKind,
         parent: &opentelemetry::Context,
+        attributes: usize,
     ) -> Self {
-        let span = tracer.build_with_context(tracer.span_builder(name).with_kind(kind), parent);
+        let mut builder = tracer.span_builder(name).with_kind(kind);
+        // The SDK keeps the builder's list (and its capacity) as the span's.
+        builder.attributes = Some(Vec::with_capacity(attributes));
+        let span = tracer.build_with_context(builder, parent);
         let context = span.span_context().clone();
         DirectSpan {
             span: span.is_recording().then_some(span),
@@ -226,7 +238,7 @@ pub(crate) mod tests {
         let (tracer, ended, _provider) = tracer(Sampler::ParentBased(Box::new(Sampler::AlwaysOn)));
         let parent = parent("01").to_context().unwrap();
         let mut span =
-            DirectSpan::start_with(&tracer, "tunnel.connection", SpanKind::Server, &parent);
+            DirectSpan::start_with(&tracer, "tunnel.connection", SpanKind::Server, &parent, 4);
         assert!(span.is_recording());
         span.set_attributes(|| [KeyValue::new("cluster_proxy.cluster", "a")]);
         span.add_event("dial failed", || {
@@ -271,7 +283,7 @@ pub(crate) mod tests {
     fn an_unsampled_span_builds_no_attributes_but_passes_its_ids_on() {
         let (tracer, ended, _provider) = tracer(Sampler::ParentBased(Box::new(Sampler::AlwaysOn)));
         let parent = parent("00").to_context().unwrap();
-        let mut span = DirectSpan::start_with(&tracer, "agent.dial", SpanKind::Client, &parent);
+        let mut span = DirectSpan::start_with(&tracer, "agent.dial", SpanKind::Client, &parent, 1);
         let mut built = false;
         span.set_attributes(|| {
             built = true;
