@@ -373,6 +373,10 @@ fn compare_tracing(runtime: &tokio::runtime::Runtime) {
     // CPU seconds of [server, agent, this process] during the connects
     // figures, [path][off, on].
     let mut connect_cpu = [[[0.0f64; 3]; 2]; 2];
+    // The same during the single transfers, with their wall time:
+    // [path][off, on].
+    let mut transfer_cpu = [[[0.0f64; 3]; 2]; 2];
+    let mut transfer_seconds = [[0.0f64; 2]; 2];
     let cpu_parts = |processes: &ChildTunnel| {
         let (server, agent) = processes.usage().expect("/proc of the services");
         let own = process_usage(std::process::id()).expect("/proc/self");
@@ -389,6 +393,7 @@ fn compare_tracing(runtime: &tokio::runtime::Runtime) {
                     };
                     let path = &paths[p];
                     let cpu_before = cpu_parts(processes);
+                    let started = Instant::now();
                     let value = rt.block_on(async {
                         match f {
                             0 => throughput(path, bulk.addr.port(), 1, bytes, true).await,
@@ -404,10 +409,16 @@ fn compare_tracing(runtime: &tokio::runtime::Runtime) {
                     let cpu_after = cpu_parts(processes);
                     let side = usize::from(on_side);
                     cpu[p][side] += (cpu_after[0] - cpu_before[0]) + (cpu_after[1] - cpu_before[1]);
-                    if f == 2 || f == 3 {
-                        for (part, total) in connect_cpu[p][side].iter_mut().enumerate() {
-                            *total += cpu_after[part] - cpu_before[part];
+                    let parts = match f {
+                        0 | 1 => {
+                            transfer_seconds[p][side] += started.elapsed().as_secs_f64();
+                            Some(&mut transfer_cpu[p][side])
                         }
+                        2 | 3 => Some(&mut connect_cpu[p][side]),
+                        _ => None,
+                    };
+                    for (part, total) in parts.into_iter().flatten().enumerate() {
+                        *total += cpu_after[part] - cpu_before[part];
                     }
                     value
                 };
@@ -500,6 +511,32 @@ fn compare_tracing(runtime: &tokio::runtime::Runtime) {
                 )
             })
             .collect();
+        println!("| {name} | {} |", cells.join(" | "));
+    }
+    // Both single transfers of every round: 2 × rounds × `bytes` each side.
+    let gigabytes = (2 * rounds * bytes) as f64 / 1e9;
+    println!(
+        "\nThe single transfers: CPU seconds per GB moved (decimal GB) and the cores all three processes kept busy, off → on:"
+    );
+    println!(
+        "| path | proxy-server | proxy-agent | benchmark (client, target) | cores busy (of {}) |",
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    );
+    println!("|---|---|---|---|---|");
+    for (p, name) in off_paths.iter().map(|path| path.name).enumerate() {
+        let mut cells: Vec<String> = (0..3)
+            .map(|part| {
+                format!(
+                    "{:.2} → {:.2}",
+                    transfer_cpu[p][0][part] / gigabytes,
+                    transfer_cpu[p][1][part] / gigabytes
+                )
+            })
+            .collect();
+        let busy = |side: usize| {
+            transfer_cpu[p][side].iter().sum::<f64>() / transfer_seconds[p][side].max(1e-9)
+        };
+        cells.push(format!("{:.2} → {:.2}", busy(0), busy(1)));
         println!("| {name} | {} |", cells.join(" | "));
     }
 }
