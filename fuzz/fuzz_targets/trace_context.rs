@@ -12,7 +12,8 @@ fuzz_target!(|text: &str| {
     let (traceparent, tracestate) = text.split_once('\n').unwrap_or((text, ""));
     if let Ok(parent) = parse_traceparent(traceparent) {
         assert!(parent.is_valid() && parent.is_remote(), "{traceparent:?}");
-        let written = TraceHeaders::from_span_context(&parent).expect("a valid context has headers");
+        let written =
+            TraceHeaders::from_span_context(&parent).expect("a valid context has headers");
         let again = parse_traceparent(&written.traceparent).expect("our own traceparent parses");
         assert_eq!(again.trace_id(), parent.trace_id(), "{traceparent:?}");
         assert_eq!(again.span_id(), parent.span_id(), "{traceparent:?}");
@@ -26,10 +27,15 @@ fuzz_target!(|text: &str| {
         Some(context) => {
             let original = parse_traceparent(traceparent).expect("to_context accepted it");
             let written = TraceHeaders::from_context(&context).expect("a valid parent has headers");
-            let again = parse_traceparent(&written.traceparent).expect("our own traceparent parses");
+            let again =
+                parse_traceparent(&written.traceparent).expect("our own traceparent parses");
             assert_eq!(
                 (again.trace_id(), again.span_id(), again.trace_flags()),
-                (original.trace_id(), original.span_id(), original.trace_flags()),
+                (
+                    original.trace_id(),
+                    original.span_id(),
+                    original.trace_flags()
+                ),
                 "{headers:?}"
             );
         }
