@@ -161,12 +161,8 @@ async fn dial_failures_say_what_went_wrong() {
 
     // With early data the connection comes back at once, and a failed dial
     // is the error of the request, the same ConnectError inside it.
-    let http: Client<_, Empty<Bytes>> =
-        Client::builder(TokioExecutor::new()).build(connector.clone().with_early_data());
-    let error = http
-        .get("http://cluster-b:80/".parse().unwrap())
-        .await
-        .unwrap_err();
+    let lazy = connector.clone().with_early_data();
+    let error = failed_get(lazy.clone(), "http://cluster-b:80/").await;
     assert!(
         matches!(
             ConnectError::find_in(&error),
@@ -175,14 +171,7 @@ async fn dial_failures_say_what_went_wrong() {
         "{}",
         error_chain(&error)
     );
-    let error = http
-        .get(
-            format!("http://cluster-a:{}/", closed.port())
-                .parse()
-                .unwrap(),
-        )
-        .await
-        .unwrap_err();
+    let error = failed_get(lazy, &format!("http://cluster-a:{}/", closed.port())).await;
     assert!(
         matches!(
             ConnectError::find_in(&error),
@@ -197,12 +186,7 @@ async fn dial_failures_say_what_went_wrong() {
         error_chain(&error)
     );
     // A plain connector's error, as hyper wraps it, is found the same way.
-    let plain_http: Client<_, Empty<Bytes>> =
-        Client::builder(TokioExecutor::new()).build(connector);
-    let error = plain_http
-        .get("http://cluster-b:80/".parse().unwrap())
-        .await
-        .unwrap_err();
+    let error = failed_get(connector, "http://cluster-b:80/").await;
     assert!(
         matches!(
             ConnectError::find_in(&error),
@@ -211,6 +195,12 @@ async fn dial_failures_say_what_went_wrong() {
         "{}",
         error_chain(&error)
     );
+}
+
+/// The error of a GET of `uri` through `connector`, which must fail.
+async fn failed_get(connector: TunnelConnector, uri: &str) -> hyper_util::client::legacy::Error {
+    let http: Client<_, Empty<Bytes>> = Client::builder(TokioExecutor::new()).build(connector);
+    http.get(uri.parse().unwrap()).await.unwrap_err()
 }
 
 /// An error and its sources, as one line.
