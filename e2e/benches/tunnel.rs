@@ -7,7 +7,8 @@
 //!
 //! `CP_BENCH_TRACING=1` compares tracing off and on instead (see
 //! [`compare_tracing`]): single-connection throughput, connects/s and round-trip time, in
-//! `CP_BENCH_ROUNDS` (5) alternating rounds, reported as ratios.
+//! `CP_BENCH_ROUNDS` (5) alternating rounds, reported as ratios
+//! (`CP_BENCH_FIGURES` picks which of them each round measures).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -353,10 +354,7 @@ fn compare_tracing(runtime: &tokio::runtime::Runtime) {
     let off_paths = runtime.block_on(tunnel_paths(&pki, off.client_addr(), None));
     let on_paths = traced.block_on(tunnel_paths(&pki, on.client_addr(), client_tracer));
     let bytes = mib * 1024 * 1024;
-    println!(
-        "tracing off vs on (proxy-server and proxy-agent as processes), {rounds} rounds alternating; single transfers {mib} MiB, {connects} connects, {round_trip_count} round trips; traced: {traced_parts}, sampler {sampler} {}; more for the \"on\" side: {on_env:?}",
-        sampler_arg.as_deref().unwrap_or("")
-    );
+
     let figures = [
         "1 conn up",
         "1 conn down",
@@ -364,6 +362,23 @@ fn compare_tracing(runtime: &tokio::runtime::Runtime) {
         "connects/s (8 parallel)",
         "RTT p50 (lower is better)",
     ];
+    // `CP_BENCH_FIGURES` (`up,down,connects,connects8,rtt`, default all):
+    // the figures each round measures, e.g. only the connects, for more
+    // rounds of them in the same time.
+    let figure_names = ["up", "down", "connects", "connects8", "rtt"];
+    let chosen = std::env::var("CP_BENCH_FIGURES").unwrap_or_else(|_| figure_names.join(","));
+    let measured: Vec<bool> = figure_names
+        .iter()
+        .map(|name| chosen.split(',').any(|c| c.trim() == *name))
+        .collect();
+    assert!(
+        chosen.split(',').all(|c| figure_names.contains(&c.trim())),
+        "CP_BENCH_FIGURES: {chosen:?}; known: {figure_names:?}"
+    );
+    println!(
+        "tracing off vs on (proxy-server and proxy-agent as processes), {rounds} rounds alternating, figures {chosen}; single transfers {mib} MiB, {connects} connects, {round_trip_count} round trips; traced: {traced_parts}, sampler {sampler} {}; more for the \"on\" side: {on_env:?}",
+        sampler_arg.as_deref().unwrap_or("")
+    );
     // ratios[path][figure][round]
     let mut ratios = vec![vec![Vec::new(); figures.len()]; 2];
     // The measured values, [path][figure][off, on][round].
@@ -385,6 +400,9 @@ fn compare_tracing(runtime: &tokio::runtime::Runtime) {
     for round in 0..rounds {
         for (p, path_ratios) in ratios.iter_mut().enumerate() {
             for (f, figure_ratios) in path_ratios.iter_mut().enumerate() {
+                if !measured[f] {
+                    continue;
+                }
                 let mut measure = |on_side: bool| {
                     let (paths, rt, processes, (bulk, echo)) = if on_side {
                         (&on_paths, &traced, &on, &on_targets)
@@ -459,12 +477,15 @@ fn compare_tracing(runtime: &tokio::runtime::Runtime) {
             .iter()
             .map(|per_round| {
                 let sorted = sorted(per_round);
-                format!(
-                    "{:.1} % ({:.0}–{:.0})",
-                    median(&sorted) * 100.0,
-                    sorted[0] * 100.0,
-                    sorted[sorted.len() - 1] * 100.0
-                )
+                match (sorted.first(), sorted.last()) {
+                    (Some(lowest), Some(highest)) => format!(
+                        "{:.1} % ({:.0}–{:.0})",
+                        median(&sorted) * 100.0,
+                        lowest * 100.0,
+                        highest * 100.0
+                    ),
+                    _ => "—".to_owned(),
+                }
             })
             .collect();
         println!(
@@ -486,6 +507,9 @@ fn compare_tracing(runtime: &tokio::runtime::Runtime) {
             .iter()
             .enumerate()
             .map(|(f, sides)| {
+                if !measured[f] {
+                    return "—".to_owned();
+                }
                 let [off, on] = sides.each_ref().map(|v| median(&sorted(v)));
                 match f {
                     0 | 1 => format!("{off:.2} → {on:.2} Gbit/s"),
@@ -496,12 +520,31 @@ fn compare_tracing(runtime: &tokio::runtime::Runtime) {
             .collect();
         println!("| {name} | {} |", cells.join(" | "));
     }
-    // Both connects figures of every round: 2 × rounds × connects each side.
-    let connections = (2 * rounds * connects) as f64;
+    // The connects figures measured, every round: rounds × connects each.
+    let counted = |figures: &[usize]| figures.iter().filter(|f| measured[**f]).count() as u64;
+    if counted(&[2, 3]) > 0 {
+        print_connect_cpu(
+            &off_paths,
+            &connect_cpu,
+            (counted(&[2, 3]) * rounds * connects) as f64,
+        );
+    }
+    if counted(&[0, 1]) > 0 {
+        print_transfer_cpu(
+            &off_paths,
+            &transfer_cpu,
+            &transfer_seconds,
+            (counted(&[0, 1]) * rounds * bytes) as f64 / 1e9,
+        );
+    }
+}
+
+/// CPU per connection of each process in the connects figures.
+fn print_connect_cpu(paths: &[Path], connect_cpu: &[[[f64; 3]; 2]; 2], connections: f64) {
     println!("\nCPU per connection in the connects figures, µs, off → on:");
     println!("| path | proxy-server | proxy-agent | benchmark (clients, targets, receiver) |");
     println!("|---|---|---|---|");
-    for (p, name) in off_paths.iter().map(|path| path.name).enumerate() {
+    for (p, name) in paths.iter().map(|path| path.name).enumerate() {
         let cells: Vec<String> = (0..3)
             .map(|part| {
                 format!(
@@ -513,8 +556,16 @@ fn compare_tracing(runtime: &tokio::runtime::Runtime) {
             .collect();
         println!("| {name} | {} |", cells.join(" | "));
     }
-    // Both single transfers of every round: 2 × rounds × `bytes` each side.
-    let gigabytes = (2 * rounds * bytes) as f64 / 1e9;
+}
+
+/// CPU per GB of each process in the single transfers, and the cores
+/// they kept busy.
+fn print_transfer_cpu(
+    paths: &[Path],
+    transfer_cpu: &[[[f64; 3]; 2]; 2],
+    transfer_seconds: &[[f64; 2]; 2],
+    gigabytes: f64,
+) {
     println!(
         "\nThe single transfers: CPU seconds per GB moved (decimal GB) and the cores all three processes kept busy, off → on:"
     );
@@ -523,7 +574,7 @@ fn compare_tracing(runtime: &tokio::runtime::Runtime) {
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
     println!("|---|---|---|---|---|");
-    for (p, name) in off_paths.iter().map(|path| path.name).enumerate() {
+    for (p, name) in paths.iter().map(|path| path.name).enumerate() {
         let mut cells: Vec<String> = (0..3)
             .map(|part| {
                 format!(
