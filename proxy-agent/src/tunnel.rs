@@ -46,6 +46,10 @@ pub const STRAY_HOLD: Duration = Duration::from_secs(30);
 /// connection tasks wait, never the reader.
 pub const ORDERED_CAPACITY: usize = 64;
 
+/// The most attributes `agent.dial` gets: 5 at the start, the early data's
+/// size, 2 after the dial (3 when it fails), 2 at the end.
+const DIAL_SPAN_ATTRIBUTES: usize = 10;
+
 /// The sending side of a tunnel (see [`cluster_proxy_proto::flow::Outbound`]).
 pub type Outgoing = cluster_proxy_proto::flow::Outbound;
 /// The server's packets, as the tunnel reads them.
@@ -320,8 +324,8 @@ impl Tunnel {
         connect_id: i64,
         trace: Option<&TraceHeaders>,
     ) -> DirectSpan {
-        // 5 here, the early data's size, 2 after the dial, 2 at the end.
-        let mut span = DirectSpan::start("agent.dial", SpanKind::Client, trace, 10);
+        let mut span =
+            DirectSpan::start("agent.dial", SpanKind::Client, trace, DIAL_SPAN_ATTRIBUTES);
         span.set_attributes(|| {
             tcp_server_attributes(address).into_iter().chain([
                 KeyValue::new("cluster_proxy.server_id", self.params.server_id.clone()),
