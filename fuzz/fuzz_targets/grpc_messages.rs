@@ -1,8 +1,9 @@
 //! A gRPC request or response body as the peer chose to send it: arbitrary
 //! bytes, cut into HTTP/2 DATA frames at arbitrary places. The splitter must
 //! find exactly the messages (or the first error) that a plain reading of the
-//! whole body finds, wherever the cuts fall, and every message that decodes
-//! as a `Packet` must frame back to the same bytes.
+//! whole body finds, wherever the cuts fall; a message decodes the same from
+//! the frames it arrived in as from its joined bytes, and every message that
+//! decodes as a `Packet` must frame back to the same bytes.
 #![no_main]
 
 use arbitrary::Arbitrary;
@@ -84,7 +85,14 @@ fn read_framed(body: &Body, max: usize) -> Reading {
         offset = end;
         loop {
             match splitter.next_message(max) {
-                Ok(Some(message)) => messages.push(message),
+                Ok(Some(message)) => {
+                    // Decoding from the frames' parts (the receivers' path)
+                    // agrees with decoding the joined bytes.
+                    let from_parts = Packet::decode(message.clone()).ok();
+                    let joined = message.into_contiguous();
+                    assert_eq!(from_parts, Packet::decode(joined.clone()).ok());
+                    messages.push(joined);
+                }
                 Ok(None) => break,
                 Err(status) => {
                     return Reading::Refused {

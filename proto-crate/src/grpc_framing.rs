@@ -4,10 +4,11 @@
 //! of its own before decoding, and its `EncodeBody` copies every sent packet,
 //! payload included, into another. At tunnel rates those two copies were a
 //! sixth of the proxy-server's CPU (`perf`, 8 downloads through one agent).
-//! Here a received message that lies within one DATA frame is decoded from
-//! that frame's bytes (prost slices `Data.data` out of it), and a DATA
-//! packet's payload is sent as a frame of its own after a small header frame,
-//! so HTTP/2 hands the caller's bytes to TLS untouched.
+//! Here a received message is decoded from the DATA frames it arrived in,
+//! never joined: prost slices `Data.data` out of the frame that holds it
+//! (see [`ReceivedMessage`]). A DATA packet's payload is sent as a frame of
+//! its own after a small header frame, so HTTP/2 hands the caller's bytes to
+//! TLS untouched, and the receiver finds the payload whole in that frame.
 //!
 //! The bytes on the wire are exactly what tonic and grpc-go send and accept:
 //! a 5-byte prefix (compressed flag, big-endian length) and the protobuf
@@ -179,7 +180,10 @@ impl MessageSplitter {
     }
 
     /// The next whole message, if one has arrived.
-    pub fn next_message(&mut self, max_message_len: usize) -> Result<Option<Bytes>, Status> {
+    pub fn next_message(
+        &mut self,
+        max_message_len: usize,
+    ) -> Result<Option<ReceivedMessage>, Status> {
         let len = match self.expecting {
             Some(len) => len,
             None => {
@@ -215,7 +219,29 @@ impl MessageSplitter {
             return Ok(None);
         }
         self.expecting = None;
-        Ok(Some(self.take(len)))
+        Ok(Some(self.take_parts(len)))
+    }
+
+    /// The first `len` buffered bytes as the chunks (or parts of chunks)
+    /// they arrived in: moving `Bytes` handles, not copying bytes.
+    fn take_parts(&mut self, len: usize) -> ReceivedMessage {
+        debug_assert!(len <= self.buffered);
+        self.buffered -= len;
+        let mut message = ReceivedMessage::default();
+        let mut wanted = len;
+        while wanted > 0 {
+            let Some(front) = self.chunks.front_mut() else {
+                break;
+            };
+            let part = if front.len() > wanted {
+                front.split_to(wanted)
+            } else {
+                self.chunks.pop_front().unwrap_or_default()
+            };
+            wanted -= part.len();
+            message.push(part);
+        }
+        message
     }
 
     /// The first `len` buffered bytes; only copied when they span chunks.
@@ -246,6 +272,93 @@ impl MessageSplitter {
                 self.chunks.pop_front();
             }
         }
+        joined.freeze()
+    }
+}
+
+/// One received gRPC message (its prefix removed) as the DATA frames it
+/// arrived in. Our senders put a long payload in a frame of its own after a
+/// small header frame, so a message nearly always spans frames; decoding
+/// through this `Buf` lets prost take `Data.data` as a slice of the frame
+/// that holds it (`copy_to_bytes` copies only bytes that straddle frames),
+/// where joining the frames first would copy every payload once more.
+#[derive(Debug, Clone, Default)]
+pub struct ReceivedMessage {
+    /// The part being read; the later parts follow in `rest`.
+    front: Bytes,
+    rest: VecDeque<Bytes>,
+    remaining: usize,
+}
+
+impl ReceivedMessage {
+    fn push(&mut self, part: Bytes) {
+        if part.is_empty() {
+            return;
+        }
+        self.remaining += part.len();
+        if self.front.is_empty() {
+            self.front = part;
+        } else {
+            self.rest.push_back(part);
+        }
+    }
+
+    /// The message's bytes in one buffer (a copy when it spans frames).
+    pub fn into_contiguous(mut self) -> Bytes {
+        let len = self.remaining;
+        self.copy_to_bytes(len)
+    }
+
+    /// Moves to the next part once the front one is used up.
+    fn refill(&mut self) {
+        while self.front.is_empty() {
+            match self.rest.pop_front() {
+                Some(next) => self.front = next,
+                None => break,
+            }
+        }
+    }
+}
+
+impl Buf for ReceivedMessage {
+    fn remaining(&self) -> usize {
+        self.remaining
+    }
+
+    fn chunk(&self) -> &[u8] {
+        &self.front
+    }
+
+    fn advance(&mut self, mut cnt: usize) {
+        assert!(
+            cnt <= self.remaining,
+            "advanced {cnt} bytes past a message's {} remaining",
+            self.remaining
+        );
+        self.remaining -= cnt;
+        while cnt > 0 {
+            let step = cnt.min(self.front.len());
+            self.front.advance(step);
+            cnt -= step;
+            self.refill();
+        }
+        self.refill();
+    }
+
+    fn copy_to_bytes(&mut self, len: usize) -> Bytes {
+        assert!(
+            len <= self.remaining,
+            "took {len} bytes of a message's {} remaining",
+            self.remaining
+        );
+        if self.front.len() >= len {
+            self.remaining -= len;
+            let taken = self.front.split_to(len);
+            self.refill();
+            return taken;
+        }
+        let mut joined = BytesMut::with_capacity(len);
+        joined.put(Buf::take(&mut *self, len));
         joined.freeze()
     }
 }
@@ -714,6 +827,78 @@ mod tests {
             "the payload was copied out of its chunk"
         );
         assert!(splitter.next_message(MAX).unwrap().is_some());
+    }
+
+    #[test]
+    fn a_payload_in_a_frame_of_its_own_is_decoded_without_a_copy() {
+        // As our senders frame it: the head (prefix, packet fields, the
+        // payload's key and length) in one DATA frame, the payload in the
+        // next; then a packet that starts inside the payload's frame.
+        let payload = Bytes::from(vec![4u8; 64 * 1024]);
+        let encoded = encode(&packet::data(6, payload.clone()), MAX).unwrap();
+        let sent = encoded.payload.expect("a long payload is chained");
+        let close = tonic_framing(&packet::close_request(6));
+        let mut tail = sent.to_vec();
+        tail.extend_from_slice(&close[..3]);
+        let tail = Bytes::from(tail);
+        let head_len = encoded.head.len();
+        let mut splitter = MessageSplitter::default();
+        splitter.push(encoded.head);
+        splitter.push(tail.clone());
+        splitter.push(Bytes::copy_from_slice(&close[3..]));
+        let message = splitter.next_message(MAX).unwrap().unwrap();
+        assert_eq!(
+            message.remaining(),
+            head_len - MESSAGE_PREFIX_LEN + sent.len()
+        );
+        let got = Packet::decode(message).unwrap();
+        let Some(Payload::Data(d)) = &got.payload else {
+            panic!("not data: {got:?}");
+        };
+        assert_eq!(d.data, payload);
+        assert_eq!(
+            d.data.as_ptr(),
+            tail.as_ptr(),
+            "the payload was copied out of its frame"
+        );
+        let next = splitter.next_message(MAX).unwrap().unwrap();
+        assert_eq!(Packet::decode(next).unwrap(), packet::close_request(6));
+        assert!(!splitter.has_partial());
+    }
+
+    #[test]
+    fn a_message_reads_the_same_through_its_parts_as_joined() {
+        let packets = sample_packets();
+        let bytes = wire(&packets);
+        for chunk in [1, 3, 700, 16_384] {
+            let mut splitter = MessageSplitter::default();
+            for c in bytes.chunks(chunk) {
+                splitter.push(Bytes::copy_from_slice(c));
+            }
+            let mut offset = 0;
+            while let Some(mut message) = splitter.next_message(MAX).unwrap() {
+                let len = message.remaining();
+                let expected = &bytes[offset + 5..offset + 5 + len];
+                // Reading in uneven steps through `chunk`, `advance` and
+                // `copy_to_bytes` yields the message's bytes in order.
+                let mut read = Vec::with_capacity(len);
+                let mut step = 1;
+                while message.has_remaining() {
+                    let n = step.min(message.remaining());
+                    if step % 2 == 0 {
+                        read.extend_from_slice(&message.copy_to_bytes(n));
+                    } else {
+                        let n = n.min(message.chunk().len());
+                        read.extend_from_slice(&message.chunk()[..n]);
+                        message.advance(n);
+                    }
+                    step = step * 3 % 1_000 + 1;
+                }
+                assert_eq!(read, expected, "chunks of {chunk}, message at {offset}");
+                offset += 5 + len;
+            }
+            assert_eq!(offset, bytes.len());
+        }
     }
 
     #[test]
