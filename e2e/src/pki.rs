@@ -71,17 +71,23 @@ impl TestPki {
 
     pub fn server_tls(&self) -> Result<proxy_server::ServerTls, TestPkiError> {
         Ok(proxy_server::ServerTls::fixed(
-            tls::server_config(
-                identity(&self.proxy_server, "proxy-server")?,
-                Some(self.roots()?),
-                &[ALPN_H2, ALPN_HTTP11],
-            )?,
+            self.frontend_server_config()?,
             tls::server_config(
                 identity(&self.agent_server, "agent-server")?,
                 Some(self.roots()?),
                 &[ALPN_H2],
             )?,
         ))
+    }
+
+    /// The TLS a proxy-server's client port serves (ALPN `h2` and
+    /// `http/1.1`), for tests that stand in for the server.
+    pub fn frontend_server_config(&self) -> Result<Arc<rustls::ServerConfig>, TestPkiError> {
+        Ok(tls::server_config(
+            identity(&self.proxy_server, "proxy-server")?,
+            Some(self.roots()?),
+            &[ALPN_H2, ALPN_HTTP11],
+        )?)
     }
 
     /// TLS for a hub client (gRPC).

@@ -38,6 +38,16 @@ pub const CLIENT_WINDOWS: HttpWindows = HttpWindows {
     stream: 2 * crate::flow::DEFAULT_WINDOW,
     connection: 128 * 1024 * 1024,
 };
+/// Largest HTTP/2 frame our ends accept (SETTINGS_MAX_FRAME_SIZE; HTTP/2's
+/// default is 16 KiB). With 16 KiB frames a 64 KiB DATA packet's payload
+/// reached the receiver in four frames, which it then joined into one
+/// buffer (a copy), and each frame with its 9-byte header was 9 bytes more
+/// than a TLS record holds (rustls sealed a full record and a 9-byte one);
+/// with larger frames the payload arrives in a frame of its own and is
+/// decoded in place ([`crate::grpc_framing::ReceivedMessage`]).
+/// Every HTTP/2 peer must honour the value it is sent, upstream's Go
+/// peers included.
+pub const MAX_FRAME_SIZE: u32 = 256 * 1024;
 /// Largest gRPC message accepted. Upstream's limit is 4 MiB; we accept more
 /// so a client that writes a large buffer in one DATA packet is not cut off.
 pub const MAX_MESSAGE_SIZE: usize = 16 * 1024 * 1024;
@@ -137,6 +147,7 @@ pub async fn connect_channel_with(
         })?
         .initial_stream_window_size(windows.stream)
         .initial_connection_window_size(windows.connection)
+        .max_frame_size(MAX_FRAME_SIZE)
         .tcp_nodelay(true);
     let endpoint = match keepalive.filter(|k| !k.is_zero()) {
         Some(interval) => endpoint

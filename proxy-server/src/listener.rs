@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use cluster_proxy_proto::identity::ClusterName;
-use cluster_proxy_proto::transport::HttpWindows;
+use cluster_proxy_proto::transport::{HttpWindows, MAX_FRAME_SIZE};
 use http::{Request, Response};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -201,7 +201,7 @@ pub async fn serve<S, F, B>(
         .timer(TokioTimer::new())
         .initial_stream_window_size(http2.windows.stream)
         .initial_connection_window_size(http2.windows.connection)
-        .max_frame_size(256 * 1024)
+        .max_frame_size(MAX_FRAME_SIZE)
         // Beyond it the peer's new streams are refused (REFUSED_STREAM),
         // which a client retries: `--max-concurrent-streams`.
         .max_concurrent_streams(http2.max_concurrent_streams)
