@@ -190,8 +190,7 @@ impl MessageSplitter {
                 if self.buffered < MESSAGE_PREFIX_LEN {
                     return Ok(None);
                 }
-                let prefix = self.take(MESSAGE_PREFIX_LEN);
-                let mut prefix = &prefix[..];
+                let mut prefix = self.take_parts(MESSAGE_PREFIX_LEN);
                 match prefix.get_u8() {
                     0 => {}
                     1 => {
@@ -242,37 +241,6 @@ impl MessageSplitter {
             message.push(part);
         }
         message
-    }
-
-    /// The first `len` buffered bytes; only copied when they span chunks.
-    fn take(&mut self, len: usize) -> Bytes {
-        debug_assert!(len <= self.buffered);
-        self.buffered -= len;
-        if len == 0 {
-            return Bytes::new();
-        }
-        if let Some(front) = self.chunks.front_mut()
-            && front.len() >= len
-        {
-            let taken = front.split_to(len);
-            if front.is_empty() {
-                self.chunks.pop_front();
-            }
-            return taken;
-        }
-        let mut joined = BytesMut::with_capacity(len);
-        while joined.len() < len {
-            let Some(front) = self.chunks.front_mut() else {
-                break;
-            };
-            let wanted = (len - joined.len()).min(front.len());
-            joined.extend_from_slice(&front[..wanted]);
-            front.advance(wanted);
-            if front.is_empty() {
-                self.chunks.pop_front();
-            }
-        }
-        joined.freeze()
     }
 }
 
