@@ -504,3 +504,137 @@ async fn a_dial_through_a_tunnel_whose_lane_stays_full_times_out() {
     drop(agent);
     server.shutdown().await;
 }
+
+/// Asks the agent for a connection on a raw `Proxy` stream and answers the
+/// dial with `connect_id`; returns the client's ends of the stream.
+async fn dial_raw(
+    agent: &mut RawAgent,
+    channel: tonic::transport::Channel,
+    random: i64,
+    connect_id: i64,
+) -> (tokio::sync::mpsc::Sender<Packet>, tonic::Streaming<Packet>) {
+    use cluster_proxy_proto::packet::Frame;
+    let (to_server, mut from_server) = proxy_stream(channel).await.unwrap();
+    to_server
+        .send(packet::dial_request("cluster-evil:1", random))
+        .await
+        .unwrap();
+    let dial = agent.recv(STEP).await.map(Frame::from_packet);
+    assert!(
+        matches!(dial, Some(Frame::DialRequest { random: r, .. }) if r == random),
+        "expected DIAL_REQ {random}, got {dial:?}"
+    );
+    agent
+        .to_server
+        .send(packet::dial_response_ok(random, connect_id))
+        .await
+        .unwrap();
+    let answer = tokio::time::timeout(STEP, from_server.message())
+        .await
+        .unwrap()
+        .unwrap()
+        .map(Frame::from_packet);
+    assert!(
+        matches!(answer, Some(Frame::DialResponse { connect_id: c, .. }) if c == connect_id),
+        "expected DIAL_RSP for {connect_id}, got {answer:?}"
+    );
+    (to_server, from_server)
+}
+
+/// A decoded payload is a slice of the buffer HTTP/2 read it into. One byte
+/// queued for a client that does not read, sent between large packets for a
+/// connection that is read, must not keep the large packets' buffer alive:
+/// the queue holds what its window counts, not 64 KiB per byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn single_bytes_queued_for_a_stalled_client_do_not_pin_the_buffers_they_arrived_in() {
+    use cluster_proxy_proto::packet::Frame;
+    let pki = TestPki::new(&["cluster-evil"]).unwrap();
+    let server = proxy_server::start_with_tls(test_server_config(), pki.server_tls().unwrap())
+        .await
+        .unwrap();
+    let mut agent = hostile(&pki, &server).await.unwrap();
+    assert!(wait_until(STEP, || server.tunnel_count() == 1).await);
+    // The stalled client's HTTP/2 stream window is small, so little of what
+    // the agent sends it leaves the server's queue.
+    let stalled_channel = cluster_proxy_proto::transport::connect_channel_with(
+        "localhost",
+        server.client_addr.port(),
+        pki.client_tls().unwrap(),
+        STEP,
+        cluster_proxy_proto::transport::HttpWindows {
+            stream: 65_535,
+            connection: 1 << 20,
+        },
+        None,
+    )
+    .await
+    .unwrap();
+    let (_stalled_requests, _stalled_replies) = dial_raw(&mut agent, stalled_channel, 1, 5).await;
+    let reading_channel = connect_channel(
+        "localhost",
+        server.client_addr.port(),
+        pki.client_tls().unwrap(),
+        STEP,
+    )
+    .await
+    .unwrap();
+    let (_reading_requests, mut reading_replies) =
+        dial_raw(&mut agent, reading_channel, 2, 6).await;
+    const PAIRS: usize = 2_000;
+    const LARGE: usize = 64 * 1024;
+    let reader = tokio::spawn(async move {
+        let mut received = 0;
+        while received < PAIRS * LARGE {
+            match reading_replies.message().await {
+                Ok(Some(p)) => {
+                    if let Frame::Data { data, .. } = Frame::from_packet(p) {
+                        received += data.len();
+                    }
+                }
+                _ => break,
+            }
+        }
+        received
+    });
+    // Fill what lies between the stalled connection's queue and its client.
+    for _ in 0..4 {
+        agent
+            .to_server
+            .send(packet::data(5, Bytes::from(vec![1u8; LARGE])))
+            .await
+            .unwrap();
+    }
+    let rss_before = rss_kib();
+    let large = Bytes::from(vec![2u8; LARGE]);
+    for _ in 0..PAIRS {
+        agent
+            .to_server
+            .send(packet::data(5, Bytes::from_static(b"x")))
+            .await
+            .unwrap();
+        agent
+            .to_server
+            .send(packet::data(6, large.clone()))
+            .await
+            .unwrap();
+    }
+    // The server's tunnel reader handles packets in order: once the read
+    // connection got everything, every single byte has been queued.
+    let received = tokio::time::timeout(STEP * 6, reader)
+        .await
+        .expect("the read connection's data stopped")
+        .unwrap();
+    assert_eq!(received, PAIRS * LARGE);
+    let rss_after = rss_kib();
+    let grown_mib = rss_after.saturating_sub(rss_before) / 1024;
+    println!(
+        "{PAIRS} single bytes queued between {} MiB read: RSS {rss_before} → {rss_after} KiB",
+        (PAIRS * LARGE) >> 20
+    );
+    // Pinned, each byte would hold its 64 KiB neighbour: 125 MiB.
+    assert!(
+        grown_mib < 32,
+        "RSS grew by {grown_mib} MiB while {PAIRS} bytes were queued"
+    );
+    server.shutdown().await;
+}

@@ -17,10 +17,12 @@
 //! up to its bound, and past that the reader waits (upstream's behaviour, only
 //! much later).
 
+use std::collections::VecDeque;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::task::{Context, Poll, Waker};
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use futures_util::stream::{PollNext, Stream, StreamExt, select_with_strategy};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio_stream::wrappers::{ReceiverStream, UnboundedReceiverStream};
@@ -120,6 +122,19 @@ impl SendCredit {
     }
 }
 
+/// Payloads shorter than this are copied out of the buffer they were decoded
+/// from before they are queued. A decoded payload is a slice of the HTTP/2
+/// read buffer it arrived in, and a slice keeps that whole allocation (up to
+/// a maximal frame and whatever was read with it) alive: a few bytes queued
+/// for a reader that does not read would otherwise pin kilobytes each, far
+/// beyond the bytes the window counts. Longer payloads stay zero-copy; each
+/// pins at most about one read buffer per this many counted bytes.
+pub const COPY_BELOW: usize = 16 * 1024;
+/// Copied payloads are appended to the queue's last copied payload up to this
+/// size, so the number of queued items, and their bookkeeping, stays bounded
+/// by the bytes counted however small the packets are.
+pub const COALESCE_UP_TO: usize = READ_CHUNK;
+
 /// One item delivered to a connection's consumer. The bytes it carries stay
 /// counted against the connection's buffer until it is dropped, so drop it
 /// only after the payload was handed on.
@@ -129,11 +144,83 @@ pub struct Delivery<E> {
     _budget: Option<OwnedSemaphorePermit>,
 }
 
-/// The dispatching side of a connection's receive buffer.
+/// What waits in a connection's queue.
+#[derive(Debug)]
+enum Queued<E> {
+    /// A payload still in the buffer it was decoded from.
+    InPlace(Bytes, OwnedSemaphorePermit),
+    /// Copied payloads (one, or several adjacent ones joined).
+    Copied(BytesMut, OwnedSemaphorePermit),
+    Event(E),
+}
+
+impl<E: From<Bytes>> Queued<E> {
+    fn into_delivery(self) -> Delivery<E> {
+        match self {
+            Queued::InPlace(bytes, permit) => Delivery {
+                event: E::from(bytes),
+                _budget: Some(permit),
+            },
+            Queued::Copied(bytes, permit) => Delivery {
+                event: E::from(bytes.freeze()),
+                _budget: Some(permit),
+            },
+            Queued::Event(event) => Delivery {
+                event,
+                _budget: None,
+            },
+        }
+    }
+}
+
+#[derive(Debug)]
+struct QueueState<E> {
+    items: VecDeque<Queued<E>>,
+    /// Live [`ReceiveQueue`] handles; none left ends the consumer's stream.
+    senders: usize,
+    consumer_gone: bool,
+    consumer: Option<Waker>,
+}
+
+impl<E> QueueState<E> {
+    fn queue_data(&mut self, payload: Bytes, permit: OwnedSemaphorePermit) {
+        if payload.len() >= COPY_BELOW {
+            self.items.push_back(Queued::InPlace(payload, permit));
+            return;
+        }
+        if let Some(Queued::Copied(joined, joined_permit)) = self.items.back_mut()
+            && joined.len() + payload.len() <= COALESCE_UP_TO
+        {
+            joined.extend_from_slice(&payload);
+            joined_permit.merge(permit);
+            return;
+        }
+        self.items
+            .push_back(Queued::Copied(BytesMut::from(&payload[..]), permit));
+    }
+}
+
+#[derive(Debug)]
+struct QueueShared<E> {
+    state: Mutex<QueueState<E>>,
+    budget: Arc<Semaphore>,
+}
+
+impl<E> QueueShared<E> {
+    fn lock(&self) -> MutexGuard<'_, QueueState<E>> {
+        // The state stays consistent across a panic elsewhere: every
+        // critical section is a single push, pop or flag change.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// The dispatching side of a connection's receive buffer. Data payloads are
+/// queued by [`Self::push_data`] and reach the consumer as `E::from(bytes)`,
+/// possibly joined with adjacent small payloads (a connection is a byte
+/// stream: where one packet ended is not kept).
 #[derive(Debug)]
 pub struct ReceiveQueue<E> {
-    tx: mpsc::UnboundedSender<Delivery<E>>,
-    budget: Arc<Semaphore>,
+    shared: Arc<QueueShared<E>>,
     capacity: u32,
     strict: bool,
     stall_timeout: std::time::Duration,
@@ -141,9 +228,9 @@ pub struct ReceiveQueue<E> {
 
 impl<E> Clone for ReceiveQueue<E> {
     fn clone(&self) -> Self {
+        self.shared.lock().senders += 1;
         ReceiveQueue {
-            tx: self.tx.clone(),
-            budget: self.budget.clone(),
+            shared: self.shared.clone(),
             capacity: self.capacity,
             strict: self.strict,
             stall_timeout: self.stall_timeout,
@@ -151,28 +238,65 @@ impl<E> Clone for ReceiveQueue<E> {
     }
 }
 
+impl<E> Drop for ReceiveQueue<E> {
+    fn drop(&mut self) {
+        let waker = {
+            let mut state = self.shared.lock();
+            state.senders -= 1;
+            if state.senders == 0 {
+                state.consumer.take()
+            } else {
+                None
+            }
+        };
+        if let Some(waker) = waker {
+            waker.wake();
+        }
+    }
+}
+
 /// The consuming side of a connection's receive buffer.
 #[derive(Debug)]
 pub struct ReceiveQueueRx<E> {
-    rx: mpsc::UnboundedReceiver<Delivery<E>>,
+    shared: Arc<QueueShared<E>>,
 }
 
-impl<E> ReceiveQueue<E> {
+impl<E> Drop for ReceiveQueueRx<E> {
+    fn drop(&mut self) {
+        let abandoned = {
+            let mut state = self.shared.lock();
+            state.consumer_gone = true;
+            state.consumer = None;
+            std::mem::take(&mut state.items)
+        };
+        // Returns their budget (and runs their drops) outside the lock.
+        drop(abandoned);
+    }
+}
+
+impl<E: From<Bytes>> ReceiveQueue<E> {
     /// A queue that holds at most `capacity` payload bytes. `flow_controlled`:
     /// the peer honours our window of `capacity` bytes, so exceeding it is a
     /// protocol violation rather than a reason to wait.
     pub fn new(capacity: u32, flow_controlled: bool) -> (Self, ReceiveQueueRx<E>) {
         let capacity = capacity.max(1);
-        let (tx, rx) = mpsc::unbounded_channel();
+        let shared = Arc::new(QueueShared {
+            state: Mutex::new(QueueState {
+                items: VecDeque::new(),
+                senders: 1,
+                consumer_gone: false,
+                consumer: None,
+            }),
+            budget: Arc::new(Semaphore::new(capacity as usize)),
+        });
         (
             ReceiveQueue {
-                tx,
-                budget: Arc::new(Semaphore::new(capacity as usize)),
+                shared: shared.clone(),
                 capacity,
                 strict: flow_controlled,
                 stall_timeout: DEFAULT_STALL_TIMEOUT,
             },
-            ReceiveQueueRx { rx },
+            ReceiveQueueRx { shared },
         )
     }
 
@@ -185,33 +309,29 @@ impl<E> ReceiveQueue<E> {
     /// Queues a payload. With flow control this never waits; without it, it
     /// waits while the buffer is full, up to the stall timeout
     /// ([`FlowError::Stalled`]): one stalled connection may hold up its
-    /// tunnel only that long.
-    pub async fn push_data(
-        &self,
-        bytes: &Bytes,
-        connect_id: i64,
-        event: E,
-    ) -> Result<(), FlowError> {
+    /// tunnel only that long. An empty payload carries nothing and is not
+    /// queued.
+    pub async fn push_data(&self, payload: Bytes, connect_id: i64) -> Result<(), FlowError> {
+        if payload.is_empty() {
+            return Ok(());
+        }
         // A single oversized chunk from a plain peer must not wait forever.
-        let cost = u32::try_from(bytes.len())
+        let cost = u32::try_from(payload.len())
             .unwrap_or(u32::MAX)
             .min(self.capacity);
-        let permit = if cost == 0 {
-            None
-        } else if self.strict {
-            Some(
-                self.budget
-                    .clone()
-                    .try_acquire_many_owned(cost)
-                    .map_err(|_| FlowError::WindowExceeded {
-                        connect_id,
-                        got: bytes.len(),
-                    })?,
-            )
+        let permit = if self.strict {
+            self.shared
+                .budget
+                .clone()
+                .try_acquire_many_owned(cost)
+                .map_err(|_| FlowError::WindowExceeded {
+                    connect_id,
+                    got: payload.len(),
+                })?
         } else {
-            let wait = self.budget.clone().acquire_many_owned(cost);
+            let wait = self.shared.budget.clone().acquire_many_owned(cost);
             match tokio::time::timeout(self.stall_timeout, wait).await {
-                Ok(permit) => Some(permit.map_err(|_| FlowError::Closed)?),
+                Ok(permit) => permit.map_err(|_| FlowError::Closed)?,
                 Err(_) => {
                     return Err(FlowError::Stalled {
                         connect_id,
@@ -220,50 +340,80 @@ impl<E> ReceiveQueue<E> {
                 }
             }
         };
-        self.tx
-            .send(Delivery {
-                event,
-                _budget: permit,
-            })
-            .map_err(|_| FlowError::Closed)
+        let waker = {
+            let mut state = self.shared.lock();
+            if state.consumer_gone {
+                return Err(FlowError::Closed);
+            }
+            state.queue_data(payload, permit);
+            state.consumer.take()
+        };
+        if let Some(waker) = waker {
+            waker.wake();
+        }
+        Ok(())
     }
+}
 
+impl<E> ReceiveQueue<E> {
     /// Queues a control event (close, error); these are not counted.
     pub fn push(&self, event: E) -> Result<(), FlowError> {
-        self.tx
-            .send(Delivery {
-                event,
-                _budget: None,
-            })
-            .map_err(|_| FlowError::Closed)
+        let waker = {
+            let mut state = self.shared.lock();
+            if state.consumer_gone {
+                return Err(FlowError::Closed);
+            }
+            state.items.push_back(Queued::Event(event));
+            state.consumer.take()
+        };
+        if let Some(waker) = waker {
+            waker.wake();
+        }
+        Ok(())
     }
 
     /// Whether the consumer is gone.
     pub fn is_closed(&self) -> bool {
-        self.tx.is_closed()
+        self.shared.lock().consumer_gone
     }
 
     /// Bytes currently buffered.
     pub fn buffered(&self) -> usize {
-        self.capacity as usize - self.budget.available_permits()
+        self.capacity as usize - self.shared.budget.available_permits()
+    }
+}
+
+impl<E: From<Bytes>> ReceiveQueueRx<E> {
+    pub async fn recv(&mut self) -> Option<Delivery<E>> {
+        std::future::poll_fn(|cx| self.poll_recv(cx)).await
+    }
+
+    /// The next item; `None` once the queue is empty and every
+    /// [`ReceiveQueue`] handle is gone or [`Self::close`] was called.
+    pub fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<Delivery<E>>> {
+        let mut state = self.shared.lock();
+        if let Some(item) = state.items.pop_front() {
+            drop(state);
+            return Poll::Ready(Some(item.into_delivery()));
+        }
+        if state.senders == 0 || state.consumer_gone {
+            return Poll::Ready(None);
+        }
+        if !state
+            .consumer
+            .as_ref()
+            .is_some_and(|waker| waker.will_wake(cx.waker()))
+        {
+            state.consumer = Some(cx.waker().clone());
+        }
+        Poll::Pending
     }
 }
 
 impl<E> ReceiveQueueRx<E> {
-    pub async fn recv(&mut self) -> Option<Delivery<E>> {
-        self.rx.recv().await
-    }
-
-    pub fn poll_recv(
-        &mut self,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Delivery<E>>> {
-        self.rx.poll_recv(cx)
-    }
-
     /// Stops accepting new items; queued ones can still be received.
     pub fn close(&mut self) {
-        self.rx.close();
+        self.shared.lock().consumer_gone = true;
     }
 }
 
@@ -448,9 +598,9 @@ mod tests {
     async fn strict_queue_refuses_bytes_beyond_the_window() {
         let (q, mut rx) = ReceiveQueue::<Bytes>::new(100, true);
         let chunk = Bytes::from(vec![0u8; 60]);
-        q.push_data(&chunk, 1, chunk.clone()).await.unwrap();
+        q.push_data(chunk.clone(), 1).await.unwrap();
         assert_eq!(
-            q.push_data(&chunk, 1, chunk.clone()).await,
+            q.push_data(chunk.clone(), 1).await,
             Err(FlowError::WindowExceeded {
                 connect_id: 1,
                 got: 60
@@ -459,41 +609,137 @@ mod tests {
         assert_eq!(q.buffered(), 60);
         drop(rx.recv().await.unwrap());
         assert_eq!(q.buffered(), 0);
-        q.push_data(&chunk, 1, chunk.clone()).await.unwrap();
+        q.push_data(chunk.clone(), 1).await.unwrap();
     }
 
     #[tokio::test]
     async fn lenient_queue_waits_when_full_and_never_deadlocks_on_huge_chunks() {
-        let (q, mut rx) = ReceiveQueue::<usize>::new(100, false);
-        let huge = Bytes::from(vec![0u8; 1000]);
-        q.push_data(&huge, 1, 1).await.unwrap();
+        let (q, mut rx) = ReceiveQueue::<Bytes>::new(100, false);
+        let huge = Bytes::from(vec![7u8; 1000]);
+        q.push_data(huge.clone(), 1).await.unwrap();
         let blocked = {
             let q = q.clone();
-            let small = Bytes::from_static(b"x");
-            tokio::spawn(async move { q.push_data(&small, 1, 2).await })
+            tokio::spawn(async move { q.push_data(Bytes::from_static(b"x"), 1).await })
         };
         tokio::time::sleep(Duration::from_millis(20)).await;
         assert!(!blocked.is_finished());
-        assert_eq!(rx.recv().await.unwrap().event, 1);
+        assert_eq!(rx.recv().await.unwrap().event, huge);
         blocked.await.unwrap().unwrap();
-        assert_eq!(rx.recv().await.unwrap().event, 2);
+        assert_eq!(rx.recv().await.unwrap().event, Bytes::from_static(b"x"));
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_stalled_plain_connection_gives_up_after_the_stall_timeout() {
-        let (q, _rx) = ReceiveQueue::<usize>::new(100, false);
+        let (q, _rx) = ReceiveQueue::<Bytes>::new(100, false);
         let q = q.with_stall_timeout(std::time::Duration::from_secs(3));
         let chunk = Bytes::from(vec![0u8; 100]);
-        q.push_data(&chunk, 9, 1).await.unwrap();
+        q.push_data(chunk.clone(), 9).await.unwrap();
         let started = tokio::time::Instant::now();
         assert_eq!(
-            q.push_data(&chunk, 9, 2).await,
+            q.push_data(chunk, 9).await,
             Err(FlowError::Stalled {
                 connect_id: 9,
                 after: std::time::Duration::from_secs(3)
             })
         );
         assert_eq!(started.elapsed(), std::time::Duration::from_secs(3));
+    }
+
+    fn points_into(payload: &Bytes, buffer: &Bytes) -> bool {
+        let range = buffer.as_ptr_range();
+        range.contains(&payload.as_ptr())
+    }
+
+    /// A reader that does not read while an agent sends one byte per packet
+    /// (each a slice of a large read buffer) costs about the bytes queued:
+    /// none of the buffer stays pinned and the items are few.
+    #[tokio::test]
+    async fn tiny_payloads_are_copied_out_and_joined() {
+        let (q, mut rx) = ReceiveQueue::<Bytes>::new(DEFAULT_WINDOW, true);
+        let read_buffer = Bytes::from((0..=255u8).cycle().take(1 << 20).collect::<Vec<u8>>());
+        const PACKETS: usize = 100_000;
+        for i in 0..PACKETS {
+            q.push_data(read_buffer.slice(i..i + 1), 3).await.unwrap();
+        }
+        assert_eq!(q.buffered(), PACKETS);
+        drop(q);
+        let mut deliveries = Vec::new();
+        while let Some(delivery) = rx.recv().await {
+            deliveries.push(delivery);
+        }
+        assert_eq!(deliveries.len(), PACKETS.div_ceil(COALESCE_UP_TO));
+        let mut joined = Vec::new();
+        for delivery in &deliveries {
+            assert!(!points_into(&delivery.event, &read_buffer));
+            joined.extend_from_slice(&delivery.event);
+        }
+        assert_eq!(joined, read_buffer[..PACKETS]);
+    }
+
+    #[tokio::test]
+    async fn long_payloads_are_delivered_in_place_and_order_is_kept() {
+        let (q, mut rx) = ReceiveQueue::<Bytes>::new(DEFAULT_WINDOW, true);
+        let read_buffer = Bytes::from(vec![1u8; 1 << 20]);
+        let long = read_buffer.slice(100..100 + COPY_BELOW);
+        q.push_data(read_buffer.slice(0..10), 1).await.unwrap();
+        q.push_data(long.clone(), 1).await.unwrap();
+        q.push_data(read_buffer.slice(10..20), 1).await.unwrap();
+        q.push_data(read_buffer.slice(20..30), 1).await.unwrap();
+        let first = rx.recv().await.unwrap();
+        assert_eq!(first.event.len(), 10);
+        assert!(!points_into(&first.event, &read_buffer));
+        let second = rx.recv().await.unwrap();
+        assert_eq!(second.event.as_ptr(), long.as_ptr(), "no copy");
+        assert_eq!(second.event.len(), COPY_BELOW);
+        // The two short payloads after it are joined into one.
+        assert_eq!(rx.recv().await.unwrap().event.len(), 20);
+        assert_eq!(q.buffered(), 10 + COPY_BELOW);
+        drop((first, second));
+        assert_eq!(q.buffered(), 0);
+    }
+
+    #[tokio::test]
+    async fn the_consumer_sees_the_end_after_the_queued_items() {
+        let (q, mut rx) = ReceiveQueue::<Bytes>::new(100, true);
+        let other = q.clone();
+        q.push_data(Bytes::from_static(b"ab"), 1).await.unwrap();
+        q.push(Bytes::from_static(b"end")).unwrap();
+        drop(q);
+        let waiting = tokio::spawn(async move {
+            let mut seen = Vec::new();
+            while let Some(delivery) = rx.recv().await {
+                seen.push(delivery.event);
+            }
+            seen
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!waiting.is_finished(), "one handle is left");
+        drop(other);
+        assert_eq!(
+            waiting.await.unwrap(),
+            vec![Bytes::from_static(b"ab"), Bytes::from_static(b"end")]
+        );
+    }
+
+    #[tokio::test]
+    async fn a_closed_or_dropped_consumer_refuses_data_and_returns_its_budget() {
+        let (q, mut rx) = ReceiveQueue::<Bytes>::new(100, true);
+        q.push_data(Bytes::from_static(b"abc"), 1).await.unwrap();
+        rx.close();
+        assert!(q.is_closed());
+        assert_eq!(
+            q.push_data(Bytes::from_static(b"d"), 1).await,
+            Err(FlowError::Closed)
+        );
+        assert_eq!(q.push(Bytes::new()), Err(FlowError::Closed));
+        assert_eq!(rx.recv().await.unwrap().event, Bytes::from_static(b"abc"));
+        assert!(rx.recv().await.is_none());
+
+        let (q, rx) = ReceiveQueue::<Bytes>::new(100, true);
+        q.push_data(Bytes::from_static(b"abc"), 1).await.unwrap();
+        assert_eq!(q.buffered(), 3);
+        drop(rx);
+        assert_eq!(q.buffered(), 0);
     }
 
     #[test]

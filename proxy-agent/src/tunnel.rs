@@ -95,6 +95,12 @@ enum Event {
     Close,
 }
 
+impl From<Bytes> for Event {
+    fn from(payload: Bytes) -> Self {
+        Event::Data(payload)
+    }
+}
+
 /// Lets the reader stop a connection with an error that the connection's
 /// own task reports in its CLOSE_RSP (keeping DATA before CLOSE_RSP).
 #[derive(Debug, Default)]
@@ -593,10 +599,7 @@ impl Tunnel {
             );
             return;
         };
-        match queue
-            .push_data(&data, connect_id, Event::Data(data.clone()))
-            .await
-        {
+        match queue.push_data(data, connect_id).await {
             Ok(()) => {}
             Err(e @ (FlowError::WindowExceeded { .. } | FlowError::Stalled { .. })) => {
                 tracing::warn!(server_id = %self.params.server_id, connect_id, error = %e, "closing connection");

@@ -73,6 +73,12 @@ pub enum FrontendEvent {
     Closed(String),
 }
 
+impl From<Bytes> for FrontendEvent {
+    fn from(payload: Bytes) -> Self {
+        FrontendEvent::Data(payload)
+    }
+}
+
 /// The outcome of a dial, delivered by the tunnel's reader.
 #[derive(Debug)]
 pub enum DialReply {
@@ -403,10 +409,7 @@ impl AgentTunnel {
                     self.close_stray(connect_id);
                     return;
                 };
-                match queue
-                    .push_data(&data, connect_id, FrontendEvent::Data(data.clone()))
-                    .await
-                {
+                match queue.push_data(data, connect_id).await {
                     Ok(()) | Err(FlowError::Closed) => {}
                     Err(e) => self.fail_conn(connect_id, e.to_string()),
                 }
