@@ -64,6 +64,18 @@ async fn hostile(pki: &TestPki, server: &RunningServer) -> Result<RawAgent, RawA
     .await
 }
 
+/// A gRPC channel to the server's client port with the client windows.
+async fn client_channel(pki: &TestPki, server: &RunningServer) -> tonic::transport::Channel {
+    connect_channel(
+        "localhost",
+        server.client_addr.port(),
+        pki.client_tls().unwrap(),
+        STEP,
+    )
+    .await
+    .unwrap()
+}
+
 /// One dial through the well-behaved agent and an echo round trip.
 async fn echo_round_trip(
     client: &cluster_proxy_proto::client::TunnelClient,
@@ -256,14 +268,7 @@ async fn a_proxy_stream_without_a_dial_request_is_ended() {
     let server = proxy_server::start_with_tls(config, pki.server_tls().unwrap())
         .await
         .unwrap();
-    let channel = connect_channel(
-        "localhost",
-        server.client_addr.port(),
-        pki.client_tls().unwrap(),
-        STEP,
-    )
-    .await
-    .unwrap();
+    let channel = client_channel(&pki, &server).await;
     let (_to_server, rx) = tokio::sync::mpsc::channel::<Packet>(1);
     let response = ProxyServiceClient::new(channel)
         .proxy(ReceiverStream::new(rx))
@@ -322,41 +327,8 @@ async fn a_client_that_never_reads_its_replies_loses_its_stream() {
         .await
         .unwrap();
     let mut agent = hostile(&pki, &server).await.unwrap();
-    let channel = connect_channel(
-        "localhost",
-        server.client_addr.port(),
-        pki.client_tls().unwrap(),
-        STEP,
-    )
-    .await
-    .unwrap();
-    let (to_server, mut from_server) = proxy_stream(channel).await.unwrap();
-    to_server
-        .send(packet::dial_request("cluster-evil:1", 1))
-        .await
-        .unwrap();
-    let Some(dial) = agent.recv(STEP).await else {
-        panic!("no DIAL_REQ reached the agent");
-    };
-    let cluster_proxy_proto::packet::Frame::DialRequest { random, .. } =
-        cluster_proxy_proto::packet::Frame::from_packet(dial)
-    else {
-        panic!("expected DIAL_REQ");
-    };
-    agent
-        .to_server
-        .send(packet::dial_response_ok(random, 5))
-        .await
-        .unwrap();
-    let answer = tokio::time::timeout(STEP, from_server.message())
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
-    assert!(matches!(
-        cluster_proxy_proto::packet::Frame::from_packet(answer),
-        cluster_proxy_proto::packet::Frame::DialResponse { connect_id: 5, .. }
-    ));
+    let (to_server, from_server) =
+        dial_raw(&mut agent, client_channel(&pki, &server).await, 1, 5).await;
     // Now ask again and again without reading: the server's answers fill
     // the HTTP/2 window, then its reply queue, and the stream ends.
     let flood = tokio::spawn(async move {
@@ -397,14 +369,7 @@ async fn streams_per_connection_are_bounded() {
     let server = proxy_server::start_with_tls(config, pki.server_tls().unwrap())
         .await
         .unwrap();
-    let channel = connect_channel(
-        "localhost",
-        server.client_addr.port(),
-        pki.client_tls().unwrap(),
-        STEP,
-    )
-    .await
-    .unwrap();
+    let channel = client_channel(&pki, &server).await;
     let first = proxy_stream(channel.clone()).await.unwrap();
     let _second = proxy_stream(channel.clone()).await.unwrap();
     let streams = "konnectivity_network_proxy_server_grpc_connections{service_method=\"Proxy\"}";
@@ -570,14 +535,7 @@ async fn single_bytes_queued_for_a_stalled_client_do_not_pin_the_buffers_they_ar
     .await
     .unwrap();
     let (_stalled_requests, _stalled_replies) = dial_raw(&mut agent, stalled_channel, 1, 5).await;
-    let reading_channel = connect_channel(
-        "localhost",
-        server.client_addr.port(),
-        pki.client_tls().unwrap(),
-        STEP,
-    )
-    .await
-    .unwrap();
+    let reading_channel = client_channel(&pki, &server).await;
     let (_reading_requests, mut reading_replies) =
         dial_raw(&mut agent, reading_channel, 2, 6).await;
     const PAIRS: usize = 2_000;
