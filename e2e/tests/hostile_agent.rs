@@ -538,7 +538,7 @@ async fn single_bytes_queued_for_a_stalled_client_do_not_pin_the_buffers_they_ar
     let reading_channel = client_channel(&pki, &server).await;
     let (_reading_requests, mut reading_replies) =
         dial_raw(&mut agent, reading_channel, 2, 6).await;
-    const PAIRS: usize = 2_000;
+    const PAIRS: usize = 6_000;
     const LARGE: usize = 64 * 1024;
     let reader = tokio::spawn(async move {
         let mut received = 0;
@@ -589,9 +589,11 @@ async fn single_bytes_queued_for_a_stalled_client_do_not_pin_the_buffers_they_ar
         "{PAIRS} single bytes queued between {} MiB read: RSS {rss_before} → {rss_after} KiB",
         (PAIRS * LARGE) >> 20
     );
-    // Pinned, each byte would hold its 64 KiB neighbour: 125 MiB.
+    // Pinned, each byte would hold its 64 KiB neighbour: 375 MiB. What
+    // flows through the buffers on the way (window, HTTP/2 buffers, the
+    // allocator's retention) stays below 32 MiB.
     assert!(
-        grown_mib < 32,
+        grown_mib < 96,
         "RSS grew by {grown_mib} MiB while {PAIRS} bytes were queued"
     );
     server.shutdown().await;
