@@ -23,6 +23,11 @@ use tokio_stream::wrappers::ReceiverStream;
 const STEP: Duration = Duration::from_secs(10);
 const MAX_STRAY_CLOSES: u32 = 64;
 
+/// `cargo test` runs this file's tests on threads of one process, so the
+/// tests that bound its RSS growth take turns: neither counts the other's
+/// traffic.
+static MEASURING_RSS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// A sample of the server's metrics (`name{labels}` exactly), if exported.
 fn metric(server: &RunningServer, sample: &str) -> Option<f64> {
     server.metrics_text().lines().find_map(|line| {
@@ -101,6 +106,7 @@ async fn echo_round_trip(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hostile_agent_stays_within_the_bounds_and_another_agent_keeps_working() {
+    let _alone = MEASURING_RSS.lock().await;
     let pki = TestPki::new(&["cluster-evil", "cluster-good"]).unwrap();
     let mut config = test_server_config();
     config.max_stray_closes_per_tunnel = MAX_STRAY_CLOSES;
@@ -513,6 +519,7 @@ async fn dial_raw(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn single_bytes_queued_for_a_stalled_client_do_not_pin_the_buffers_they_arrived_in() {
     use cluster_proxy_proto::packet::Frame;
+    let _alone = MEASURING_RSS.lock().await;
     let pki = TestPki::new(&["cluster-evil"]).unwrap();
     let server = proxy_server::start_with_tls(test_server_config(), pki.server_tls().unwrap())
         .await
