@@ -212,6 +212,23 @@ impl<E> QueueShared<E> {
         // critical section is a single push, pop or flag change.
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
+
+    /// Adds to the queue unless the consumer is gone, then wakes the
+    /// consumer outside the lock.
+    fn enqueue(&self, add: impl FnOnce(&mut QueueState<E>)) -> Result<(), FlowError> {
+        let waker = {
+            let mut state = self.lock();
+            if state.consumer_gone {
+                return Err(FlowError::Closed);
+            }
+            add(&mut state);
+            state.consumer.take()
+        };
+        if let Some(waker) = waker {
+            waker.wake();
+        }
+        Ok(())
+    }
 }
 
 /// The dispatching side of a connection's receive buffer. Data payloads are
@@ -340,36 +357,16 @@ impl<E: From<Bytes>> ReceiveQueue<E> {
                 }
             }
         };
-        let waker = {
-            let mut state = self.shared.lock();
-            if state.consumer_gone {
-                return Err(FlowError::Closed);
-            }
-            state.queue_data(payload, permit);
-            state.consumer.take()
-        };
-        if let Some(waker) = waker {
-            waker.wake();
-        }
-        Ok(())
+        self.shared
+            .enqueue(|state| state.queue_data(payload, permit))
     }
 }
 
 impl<E> ReceiveQueue<E> {
     /// Queues a control event (close, error); these are not counted.
     pub fn push(&self, event: E) -> Result<(), FlowError> {
-        let waker = {
-            let mut state = self.shared.lock();
-            if state.consumer_gone {
-                return Err(FlowError::Closed);
-            }
-            state.items.push_back(Queued::Event(event));
-            state.consumer.take()
-        };
-        if let Some(waker) = waker {
-            waker.wake();
-        }
-        Ok(())
+        self.shared
+            .enqueue(|state| state.items.push_back(Queued::Event(event)))
     }
 
     /// Whether the consumer is gone.
