@@ -25,7 +25,11 @@
 //! with the stalled ones is reported against the mean of the windows just
 //! before and after. They share the running downloads' client HTTP/2
 //! connections, or with `CP_FAIR_STALLED_OWN_CLIENT=1` only the tunnel
-//! (a client connection of their own).
+//! (a client connection of their own). `CP_FAIR_STALLED_VIA` picks the
+//! path of the stalled connections: `tunnel` (the default, as above),
+//! `direct` (plain TCP to the same target, never read: what a stalled
+//! connection costs this machine without the tunnel) or `none` (nothing
+//! is opened: the ratio the alternating windows read on their own).
 //!
 //! Reported: the total throughput, beside one connection alone measured in
 //! the same run over the same window; the per-connection distribution
@@ -162,9 +166,16 @@ async fn measure_with_cost(
     processes: &ChildTunnel,
     counters: &[Arc<AtomicU64>],
     window: Duration,
+    label: &str,
 ) -> anyhow::Result<(f64, WindowCost)> {
     let before = cpu_seconds(processes)?;
+    let started = unix_seconds();
     let (gained, elapsed) = measure(counters, window).await;
+    if knob("CP_FAIR_PRINT_WINDOWS", 0) == 1 {
+        // Wall-clock bounds, to cut a `perf record -k realtime` profile
+        // taken over the whole run into its windows (`perf report --time`).
+        eprintln!("window {label}: {started:.3},{:.3}", unix_seconds());
+    }
     let after = cpu_seconds(processes)?;
     let bytes: u64 = gained.iter().sum();
     let gib = (bytes as f64 / (1u64 << 30) as f64).max(1e-9);
@@ -179,6 +190,12 @@ async fn measure_with_cost(
     ))
 }
 
+fn unix_seconds() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
 /// The median of each process's CPU per GiB over `costs`.
 fn median_cost(costs: &[WindowCost]) -> WindowCost {
     let median = |pick: fn(&WindowCost) -> f64| {
@@ -190,6 +207,60 @@ fn median_cost(costs: &[WindowCost]) -> WindowCost {
         server: median(|c| c.server),
         agent: median(|c| c.agent),
         benchmark: median(|c| c.benchmark),
+    }
+}
+
+/// The path the stalled connections take (`CP_FAIR_STALLED_VIA`).
+#[derive(Clone, Copy, PartialEq)]
+enum StalledVia {
+    /// Tunneled like the running downloads.
+    Tunnel,
+    /// Plain TCP to the same target, bypassing the tunnel.
+    Direct,
+    /// Nothing is opened: the alternating windows' own reading.
+    Nothing,
+}
+
+impl StalledVia {
+    fn from_env() -> anyhow::Result<Self> {
+        match std::env::var("CP_FAIR_STALLED_VIA").as_deref() {
+            Err(std::env::VarError::NotPresent) | Ok("tunnel") => Ok(Self::Tunnel),
+            Ok("direct") => Ok(Self::Direct),
+            Ok("none") => Ok(Self::Nothing),
+            Ok(other) => Err(anyhow!(
+                "CP_FAIR_STALLED_VIA={other:?}: expected tunnel, direct or none"
+            )),
+            Err(e) => Err(anyhow!("CP_FAIR_STALLED_VIA: {e}")),
+        }
+    }
+}
+
+/// A stalled connection, held open and never read: only its drop, which
+/// closes it, is ever used.
+#[allow(dead_code)]
+enum Held {
+    Tunneled(cluster_proxy_proto::client::TunnelStream),
+    Direct(tokio::net::TcpStream),
+}
+
+/// Opens one connection that asks the target for an endless download
+/// along `via` and returns once its first byte arrived.
+async fn open_stalled(
+    via: StalledVia,
+    client: &TunnelClient,
+    target: &str,
+    target_addr: std::net::SocketAddr,
+) -> anyhow::Result<Option<Held>> {
+    match via {
+        StalledVia::Tunnel => Ok(Some(Held::Tunneled(open_download(client, target).await?))),
+        StalledVia::Direct => {
+            let mut stream = tokio::net::TcpStream::connect(target_addr).await?;
+            request_download(&mut stream, u64::MAX).await?;
+            let mut first = [0u8; 1];
+            stream.read_exact(&mut first).await?;
+            Ok(Some(Held::Direct(stream)))
+        }
+        StalledVia::Nothing => Ok(None),
     }
 }
 
@@ -209,6 +280,8 @@ async fn stalled_effect(
     processes: &ChildTunnel,
     tunnels: &[TunnelClient],
     target: &str,
+    target_addr: std::net::SocketAddr,
+    via: StalledVia,
     counters: &[Arc<AtomicU64>],
     count: usize,
     rounds: usize,
@@ -222,13 +295,14 @@ async fn stalled_effect(
     for _ in 0..rounds {
         let mut stalled = Vec::with_capacity(count);
         for i in 0..count {
-            stalled.push(open_download(&tunnels[i % tunnels.len()], target).await?);
+            stalled
+                .push(open_stalled(via, &tunnels[i % tunnels.len()], target, target_addr).await?);
         }
         tokio::time::sleep(STALL_SETTLE).await;
-        let (with, with_cost) = measure_with_cost(processes, counters, window).await?;
+        let (with, with_cost) = measure_with_cost(processes, counters, window, "with").await?;
         drop(stalled);
         tokio::time::sleep(STALL_SETTLE).await;
-        let (after, after_cost) = measure_with_cost(processes, counters, window).await?;
+        let (after, after_cost) = measure_with_cost(processes, counters, window, "without").await?;
         ratios.push(with / ((without + after) / 2.0).max(1e-9));
         cost_with.push(with_cost);
         cost_without.push(after_cost);
@@ -341,6 +415,7 @@ async fn main() -> anyhow::Result<()> {
         agent_after.cpu_seconds - agent_before.cpu_seconds,
     );
     let stalled = knob("CP_FAIR_STALLED", 0);
+    let stalled_via = StalledVia::from_env()?;
     let stalled_effect = if stalled > 0 {
         let with_all = gbit_per_s(gained.iter().sum(), elapsed);
         let rounds = knob("CP_FAIR_STALL_ROUNDS", 3).max(1);
@@ -355,6 +430,8 @@ async fn main() -> anyhow::Result<()> {
                 &processes,
                 &stalled_clients,
                 &target,
+                target_addr,
+                stalled_via,
                 &counters,
                 stalled,
                 rounds,
@@ -405,11 +482,13 @@ async fn main() -> anyhow::Result<()> {
     if let Some(effect) = stalled_effect {
         let ratios = &effect.ratios;
         println!(
-            "with {stalled} stalled connections (never read; sharing {}), the others' throughput against the windows around it, over {} rounds: median {:.1} % (lowest {:.1} %, highest {:.1} %)",
-            if knob("CP_FAIR_STALLED_OWN_CLIENT", 0) == 1 {
-                "the tunnel only"
-            } else {
-                "the tunnel and the client connections"
+            "with {stalled} stalled connections (never read; {}), the others' throughput against the windows around it, over {} rounds: median {:.1} % (lowest {:.1} %, highest {:.1} %)",
+            match stalled_via {
+                StalledVia::Nothing => "none opened: the windows' own reading",
+                StalledVia::Direct => "plain TCP to the target, not tunneled",
+                StalledVia::Tunnel if knob("CP_FAIR_STALLED_OWN_CLIENT", 0) == 1 =>
+                    "sharing the tunnel only",
+                StalledVia::Tunnel => "sharing the tunnel and the client connections",
             },
             ratios.len(),
             ratios[ratios.len() / 2] * 100.0,
