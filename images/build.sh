@@ -125,6 +125,9 @@ for name in "${images[@]}"; do
     done
     # A dynamic binary would not start in a scratch image: refuse it here.
     ! dynamically_linked "$out/$bin" || die "$out/$bin is dynamically linked"
+    # musl's own malloc doubled proxy-server's CPU per byte; the runtime crate
+    # makes mimalloc the allocator of every binary that links it (README, Images).
+    grep -q 'mimalloc' "$out/$bin" || die "$out/$bin does not use mimalloc (does it link cluster-proxy-runtime?)"
     cp "$out/$bin" "$context/$bin"
   done
 done
