@@ -49,7 +49,7 @@ use e2e::harness::tunnel_client;
 use e2e::loadgen::{knob, pattern, process_usage, request_download};
 use e2e::pki::TestPki;
 use e2e::processes::{ChildTunnel, ChildTunnelOptions};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 
 const CLUSTER: &str = "cluster-a";
@@ -91,7 +91,12 @@ async fn open_download(
     client: &TunnelClient,
     target: &str,
 ) -> anyhow::Result<cluster_proxy_proto::client::TunnelStream> {
-    let mut stream = client.dial(target).await?;
+    start_download(client.dial(target).await?).await
+}
+
+/// Asks the endless target on `stream` for an endless download and returns
+/// the stream once the first byte arrived.
+async fn start_download<S: AsyncRead + AsyncWrite + Unpin>(mut stream: S) -> anyhow::Result<S> {
     request_download(&mut stream, u64::MAX).await?;
     let mut first = [0u8; 1];
     tokio::time::timeout(Duration::from_secs(60), stream.read_exact(&mut first))
@@ -235,33 +240,22 @@ impl StalledVia {
     }
 }
 
-/// A stalled connection, held open and never read: only its drop, which
-/// closes it, is ever used.
-#[allow(dead_code)]
-enum Held {
-    Tunneled(cluster_proxy_proto::client::TunnelStream),
-    Direct(tokio::net::TcpStream),
-}
-
 /// Opens one connection that asks the target for an endless download
-/// along `via` and returns once its first byte arrived.
+/// along `via` and returns once its first byte arrived. It is held only to
+/// be dropped (closed) later, never read.
 async fn open_stalled(
     via: StalledVia,
     client: &TunnelClient,
     target: &str,
     target_addr: std::net::SocketAddr,
-) -> anyhow::Result<Option<Held>> {
-    match via {
-        StalledVia::Tunnel => Ok(Some(Held::Tunneled(open_download(client, target).await?))),
-        StalledVia::Direct => {
-            let mut stream = tokio::net::TcpStream::connect(target_addr).await?;
-            request_download(&mut stream, u64::MAX).await?;
-            let mut first = [0u8; 1];
-            stream.read_exact(&mut first).await?;
-            Ok(Some(Held::Direct(stream)))
-        }
-        StalledVia::Nothing => Ok(None),
-    }
+) -> anyhow::Result<Option<Box<dyn Send>>> {
+    Ok(match via {
+        StalledVia::Tunnel => Some(Box::new(open_download(client, target).await?)),
+        StalledVia::Direct => Some(Box::new(
+            start_download(tokio::net::TcpStream::connect(target_addr).await?).await?,
+        )),
+        StalledVia::Nothing => None,
+    })
 }
 
 /// How long stalled connections get to fill every buffer their flow
@@ -325,6 +319,8 @@ async fn main() -> anyhow::Result<()> {
     let connections = knob("CP_FAIR_CONNS", 10_000).max(1);
     let clients = knob("CP_FAIR_CLIENTS", 16).max(1);
     let window = Duration::from_secs(knob("CP_FAIR_SECONDS", 10) as u64);
+    // A misspelt path fails here, not after the first measurements.
+    let stalled_via = StalledVia::from_env()?;
 
     let binaries = tokio::task::spawn_blocking(|| Binaries::build(Progress::Quiet)).await??;
     let pki = TestPki::new(&[CLUSTER])?;
@@ -415,7 +411,6 @@ async fn main() -> anyhow::Result<()> {
         agent_after.cpu_seconds - agent_before.cpu_seconds,
     );
     let stalled = knob("CP_FAIR_STALLED", 0);
-    let stalled_via = StalledVia::from_env()?;
     let stalled_effect = if stalled > 0 {
         let with_all = gbit_per_s(gained.iter().sum(), elapsed);
         let rounds = knob("CP_FAIR_STALL_ROUNDS", 3).max(1);
