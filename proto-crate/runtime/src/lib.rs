@@ -19,15 +19,14 @@
 //! * [`shutdown`] — SIGTERM/SIGINT handling for graceful shutdown.
 //! * [`workers`] — the Tokio runtime of a data-path service, sized by
 //!   `--worker-threads`.
-//! * `allocator` (static musl builds only) — mimalloc as the global
-//!   allocator of every binary that links this crate.
+//! * `allocator` — mimalloc as the global allocator of every binary that
+//!   links this crate.
 //!
 //! It links no Kubernetes client: the data plane (proxy-server, proxy-agent)
 //! depends on it.
 #![forbid(unsafe_code)]
 
 pub mod admin;
-#[cfg(target_env = "musl")]
 mod allocator;
 pub mod cli;
 pub mod config;
