@@ -31,11 +31,16 @@ impl<T: AsyncRead + AsyncWrite + Unpin + Send> Io for T {}
 type BoxIo = Box<dyn Io>;
 type Dial = Box<dyn Fn(u16) -> Pin<Box<dyn Future<Output = BoxIo> + Send>> + Send + Sync>;
 
+/// A knob's value, or `default` when unset; a value that is not a whole
+/// number ends the benchmark instead of silently measuring the default.
 fn env_u64(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
+    let Ok(value) = std::env::var(name) else {
+        return default;
+    };
+    value.parse().unwrap_or_else(|e| {
+        eprintln!("{name}={value:?}: not a whole number ({e})");
+        std::process::exit(2)
+    })
 }
 
 struct Path {
@@ -616,10 +621,16 @@ struct Setup {
     _server: proxy_server::RunningServer,
 }
 
-async fn setup() -> Setup {
+/// `idle`: how many connections the idle-memory figure holds at once, all
+/// streams of one gRPC client connection, so the server must allow that many
+/// concurrent streams (beyond its limit a dial would wait for a free stream
+/// forever).
+async fn setup(idle: u64) -> Setup {
     let pki = TestPki::new(&["bench"]).expect("pki");
     let mut config = test_server_config();
     config.backend_dial_timeout = Duration::from_secs(30);
+    let idle_streams = u32::try_from(idle).unwrap_or(u32::MAX);
+    config.max_concurrent_streams = config.max_concurrent_streams.max(idle_streams);
     let server = proxy_server::start_with_tls(config, pki.server_tls().expect("tls"))
         .await
         .expect("server");
@@ -685,7 +696,7 @@ async fn run() -> Rows {
         cpu_latency,
         early,
         ..
-    } = &setup().await;
+    } = &setup(idle).await;
 
     let bytes = mib * 1024 * 1024;
     println!(
