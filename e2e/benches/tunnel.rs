@@ -20,7 +20,7 @@ use cluster_proxy_proto::trace::BoxedTracer;
 use cluster_proxy_runtime::telemetry::{self, SamplerChoice, TelemetryConfig};
 use e2e::env::binaries::{Binaries, Progress};
 use e2e::harness::{http_connect, test_server_config, tunnel_client};
-use e2e::loadgen::{BulkServer, download, process_usage, rss_bytes, upload};
+use e2e::loadgen::{BulkServer, download, knob, process_usage, rss_bytes, upload};
 use e2e::pki::TestPki;
 use e2e::processes::{ChildTunnel, ChildTunnelOptions};
 use e2e::targets::EchoServer;
@@ -30,18 +30,6 @@ trait Io: AsyncRead + AsyncWrite + Unpin + Send {}
 impl<T: AsyncRead + AsyncWrite + Unpin + Send> Io for T {}
 type BoxIo = Box<dyn Io>;
 type Dial = Box<dyn Fn(u16) -> Pin<Box<dyn Future<Output = BoxIo> + Send>> + Send + Sync>;
-
-/// A knob's value, or `default` when unset; a value that is not a whole
-/// number ends the benchmark instead of silently measuring the default.
-fn env_u64(name: &str, default: u64) -> u64 {
-    let Ok(value) = std::env::var(name) else {
-        return default;
-    };
-    value.parse().unwrap_or_else(|e| {
-        eprintln!("{name}={value:?}: not a whole number ({e})");
-        std::process::exit(2)
-    })
-}
 
 struct Path {
     name: &'static str,
@@ -246,10 +234,10 @@ fn main() {
 /// both alike. Reports the median of the per-round ratios and the spread,
 /// and the server's and agent's CPU time over all rounds.
 fn compare_tracing(runtime: &tokio::runtime::Runtime) {
-    let mib = env_u64("CP_BENCH_MIB", 1024);
-    let connects = env_u64("CP_BENCH_CONNECTS", 2_000);
-    let rounds = env_u64("CP_BENCH_ROUNDS", 5).max(1);
-    let round_trip_count = env_u64("CP_BENCH_RTT", 10_000);
+    let mib = knob("CP_BENCH_MIB", 1024) as u64;
+    let connects = knob("CP_BENCH_CONNECTS", 2_000) as u64;
+    let rounds = (knob("CP_BENCH_ROUNDS", 5) as u64).max(1);
+    let round_trip_count = knob("CP_BENCH_RTT", 10_000) as u64;
     let (collector, collector_addr, stop) = runtime
         .block_on(e2e::otlp::Collector::start_counting())
         .expect("collector");
@@ -685,10 +673,10 @@ async fn setup(idle: u64) -> Setup {
 }
 
 async fn run() -> Rows {
-    let mib = env_u64("CP_BENCH_MIB", 1024);
-    let rtt_count = env_u64("CP_BENCH_RTT", 10_000);
-    let connects = env_u64("CP_BENCH_CONNECTS", 2_000);
-    let idle = env_u64("CP_BENCH_IDLE", 1_000);
+    let mib = knob("CP_BENCH_MIB", 1024) as u64;
+    let rtt_count = knob("CP_BENCH_RTT", 10_000) as u64;
+    let connects = knob("CP_BENCH_CONNECTS", 2_000) as u64;
+    let idle = knob("CP_BENCH_IDLE", 1_000) as u64;
     let Setup {
         paths,
         bulk,

@@ -158,12 +158,17 @@ pub fn rss_bytes() -> Option<u64> {
 }
 
 /// A benchmark knob: the environment variable `name` as a number, or
-/// `default` when it is unset or not a number.
+/// `default` when it is unset. A value that is not a whole number ends the
+/// process with a message naming it, rather than silently measuring the
+/// default.
 pub fn knob(name: &str, default: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
+    let Ok(value) = std::env::var(name) else {
+        return default;
+    };
+    value.parse().unwrap_or_else(|e| {
+        eprintln!("{name}={value:?}: not a whole number ({e})");
+        std::process::exit(2)
+    })
 }
 
 /// What a process has used so far, from `/proc` (Linux).

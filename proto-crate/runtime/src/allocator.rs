@@ -9,9 +9,9 @@
 //! glibc in the same runs. glibc's malloc does the same in smaller measure
 //! (it trims the top of a heap once 128 KiB there are free): with it the
 //! agent spent 7–17 % more CPU per GiB than with mimalloc in the same runs
-//! (README, "The allocator: mimalloc"). Every binary links this crate, so declaring
-//! the allocator here gives all of them the same one, and `images/build.sh`
-//! refuses a binary without it.
+//! (README, "The allocator: mimalloc"). Every binary links this crate, so
+//! declaring the allocator here gives all of them the same one, and
+//! `images/build.sh` refuses a binary without it.
 
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
