@@ -1,9 +1,13 @@
 //! Tunnel benchmark: direct TCP vs the tunnel (gRPC client and HTTP CONNECT),
-//! measured in one run on loopback with a real server, agent and mTLS.
+//! measured in one run on loopback with a real server, agent and mTLS, beside
+//! two reference chains of two relays each (plain TCP, and mutual TLS with
+//! the tunnel's own TLS configurations) that carry connections the same two
+//! hops with no tunnel protocol.
 //!
 //! `cargo bench -p e2e --bench tunnel` (env: `CP_BENCH_MIB` bytes per
 //! single-connection transfer, default 1024; `CP_BENCH_RTT` round trips,
-//! default 10000; `CP_BENCH_CONNECTS`, default 2000; `CP_BENCH_IDLE`, default 1000).
+//! default 10000; `CP_BENCH_CONNECTS`, default 2000; `CP_BENCH_IDLE`, default 1000;
+//! `CP_BENCH_PATHS` the paths besides direct TCP; `CP_BENCH_WORKER_THREADS`).
 //!
 //! `CP_BENCH_TRACING=1` compares tracing off and on instead (see
 //! [`compare_tracing`]): single-connection throughput, connects/s and round-trip time, in
@@ -208,13 +212,165 @@ async fn tunnel_paths(
     ]
 }
 
+/// The TLS of the reference relays: the configurations the tunnel's own
+/// ends use (the same certificates, cipher suites and session resumption).
+struct RelayTls {
+    /// What the hub relay serves to the client, as the server's client port.
+    hub: std::sync::Arc<rustls::ServerConfig>,
+    /// What the hub relay presents when it opens the second hop.
+    hop: std::sync::Arc<rustls::ClientConfig>,
+    /// What the cluster relay serves on the second hop.
+    cluster: std::sync::Arc<rustls::ServerConfig>,
+}
+
+/// Size of each relay's copy buffers, large enough that a TLS relay reads
+/// and writes whole records.
+const RELAY_BUFFER: usize = 64 * 1024;
+
+/// Two relays in this process, a hub relay and a cluster relay, that carry
+/// each connection the way the server and the agent do, client → hub relay
+/// → cluster relay → target, with none of the tunnel's protocol: each
+/// connection is its own TCP (or mutual-TLS) connection on both hops, and
+/// the relays only copy bytes. The client names the target port in the
+/// connection's first two bytes (big-endian). A reference for the tunnel's
+/// figures: what two hops cost on this machine, without (`tls: None`) and
+/// with the two TLS terminations per byte the tunnel also makes.
+async fn start_relays(tls: Option<RelayTls>) -> std::io::Result<std::net::SocketAddr> {
+    let tls = tls.map(std::sync::Arc::new);
+    let cluster = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let cluster_addr = cluster.local_addr()?;
+    let cluster_tls = tls.as_ref().map(|t| t.cluster.clone());
+    tokio::spawn(serve_relay(cluster, cluster_tls, move |port| async move {
+        let target = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+        target.set_nodelay(true)?;
+        Ok(Box::new(target) as BoxIo)
+    }));
+    let hub = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let hub_addr = hub.local_addr()?;
+    let hub_tls = tls.as_ref().map(|t| t.hub.clone());
+    let hop_tls = tls.as_ref().map(|t| t.hop.clone());
+    tokio::spawn(serve_relay(hub, hub_tls, move |port| {
+        let hop_tls = hop_tls.clone();
+        async move {
+            let mut next = relay_dial(cluster_addr, hop_tls).await?;
+            next.write_all(&port.to_be_bytes()).await?;
+            Ok(next)
+        }
+    }));
+    Ok(hub_addr)
+}
+
+/// Accepts connections on `listener` (terminating TLS with `tls` when
+/// given), reads the target port each names, opens the next hop with
+/// `onward` and copies bytes both ways until either side closes.
+async fn serve_relay<F, Fut>(
+    listener: tokio::net::TcpListener,
+    tls: Option<std::sync::Arc<rustls::ServerConfig>>,
+    onward: F,
+) where
+    F: Fn(u16) -> Fut + Send + Sync + Clone + 'static,
+    Fut: Future<Output = std::io::Result<BoxIo>> + Send,
+{
+    loop {
+        let (tcp, _) = match listener.accept().await {
+            Ok(accepted) => accepted,
+            Err(e) => {
+                eprintln!("relay: accept: {e}");
+                continue;
+            }
+        };
+        let tls = tls.clone();
+        let onward = onward.clone();
+        tokio::spawn(async move {
+            let relayed = async {
+                tcp.set_nodelay(true)?;
+                let mut inbound: BoxIo = match tls {
+                    Some(config) => {
+                        Box::new(tokio_rustls::TlsAcceptor::from(config).accept(tcp).await?)
+                    }
+                    None => Box::new(tcp),
+                };
+                let mut port = [0u8; 2];
+                inbound.read_exact(&mut port).await?;
+                let mut outbound = onward(u16::from_be_bytes(port)).await?;
+                tokio::io::copy_bidirectional_with_sizes(
+                    &mut inbound,
+                    &mut outbound,
+                    RELAY_BUFFER,
+                    RELAY_BUFFER,
+                )
+                .await
+                .map(drop)
+            };
+            if let Err(e) = relayed.await {
+                // A peer closing mid-copy, or without TLS close_notify (the
+                // benchmark drops its connections), ends the connection.
+                if !matches!(
+                    e.kind(),
+                    std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::UnexpectedEof
+                ) {
+                    eprintln!("relay: {e}");
+                }
+            }
+        });
+    }
+}
+
+/// A TCP connection to `addr`, inside mutual TLS when `tls` is given.
+async fn relay_dial(
+    addr: std::net::SocketAddr,
+    tls: Option<std::sync::Arc<rustls::ClientConfig>>,
+) -> std::io::Result<BoxIo> {
+    let tcp = tokio::net::TcpStream::connect(addr).await?;
+    tcp.set_nodelay(true)?;
+    Ok(match tls {
+        Some(config) => {
+            let name = rustls::pki_types::ServerName::try_from("localhost")
+                .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+            Box::new(
+                tokio_rustls::TlsConnector::from(config)
+                    .connect(name, tcp)
+                    .await?,
+            )
+        }
+        None => Box::new(tcp),
+    })
+}
+
+const TCP_RELAYS: &str = "two TCP relays (reference)";
+const TLS_RELAYS: &str = "two mTLS relays (reference)";
+
+/// A benchmark path through the relays at `hub` (see [`start_relays`]).
+fn relay_path(
+    name: &'static str,
+    hub: std::net::SocketAddr,
+    tls: Option<std::sync::Arc<rustls::ClientConfig>>,
+) -> Path {
+    Path {
+        name,
+        dial: Box::new(move |port| {
+            let tls = tls.clone();
+            Box::pin(async move {
+                let mut io = relay_dial(hub, tls).await.expect("relay dial");
+                io.write_all(&port.to_be_bytes()).await.expect("relay port");
+                io
+            })
+        }),
+    }
+}
+
 type Rows = Vec<(&'static str, Vec<f64>)>;
 
 fn main() {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("tokio runtime");
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    // `CP_BENCH_WORKER_THREADS`: the in-process run's worker threads (the
+    // client, server, agent, relays and targets share them; default one per
+    // CPU). With 1, every hand-off between tasks stays on one thread.
+    let workers = knob("CP_BENCH_WORKER_THREADS", 0);
+    if workers > 0 {
+        builder.worker_threads(workers as usize);
+    }
+    let runtime = builder.enable_all().build().expect("tokio runtime");
     let tracing = std::env::var("CP_BENCH_TRACING").is_ok_and(|v| v == "1");
     if !tracing {
         print_table(&runtime.block_on(run()));
@@ -597,9 +753,10 @@ fn median(sorted: &[f64]) -> f64 {
     sorted[sorted.len() / 2]
 }
 
-/// A server, an agent, the targets and the three paths to them.
+/// A server, an agent, the targets and the paths to them: direct, the two
+/// reference relay chains and the tunnel's two front doors.
 struct Setup {
-    paths: [Path; 3],
+    paths: [Path; 5],
     bulk: BulkServer,
     echo: EchoServer,
     cpu_latency: Option<std::fs::File>,
@@ -642,6 +799,13 @@ async fn setup(idle: u64) -> Setup {
     let echo = EchoServer::start().await.expect("echo target");
 
     let [grpc, connect] = tunnel_paths(&pki, server.client_addr, None).await;
+    let tcp_relays = start_relays(None).await.expect("TCP relays");
+    let relay_tls = RelayTls {
+        hub: pki.frontend_server_config().expect("tls"),
+        hop: pki.client_tls().expect("tls"),
+        cluster: pki.frontend_server_config().expect("tls"),
+    };
+    let tls_relays = start_relays(Some(relay_tls)).await.expect("TLS relays");
     let early = tunnel_client(pki.client_tls().expect("tls"), server.client_addr)
         .await
         .expect("grpc client");
@@ -658,6 +822,8 @@ async fn setup(idle: u64) -> Setup {
                 })
             }),
         },
+        relay_path(TCP_RELAYS, tcp_relays, None),
+        relay_path(TLS_RELAYS, tls_relays, Some(pki.client_tls().expect("tls"))),
         grpc,
         connect,
     ];
@@ -677,6 +843,37 @@ async fn run() -> Rows {
     let rtt_count = knob("CP_BENCH_RTT", 10_000) as u64;
     let connects = knob("CP_BENCH_CONNECTS", 2_000) as u64;
     let idle = knob("CP_BENCH_IDLE", 1_000) as u64;
+    // `CP_BENCH_PATHS` (`tcp-relays,tls-relays,grpc,connect`, default all):
+    // the paths measured besides direct TCP, the baseline of every ratio.
+    let path_names = [
+        ("direct", "direct TCP"),
+        ("tcp-relays", TCP_RELAYS),
+        ("tls-relays", TLS_RELAYS),
+        ("grpc", "tunnel, gRPC client"),
+        ("connect", "tunnel, HTTP CONNECT"),
+    ];
+    let chosen = std::env::var("CP_BENCH_PATHS").ok();
+    if let Some(unknown) = chosen
+        .iter()
+        .flat_map(|c| c.split(','))
+        .map(str::trim)
+        .find(|c| !c.is_empty() && !path_names.iter().any(|(short, _)| short == c))
+    {
+        eprintln!(
+            "CP_BENCH_PATHS: unknown path {unknown:?}; known: tcp-relays, tls-relays, grpc, connect"
+        );
+        std::process::exit(2);
+    }
+    let measured = |name: &str| {
+        let short = path_names
+            .iter()
+            .find(|(_, long)| *long == name)
+            .map_or("", |(short, _)| *short);
+        short == "direct"
+            || chosen
+                .as_ref()
+                .is_none_or(|chosen| chosen.split(',').any(|c| c.trim() == short))
+    };
     let Setup {
         paths,
         bulk,
@@ -688,8 +885,9 @@ async fn run() -> Rows {
 
     let bytes = mib * 1024 * 1024;
     println!(
-        "cluster-proxy tunnel benchmark (loopback, {} CPUs)",
-        std::thread::available_parallelism().map_or(0, |n| n.get())
+        "cluster-proxy tunnel benchmark (loopback, {} CPUs, {} worker threads)",
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        tokio::runtime::Handle::current().metrics().num_workers()
     );
     println!(
         "idle CPUs: {}",
@@ -705,7 +903,7 @@ async fn run() -> Rows {
     );
     let mut rows: Rows = Vec::new();
     let mut early_rows = Vec::new();
-    for path in paths {
+    for path in paths.iter().filter(|path| measured(path.name)) {
         let up1 = throughput(path, bulk.addr.port(), 1, bytes, true).await;
         let down1 = throughput(path, bulk.addr.port(), 1, bytes, false).await;
         let up8 = throughput(path, bulk.addr.port(), 8, bytes / 8, true).await;
@@ -713,7 +911,13 @@ async fn run() -> Rows {
         let (p50, p99) = round_trips(path, echo.addr.port(), rtt_count).await;
         let cps = connects_per_second(path, echo.addr.port(), connects, 1).await;
         let cps8 = connects_per_second(path, echo.addr.port(), connects, 8).await;
-        let mem = idle_bytes_per_connection(path, echo.addr.port(), idle).await;
+        // The relays' per-connection memory is their copy buffers, not a
+        // reference for the tunnel's.
+        let mem = if path.name == TCP_RELAYS || path.name == TLS_RELAYS {
+            f64::NAN
+        } else {
+            idle_bytes_per_connection(path, echo.addr.port(), idle).await
+        };
         eprintln!("measured {}", path.name);
         if path.name == "tunnel, gRPC client" {
             let early_cps =
@@ -770,7 +974,9 @@ fn print_table(rows: &Rows) {
             .iter()
             .enumerate()
             .map(|(i, v)| {
-                if *name == "direct TCP" {
+                if v.is_nan() {
+                    "—".to_owned()
+                } else if *name == "direct TCP" {
                     format!("{v:.2}")
                 } else if matches!(i, 4 | 5 | 8) {
                     format!("{v:.1} (+{:.1})", v - direct[i])
@@ -787,4 +993,24 @@ fn print_table(rows: &Rows) {
     println!(
         "Idle memory is this process's RSS growth per open connection (client, server, agent and target together)."
     );
+    let Some((_, relays)) = rows.iter().find(|(name, _)| *name == TLS_RELAYS) else {
+        return;
+    };
+    println!(
+        "\nThe tunnel against two mTLS relays (the same TLS on both hops, no tunnel protocol; the relays handshake on both hops for every connection):"
+    );
+    for (name, v) in rows.iter().filter(|(name, _)| name.starts_with("tunnel")) {
+        let share = |i: usize| v[i] / relays[i] * 100.0;
+        println!(
+            "{name}: 1 conn up {:.0} %, down {:.0} %; 8 conn up {:.0} %, down {:.0} %; RTT p50 {:+.1} µs, p99 {:+.1} µs; connects/s {:.0} %, 8 parallel {:.0} %",
+            share(0),
+            share(1),
+            share(2),
+            share(3),
+            v[4] - relays[4],
+            v[5] - relays[5],
+            share(6),
+            share(7),
+        );
+    }
 }
