@@ -15,7 +15,9 @@
 //! (`CP_BENCH_FIGURES` picks which of them each round measures).
 
 use std::future::Future;
+use std::net::SocketAddr;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cluster_proxy_proto::client::TunnelClient;
@@ -173,7 +175,7 @@ async fn idle_bytes_per_connection(path: &Path, port: u16, count: u64) -> f64 {
 /// `tracer` when given) and HTTP CONNECT (a new mTLS connection per dial).
 async fn tunnel_paths(
     pki: &TestPki,
-    client_addr: std::net::SocketAddr,
+    client_addr: SocketAddr,
     tracer: Option<BoxedTracer>,
 ) -> [Path; 2] {
     let grpc = tunnel_client(pki.client_tls().expect("tls"), client_addr)
@@ -216,11 +218,11 @@ async fn tunnel_paths(
 /// ends use (the same certificates, cipher suites and session resumption).
 struct RelayTls {
     /// What the hub relay serves to the client, as the server's client port.
-    hub: std::sync::Arc<rustls::ServerConfig>,
+    hub: Arc<rustls::ServerConfig>,
     /// What the hub relay presents when it opens the second hop.
-    hop: std::sync::Arc<rustls::ClientConfig>,
+    hop: Arc<rustls::ClientConfig>,
     /// What the cluster relay serves on the second hop.
-    cluster: std::sync::Arc<rustls::ServerConfig>,
+    cluster: Arc<rustls::ServerConfig>,
 }
 
 /// Size of each relay's copy buffers, large enough that a TLS relay reads
@@ -235,8 +237,8 @@ const RELAY_BUFFER: usize = 64 * 1024;
 /// connection's first two bytes (big-endian). A reference for the tunnel's
 /// figures: what two hops cost on this machine, without (`tls: None`) and
 /// with the two TLS terminations per byte the tunnel also makes.
-async fn start_relays(tls: Option<RelayTls>) -> std::io::Result<std::net::SocketAddr> {
-    let tls = tls.map(std::sync::Arc::new);
+async fn start_relays(tls: Option<RelayTls>) -> std::io::Result<SocketAddr> {
+    let tls = tls.map(Arc::new);
     let cluster = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let cluster_addr = cluster.local_addr()?;
     let cluster_tls = tls.as_ref().map(|t| t.cluster.clone());
@@ -265,7 +267,7 @@ async fn start_relays(tls: Option<RelayTls>) -> std::io::Result<std::net::Socket
 /// `onward` and copies bytes both ways until either side closes.
 async fn serve_relay<F, Fut>(
     listener: tokio::net::TcpListener,
-    tls: Option<std::sync::Arc<rustls::ServerConfig>>,
+    tls: Option<Arc<rustls::ServerConfig>>,
     onward: F,
 ) where
     F: Fn(u16) -> Fut + Send + Sync + Clone + 'static,
@@ -275,7 +277,10 @@ async fn serve_relay<F, Fut>(
         let (tcp, _) = match listener.accept().await {
             Ok(accepted) => accepted,
             Err(e) => {
+                // Out of file descriptors, say: let connections close
+                // rather than spin on the error.
                 eprintln!("relay: accept: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
                 continue;
             }
         };
@@ -318,8 +323,8 @@ async fn serve_relay<F, Fut>(
 
 /// A TCP connection to `addr`, inside mutual TLS when `tls` is given.
 async fn relay_dial(
-    addr: std::net::SocketAddr,
-    tls: Option<std::sync::Arc<rustls::ClientConfig>>,
+    addr: SocketAddr,
+    tls: Option<Arc<rustls::ClientConfig>>,
 ) -> std::io::Result<BoxIo> {
     let tcp = tokio::net::TcpStream::connect(addr).await?;
     tcp.set_nodelay(true)?;
@@ -341,11 +346,7 @@ const TCP_RELAYS: &str = "two TCP relays (reference)";
 const TLS_RELAYS: &str = "two mTLS relays (reference)";
 
 /// A benchmark path through the relays at `hub` (see [`start_relays`]).
-fn relay_path(
-    name: &'static str,
-    hub: std::net::SocketAddr,
-    tls: Option<std::sync::Arc<rustls::ClientConfig>>,
-) -> Path {
+fn relay_path(name: &'static str, hub: SocketAddr, tls: Option<Arc<rustls::ClientConfig>>) -> Path {
     Path {
         name,
         dial: Box::new(move |port| {
@@ -979,7 +980,7 @@ fn print_table(rows: &Rows) {
                 } else if *name == "direct TCP" {
                     format!("{v:.2}")
                 } else if matches!(i, 4 | 5 | 8) {
-                    format!("{v:.1} (+{:.1})", v - direct[i])
+                    format!("{v:.1} ({:+.1})", v - direct[i])
                 } else {
                     format!("{v:.2} ({:.0} %)", v / direct[i] * 100.0)
                 }
@@ -996,6 +997,9 @@ fn print_table(rows: &Rows) {
     let Some((_, relays)) = rows.iter().find(|(name, _)| *name == TLS_RELAYS) else {
         return;
     };
+    if !rows.iter().any(|(name, _)| name.starts_with("tunnel")) {
+        return;
+    }
     println!(
         "\nThe tunnel against two mTLS relays (the same TLS on both hops, no tunnel protocol; the relays handshake on both hops for every connection):"
     );
