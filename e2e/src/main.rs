@@ -408,6 +408,9 @@ async fn up(
     if replicas == 0 || replicas > 9 {
         bail!("--replicas must be between 1 and 9");
     }
+    // Listening from here on: Ctrl-C while `up` is busy (starting, or
+    // between status refreshes) must still stop it.
+    let mut shutdown = ShutdownSignal::new().context("listening for Ctrl-C and SIGTERM")?;
     for line in registry::clean_orphans() {
         println!("cleanup of a previous run: {line}");
     }
@@ -457,7 +460,7 @@ async fn up(
     };
     let ready = tokio::select! {
         ready = wait => ready,
-        _ = shutdown_signal() => {
+        _ = shutdown.recv() => {
             env.shutdown().await;
             println!("stopped before it was ready; nothing left running");
             return Ok(());
@@ -503,7 +506,7 @@ async fn up(
     let mut reported = std::collections::HashSet::new();
     loop {
         tokio::select! {
-            _ = shutdown_signal() => break,
+            _ = shutdown.recv() => break,
             _ = interval.tick() => {
                 if let Some(admin) = &admin
                     && let Ok(rows) = e2e::env::control_plane::addon_status(admin).await
@@ -553,17 +556,31 @@ async fn up(
     Ok(())
 }
 
-async fn shutdown_signal() {
-    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-        Ok(term) => term,
-        Err(_) => {
-            let _ = tokio::signal::ctrl_c().await;
-            return;
+/// Ctrl-C (SIGINT) and SIGTERM, listened for from creation until dropped.
+/// A listener created afresh for each wait would miss a signal that arrives
+/// while the caller is busy between waits, and once any listener exists the
+/// signal no longer ends the process: `up` would run on after Ctrl-C.
+struct ShutdownSignal {
+    interrupt: tokio::signal::unix::Signal,
+    terminate: tokio::signal::unix::Signal,
+}
+
+impl ShutdownSignal {
+    fn new() -> std::io::Result<Self> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(ShutdownSignal {
+            interrupt: signal(SignalKind::interrupt())?,
+            terminate: signal(SignalKind::terminate())?,
+        })
+    }
+
+    /// Waits for the next signal; cancel-safe, so it can sit in a `select!`
+    /// loop without losing one.
+    async fn recv(&mut self) {
+        tokio::select! {
+            _ = self.interrupt.recv() => {}
+            _ = self.terminate.recv() => {}
         }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
     }
 }
 
@@ -800,4 +817,22 @@ async fn fetch(
         println!();
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ShutdownSignal;
+    use std::time::Duration;
+
+    /// Regression: `up` used to create its Ctrl-C listener afresh for each
+    /// wait, so a signal that arrived while it refreshed the status table
+    /// was lost and `up` ran on (a flaky `up_command` test under load).
+    #[tokio::test]
+    async fn a_signal_that_arrives_while_nothing_waits_is_kept() {
+        let mut shutdown = ShutdownSignal::new().expect("signal listeners");
+        nix::sys::signal::raise(nix::sys::signal::Signal::SIGTERM).expect("raise");
+        tokio::time::timeout(Duration::from_secs(10), shutdown.recv())
+            .await
+            .expect("the signal raised before the wait is received");
+    }
 }
