@@ -5,7 +5,8 @@ use std::time::Duration;
 
 use cluster_proxy_proto::transport::ALPN_HTTP11;
 use e2e::harness::{
-    AgentUnderTest, http_connect, http_connect_over, test_server_config, tunnel_client, wait_until,
+    AgentUnderTest, health_get, http_connect, http_connect_over, test_server_config, tunnel_client,
+    wait_until,
 };
 use e2e::loadgen::{BulkServer, download, pattern, request_download};
 use e2e::pki::TestPki;
@@ -187,6 +188,40 @@ async fn early_data_reaches_the_target_through_a_real_agent() {
         .to_string();
     assert!(err.contains("connection refused"), "{err}");
     server.shutdown().await;
+}
+
+/// The agent drives its tunnel's HTTP/2 connection itself; one that stops
+/// ends its stream (END_STREAM) before closing the connection, so the
+/// server sees the agent leave, not a broken stream.
+#[tokio::test]
+async fn an_agent_that_stops_ends_its_stream_cleanly() {
+    let (pki, server, mut agents) = setup(&["cluster-a"]).await;
+    let echo = EchoServer::start().await.unwrap();
+    let client = tunnel_client(pki.client_tls().unwrap(), server.client_addr)
+        .await
+        .unwrap();
+    let mut s = client
+        .dial(&format!("cluster-a:{}", echo.addr.port()))
+        .await
+        .unwrap();
+    s.write_all(b"ping").await.unwrap();
+    let mut buf = [0u8; 4];
+    s.read_exact(&mut buf).await.unwrap();
+    drop(s);
+    if let Some(agent) = agents.pop() {
+        agent.shutdown().await;
+    }
+    assert!(wait_until(Duration::from_secs(10), || server.tunnel_count() == 0).await);
+    let (status, metrics) = health_get(server.health_addr, "/metrics").await.unwrap();
+    assert_eq!(status, 200);
+    let broken: Vec<_> = metrics
+        .lines()
+        .filter(|l| {
+            l.starts_with("konnectivity_network_proxy_server_stream_errors_total")
+                && l.contains(r#"segment="from_agent""#)
+        })
+        .collect();
+    assert!(broken.is_empty(), "the agent's stream broke: {broken:?}");
 }
 
 #[tokio::test]

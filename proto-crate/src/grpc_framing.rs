@@ -620,19 +620,24 @@ where
         .call(http)
         .await
         .map_err(|e| Status::from_error(e.into()))?;
-    if let Some(status) = Status::from_header_map(response.headers()) {
-        if status.code() != tonic::Code::Ok {
-            return Err(status);
-        }
-    } else if response.status() != http::StatusCode::OK {
-        return Err(status_of_http(response.status()));
-    }
+    check_response_head(response.status(), response.headers())?;
     let (parts, body) = response.into_parts();
     Ok(tonic::Response::from_parts(
         tonic::metadata::MetadataMap::from_headers(parts.headers),
         PacketStream::new(body, Direction::Response, max_decoding_message_size),
         parts.extensions,
     ))
+}
+
+/// The call's error in a response's head: a trailers-only error's
+/// `grpc-status`, or a non-gRPC HTTP answer mapped as tonic maps it.
+pub fn check_response_head(status: http::StatusCode, headers: &HeaderMap) -> Result<(), Status> {
+    match Status::from_header_map(headers) {
+        Some(grpc) if grpc.code() != tonic::Code::Ok => Err(grpc),
+        Some(_) => Ok(()),
+        None if status != http::StatusCode::OK => Err(status_of_http(status)),
+        None => Ok(()),
+    }
 }
 
 /// The gRPC status of an HTTP answer without one (gRPC's

@@ -7,6 +7,7 @@ use hyper_util::rt::TokioIo;
 use rustls::pki_types::ServerName;
 use tokio::net::TcpStream;
 use tokio_rustls::TlsConnector;
+use tokio_rustls::client::TlsStream;
 use tonic::transport::{Channel, Endpoint};
 
 /// HTTP/2 receive windows of one connection.
@@ -96,6 +97,12 @@ pub enum TransportError {
         source: tonic::transport::Error,
     },
     #[error("connect to {address}: {source}")]
+    Dial {
+        address: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("connect to {address}: {source}")]
     Connect {
         address: String,
         #[source]
@@ -110,6 +117,46 @@ pub fn host_port(host: &str, port: u16) -> String {
     } else {
         format!("{host}:{port}")
     }
+}
+
+/// Dials `address` over TCP (no delay, keepalive as [`set_tcp_keepalive`])
+/// and completes the TLS handshake, all within `timeout`.
+async fn dial_tls(
+    address: &str,
+    server_name: ServerName<'static>,
+    connector: &TlsConnector,
+    timeout: Duration,
+) -> std::io::Result<TlsStream<TcpStream>> {
+    tokio::time::timeout(timeout, async {
+        let tcp = TcpStream::connect(address).await?;
+        tcp.set_nodelay(true)?;
+        set_tcp_keepalive(&tcp)?;
+        connector.connect(server_name, tcp).await
+    })
+    .await
+    .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out"))?
+}
+
+/// An mTLS connection to `host:port` for a caller that speaks HTTP/2 itself
+/// (the agent's tunnels); `tls` must offer ALPN `h2`.
+pub async fn connect_tls(
+    host: &str,
+    port: u16,
+    tls: Arc<rustls::ClientConfig>,
+    connect_timeout: Duration,
+) -> Result<TlsStream<TcpStream>, TransportError> {
+    let bare_host = host.trim_start_matches('[').trim_end_matches(']');
+    let server_name = ServerName::try_from(bare_host.to_owned())
+        .map_err(|_| TransportError::ServerName(host.to_owned()))?;
+    let address = host_port(bare_host, port);
+    dial_tls(
+        &address,
+        server_name,
+        &TlsConnector::from(tls),
+        connect_timeout,
+    )
+    .await
+    .map_err(|source| TransportError::Dial { address, source })
 }
 
 /// Opens a new HTTP/2 connection (never shared with other channels) to
@@ -163,16 +210,7 @@ pub async fn connect_channel_with(
         let server_name = server_name.clone();
         let dial_address = dial_address.clone();
         async move {
-            let io = tokio::time::timeout(connect_timeout, async {
-                let tcp = TcpStream::connect(&dial_address).await?;
-                tcp.set_nodelay(true)?;
-                set_tcp_keepalive(&tcp)?;
-                connector.connect(server_name, tcp).await
-            })
-            .await
-            .map_err(|_| {
-                std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out")
-            })??;
+            let io = dial_tls(&dial_address, server_name, &connector, connect_timeout).await?;
             Ok::<_, std::io::Error>(TokioIo::new(io))
         }
     });

@@ -10,6 +10,7 @@
 #![forbid(unsafe_code)]
 
 pub mod config;
+mod connection;
 pub mod dial;
 mod manager;
 pub mod metrics;

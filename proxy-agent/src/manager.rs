@@ -19,18 +19,16 @@ use std::time::Duration;
 
 use cluster_proxy_proto::Packet;
 use cluster_proxy_proto::flow::{FlowError, parse_window};
-use cluster_proxy_proto::grpc_framing::{AGENT_CONNECT_PATH, streaming_call};
 use cluster_proxy_proto::metadata;
 use cluster_proxy_proto::packet;
-use cluster_proxy_proto::transport::{
-    MAX_MESSAGE_SIZE, TUNNEL_WINDOWS, TransportError, connect_channel_with, host_port,
-};
+use cluster_proxy_proto::transport::{TUNNEL_WINDOWS, TransportError, host_port};
 use futures_util::StreamExt;
 use tokio::sync::{Notify, mpsc};
 use tokio_util::sync::CancellationToken;
 use tonic::metadata::{AsciiMetadataValue, MetadataMap};
 
 use crate::AgentConfig;
+use crate::connection::{Endpoint, OpenError, TunnelConnection};
 use crate::metrics::{Metrics, Segment};
 use crate::tunnel::{self, TunnelParams};
 
@@ -39,6 +37,8 @@ use crate::tunnel::{self, TunnelParams};
 pub enum ConnectError {
     #[error(transparent)]
     Transport(#[from] TransportError),
+    #[error(transparent)]
+    Open(OpenError),
     #[error("Connect rejected: {} {}", .0.code(), .0.message())]
     Rejected(tonic::Status),
     #[error("Connect timed out after {0:?}")]
@@ -275,39 +275,39 @@ const RETIRE_CHECK: Duration = Duration::from_millis(500);
 async fn connect_once(shared: Arc<Shared>) -> Result<Outcome, ConnectError> {
     let config = &shared.config;
     let timeout = config.connect_timeout;
-    let tls = shared.tls.borrow().clone();
-    let mut channel = connect_channel_with(
-        &config.proxy_server_host,
-        config.proxy_server_port,
-        tls,
-        timeout,
-        TUNNEL_WINDOWS,
-        Some(config.keepalive_time),
-    )
-    .await?;
+    let endpoint = Endpoint {
+        host: config.proxy_server_host.clone(),
+        port: config.proxy_server_port,
+        tls: shared.tls.borrow().clone(),
+        connect_timeout: timeout,
+        windows: TUNNEL_WINDOWS,
+        keepalive: Some(config.keepalive_time),
+    };
     let cancel = shared.root.child_token();
     let (out, requests) = tunnel::outgoing(cancel.clone());
     let counting = shared.metrics.clone();
     let requests =
         requests.inspect(move |p| counting.packet(Segment::FromAgent, packet::type_name(p)));
-    let mut request = tonic::Request::new(Box::pin(requests));
-    shared.request_metadata(request.metadata_mut())?;
+    let mut metadata = MetadataMap::new();
+    shared.request_metadata(&mut metadata)?;
     // Dropping the request stream on failure (cancel) ends the attempt cleanly.
     let _guard = cancel.clone().drop_guard();
     // Boxed as `dyn Future + Send` at a concrete site: awaited inline, rustc
     // fails to prove this call's future Send for every lifetime.
-    let connect: Pin<Box<dyn Future<Output = _> + Send + '_>> = Box::pin(streaming_call(
-        &mut channel,
-        http::uri::PathAndQuery::from_static(AGENT_CONNECT_PATH),
-        request,
-        MAX_MESSAGE_SIZE,
-        MAX_MESSAGE_SIZE,
+    let connect: Pin<Box<dyn Future<Output = _> + Send + '_>> = Box::pin(TunnelConnection::open(
+        &endpoint,
+        metadata,
+        Box::pin(requests),
     ));
-    let response = tokio::time::timeout(timeout, connect)
+    let (connection, headers) = tokio::time::timeout(timeout, connect)
         .await
         .map_err(|_| ConnectError::Timeout(timeout))?
-        .map_err(ConnectError::Rejected)?;
-    let headers = response.metadata();
+        .map_err(|e| match e {
+            OpenError::Rejected(status) => ConnectError::Rejected(status),
+            OpenError::Transport(e) => ConnectError::Transport(e),
+            other => ConnectError::Open(other),
+        })?;
+    let headers = &headers;
     let server_id = single_header(headers, metadata::SERVER_ID)?;
     let count = single_header(headers, metadata::SERVER_COUNT)?;
     let count: usize = count.trim().parse().map_err(|_| ConnectError::Header {
@@ -369,7 +369,6 @@ async fn connect_once(shared: Arc<Shared>) -> Result<Outcome, ConnectError> {
         server_count: shared.last_server_count.clone(),
         retire_when_idle: None,
     };
-    let incoming = response.into_inner();
     if duplicate {
         // The server already routes dials to this tunnel. Closing it now
         // would fail those; DRAIN turns the server to our first tunnel, and
@@ -380,8 +379,7 @@ async fn connect_once(shared: Arc<Shared>) -> Result<Outcome, ConnectError> {
         _guard.disarm();
         let metrics = shared.metrics.clone();
         tokio::spawn(async move {
-            let _channel = channel;
-            let end = tunnel::serve(params, out, incoming, cancel.clone(), metrics).await;
+            let end = tunnel::serve(params, out, connection, cancel.clone(), metrics).await;
             cancel.cancel();
             tracing::debug!(%server_id, reason = %end, "duplicate tunnel closed");
         });
@@ -400,7 +398,7 @@ async fn connect_once(shared: Arc<Shared>) -> Result<Outcome, ConnectError> {
     );
     _guard.disarm();
     tokio::spawn(run_tunnel(
-        shared, server_id, params, out, incoming, cancel, channel,
+        shared, server_id, params, out, connection, cancel,
     ));
     Ok(Outcome::Added)
 }
@@ -410,14 +408,12 @@ async fn run_tunnel(
     server_id: String,
     params: TunnelParams,
     out: tunnel::Outgoing,
-    incoming: tunnel::Incoming,
+    connection: TunnelConnection,
     cancel: CancellationToken,
-    // Held so the HTTP/2 connection lives as long as the tunnel.
-    _channel: tonic::transport::Channel,
 ) {
     let metrics = shared.metrics.clone();
     let control = out.control.clone();
-    let end = tunnel::serve(params, out, incoming, cancel.clone(), metrics).await;
+    let end = tunnel::serve(params, out, connection, cancel.clone(), metrics).await;
     cancel.cancel();
     shared.remove_tunnel(&server_id, &control);
     shared.update_gauges();

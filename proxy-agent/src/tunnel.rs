@@ -33,6 +33,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tracing::field;
 
+use crate::connection::{Driven, TunnelConnection};
 use crate::dial::{dial_tcp, write_early_data};
 use crate::metrics::{Metrics, Segment};
 
@@ -52,8 +53,6 @@ const DIAL_SPAN_ATTRIBUTES: usize = 10;
 
 /// The sending side of a tunnel (see [`cluster_proxy_proto::flow::Outbound`]).
 pub type Outgoing = cluster_proxy_proto::flow::Outbound;
-/// The server's packets, as the tunnel reads them.
-pub type Incoming = cluster_proxy_proto::grpc_framing::PacketStream<tonic::body::Body>;
 
 /// The request stream of a tunnel: control packets first, and it ends when
 /// `cancel` fires so the HTTP/2 stream closes with the tunnel.
@@ -635,7 +634,7 @@ impl Tunnel {
 pub async fn serve(
     params: TunnelParams,
     out: Outgoing,
-    mut incoming: Incoming,
+    mut connection: TunnelConnection,
     cancel: CancellationToken,
     metrics: Arc<Metrics>,
 ) -> TunnelEnd {
@@ -668,7 +667,7 @@ pub async fn serve(
                 None => std::future::pending().await,
             }
         };
-        let message = tokio::select! {
+        let driven = tokio::select! {
             _ = &mut cancelled => break TunnelEnd::Cancelled,
             _ = retire_tick => {
                 if tunnel.idle() {
@@ -676,24 +675,39 @@ pub async fn serve(
                 }
                 continue;
             }
-            m = incoming.message() => m,
+            driven = connection.next_packet() => driven,
         };
-        match message {
-            Ok(Some(p)) => {
+        match driven {
+            Driven::Packet(Ok(Some(p))) => {
                 let frame = Frame::from_packet(p);
                 tunnel.metrics.packet(Segment::ToAgent, frame.type_name());
+                // Handling waits only on a full connection buffer of a
+                // server without flow control; our packets keep flowing.
                 tokio::select! {
+                    biased;
                     _ = &mut cancelled => break TunnelEnd::Cancelled,
                     _ = tunnel.handle(frame) => {}
+                    status = connection.drive() => {
+                        tunnel.metrics.receive_failed(&status);
+                        break TunnelEnd::Error(status);
+                    }
                 }
             }
-            Ok(None) => break TunnelEnd::ServerClosed,
-            Err(status) => {
+            Driven::Packet(Ok(None)) => break TunnelEnd::ServerClosed,
+            Driven::Packet(Err(status)) | Driven::Failed(status) => {
                 tunnel.metrics.receive_failed(&status);
                 break TunnelEnd::Error(status);
             }
         }
     };
+    // Ends the stream of packets to the server (it follows `cancel`).
     tunnel.teardown();
+    if !matches!(end, TunnelEnd::Error(_)) {
+        connection.finish(FINISH_GRACE).await;
+    }
     end
 }
+
+/// How long a tunnel that ends cleanly may take to tell the server so
+/// (END_STREAM after the packets still queued) before its connection closes.
+const FINISH_GRACE: Duration = Duration::from_secs(1);
