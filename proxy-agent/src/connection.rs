@@ -278,6 +278,12 @@ impl TunnelConnection {
             if !self.pass.woken.swap(false, Ordering::SeqCst) {
                 return Poll::Pending;
             }
+            // Tokio's cooperative budget spent: every resource now answers
+            // Pending and wakes us, so another pass would only spin. The
+            // scheduler refills the budget when the task runs again.
+            if !tokio::task::coop::has_budget_remaining() {
+                break;
+            }
         }
         cx.waker().wake_by_ref();
         Poll::Pending
