@@ -119,6 +119,18 @@ pub fn host_port(host: &str, port: u16) -> String {
     }
 }
 
+/// The name to verify the server's certificate against and the address to
+/// dial, for `host` with or without IPv6 brackets.
+fn server_name_and_address(
+    host: &str,
+    port: u16,
+) -> Result<(ServerName<'static>, String), TransportError> {
+    let bare_host = host.trim_start_matches('[').trim_end_matches(']');
+    let server_name = ServerName::try_from(bare_host.to_owned())
+        .map_err(|_| TransportError::ServerName(host.to_owned()))?;
+    Ok((server_name, host_port(bare_host, port)))
+}
+
 /// Dials `address` over TCP (no delay, keepalive as [`set_tcp_keepalive`])
 /// and completes the TLS handshake, all within `timeout`.
 async fn dial_tls(
@@ -145,10 +157,7 @@ pub async fn connect_tls(
     tls: Arc<rustls::ClientConfig>,
     connect_timeout: Duration,
 ) -> Result<TlsStream<TcpStream>, TransportError> {
-    let bare_host = host.trim_start_matches('[').trim_end_matches(']');
-    let server_name = ServerName::try_from(bare_host.to_owned())
-        .map_err(|_| TransportError::ServerName(host.to_owned()))?;
-    let address = host_port(bare_host, port);
+    let (server_name, address) = server_name_and_address(host, port)?;
     dial_tls(
         &address,
         server_name,
@@ -183,10 +192,7 @@ pub async fn connect_channel_with(
     windows: HttpWindows,
     keepalive: Option<Duration>,
 ) -> Result<Channel, TransportError> {
-    let bare_host = host.trim_start_matches('[').trim_end_matches(']');
-    let server_name = ServerName::try_from(bare_host.to_owned())
-        .map_err(|_| TransportError::ServerName(host.to_owned()))?;
-    let address = host_port(bare_host, port);
+    let (server_name, address) = server_name_and_address(host, port)?;
     let endpoint = Endpoint::from_shared(format!("http://{address}"))
         .map_err(|source| TransportError::Endpoint {
             address: address.clone(),

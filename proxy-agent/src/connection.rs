@@ -9,11 +9,11 @@
 //! polls the HTTP/2 connection, the stream's packets and the packets to
 //! send, one hand-off less each way.
 //!
-//! On the wire nothing changed: the same request (tonic's headers and the
-//! agent's metadata), the same settings, messages framed by
-//! [`cluster_proxy_proto::grpc_framing`], pings after `--keepalive-time`
-//! without a packet from the server, answered within 20 s or the tunnel
-//! fails, as hyper's keepalive did.
+//! On the wire the call is what tonic sent (the agent's metadata, `te` and
+//! `content-type`; our own `user-agent`), with the same HTTP/2 settings,
+//! messages framed by [`cluster_proxy_proto::grpc_framing`], and pings
+//! after `--keepalive-time` without a packet from the server, answered
+//! within 20 s or the tunnel fails, as hyper's keepalive did.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -39,7 +39,7 @@ use tonic::Status;
 use tonic::metadata::MetadataMap;
 
 /// Time a keepalive PING has to be answered (gRPC's default, as before).
-pub const PING_TIMEOUT: Duration = Duration::from_secs(20);
+const PING_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// Passes over the connection's parts in one poll before the task lets
 /// others run: a peer that keeps the connection busy cannot hold a worker.
@@ -131,10 +131,7 @@ impl TunnelConnection {
         metadata: MetadataMap,
         outbound: Outbound,
     ) -> Result<(TunnelConnection, MetadataMap), OpenError> {
-        let address = host_port(
-            endpoint.host.trim_start_matches('[').trim_end_matches(']'),
-            endpoint.port,
-        );
+        let address = host_port(&endpoint.host, endpoint.port);
         let tls = connect_tls(
             &endpoint.host,
             endpoint.port,

@@ -11,8 +11,6 @@
 //! still back off as upstream does.
 
 use std::collections::HashMap;
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -21,7 +19,7 @@ use cluster_proxy_proto::Packet;
 use cluster_proxy_proto::flow::{FlowError, parse_window};
 use cluster_proxy_proto::metadata;
 use cluster_proxy_proto::packet;
-use cluster_proxy_proto::transport::{TUNNEL_WINDOWS, TransportError, host_port};
+use cluster_proxy_proto::transport::{TUNNEL_WINDOWS, host_port};
 use futures_util::StreamExt;
 use tokio::sync::{Notify, mpsc};
 use tokio_util::sync::CancellationToken;
@@ -35,12 +33,9 @@ use crate::tunnel::{self, TunnelParams};
 /// Why one attempt to open a tunnel failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ConnectError {
+    /// Connecting, TLS, HTTP/2, or the server's refusal.
     #[error(transparent)]
-    Transport(#[from] TransportError),
-    #[error(transparent)]
-    Open(OpenError),
-    #[error("Connect rejected: {} {}", .0.code(), .0.message())]
-    Rejected(tonic::Status),
+    Open(#[from] OpenError),
     #[error("Connect timed out after {0:?}")]
     Timeout(Duration),
     #[error("response header {key:?}: {reason}")]
@@ -292,24 +287,12 @@ async fn connect_once(shared: Arc<Shared>) -> Result<Outcome, ConnectError> {
     shared.request_metadata(&mut metadata)?;
     // Dropping the request stream on failure (cancel) ends the attempt cleanly.
     let _guard = cancel.clone().drop_guard();
-    // Boxed as `dyn Future + Send` at a concrete site: awaited inline, rustc
-    // fails to prove this call's future Send for every lifetime.
-    let connect: Pin<Box<dyn Future<Output = _> + Send + '_>> = Box::pin(TunnelConnection::open(
-        &endpoint,
-        metadata,
-        Box::pin(requests),
-    ));
+    let connect = TunnelConnection::open(&endpoint, metadata, Box::pin(requests));
     let (connection, headers) = tokio::time::timeout(timeout, connect)
         .await
-        .map_err(|_| ConnectError::Timeout(timeout))?
-        .map_err(|e| match e {
-            OpenError::Rejected(status) => ConnectError::Rejected(status),
-            OpenError::Transport(e) => ConnectError::Transport(e),
-            other => ConnectError::Open(other),
-        })?;
-    let headers = &headers;
-    let server_id = single_header(headers, metadata::SERVER_ID)?;
-    let count = single_header(headers, metadata::SERVER_COUNT)?;
+        .map_err(|_| ConnectError::Timeout(timeout))??;
+    let server_id = single_header(&headers, metadata::SERVER_ID)?;
+    let count = single_header(&headers, metadata::SERVER_COUNT)?;
     let count: usize = count.trim().parse().map_err(|_| ConnectError::Header {
         key: metadata::SERVER_COUNT,
         reason: format!("{count:?} is not a number"),
