@@ -11,6 +11,8 @@
 //!   receive buffers) that keep one slow connection from stalling a tunnel.
 //! * [`grpc_framing`] — gRPC framing of packets that neither copies a received
 //!   message out of its HTTP/2 frame nor a sent payload into an encode buffer.
+//! * [`h2_driver`] — the parts for driving an HTTP/2 connection and its streams from one
+//!   task (the tunnel's two ends do, rather than a task per stream as hyper does).
 //! * [`duration`] / [`strconv`] — Go's duration and boolean syntaxes, as upstream flags use them.
 //! * [`trace`] — W3C trace-context propagation (gRPC metadata, HTTP headers, dial requests).
 //! * [`transport`] / [`client`] — mTLS gRPC channels and a tunnel dialer for Rust users.
@@ -32,6 +34,7 @@ pub mod connector;
 pub mod duration;
 pub mod flow;
 pub mod grpc_framing;
+pub mod h2_driver;
 pub mod identifiers;
 pub mod identity;
 pub mod metadata;

@@ -18,8 +18,8 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::task::{Context, Poll, Wake, Waker};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -27,23 +27,17 @@ use cluster_proxy_proto::Packet;
 use cluster_proxy_proto::grpc_framing::{
     AGENT_CONNECT_PATH, Direction, PacketBody, PacketStream, Role, check_response_head,
 };
+use cluster_proxy_proto::h2_driver::{
+    KeepAlive, Passes, RecvBody, Sent, h2_status, poll_send_body,
+};
 use cluster_proxy_proto::transport::{
     HttpWindows, MAX_FRAME_SIZE, MAX_MESSAGE_SIZE, TransportError, connect_tls, host_port,
 };
-use futures_util::task::AtomicWaker;
 use futures_util::{Stream, StreamExt};
-use http_body::{Body, Frame};
 use tokio::net::TcpStream;
 use tokio_rustls::client::TlsStream;
 use tonic::Status;
 use tonic::metadata::MetadataMap;
-
-/// Time a keepalive PING has to be answered (gRPC's default, as before).
-const PING_TIMEOUT: Duration = Duration::from_secs(20);
-
-/// Passes over the connection's parts in one poll before the task lets
-/// others run: a peer that keeps the connection busy cannot hold a worker.
-const MAX_PASSES: usize = 32;
 
 /// Bytes the stream may have queued beyond what the server's window lets
 /// out (hyper's default for its clients).
@@ -97,10 +91,9 @@ pub struct TunnelConnection {
     send_done: bool,
     inbound: PacketStream<RecvBody>,
     keepalive: Option<KeepAlive>,
-    /// Packets read, so the keepalive knows whether the server was heard.
-    packets_read: u64,
-    pass: Arc<PassWaker>,
-    pass_waker: Waker,
+    /// Chunks read, so the keepalive knows whether the server was heard.
+    heard: Arc<AtomicU64>,
+    passes: Passes,
 }
 
 impl std::fmt::Debug for TunnelConnection {
@@ -199,7 +192,7 @@ impl TunnelConnection {
             .filter(|k| !k.is_zero())
             .zip(ping_pong)
             .map(|(interval, ping_pong)| KeepAlive::new(interval, ping_pong));
-        let pass = Arc::new(PassWaker::default());
+        let heard = Arc::new(AtomicU64::new(0));
         let outbound: OutboundBody = PacketBody::new(
             outbound.map(Ok as fn(Packet) -> Result<Packet, Status>),
             Role::Client,
@@ -211,11 +204,14 @@ impl TunnelConnection {
             send,
             outbound,
             send_done: false,
-            inbound: PacketStream::new(RecvBody(recv), Direction::Response, MAX_MESSAGE_SIZE),
+            inbound: PacketStream::new(
+                RecvBody::counted(recv, heard.clone()),
+                Direction::Response,
+                MAX_MESSAGE_SIZE,
+            ),
             keepalive,
-            packets_read: 0,
-            pass_waker: Waker::from(pass.clone()),
-            pass,
+            heard,
+            passes: Passes::default(),
         };
         Ok((connection, MetadataMap::from_headers(head.headers)))
     }
@@ -259,31 +255,8 @@ impl TunnelConnection {
     }
 
     fn poll_drive(&mut self, cx: &mut Context<'_>, read: bool) -> Poll<Driven> {
-        self.pass.task.register(cx.waker());
-        let waker = self.pass_waker.clone();
-        let mut parts = Context::from_waker(&waker);
-        for _ in 0..MAX_PASSES {
-            self.pass.polling.store(true, Ordering::SeqCst);
-            self.pass.woken.store(false, Ordering::SeqCst);
-            let outcome = self.pass(&mut parts, read);
-            self.pass.polling.store(false, Ordering::SeqCst);
-            if let Some(driven) = outcome {
-                // A wake seen during this pass is served by the next one,
-                // which the caller starts right after handling this.
-                return Poll::Ready(driven);
-            }
-            if !self.pass.woken.swap(false, Ordering::SeqCst) {
-                return Poll::Pending;
-            }
-            // Tokio's cooperative budget spent: every resource now answers
-            // Pending and wakes us, so another pass would only spin. The
-            // scheduler refills the budget when the task runs again.
-            if !tokio::task::coop::has_budget_remaining() {
-                break;
-            }
-        }
-        cx.waker().wake_by_ref();
-        Poll::Pending
+        let passes = self.passes.clone();
+        passes.poll(cx, |parts| self.pass(parts, read))
     }
 
     /// One poll of every part; `Some` when there is something to report.
@@ -292,11 +265,10 @@ impl TunnelConnection {
             return Some(Driven::Failed(status));
         }
         if read && let Poll::Ready(next) = Pin::new(&mut self.inbound).poll_next(cx) {
-            self.packets_read = self.packets_read.wrapping_add(1);
             return Some(Driven::Packet(next.transpose()));
         }
         if let Some(keepalive) = self.keepalive.as_mut()
-            && let Err(status) = keepalive.poll(cx, self.packets_read)
+            && let Err(status) = keepalive.poll(cx, self.heard.load(Ordering::Relaxed))
         {
             return Some(Driven::Failed(status));
         }
@@ -312,207 +284,15 @@ impl TunnelConnection {
         None
     }
 
-    /// Moves our packets into the stream as far as its window allows (as
-    /// hyper does: a body is polled only with send capacity).
+    /// Moves our packets into the stream as far as its window allows.
     fn poll_send(&mut self, cx: &mut Context<'_>) -> Result<(), Status> {
-        while !self.send_done {
-            self.send.reserve_capacity(1);
-            if self.send.capacity() == 0 {
-                match self.send.poll_capacity(cx) {
-                    Poll::Ready(Some(Ok(0))) => continue,
-                    Poll::Ready(Some(Ok(_))) => {}
-                    Poll::Ready(Some(Err(e))) => return Err(h2_status(e)),
-                    Poll::Ready(None) => {
-                        return Err(Status::unavailable("the tunnel's HTTP/2 stream closed"));
-                    }
-                    Poll::Pending => return Ok(()),
-                }
-            }
-            match Pin::new(&mut self.outbound).poll_frame(cx) {
-                Poll::Ready(Some(Ok(frame))) => {
-                    // A client's body has no trailers.
-                    if let Ok(data) = frame.into_data() {
-                        self.send.send_data(data, false).map_err(h2_status)?;
-                    }
-                }
-                Poll::Ready(Some(Err(status))) => {
-                    self.send.send_reset(h2::Reason::INTERNAL_ERROR);
-                    self.send_done = true;
-                    return Err(status);
-                }
-                Poll::Ready(None) => {
-                    self.send_done = true;
-                    self.send.send_data(Bytes::new(), true).map_err(h2_status)?;
-                }
-                Poll::Pending => return Ok(()),
-            }
+        if self.send_done {
+            return Ok(());
         }
-        Ok(())
-    }
-}
-
-fn h2_status(e: h2::Error) -> Status {
-    Status::from_error(Box::new(e))
-}
-
-/// The waker every part of the connection is polled with. A wake while the
-/// tunnel's task is inside [`TunnelConnection::poll_drive`] (h2 waking the
-/// connection after a send, or the stream's reader after the connection
-/// read a frame) only asks for another pass; one from elsewhere wakes the
-/// task. A task woken while it runs is rescheduled after its poll, and on a
-/// multi-threaded runtime another worker is woken to take it.
-#[derive(Debug, Default)]
-struct PassWaker {
-    task: AtomicWaker,
-    polling: AtomicBool,
-    woken: AtomicBool,
-}
-
-impl Wake for PassWaker {
-    fn wake(self: Arc<Self>) {
-        self.wake_by_ref();
-    }
-
-    fn wake_by_ref(self: &Arc<Self>) {
-        self.woken.store(true, Ordering::SeqCst);
-        if !self.polling.load(Ordering::SeqCst) {
-            self.task.wake();
+        let sent = poll_send_body(&mut self.send, Pin::new(&mut self.outbound), cx);
+        if !matches!(sent, Ok(Sent::Pending)) {
+            self.send_done = true;
         }
-    }
-}
-
-/// HTTP/2 keepalive: a PING once the server was silent for `interval`,
-/// which must be answered within [`PING_TIMEOUT`].
-struct KeepAlive {
-    interval: Duration,
-    ping_pong: h2::PingPong,
-    timer: Pin<Box<tokio::time::Sleep>>,
-    awaiting_pong: bool,
-    /// Packets read when the timer was set.
-    packets_at_arm: u64,
-}
-
-impl KeepAlive {
-    fn new(interval: Duration, ping_pong: h2::PingPong) -> Self {
-        KeepAlive {
-            interval,
-            ping_pong,
-            timer: Box::pin(tokio::time::sleep(interval)),
-            awaiting_pong: false,
-            packets_at_arm: 0,
-        }
-    }
-
-    fn arm(&mut self, after: Duration, packets_read: u64) {
-        self.packets_at_arm = packets_read;
-        self.timer
-            .as_mut()
-            .reset(tokio::time::Instant::now() + after);
-    }
-
-    fn poll(&mut self, cx: &mut Context<'_>, packets_read: u64) -> Result<(), Status> {
-        loop {
-            if self.awaiting_pong {
-                match self.ping_pong.poll_pong(cx) {
-                    Poll::Ready(Ok(_)) => {
-                        self.awaiting_pong = false;
-                        self.arm(self.interval, packets_read);
-                        continue;
-                    }
-                    Poll::Ready(Err(e)) => return Err(h2_status(e)),
-                    Poll::Pending => {}
-                }
-                if self.timer.as_mut().poll(cx).is_ready() {
-                    return Err(Status::unavailable(format!(
-                        "keepalive ping not answered within {PING_TIMEOUT:?}"
-                    )));
-                }
-                return Ok(());
-            }
-            if self.timer.as_mut().poll(cx).is_pending() {
-                return Ok(());
-            }
-            if packets_read != self.packets_at_arm {
-                // The server was heard from meanwhile.
-                self.arm(self.interval, packets_read);
-                continue;
-            }
-            self.ping_pong
-                .send_ping(h2::Ping::opaque())
-                .map_err(h2_status)?;
-            self.awaiting_pong = true;
-            self.arm(PING_TIMEOUT, packets_read);
-        }
-    }
-}
-
-/// The response's stream as an HTTP body, giving its window back as soon as
-/// a chunk is taken (the tunnel's own flow control bounds what the server
-/// may send per connection; see `cluster_proxy_proto::flow`), as hyper does.
-struct RecvBody(h2::RecvStream);
-
-impl Body for RecvBody {
-    type Data = Bytes;
-    type Error = h2::Error;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, h2::Error>>> {
-        let recv = &mut self.get_mut().0;
-        match recv.poll_data(cx) {
-            Poll::Ready(Some(Ok(data))) => {
-                // Fails only once the stream is gone, which the next poll reports.
-                let _ = recv.flow_control().release_capacity(data.len());
-                Poll::Ready(Some(Ok(Frame::data(data))))
-            }
-            Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(e))),
-            Poll::Ready(None) => match recv.poll_trailers(cx) {
-                Poll::Ready(Ok(Some(trailers))) => Poll::Ready(Some(Ok(Frame::trailers(trailers)))),
-                Poll::Ready(Ok(None)) => Poll::Ready(None),
-                Poll::Ready(Err(e)) => Poll::Ready(Some(Err(e))),
-                Poll::Pending => Poll::Pending,
-            },
-            Poll::Pending => Poll::Pending,
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A wake from outside the poll reaches the task; one during the poll
-    /// only marks another pass.
-    #[test]
-    fn a_wake_during_the_poll_asks_for_a_pass_and_one_after_it_wakes_the_task() {
-        struct Count(std::sync::atomic::AtomicUsize);
-        impl Wake for Count {
-            fn wake(self: Arc<Self>) {
-                self.0.fetch_add(1, Ordering::SeqCst);
-            }
-        }
-        let count = Arc::new(Count(Default::default()));
-        let task = Waker::from(count.clone());
-        let pass = Arc::new(PassWaker::default());
-        pass.task.register(&task);
-        let waker = Waker::from(pass.clone());
-
-        pass.polling.store(true, Ordering::SeqCst);
-        waker.wake_by_ref();
-        assert!(
-            pass.woken.load(Ordering::SeqCst),
-            "the pass loop must see it"
-        );
-        assert_eq!(
-            count.0.load(Ordering::SeqCst),
-            0,
-            "the running task is not woken"
-        );
-
-        pass.polling.store(false, Ordering::SeqCst);
-        pass.woken.store(false, Ordering::SeqCst);
-        waker.wake_by_ref();
-        assert_eq!(count.0.load(Ordering::SeqCst), 1, "an idle task is woken");
+        sent.map(|_| ())
     }
 }

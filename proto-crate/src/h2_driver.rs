@@ -1,0 +1,356 @@
+//! Parts for driving an HTTP/2 connection and its streams from one task.
+//!
+//! hyper runs a connection in one task and each stream's body in another,
+//! so every packet crosses a hand-off between tasks in each process it goes
+//! through: a wake, on a multi-threaded runtime often another thread's. The
+//! tunnel's two ends instead poll the `h2` connection, its streams and the
+//! packets to send from one task; these are the pieces both ends share.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::task::{Context, Poll, Wake, Waker};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::task::AtomicWaker;
+use http_body::{Body, Frame};
+use tonic::Status;
+
+/// Time a keepalive PING has to be answered (gRPC's default, and hyper's).
+pub const PING_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// Passes over a connection's parts in one poll before the task lets others
+/// run: a peer that keeps the connection busy cannot hold a worker.
+const MAX_PASSES: usize = 32;
+
+/// An `h2` error as the gRPC status a call that met it ends with.
+pub fn h2_status(e: h2::Error) -> Status {
+    Status::from_error(Box::new(e))
+}
+
+/// Polls a connection's parts in passes, with a waker that turns a wake
+/// raised during a pass (h2 waking the connection after a send, or a
+/// stream's reader after the connection read a frame) into another pass
+/// rather than a wake of the running task. A task woken while it runs is
+/// rescheduled after its poll, and on a multi-threaded runtime another
+/// worker is woken to take it. A wake from elsewhere wakes the task.
+#[derive(Debug, Clone)]
+pub struct Passes {
+    shared: Arc<PassWaker>,
+    waker: Waker,
+}
+
+impl Default for Passes {
+    fn default() -> Self {
+        let shared = Arc::new(PassWaker::default());
+        Passes {
+            waker: Waker::from(shared.clone()),
+            shared,
+        }
+    }
+}
+
+impl Passes {
+    /// Runs `pass` until it reports something (`Some`), nothing woke a part
+    /// during the last pass (`Pending`, the task woken by whatever wakes a
+    /// part next), the pass limit is reached or Tokio's cooperative budget is
+    /// spent (`Pending`, the task woken at once to go on).
+    pub fn poll<T>(
+        &self,
+        cx: &mut Context<'_>,
+        mut pass: impl FnMut(&mut Context<'_>) -> Option<T>,
+    ) -> Poll<T> {
+        self.shared.task.register(cx.waker());
+        let mut parts = Context::from_waker(&self.waker);
+        for _ in 0..MAX_PASSES {
+            self.shared.polling.store(true, Ordering::SeqCst);
+            self.shared.woken.store(false, Ordering::SeqCst);
+            let outcome = pass(&mut parts);
+            self.shared.polling.store(false, Ordering::SeqCst);
+            if let Some(reported) = outcome {
+                // A wake seen during this pass is served by the next one,
+                // which the caller starts right after handling this.
+                return Poll::Ready(reported);
+            }
+            if !self.shared.woken.swap(false, Ordering::SeqCst) {
+                return Poll::Pending;
+            }
+            // Budget spent: every resource now answers Pending and wakes us,
+            // so another pass would only spin. The scheduler refills the
+            // budget when the task runs again.
+            if !tokio::task::coop::has_budget_remaining() {
+                break;
+            }
+        }
+        cx.waker().wake_by_ref();
+        Poll::Pending
+    }
+}
+
+#[derive(Debug, Default)]
+struct PassWaker {
+    task: AtomicWaker,
+    polling: AtomicBool,
+    woken: AtomicBool,
+}
+
+impl Wake for PassWaker {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.woken.store(true, Ordering::SeqCst);
+        if !self.polling.load(Ordering::SeqCst) {
+            self.task.wake();
+        }
+    }
+}
+
+/// HTTP/2 keepalive as hyper does it: a PING once the peer was silent for
+/// `interval`, which must be answered within [`PING_TIMEOUT`].
+pub struct KeepAlive {
+    interval: Duration,
+    ping_pong: h2::PingPong,
+    timer: Pin<Box<tokio::time::Sleep>>,
+    awaiting_pong: bool,
+    /// What the peer had sent when the timer was set.
+    heard_at_arm: u64,
+}
+
+impl std::fmt::Debug for KeepAlive {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KeepAlive")
+            .field("interval", &self.interval)
+            .field("awaiting_pong", &self.awaiting_pong)
+            .finish_non_exhaustive()
+    }
+}
+
+impl KeepAlive {
+    pub fn new(interval: Duration, ping_pong: h2::PingPong) -> Self {
+        KeepAlive {
+            interval,
+            ping_pong,
+            timer: Box::pin(tokio::time::sleep(interval)),
+            awaiting_pong: false,
+            heard_at_arm: 0,
+        }
+    }
+
+    fn arm(&mut self, after: Duration, heard: u64) {
+        self.heard_at_arm = heard;
+        self.timer
+            .as_mut()
+            .reset(tokio::time::Instant::now() + after);
+    }
+
+    /// `heard` counts what the peer sent so far (any monotonic count): a
+    /// peer heard from since the timer was set is not pinged.
+    pub fn poll(&mut self, cx: &mut Context<'_>, heard: u64) -> Result<(), Status> {
+        loop {
+            if self.awaiting_pong {
+                match self.ping_pong.poll_pong(cx) {
+                    Poll::Ready(Ok(_)) => {
+                        self.awaiting_pong = false;
+                        self.arm(self.interval, heard);
+                        continue;
+                    }
+                    Poll::Ready(Err(e)) => return Err(h2_status(e)),
+                    Poll::Pending => {}
+                }
+                if self.timer.as_mut().poll(cx).is_ready() {
+                    return Err(Status::unavailable(format!(
+                        "keepalive ping not answered within {PING_TIMEOUT:?}"
+                    )));
+                }
+                return Ok(());
+            }
+            if self.timer.as_mut().poll(cx).is_pending() {
+                return Ok(());
+            }
+            if heard != self.heard_at_arm {
+                self.arm(self.interval, heard);
+                continue;
+            }
+            self.ping_pong
+                .send_ping(h2::Ping::opaque())
+                .map_err(h2_status)?;
+            self.awaiting_pong = true;
+            self.arm(PING_TIMEOUT, heard);
+        }
+    }
+}
+
+/// A received stream as an HTTP body, giving its window back as soon as a
+/// chunk is taken, as hyper does (the tunnel's own flow control bounds what
+/// a peer may send per connection; see [`crate::flow`]). With a counter, it
+/// counts the chunks taken, for a [`KeepAlive`].
+#[derive(Debug)]
+pub struct RecvBody {
+    recv: h2::RecvStream,
+    chunks: Option<Arc<AtomicU64>>,
+}
+
+impl RecvBody {
+    pub fn new(recv: h2::RecvStream) -> Self {
+        RecvBody { recv, chunks: None }
+    }
+
+    pub fn counted(recv: h2::RecvStream, chunks: Arc<AtomicU64>) -> Self {
+        RecvBody {
+            recv,
+            chunks: Some(chunks),
+        }
+    }
+}
+
+impl Body for RecvBody {
+    type Data = Bytes;
+    type Error = h2::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, h2::Error>>> {
+        let this = self.get_mut();
+        let recv = &mut this.recv;
+        match recv.poll_data(cx) {
+            Poll::Ready(Some(Ok(data))) => {
+                // Fails only once the stream is gone, which the next poll reports.
+                let _ = recv.flow_control().release_capacity(data.len());
+                if let Some(chunks) = &this.chunks {
+                    chunks.fetch_add(1, Ordering::Relaxed);
+                }
+                Poll::Ready(Some(Ok(Frame::data(data))))
+            }
+            Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(e))),
+            Poll::Ready(None) => match recv.poll_trailers(cx) {
+                Poll::Ready(Ok(Some(trailers))) => Poll::Ready(Some(Ok(Frame::trailers(trailers)))),
+                Poll::Ready(Ok(None)) => Poll::Ready(None),
+                Poll::Ready(Err(e)) => Poll::Ready(Some(Err(e))),
+                Poll::Pending => Poll::Pending,
+            },
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.recv.is_end_stream()
+    }
+}
+
+/// How far [`poll_send_body`] got.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sent {
+    /// Waiting for the body or for send window.
+    Pending,
+    /// The body ended and the stream's end was sent.
+    Ended,
+}
+
+/// Moves `body` into `send` as far as the stream's window allows, as hyper
+/// does: the body is polled only with send capacity, and the end of the
+/// stream goes with its trailers or an empty DATA frame. A body that fails
+/// resets the stream (INTERNAL_ERROR) and reports the failure.
+pub fn poll_send_body<B>(
+    send: &mut h2::SendStream<Bytes>,
+    mut body: Pin<&mut B>,
+    cx: &mut Context<'_>,
+) -> Result<Sent, Status>
+where
+    B: Body<Data = Bytes, Error = Status>,
+{
+    loop {
+        send.reserve_capacity(1);
+        if send.capacity() == 0 {
+            match send.poll_capacity(cx) {
+                Poll::Ready(Some(Ok(0))) => continue,
+                Poll::Ready(Some(Ok(_))) => {}
+                Poll::Ready(Some(Err(e))) => return Err(h2_status(e)),
+                Poll::Ready(None) => {
+                    return Err(Status::unavailable("the HTTP/2 stream closed"));
+                }
+                Poll::Pending => {
+                    // A peer that resets the stream gives no window back.
+                    if let Poll::Ready(reason) = send.poll_reset(cx) {
+                        return Err(match reason {
+                            Ok(reason) => h2_status(reason.into()),
+                            Err(e) => h2_status(e),
+                        });
+                    }
+                    return Ok(Sent::Pending);
+                }
+            }
+        }
+        match body.as_mut().poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
+                Ok(data) => send.send_data(data, false).map_err(h2_status)?,
+                Err(frame) => {
+                    if let Ok(trailers) = frame.into_trailers() {
+                        send.send_trailers(trailers).map_err(h2_status)?;
+                        return Ok(Sent::Ended);
+                    }
+                }
+            },
+            Poll::Ready(Some(Err(status))) => {
+                send.send_reset(h2::Reason::INTERNAL_ERROR);
+                return Err(status);
+            }
+            Poll::Ready(None) => {
+                send.send_data(Bytes::new(), true).map_err(h2_status)?;
+                return Ok(Sent::Ended);
+            }
+            Poll::Pending => return Ok(Sent::Pending),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A wake from outside a pass reaches the task; one during a pass only
+    /// asks for another pass.
+    #[test]
+    fn a_wake_during_a_pass_asks_for_another_and_one_after_it_wakes_the_task() {
+        struct Count(std::sync::atomic::AtomicUsize);
+        impl Wake for Count {
+            fn wake(self: Arc<Self>) {
+                self.0.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        let count = Arc::new(Count(Default::default()));
+        let task = Waker::from(count.clone());
+        let mut cx = Context::from_waker(&task);
+        let passes = Passes::default();
+
+        let mut calls = 0;
+        let mut woken_inside = None;
+        let polled = passes.poll(&mut cx, |parts| {
+            calls += 1;
+            if calls == 1 {
+                // A part woken during the pass: the loop must run again.
+                parts.waker().wake_by_ref();
+                woken_inside = Some(parts.waker().clone());
+                None
+            } else {
+                Some(calls)
+            }
+        });
+        assert_eq!(polled, Poll::Ready(2));
+        assert_eq!(
+            count.0.load(Ordering::SeqCst),
+            0,
+            "the running task is not woken"
+        );
+
+        let waker = woken_inside.expect("the first pass ran");
+        waker.wake_by_ref();
+        assert_eq!(count.0.load(Ordering::SeqCst), 1, "an idle task is woken");
+
+        let idle: Poll<()> = passes.poll(&mut cx, |_| None);
+        assert_eq!(idle, Poll::Pending, "nothing woke a part: wait");
+    }
+}
