@@ -1,6 +1,8 @@
 //! Clients no one here wrote reach a target through our server and agent:
 //! a Python grpcio client generated at test time from proto-crate's `.proto`
-//! files, and curl as an HTTP CONNECT client.
+//! files, and curl as an HTTP CONNECT client. And an agent no one here wrote
+//! (Python grpcio, gRPC's C core HTTP/2) serves a dial through our server's
+//! agent port.
 //!
 //! Without python/grpcio or curl these tests skip loudly; under `CI=true` a
 //! missing tool fails them.
@@ -69,6 +71,27 @@ fn python_with_grpcio() -> Result<PathBuf, String> {
     Ok(python)
 }
 
+/// Python modules for konnectivity's `.proto` files, generated with grpcio-tools.
+fn python_stubs(python: &Path) -> tempfile::TempDir {
+    let generated = tempfile::tempdir().unwrap();
+    let proto_dir = workspace_dir().join("proto-crate/proto");
+    let out = Command::new(python)
+        .args(["-m", "grpc_tools.protoc", "-I"])
+        .arg(&proto_dir)
+        .arg(format!("--python_out={}", generated.path().display()))
+        .arg(format!("--grpc_python_out={}", generated.path().display()))
+        .arg(proto_dir.join("konnectivity/client.proto"))
+        .arg(proto_dir.join("konnectivity/agent.proto"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "protoc: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    generated
+}
+
 /// A server and an agent of `cluster-a` with PEM files on disk for the
 /// external clients, an HTTP target and a port nothing listens on.
 struct Setup {
@@ -110,21 +133,7 @@ async fn python_grpcio_client_reaches_a_target_through_the_tunnel() {
         Ok(p) => p,
         Err(why) => return missing("python grpcio", &why),
     };
-    let generated = tempfile::tempdir().unwrap();
-    let proto_dir = workspace_dir().join("proto-crate/proto");
-    let out = Command::new(&python)
-        .args(["-m", "grpc_tools.protoc", "-I"])
-        .arg(&proto_dir)
-        .arg(format!("--python_out={}", generated.path().display()))
-        .arg(format!("--grpc_python_out={}", generated.path().display()))
-        .arg(proto_dir.join("konnectivity/client.proto"))
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "protoc: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let generated = python_stubs(&python);
 
     let Setup {
         certs,
@@ -229,5 +238,127 @@ async fn curl_reaches_a_target_with_http_connect() {
 
     let no_agent = curl("http://cluster-z:80/".into()).await.unwrap();
     assert!(String::from_utf8_lossy(&no_agent.stderr).contains("500"));
+    server.shutdown().await;
+}
+
+/// The Python agent of `cluster` claiming `identifiers`, started.
+fn python_agent(
+    python: &Path,
+    generated: &Path,
+    layout: &cert_authority::files::Layout,
+    cluster: &str,
+    server: std::net::SocketAddr,
+    identifiers: &str,
+) -> std::process::Child {
+    let cluster = cluster_proxy_proto::identity::ClusterName::new(cluster).unwrap();
+    Command::new(python)
+        .arg(workspace_dir().join("e2e/tests/python/konnectivity_agent.py"))
+        .arg(generated)
+        .arg(format!("localhost:{}", server.port()))
+        .arg(layout.bundle())
+        .arg(layout.agent(&cluster).cert)
+        .arg(layout.agent(&cluster).key)
+        .arg("python-agent")
+        .arg(identifiers)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+#[tokio::test]
+async fn python_grpcio_agent_serves_a_dial_through_our_agent_port() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let python = match python_with_grpcio() {
+        Ok(p) => p,
+        Err(why) => return missing("python grpcio", &why),
+    };
+    let generated = python_stubs(&python);
+    let pki = TestPki::new(&["cluster-a", "cluster-b"]).unwrap();
+    let certs = tempfile::tempdir().unwrap();
+    let layout = pki.write(certs.path()).unwrap();
+    let server = proxy_server::start_with_tls(test_server_config(), pki.server_tls().unwrap())
+        .await
+        .unwrap();
+    let target = HttpServer::start(BODY).await.unwrap();
+
+    // Claiming another cluster's identifiers: refused, and told why.
+    let refused = python_agent(
+        &python,
+        generated.path(),
+        &layout,
+        "cluster-b",
+        server.agent_addr,
+        "host=cluster-a",
+    );
+    let refused = tokio::task::spawn_blocking(move || refused.wait_with_output().unwrap())
+        .await
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(3), "{stderr}");
+    assert!(
+        stderr.contains("refused: PERMISSION_DENIED")
+            && stderr.contains("does not belong to cluster \"cluster-b\""),
+        "{stderr}"
+    );
+    assert_eq!(server.tunnel_count(), 0);
+
+    let mut agent = python_agent(
+        &python,
+        generated.path(),
+        &layout,
+        "cluster-b",
+        server.agent_addr,
+        "host=cluster-b",
+    );
+    let stdout = agent.stdout.take().unwrap();
+    let answer = tokio::task::spawn_blocking(move || {
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut line).map(|_| line)
+    })
+    .await
+    .unwrap()
+    .unwrap();
+    assert_eq!(
+        answer.trim(),
+        format!("serverid={} servercount=1", server.server_id),
+        "the agent read the server's headers"
+    );
+    assert!(wait_until(Duration::from_secs(10), || server.tunnel_count() == 1).await);
+
+    let client = e2e::harness::tunnel_client(pki.client_tls().unwrap(), server.client_addr)
+        .await
+        .unwrap();
+    let mut stream = client
+        .dial(&format!("cluster-b:{}", target.addr.port()))
+        .await
+        .unwrap();
+    stream
+        .write_all(b"GET / HTTP/1.1\r\nHost: cluster-b\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut response = String::new();
+    tokio::time::timeout(
+        Duration::from_secs(20),
+        stream.read_to_string(&mut response),
+    )
+    .await
+    .expect("the response within 20 s")
+    .unwrap();
+    assert!(response.starts_with("HTTP/1.1 200 OK"), "{response}");
+    assert!(response.ends_with(BODY), "{response}");
+
+    // The agent ends its stream after the dial; the server ends its side
+    // with an OK status, which is what the agent waits for to exit 0.
+    let done = tokio::task::spawn_blocking(move || agent.wait_with_output().unwrap())
+        .await
+        .unwrap();
+    assert!(
+        done.status.success(),
+        "agent: {}",
+        String::from_utf8_lossy(&done.stderr)
+    );
+    assert!(wait_until(Duration::from_secs(10), || server.tunnel_count() == 0).await);
     server.shutdown().await;
 }

@@ -1405,3 +1405,77 @@ impl std::task::Wake for WakeFlag {
         self.0.store(true, std::sync::atomic::Ordering::SeqCst);
     }
 }
+
+/// The server reads an agent's packets whether or not the agent reads the
+/// server's: the two directions of a tunnel are as independent as a TCP
+/// connection's. (hyper polls a response body only while its stream has
+/// send window, so reading the agent inside that body would stop both.)
+#[tokio::test]
+async fn an_agent_that_stops_reading_still_has_its_packets_read() {
+    let pki = TestPki::new(&["cluster-a"]).unwrap();
+    let mut config = test_server_config();
+    // The held-up upload must not be closed for stalling during the test.
+    config.plain_peer_stall_timeout = Duration::from_secs(300);
+    let server = server_with(&pki, config).await;
+    let mut agent = agent(&pki, &server, "cluster-a", None).await;
+    let client = tunnel_client(pki.client_tls().unwrap(), server.client_addr)
+        .await
+        .unwrap();
+    let mut streams = Vec::new();
+    for connect_id in [1, 2] {
+        let dial = {
+            let client = client.clone();
+            tokio::spawn(async move { client.dial("cluster-a:1").await })
+        };
+        let Frame::DialRequest { random, .. } = frame(agent.recv(STEP).await) else {
+            panic!("expected DIAL_REQ");
+        };
+        agent
+            .to_server
+            .send(packet::dial_response_ok(random, connect_id))
+            .await
+            .unwrap();
+        streams.push(dial.await.unwrap().unwrap());
+    }
+    let mut download = streams.pop().unwrap();
+    let mut upload = streams.pop().unwrap();
+    // From here on the agent reads nothing: connection 1's upload fills
+    // every window between the client and the agent, until the server
+    // holds the client's bytes back.
+    let flood = tokio::spawn(async move {
+        let chunk = vec![7u8; 64 * 1024];
+        for _ in 0..512 {
+            if upload.write_all(&chunk).await.is_err() {
+                return;
+            }
+        }
+    });
+    let held_up = || {
+        server.metrics_text().lines().any(|line| {
+            line == "konnectivity_network_proxy_server_full_receive_channels{service_method=\"Proxy\"} 1"
+        })
+    };
+    assert!(
+        wait_until(Duration::from_secs(30), held_up).await,
+        "the upload never filled the way to the agent"
+    );
+    const SENT: usize = 8 * 1024 * 1024;
+    let sender = agent.to_server.clone();
+    tokio::spawn(async move {
+        let chunk = Bytes::from(vec![9u8; 64 * 1024]);
+        for _ in 0..SENT / chunk.len() {
+            if sender.send(packet::data(2, chunk.clone())).await.is_err() {
+                return;
+            }
+        }
+    });
+    let mut received = vec![0u8; SENT];
+    tokio::time::timeout(Duration::from_secs(30), download.read_exact(&mut received))
+        .await
+        .expect("connection 2's download stopped while the agent read nothing")
+        .unwrap();
+    assert!(received.iter().all(|b| *b == 9));
+    assert!(held_up(), "the upload is still held up");
+    flood.abort();
+    server.shutdown().await;
+}

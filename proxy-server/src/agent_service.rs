@@ -14,17 +14,19 @@
 //! closes, and retries as after any failed connect; the status follows as
 //! usual. Other peers (ours, tonic, grpcio) get the plain status.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 
 use cluster_proxy_proto::flow::parse_window;
+use cluster_proxy_proto::grpc_framing::PacketStream;
 use cluster_proxy_proto::identifiers::AgentIdentifiers;
 use cluster_proxy_proto::metadata;
 use cluster_proxy_proto::packet::Frame;
+use tonic::Status;
 use tonic::metadata::{MetadataMap, MetadataValue};
-use tonic::{Request, Response, Status};
 use tracing::{info, warn};
 
-use crate::grpc_service::{InboundPackets, PacketMethod};
 use crate::listener::PeerInfo;
 use crate::metrics::{GaugeGuard, Metrics};
 use crate::registry::{Registry, Strategy};
@@ -76,9 +78,9 @@ fn single_value<'a>(md: &'a MetadataMap, key: &str) -> Result<Option<&'a str>, S
 impl AgentEndpoint {
     fn admit(
         &self,
-        request: &Request<InboundPackets>,
+        md: &MetadataMap,
+        peer: &Arc<PeerInfo>,
     ) -> Result<(String, AgentIdentifiers, Arc<PeerInfo>), Status> {
-        let md = request.metadata();
         let agent_id = single_value(md, metadata::AGENT_ID)?
             .filter(|id| !id.is_empty())
             .ok_or_else(|| Status::invalid_argument("expected one agent ID in the context"))?
@@ -89,11 +91,7 @@ impl AgentEndpoint {
             })?,
             None => AgentIdentifiers::default(),
         };
-        let peer = request
-            .extensions()
-            .get::<Arc<PeerInfo>>()
-            .cloned()
-            .ok_or_else(|| Status::unauthenticated("no verified client certificate"))?;
+        let peer = peer.clone();
         if let Some(e) = &peer.identity_error {
             warn!(agent_id, remote = %peer.remote, subject = %peer.subject, error = %e, "agent refused: bad identity");
             return Err(Status::permission_denied(format!(
@@ -122,45 +120,59 @@ impl AgentEndpoint {
     }
 }
 
-impl PacketMethod for AgentEndpoint {
-    const SERVICE: &'static str =
-        cluster_proxy_proto::konnectivity::agent_service_server::SERVICE_NAME;
-    const PATH: &'static str = cluster_proxy_proto::grpc_framing::AGENT_CONNECT_PATH;
-    type Outbound = OutboundStream;
+/// An agent's `Connect` call, admitted (or refused in the form a Go agent
+/// logs): the response's metadata, the packets to send it and, for a tunnel,
+/// the loop that dispatches the agent's packets until its stream ends.
+pub struct Opened {
+    pub metadata: MetadataMap,
+    pub outbound: OutboundStream,
+    pub reader: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
+}
 
-    async fn call(
+impl AgentEndpoint {
+    /// Admits the call whose request metadata is `md`, from `peer`, and
+    /// registers its tunnel, which reads the agent's packets from `inbound`.
+    /// An `Err` is answered as a trailers-only response.
+    pub fn open<B>(
         &self,
-        request: Request<InboundPackets>,
-    ) -> Result<Response<Self::Outbound>, Status> {
-        let (agent_id, identifiers, peer) = match self.admit(&request) {
+        md: &MetadataMap,
+        peer: &Arc<PeerInfo>,
+        inbound: PacketStream<B>,
+    ) -> Result<Opened, Status>
+    where
+        B: http_body::Body<Data = bytes::Bytes> + Send + Unpin + 'static,
+        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        let (agent_id, identifiers, peer) = match self.admit(md, peer) {
             Ok(admitted) => admitted,
-            Err(status) if is_go_grpc(request.metadata()) => return Ok(refusal_for_go(status)),
+            Err(status) if is_go_grpc(md) => return Ok(refusal_for_go(status)),
             Err(status) => return Err(status),
         };
-        let peer_window = single_value(request.metadata(), metadata::FLOW_CONTROL_WINDOW)?
+        // Everything that can refuse the call comes before its tunnel is
+        // registered: once it is, only its reader unregisters it.
+        let server_id = MetadataValue::try_from(self.settings.server_id.as_str())
+            .map_err(|_| Status::internal("server id is not valid metadata"))?;
+        let peer_window = single_value(md, metadata::FLOW_CONTROL_WINDOW)?
             .map(parse_window)
             .transpose()
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
         // Only an agent that asked for it is sent trace context (field 100
         // of DialRequest); upstream agents get plain konnectivity bytes.
-        let trace_context = request
-            .metadata()
+        let trace_context = md
             .get(metadata::TRACE_CONTEXT)
             .and_then(|v| v.to_str().ok())
             .is_some_and(|v| {
                 v.split(',')
                     .any(|f| f.trim() == metadata::TRACE_CONTEXT_W3C)
             });
-        let server_count_updates = request
-            .metadata()
+        let server_count_updates = md
             .get(metadata::SERVER_COUNT_UPDATES)
             .and_then(|v| v.to_str().ok())
             .is_some_and(|v| {
                 v.split(',')
                     .any(|f| f.trim() == metadata::SERVER_COUNT_UPDATES_V1)
             });
-        let early_data = request
-            .metadata()
+        let early_data = md
             .get(metadata::EARLY_DATA)
             .and_then(|v| v.to_str().ok())
             .is_some_and(|v| v.split(',').any(|f| f.trim() == metadata::EARLY_DATA_V1));
@@ -207,32 +219,24 @@ impl PacketMethod for AgentEndpoint {
             tunnel.announce_drain();
         }
         self.update_backend_gauges();
-        let inbound = request.into_inner();
-        let registry = self.registry.clone();
         let metrics = self.metrics.clone();
-        let reader_tunnel = tunnel.clone();
-        tokio::spawn(async move {
+        let mut registered = Registered {
+            tunnel: tunnel.clone(),
+            registry: self.registry.clone(),
+            metrics: self.metrics.clone(),
+            reason: None,
+        };
+        // Polled by the connection's task, beside the connection itself.
+        let reader = Box::pin(async move {
             let _stream_gauge = metrics.grpc_stream("Connect");
             let _tunnel_gauge = GaugeGuard::new(metrics.agent_tunnels.clone());
-            let reason = read_agent(&reader_tunnel, inbound, &metrics).await;
-            registry.unregister(&reader_tunnel);
-            reader_tunnel.close(&reason);
-            update_backend_gauges(&registry, &metrics);
-            info!(
-                tunnel = reader_tunnel.id(),
-                agent_id = reader_tunnel.agent_id(),
-                reason,
-                "agent disconnected"
-            );
+            let reason = read_agent(&registered.tunnel, inbound, &metrics).await;
+            registered.ended(reason);
         });
 
-        let mut response = Response::new(outbound);
-        let md = response.metadata_mut();
-        md.insert(
-            metadata::SERVER_ID,
-            MetadataValue::try_from(self.settings.server_id.as_str())
-                .map_err(|_| Status::internal("server id is not valid metadata"))?,
-        );
+        let mut answer = MetadataMap::new();
+        let md = &mut answer;
+        md.insert(metadata::SERVER_ID, server_id);
         // Read after registering: a count that changes from here on is
         // announced on this tunnel too, so the agent never misses one.
         let server_count = *self.settings.server_count.borrow();
@@ -243,7 +247,45 @@ impl PacketMethod for AgentEndpoint {
                 MetadataValue::from(self.settings.flow_control_window),
             );
         }
-        Ok(response)
+        Ok(Opened {
+            metadata: answer,
+            outbound,
+            reader: Some(reader),
+        })
+    }
+}
+
+/// A registered tunnel, unregistered and closed when its reader ends (or
+/// is dropped with its connection's task).
+struct Registered {
+    tunnel: Arc<AgentTunnel>,
+    registry: Arc<Registry>,
+    metrics: Arc<Metrics>,
+    /// Why the reader ended.
+    reason: Option<String>,
+}
+
+impl Registered {
+    fn ended(&mut self, reason: String) {
+        self.reason = Some(reason);
+    }
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        let reason = self
+            .reason
+            .take()
+            .unwrap_or_else(|| "the agent's connection was dropped".into());
+        self.registry.unregister(&self.tunnel);
+        self.tunnel.close(&reason);
+        update_backend_gauges(&self.registry, &self.metrics);
+        info!(
+            tunnel = self.tunnel.id(),
+            agent_id = self.tunnel.agent_id(),
+            reason,
+            "agent disconnected"
+        );
     }
 }
 
@@ -259,7 +301,7 @@ fn is_go_grpc(md: &MetadataMap) -> bool {
 
 /// A refusal a Go agent logs (see the module docs): headers whose two
 /// `serverid` values are [`REFUSED_SERVER_ID`] and the reason, then `status`.
-fn refusal_for_go(status: Status) -> Response<OutboundStream> {
+fn refusal_for_go(status: Status) -> Opened {
     let reason: String = status
         .message()
         .chars()
@@ -271,9 +313,8 @@ fn refusal_for_go(status: Status) -> Response<OutboundStream> {
             }
         })
         .collect();
-    let stream: OutboundStream = Box::pin(futures_util::stream::once(async move { Err(status) }));
-    let mut response = Response::new(stream);
-    let md = response.metadata_mut();
+    let outbound: OutboundStream = Box::pin(futures_util::stream::once(async move { Err(status) }));
+    let mut md = MetadataMap::new();
     md.append(
         metadata::SERVER_ID,
         MetadataValue::from_static(REFUSED_SERVER_ID),
@@ -281,7 +322,11 @@ fn refusal_for_go(status: Status) -> Response<OutboundStream> {
     if let Ok(value) = MetadataValue::try_from(reason.as_str()) {
         md.append(metadata::SERVER_ID, value);
     }
-    response
+    Opened {
+        metadata: md,
+        outbound,
+        reader: None,
+    }
 }
 
 impl AgentEndpoint {
@@ -305,11 +350,15 @@ pub(crate) fn is_oversized(status: &Status) -> bool {
 }
 
 /// Dispatches the agent's packets until its stream ends; returns why it ended.
-async fn read_agent(
+async fn read_agent<B>(
     tunnel: &Arc<AgentTunnel>,
-    mut inbound: InboundPackets,
+    mut inbound: PacketStream<B>,
     metrics: &Metrics,
-) -> String {
+) -> String
+where
+    B: http_body::Body<Data = bytes::Bytes> + Unpin,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     loop {
         tokio::select! {
             message = inbound.message() => match message {

@@ -1,10 +1,12 @@
-//! The server end of the two streaming methods the tunnel carries bytes on
-//! (`AgentService.Connect`, `ProxyService.Proxy`), framed by
+//! The server end of the client port's streaming method
+//! (`ProxyService.Proxy`) under hyper, framed by
 //! [`cluster_proxy_proto::grpc_framing`] instead of tonic's codec so no
 //! payload is copied on its way through the server. The HTTP/2 exchange is
 //! what tonic's generated servers do: the request's headers become the
 //! call's metadata, an error before the stream starts is a trailers-only
-//! response, and the response ends with trailers carrying the status.
+//! response, and the response ends with trailers carrying the status. (The
+//! agent port's `AgentService.Connect` answers the same way, from a task
+//! per connection: [`crate::agent_port`].)
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -74,7 +76,7 @@ impl<M: PacketMethod> NamedService for PacketService<M> {
 
 /// What tonic answers for a message encoding it was not built with; our
 /// peers and upstream's never compress.
-fn unsupported_encoding(headers: &http::HeaderMap) -> Option<Status> {
+pub(crate) fn unsupported_encoding(headers: &http::HeaderMap) -> Option<Status> {
     let encoding = headers.get("grpc-encoding")?;
     if encoding.as_bytes() == b"identity" {
         return None;

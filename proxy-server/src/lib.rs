@@ -1,12 +1,14 @@
 //! cluster-proxy's tunnel server.
 //!
 //! * agent port — `AgentService.Connect` over mTLS; each agent's certificate
-//!   must name the cluster whose identifiers it registers ([`agent_service`]).
+//!   must name the cluster whose identifiers it registers ([`agent_service`]);
+//!   each connection is driven by one task ([`agent_port`]).
 //! * client port — `ProxyService.Proxy` (gRPC, HTTP/2) and HTTP CONNECT
 //!   (HTTP/1.1) on the same mTLS port, told apart per connection.
 //! * health port — `/healthz`, `/readyz`, `/metrics`; admin port — `/metrics`.
 #![forbid(unsafe_code)]
 
+pub mod agent_port;
 pub mod agent_service;
 pub mod config;
 pub mod conn_trace;
@@ -44,6 +46,7 @@ use tonic::body::Body;
 use tonic::service::Routes;
 use tracing::{info, warn};
 
+use crate::agent_port::AgentConnections;
 use crate::agent_service::{AgentEndpoint, AgentEndpointSettings};
 use crate::config::{Mode, ServerConfig};
 use crate::dial::Dialer;
@@ -581,23 +584,21 @@ pub async fn start_with_peers(
         metrics: metrics.clone(),
         draining: draining.clone(),
     };
-    let agent_routes = Routes::new(PacketService::new(
-        agent_endpoint,
-        limit(config.max_packet_size),
-        MAX_MESSAGE_SIZE,
-    ));
     tasks.spawn(listener::serve(
         "agent",
         Listener::Tcp(agent_listener, tls.agent, metrics.clone()),
-        Protocols::Http2Only,
-        move |_peer: Arc<PeerInfo>| agent_routes.clone(),
+        AgentConnections {
+            endpoint: agent_endpoint,
+            max_packet_size: limit(config.max_packet_size),
+            http2: Http2Settings {
+                keepalive: keepalive(config.keepalive_time),
+                max_concurrent_streams: config.max_concurrent_streams,
+                windows: cluster_proxy_proto::transport::TUNNEL_WINDOWS,
+            },
+            shutdown: shutdown.clone(),
+        },
         shutdown.clone(),
         grace,
-        Http2Settings {
-            keepalive: keepalive(config.keepalive_time),
-            max_concurrent_streams: config.max_concurrent_streams,
-            windows: cluster_proxy_proto::transport::TUNNEL_WINDOWS,
-        },
     ));
 
     let grpc = matches!(config.mode, Mode::Both | Mode::Grpc).then(|| {
@@ -628,18 +629,23 @@ pub async fn start_with_peers(
         refused: None,
         peer: None,
     };
-    let client_listener = tasks.spawn(listener::serve(
+    let client_connections = listener::http(
         "client",
-        client_listener,
         protocols,
         move |peer: Arc<PeerInfo>| client_service.for_peer(&peer),
         shutdown.clone(),
-        grace,
         Http2Settings {
             keepalive: keepalive(config.frontend_keepalive_time),
             max_concurrent_streams: config.max_concurrent_streams,
             windows: cluster_proxy_proto::transport::CLIENT_WINDOWS,
         },
+    );
+    let client_listener = tasks.spawn(listener::serve(
+        "client",
+        client_listener,
+        client_connections,
+        shutdown.clone(),
+        grace,
     ));
 
     let health_metrics = metrics.clone();

@@ -2,13 +2,17 @@
 //!
 //! We drive hyper ourselves (rather than tonic's server) so one port can carry
 //! gRPC over HTTP/2 and HTTP CONNECT over HTTP/1.1 at once, and so every
-//! request carries the verified peer certificate's identity.
+//! request carries the verified peer certificate's identity. The agent port
+//! accepts here too, and serves each connection with its own HTTP/2 driver
+//! ([`crate::agent_port`]).
 
 use std::convert::Infallible;
+use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use cluster_proxy_proto::h2_driver::PING_TIMEOUT;
 use cluster_proxy_proto::identity::ClusterName;
 use cluster_proxy_proto::transport::{HttpWindows, MAX_FRAME_SIZE};
 use http::{Request, Response};
@@ -34,7 +38,7 @@ const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(60);
 /// request before it is asked to finish: an HTTP/1.1 connection asked to
 /// finish before its request arrived would be closed unanswered, and its
 /// client would see a failed dial.
-const FIRST_REQUEST_WINDOW: Duration = Duration::from_secs(2);
+pub(crate) const FIRST_REQUEST_WINDOW: Duration = Duration::from_secs(2);
 /// Time a refused peer gets to take our close_notify.
 const REFUSAL_CLOSE_TIMEOUT: Duration = Duration::from_secs(1);
 
@@ -79,7 +83,7 @@ pub struct PeerInfo {
 /// Which HTTP versions a port speaks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Protocols {
-    /// gRPC only (the agent port).
+    /// gRPC only (the client port with `--mode grpc`).
     Http2Only,
     /// HTTP/2 (gRPC) and HTTP/1.1 (CONNECT), detected per connection.
     Http1And2,
@@ -171,19 +175,29 @@ pub struct Http2Settings {
     pub windows: HttpWindows,
 }
 
-/// Serves `listener` until `shutdown` fires, then stops accepting (closing
-/// the socket, so new connections are refused and a load balancer moves them
-/// to another replica) and lets open connections finish within `grace`
-/// before dropping them.
-pub async fn serve<S, F, B>(
+/// Serves one accepted connection (after its TLS handshake, if any) until
+/// it ends; asked to finish once the listener's shutdown fires.
+pub trait ServeConnection: Send + Sync + 'static {
+    fn serve<IO>(
+        &self,
+        io: IO,
+        peer: PeerInfo,
+        accepted_at: tokio::time::Instant,
+    ) -> impl Future<Output = ()> + Send
+    where
+        IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static;
+}
+
+/// hyper serving each connection with `make_service`'s tower service, the
+/// HTTP versions `protocols` names and the `http2` settings.
+pub fn http<S, F, B>(
     name: &'static str,
-    listener: Listener,
     protocols: Protocols,
     make_service: F,
     shutdown: CancellationToken,
-    grace: Duration,
     http2: Http2Settings,
-) where
+) -> impl ServeConnection
+where
     F: Fn(Arc<PeerInfo>) -> S + Send + Sync + 'static,
     S: tower::Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
         + Clone
@@ -194,8 +208,8 @@ pub async fn serve<S, F, B>(
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let mut builder = auto::Builder::new(TokioExecutor::new());
-    // `http2_only` is ignored by `serve_connection_with_upgrades`, so the
-    // agent port uses `serve_connection` instead (see below).
+    // `http2_only` is ignored by `serve_connection_with_upgrades`, so a
+    // gRPC-only port uses `serve_connection` instead (see below).
     builder
         .http2()
         .timer(TokioTimer::new())
@@ -209,7 +223,7 @@ pub async fn serve<S, F, B>(
         // --keepalive-time / --frontend-keepalive-time); a peer that does not
         // answer within 20 s (gRPC's default timeout) is dropped.
         .keep_alive_interval(http2.keepalive)
-        .keep_alive_timeout(Duration::from_secs(20));
+        .keep_alive_timeout(PING_TIMEOUT);
     // HTTP/1.1 serves only CONNECT: responses as upstream writes them, with
     // no `date` header (a `200 Connection Established` is the status line
     // alone) and header names in Go's canonical case.
@@ -220,13 +234,27 @@ pub async fn serve<S, F, B>(
         .keep_alive(true)
         .auto_date_header(false)
         .title_case_headers(true);
-    let server = Arc::new(ConnectionServer {
+    ConnectionServer {
         name,
         builder,
         protocols,
         make_service,
-        shutdown: shutdown.clone(),
-    });
+        shutdown,
+    }
+}
+
+/// Serves `listener` until `shutdown` fires, then stops accepting (closing
+/// the socket, so new connections are refused and a load balancer moves them
+/// to another replica) and lets open connections finish within `grace`
+/// before dropping them.
+pub async fn serve<C: ServeConnection>(
+    name: &'static str,
+    listener: Listener,
+    server: C,
+    shutdown: CancellationToken,
+    grace: Duration,
+) {
+    let server = Arc::new(server);
     let connections = TaskTracker::new();
     let mut stopping = false;
     loop {
@@ -319,18 +347,20 @@ struct ConnectionServer<F> {
     shutdown: CancellationToken,
 }
 
-impl<F> ConnectionServer<F> {
-    async fn serve<IO, S, B>(&self, io: IO, peer: PeerInfo, accepted_at: tokio::time::Instant)
+impl<F, S, B> ServeConnection for ConnectionServer<F>
+where
+    F: Fn(Arc<PeerInfo>) -> S + Send + Sync + 'static,
+    S: tower::Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    async fn serve<IO>(&self, io: IO, peer: PeerInfo, accepted_at: tokio::time::Instant)
     where
         IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
-        F: Fn(Arc<PeerInfo>) -> S,
-        S: tower::Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
-            + Clone
-            + Send
-            + 'static,
-        S::Future: Send + 'static,
-        B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
-        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
     {
         let remote = peer.remote;
         let peer = Arc::new(peer);

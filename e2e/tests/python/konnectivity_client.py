@@ -6,9 +6,10 @@ CLOSE_REQ -> CLOSE_RSP, and prints the HTTP response it received.
 usage: konnectivity_client.py GENERATED_DIR SERVER_HOST:PORT CA CERT KEY DIAL_ADDRESS
 """
 
-import queue
 import random
 import sys
+
+from konnectivity_common import request_stream, secure_channel
 
 
 def main():
@@ -18,28 +19,13 @@ def main():
     from konnectivity import client_pb2 as pb
     from konnectivity import client_pb2_grpc as pb_grpc
 
-    with open(ca, "rb") as f:
-        ca_pem = f.read()
-    with open(cert, "rb") as f:
-        cert_pem = f.read()
-    with open(key, "rb") as f:
-        key_pem = f.read()
-    creds = grpc.ssl_channel_credentials(ca_pem, key_pem, cert_pem)
-    channel = grpc.secure_channel(server, creds, options=[("grpc.ssl_target_name_override", "localhost")])
+    channel = secure_channel(grpc, server, ca, cert, key)
     stub = pb_grpc.ProxyServiceStub(channel)
-
-    outgoing = queue.Queue()
-
-    def requests():
-        while True:
-            item = outgoing.get()
-            if item is None:
-                return
-            yield item
+    outgoing, requests = request_stream()
 
     dial_id = random.getrandbits(62) + 1
     outgoing.put(pb.Packet(type=pb.DIAL_REQ, dialRequest=pb.DialRequest(protocol="tcp", address=address, random=dial_id)))
-    responses = stub.Proxy(requests(), timeout=30)
+    responses = stub.Proxy(requests, timeout=30)
 
     first = next(responses)
     if first.type != pb.DIAL_RSP or first.dialResponse.random != dial_id:
