@@ -190,23 +190,13 @@ pub trait ServeConnection: Send + Sync + 'static {
 
 /// hyper serving each connection with `make_service`'s tower service, the
 /// HTTP versions `protocols` names and the `http2` settings.
-pub fn http<S, F, B>(
+pub fn http<F>(
     name: &'static str,
     protocols: Protocols,
     make_service: F,
     shutdown: CancellationToken,
     http2: Http2Settings,
-) -> impl ServeConnection
-where
-    F: Fn(Arc<PeerInfo>) -> S + Send + Sync + 'static,
-    S: tower::Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
-        + Clone
-        + Send
-        + 'static,
-    S::Future: Send + 'static,
-    B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
-    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-{
+) -> HttpConnections<F> {
     let mut builder = auto::Builder::new(TokioExecutor::new());
     // `http2_only` is ignored by `serve_connection_with_upgrades`, so a
     // gRPC-only port uses `serve_connection` instead (see below).
@@ -234,7 +224,7 @@ where
         .keep_alive(true)
         .auto_date_header(false)
         .title_case_headers(true);
-    ConnectionServer {
+    HttpConnections {
         name,
         builder,
         protocols,
@@ -338,8 +328,9 @@ pub async fn serve<C: ServeConnection>(
     }
 }
 
-/// What every accepted connection of one listener is served with.
-struct ConnectionServer<F> {
+/// hyper serving a listener's connections ([`http`]); a [`ServeConnection`]
+/// when `F` makes tower services of HTTP requests.
+pub struct HttpConnections<F> {
     name: &'static str,
     builder: auto::Builder<TokioExecutor>,
     protocols: Protocols,
@@ -347,7 +338,7 @@ struct ConnectionServer<F> {
     shutdown: CancellationToken,
 }
 
-impl<F, S, B> ServeConnection for ConnectionServer<F>
+impl<F, S, B> ServeConnection for HttpConnections<F>
 where
     F: Fn(Arc<PeerInfo>) -> S + Send + Sync + 'static,
     S: tower::Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
