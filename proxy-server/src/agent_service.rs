@@ -14,12 +14,10 @@
 //! closes, and retries as after any failed connect; the status follows as
 //! usual. Other peers (ours, tonic, grpcio) get the plain status.
 
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
 
 use cluster_proxy_proto::flow::parse_window;
-use cluster_proxy_proto::grpc_framing::PacketStream;
+use cluster_proxy_proto::grpc_framing::AGENT_CONNECT_PATH;
 use cluster_proxy_proto::identifiers::AgentIdentifiers;
 use cluster_proxy_proto::metadata;
 use cluster_proxy_proto::packet::Frame;
@@ -27,6 +25,7 @@ use tonic::Status;
 use tonic::metadata::{MetadataMap, MetadataValue};
 use tracing::{info, warn};
 
+use crate::grpc_port::{InboundPackets, Opened, PacketMethod};
 use crate::listener::PeerInfo;
 use crate::metrics::{GaugeGuard, Metrics};
 use crate::registry::{Registry, Strategy};
@@ -121,28 +120,20 @@ impl AgentEndpoint {
 }
 
 /// An agent's `Connect` call, admitted (or refused in the form a Go agent
-/// logs): the response's metadata, the packets to send it and, for a tunnel,
-/// the loop that dispatches the agent's packets until its stream ends.
-pub struct Opened {
-    pub metadata: MetadataMap,
-    pub outbound: OutboundStream,
-    pub reader: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
-}
+/// logs): for a tunnel, the reader dispatches the agent's packets until its
+/// stream ends.
+impl PacketMethod for AgentEndpoint {
+    const PATH: &'static str = AGENT_CONNECT_PATH;
+    const PORT: &'static str = "agent";
+    type Outbound = OutboundStream;
 
-impl AgentEndpoint {
-    /// Admits the call whose request metadata is `md`, from `peer`, and
-    /// registers its tunnel, which reads the agent's packets from `inbound`.
-    /// An `Err` is answered as a trailers-only response.
-    pub fn open<B>(
+    /// Admits the agent and registers its tunnel.
+    fn open(
         &self,
         md: &MetadataMap,
         peer: &Arc<PeerInfo>,
-        inbound: PacketStream<B>,
-    ) -> Result<Opened, Status>
-    where
-        B: http_body::Body<Data = bytes::Bytes> + Send + Unpin + 'static,
-        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-    {
+        inbound: InboundPackets,
+    ) -> Result<Opened<OutboundStream>, Status> {
         let (agent_id, identifiers, peer) = match self.admit(md, peer) {
             Ok(admitted) => admitted,
             Err(status) if is_go_grpc(md) => return Ok(refusal_for_go(status)),
@@ -301,7 +292,7 @@ fn is_go_grpc(md: &MetadataMap) -> bool {
 
 /// A refusal a Go agent logs (see the module docs): headers whose two
 /// `serverid` values are [`REFUSED_SERVER_ID`] and the reason, then `status`.
-fn refusal_for_go(status: Status) -> Opened {
+fn refusal_for_go(status: Status) -> Opened<OutboundStream> {
     let reason: String = status
         .message()
         .chars()
@@ -350,15 +341,11 @@ pub(crate) fn is_oversized(status: &Status) -> bool {
 }
 
 /// Dispatches the agent's packets until its stream ends; returns why it ended.
-async fn read_agent<B>(
+async fn read_agent(
     tunnel: &Arc<AgentTunnel>,
-    mut inbound: PacketStream<B>,
+    mut inbound: InboundPackets,
     metrics: &Metrics,
-) -> String
-where
-    B: http_body::Body<Data = bytes::Bytes> + Unpin,
-    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-{
+) -> String {
     loop {
         tokio::select! {
             message = inbound.message() => match message {

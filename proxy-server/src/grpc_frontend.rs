@@ -1,9 +1,10 @@
 //! `ProxyService.Proxy`: the konnectivity gRPC frontend. One dial per stream,
 //! many streams per HTTP/2 connection.
 //!
-//! A session task reads the client's packets (dial, then DATA towards the
-//! agent). The response stream reads the connection's receive queue itself,
-//! so bytes from the agent reach the HTTP/2 stream without another task hop.
+//! A session reads the client's packets (dial, then DATA towards the
+//! agent). The response stream reads the connection's receive queue itself.
+//! Both are polled by the HTTP/2 connection's task ([`crate::grpc_port`]),
+//! so bytes reach the HTTP/2 stream, or leave it, without a task hand-off.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -17,11 +18,12 @@ use cluster_proxy_proto::packet::{self, Frame, PROTOCOL_TCP};
 use futures_util::Stream;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
-use tonic::{Request, Response, Status};
+use tonic::Status;
+use tonic::metadata::MetadataMap;
 use tracing::debug;
 
 use crate::dial::{DialFailure, DialOrigin, Dialer};
-use crate::grpc_service::{InboundPackets, PacketMethod};
+use crate::grpc_port::{InboundPackets, Opened, PacketMethod};
 use crate::listener::PeerInfo;
 use crate::metrics::{GaugeGuard, Metrics, Segment};
 use crate::tunnel::{ConnReceiver, ConnSender, FrontendEvent};
@@ -39,21 +41,26 @@ pub struct GrpcFrontend {
 const REPLY_QUEUE: usize = 16;
 
 impl PacketMethod for GrpcFrontend {
-    const SERVICE: &'static str =
-        cluster_proxy_proto::konnectivity::proxy_service_server::SERVICE_NAME;
     const PATH: &'static str = cluster_proxy_proto::grpc_framing::PROXY_PATH;
+    const PORT: &'static str = "client";
     type Outbound = ProxyResponse;
 
-    async fn call(
+    /// Starts the stream's session, which the connection's task polls
+    /// beside the response.
+    fn open(
         &self,
-        request: Request<InboundPackets>,
-    ) -> Result<Response<Self::Outbound>, Status> {
+        metadata: &MetadataMap,
+        peer: &Arc<PeerInfo>,
+        inbound: InboundPackets,
+    ) -> Result<Opened<ProxyResponse>, Status> {
+        if let Some(reason) = crate::client_port::refusal(peer) {
+            return Err(Status::permission_denied(reason));
+        }
         let origin = DialOrigin {
             frontend: "grpc",
-            client: request.extensions().get::<Arc<PeerInfo>>().cloned(),
-            trace: TraceHeaders::from_metadata(request.metadata()),
+            client: Some(peer.clone()),
+            trace: TraceHeaders::from_metadata(metadata),
         };
-        let inbound = request.into_inner();
         let (replies, replies_rx) = mpsc::channel(REPLY_QUEUE);
         let (relay, relay_rx) = oneshot::channel();
         let session = Session {
@@ -63,16 +70,19 @@ impl PacketMethod for GrpcFrontend {
             origin,
             first_packet_timeout: self.first_packet_timeout,
         };
-        tokio::spawn(session.run(inbound, relay));
-        Ok(Response::new(ProxyResponse {
-            replies: Some(replies_rx),
-            relay_rx: Some(relay_rx),
-            relay: None,
-            unreported: 0,
-            emitted_at: None,
-            metrics: self.metrics.clone(),
-            _gauge: self.metrics.grpc_stream("Proxy"),
-        }))
+        Ok(Opened {
+            metadata: MetadataMap::new(),
+            outbound: ProxyResponse {
+                replies: Some(replies_rx),
+                relay_rx: Some(relay_rx),
+                relay: None,
+                unreported: 0,
+                emitted_at: None,
+                metrics: self.metrics.clone(),
+                _gauge: self.metrics.grpc_stream("Proxy"),
+            },
+            reader: Some(Box::pin(session.run(inbound, relay))),
+        })
     }
 }
 

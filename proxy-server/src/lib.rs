@@ -2,19 +2,20 @@
 //!
 //! * agent port — `AgentService.Connect` over mTLS; each agent's certificate
 //!   must name the cluster whose identifiers it registers ([`agent_service`]);
-//!   each connection is driven by one task ([`agent_port`]).
+//!   each connection is driven by one task ([`grpc_port`]).
 //! * client port — `ProxyService.Proxy` (gRPC, HTTP/2) and HTTP CONNECT
-//!   (HTTP/1.1) on the same mTLS port, told apart per connection.
+//!   (HTTP/1.1) on the same mTLS port, told apart per connection
+//!   ([`client_port`]).
 //! * health port — `/healthz`, `/readyz`, `/metrics`; admin port — `/metrics`.
 #![forbid(unsafe_code)]
 
-pub mod agent_port;
 pub mod agent_service;
+pub mod client_port;
 pub mod config;
 pub mod conn_trace;
 pub mod dial;
 pub mod grpc_frontend;
-pub mod grpc_service;
+pub mod grpc_port;
 pub mod http_connect;
 pub mod listener;
 pub mod metrics;
@@ -24,36 +25,30 @@ pub mod readiness;
 pub mod registry;
 pub mod tunnel;
 
-use std::convert::Infallible;
 use std::net::SocketAddr;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use cluster_proxy_proto::transport::{ALPN_H2, ALPN_HTTP11, MAX_MESSAGE_SIZE};
+use cluster_proxy_proto::transport::{ALPN_H2, ALPN_HTTP11};
 use cluster_proxy_runtime::admin;
 use cluster_proxy_runtime::net::{BindError, bind};
 use cluster_proxy_runtime::reload::{self, Watched};
 use cluster_proxy_runtime::tls::{self, Identity, Pem, TlsError};
-use http::{Request, Response, StatusCode, Version};
-use hyper::body::Incoming;
 use std::path::{Path, PathBuf};
 use tokio::net::UnixListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tonic::body::Body;
-use tonic::service::Routes;
 use tracing::{info, warn};
 
-use crate::agent_port::AgentConnections;
 use crate::agent_service::{AgentEndpoint, AgentEndpointSettings};
+use crate::client_port::ClientConnections;
 use crate::config::{Mode, ServerConfig};
 use crate::dial::Dialer;
 use crate::grpc_frontend::GrpcFrontend;
-use crate::grpc_service::PacketService;
+use crate::grpc_port::GrpcConnections;
 use crate::http_connect::ConnectFrontend;
-use crate::listener::{Http2Settings, Listener, PeerInfo, Protocols};
+use crate::listener::{Http2Settings, Listener};
 use crate::metrics::Metrics;
 use crate::peers::{DnsPeers, PeerLookup, ServerCountSource};
 use crate::registry::Registry;
@@ -362,89 +357,6 @@ impl RunningServer {
     }
 }
 
-type BoxFuture<T> = Pin<Box<dyn std::future::Future<Output = T> + Send>>;
-
-/// The client port's per-connection service: CONNECT over HTTP/1.1, gRPC over HTTP/2.
-#[derive(Clone)]
-struct ClientPortService {
-    grpc: Option<Routes>,
-    connect: Option<Arc<ConnectFrontend>>,
-    /// Why this connection's peer may not dial, if it may not.
-    refused: Option<Arc<str>>,
-    /// The client certificate of this connection, for the connection spans.
-    peer: Option<Arc<PeerInfo>>,
-}
-
-impl ClientPortService {
-    /// The service for one connection. A certificate that names a cluster
-    /// is an agent's: agents and hub clients share the CA, so without this
-    /// check one managed cluster's agent key would reach every other cluster
-    /// through the client port.
-    fn for_peer(&self, peer: &Arc<PeerInfo>) -> Self {
-        let mut service = self.clone();
-        service.peer = Some(peer.clone());
-        if let Some(cluster) = &peer.cluster {
-            warn!(
-                remote = %peer.remote,
-                subject = peer.subject,
-                %cluster,
-                "refusing an agent certificate on the client port"
-            );
-            service.refused = Some(Arc::from(format!(
-                "the client certificate names cluster {cluster}: agent certificates may not dial through the client port; use a hub client certificate"
-            )));
-        }
-        service
-    }
-}
-
-impl tower::Service<Request<Incoming>> for ClientPortService {
-    type Response = Response<Body>;
-    type Error = Infallible;
-    type Future = BoxFuture<Result<Response<Body>, Infallible>>;
-
-    fn poll_ready(
-        &mut self,
-        _cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Result<(), Infallible>> {
-        std::task::Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, mut request: Request<Incoming>) -> Self::Future {
-        let http2 = request.version() == Version::HTTP_2;
-        if let Some(peer) = &self.peer {
-            request.extensions_mut().insert(peer.clone());
-        }
-        if let Some(reason) = &self.refused {
-            let response = if http2 {
-                tonic::Status::permission_denied(reason.to_string()).into_http()
-            } else {
-                let mut response = Response::new(Body::new(http_body_util::Full::new(
-                    bytes::Bytes::from(format!("{reason}\n")),
-                )));
-                *response.status_mut() = StatusCode::FORBIDDEN;
-                response
-            };
-            return Box::pin(async move { Ok(response) });
-        }
-        match (http2, &mut self.grpc, &self.connect) {
-            (true, Some(routes), _) => {
-                let future = tower::Service::call(routes, request);
-                Box::pin(future)
-            }
-            (false, _, Some(connect)) => {
-                let connect = connect.clone();
-                Box::pin(async move { Ok(connect.handle(request).await) })
-            }
-            _ => Box::pin(async {
-                let mut response = Response::new(Body::empty());
-                *response.status_mut() = StatusCode::METHOD_NOT_ALLOWED;
-                Ok(response)
-            }),
-        }
-    }
-}
-
 /// Starts the server with TLS from the configured files.
 pub async fn start(config: ServerConfig) -> Result<RunningServer, ServerError> {
     let tls = ServerTls::from_config(&config)?;
@@ -587,8 +499,8 @@ pub async fn start_with_peers(
     tasks.spawn(listener::serve(
         "agent",
         Listener::Tcp(agent_listener, tls.agent, metrics.clone()),
-        AgentConnections {
-            endpoint: agent_endpoint,
+        GrpcConnections {
+            method: agent_endpoint,
             max_packet_size: limit(config.max_packet_size),
             http2: Http2Settings {
                 keepalive: keepalive(config.keepalive_time),
@@ -601,16 +513,20 @@ pub async fn start_with_peers(
         grace,
     ));
 
-    let grpc = matches!(config.mode, Mode::Both | Mode::Grpc).then(|| {
-        Routes::new(PacketService::new(
-            GrpcFrontend {
-                dialer: dialer.clone(),
-                metrics: metrics.clone(),
-                first_packet_timeout: config.first_packet_timeout,
-            },
-            limit(config.max_packet_size),
-            MAX_MESSAGE_SIZE,
-        ))
+    let client_http2 = Http2Settings {
+        keepalive: keepalive(config.frontend_keepalive_time),
+        max_concurrent_streams: config.max_concurrent_streams,
+        windows: cluster_proxy_proto::transport::CLIENT_WINDOWS,
+    };
+    let grpc = matches!(config.mode, Mode::Both | Mode::Grpc).then(|| GrpcConnections {
+        method: GrpcFrontend {
+            dialer: dialer.clone(),
+            metrics: metrics.clone(),
+            first_packet_timeout: config.first_packet_timeout,
+        },
+        max_packet_size: limit(config.max_packet_size),
+        http2: client_http2,
+        shutdown: shutdown.clone(),
     });
     let connect = matches!(config.mode, Mode::Both | Mode::HttpConnect).then(|| {
         Arc::new(ConnectFrontend {
@@ -618,28 +534,7 @@ pub async fn start_with_peers(
             metrics: metrics.clone(),
         })
     });
-    let protocols = if config.mode == Mode::Grpc {
-        Protocols::Http2Only
-    } else {
-        Protocols::Http1And2
-    };
-    let client_service = ClientPortService {
-        grpc,
-        connect,
-        refused: None,
-        peer: None,
-    };
-    let client_connections = listener::http(
-        "client",
-        protocols,
-        move |peer: Arc<PeerInfo>| client_service.for_peer(&peer),
-        shutdown.clone(),
-        Http2Settings {
-            keepalive: keepalive(config.frontend_keepalive_time),
-            max_concurrent_streams: config.max_concurrent_streams,
-            windows: cluster_proxy_proto::transport::CLIENT_WINDOWS,
-        },
-    );
+    let client_connections = ClientConnections::new(grpc, connect, client_http2, shutdown.clone());
     let client_listener = tasks.spawn(listener::serve(
         "client",
         client_listener,

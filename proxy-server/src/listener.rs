@@ -1,10 +1,7 @@
-//! Accepting mTLS connections and serving HTTP on them.
-//!
-//! We drive hyper ourselves (rather than tonic's server) so one port can carry
-//! gRPC over HTTP/2 and HTTP CONNECT over HTTP/1.1 at once, and so every
-//! request carries the verified peer certificate's identity. The agent port
-//! accepts here too, and serves each connection with its own HTTP/2 driver
-//! ([`crate::agent_port`]).
+//! Accepting mTLS connections and serving them: gRPC with our own HTTP/2
+//! driver ([`crate::grpc_port`]), HTTP CONNECT with hyper (see
+//! [`crate::client_port`]), each connection with the verified peer
+//! certificate's identity.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -33,7 +30,7 @@ use crate::metrics::Metrics;
 /// Time a client gets to finish the TLS handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Time an HTTP/1.1 client gets to send its request head (upstream: 60 s).
-const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(60);
+pub(crate) const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(60);
 /// On shutdown, a connection accepted this recently may still send its first
 /// request before it is asked to finish: an HTTP/1.1 connection asked to
 /// finish before its request arrived would be closed unanswered, and its
@@ -78,15 +75,6 @@ pub struct PeerInfo {
     pub cluster: Option<ClusterName>,
     /// Why the certificate's cluster identity could not be read, if it could not.
     pub identity_error: Option<String>,
-}
-
-/// Which HTTP versions a port speaks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Protocols {
-    /// gRPC only (the client port with `--mode grpc`).
-    Http2Only,
-    /// HTTP/2 (gRPC) and HTTP/1.1 (CONNECT), detected per connection.
-    Http1And2,
 }
 
 /// A full handshake has just verified the peer's chain; a resumed session
@@ -188,18 +176,15 @@ pub trait ServeConnection: Send + Sync + 'static {
         IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static;
 }
 
-/// hyper serving each connection with `make_service`'s tower service, the
-/// HTTP versions `protocols` names and the `http2` settings.
+/// hyper serving each connection with `make_service`'s tower service,
+/// HTTP/1.1 or HTTP/2 (with the `http2` settings) as the client speaks.
 pub fn http<F>(
     name: &'static str,
-    protocols: Protocols,
     make_service: F,
     shutdown: CancellationToken,
     http2: Http2Settings,
 ) -> HttpConnections<F> {
     let mut builder = auto::Builder::new(TokioExecutor::new());
-    // `http2_only` is ignored by `serve_connection_with_upgrades`, so a
-    // gRPC-only port uses `serve_connection` instead (see below).
     builder
         .http2()
         .timer(TokioTimer::new())
@@ -227,7 +212,6 @@ pub fn http<F>(
     HttpConnections {
         name,
         builder,
-        protocols,
         make_service,
         shutdown,
     }
@@ -333,7 +317,6 @@ pub async fn serve<C: ServeConnection>(
 pub struct HttpConnections<F> {
     name: &'static str,
     builder: auto::Builder<TokioExecutor>,
-    protocols: Protocols,
     make_service: F,
     shutdown: CancellationToken,
 }
@@ -365,29 +348,14 @@ where
         let io = TokioIo::new(io);
         let service = TowerToHyperService::new(service);
         let shutdown = self.shutdown.clone();
-        match self.protocols {
-            Protocols::Http2Only => {
-                let builder = self.builder.clone().http2_only();
-                drive(
-                    self.name,
-                    remote,
-                    builder.serve_connection(io, service),
-                    shutdown,
-                    accepted_at,
-                )
-                .await;
-            }
-            Protocols::Http1And2 => {
-                drive(
-                    self.name,
-                    remote,
-                    self.builder.serve_connection_with_upgrades(io, service),
-                    shutdown,
-                    accepted_at,
-                )
-                .await;
-            }
-        }
+        drive(
+            self.name,
+            remote,
+            self.builder.serve_connection_with_upgrades(io, service),
+            shutdown,
+            accepted_at,
+        )
+        .await;
     }
 }
 

@@ -1,0 +1,305 @@
+//! The client port: `ProxyService.Proxy` (gRPC over HTTP/2) and HTTP
+//! CONNECT (HTTP/1.1) on one mTLS port, told apart per connection by its
+//! first bytes. gRPC connections are driven by [`crate::grpc_port`], one
+//! task each; HTTP/1.1 connections by hyper.
+
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::{Buf, Bytes, BytesMut};
+use http::{Request, Response, StatusCode, Version};
+use hyper::body::Incoming;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
+use tokio_util::sync::CancellationToken;
+use tonic::body::Body;
+use tracing::{debug, warn};
+
+use crate::grpc_frontend::GrpcFrontend;
+use crate::grpc_port::GrpcConnections;
+use crate::http_connect::ConnectFrontend;
+use crate::listener::{
+    self, FIRST_REQUEST_WINDOW, HEADER_READ_TIMEOUT, Http2Settings, HttpConnections, PeerInfo,
+    ServeConnection,
+};
+
+/// What an HTTP/2 client sends first (RFC 9113, section 3.4).
+const HTTP2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// Why the client port refuses `peer`, if it does. A certificate that
+/// names a cluster is an agent's: agents and hub clients share the CA, so
+/// without this check one managed cluster's agent key would reach every
+/// other cluster through the client port.
+pub(crate) fn refusal(peer: &PeerInfo) -> Option<String> {
+    let cluster = peer.cluster.as_ref()?;
+    warn!(
+        remote = %peer.remote,
+        subject = peer.subject,
+        %cluster,
+        "refusing an agent certificate on the client port"
+    );
+    Some(format!(
+        "the client certificate names cluster {cluster}: agent certificates may not dial through the client port; use a hub client certificate"
+    ))
+}
+
+type MakeService = Box<dyn Fn(Arc<PeerInfo>) -> ClientPortService + Send + Sync>;
+
+/// Every connection of the client port.
+pub struct ClientConnections {
+    /// gRPC, when the port serves it (`--mode grpc` or `both`).
+    grpc: Option<GrpcConnections<GrpcFrontend>>,
+    /// HTTP/1.1 CONNECT, when the port serves it; with gRPC off, hyper also
+    /// answers HTTP/2 connections (405).
+    http: Option<HttpConnections<MakeService>>,
+    shutdown: CancellationToken,
+}
+
+impl ClientConnections {
+    /// The port serving `grpc`, `connect` or both; `http2` are the
+    /// settings for hyper's HTTP/2 connections (gRPC's carry their own).
+    pub fn new(
+        grpc: Option<GrpcConnections<GrpcFrontend>>,
+        connect: Option<Arc<ConnectFrontend>>,
+        http2: Http2Settings,
+        shutdown: CancellationToken,
+    ) -> Self {
+        let http = connect.map(|connect| {
+            let service = ClientPortService {
+                connect,
+                refused: None,
+                peer: None,
+            };
+            let make_service: MakeService =
+                Box::new(move |peer: Arc<PeerInfo>| service.for_peer(&peer));
+            listener::http("client", make_service, shutdown.clone(), http2)
+        });
+        ClientConnections {
+            grpc,
+            http,
+            shutdown,
+        }
+    }
+}
+
+impl ServeConnection for ClientConnections {
+    async fn serve<IO>(&self, mut io: IO, peer: PeerInfo, accepted_at: tokio::time::Instant)
+    where
+        IO: AsyncRead + AsyncWrite + Send + Unpin + 'static,
+    {
+        let (grpc, http) = match (&self.grpc, &self.http) {
+            (Some(grpc), None) => return grpc.serve(io, peer, accepted_at).await,
+            (None, Some(http)) => return http.serve(io, peer, accepted_at).await,
+            (Some(grpc), Some(http)) => (grpc, http),
+            (None, None) => return,
+        };
+        let remote = peer.remote;
+        let finish_from = async {
+            self.shutdown.cancelled().await;
+            tokio::time::sleep_until(accepted_at + FIRST_REQUEST_WINDOW).await;
+        };
+        let detected = tokio::select! {
+            detected = tokio::time::timeout(HEADER_READ_TIMEOUT, read_version(&mut io)) => detected,
+            // As hyper: a connection that has not sent its first bytes is dropped.
+            _ = finish_from => return,
+        };
+        match detected {
+            Ok(Ok((Version::HTTP_2, read))) => {
+                grpc.serve(Rewind::new(io, read), peer, accepted_at).await
+            }
+            Ok(Ok((_, read))) => http.serve(Rewind::new(io, read), peer, accepted_at).await,
+            Ok(Err(e)) => {
+                debug!(listener = "client", %remote, error = %e, "connection ended before its first request")
+            }
+            Err(_) => {
+                debug!(listener = "client", %remote, timeout = ?HEADER_READ_TIMEOUT, "no request in time; closing the connection")
+            }
+        }
+    }
+}
+
+/// Reads until the first bytes tell HTTP/2's preface from anything else
+/// (HTTP/1.1); returns the version and what was read.
+async fn read_version<IO: AsyncRead + Unpin>(io: &mut IO) -> std::io::Result<(Version, Bytes)> {
+    let mut read = BytesMut::with_capacity(HTTP2_PREFACE.len());
+    loop {
+        if io.read_buf(&mut read).await? == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        if !HTTP2_PREFACE.starts_with(&read) {
+            return Ok((Version::HTTP_11, read.freeze()));
+        }
+        if read.len() == HTTP2_PREFACE.len() {
+            return Ok((Version::HTTP_2, read.freeze()));
+        }
+    }
+}
+
+/// A connection whose first bytes were already read: they are read again
+/// first.
+struct Rewind<IO> {
+    read: Bytes,
+    io: IO,
+}
+
+impl<IO> Rewind<IO> {
+    fn new(io: IO, read: Bytes) -> Self {
+        Rewind { read, io }
+    }
+}
+
+impl<IO: AsyncRead + Unpin> AsyncRead for Rewind<IO> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        if this.read.is_empty() {
+            return Pin::new(&mut this.io).poll_read(cx, buf);
+        }
+        let n = this.read.len().min(buf.remaining());
+        buf.put_slice(&this.read[..n]);
+        this.read.advance(n);
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl<IO: AsyncWrite + Unpin> AsyncWrite for Rewind<IO> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+    }
+}
+
+type BoxFuture<T> = Pin<Box<dyn std::future::Future<Output = T> + Send>>;
+
+/// hyper's per-connection service on the client port: CONNECT over
+/// HTTP/1.1; HTTP/2 requests reach it only with gRPC off.
+#[derive(Clone)]
+pub struct ClientPortService {
+    connect: Arc<ConnectFrontend>,
+    /// Why this connection's peer may not dial, if it may not.
+    refused: Option<Arc<str>>,
+    /// The client certificate of this connection, for the connection spans.
+    peer: Option<Arc<PeerInfo>>,
+}
+
+impl ClientPortService {
+    /// The service for one connection.
+    fn for_peer(&self, peer: &Arc<PeerInfo>) -> Self {
+        let mut service = self.clone();
+        service.peer = Some(peer.clone());
+        service.refused = refusal(peer).map(Arc::from);
+        service
+    }
+}
+
+impl tower::Service<Request<Incoming>> for ClientPortService {
+    type Response = Response<Body>;
+    type Error = Infallible;
+    type Future = BoxFuture<Result<Response<Body>, Infallible>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, mut request: Request<Incoming>) -> Self::Future {
+        let http2 = request.version() == Version::HTTP_2;
+        if let Some(peer) = &self.peer {
+            request.extensions_mut().insert(peer.clone());
+        }
+        if let Some(reason) = &self.refused {
+            let response = if http2 {
+                tonic::Status::permission_denied(reason.to_string()).into_http()
+            } else {
+                let mut response = Response::new(Body::new(http_body_util::Full::new(
+                    Bytes::from(format!("{reason}\n")),
+                )));
+                *response.status_mut() = StatusCode::FORBIDDEN;
+                response
+            };
+            return Box::pin(async move { Ok(response) });
+        }
+        if http2 {
+            return Box::pin(async {
+                let mut response = Response::new(Body::empty());
+                *response.status_mut() = StatusCode::METHOD_NOT_ALLOWED;
+                Ok(response)
+            });
+        }
+        let connect = self.connect.clone();
+        Box::pin(async move { Ok(connect.handle(request).await) })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::io::AsyncWriteExt;
+
+    use super::*;
+
+    #[tokio::test]
+    async fn the_preface_tells_http2_and_what_was_read_is_read_again() {
+        let (mut client, mut server) = tokio::io::duplex(1024);
+        // The preface in two writes, as a slow client might send it.
+        client.write_all(&HTTP2_PREFACE[..5]).await.unwrap();
+        let detect = tokio::spawn(async move {
+            let detected = read_version(&mut server).await.unwrap();
+            (detected, server)
+        });
+        client.write_all(&HTTP2_PREFACE[5..]).await.unwrap();
+        client.write_all(b"frames").await.unwrap();
+        let ((version, read), server) = detect.await.unwrap();
+        assert_eq!(version, Version::HTTP_2);
+        let mut rewound = Rewind::new(server, read);
+        let mut all = vec![0; HTTP2_PREFACE.len() + 6];
+        rewound.read_exact(&mut all).await.unwrap();
+        assert_eq!(&all[..HTTP2_PREFACE.len()], HTTP2_PREFACE);
+        assert_eq!(&all[HTTP2_PREFACE.len()..], b"frames");
+    }
+
+    #[tokio::test]
+    async fn anything_else_is_http1_as_soon_as_it_differs() {
+        let (mut client, mut server) = tokio::io::duplex(1024);
+        // "PR" could still be the preface; "PRO" cannot.
+        client.write_all(b"PR").await.unwrap();
+        let detect = tokio::spawn(async move { read_version(&mut server).await.unwrap() });
+        client.write_all(b"OXY / HTTP/1.1").await.unwrap();
+        let (version, read) = detect.await.unwrap();
+        assert_eq!(version, Version::HTTP_11);
+        assert!(read.starts_with(b"PR"), "{read:?}");
+    }
+
+    #[tokio::test]
+    async fn a_connection_closed_before_its_first_bytes_is_an_error() {
+        let (client, mut server) = tokio::io::duplex(1024);
+        drop(client);
+        let e = read_version(&mut server).await.unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof);
+    }
+}

@@ -1,0 +1,543 @@
+//! Serving a streaming gRPC method of packets on HTTP/2 connections, each
+//! driven by one task: the agent port's `AgentService.Connect` and the
+//! client port's `ProxyService.Proxy`.
+//!
+//! Under hyper a packet crossed two task hand-offs in the server on each
+//! port: hyper runs the connection in one task and each stream's response
+//! body in another, and the stream's packets were read in a third. Here one
+//! task polls the HTTP/2 connection, the packets its streams receive and
+//! the packets to send them. The two directions of a stream stay
+//! independent (a stream is read whether or not it has send window, as
+//! hyper reads it), and a stream is polled only when something it waits on
+//! woke it, so a connection with many streams costs per packet what one
+//! with a single stream does.
+//!
+//! What a peer sees is what hyper served, but for hyper's `date` response
+//! header (gRPC peers ignore it; grpc-go's server sends none): the same
+//! HTTP/2 settings (windows, frame size, `--max-concurrent-streams`,
+//! hyper's header-list and send-buffer limits), pings after the port's
+//! keepalive time without a frame from the peer, answered within 20 s,
+//! GOAWAY on shutdown once the connection had its first-request window,
+//! trailers-only answers for unknown methods, compressed messages and
+//! refusals (Go agents get theirs in the form they log, see
+//! [`crate::agent_service`]).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use cluster_proxy_proto::Packet;
+use cluster_proxy_proto::grpc_framing::{Direction, PacketBody, PacketStream, Role};
+use cluster_proxy_proto::h2_driver::{KeepAlive, Passes, RecvBody, Sent, poll_send_body};
+use cluster_proxy_proto::transport::{MAX_FRAME_SIZE, MAX_MESSAGE_SIZE};
+use futures_util::Stream;
+use futures_util::stream::FuturesUnordered;
+use tokio_util::sync::CancellationToken;
+use tonic::Status;
+use tonic::metadata::MetadataMap;
+use tracing::debug;
+
+use crate::listener::{FIRST_REQUEST_WINDOW, Http2Settings, PeerInfo, ServeConnection};
+
+/// hyper's limits for what it serves, kept for our ports.
+const MAX_HEADER_LIST_SIZE: u32 = 16 * 1024;
+const MAX_SEND_BUFFER: usize = 400 * 1024;
+const MAX_LOCAL_ERROR_RESET_STREAMS: usize = 1024;
+
+/// The packets a peer sends on its stream.
+pub type InboundPackets = PacketStream<RecvBody>;
+
+/// A call's stream loop: reads the peer's packets until its stream ends.
+pub type Reader = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// One bidirectional streaming method of packets.
+pub trait PacketMethod: Send + Sync + 'static {
+    /// The method's path (`/package.Service/Method`).
+    const PATH: &'static str;
+    /// The port serving it, in logs.
+    const PORT: &'static str;
+    type Outbound: Stream<Item = Result<Packet, Status>> + Send + Unpin + 'static;
+
+    /// Admits the call whose request metadata is `metadata`, from `peer`,
+    /// reading its packets from `inbound`. An `Err` is answered as a
+    /// trailers-only response.
+    fn open(
+        &self,
+        metadata: &MetadataMap,
+        peer: &Arc<PeerInfo>,
+        inbound: InboundPackets,
+    ) -> Result<Opened<Self::Outbound>, Status>;
+}
+
+/// An admitted call: the response's metadata, the packets to send and the
+/// loop reading the peer's packets, if the call reads them.
+pub struct Opened<O> {
+    pub metadata: MetadataMap,
+    pub outbound: O,
+    pub reader: Option<Reader>,
+}
+
+/// What tonic answers for a message encoding it was not built with; our
+/// peers and upstream's never compress.
+pub(crate) fn unsupported_encoding(headers: &http::HeaderMap) -> Option<Status> {
+    let encoding = headers.get("grpc-encoding")?;
+    if encoding.as_bytes() == b"identity" {
+        return None;
+    }
+    let mut status = Status::unimplemented(format!(
+        "Content is compressed with `{}` which isn't supported",
+        String::from_utf8_lossy(encoding.as_bytes())
+    ));
+    status.metadata_mut().insert(
+        "grpc-accept-encoding",
+        tonic::metadata::MetadataValue::from_static("identity"),
+    );
+    Some(status)
+}
+
+/// Serves `M` on every HTTP/2 connection it is given.
+pub struct GrpcConnections<M> {
+    pub method: M,
+    /// `--max-packet-size`: the largest message a peer may send.
+    pub max_packet_size: usize,
+    pub http2: Http2Settings,
+    pub shutdown: CancellationToken,
+}
+
+impl<M: PacketMethod> ServeConnection for GrpcConnections<M> {
+    async fn serve<IO>(&self, io: IO, peer: PeerInfo, accepted_at: tokio::time::Instant)
+    where
+        IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
+    {
+        let remote = peer.remote;
+        let finish_from = async {
+            self.shutdown.cancelled().await;
+            tokio::time::sleep_until(accepted_at + FIRST_REQUEST_WINDOW).await;
+        };
+        tokio::pin!(finish_from);
+        let mut builder = h2::server::Builder::new();
+        builder
+            .initial_window_size(self.http2.windows.stream)
+            .initial_connection_window_size(self.http2.windows.connection)
+            .max_frame_size(MAX_FRAME_SIZE)
+            .max_concurrent_streams(self.http2.max_concurrent_streams)
+            .max_header_list_size(MAX_HEADER_LIST_SIZE)
+            .max_send_buffer_size(MAX_SEND_BUFFER)
+            .max_local_error_reset_streams(Some(MAX_LOCAL_ERROR_RESET_STREAMS));
+        let conn = tokio::select! {
+            handshake = builder.handshake::<_, Bytes>(io) => match handshake {
+                Ok(conn) => conn,
+                Err(e) => {
+                    debug!(listener = M::PORT, %remote, error = %e, "HTTP/2 handshake failed");
+                    return;
+                }
+            },
+            // As hyper: a connection still in its handshake is dropped.
+            _ = &mut finish_from => return,
+        };
+        let mut connection = Connection::new(self, conn, Arc::new(peer));
+        let ended = tokio::select! {
+            ended = connection.run() => ended,
+            _ = &mut finish_from => {
+                connection.conn.graceful_shutdown();
+                connection.run().await
+            }
+        };
+        if let Err(status) = ended {
+            debug!(listener = M::PORT, %remote, error = %status, "connection ended with an error");
+        }
+        connection.finish().await;
+    }
+}
+
+/// One connection: the HTTP/2 connection and its streams.
+struct Connection<'a, M: PacketMethod, IO> {
+    port: &'a GrpcConnections<M>,
+    conn: h2::server::Connection<IO, Bytes>,
+    peer: Arc<PeerInfo>,
+    /// Each stream is polled when something it waits on woke it.
+    streams: FuturesUnordered<CallStream<M::Outbound>>,
+    keepalive: Option<KeepAlive>,
+    /// Frames heard from the peer, so the keepalive pings only a silent one.
+    heard: Arc<AtomicU64>,
+    passes: Passes,
+}
+
+/// A call's stream: our packets to send and the loop reading the peer's.
+struct CallStream<O> {
+    send: Option<(h2::SendStream<Bytes>, PacketBody<O>)>,
+    reader: Option<Reader>,
+}
+
+impl<O> Future for CallStream<O>
+where
+    O: Stream<Item = Result<Packet, Status>> + Unpin,
+{
+    type Output = ();
+
+    /// Polls both directions; ready once both are done.
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let this = self.get_mut();
+        if let Some((send, body)) = &mut this.send {
+            match poll_send_body(send, Pin::new(body), cx) {
+                Ok(Sent::Pending) => {}
+                Ok(Sent::Ended) => this.send = None,
+                Err(status) => {
+                    debug!(error = %status, "sending to the peer failed");
+                    this.send = None;
+                }
+            }
+        }
+        if let Some(reader) = &mut this.reader
+            && reader.as_mut().poll(cx).is_ready()
+        {
+            this.reader = None;
+        }
+        if this.send.is_none() && this.reader.is_none() {
+            Poll::Ready(())
+        } else {
+            Poll::Pending
+        }
+    }
+}
+
+impl<'a, M, IO> Connection<'a, M, IO>
+where
+    M: PacketMethod,
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
+{
+    fn new(
+        port: &'a GrpcConnections<M>,
+        mut conn: h2::server::Connection<IO, Bytes>,
+        peer: Arc<PeerInfo>,
+    ) -> Self {
+        let keepalive = port
+            .http2
+            .keepalive
+            .filter(|k| !k.is_zero())
+            .zip(conn.ping_pong())
+            .map(|(interval, ping_pong)| KeepAlive::new(interval, ping_pong));
+        Connection {
+            port,
+            conn,
+            peer,
+            streams: FuturesUnordered::new(),
+            keepalive,
+            heard: Arc::new(AtomicU64::new(0)),
+            passes: Passes::default(),
+        }
+    }
+
+    /// Drives the connection until it ends: `Ok` once the peer closed it
+    /// or it finished after a GOAWAY.
+    async fn run(&mut self) -> Result<(), Status> {
+        let passes = self.passes.clone();
+        std::future::poll_fn(|cx| passes.poll(cx, |parts| self.pass(parts))).await
+    }
+
+    /// One poll of every part that was woken; `Some` once the connection
+    /// ended.
+    fn pass(&mut self, cx: &mut Context<'_>) -> Option<Result<(), Status>> {
+        // Finished streams are dropped; an empty set is not an end.
+        while let Poll::Ready(Some(())) = Pin::new(&mut self.streams).poll_next(cx) {}
+        if let Some(keepalive) = self.keepalive.as_mut()
+            && let Err(status) = keepalive.poll(cx, self.heard.load(Ordering::Relaxed))
+        {
+            return Some(Err(status));
+        }
+        // Last, so what the streams queued above is written in this pass.
+        loop {
+            match self.conn.poll_accept(cx) {
+                Poll::Ready(Some(Ok((request, respond)))) => {
+                    self.heard.fetch_add(1, Ordering::Relaxed);
+                    if let Some(stream) = self.answer(request, respond) {
+                        self.streams.push(stream);
+                        // Another pass polls it first, registering its wakers.
+                        cx.waker().wake_by_ref();
+                    }
+                }
+                Poll::Ready(Some(Err(e))) => {
+                    return Some(Err(cluster_proxy_proto::h2_driver::h2_status(e)));
+                }
+                Poll::Ready(None) => return Some(Ok(())),
+                Poll::Pending => return None,
+            }
+        }
+    }
+
+    /// Answers a new stream: a call, or a refusal.
+    fn answer(
+        &self,
+        request: http::Request<h2::RecvStream>,
+        mut respond: h2::server::SendResponse<Bytes>,
+    ) -> Option<CallStream<M::Outbound>> {
+        let refuse = |mut respond: h2::server::SendResponse<Bytes>, status: Status| {
+            let (head, ()) = status.into_http::<()>().into_parts();
+            let _ = respond.send_response(http::Response::from_parts(head, ()), true);
+            None
+        };
+        if request.uri().path() != M::PATH {
+            return refuse(respond, Status::unimplemented(""));
+        }
+        if let Some(status) = unsupported_encoding(request.headers()) {
+            return refuse(respond, status);
+        }
+        let (head, recv) = request.into_parts();
+        let inbound = PacketStream::new(
+            RecvBody::counted(recv, self.heard.clone()),
+            Direction::Request,
+            self.port.max_packet_size,
+        );
+        let metadata = MetadataMap::from_headers(head.headers);
+        let Opened {
+            metadata,
+            outbound,
+            reader,
+        } = match self.port.method.open(&metadata, &self.peer, inbound) {
+            Ok(opened) => opened,
+            Err(status) => return refuse(respond, status),
+        };
+        let mut response = http::Response::new(());
+        *response.headers_mut() = metadata.into_headers();
+        response.headers_mut().insert(
+            http::header::CONTENT_TYPE,
+            http::HeaderValue::from_static("application/grpc"),
+        );
+        let send = match respond.send_response(response, false) {
+            Ok(send) => send,
+            Err(e) => {
+                debug!(error = %e, "the peer's stream closed before its answer");
+                // The reader sees the same and ends its call.
+                return Some(CallStream { send: None, reader });
+            }
+        };
+        let body = PacketBody::new(outbound, Role::Server, MAX_MESSAGE_SIZE);
+        Some(CallStream {
+            send: Some((send, body)),
+            reader,
+        })
+    }
+
+    /// After the connection ended: its streams' readers see that and end
+    /// their calls.
+    async fn finish(self) {
+        let Connection {
+            conn, mut streams, ..
+        } = self;
+        drop(conn);
+        for stream in streams.iter_mut() {
+            stream.send = None;
+        }
+        while futures_util::StreamExt::next(&mut streams).await.is_some() {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use cluster_proxy_proto::grpc_framing::encode;
+    use cluster_proxy_proto::packet;
+    use futures_util::StreamExt;
+    use tokio::sync::mpsc;
+    use tokio_stream::wrappers::ReceiverStream;
+
+    use super::*;
+    use crate::listener::Remote;
+
+    /// Answers every packet with itself, after a `seen` header naming the
+    /// caller's `who` metadata; refuses callers without it.
+    struct Echo;
+
+    impl PacketMethod for Echo {
+        const PATH: &'static str = "/Echo/Stream";
+        const PORT: &'static str = "test";
+        type Outbound = ReceiverStream<Result<Packet, Status>>;
+
+        fn open(
+            &self,
+            metadata: &MetadataMap,
+            _peer: &Arc<PeerInfo>,
+            mut inbound: InboundPackets,
+        ) -> Result<Opened<Self::Outbound>, Status> {
+            let who = metadata
+                .get("who")
+                .cloned()
+                .ok_or_else(|| Status::unauthenticated("who are you"))?;
+            let (tx, rx) = mpsc::channel(4);
+            let reader = async move {
+                while let Some(p) = inbound.next().await {
+                    let failed = p.is_err();
+                    if tx.send(p).await.is_err() || failed {
+                        return;
+                    }
+                }
+            };
+            let mut response = MetadataMap::new();
+            response.insert("seen", who);
+            Ok(Opened {
+                metadata: response,
+                outbound: ReceiverStream::new(rx),
+                reader: Some(Box::pin(reader)),
+            })
+        }
+    }
+
+    /// A client connection to a connection served with `Echo` (packets up to
+    /// `max_packet_size`).
+    async fn connect(max_packet_size: usize) -> h2::client::SendRequest<Bytes> {
+        let (client, server) = tokio::io::duplex(64 * 1024);
+        let port = GrpcConnections {
+            method: Echo,
+            max_packet_size,
+            http2: Http2Settings {
+                keepalive: None,
+                max_concurrent_streams: 1000,
+                windows: cluster_proxy_proto::transport::CLIENT_WINDOWS,
+            },
+            shutdown: CancellationToken::new(),
+        };
+        let peer = PeerInfo {
+            remote: Remote::Unix,
+            subject: String::new(),
+            cluster: None,
+            identity_error: None,
+        };
+        tokio::spawn(async move { port.serve(server, peer, tokio::time::Instant::now()).await });
+        // A Rust client's windows (`connect_channel`): with h2's default
+        // 64 KiB connection window, 200 streams would get their bytes in
+        // fragments small enough for h2's framing-overhead guard to end
+        // the connection.
+        let windows = cluster_proxy_proto::transport::CLIENT_WINDOWS;
+        let (send, conn) = h2::client::Builder::new()
+            .initial_window_size(windows.stream)
+            .initial_connection_window_size(windows.connection)
+            .handshake(client)
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        send
+    }
+
+    fn request(path: &str, who: bool) -> http::Request<()> {
+        let mut request = http::Request::builder()
+            .method("POST")
+            .uri(format!("http://server{path}"))
+            .header("content-type", "application/grpc")
+            .header("te", "trailers");
+        if who {
+            request = request.header("who", "tester");
+        }
+        request.body(()).unwrap()
+    }
+
+    fn wire(packets: &[Packet]) -> Bytes {
+        let mut wire = Vec::new();
+        for p in packets {
+            let e = encode(p, usize::MAX).unwrap();
+            wire.extend_from_slice(&e.head);
+            wire.extend_from_slice(e.payload.as_deref().unwrap_or_default());
+        }
+        Bytes::from(wire)
+    }
+
+    /// Sends `packets` on a new stream and ends it; returns the response.
+    async fn call(
+        client: &mut h2::client::SendRequest<Bytes>,
+        request: http::Request<()>,
+        packets: &[Packet],
+    ) -> http::Response<h2::RecvStream> {
+        let mut client = client.clone().ready().await.unwrap();
+        let (response, mut send) = client.send_request(request, false).unwrap();
+        send.send_data(wire(packets), true).unwrap();
+        response.await.unwrap()
+    }
+
+    /// The packets of a response and the status in its trailers.
+    async fn collect(response: http::Response<h2::RecvStream>) -> (Vec<Packet>, Status) {
+        let recv = RecvBody::new(response.into_body());
+        let mut body = PacketStream::new(recv, Direction::Response, 1 << 20);
+        let mut got = Vec::new();
+        while let Some(p) = body.next().await {
+            match p {
+                Ok(p) => got.push(p),
+                Err(status) => return (got, status),
+            }
+        }
+        (got, Status::ok(""))
+    }
+
+    #[tokio::test]
+    async fn packets_come_back_with_metadata_and_an_ok_status() {
+        let mut client = connect(1 << 20).await;
+        let sent = vec![
+            packet::data(1, Bytes::from(vec![5u8; 10_000])),
+            packet::close_request(1),
+        ];
+        let response = call(&mut client, request("/Echo/Stream", true), &sent).await;
+        assert_eq!(response.headers()["content-type"], "application/grpc");
+        assert_eq!(response.headers()["seen"], "tester");
+        let (got, status) = collect(response).await;
+        assert_eq!(got, sent);
+        assert_eq!(status.code(), tonic::Code::Ok);
+    }
+
+    /// Streams are polled when woken, not all at once: each of many
+    /// concurrent streams on one connection still gets its own packets.
+    #[tokio::test]
+    async fn many_streams_on_one_connection_each_get_their_own_packets() {
+        let client = connect(1 << 20).await;
+        let calls = (0..200u8).map(|i| {
+            let mut client = client.clone();
+            async move {
+                let sent = vec![packet::data(i64::from(i), Bytes::from(vec![i; 3000]))];
+                let response = call(&mut client, request("/Echo/Stream", true), &sent).await;
+                let (got, status) = collect(response).await;
+                assert_eq!(status.code(), tonic::Code::Ok, "{status:?}");
+                assert_eq!(got, sent);
+            }
+        });
+        futures_util::future::join_all(calls).await;
+    }
+
+    #[tokio::test]
+    async fn a_refused_call_is_a_trailers_only_response() {
+        let mut client = connect(1 << 20).await;
+        let response = call(&mut client, request("/Echo/Stream", false), &[]).await;
+        let status = Status::from_header_map(response.headers()).unwrap();
+        assert_eq!(
+            (status.code(), status.message()),
+            (tonic::Code::Unauthenticated, "who are you")
+        );
+        assert!(response.body().is_end_stream());
+    }
+
+    #[tokio::test]
+    async fn unknown_methods_and_compressed_messages_are_unimplemented() {
+        let mut client = connect(1 << 20).await;
+        let response = call(&mut client, request("/Echo/Other", true), &[]).await;
+        let status = Status::from_header_map(response.headers()).unwrap();
+        assert_eq!(status.code(), tonic::Code::Unimplemented);
+
+        let mut gzip = request("/Echo/Stream", true);
+        gzip.headers_mut()
+            .insert("grpc-encoding", http::HeaderValue::from_static("gzip"));
+        let response = call(&mut client, gzip, &[]).await;
+        assert_eq!(response.headers()["grpc-accept-encoding"], "identity");
+        let status = Status::from_header_map(response.headers()).unwrap();
+        assert_eq!(status.code(), tonic::Code::Unimplemented);
+        assert!(status.message().contains("gzip"), "{status:?}");
+    }
+
+    #[tokio::test]
+    async fn an_oversized_message_fails_the_call_with_out_of_range() {
+        let mut client = connect(100).await;
+        let big = packet::data(1, Bytes::from(vec![0u8; 1000]));
+        let response = call(&mut client, request("/Echo/Stream", true), &[big]).await;
+        let (got, status) = collect(response).await;
+        assert!(got.is_empty(), "{got:?}");
+        assert_eq!(status.code(), tonic::Code::OutOfRange);
+        assert!(status.message().contains("too large"), "{status:?}");
+    }
+}
