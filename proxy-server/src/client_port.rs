@@ -259,9 +259,117 @@ impl tower::Service<Request<Incoming>> for ClientPortService {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
+    use cluster_proxy_proto::grpc_framing::{Direction, PROXY_PATH, PacketStream, encode};
+    use cluster_proxy_proto::h2_driver::RecvBody;
+    use cluster_proxy_proto::packet::{self, Frame};
+    use futures_util::StreamExt;
     use tokio::io::AsyncWriteExt;
 
     use super::*;
+    use crate::dial::Dialer;
+    use crate::listener::Remote;
+    use crate::metrics::Metrics;
+    use crate::registry::{Registry, Strategy};
+
+    /// The client port with both frontends, no agent and `shutdown`.
+    fn port(shutdown: CancellationToken) -> ClientConnections {
+        let metrics = Arc::new(Metrics::new());
+        let dialer = Arc::new(Dialer {
+            registry: Arc::new(Registry::new(vec![Strategy::DestHost])),
+            metrics: metrics.clone(),
+            timeout: Duration::from_secs(5),
+            server_id: "test".into(),
+            policy: None,
+        });
+        let http2 = Http2Settings {
+            keepalive: None,
+            max_concurrent_streams: 100,
+            windows: cluster_proxy_proto::transport::CLIENT_WINDOWS,
+        };
+        let grpc = GrpcConnections {
+            method: GrpcFrontend {
+                dialer: dialer.clone(),
+                metrics: metrics.clone(),
+                first_packet_timeout: Duration::from_secs(5),
+            },
+            max_packet_size: 1 << 20,
+            http2,
+            shutdown: shutdown.clone(),
+        };
+        let connect = Arc::new(ConnectFrontend { dialer, metrics });
+        ClientConnections::new(Some(grpc), Some(connect), http2, shutdown)
+    }
+
+    /// Serves one in-memory connection of `port`; returns the client's end.
+    fn serve(port: ClientConnections) -> tokio::io::DuplexStream {
+        let (client, server) = tokio::io::duplex(64 * 1024);
+        let peer = PeerInfo {
+            remote: Remote::Unix,
+            subject: String::new(),
+            cluster: None,
+            identity_error: None,
+        };
+        tokio::spawn(async move { port.serve(server, peer, tokio::time::Instant::now()).await });
+        client
+    }
+
+    #[tokio::test]
+    async fn http2_reaches_the_grpc_frontend_and_http1_reaches_hyper() {
+        let (mut send, conn) = h2::client::handshake(serve(port(CancellationToken::new())))
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        let request = http::Request::builder()
+            .method("POST")
+            .uri(format!("http://server{PROXY_PATH}"))
+            .header("content-type", "application/grpc")
+            .header("te", "trailers")
+            .body(())
+            .unwrap();
+        let (response, mut body) = send.send_request(request, false).unwrap();
+        let dial = encode(&packet::dial_request("nowhere:80", 7), usize::MAX).unwrap();
+        body.send_data(dial.head, false).unwrap();
+        let response = response.await.unwrap();
+        let mut packets = PacketStream::new(
+            RecvBody::new(response.into_body()),
+            Direction::Response,
+            1 << 20,
+        );
+        let answer = packets.next().await.expect("an answer").unwrap();
+        match Frame::from_packet(answer) {
+            Frame::DialResponse { random, error, .. } => {
+                assert_eq!(random, 7);
+                assert!(error.contains("No agent available"), "{error}");
+            }
+            other => panic!("expected a dial response, got {other:?}"),
+        }
+
+        let mut http1 = serve(port(CancellationToken::new()));
+        http1
+            .write_all(b"GET / HTTP/1.1\r\nHost: server\r\n\r\n")
+            .await
+            .unwrap();
+        let mut head = [0u8; 12];
+        http1.read_exact(&mut head).await.unwrap();
+        assert_eq!(&head, b"HTTP/1.1 405");
+    }
+
+    /// A connection whose client never speaks holds a task and a socket;
+    /// it gets what an HTTP/1.1 client gets for its request head.
+    #[tokio::test(start_paused = true)]
+    async fn a_connection_that_sends_nothing_is_closed_after_the_header_read_timeout() {
+        let started = tokio::time::Instant::now();
+        let mut silent = serve(port(CancellationToken::new()));
+        let mut buf = [0u8; 1];
+        assert_eq!(silent.read(&mut buf).await.unwrap(), 0, "closed");
+        assert!(
+            started.elapsed() >= HEADER_READ_TIMEOUT,
+            "{:?}",
+            started.elapsed()
+        );
+    }
 
     #[tokio::test]
     async fn the_preface_tells_http2_and_what_was_read_is_read_again() {
