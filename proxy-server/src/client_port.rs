@@ -269,7 +269,7 @@ mod tests {
 
     use super::*;
     use crate::dial::Dialer;
-    use crate::listener::Remote;
+    use crate::listener::serve_in_memory;
     use crate::metrics::Metrics;
     use crate::registry::{Registry, Strategy};
 
@@ -302,24 +302,12 @@ mod tests {
         ClientConnections::new(Some(grpc), Some(connect), http2, shutdown)
     }
 
-    /// Serves one in-memory connection of `port`; returns the client's end.
-    fn serve(port: ClientConnections) -> tokio::io::DuplexStream {
-        let (client, server) = tokio::io::duplex(64 * 1024);
-        let peer = PeerInfo {
-            remote: Remote::Unix,
-            subject: String::new(),
-            cluster: None,
-            identity_error: None,
-        };
-        tokio::spawn(async move { port.serve(server, peer, tokio::time::Instant::now()).await });
-        client
-    }
-
     #[tokio::test]
     async fn http2_reaches_the_grpc_frontend_and_http1_reaches_hyper() {
-        let (mut send, conn) = h2::client::handshake(serve(port(CancellationToken::new())))
-            .await
-            .unwrap();
+        let (mut send, conn) =
+            h2::client::handshake(serve_in_memory(port(CancellationToken::new())))
+                .await
+                .unwrap();
         tokio::spawn(conn);
         let request = http::Request::builder()
             .method("POST")
@@ -346,7 +334,7 @@ mod tests {
             other => panic!("expected a dial response, got {other:?}"),
         }
 
-        let mut http1 = serve(port(CancellationToken::new()));
+        let mut http1 = serve_in_memory(port(CancellationToken::new()));
         http1
             .write_all(b"GET / HTTP/1.1\r\nHost: server\r\n\r\n")
             .await
@@ -361,7 +349,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_connection_that_sends_nothing_is_closed_after_the_header_read_timeout() {
         let started = tokio::time::Instant::now();
-        let mut silent = serve(port(CancellationToken::new()));
+        let mut silent = serve_in_memory(port(CancellationToken::new()));
         let mut buf = [0u8; 1];
         assert_eq!(silent.read(&mut buf).await.unwrap(), 0, "closed");
         assert!(

@@ -344,7 +344,7 @@ mod tests {
     use tokio_stream::wrappers::ReceiverStream;
 
     use super::*;
-    use crate::listener::Remote;
+    use crate::listener::serve_in_memory;
 
     /// Answers every packet with itself, after a `seen` header naming the
     /// caller's `who` metadata; refuses callers without it.
@@ -387,7 +387,6 @@ mod tests {
     /// A client connection to a connection served with `Echo` (packets up to
     /// `max_packet_size`).
     async fn connect(max_packet_size: usize) -> h2::client::SendRequest<Bytes> {
-        let (client, server) = tokio::io::duplex(64 * 1024);
         let port = GrpcConnections {
             method: Echo,
             max_packet_size,
@@ -398,13 +397,7 @@ mod tests {
             },
             shutdown: CancellationToken::new(),
         };
-        let peer = PeerInfo {
-            remote: Remote::Unix,
-            subject: String::new(),
-            cluster: None,
-            identity_error: None,
-        };
-        tokio::spawn(async move { port.serve(server, peer, tokio::time::Instant::now()).await });
+        let client = serve_in_memory(port);
         // A Rust client's windows (`connect_channel`): with h2's default
         // 64 KiB connection window, 200 streams would get their bytes in
         // fragments small enough for h2's framing-overhead guard to end

@@ -77,6 +77,31 @@ pub struct PeerInfo {
     pub identity_error: Option<String>,
 }
 
+impl PeerInfo {
+    /// A Unix-socket peer: no certificate, trusted as local.
+    pub fn unix() -> Self {
+        PeerInfo {
+            remote: Remote::Unix,
+            subject: String::new(),
+            cluster: None,
+            identity_error: None,
+        }
+    }
+}
+
+/// Serves one in-memory connection of `server` as a Unix-socket peer's;
+/// returns the client's end.
+#[cfg(test)]
+pub(crate) fn serve_in_memory(server: impl ServeConnection) -> tokio::io::DuplexStream {
+    let (client, io) = tokio::io::duplex(64 * 1024);
+    tokio::spawn(async move {
+        server
+            .serve(io, PeerInfo::unix(), tokio::time::Instant::now())
+            .await
+    });
+    client
+}
+
 /// A full handshake has just verified the peer's chain; a resumed session
 /// brought back an old one, which may have expired since (see
 /// [`cluster_proxy_runtime::peer::check_not_expired`]).
@@ -289,13 +314,9 @@ pub async fn serve<C: ServeConnection>(
                 });
             }
             Accepted::Unix(stream) => {
-                let peer = PeerInfo {
-                    remote: Remote::Unix,
-                    subject: String::new(),
-                    cluster: None,
-                    identity_error: None,
-                };
-                connections.spawn(async move { server.serve(stream, peer, accepted_at).await });
+                connections.spawn(async move {
+                    server.serve(stream, PeerInfo::unix(), accepted_at).await
+                });
             }
         }
     }
