@@ -9,7 +9,8 @@ use std::time::Duration;
 use cluster_proxy_proto::api::proxy::v1alpha1::ManagedProxyConfiguration;
 use cluster_proxy_proto::client::TunnelClient;
 use cluster_proxy_proto::connector::TunnelConnector;
-use cluster_proxy_proto::transport::{ALPN_H2, TransportError, connect_channel};
+use cluster_proxy_proto::h2_channel::H2Channel;
+use cluster_proxy_proto::transport::{ALPN_H2, TransportError};
 use cluster_proxy_runtime::tls::{self, Identity, Pem, TlsError};
 use k8s_openapi::api::core::v1::Secret;
 use kube::Api;
@@ -259,14 +260,14 @@ pub async fn connect(
     timeout: Duration,
 ) -> Result<TunnelConnector, ProxyServerError> {
     let (host, port) = parse_host_port(address)?;
-    let channel = connect_channel(&host, port, tls, timeout)
+    let channel = H2Channel::connect(&host, port, tls, timeout)
         .await
         .map_err(|source| ProxyServerError::Connect {
             address: address.to_owned(),
             source,
         })?;
     Ok(TunnelConnector::new(
-        TunnelClient::new(channel).with_dial_timeout(timeout),
+        TunnelClient::over_h2(channel).with_dial_timeout(timeout),
         timeout,
     ))
 }

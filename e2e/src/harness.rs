@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use cluster_proxy_proto::Packet;
 use cluster_proxy_proto::client::TunnelClient;
+use cluster_proxy_proto::h2_channel::H2Channel;
 use cluster_proxy_proto::identity::ClusterName;
 use cluster_proxy_proto::konnectivity::agent_service_client::AgentServiceClient;
 use cluster_proxy_proto::metadata;
@@ -42,8 +43,8 @@ pub async fn tunnel_client(
     tls: Arc<rustls::ClientConfig>,
     addr: SocketAddr,
 ) -> Result<TunnelClient, TransportError> {
-    let channel = connect_channel("localhost", addr.port(), tls, Duration::from_secs(5)).await?;
-    Ok(TunnelClient::new(channel))
+    let channel = H2Channel::connect("localhost", addr.port(), tls, Duration::from_secs(5)).await?;
+    Ok(TunnelClient::over_h2(channel))
 }
 
 #[derive(Debug, thiserror::Error)]

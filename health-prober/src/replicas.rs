@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use cluster_proxy_proto::client::TunnelClient;
 use cluster_proxy_proto::connector::TunnelConnector;
-use cluster_proxy_proto::transport::connect_channel;
+use cluster_proxy_proto::h2_channel::H2Channel;
 use cluster_proxy_runtime::reload::Watched;
 use tokio::sync::Mutex;
 use tokio::time::Instant;
@@ -99,10 +99,10 @@ impl Replica {
             }
             _ => {}
         }
-        match connect_channel(&self.host, self.port, tls.clone(), timeout).await {
+        match H2Channel::connect(&self.host, self.port, tls.clone(), timeout).await {
             Ok(channel) => {
                 let connector = TunnelConnector::new(
-                    TunnelClient::new(channel).with_dial_timeout(timeout),
+                    TunnelClient::over_h2(channel).with_dial_timeout(timeout),
                     timeout,
                 );
                 *state = State::Connected {

@@ -30,6 +30,7 @@ use crate::Packet;
 use crate::connector::ConnectError;
 use crate::flow::READ_CHUNK;
 use crate::grpc_framing::{PROXY_PATH, PacketStream, streaming_call};
+use crate::h2_channel::{H2Channel, StreamSender};
 use crate::packet::{self, Frame};
 use crate::trace::{DirectSpan, TraceHeaders};
 use crate::transport::MAX_MESSAGE_SIZE;
@@ -65,17 +66,38 @@ pub enum DialError {
 /// Dials through one proxy-server.
 #[derive(Clone, Debug)]
 pub struct TunnelClient {
-    channel: Channel,
+    transport: Transport,
     dial_timeout: Duration,
     /// The tracer of this client's dial spans, when not the process's
     /// ([`crate::trace::install_tracer`]).
     tracer: Option<Arc<BoxedTracer>>,
 }
 
+/// The HTTP/2 connection dials are opened on.
+#[derive(Clone, Debug)]
+enum Transport {
+    /// Any tonic channel (a Unix socket, a channel of the caller's): each
+    /// stream's packets pass through a request-body task.
+    Channel(Channel),
+    /// Ours: each stream's packets are framed by the writer's task.
+    H2(H2Channel),
+}
+
 impl TunnelClient {
+    /// Dials over a tonic `Channel` (e.g. [`crate::transport::connect_channel`]).
     pub fn new(channel: Channel) -> Self {
+        Self::on(Transport::Channel(channel))
+    }
+
+    /// Dials over an [`H2Channel`], where a write to a tunneled connection
+    /// takes one hand-off between tasks fewer than over a `Channel`.
+    pub fn over_h2(channel: H2Channel) -> Self {
+        Self::on(Transport::H2(channel))
+    }
+
+    fn on(transport: Transport) -> Self {
         TunnelClient {
-            channel,
+            transport,
             dial_timeout: DEFAULT_DIAL_TIMEOUT,
             tracer: None,
         }
@@ -221,30 +243,42 @@ impl TunnelClient {
         trace: Option<TraceHeaders>,
         mut early: Bytes,
     ) -> Result<OpenStream, DialError> {
-        let (requests, request_rx) = mpsc::channel::<Packet>(16);
         // Non-negative and non-zero, like the Go client's rand.Int63().
         let random = (rand::random::<i64>() & i64::MAX).max(1);
         let rest = early.split_off(early.len().min(MAX_EARLY_DATA));
-        // The channel has room: this cannot fail before the stream starts.
-        let _ = requests.try_send(packet::dial_request_with_early_data(
-            address,
-            random,
-            None,
-            early.clone(),
-        ));
-        let mut request = tonic::Request::new(ReceiverStream::new(request_rx));
+        let dial = packet::dial_request_with_early_data(address, random, None, early.clone());
+        let mut metadata = tonic::metadata::MetadataMap::new();
         if let Some(trace) = trace {
-            trace.insert_into_metadata(request.metadata_mut());
+            trace.insert_into_metadata(&mut metadata);
         }
-        let mut responses = streaming_call(
-            &mut self.channel.clone(),
-            http::uri::PathAndQuery::from_static(PROXY_PATH),
-            request,
-            MAX_MESSAGE_SIZE,
-            MAX_MESSAGE_SIZE,
-        )
-        .await?
-        .into_inner();
+        let (mut requests, mut responses) = match &self.transport {
+            Transport::Channel(channel) => {
+                let (requests, request_rx) = mpsc::channel::<Packet>(16);
+                // The channel has room: this cannot fail before the stream starts.
+                let _ = requests.try_send(dial);
+                let request = tonic::Request::from_parts(
+                    metadata,
+                    Default::default(),
+                    ReceiverStream::new(request_rx),
+                );
+                let responses = streaming_call(
+                    &mut channel.clone(),
+                    http::uri::PathAndQuery::from_static(PROXY_PATH),
+                    request,
+                    MAX_MESSAGE_SIZE,
+                    MAX_MESSAGE_SIZE,
+                )
+                .await?
+                .into_inner();
+                (Requests::Queued(PollSender::new(requests)), responses)
+            }
+            Transport::H2(channel) => {
+                let (sender, responses) = channel
+                    .open_stream(PROXY_PATH, metadata.into_headers(), &dial)
+                    .await?;
+                (Requests::Framed(sender), responses)
+            }
+        };
         let (connect_id, early_written) = match tokio::time::timeout(
             self.dial_timeout,
             wait_dial_response(&mut responses, random),
@@ -253,7 +287,7 @@ impl TunnelClient {
         {
             Ok(result) => result?,
             Err(_) => {
-                let _ = requests.try_send(packet::close_dial(random));
+                requests.try_send(packet::close_dial(random));
                 return Err(DialError::Timeout(self.dial_timeout));
             }
         };
@@ -265,12 +299,12 @@ impl TunnelClient {
                 requests
                     .send(packet::data(connect_id, piece))
                     .await
-                    .map_err(|_| DialError::TunnelClosed)?;
+                    .map_err(|()| DialError::TunnelClosed)?;
             }
         }
         Ok(OpenStream {
             connect_id,
-            requests: PollSender::new(requests),
+            requests,
             responses,
             pending: Bytes::new(),
             read_closed: false,
@@ -445,10 +479,55 @@ impl TunnelStream {
     }
 }
 
+/// Where a stream's packets to the server go.
+enum Requests {
+    /// A `Channel`'s request body reads them from this queue.
+    Queued(PollSender<Packet>),
+    /// Framed into the HTTP/2 stream at once.
+    Framed(StreamSender),
+}
+
+impl Requests {
+    /// Ready once the next packet can be sent; `Err` once the stream is gone.
+    fn poll_reserve(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), ()>> {
+        match self {
+            Requests::Queued(sender) => sender.poll_reserve(cx).map_err(|_| ()),
+            Requests::Framed(sender) => sender.poll_ready(cx).map_err(|_| ()),
+        }
+    }
+
+    /// Sends `p`, after [`Requests::poll_reserve`] was ready.
+    fn send_item(&mut self, p: Packet) -> Result<(), ()> {
+        match self {
+            Requests::Queued(sender) => sender.send_item(p).map_err(|_| ()),
+            Requests::Framed(sender) => sender.send(&p).map_err(|_| ()),
+        }
+    }
+
+    async fn send(&mut self, p: Packet) -> Result<(), ()> {
+        std::future::poll_fn(|cx| self.poll_reserve(cx)).await?;
+        self.send_item(p)
+    }
+
+    /// Sends `p` if there is room, without waiting (a last word).
+    fn try_send(&mut self, p: Packet) {
+        match self {
+            Requests::Queued(sender) => {
+                if let Some(sender) = sender.get_ref() {
+                    let _ = sender.try_send(p);
+                }
+            }
+            Requests::Framed(sender) => {
+                let _ = sender.send(&p);
+            }
+        }
+    }
+}
+
 /// An open tunneled connection.
 struct OpenStream {
     connect_id: i64,
-    requests: PollSender<Packet>,
+    requests: Requests,
     responses: Responses,
     /// The unread rest of the last DATA payload.
     pending: Bytes,

@@ -34,6 +34,7 @@ pub mod connector;
 pub mod duration;
 pub mod flow;
 pub mod grpc_framing;
+pub mod h2_channel;
 pub mod h2_driver;
 pub mod identifiers;
 pub mod identity;

@@ -102,6 +102,12 @@ pub enum TransportError {
         #[source]
         source: std::io::Error,
     },
+    #[error("HTTP/2 handshake with {address}: {source}")]
+    Http2 {
+        address: String,
+        #[source]
+        source: h2::Error,
+    },
     #[error("connect to {address}: {source}")]
     Connect {
         address: String,

@@ -1,0 +1,309 @@
+//! An HTTP/2 connection to a proxy-server's client port for
+//! [`crate::client::TunnelClient`], on `h2` directly.
+//!
+//! tonic's `Channel` (hyper) runs every request body in a task of its own,
+//! so each write to a tunneled connection went from the writer's task to
+//! that body's task and then to the connection's. Here the writer frames its
+//! packets into the HTTP/2 stream itself; one task per connection reads and
+//! writes the socket and keeps it alive with pings. As a `Channel`, it
+//! connects when made and again, on the next dial, once its connection
+//! closed (a server restarting, a GOAWAY, a keepalive ping unanswered).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use tonic::Status;
+use tracing::debug;
+
+use crate::Packet;
+use crate::grpc_framing::{Direction, PacketStream, check_response_head, encode};
+use crate::h2_driver::{KeepAlive, RecvBody, h2_status};
+use crate::transport::{
+    CLIENT_WINDOWS, HttpWindows, MAX_FRAME_SIZE, MAX_MESSAGE_SIZE, TransportError, connect_tls,
+    host_port,
+};
+
+/// What hyper buffers per stream beyond the peer's window (its default).
+const MAX_SEND_BUFFER: usize = 1024 * 1024;
+
+/// A connection to one proxy-server, shared by every dial of the clients
+/// cloned from it; see the module docs.
+#[derive(Clone)]
+pub struct H2Channel {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for H2Channel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("H2Channel")
+            .field("address", &self.shared.settings.address)
+            .finish_non_exhaustive()
+    }
+}
+
+struct Shared {
+    settings: Settings,
+    current: tokio::sync::Mutex<Current>,
+}
+
+/// Where and how to connect.
+struct Settings {
+    host: String,
+    port: u16,
+    /// `host:port`, the requests' authority.
+    address: String,
+    tls: Arc<rustls::ClientConfig>,
+    connect_timeout: Duration,
+    windows: HttpWindows,
+    keepalive: Option<Duration>,
+}
+
+/// The connection dials are opened on.
+struct Current {
+    /// Counts reconnections, so callers that all found the same connection
+    /// closed replace it once.
+    generation: u64,
+    connection: Connection,
+}
+
+#[derive(Clone)]
+struct Connection {
+    requests: h2::client::SendRequest<Bytes>,
+    /// Chunks received, for the keepalive.
+    heard: Arc<AtomicU64>,
+}
+
+impl H2Channel {
+    /// Connects to `host:port` over mTLS with a client's windows
+    /// ([`CLIENT_WINDOWS`]); `tls` must offer ALPN `h2`.
+    pub async fn connect(
+        host: &str,
+        port: u16,
+        tls: Arc<rustls::ClientConfig>,
+        connect_timeout: Duration,
+    ) -> Result<Self, TransportError> {
+        Self::connect_with(host, port, tls, connect_timeout, CLIENT_WINDOWS, None).await
+    }
+
+    /// [`H2Channel::connect`] with the given receive windows, sending
+    /// HTTP/2 pings after `keepalive` without a frame from the server (even
+    /// with no dial open) and dropping a connection whose ping goes
+    /// unanswered for 20 s.
+    pub async fn connect_with(
+        host: &str,
+        port: u16,
+        tls: Arc<rustls::ClientConfig>,
+        connect_timeout: Duration,
+        windows: HttpWindows,
+        keepalive: Option<Duration>,
+    ) -> Result<Self, TransportError> {
+        let settings = Settings {
+            host: host.to_owned(),
+            port,
+            address: host_port(host.trim_start_matches('[').trim_end_matches(']'), port),
+            tls,
+            connect_timeout,
+            windows,
+            keepalive: keepalive.filter(|k| !k.is_zero()),
+        };
+        let connection = settings.open().await?;
+        Ok(H2Channel {
+            shared: Arc::new(Shared {
+                settings,
+                current: tokio::sync::Mutex::new(Current {
+                    generation: 0,
+                    connection,
+                }),
+            }),
+        })
+    }
+
+    /// Opens a `path` stream with `headers` and sends `first` on it;
+    /// returns the stream's sender and, once the server answered with its
+    /// headers, the packets it sends.
+    pub(crate) async fn open_stream(
+        &self,
+        path: &str,
+        headers: http::HeaderMap,
+        first: &Packet,
+    ) -> Result<(StreamSender, PacketStream<tonic::body::Body>), Status> {
+        let connection = self.ready().await?;
+        let mut request = http::Request::builder()
+            .method(http::Method::POST)
+            .uri(format!("https://{}{path}", self.shared.settings.address))
+            .body(())
+            .map_err(|e| Status::internal(format!("request for {path}: {e}")))?;
+        *request.headers_mut() = headers;
+        let headers = request.headers_mut();
+        headers.insert(http::header::TE, http::HeaderValue::from_static("trailers"));
+        headers.insert(
+            http::header::CONTENT_TYPE,
+            http::HeaderValue::from_static("application/grpc"),
+        );
+        headers.insert(
+            http::header::USER_AGENT,
+            http::HeaderValue::from_static(concat!(
+                "cluster-proxy-client/",
+                env!("CARGO_PKG_VERSION")
+            )),
+        );
+        let mut requests = connection.requests;
+        let (response, send) = requests.send_request(request, false).map_err(h2_status)?;
+        let mut sender = StreamSender { send };
+        sender.send(first)?;
+        let response = response.await.map_err(h2_status)?;
+        let (head, recv) = response.into_parts();
+        check_response_head(head.status, &head.headers)?;
+        let body = tonic::body::Body::new(RecvBody::counted(recv, connection.heard));
+        Ok((
+            sender,
+            PacketStream::new(body, Direction::Response, MAX_MESSAGE_SIZE),
+        ))
+    }
+
+    /// A connection ready for a new stream: the current one, or a new one
+    /// when it closed.
+    async fn ready(&self) -> Result<Connection, Status> {
+        let (generation, connection) = {
+            let current = self.shared.current.lock().await;
+            (current.generation, current.connection.clone())
+        };
+        let heard = connection.heard.clone();
+        match connection.requests.ready().await {
+            Ok(requests) => return Ok(Connection { requests, heard }),
+            Err(e) => {
+                debug!(address = self.shared.settings.address, error = %e, "connection closed; reconnecting")
+            }
+        }
+        let connection = {
+            let mut current = self.shared.current.lock().await;
+            if current.generation == generation {
+                current.connection = self
+                    .shared
+                    .settings
+                    .open()
+                    .await
+                    .map_err(|e| Status::unavailable(e.to_string()))?;
+                current.generation += 1;
+            }
+            current.connection.clone()
+        };
+        let heard = connection.heard.clone();
+        let requests = connection.requests.ready().await.map_err(h2_status)?;
+        Ok(Connection { requests, heard })
+    }
+}
+
+impl Settings {
+    /// Connects and starts the connection's task.
+    async fn open(&self) -> Result<Connection, TransportError> {
+        let tls = connect_tls(
+            &self.host,
+            self.port,
+            self.tls.clone(),
+            self.connect_timeout,
+        )
+        .await?;
+        let http2 = |source| TransportError::Http2 {
+            address: self.address.clone(),
+            source,
+        };
+        let handshake = h2::client::Builder::new()
+            .initial_window_size(self.windows.stream)
+            .initial_connection_window_size(self.windows.connection)
+            .max_frame_size(MAX_FRAME_SIZE)
+            .max_send_buffer_size(MAX_SEND_BUFFER)
+            .enable_push(false)
+            .handshake::<_, Bytes>(tls);
+        let (requests, mut conn) = tokio::time::timeout(self.connect_timeout, handshake)
+            .await
+            .map_err(|_| TransportError::Dial {
+                address: self.address.clone(),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "HTTP/2 handshake timed out",
+                ),
+            })?
+            .map_err(http2)?;
+        let heard = Arc::new(AtomicU64::new(0));
+        let mut keepalive = self
+            .keepalive
+            .zip(conn.ping_pong())
+            .map(|(interval, ping_pong)| KeepAlive::new(interval, ping_pong));
+        let counted = heard.clone();
+        let address = self.address.clone();
+        tokio::spawn(async move {
+            let ended = std::future::poll_fn(|cx: &mut Context<'_>| {
+                if let Some(keepalive) = keepalive.as_mut()
+                    && let Err(status) = keepalive.poll(cx, counted.load(Ordering::Relaxed))
+                {
+                    return Poll::Ready(Err(status));
+                }
+                std::pin::Pin::new(&mut conn).poll(cx).map_err(h2_status)
+            })
+            .await;
+            if let Err(status) = ended {
+                debug!(address, error = %status.message(), "connection to the proxy-server ended");
+            }
+        });
+        Ok(Connection { requests, heard })
+    }
+}
+
+/// Our side of a stream: packets are framed into it by the caller's task.
+/// Dropping it ends the stream (END_STREAM), as the end of a request body.
+pub(crate) struct StreamSender {
+    send: h2::SendStream<Bytes>,
+}
+
+impl StreamSender {
+    /// Ready once the stream has window for another packet (h2 buffers a
+    /// packet beyond it, as hyper does, up to [`MAX_SEND_BUFFER`]).
+    pub(crate) fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Status>> {
+        loop {
+            self.send.reserve_capacity(1);
+            if self.send.capacity() > 0 {
+                return Poll::Ready(Ok(()));
+            }
+            match self.send.poll_capacity(cx) {
+                Poll::Ready(Some(Ok(_))) => {}
+                Poll::Ready(Some(Err(e))) => return Poll::Ready(Err(h2_status(e))),
+                Poll::Ready(None) => {
+                    return Poll::Ready(Err(Status::unavailable("the HTTP/2 stream closed")));
+                }
+                Poll::Pending => {
+                    // A server that resets the stream gives no window back.
+                    if let Poll::Ready(reason) = self.send.poll_reset(cx) {
+                        return Poll::Ready(Err(match reason {
+                            Ok(reason) => h2_status(reason.into()),
+                            Err(e) => h2_status(e),
+                        }));
+                    }
+                    return Poll::Pending;
+                }
+            }
+        }
+    }
+
+    /// Frames `packet` into the stream, window or not.
+    pub(crate) fn send(&mut self, packet: &Packet) -> Result<(), Status> {
+        let encoded = encode(packet, MAX_MESSAGE_SIZE)?;
+        self.send
+            .send_data(encoded.head, false)
+            .map_err(h2_status)?;
+        if let Some(payload) = encoded.payload {
+            self.send.send_data(payload, false).map_err(h2_status)?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for StreamSender {
+    fn drop(&mut self) {
+        // Fails only on a stream already closed or reset.
+        let _ = self.send.send_data(Bytes::new(), true);
+    }
+}
