@@ -20,7 +20,7 @@ use tracing::debug;
 
 use crate::Packet;
 use crate::grpc_framing::{Direction, PacketStream, check_response_head, encode};
-use crate::h2_driver::{KeepAlive, RecvBody, h2_status};
+use crate::h2_driver::{KeepAlive, RecvBody, grpc_request, h2_status};
 use crate::transport::{
     CLIENT_WINDOWS, HttpWindows, MAX_FRAME_SIZE, MAX_MESSAGE_SIZE, TransportError, connect_tls,
     host_port,
@@ -131,25 +131,12 @@ impl H2Channel {
         first: &Packet,
     ) -> Result<(StreamSender, PacketStream<tonic::body::Body>), Status> {
         let connection = self.ready().await?;
-        let mut request = http::Request::builder()
-            .method(http::Method::POST)
-            .uri(format!("https://{}{path}", self.shared.settings.address))
-            .body(())
-            .map_err(|e| Status::internal(format!("request for {path}: {e}")))?;
-        *request.headers_mut() = headers;
-        let headers = request.headers_mut();
-        headers.insert(http::header::TE, http::HeaderValue::from_static("trailers"));
-        headers.insert(
-            http::header::CONTENT_TYPE,
-            http::HeaderValue::from_static("application/grpc"),
-        );
-        headers.insert(
-            http::header::USER_AGENT,
-            http::HeaderValue::from_static(concat!(
-                "cluster-proxy-client/",
-                env!("CARGO_PKG_VERSION")
-            )),
-        );
+        let request = grpc_request(
+            &format!("https://{}{path}", self.shared.settings.address),
+            headers,
+            concat!("cluster-proxy-client/", env!("CARGO_PKG_VERSION")),
+        )
+        .map_err(|e| Status::internal(format!("request for {path}: {e}")))?;
         let mut requests = connection.requests;
         let (response, send) = requests.send_request(request, false).map_err(h2_status)?;
         let mut sender = StreamSender { send };

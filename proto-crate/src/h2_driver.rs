@@ -24,6 +24,32 @@ pub const PING_TIMEOUT: Duration = Duration::from_secs(20);
 /// run: a peer that keeps the connection busy cannot hold a worker.
 const MAX_PASSES: usize = 32;
 
+/// A gRPC call's request head as tonic's clients send it: POST to `uri`
+/// with `metadata` as headers, `te: trailers`, `content-type:
+/// application/grpc` and `user_agent`.
+pub fn grpc_request(
+    uri: &str,
+    metadata: http::HeaderMap,
+    user_agent: &'static str,
+) -> Result<http::Request<()>, http::Error> {
+    let mut request = http::Request::builder()
+        .method(http::Method::POST)
+        .uri(uri)
+        .body(())?;
+    *request.headers_mut() = metadata;
+    let headers = request.headers_mut();
+    headers.insert(http::header::TE, http::HeaderValue::from_static("trailers"));
+    headers.insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/grpc"),
+    );
+    headers.insert(
+        http::header::USER_AGENT,
+        http::HeaderValue::from_static(user_agent),
+    );
+    Ok(request)
+}
+
 /// An `h2` error as the gRPC status a call that met it ends with.
 pub fn h2_status(e: h2::Error) -> Status {
     Status::from_error(Box::new(e))

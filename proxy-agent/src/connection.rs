@@ -28,7 +28,7 @@ use cluster_proxy_proto::grpc_framing::{
     AGENT_CONNECT_PATH, Direction, PacketBody, PacketStream, Role, check_response_head,
 };
 use cluster_proxy_proto::h2_driver::{
-    KeepAlive, Passes, RecvBody, Sent, h2_status, poll_send_body,
+    KeepAlive, Passes, RecvBody, Sent, grpc_request, h2_status, poll_send_body,
 };
 use cluster_proxy_proto::transport::{
     HttpWindows, MAX_FRAME_SIZE, MAX_MESSAGE_SIZE, TransportError, connect_tls, host_port,
@@ -146,24 +146,11 @@ impl TunnelConnection {
             .handshake::<_, Bytes>(tls)
             .await
             .map_err(http2)?;
-        let mut request = http::Request::builder()
-            .method(http::Method::POST)
-            .uri(format!("https://{address}{AGENT_CONNECT_PATH}"))
-            .body(())?;
-        *request.headers_mut() = metadata.into_headers();
-        let headers = request.headers_mut();
-        headers.insert(http::header::TE, http::HeaderValue::from_static("trailers"));
-        headers.insert(
-            http::header::CONTENT_TYPE,
-            http::HeaderValue::from_static("application/grpc"),
-        );
-        headers.insert(
-            http::header::USER_AGENT,
-            http::HeaderValue::from_static(concat!(
-                "cluster-proxy-agent/",
-                env!("CARGO_PKG_VERSION")
-            )),
-        );
+        let request = grpc_request(
+            &format!("https://{address}{AGENT_CONNECT_PATH}"),
+            metadata.into_headers(),
+            concat!("cluster-proxy-agent/", env!("CARGO_PKG_VERSION")),
+        )?;
         let ping_pong = conn.ping_pong();
         // The request goes out and the answer comes in only while the
         // connection is polled.
