@@ -20,10 +20,10 @@ use tracing::debug;
 
 use crate::Packet;
 use crate::grpc_framing::{Direction, PacketStream, check_response_head, encode};
-use crate::h2_driver::{KeepAlive, RecvBody, grpc_request, h2_status};
+use crate::h2_driver::{KeepAlive, RecvBody, grpc_request, h2_status, poll_send_capacity};
 use crate::transport::{
     CLIENT_WINDOWS, HttpWindows, MAX_FRAME_SIZE, MAX_MESSAGE_SIZE, TransportError, connect_tls,
-    host_port,
+    dial_address,
 };
 
 /// What hyper buffers per stream beyond the peer's window (its default).
@@ -103,7 +103,7 @@ impl H2Channel {
         let settings = Settings {
             host: host.to_owned(),
             port,
-            address: host_port(host.trim_start_matches('[').trim_end_matches(']'), port),
+            address: dial_address(host, port),
             tls,
             connect_timeout,
             windows,
@@ -250,29 +250,7 @@ impl StreamSender {
     /// Ready once the stream has window for another packet (h2 buffers a
     /// packet beyond it, as hyper does, up to [`MAX_SEND_BUFFER`]).
     pub(crate) fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Status>> {
-        loop {
-            self.send.reserve_capacity(1);
-            if self.send.capacity() > 0 {
-                return Poll::Ready(Ok(()));
-            }
-            match self.send.poll_capacity(cx) {
-                Poll::Ready(Some(Ok(_))) => {}
-                Poll::Ready(Some(Err(e))) => return Poll::Ready(Err(h2_status(e))),
-                Poll::Ready(None) => {
-                    return Poll::Ready(Err(Status::unavailable("the HTTP/2 stream closed")));
-                }
-                Poll::Pending => {
-                    // A server that resets the stream gives no window back.
-                    if let Poll::Ready(reason) = self.send.poll_reset(cx) {
-                        return Poll::Ready(Err(match reason {
-                            Ok(reason) => h2_status(reason.into()),
-                            Err(e) => h2_status(e),
-                        }));
-                    }
-                    return Poll::Pending;
-                }
-            }
-        }
+        poll_send_capacity(&mut self.send, cx)
     }
 
     /// Frames `packet` into the stream, window or not.

@@ -267,6 +267,38 @@ impl Body for RecvBody {
     }
 }
 
+/// Ready once `send` has window for more (h2 buffers what is sent beyond
+/// it, as hyper does, up to the connection's send-buffer limit); `Err`
+/// once the stream is gone or the peer reset it.
+pub fn poll_send_capacity(
+    send: &mut h2::SendStream<Bytes>,
+    cx: &mut Context<'_>,
+) -> Poll<Result<(), Status>> {
+    loop {
+        send.reserve_capacity(1);
+        if send.capacity() > 0 {
+            return Poll::Ready(Ok(()));
+        }
+        match send.poll_capacity(cx) {
+            Poll::Ready(Some(Ok(_))) => {}
+            Poll::Ready(Some(Err(e))) => return Poll::Ready(Err(h2_status(e))),
+            Poll::Ready(None) => {
+                return Poll::Ready(Err(Status::unavailable("the HTTP/2 stream closed")));
+            }
+            Poll::Pending => {
+                // A peer that resets the stream gives no window back.
+                if let Poll::Ready(reason) = send.poll_reset(cx) {
+                    return Poll::Ready(Err(match reason {
+                        Ok(reason) => h2_status(reason.into()),
+                        Err(e) => h2_status(e),
+                    }));
+                }
+                return Poll::Pending;
+            }
+        }
+    }
+}
+
 /// How far [`poll_send_body`] got.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Sent {
@@ -289,26 +321,10 @@ where
     B: Body<Data = Bytes, Error = Status>,
 {
     loop {
-        send.reserve_capacity(1);
-        if send.capacity() == 0 {
-            match send.poll_capacity(cx) {
-                Poll::Ready(Some(Ok(0))) => continue,
-                Poll::Ready(Some(Ok(_))) => {}
-                Poll::Ready(Some(Err(e))) => return Err(h2_status(e)),
-                Poll::Ready(None) => {
-                    return Err(Status::unavailable("the HTTP/2 stream closed"));
-                }
-                Poll::Pending => {
-                    // A peer that resets the stream gives no window back.
-                    if let Poll::Ready(reason) = send.poll_reset(cx) {
-                        return Err(match reason {
-                            Ok(reason) => h2_status(reason.into()),
-                            Err(e) => h2_status(e),
-                        });
-                    }
-                    return Ok(Sent::Pending);
-                }
-            }
+        match poll_send_capacity(send, cx) {
+            Poll::Ready(Ok(())) => {}
+            Poll::Ready(Err(status)) => return Err(status),
+            Poll::Pending => return Ok(Sent::Pending),
         }
         match body.as_mut().poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => match frame.into_data() {

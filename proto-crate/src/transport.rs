@@ -125,6 +125,11 @@ pub fn host_port(host: &str, port: u16) -> String {
     }
 }
 
+/// The `host:port` to dial for `host` with or without IPv6 brackets.
+pub(crate) fn dial_address(host: &str, port: u16) -> String {
+    host_port(host.trim_start_matches('[').trim_end_matches(']'), port)
+}
+
 /// The name to verify the server's certificate against and the address to
 /// dial, for `host` with or without IPv6 brackets.
 fn server_name_and_address(
@@ -134,7 +139,7 @@ fn server_name_and_address(
     let bare_host = host.trim_start_matches('[').trim_end_matches(']');
     let server_name = ServerName::try_from(bare_host.to_owned())
         .map_err(|_| TransportError::ServerName(host.to_owned()))?;
-    Ok((server_name, host_port(bare_host, port)))
+    Ok((server_name, dial_address(host, port)))
 }
 
 /// Dials `address` over TCP (no delay, keepalive as [`set_tcp_keepalive`])
