@@ -363,6 +363,12 @@ fn relay_path(name: &'static str, hub: SocketAddr, tls: Option<Arc<rustls::Clien
 type Rows = Vec<(&'static str, Vec<f64>)>;
 
 fn main() {
+    // The subscriber every service installs (`logging::init`, as with no
+    // OTLP endpoint). Without one, `tracing`'s `log` feature (on through
+    // kube-client) sends every disabled span's record and drop through its
+    // `log` fallback: 16 % of the in-process CONNECT path's instructions,
+    // a cost no deployed process pays.
+    cluster_proxy_runtime::logging::init(0, cluster_proxy_runtime::logging::LogFormat::Text);
     let mut builder = tokio::runtime::Builder::new_multi_thread();
     // `CP_BENCH_WORKER_THREADS`: the in-process run's worker threads (the
     // client, server, agent, relays and targets share them; default one per
