@@ -55,29 +55,76 @@ pub fn h2_status(e: h2::Error) -> Status {
     Status::from_error(Box::new(e))
 }
 
-/// Polls a connection's parts in passes, with a waker that turns a wake
-/// raised during a pass (h2 waking the connection after a send, or a
-/// stream's reader after the connection read a frame) into another pass
-/// rather than a wake of the running task. A task woken while it runs is
+/// Polls a connection's parts in passes, each part with a waker of its
+/// own. A wake raised while the task is inside its poll (a send waking the
+/// connection, a frame read waking the stream's reader) asks for another
+/// pass rather than waking the running task: a task woken while it runs is
 /// rescheduled after its poll, and on a multi-threaded runtime another
-/// worker is woken to take it. A wake from elsewhere wakes the task.
+/// worker is woken to take it. A wake from elsewhere wakes the task. A pass
+/// polls only the parts woken since they were last polled ([`Parts::take`]):
+/// most wakes concern one part, and polling an idle part is not free (an
+/// `h2` stream or connection takes its lock, a channel registers its waker).
 #[derive(Debug, Clone)]
 pub struct Passes {
     shared: Arc<PassWaker>,
+    parts: Arc<[Part]>,
+}
+
+#[derive(Debug)]
+struct Part {
+    state: Arc<PartWaker>,
     waker: Waker,
 }
 
-impl Default for Passes {
-    fn default() -> Self {
-        let shared = Arc::new(PassWaker::default());
-        Passes {
-            waker: Waker::from(shared.clone()),
-            shared,
+/// The parts of one pass, see [`Passes::poll`].
+#[derive(Debug)]
+pub struct Parts<'a> {
+    parts: &'a [Part],
+}
+
+impl Parts<'_> {
+    /// The context to poll part `part` with, if it was woken since it was
+    /// last taken (every part starts woken). Taking it clears the mark, so a
+    /// part must be polled once taken: until its poll registers the waker,
+    /// nothing would wake it.
+    pub fn take(&self, part: usize) -> Option<Context<'_>> {
+        let part = self.parts.get(part)?;
+        part.state
+            .woken
+            .swap(false, Ordering::SeqCst)
+            .then(|| Context::from_waker(&part.waker))
+    }
+
+    /// Marks `part` woken, for a part that made progress and may have more
+    /// without anything waking it again (a stream that returned one of
+    /// several buffered messages, a new stream nothing polled yet): the next
+    /// pass polls it.
+    pub fn wake(&self, part: usize) {
+        if let Some(part) = self.parts.get(part) {
+            part.waker.wake_by_ref();
         }
     }
 }
 
 impl Passes {
+    /// Passes over `parts` parts, numbered from 0.
+    pub fn new(parts: usize) -> Self {
+        let shared = Arc::new(PassWaker::default());
+        let parts = (0..parts)
+            .map(|_| {
+                let state = Arc::new(PartWaker {
+                    woken: AtomicBool::new(true),
+                    pass: shared.clone(),
+                });
+                Part {
+                    waker: Waker::from(state.clone()),
+                    state,
+                }
+            })
+            .collect();
+        Passes { shared, parts }
+    }
+
     /// Runs `pass` until it reports something (`Some`), nothing woke a part
     /// during the last pass (`Pending`, the task woken by whatever wakes a
     /// part next), the pass limit is reached or Tokio's cooperative budget is
@@ -85,14 +132,14 @@ impl Passes {
     pub fn poll<T>(
         &self,
         cx: &mut Context<'_>,
-        mut pass: impl FnMut(&mut Context<'_>) -> Option<T>,
+        mut pass: impl FnMut(&Parts<'_>) -> Option<T>,
     ) -> Poll<T> {
         self.shared.task.register(cx.waker());
-        let mut parts = Context::from_waker(&self.waker);
+        let parts = Parts { parts: &self.parts };
         for _ in 0..MAX_PASSES {
             self.shared.polling.store(true, Ordering::SeqCst);
             self.shared.woken.store(false, Ordering::SeqCst);
-            let outcome = pass(&mut parts);
+            let outcome = pass(&parts);
             self.shared.polling.store(false, Ordering::SeqCst);
             if let Some(reported) = outcome {
                 // A wake seen during this pass is served by the next one,
@@ -121,16 +168,30 @@ struct PassWaker {
     woken: AtomicBool,
 }
 
-impl Wake for PassWaker {
+impl PassWaker {
+    fn wake(&self) {
+        self.woken.store(true, Ordering::SeqCst);
+        if !self.polling.load(Ordering::SeqCst) {
+            self.task.wake();
+        }
+    }
+}
+
+#[derive(Debug)]
+struct PartWaker {
+    woken: AtomicBool,
+    pass: Arc<PassWaker>,
+}
+
+impl Wake for PartWaker {
     fn wake(self: Arc<Self>) {
         self.wake_by_ref();
     }
 
     fn wake_by_ref(self: &Arc<Self>) {
+        // The mark first: the pass or task this wake starts must see it.
         self.woken.store(true, Ordering::SeqCst);
-        if !self.polling.load(Ordering::SeqCst) {
-            self.task.wake();
-        }
+        self.pass.wake();
     }
 }
 
@@ -353,29 +414,31 @@ where
 mod tests {
     use super::*;
 
+    struct Count(std::sync::atomic::AtomicUsize);
+    impl Wake for Count {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
     /// A wake from outside a pass reaches the task; one during a pass only
     /// asks for another pass.
     #[test]
     fn a_wake_during_a_pass_asks_for_another_and_one_after_it_wakes_the_task() {
-        struct Count(std::sync::atomic::AtomicUsize);
-        impl Wake for Count {
-            fn wake(self: Arc<Self>) {
-                self.0.fetch_add(1, Ordering::SeqCst);
-            }
-        }
         let count = Arc::new(Count(Default::default()));
         let task = Waker::from(count.clone());
         let mut cx = Context::from_waker(&task);
-        let passes = Passes::default();
+        let passes = Passes::new(1);
 
         let mut calls = 0;
         let mut woken_inside = None;
         let polled = passes.poll(&mut cx, |parts| {
             calls += 1;
+            let part = parts.take(0).expect("the part is woken");
             if calls == 1 {
                 // A part woken during the pass: the loop must run again.
-                parts.waker().wake_by_ref();
-                woken_inside = Some(parts.waker().clone());
+                part.waker().wake_by_ref();
+                woken_inside = Some(part.waker().clone());
                 None
             } else {
                 Some(calls)
@@ -392,7 +455,66 @@ mod tests {
         waker.wake_by_ref();
         assert_eq!(count.0.load(Ordering::SeqCst), 1, "an idle task is woken");
 
-        let idle: Poll<()> = passes.poll(&mut cx, |_| None);
+        let idle: Poll<()> = passes.poll(&mut cx, |parts| {
+            assert!(parts.take(0).is_some(), "woken from outside");
+            None
+        });
         assert_eq!(idle, Poll::Pending, "nothing woke a part: wait");
+    }
+
+    /// A pass polls only the parts woken since they were last taken; every
+    /// part starts woken, and `wake` marks one for the next pass.
+    #[test]
+    fn a_pass_takes_only_the_parts_woken_since_they_were_last_taken() {
+        let count = Arc::new(Count(Default::default()));
+        let task = Waker::from(count.clone());
+        let mut cx = Context::from_waker(&task);
+        let passes = Passes::new(3);
+        let taken = |cx: &mut Context<'_>| {
+            let mut taken = Vec::new();
+            let _: Poll<()> = passes.poll(cx, |parts| {
+                taken.extend((0..3).filter(|&part| parts.take(part).is_some()));
+                None
+            });
+            taken
+        };
+        let mut wakers = Vec::new();
+        let _: Poll<()> = passes.poll(&mut cx, |parts| {
+            for part in 0..3 {
+                let part_cx = parts.take(part).expect("every part starts woken");
+                wakers.push(part_cx.waker().clone());
+            }
+            None
+        });
+        assert_eq!(taken(&mut cx), Vec::<usize>::new(), "nothing woke a part");
+
+        wakers[2].wake_by_ref();
+        assert_eq!(count.0.load(Ordering::SeqCst), 1, "the task is woken");
+        assert_eq!(taken(&mut cx), vec![2]);
+
+        let mut first = true;
+        let again = passes.poll(&mut cx, |parts| {
+            if std::mem::take(&mut first) {
+                parts.wake(1);
+                return None;
+            }
+            Some(
+                (0..3)
+                    .filter(|&part| parts.take(part).is_some())
+                    .collect::<Vec<_>>(),
+            )
+        });
+        assert_eq!(
+            again,
+            Poll::Ready(vec![1]),
+            "marked during a pass: taken by the next"
+        );
+        assert_eq!(taken(&mut cx), Vec::<usize>::new());
+        assert!(
+            passes
+                .poll(&mut cx, |parts| parts.take(7).map(|_| ()))
+                .is_pending(),
+            "no such part"
+        );
     }
 }

@@ -28,7 +28,7 @@ use cluster_proxy_proto::grpc_framing::{
     AGENT_CONNECT_PATH, Direction, PacketBody, PacketStream, Role, check_response_head,
 };
 use cluster_proxy_proto::h2_driver::{
-    KeepAlive, Passes, RecvBody, Sent, grpc_request, h2_status, poll_send_body,
+    KeepAlive, Parts, Passes, RecvBody, Sent, grpc_request, h2_status, poll_send_body,
 };
 use cluster_proxy_proto::transport::{
     HttpWindows, MAX_FRAME_SIZE, MAX_MESSAGE_SIZE, TransportError, connect_tls, host_port,
@@ -42,6 +42,14 @@ use tonic::metadata::MetadataMap;
 /// Bytes the stream may have queued beyond what the server's window lets
 /// out (hyper's default for its clients).
 const MAX_SEND_BUFFER: usize = 1024 * 1024;
+
+/// The parts a pass polls ([`Passes`]): our packets into the stream, the
+/// server's packets out of it, the keepalive and the connection itself.
+const SEND: usize = 0;
+const RECEIVE: usize = 1;
+const KEEPALIVE: usize = 2;
+const CONNECTION: usize = 3;
+const PARTS: usize = 4;
 
 /// The packets the agent sends, as the tunnel produces them.
 pub type Outbound = Pin<Box<dyn Stream<Item = Packet> + Send>>;
@@ -198,7 +206,7 @@ impl TunnelConnection {
             ),
             keepalive,
             heard,
-            passes: Passes::default(),
+            passes: Passes::new(PARTS),
         };
         Ok((connection, MetadataMap::from_headers(head.headers)))
     }
@@ -246,22 +254,33 @@ impl TunnelConnection {
         passes.poll(cx, |parts| self.pass(parts, read))
     }
 
-    /// One poll of every part; `Some` when there is something to report.
-    fn pass(&mut self, cx: &mut Context<'_>, read: bool) -> Option<Driven> {
-        if let Err(status) = self.poll_send(cx) {
-            return Some(Driven::Failed(status));
-        }
-        if read && let Poll::Ready(next) = Pin::new(&mut self.inbound).poll_next(cx) {
-            return Some(Driven::Packet(next.transpose()));
-        }
-        if let Some(keepalive) = self.keepalive.as_mut()
-            && let Err(status) = keepalive.poll(cx, self.heard.load(Ordering::Relaxed))
+    /// One poll of every part woken since its last; `Some` when there is
+    /// something to report.
+    fn pass(&mut self, parts: &Parts<'_>, read: bool) -> Option<Driven> {
+        if let Some(mut cx) = parts.take(SEND)
+            && let Err(status) = self.poll_send(&mut cx)
         {
             return Some(Driven::Failed(status));
         }
-        // Last, so what the sends above queued is written in this pass.
+        if read
+            && let Some(mut cx) = parts.take(RECEIVE)
+            && let Poll::Ready(next) = Pin::new(&mut self.inbound).poll_next(&mut cx)
+        {
+            // More may be buffered already, with nothing to wake us.
+            parts.wake(RECEIVE);
+            return Some(Driven::Packet(next.transpose()));
+        }
+        if let Some(keepalive) = self.keepalive.as_mut()
+            && let Some(mut cx) = parts.take(KEEPALIVE)
+            && let Err(status) = keepalive.poll(&mut cx, self.heard.load(Ordering::Relaxed))
+        {
+            return Some(Driven::Failed(status));
+        }
+        // Last, so what the sends above queued (waking this part) is written
+        // in this pass.
         if !self.conn_done
-            && let Poll::Ready(ended) = Pin::new(&mut self.conn).poll(cx)
+            && let Some(mut cx) = parts.take(CONNECTION)
+            && let Poll::Ready(ended) = Pin::new(&mut self.conn).poll(&mut cx)
         {
             self.conn_done = true;
             if let Err(e) = ended {

@@ -31,7 +31,7 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 use cluster_proxy_proto::Packet;
 use cluster_proxy_proto::grpc_framing::{Direction, PacketBody, PacketStream, Role};
-use cluster_proxy_proto::h2_driver::{KeepAlive, Passes, RecvBody, Sent, poll_send_body};
+use cluster_proxy_proto::h2_driver::{KeepAlive, Parts, Passes, RecvBody, Sent, poll_send_body};
 use cluster_proxy_proto::transport::{MAX_FRAME_SIZE, MAX_MESSAGE_SIZE};
 use futures_util::Stream;
 use futures_util::stream::FuturesUnordered;
@@ -46,6 +46,13 @@ use crate::listener::{FIRST_REQUEST_WINDOW, Http2Settings, PeerInfo, ServeConnec
 const MAX_HEADER_LIST_SIZE: u32 = 16 * 1024;
 const MAX_SEND_BUFFER: usize = 400 * 1024;
 const MAX_LOCAL_ERROR_RESET_STREAMS: usize = 1024;
+
+/// The parts a connection's pass polls ([`Passes`]): its calls, the
+/// keepalive and the connection itself (which also accepts new calls).
+const STREAMS: usize = 0;
+const KEEPALIVE: usize = 1;
+const CONNECTION: usize = 2;
+const PARTS: usize = 3;
 
 /// The packets a peer sends on its stream.
 pub type InboundPackets = PacketStream<RecvBody>;
@@ -170,6 +177,23 @@ struct Connection<'a, M: PacketMethod, IO> {
 struct CallStream<O> {
     send: Option<(h2::SendStream<Bytes>, PacketBody<O>)>,
     reader: Option<Reader>,
+    /// Each direction is polled only when something it waits on woke it.
+    passes: Passes,
+}
+
+/// A call's parts (its [`Passes`]).
+const CALL_SEND: usize = 0;
+const CALL_READ: usize = 1;
+const CALL_PARTS: usize = 2;
+
+impl<O> CallStream<O> {
+    fn new(send: Option<(h2::SendStream<Bytes>, PacketBody<O>)>, reader: Option<Reader>) -> Self {
+        CallStream {
+            send,
+            reader,
+            passes: Passes::new(CALL_PARTS),
+        }
+    }
 }
 
 impl<O> Future for CallStream<O>
@@ -180,27 +204,32 @@ where
 
     /// Polls both directions; ready once both are done.
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
-        let this = self.get_mut();
-        if let Some((send, body)) = &mut this.send {
-            match poll_send_body(send, Pin::new(body), cx) {
-                Ok(Sent::Pending) => {}
-                Ok(Sent::Ended) => this.send = None,
-                Err(status) => {
-                    debug!(error = %status, "sending to the peer failed");
-                    this.send = None;
+        let CallStream {
+            send,
+            reader,
+            passes,
+        } = self.get_mut();
+        passes.poll(cx, |parts| {
+            if let Some((stream, body)) = send
+                && let Some(mut cx) = parts.take(CALL_SEND)
+            {
+                match poll_send_body(stream, Pin::new(body), &mut cx) {
+                    Ok(Sent::Pending) => {}
+                    Ok(Sent::Ended) => *send = None,
+                    Err(status) => {
+                        debug!(error = %status, "sending to the peer failed");
+                        *send = None;
+                    }
                 }
             }
-        }
-        if let Some(reader) = &mut this.reader
-            && reader.as_mut().poll(cx).is_ready()
-        {
-            this.reader = None;
-        }
-        if this.send.is_none() && this.reader.is_none() {
-            Poll::Ready(())
-        } else {
-            Poll::Pending
-        }
+            if let Some(reading) = reader
+                && let Some(mut cx) = parts.take(CALL_READ)
+                && reading.as_mut().poll(&mut cx).is_ready()
+            {
+                *reader = None;
+            }
+            (send.is_none() && reader.is_none()).then_some(())
+        })
     }
 }
 
@@ -227,7 +256,7 @@ where
             streams: FuturesUnordered::new(),
             keepalive,
             heard: Arc::new(AtomicU64::new(0)),
-            passes: Passes::default(),
+            passes: Passes::new(PARTS),
         }
     }
 
@@ -238,25 +267,30 @@ where
         std::future::poll_fn(|cx| passes.poll(cx, |parts| self.pass(parts))).await
     }
 
-    /// One poll of every part that was woken; `Some` once the connection
-    /// ended.
-    fn pass(&mut self, cx: &mut Context<'_>) -> Option<Result<(), Status>> {
+    /// One poll of every part woken since its last; `Some` once the
+    /// connection ended.
+    fn pass(&mut self, parts: &Parts<'_>) -> Option<Result<(), Status>> {
         // Finished streams are dropped; an empty set is not an end.
-        while let Poll::Ready(Some(())) = Pin::new(&mut self.streams).poll_next(cx) {}
+        if let Some(mut cx) = parts.take(STREAMS) {
+            while let Poll::Ready(Some(())) = Pin::new(&mut self.streams).poll_next(&mut cx) {}
+        }
         if let Some(keepalive) = self.keepalive.as_mut()
-            && let Err(status) = keepalive.poll(cx, self.heard.load(Ordering::Relaxed))
+            && let Some(mut cx) = parts.take(KEEPALIVE)
+            && let Err(status) = keepalive.poll(&mut cx, self.heard.load(Ordering::Relaxed))
         {
             return Some(Err(status));
         }
-        // Last, so what the streams queued above is written in this pass.
+        // Last, so what the streams queued above (waking this part) is
+        // written in this pass.
+        let mut cx = parts.take(CONNECTION)?;
         loop {
-            match self.conn.poll_accept(cx) {
+            match self.conn.poll_accept(&mut cx) {
                 Poll::Ready(Some(Ok((request, respond)))) => {
                     self.heard.fetch_add(1, Ordering::Relaxed);
                     if let Some(stream) = self.answer(request, respond) {
                         self.streams.push(stream);
                         // Another pass polls it first, registering its wakers.
-                        cx.waker().wake_by_ref();
+                        parts.wake(STREAMS);
                     }
                 }
                 Poll::Ready(Some(Err(e))) => {
@@ -311,14 +345,11 @@ where
             Err(e) => {
                 debug!(error = %e, "the peer's stream closed before its answer");
                 // The reader sees the same and ends its call.
-                return Some(CallStream { send: None, reader });
+                return Some(CallStream::new(None, reader));
             }
         };
         let body = PacketBody::new(outbound, Role::Server, MAX_MESSAGE_SIZE);
-        Some(CallStream {
-            send: Some((send, body)),
-            reader,
-        })
+        Some(CallStream::new(Some((send, body)), reader))
     }
 
     /// After the connection ended: its streams' readers see that and end
