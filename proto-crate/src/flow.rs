@@ -18,15 +18,17 @@
 //! much later).
 
 use std::collections::VecDeque;
+use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::task::{Context, Poll, Waker};
+use std::task::{Context, Poll, Wake, Waker};
 
 use bytes::{Bytes, BytesMut};
-use futures_util::stream::{PollNext, Stream, StreamExt, select_with_strategy};
+use futures_util::stream::Stream;
+use futures_util::task::AtomicWaker;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
-use tokio_stream::wrappers::{ReceiverStream, UnboundedReceiverStream};
-use tokio_util::sync::CancellationToken;
+use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
 use crate::Packet;
 
@@ -511,26 +513,121 @@ pub struct Outbound {
     pub ordered: mpsc::Sender<Packet>,
 }
 
-/// The merged lanes, as a gRPC request or response stream.
-pub type OutboundPackets = Pin<Box<dyn Stream<Item = Packet> + Send + 'static>>;
+/// The merged lanes, as a gRPC request or response stream: `control` ahead
+/// of `ordered`, ending when the tunnel's `closed` token is cancelled (what
+/// is still queued is dropped with the stream) or once both lanes' senders
+/// are gone.
+///
+/// Polled several times per packet (the body coalesces what is queued, and
+/// a poll that finds nothing registers for the next), so the cancellation is
+/// watched through a waker of our own: the token's future is polled only
+/// after it woke us, where polling it each time takes two locks.
+#[derive(Debug)]
+pub struct OutboundPackets {
+    control: mpsc::UnboundedReceiver<Packet>,
+    ordered: mpsc::Receiver<Packet>,
+    control_open: bool,
+    ordered_open: bool,
+    closed: Pin<Box<WaitForCancellationFutureOwned>>,
+    closed_wake: Arc<ClosedWake>,
+    closed_waker: Waker,
+    ended: bool,
+}
+
+/// Marks that the cancellation future woke us, and passes the wake on to
+/// the task polling the stream.
+#[derive(Debug)]
+struct ClosedWake {
+    fired: AtomicBool,
+    task: AtomicWaker,
+}
+
+impl Wake for ClosedWake {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.fired.store(true, Ordering::SeqCst);
+        self.task.wake();
+    }
+}
+
+impl OutboundPackets {
+    /// Whether `closed` was cancelled, as far as its wakes tell.
+    fn poll_closed(&mut self, cx: &mut Context<'_>) -> bool {
+        // Registered before the mark is read, so a wake in between is seen
+        // either here or by the task.
+        self.closed_wake.task.register(cx.waker());
+        if !self.closed_wake.fired.swap(false, Ordering::SeqCst) {
+            return false;
+        }
+        let mut closed_cx = Context::from_waker(&self.closed_waker);
+        self.closed.as_mut().poll(&mut closed_cx).is_ready()
+    }
+}
+
+impl Stream for OutboundPackets {
+    type Item = Packet;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Packet>> {
+        let this = self.get_mut();
+        if this.ended {
+            return Poll::Ready(None);
+        }
+        if this.poll_closed(cx) {
+            this.ended = true;
+            return Poll::Ready(None);
+        }
+        if this.control_open {
+            match this.control.poll_recv(cx) {
+                Poll::Ready(Some(packet)) => return Poll::Ready(Some(packet)),
+                Poll::Ready(None) => this.control_open = false,
+                Poll::Pending => {}
+            }
+        }
+        if this.ordered_open {
+            match this.ordered.poll_recv(cx) {
+                Poll::Ready(Some(packet)) => return Poll::Ready(Some(packet)),
+                Poll::Ready(None) => this.ordered_open = false,
+                Poll::Pending => {}
+            }
+        }
+        if !this.control_open && !this.ordered_open {
+            this.ended = true;
+            return Poll::Ready(None);
+        }
+        Poll::Pending
+    }
+}
 
 /// Creates both lanes; the merged stream ends when `closed` is cancelled, which
 /// closes the HTTP/2 stream with the tunnel.
 pub fn outbound(ordered_capacity: usize, closed: CancellationToken) -> (Outbound, OutboundPackets) {
     let (control, control_rx) = mpsc::unbounded_channel();
     let (ordered, ordered_rx) = mpsc::channel(ordered_capacity.max(1));
-    let merged = select_with_strategy(
-        UnboundedReceiverStream::new(control_rx),
-        ReceiverStream::new(ordered_rx),
-        |_: &mut ()| PollNext::Left,
-    )
-    .take_until(closed.cancelled_owned());
-    (Outbound { control, ordered }, Box::pin(merged))
+    let closed_wake = Arc::new(ClosedWake {
+        // The first poll polls the token's future, registering our waker.
+        fired: AtomicBool::new(true),
+        task: AtomicWaker::new(),
+    });
+    let packets = OutboundPackets {
+        control: control_rx,
+        ordered: ordered_rx,
+        control_open: true,
+        ordered_open: true,
+        closed: Box::pin(closed.cancelled_owned()),
+        closed_waker: Waker::from(closed_wake.clone()),
+        closed_wake,
+        ended: false,
+    };
+    (Outbound { control, ordered }, packets)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use futures_util::StreamExt;
     use std::time::Duration;
 
     #[test]
@@ -766,6 +863,52 @@ mod tests {
         );
         closed.cancel();
         assert!(packets.next().await.is_none());
+    }
+
+    /// A stream waiting for packets is woken by the tunnel's cancellation
+    /// and ends, dropping what was queued after it; one whose senders are
+    /// all gone ends too.
+    #[test]
+    fn a_waiting_stream_is_woken_by_the_cancellation_and_ends() {
+        struct Count(std::sync::atomic::AtomicUsize);
+        impl Wake for Count {
+            fn wake(self: Arc<Self>) {
+                self.0.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        let count = Arc::new(Count(Default::default()));
+        let waker = Waker::from(count.clone());
+        let mut cx = Context::from_waker(&waker);
+
+        let closed = CancellationToken::new();
+        let (out, mut packets) = outbound(4, closed.clone());
+        assert!(Pin::new(&mut packets).poll_next(&mut cx).is_pending());
+        assert!(Pin::new(&mut packets).poll_next(&mut cx).is_pending());
+        closed.cancel();
+        assert!(
+            count.0.load(Ordering::SeqCst) >= 1,
+            "the cancellation woke the task"
+        );
+        out.control
+            .send(crate::packet::window_update(1, 10))
+            .unwrap();
+        assert_eq!(Pin::new(&mut packets).poll_next(&mut cx), Poll::Ready(None));
+        assert_eq!(Pin::new(&mut packets).poll_next(&mut cx), Poll::Ready(None));
+
+        let (out, mut packets) = outbound(4, CancellationToken::new());
+        out.ordered
+            .try_send(crate::packet::data(1, Bytes::from_static(b"x")))
+            .unwrap();
+        drop(out);
+        assert!(matches!(
+            Pin::new(&mut packets).poll_next(&mut cx),
+            Poll::Ready(Some(_))
+        ));
+        assert_eq!(
+            Pin::new(&mut packets).poll_next(&mut cx),
+            Poll::Ready(None),
+            "both lanes' senders are gone"
+        );
     }
 
     #[test]
