@@ -125,6 +125,15 @@ impl Passes {
         Passes { shared, parts }
     }
 
+    /// Marks `part` woken from outside a pass, for a change the part's
+    /// waker will not hear of (a graceful shutdown asked of the connection):
+    /// the next pass polls it, and the task is woken to run one.
+    pub fn wake(&self, part: usize) {
+        if let Some(part) = self.parts.get(part) {
+            part.waker.wake_by_ref();
+        }
+    }
+
     /// Runs `pass` until it reports something (`Some`), nothing woke a part
     /// during the last pass (`Pending`, the task woken by whatever wakes a
     /// part next), the pass limit is reached or Tokio's cooperative budget is

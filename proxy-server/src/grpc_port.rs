@@ -150,6 +150,9 @@ impl<M: PacketMethod> ServeConnection for GrpcConnections<M> {
             ended = connection.run() => ended,
             _ = &mut finish_from => {
                 connection.conn.graceful_shutdown();
+                // The GOAWAY goes out when the connection is polled, and an
+                // idle one is polled only when woken.
+                connection.passes.wake(CONNECTION);
                 connection.run().await
             }
         };
@@ -490,6 +493,38 @@ mod tests {
             }
         }
         (got, Status::ok(""))
+    }
+
+    /// Shutdown ends an idle connection: GOAWAY once its first-request
+    /// window passed, then the close. Nothing on the wire wakes an idle
+    /// connection's driver, so the shutdown itself must.
+    #[tokio::test(start_paused = true)]
+    async fn shutdown_ends_an_idle_connection_with_goaway() {
+        let shutdown = CancellationToken::new();
+        let port = GrpcConnections {
+            method: Echo,
+            max_packet_size: 1024,
+            http2: Http2Settings {
+                keepalive: None,
+                max_concurrent_streams: 1000,
+                windows: cluster_proxy_proto::transport::CLIENT_WINDOWS,
+            },
+            shutdown: shutdown.clone(),
+        };
+        let (mut send, conn) = h2::client::handshake(serve_in_memory(port)).await.unwrap();
+        let conn = tokio::spawn(conn);
+        // A call answered, so the connection ran and went idle.
+        let packets = vec![packet::close_request(1)];
+        let (echoed, status) =
+            collect(call(&mut send, request("/Echo/Stream", true), &packets).await).await;
+        assert_eq!((echoed, status.code()), (packets, tonic::Code::Ok));
+
+        shutdown.cancel();
+        let ended = tokio::time::timeout(FIRST_REQUEST_WINDOW * 10, conn)
+            .await
+            .expect("the server ends the idle connection")
+            .unwrap();
+        assert!(ended.is_ok(), "ended gracefully: {ended:?}");
     }
 
     #[tokio::test]
