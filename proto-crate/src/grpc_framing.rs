@@ -298,6 +298,13 @@ impl Buf for ReceivedMessage {
     }
 
     fn advance(&mut self, mut cnt: usize) {
+        // prost advances once per byte of a short varint: stay within the
+        // front part without looking at the rest.
+        if cnt < self.front.len() {
+            self.remaining -= cnt;
+            self.front.advance(cnt);
+            return;
+        }
         assert!(
             cnt <= self.remaining,
             "advanced {cnt} bytes past a message's {} remaining",
@@ -474,6 +481,9 @@ pub struct PacketBody<S> {
     /// How the packet stream ended, seen while frames were still to send.
     pending_end: Option<Status>,
     ended: bool,
+    /// The last frame ended because the packet stream answered Pending: it
+    /// holds that poll's waker.
+    waiting: bool,
 }
 
 impl<S> std::fmt::Debug for PacketBody<S> {
@@ -497,7 +507,15 @@ where
             payload: None,
             pending_end: None,
             ended: false,
+            waiting: false,
         }
+    }
+
+    /// Whether the frame just returned ended because the packet stream had
+    /// nothing more: it will wake the poll that returned the frame when it
+    /// has, so polling again before that finds nothing.
+    pub fn waiting_for_packets(&self) -> bool {
+        self.waiting
     }
 
     fn finish(&mut self, status: Status) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
@@ -529,6 +547,7 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
         let this = self.get_mut();
+        this.waiting = false;
         if let Some(payload) = this.payload.take() {
             return Poll::Ready(Some(Ok(Frame::data(payload))));
         }
@@ -554,7 +573,10 @@ where
                     this.pending_end = Some(Status::ok(""));
                     break;
                 }
-                Poll::Pending => break,
+                Poll::Pending => {
+                    this.waiting = true;
+                    break;
+                }
             };
             match encode_into(&packet, &mut head, this.max_message_len) {
                 Ok(Some(payload)) => {
@@ -1049,6 +1071,49 @@ mod tests {
         let e = client.frame().await.unwrap().unwrap_err();
         assert_eq!(e.code(), tonic::Code::ResourceExhausted);
         assert!(client.frame().await.is_none());
+    }
+
+    /// A frame that ends because the packets ran out says so (their stream
+    /// then holds the waker); one cut short by a long payload does not.
+    #[test]
+    fn a_frame_that_drained_the_packets_says_so() {
+        let queue = std::sync::Arc::new(std::sync::Mutex::new(VecDeque::new()));
+        let source = queue.clone();
+        let packets = futures_util::stream::poll_fn(move |_| {
+            match source.lock().expect("queue").pop_front() {
+                Some(packet) => Poll::Ready(Some(Ok(packet))),
+                None => Poll::Pending,
+            }
+        });
+        let mut body = PacketBody::new(packets, Role::Client, MAX);
+        let waker = futures_util::task::noop_waker();
+        let mut cx = Context::from_waker(&waker);
+        let mut poll = |body: &mut PacketBody<_>| match Pin::new(body).poll_frame(&mut cx) {
+            Poll::Ready(Some(Ok(frame))) => Some(frame.into_data().expect("data")),
+            Poll::Pending => None,
+            other => panic!("unexpected {other:?}"),
+        };
+
+        queue
+            .lock()
+            .expect("queue")
+            .extend([packet::close_request(1), packet::close_request(2)]);
+        let frame = poll(&mut body).expect("a frame");
+        assert_eq!(
+            frame,
+            wire(&[packet::close_request(1), packet::close_request(2)])
+        );
+        assert!(body.waiting_for_packets());
+        assert!(poll(&mut body).is_none());
+
+        let long = packet::data(3, Bytes::from(vec![7u8; CHAIN_PAYLOAD_AT]));
+        queue.lock().expect("queue").push_back(long.clone());
+        let head = poll(&mut body).expect("the payload's head");
+        assert!(!body.waiting_for_packets(), "cut short by the payload");
+        let payload = poll(&mut body).expect("the payload");
+        assert!(!body.waiting_for_packets());
+        assert_eq!([head, payload].concat(), wire(&[long]));
+        assert!(poll(&mut body).is_none());
     }
 
     #[tokio::test]

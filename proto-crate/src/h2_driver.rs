@@ -13,9 +13,13 @@ use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures_util::Stream;
 use futures_util::task::AtomicWaker;
 use http_body::{Body, Frame};
 use tonic::Status;
+
+use crate::Packet;
+use crate::grpc_framing::PacketBody;
 
 /// Time a keepalive PING has to be answered (gRPC's default, and hyper's).
 pub const PING_TIMEOUT: Duration = Duration::from_secs(20);
@@ -382,13 +386,13 @@ pub enum Sent {
 /// does: the body is polled only with send capacity, and the end of the
 /// stream goes with its trailers or an empty DATA frame. A body that fails
 /// resets the stream (INTERNAL_ERROR) and reports the failure.
-pub fn poll_send_body<B>(
+pub fn poll_send_body<S>(
     send: &mut h2::SendStream<Bytes>,
-    mut body: Pin<&mut B>,
+    mut body: Pin<&mut PacketBody<S>>,
     cx: &mut Context<'_>,
 ) -> Result<Sent, Status>
 where
-    B: Body<Data = Bytes, Error = Status>,
+    S: Stream<Item = Result<Packet, Status>> + Unpin,
 {
     loop {
         match poll_send_capacity(send, cx) {
@@ -398,7 +402,15 @@ where
         }
         match body.as_mut().poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
-                Ok(data) => send.send_data(data, false).map_err(h2_status)?,
+                Ok(data) => {
+                    send.send_data(data, false).map_err(h2_status)?;
+                    // The body found its packets drained while filling this
+                    // frame, and they will wake us: asking again now would
+                    // only hear Pending once more.
+                    if body.waiting_for_packets() {
+                        return Ok(Sent::Pending);
+                    }
+                }
                 Err(frame) => {
                     if let Ok(trailers) = frame.into_trailers() {
                         send.send_trailers(trailers).map_err(h2_status)?;
