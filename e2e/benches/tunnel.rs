@@ -366,7 +366,7 @@ fn main() {
     // The subscriber every service installs (`logging::init`, as with no
     // OTLP endpoint). Without one, `tracing`'s `log` feature (on through
     // kube-client) sends every disabled span's record and drop through its
-    // `log` fallback: 16 % of the in-process CONNECT path's instructions,
+    // `log` fallback: 19 % of the in-process CONNECT path's instructions,
     // a cost no deployed process pays.
     cluster_proxy_runtime::logging::init(0, cluster_proxy_runtime::logging::LogFormat::Text);
     let mut builder = tokio::runtime::Builder::new_multi_thread();
