@@ -156,6 +156,16 @@ fn put_prefix(head: &mut BytesMut, len: usize) {
     head.put_u32(len as u32);
 }
 
+/// The message `chunk` holds if it is exactly one valid, uncompressed
+/// message within `max_message_len` (anything else is left to
+/// [`MessageSplitter`], which also reports the errors).
+fn lone_message(chunk: &Bytes, max_message_len: usize) -> Option<Bytes> {
+    let prefix = chunk.get(..MESSAGE_PREFIX_LEN)?;
+    let len = u32::from_be_bytes([prefix[1], prefix[2], prefix[3], prefix[4]]) as usize;
+    (prefix[0] == 0 && len <= max_message_len && chunk.len() == MESSAGE_PREFIX_LEN + len)
+        .then(|| chunk.slice(MESSAGE_PREFIX_LEN..))
+}
+
 /// Splits received bytes into gRPC messages, slicing a message out of the
 /// chunk it arrived in when it lies within one.
 #[derive(Debug, Default)]
@@ -403,7 +413,18 @@ where
             }
             match ready!(Pin::new(&mut self.body).poll_frame(cx)) {
                 Some(Ok(frame)) => match frame.into_data() {
-                    Ok(data) => self.splitter.push(data),
+                    Ok(data) => match lone_message(&data, self.max_message_len) {
+                        // One whole message and nothing before it: decoded
+                        // from the chunk itself, without the splitter's parts.
+                        Some(message) if !self.splitter.has_partial() => {
+                            return Poll::Ready(
+                                Packet::decode(message)
+                                    .map(Some)
+                                    .map_err(|e| self.fail(Status::internal(e.to_string()))),
+                            );
+                        }
+                        _ => self.splitter.push(data),
+                    },
                     Err(frame) => {
                         if let Ok(trailers) = frame.into_trailers() {
                             return Poll::Ready(self.end(Some(&trailers)));

@@ -11,6 +11,7 @@
 //!   receive buffers) that keep one slow connection from stalling a tunnel.
 //! * [`grpc_framing`] — gRPC framing of packets that neither copies a received
 //!   message out of its HTTP/2 frame nor a sent payload into an encode buffer.
+//! * [`framed`] — the lean framing our own ends negotiate (ALPN) instead of gRPC over HTTP/2.
 //! * [`h2_driver`] — the parts for driving an HTTP/2 connection and its streams from one
 //!   task (the tunnel's two ends do, rather than a task per stream as hyper does).
 //! * [`duration`] / [`strconv`] — Go's duration and boolean syntaxes, as upstream flags use them.
@@ -33,6 +34,7 @@ pub mod client;
 pub mod connector;
 pub mod duration;
 pub mod flow;
+pub mod framed;
 pub mod grpc_framing;
 pub mod h2_channel;
 pub mod h2_driver;
