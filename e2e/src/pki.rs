@@ -72,12 +72,21 @@ impl TestPki {
     pub fn server_tls(&self) -> Result<proxy_server::ServerTls, TestPkiError> {
         Ok(proxy_server::ServerTls::fixed(
             self.frontend_server_config()?,
-            tls::server_config(
-                identity(&self.agent_server, "agent-server")?,
-                Some(self.roots()?),
-                &[ALPN_H2],
-            )?,
+            self.agent_port_config(proxy_server::AGENT_PORT_ALPN)?,
         ))
+    }
+
+    /// The TLS a proxy-server's agent port serves, choosing from `alpn`,
+    /// for tests that stand in for the server.
+    pub fn agent_port_config(
+        &self,
+        alpn: &[&[u8]],
+    ) -> Result<Arc<rustls::ServerConfig>, TestPkiError> {
+        Ok(tls::server_config(
+            identity(&self.agent_server, "agent-server")?,
+            Some(self.roots()?),
+            alpn,
+        )?)
     }
 
     /// The TLS a proxy-server's client port serves (ALPN `h2` and

@@ -35,6 +35,9 @@ pub struct AgentSettings {
     pub proxy_server_port: u16,
     /// ALPN protocols offered in addition to `h2` (upstream's meaning).
     pub alpn_proto: Vec<String>,
+    /// Offer the lean framing (`cluster_proxy_proto::framed`) ahead of
+    /// gRPC over HTTP/2; servers that do not speak it choose `h2`.
+    pub lean_framing: bool,
     /// Empty: all interfaces.
     pub health_server_host: String,
     pub health_server_port: u16,
@@ -103,6 +106,7 @@ impl Default for AgentSettings {
             proxy_server_host: "127.0.0.1".into(),
             proxy_server_port: 8091,
             alpn_proto: Vec::new(),
+            lean_framing: true,
             health_server_host: String::new(),
             health_server_port: 8093,
             admin_server_port: 8094,
@@ -182,6 +186,10 @@ pub struct Cli {
         serialize_with = "serialize_go_lists"
     )]
     pub alpn_proto: Option<Vec<GoList>>,
+    /// Offer our lean tunnel framing (ALPN cluster-proxy-tunnel/1) ahead of gRPC over HTTP/2; servers that do not speak it get gRPC.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lean_framing: Option<bool>,
     /// Address the health port listens on (empty: every address).
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -503,6 +511,7 @@ impl AgentSettings {
         }
         config.credential_reload_interval = self.credential_reload_interval;
         config.keepalive_time = self.keepalive_time;
+        config.lean_framing = self.lean_framing;
         for alias in &self.host_alias {
             let parsed = alias
                 .split_once('=')

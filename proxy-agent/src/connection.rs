@@ -9,7 +9,12 @@
 //! polls the HTTP/2 connection, the stream's packets and the packets to
 //! send, one hand-off less each way.
 //!
-//! On the wire the call is what tonic sent (the agent's metadata, `te` and
+//! A server that speaks the lean framing ([`cluster_proxy_proto::framed`],
+//! chosen by ALPN: ours, unless `--lean-framing=false`) gets the same call
+//! without HTTP/2: the hello, the packets, pings and the end straight over
+//! TLS. Any other server gets gRPC over HTTP/2.
+//!
+//! On HTTP/2 the call is what tonic sent (the agent's metadata, `te` and
 //! `content-type`; our own `user-agent`), with the same HTTP/2 settings,
 //! messages framed by [`cluster_proxy_proto::grpc_framing`], and pings
 //! after `--keepalive-time` without a packet from the server, answered
@@ -24,6 +29,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use cluster_proxy_proto::Packet;
+use cluster_proxy_proto::framed::{
+    self, ALPN_FRAMED, Control, FrameWriter, FramedBody, Hello, InboundBody,
+};
 use cluster_proxy_proto::grpc_framing::{
     AGENT_CONNECT_PATH, Direction, PacketBody, PacketStream, Role, check_response_head,
 };
@@ -34,6 +42,7 @@ use cluster_proxy_proto::transport::{
     HttpWindows, MAX_FRAME_SIZE, MAX_MESSAGE_SIZE, TransportError, connect_tls, host_port,
 };
 use futures_util::{Stream, StreamExt};
+use tokio::io::{ReadHalf, WriteHalf};
 use tokio::net::TcpStream;
 use tokio_rustls::client::TlsStream;
 use tonic::Status;
@@ -57,6 +66,11 @@ pub type Outbound = Pin<Box<dyn Stream<Item = Packet> + Send>>;
 type OutboundBody =
     PacketBody<futures_util::stream::Map<Outbound, fn(Packet) -> Result<Packet, Status>>>;
 
+type Tls = TlsStream<TcpStream>;
+
+/// The agent's user-agent, on either transport.
+const USER_AGENT: &str = concat!("cluster-proxy-agent/", env!("CARGO_PKG_VERSION"));
+
 /// Why an attempt to open a tunnel's connection failed.
 #[derive(Debug, thiserror::Error)]
 pub enum OpenError {
@@ -70,6 +84,12 @@ pub enum OpenError {
     },
     #[error("the connection to {address} ended before the server answered")]
     Closed { address: String },
+    #[error("tunnel framing with {address}: {}", .source.message())]
+    Framed {
+        address: String,
+        #[source]
+        source: Status,
+    },
     #[error("Connect request: {0}")]
     Request(#[from] http::Error),
     /// The server answered with an error (a refusal).
@@ -92,13 +112,10 @@ pub struct Endpoint {
 
 /// One `AgentService.Connect` call on a connection of its own.
 pub struct TunnelConnection {
-    conn: h2::client::Connection<TlsStream<TcpStream>, Bytes>,
-    conn_done: bool,
-    send: h2::SendStream<Bytes>,
+    link: Link,
     outbound: OutboundBody,
     send_done: bool,
-    inbound: PacketStream<RecvBody>,
-    keepalive: Option<KeepAlive>,
+    inbound: PacketStream<InboundBody<ReadHalf<Tls>>>,
     /// Chunks read, so the keepalive knows whether the server was heard.
     heard: Arc<AtomicU64>,
     passes: Passes,
@@ -107,10 +124,28 @@ pub struct TunnelConnection {
 impl std::fmt::Debug for TunnelConnection {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TunnelConnection")
-            .field("conn_done", &self.conn_done)
+            .field("framed", &self.is_framed())
             .field("send_done", &self.send_done)
             .finish_non_exhaustive()
     }
+}
+
+/// What carries the call: an HTTP/2 connection and its stream, or the
+/// lean framing's writing half (the reading half is the inbound body's).
+// One per tunnel, moved once into its task: the size does not matter, an
+// indirection on every poll of the HTTP/2 connection would.
+#[allow(clippy::large_enum_variant)]
+enum Link {
+    Http2 {
+        conn: h2::client::Connection<Tls, Bytes>,
+        conn_done: bool,
+        send: h2::SendStream<Bytes>,
+        keepalive: Option<KeepAlive>,
+    },
+    Framed {
+        writer: FrameWriter<WriteHalf<Tls>>,
+        keepalive: Option<framed::KeepAlive>,
+    },
 }
 
 /// What [`TunnelConnection::next_packet`] and [`TunnelConnection::drive`] end with.
@@ -140,8 +175,41 @@ impl TunnelConnection {
             endpoint.connect_timeout,
         )
         .await?;
+        let heard = Arc::new(AtomicU64::new(0));
+        let keepalive = endpoint.keepalive.filter(|k| !k.is_zero());
+        let framed = tls.get_ref().1.alpn_protocol() == Some(ALPN_FRAMED);
+        let (link, inbound, head) = if framed {
+            Self::open_framed(tls, &address, metadata, keepalive, &heard).await?
+        } else {
+            Self::open_http2(tls, &address, endpoint, metadata, keepalive, &heard).await?
+        };
+        let outbound: OutboundBody = PacketBody::new(
+            outbound.map(Ok as fn(Packet) -> Result<Packet, Status>),
+            Role::Client,
+            MAX_MESSAGE_SIZE,
+        );
+        let connection = TunnelConnection {
+            link,
+            outbound,
+            send_done: false,
+            inbound: PacketStream::new(inbound, Direction::Response, MAX_MESSAGE_SIZE),
+            heard,
+            passes: Passes::new(PARTS),
+        };
+        Ok((connection, MetadataMap::from_headers(head)))
+    }
+
+    /// The call on HTTP/2: the request, and the response's head.
+    async fn open_http2(
+        tls: Tls,
+        address: &str,
+        endpoint: &Endpoint,
+        metadata: MetadataMap,
+        keepalive: Option<Duration>,
+        heard: &Arc<AtomicU64>,
+    ) -> Result<(Link, InboundBody<ReadHalf<Tls>>, http::HeaderMap), OpenError> {
         let http2 = |source| OpenError::Http2 {
-            address: address.clone(),
+            address: address.to_owned(),
             source,
         };
         let (mut requests, mut conn) = h2::client::Builder::new()
@@ -157,7 +225,7 @@ impl TunnelConnection {
         let request = grpc_request(
             &format!("https://{address}{AGENT_CONNECT_PATH}"),
             metadata.into_headers(),
-            concat!("cluster-proxy-agent/", env!("CARGO_PKG_VERSION")),
+            USER_AGENT,
         )?;
         let ping_pong = conn.ping_pong();
         // The request goes out and the answer comes in only while the
@@ -176,39 +244,66 @@ impl TunnelConnection {
                 opened = &mut opened => opened?,
                 ended = &mut conn => {
                     ended.map_err(http2)?;
-                    return Err(OpenError::Closed { address: address.clone() });
+                    return Err(OpenError::Closed { address: address.to_owned() });
                 }
             }
         };
         let (head, recv) = response.into_parts();
         check_response_head(head.status, &head.headers).map_err(OpenError::Rejected)?;
-        let keepalive = endpoint
-            .keepalive
-            .filter(|k| !k.is_zero())
+        let keepalive = keepalive
             .zip(ping_pong)
             .map(|(interval, ping_pong)| KeepAlive::new(interval, ping_pong));
-        let heard = Arc::new(AtomicU64::new(0));
-        let outbound: OutboundBody = PacketBody::new(
-            outbound.map(Ok as fn(Packet) -> Result<Packet, Status>),
-            Role::Client,
-            MAX_MESSAGE_SIZE,
-        );
-        let connection = TunnelConnection {
+        let link = Link::Http2 {
             conn,
             conn_done: false,
             send,
-            outbound,
-            send_done: false,
-            inbound: PacketStream::new(
-                RecvBody::counted(recv, heard.clone()),
-                Direction::Response,
-                MAX_MESSAGE_SIZE,
-            ),
             keepalive,
-            heard,
-            passes: Passes::new(PARTS),
         };
-        Ok((connection, MetadataMap::from_headers(head.headers)))
+        let inbound = InboundBody::Http2(RecvBody::counted(recv, heard.clone()));
+        Ok((link, inbound, head.headers))
+    }
+
+    /// The call in the lean framing: the hello, and the server's head.
+    async fn open_framed(
+        tls: Tls,
+        address: &str,
+        metadata: MetadataMap,
+        keepalive: Option<Duration>,
+        heard: &Arc<AtomicU64>,
+    ) -> Result<(Link, InboundBody<ReadHalf<Tls>>, http::HeaderMap), OpenError> {
+        let failed = |source| OpenError::Framed {
+            address: address.to_owned(),
+            source,
+        };
+        let (read, write) = tokio::io::split(tls);
+        let control = Arc::new(Control::default());
+        let mut body = FramedBody::new(read, control.clone(), heard.clone(), MAX_MESSAGE_SIZE);
+        let mut writer = FrameWriter::new(write, control.clone());
+        let mut headers = metadata.into_headers();
+        headers.insert(
+            http::header::USER_AGENT,
+            http::HeaderValue::from_static(USER_AGENT),
+        );
+        let hello = Hello {
+            path: AGENT_CONNECT_PATH.to_owned(),
+            headers,
+        };
+        writer.queue(hello.encode().map_err(failed)?);
+        std::future::poll_fn(|cx| writer.poll_write_queued(cx))
+            .await
+            .map_err(failed)?;
+        let head = body.head().await.map_err(failed)?;
+        check_response_head(http::StatusCode::OK, &head).map_err(OpenError::Rejected)?;
+        let link = Link::Framed {
+            writer,
+            keepalive: keepalive.map(|interval| framed::KeepAlive::new(interval, control)),
+        };
+        Ok((link, InboundBody::Framed(body), head))
+    }
+
+    /// Whether the call runs in the lean framing rather than on HTTP/2.
+    pub fn is_framed(&self) -> bool {
+        matches!(self.link, Link::Framed { .. })
     }
 
     /// The server's next packet, while sending ours and keeping the
@@ -270,32 +365,65 @@ impl TunnelConnection {
             parts.wake(RECEIVE);
             return Some(Driven::Packet(next.transpose()));
         }
-        if let Some(keepalive) = self.keepalive.as_mut()
-            && let Some(mut cx) = parts.take(KEEPALIVE)
-            && let Err(status) = keepalive.poll(&mut cx, self.heard.load(Ordering::Relaxed))
-        {
-            return Some(Driven::Failed(status));
-        }
-        // Last, so what the sends above queued (waking this part) is written
-        // in this pass.
-        if !self.conn_done
-            && let Some(mut cx) = parts.take(CONNECTION)
-            && let Poll::Ready(ended) = Pin::new(&mut self.conn).poll(&mut cx)
-        {
-            self.conn_done = true;
-            if let Err(e) = ended {
-                return Some(Driven::Failed(h2_status(e)));
+        let heard = self.heard.load(Ordering::Relaxed);
+        match &mut self.link {
+            Link::Http2 {
+                conn,
+                conn_done,
+                keepalive,
+                ..
+            } => {
+                if let Some(keepalive) = keepalive.as_mut()
+                    && let Some(mut cx) = parts.take(KEEPALIVE)
+                    && let Err(status) = keepalive.poll(&mut cx, heard)
+                {
+                    return Some(Driven::Failed(status));
+                }
+                // Last, so what the sends above queued (waking this part) is
+                // written in this pass.
+                if !*conn_done
+                    && let Some(mut cx) = parts.take(CONNECTION)
+                    && let Poll::Ready(ended) = Pin::new(conn).poll(&mut cx)
+                {
+                    *conn_done = true;
+                    if let Err(e) = ended {
+                        return Some(Driven::Failed(h2_status(e)));
+                    }
+                }
+            }
+            Link::Framed { writer, keepalive } => {
+                if let Some(keepalive) = keepalive.as_mut()
+                    && let Some(mut cx) = parts.take(KEEPALIVE)
+                {
+                    match keepalive.poll(&mut cx, heard) {
+                        Ok(true) => {
+                            writer.queue_ping();
+                            parts.wake(SEND);
+                        }
+                        Ok(false) => {}
+                        Err(status) => return Some(Driven::Failed(status)),
+                    }
+                }
             }
         }
         None
     }
 
-    /// Moves our packets into the stream as far as its window allows.
+    /// Moves our packets onto the connection as far as it takes them (on
+    /// HTTP/2, as far as the stream's window allows).
     fn poll_send(&mut self, cx: &mut Context<'_>) -> Result<(), Status> {
-        if self.send_done {
-            return Ok(());
-        }
-        let sent = poll_send_body(&mut self.send, Pin::new(&mut self.outbound), cx);
+        let sent = match &mut self.link {
+            Link::Http2 { .. } if self.send_done => return Ok(()),
+            Link::Http2 { send, .. } => poll_send_body(send, Pin::new(&mut self.outbound), cx),
+            // Pings and pongs still go out after our end.
+            Link::Framed { writer, .. } if self.send_done => {
+                return match writer.poll_write_queued(cx) {
+                    Poll::Ready(Err(status)) => Err(status),
+                    _ => Ok(()),
+                };
+            }
+            Link::Framed { writer, .. } => writer.poll_send_body(Pin::new(&mut self.outbound), cx),
+        };
         if !matches!(sent, Ok(Sent::Pending)) {
             self.send_done = true;
         }

@@ -22,6 +22,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cluster_proxy_proto::flow::DEFAULT_WINDOW;
+use cluster_proxy_proto::framed::ALPN_FRAMED;
 use cluster_proxy_proto::identifiers::AgentIdentifiers;
 use cluster_proxy_proto::transport::ALPN_H2;
 use cluster_proxy_runtime::admin::{self, NotReady};
@@ -110,6 +111,26 @@ pub fn offered_alpn(extra: &[String]) -> Vec<&[u8]> {
     offered
 }
 
+/// `config` offering the lean framing first when `lean` (ALPN is the
+/// client's offer in its order; our servers choose the framing, others `h2`),
+/// or offering it not at all.
+pub fn offering_framing(
+    config: Arc<rustls::ClientConfig>,
+    lean: bool,
+) -> Arc<rustls::ClientConfig> {
+    let offered = config.alpn_protocols.first().map(Vec::as_slice) == Some(ALPN_FRAMED);
+    let anywhere = config.alpn_protocols.iter().any(|p| p == ALPN_FRAMED);
+    if lean == offered && (lean || !anywhere) {
+        return config;
+    }
+    let mut config = (*config).clone();
+    config.alpn_protocols.retain(|p| p != ALPN_FRAMED);
+    if lean {
+        config.alpn_protocols.insert(0, ALPN_FRAMED.to_vec());
+    }
+    Arc::new(config)
+}
+
 /// Runtime configuration of an agent. [`AgentConfig::new`] gives upstream's
 /// defaults; [`AgentSettings::to_agent_config`] builds one from flags.
 #[derive(Debug, Clone)]
@@ -144,8 +165,10 @@ pub struct AgentConfig {
     pub dial_timeout: Duration,
     /// How often credential files are checked for rotation.
     pub credential_reload_interval: Duration,
-    /// HTTP/2 ping interval on tunnels (`--keepalive-time`); 0 disables pings.
+    /// Ping interval on tunnels (`--keepalive-time`); 0 disables pings.
     pub keepalive_time: Duration,
+    /// Offer the lean framing ahead of `h2` (`--lean-framing`).
+    pub lean_framing: bool,
     /// Names resolved to fixed addresses before DNS, like a pod's `hostAliases`.
     pub host_aliases: dial::HostAliases,
     /// How long [`RunningAgent::shutdown`] waits for open endpoint
@@ -177,6 +200,7 @@ impl AgentConfig {
             host_aliases: dial::HostAliases::new(),
             credential_reload_interval: cluster_proxy_runtime::reload::DEFAULT_INTERVAL,
             keepalive_time: Duration::from_secs(3600),
+            lean_framing: true,
             shutdown_grace: Duration::from_secs(5),
         }
     }
@@ -256,8 +280,9 @@ impl std::fmt::Debug for RunningAgent {
 /// in the background (see [`RunningAgent::wait_for_tunnels`]).
 pub async fn start(config: AgentConfig) -> Result<RunningAgent, AgentError> {
     validate(&config)?;
+    let lean = config.lean_framing;
     let tls = match &config.tls {
-        TlsSource::Config(fixed) => reload::fixed(fixed.clone()),
+        TlsSource::Config(fixed) => reload::fixed(offering_framing(fixed.clone(), lean)),
         files @ TlsSource::Files { .. } => {
             let paths = files.paths();
             let source = files.clone();
@@ -266,10 +291,13 @@ pub async fn start(config: AgentConfig) -> Result<RunningAgent, AgentError> {
                 paths,
                 config.credential_reload_interval,
                 move || {
-                    source.client_config().map_err(|e| match e {
-                        AgentError::Tls(t) => t,
-                        other => TlsError::Config(other.to_string()),
-                    })
+                    source
+                        .client_config()
+                        .map(|config| offering_framing(config, lean))
+                        .map_err(|e| match e {
+                            AgentError::Tls(t) => t,
+                            other => TlsError::Config(other.to_string()),
+                        })
                 },
             )?
         }
@@ -405,5 +433,55 @@ impl RunningAgent {
             .wait_tunnels_closed(Duration::from_secs(5))
             .await;
         tracing::info!(agent_id = %self.shared.agent_id(), "proxy-agent stopped");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn offering(alpn: &[&[u8]]) -> Arc<rustls::ClientConfig> {
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut config = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(rustls::RootCertStore::empty())
+            .with_no_client_auth();
+        config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+        Arc::new(config)
+    }
+
+    fn offered(config: &rustls::ClientConfig) -> Vec<&[u8]> {
+        config.alpn_protocols.iter().map(Vec::as_slice).collect()
+    }
+
+    /// The lean framing goes first, once, ahead of what was offered
+    /// (`--alpn-proto` values, `h2`); turned off, it is not offered at all.
+    #[test]
+    fn the_lean_framing_is_offered_first_unless_turned_off() {
+        let extra: &[u8] = b"konnectivity";
+        let lean = offering_framing(offering(&[extra, ALPN_H2]), true);
+        assert_eq!(offered(&lean), [ALPN_FRAMED, extra, ALPN_H2]);
+        let again = offering_framing(lean.clone(), true);
+        assert!(
+            Arc::ptr_eq(&again, &lean),
+            "already offered first: unchanged"
+        );
+        let moved = offering_framing(offering(&[ALPN_H2, ALPN_FRAMED]), true);
+        assert_eq!(offered(&moved), [ALPN_FRAMED, ALPN_H2]);
+        let off = offering_framing(lean, false);
+        assert_eq!(offered(&off), [extra, ALPN_H2]);
+    }
+
+    #[test]
+    fn lean_framing_is_on_unless_the_flag_turns_it_off() {
+        use clap::Parser;
+        let load = |args: &[&str]| {
+            let argv = std::iter::once("proxy-agent").chain(args.iter().copied());
+            AgentSettings::load_with_env(&Cli::parse_from(argv), Vec::new()).unwrap()
+        };
+        assert!(load(&[]).lean_framing);
+        assert!(!load(&["--lean-framing=false"]).lean_framing);
+        assert!(load(&["--lean-framing"]).lean_framing);
     }
 }

@@ -377,6 +377,7 @@ async fn connect_once(shared: Arc<Shared>) -> Result<Outcome, ConnectError> {
         %server_id,
         server_count = count,
         flow_control = server_window.is_some(),
+        framing = if connection.is_framed() { "lean" } else { "grpc" },
         "connected to proxy-server"
     );
     _guard.disarm();

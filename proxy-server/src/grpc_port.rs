@@ -30,6 +30,7 @@ use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use cluster_proxy_proto::Packet;
+use cluster_proxy_proto::framed::{self, Control, FrameWriter, FramedBody, Hello, InboundBody};
 use cluster_proxy_proto::grpc_framing::{Direction, PacketBody, PacketStream, Role};
 use cluster_proxy_proto::h2_driver::{KeepAlive, Parts, Passes, RecvBody, Sent, poll_send_body};
 use cluster_proxy_proto::transport::{MAX_FRAME_SIZE, MAX_MESSAGE_SIZE};
@@ -40,7 +41,9 @@ use tonic::Status;
 use tonic::metadata::MetadataMap;
 use tracing::debug;
 
-use crate::listener::{FIRST_REQUEST_WINDOW, Http2Settings, PeerInfo, ServeConnection};
+use crate::listener::{
+    FIRST_REQUEST_WINDOW, HEADER_READ_TIMEOUT, Http2Settings, PeerInfo, ServeConnection,
+};
 
 /// hyper's limits for what it serves, kept for our ports.
 const MAX_HEADER_LIST_SIZE: u32 = 16 * 1024;
@@ -54,8 +57,12 @@ const KEEPALIVE: usize = 1;
 const CONNECTION: usize = 2;
 const PARTS: usize = 3;
 
-/// The packets a peer sends on its stream.
-pub type InboundPackets = PacketStream<RecvBody>;
+/// The reading half of a connection in the lean framing.
+pub type FramedRead = Pin<Box<dyn tokio::io::AsyncRead + Send>>;
+
+/// The packets a peer sends on its stream (HTTP/2) or connection (the lean
+/// framing).
+pub type InboundPackets = PacketStream<InboundBody<FramedRead>>;
 
 /// A call's stream loop: reads the peer's packets until its stream ends.
 pub type Reader = Pin<Box<dyn Future<Output = ()> + Send>>;
@@ -119,6 +126,9 @@ impl<M: PacketMethod> ServeConnection for GrpcConnections<M> {
     where
         IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
     {
+        if peer.framed {
+            return self.serve_framed(io, peer).await;
+        }
         let remote = peer.remote;
         let finish_from = async {
             self.shutdown.cancelled().await;
@@ -161,6 +171,174 @@ impl<M: PacketMethod> ServeConnection for GrpcConnections<M> {
         }
         connection.finish().await;
     }
+}
+
+/// The parts of a framed connection's pass: its packets to send (and
+/// pings and pongs), the loop reading the peer's, the keepalive.
+const FRAMED_SEND: usize = 0;
+const FRAMED_READ: usize = 1;
+const FRAMED_KEEPALIVE: usize = 2;
+const FRAMED_PARTS: usize = 3;
+
+/// How long a peer that ends its connection gets to take our close.
+const CLOSE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
+
+impl<M: PacketMethod> GrpcConnections<M> {
+    /// Serves the one call of a connection in the lean framing
+    /// ([`cluster_proxy_proto::framed`]): the hello, then our head (or a
+    /// refusal), then both directions until each has ended. On shutdown the
+    /// call runs on as an HTTP/2 stream does after GOAWAY: the tunnel ends
+    /// it.
+    async fn serve_framed<IO>(&self, io: IO, peer: PeerInfo)
+    where
+        IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
+    {
+        let remote = peer.remote;
+        let (read, write) = tokio::io::split(io);
+        let control = Arc::new(Control::default());
+        let heard = Arc::new(AtomicU64::new(0));
+        let mut body = FramedBody::new(
+            Box::pin(read) as FramedRead,
+            control.clone(),
+            heard.clone(),
+            self.max_packet_size,
+        );
+        let mut writer = FrameWriter::new(write, control.clone());
+        let hello = match tokio::time::timeout(HEADER_READ_TIMEOUT, body.hello()).await {
+            Ok(Ok(hello)) => hello,
+            Ok(Err(status)) => {
+                debug!(listener = M::PORT, %remote, error = %status, "no call on a framed connection");
+                return;
+            }
+            Err(_) => {
+                debug!(listener = M::PORT, %remote, "no hello within {HEADER_READ_TIMEOUT:?}");
+                return;
+            }
+        };
+        let ended = match self.open_framed(hello, body, &Arc::new(peer)) {
+            Ok((metadata, outbound, reader)) => {
+                let mut head = metadata.into_headers();
+                head.insert(
+                    http::header::CONTENT_TYPE,
+                    http::HeaderValue::from_static("application/grpc"),
+                );
+                match framed::head_frame(&head) {
+                    Ok(frame) => {
+                        writer.queue(frame);
+                        let mut body = PacketBody::new(outbound, Role::Server, MAX_MESSAGE_SIZE);
+                        let keepalive = self
+                            .http2
+                            .keepalive
+                            .filter(|k| !k.is_zero())
+                            .map(|interval| framed::KeepAlive::new(interval, control));
+                        drive_framed(&mut writer, &mut body, reader, keepalive, &heard).await
+                    }
+                    Err(status) => Err(status),
+                }
+            }
+            Err(status) => {
+                let mut trailers = http::HeaderMap::new();
+                match status
+                    .add_header(&mut trailers)
+                    .and_then(|()| framed::head_frame(&trailers))
+                {
+                    Ok(frame) => {
+                        writer.queue(frame);
+                        std::future::poll_fn(|cx| writer.poll_write_queued(cx)).await
+                    }
+                    Err(status) => Err(status),
+                }
+            }
+        };
+        if let Err(status) = ended {
+            debug!(listener = M::PORT, %remote, error = %status, "framed connection ended with an error");
+        }
+        let _ = tokio::time::timeout(CLOSE_TIMEOUT, writer.shutdown()).await;
+    }
+
+    /// Admits the call a hello opens, as [`Connection::answer`] admits one
+    /// on HTTP/2.
+    #[allow(clippy::type_complexity)]
+    fn open_framed(
+        &self,
+        hello: Hello,
+        body: FramedBody<FramedRead>,
+        peer: &Arc<PeerInfo>,
+    ) -> Result<(MetadataMap, M::Outbound, Option<Reader>), Status> {
+        if hello.path != M::PATH {
+            return Err(Status::unimplemented(""));
+        }
+        if let Some(status) = unsupported_encoding(&hello.headers) {
+            return Err(status);
+        }
+        let inbound = PacketStream::new(
+            InboundBody::Framed(body),
+            Direction::Request,
+            self.max_packet_size,
+        );
+        let metadata = MetadataMap::from_headers(hello.headers);
+        let Opened {
+            metadata,
+            outbound,
+            reader,
+        } = self.method.open(&metadata, peer, inbound)?;
+        Ok((metadata, outbound, reader))
+    }
+}
+
+/// Drives a framed call until both directions ended (or the connection
+/// failed): our packets out, the reader's loop, the keepalive.
+async fn drive_framed<W, O>(
+    writer: &mut FrameWriter<W>,
+    body: &mut PacketBody<O>,
+    mut reader: Option<Reader>,
+    mut keepalive: Option<framed::KeepAlive>,
+    heard: &AtomicU64,
+) -> Result<(), Status>
+where
+    W: tokio::io::AsyncWrite + Unpin,
+    O: Stream<Item = Result<Packet, Status>> + Unpin,
+{
+    let passes = Passes::new(FRAMED_PARTS);
+    let mut send_done = false;
+    std::future::poll_fn(|cx| {
+        passes.poll(cx, |parts| {
+            if let Some(mut cx) = parts.take(FRAMED_SEND) {
+                if send_done {
+                    // Pings and pongs still go out after our end.
+                    if let Poll::Ready(Err(status)) = writer.poll_write_queued(&mut cx) {
+                        return Some(Err(status));
+                    }
+                } else {
+                    match writer.poll_send_body(Pin::new(&mut *body), &mut cx) {
+                        Ok(Sent::Pending) => {}
+                        Ok(Sent::Ended) => send_done = true,
+                        Err(status) => return Some(Err(status)),
+                    }
+                }
+            }
+            if let Some(reading) = reader.as_mut()
+                && let Some(mut cx) = parts.take(FRAMED_READ)
+                && reading.as_mut().poll(&mut cx).is_ready()
+            {
+                reader = None;
+            }
+            if let Some(keepalive) = keepalive.as_mut()
+                && let Some(mut cx) = parts.take(FRAMED_KEEPALIVE)
+            {
+                match keepalive.poll(&mut cx, heard.load(Ordering::Relaxed)) {
+                    Ok(true) => {
+                        writer.queue_ping();
+                        parts.wake(FRAMED_SEND);
+                    }
+                    Ok(false) => {}
+                    Err(status) => return Some(Err(status)),
+                }
+            }
+            (send_done && reader.is_none()).then_some(Ok(()))
+        })
+    })
+    .await
 }
 
 /// One connection: the HTTP/2 connection and its streams.
@@ -324,7 +502,7 @@ where
         }
         let (head, recv) = request.into_parts();
         let inbound = PacketStream::new(
-            RecvBody::counted(recv, self.heard.clone()),
+            InboundBody::Http2(RecvBody::counted(recv, self.heard.clone())),
             Direction::Request,
             self.port.max_packet_size,
         );

@@ -30,6 +30,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use cluster_proxy_proto::framed::ALPN_FRAMED;
 use cluster_proxy_proto::transport::{ALPN_H2, ALPN_HTTP11};
 use cluster_proxy_runtime::admin;
 use cluster_proxy_runtime::net::{BindError, bind};
@@ -255,10 +256,14 @@ impl ServerTls {
             frontend: frontend
                 .map(|files| files.watch(frontend_alpn, policy.clone(), interval))
                 .transpose()?,
-            agent: agent.watch(&[ALPN_H2], policy, interval)?,
+            agent: agent.watch(AGENT_PORT_ALPN, policy, interval)?,
         })
     }
 }
+
+/// The ALPN protocols the agent port chooses from, in its order of
+/// preference: the lean framing our agents offer first, then gRPC's `h2`.
+pub const AGENT_PORT_ALPN: &[&[u8]] = &[ALPN_FRAMED, ALPN_H2];
 
 /// A running server. Dropping it does not stop it; call [`RunningServer::shutdown`].
 pub struct RunningServer {

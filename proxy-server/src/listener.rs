@@ -75,6 +75,9 @@ pub struct PeerInfo {
     pub cluster: Option<ClusterName>,
     /// Why the certificate's cluster identity could not be read, if it could not.
     pub identity_error: Option<String>,
+    /// ALPN chose the lean framing ([`cluster_proxy_proto::framed`]) over
+    /// gRPC on HTTP/2.
+    pub framed: bool,
 }
 
 impl PeerInfo {
@@ -85,6 +88,7 @@ impl PeerInfo {
             subject: String::new(),
             cluster: None,
             identity_error: None,
+            framed: false,
         }
     }
 }
@@ -116,12 +120,14 @@ fn resumed_chain_still_valid(
 }
 
 fn peer_info(remote: Remote, conn: &rustls::ServerConnection) -> PeerInfo {
+    let framed = conn.alpn_protocol() == Some(cluster_proxy_proto::framed::ALPN_FRAMED);
     let Some(cert) = conn.peer_certificates().and_then(|c| c.first()) else {
         return PeerInfo {
             remote,
             subject: String::new(),
             cluster: None,
             identity_error: Some("no client certificate".into()),
+            framed,
         };
     };
     let subject = cluster_proxy_runtime::peer::subject_of(cert);
@@ -131,12 +137,14 @@ fn peer_info(remote: Remote, conn: &rustls::ServerConnection) -> PeerInfo {
             subject,
             cluster,
             identity_error: None,
+            framed,
         },
         Err(e) => PeerInfo {
             remote,
             subject,
             cluster: None,
             identity_error: Some(e.to_string()),
+            framed,
         },
     }
 }
