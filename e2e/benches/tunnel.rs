@@ -7,7 +7,10 @@
 //! `cargo bench -p e2e --bench tunnel` (env: `CP_BENCH_MIB` bytes per
 //! single-connection transfer, default 1024; `CP_BENCH_RTT` round trips,
 //! default 10000; `CP_BENCH_CONNECTS`, default 2000; `CP_BENCH_IDLE`, default 1000;
-//! `CP_BENCH_PATHS` the paths besides direct TCP; `CP_BENCH_WORKER_THREADS`).
+//! `CP_BENCH_PATHS` the paths besides direct TCP; `CP_BENCH_WORKER_THREADS`;
+//! `CP_BENCH_LEAN_FRAMING=0` runs the agent's tunnel on gRPC over HTTP/2
+//! instead of the lean framing, as with an upstream server; processes
+//! started from binaries take the agent's own `PROXY_AGENT_LEAN_FRAMING`).
 //!
 //! `CP_BENCH_TRACING=1` compares tracing off and on instead (see
 //! [`compare_tracing`]): single-connection throughput, connects/s and round-trip time, in
@@ -794,6 +797,7 @@ async fn setup(idle: u64) -> Setup {
     agent_config.proxy_server_host = "localhost".into();
     agent_config.proxy_server_port = server.agent_addr.port();
     agent_config.agent_identifiers = "host=bench".into();
+    agent_config.lean_framing = knob("CP_BENCH_LEAN_FRAMING", 1) != 0;
     agent_config
         .host_aliases
         .insert("bench".into(), [127, 0, 0, 1].into());
