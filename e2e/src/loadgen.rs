@@ -102,6 +102,45 @@ pub fn pattern(len: usize) -> Vec<u8> {
         .collect()
 }
 
+/// Sends `total` bytes (in 1 MiB chunks, each numbered in its first byte,
+/// so reordered or repeated data would change the digest) through `stream`,
+/// whose far end echoes them, while reading them back; panics unless the
+/// same bytes came back within `within`.
+pub async fn echo_intact<S>(stream: S, total: usize, within: std::time::Duration)
+where
+    S: AsyncRead + AsyncWrite + Send + 'static,
+{
+    use sha2::{Digest, Sha256};
+    let (mut rd, mut wr) = tokio::io::split(stream);
+    let chunk = pattern(1024 * 1024);
+    let writer = tokio::spawn(async move {
+        let mut hash = Sha256::new();
+        for i in 0..total.div_ceil(chunk.len()) {
+            let mut c = chunk[..chunk.len().min(total - i * chunk.len())].to_vec();
+            c[0] = i as u8;
+            hash.update(&c);
+            wr.write_all(&c).await.expect("write");
+        }
+        (hash.finalize(), wr)
+    });
+    let mut hash = Sha256::new();
+    let mut buf = vec![0u8; 256 * 1024];
+    let mut received = 0;
+    tokio::time::timeout(within, async {
+        while received < total {
+            let n = rd.read(&mut buf).await.expect("read");
+            assert!(n > 0, "stream ended after {received} bytes");
+            hash.update(&buf[..n]);
+            received += n;
+        }
+    })
+    .await
+    .expect("transfer timed out");
+    let (sent, _wr) = writer.await.expect("writer");
+    assert_eq!(received, total);
+    assert_eq!(hash.finalize(), sent, "the bytes came back changed");
+}
+
 /// Sends `len` bytes to a bulk target and waits for its acknowledgement.
 pub async fn upload<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S, len: u64) -> std::io::Result<()> {
     let mut head = vec![b'U'];

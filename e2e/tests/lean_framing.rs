@@ -12,12 +12,11 @@ use cluster_proxy_proto::grpc_framing::{AGENT_CONNECT_PATH, Direction, PacketStr
 use cluster_proxy_proto::metadata;
 use cluster_proxy_proto::transport::{ALPN_H2, connect_tls};
 use e2e::harness::{AgentUnderTest, test_server_config, tunnel_client, wait_until};
-use e2e::loadgen::pattern;
+use e2e::loadgen::echo_intact;
 use e2e::pki::TestPki;
 use e2e::targets::EchoServer;
 use futures_util::StreamExt;
 use http::{HeaderMap, HeaderValue};
-use sha2::{Digest, Sha256};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
@@ -103,40 +102,6 @@ async fn our_agent_offers_the_lean_framing_and_falls_back_to_grpc() {
     assert_eq!(chosen.as_deref(), Some(ALPN_H2), "a gRPC-only server");
 }
 
-/// Sends `bytes` through `stream` and reads them back, in parallel.
-async fn echo_intact<S>(stream: S, total: usize)
-where
-    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + 'static,
-{
-    let (mut rd, mut wr) = tokio::io::split(stream);
-    let chunk = pattern(256 * 1024);
-    let writer = tokio::spawn(async move {
-        let mut hash = Sha256::new();
-        for i in 0..total / chunk.len() {
-            let mut c = chunk.clone();
-            c[0] = i as u8;
-            hash.update(&c);
-            wr.write_all(&c).await.unwrap();
-        }
-        (hash.finalize(), wr)
-    });
-    let mut hash = Sha256::new();
-    let mut buf = vec![0u8; 64 * 1024];
-    let mut received = 0;
-    tokio::time::timeout(Duration::from_secs(60), async {
-        while received < total {
-            let n = rd.read(&mut buf).await.unwrap();
-            assert!(n > 0, "stream ended after {received} bytes");
-            hash.update(&buf[..n]);
-            received += n;
-        }
-    })
-    .await
-    .expect("echo timed out");
-    let (sent, _wr) = writer.await.unwrap();
-    assert_eq!(hash.finalize(), sent);
-}
-
 /// One server carries an agent in the lean framing and one on gRPC side by
 /// side: small and bulk traffic through each arrives intact.
 #[tokio::test]
@@ -164,7 +129,12 @@ async fn lean_and_grpc_agents_carry_the_same_traffic() {
         let mut one = [0u8; 1];
         s.read_exact(&mut one).await.unwrap();
         assert_eq!(&one, b"x");
-        echo_intact(client.dial(&address).await.unwrap(), 16 << 20).await;
+        echo_intact(
+            client.dial(&address).await.unwrap(),
+            16 << 20,
+            Duration::from_secs(60),
+        )
+        .await;
     }
     server.shutdown().await;
 }

@@ -1,7 +1,8 @@
 //! A tunnel whose other end goes silent — a relay in between stops
 //! forwarding but keeps both TCP connections open, so neither FIN, RST nor
-//! a TCP keepalive failure ever arrives — is noticed by the HTTP/2 pings of
-//! `--keepalive-time` on both sides: the agent stops counting the tunnel
+//! a TCP keepalive failure ever arrives — is noticed by the pings of
+//! `--keepalive-time` on both sides, in either framing of the tunnel (the
+//! lean framing between our own ends, gRPC's HTTP/2 with anyone else): the agent stops counting the tunnel
 //! and the server drops it within keepalive + the 20 s ping timeout, and
 //! the agent reconnects once the path works again.
 
@@ -94,6 +95,15 @@ impl Drop for Relay {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silently_dead_path_is_noticed_by_both_sides_and_the_agent_reconnects() {
+    silently_dead_path(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_on_grpc_over_http2() {
+    silently_dead_path(false).await;
+}
+
+async fn silently_dead_path(lean_framing: bool) {
     let pki = TestPki::new(&["cluster-a"]).unwrap();
     let mut config = test_server_config();
     config.keepalive_time = KEEPALIVE;
@@ -112,6 +122,7 @@ async fn a_silently_dead_path_is_noticed_by_both_sides_and_the_agent_reconnects(
     agent_config.agent_identifiers = "host=cluster-a".into();
     agent_config.sync_interval = Duration::from_millis(200);
     agent_config.keepalive_time = KEEPALIVE;
+    agent_config.lean_framing = lean_framing;
     let agent = AgentUnderTest::start_with(agent_config).await.unwrap();
     let agent_tunnels = || {
         agent

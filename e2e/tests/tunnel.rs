@@ -8,11 +8,10 @@ use e2e::harness::{
     AgentUnderTest, health_get, http_connect, http_connect_over, test_server_config, tunnel_client,
     wait_until,
 };
-use e2e::loadgen::{BulkServer, download, pattern, request_download};
+use e2e::loadgen::{BulkServer, download, echo_intact, pattern, request_download};
 use e2e::pki::TestPki;
 use e2e::targets::{EchoServer, closed_port};
 use proxy_server::RunningServer;
-use sha2::{Digest, Sha256};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const LONG: Duration = Duration::from_secs(120);
@@ -84,36 +83,7 @@ async fn moves_256_mib_each_way_intact() {
         .dial(&format!("cluster-a:{}", echo.addr.port()))
         .await
         .unwrap();
-    let (mut rd, mut wr) = tokio::io::split(stream);
-    const TOTAL: usize = 256 * 1024 * 1024;
-    let chunk = pattern(1024 * 1024);
-    let writer = tokio::spawn(async move {
-        let mut hash = Sha256::new();
-        for i in 0..TOTAL / chunk.len() {
-            // Vary the data so reordering or duplication would change the digest.
-            let mut c = chunk.clone();
-            c[0] = i as u8;
-            hash.update(&c);
-            wr.write_all(&c).await.unwrap();
-        }
-        (hash.finalize(), wr)
-    });
-    let mut hash = Sha256::new();
-    let mut buf = vec![0u8; 256 * 1024];
-    let mut received = 0;
-    tokio::time::timeout(LONG, async {
-        while received < TOTAL {
-            let n = rd.read(&mut buf).await.unwrap();
-            assert!(n > 0, "stream ended after {received} bytes");
-            hash.update(&buf[..n]);
-            received += n;
-        }
-    })
-    .await
-    .expect("transfer timed out");
-    let (sent, _wr) = writer.await.unwrap();
-    assert_eq!(received, TOTAL);
-    assert_eq!(hash.finalize(), sent);
+    echo_intact(stream, 256 * 1024 * 1024, LONG).await;
     server.shutdown().await;
 }
 

@@ -52,7 +52,7 @@ use tonic::Status;
 
 use crate::Packet;
 use crate::grpc_framing::{MESSAGE_PREFIX_LEN, PacketBody};
-use crate::h2_driver::{PING_TIMEOUT, RecvBody, Sent};
+use crate::h2_driver::{PingSchedule, RecvBody, Sent};
 
 /// The ALPN protocol of this framing.
 pub const ALPN_FRAMED: &[u8] = b"cluster-proxy-tunnel/1";
@@ -655,66 +655,32 @@ impl<W: AsyncWrite + Unpin> FrameWriter<W> {
     }
 }
 
-/// Keepalive as [`crate::h2_driver::KeepAlive`] does it on HTTP/2: a ping
-/// once the peer was silent for `interval`, after which the peer must be
-/// heard (its pong, or anything) within [`PING_TIMEOUT`].
+/// Keepalive as [`crate::h2_driver::KeepAlive`] does it on HTTP/2 (the same
+/// [`PingSchedule`]): a ping once the peer was silent for `interval`, after
+/// which the peer must be heard (its pong, or anything) within
+/// [`PING_TIMEOUT`](crate::h2_driver::PING_TIMEOUT).
 #[derive(Debug)]
 pub struct KeepAlive {
-    interval: Duration,
+    schedule: PingSchedule,
     /// Wakes us when a pong is heard, as HTTP/2's PING ACK wakes its
     /// keepalive: the next ping is due an interval after the answer.
     control: Arc<Control>,
-    timer: Pin<Box<tokio::time::Sleep>>,
-    awaiting: bool,
-    /// What the peer had sent when the timer was set.
-    heard_at_arm: u64,
 }
 
 impl KeepAlive {
     pub fn new(interval: Duration, control: Arc<Control>) -> Self {
         KeepAlive {
-            interval,
+            schedule: PingSchedule::new(interval),
             control,
-            timer: Box::pin(tokio::time::sleep(interval)),
-            awaiting: false,
-            heard_at_arm: 0,
         }
-    }
-
-    fn arm(&mut self, after: Duration, heard: u64) {
-        self.heard_at_arm = heard;
-        self.timer
-            .as_mut()
-            .reset(tokio::time::Instant::now() + after);
     }
 
     /// `heard` counts the frames the peer sent so far. `Ok(true)`: send a
     /// ping now; `Err` once a ping went unanswered.
     pub fn poll(&mut self, cx: &mut Context<'_>, heard: u64) -> Result<bool, Status> {
         self.control.keepalive.register(cx.waker());
-        loop {
-            if self.awaiting && heard != self.heard_at_arm {
-                self.awaiting = false;
-                self.arm(self.interval, heard);
-            }
-            if self.timer.as_mut().poll(cx).is_pending() {
-                return Ok(false);
-            }
-            if self.awaiting {
-                return Err(Status::unavailable(format!(
-                    "keepalive ping not answered within {PING_TIMEOUT:?}"
-                )));
-            }
-            if heard != self.heard_at_arm {
-                self.arm(self.interval, heard);
-                continue;
-            }
-            self.awaiting = true;
-            self.arm(PING_TIMEOUT, heard);
-            // Polled once more so the new deadline holds the waker.
-            let _ = self.timer.as_mut().poll(cx);
-            return Ok(true);
-        }
+        // A pong is a frame heard: the schedule sees it in `heard`.
+        self.schedule.poll(cx, heard, false)
     }
 }
 
@@ -725,6 +691,7 @@ mod tests {
 
     use super::*;
     use crate::grpc_framing::{Direction, PacketStream, Role};
+    use crate::h2_driver::PING_TIMEOUT;
     use crate::packet;
 
     type Packets = futures_util::stream::Iter<std::vec::IntoIter<Result<Packet, Status>>>;

@@ -208,35 +208,32 @@ impl Wake for PartWaker {
     }
 }
 
-/// HTTP/2 keepalive as hyper does it: a PING once the peer was silent for
-/// `interval`, which must be answered within [`PING_TIMEOUT`].
-pub struct KeepAlive {
+/// When a keepalive pings: once the peer was silent for `interval`; the
+/// ping must then be answered within [`PING_TIMEOUT`], by its pong or by
+/// anything else the peer sends. Shared by HTTP/2's [`KeepAlive`] and the
+/// lean framing's ([`crate::framed::KeepAlive`]).
+#[derive(Debug)]
+pub struct PingSchedule {
     interval: Duration,
-    ping_pong: h2::PingPong,
     timer: Pin<Box<tokio::time::Sleep>>,
-    awaiting_pong: bool,
+    awaiting: bool,
     /// What the peer had sent when the timer was set.
     heard_at_arm: u64,
 }
 
-impl std::fmt::Debug for KeepAlive {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("KeepAlive")
-            .field("interval", &self.interval)
-            .field("awaiting_pong", &self.awaiting_pong)
-            .finish_non_exhaustive()
-    }
-}
-
-impl KeepAlive {
-    pub fn new(interval: Duration, ping_pong: h2::PingPong) -> Self {
-        KeepAlive {
+impl PingSchedule {
+    pub fn new(interval: Duration) -> Self {
+        PingSchedule {
             interval,
-            ping_pong,
             timer: Box::pin(tokio::time::sleep(interval)),
-            awaiting_pong: false,
+            awaiting: false,
             heard_at_arm: 0,
         }
+    }
+
+    /// Whether a ping was sent and not answered yet.
+    pub fn awaiting(&self) -> bool {
+        self.awaiting
     }
 
     fn arm(&mut self, after: Duration, heard: u64) {
@@ -246,39 +243,76 @@ impl KeepAlive {
             .reset(tokio::time::Instant::now() + after);
     }
 
-    /// `heard` counts what the peer sent so far (any monotonic count): a
-    /// peer heard from since the timer was set is not pinged.
-    pub fn poll(&mut self, cx: &mut Context<'_>, heard: u64) -> Result<(), Status> {
+    /// `heard` counts what the peer sent so far (any monotonic count), and
+    /// `ponged` says the pong of the ping we await came. `Ok(true)`: send a
+    /// ping now (it is then awaited); `Err` once one went unanswered.
+    pub fn poll(&mut self, cx: &mut Context<'_>, heard: u64, ponged: bool) -> Result<bool, Status> {
+        if self.awaiting && (ponged || heard != self.heard_at_arm) {
+            self.awaiting = false;
+            self.arm(self.interval, heard);
+        }
         loop {
-            if self.awaiting_pong {
-                match self.ping_pong.poll_pong(cx) {
-                    Poll::Ready(Ok(_)) => {
-                        self.awaiting_pong = false;
-                        self.arm(self.interval, heard);
-                        continue;
-                    }
-                    Poll::Ready(Err(e)) => return Err(h2_status(e)),
-                    Poll::Pending => {}
-                }
-                if self.timer.as_mut().poll(cx).is_ready() {
-                    return Err(Status::unavailable(format!(
-                        "keepalive ping not answered within {PING_TIMEOUT:?}"
-                    )));
-                }
-                return Ok(());
-            }
             if self.timer.as_mut().poll(cx).is_pending() {
-                return Ok(());
+                return Ok(false);
+            }
+            if self.awaiting {
+                return Err(Status::unavailable(format!(
+                    "keepalive ping not answered within {PING_TIMEOUT:?}"
+                )));
             }
             if heard != self.heard_at_arm {
                 self.arm(self.interval, heard);
                 continue;
             }
+            self.awaiting = true;
+            self.arm(PING_TIMEOUT, heard);
+            // Polled once more so the new deadline holds the waker.
+            let _ = self.timer.as_mut().poll(cx);
+            return Ok(true);
+        }
+    }
+}
+
+/// HTTP/2 keepalive as hyper does it: a PING once the peer was silent for
+/// the interval, which must be answered within [`PING_TIMEOUT`].
+pub struct KeepAlive {
+    schedule: PingSchedule,
+    ping_pong: h2::PingPong,
+}
+
+impl std::fmt::Debug for KeepAlive {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KeepAlive")
+            .field("schedule", &self.schedule)
+            .finish_non_exhaustive()
+    }
+}
+
+impl KeepAlive {
+    pub fn new(interval: Duration, ping_pong: h2::PingPong) -> Self {
+        KeepAlive {
+            schedule: PingSchedule::new(interval),
+            ping_pong,
+        }
+    }
+
+    /// `heard` counts what the peer sent so far (any monotonic count): a
+    /// peer heard from since the timer was set is not pinged.
+    pub fn poll(&mut self, cx: &mut Context<'_>, heard: u64) -> Result<(), Status> {
+        loop {
+            // Polled while awaited, so the PING ACK wakes us.
+            let ponged = self.schedule.awaiting()
+                && match self.ping_pong.poll_pong(cx) {
+                    Poll::Ready(Ok(_)) => true,
+                    Poll::Ready(Err(e)) => return Err(h2_status(e)),
+                    Poll::Pending => false,
+                };
+            if !self.schedule.poll(cx, heard, ponged)? {
+                return Ok(());
+            }
             self.ping_pong
                 .send_ping(h2::Ping::opaque())
                 .map_err(h2_status)?;
-            self.awaiting_pong = true;
-            self.arm(PING_TIMEOUT, heard);
         }
     }
 }
