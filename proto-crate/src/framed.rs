@@ -36,7 +36,7 @@
 use std::collections::VecDeque;
 use std::io::IoSlice;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
@@ -220,6 +220,8 @@ pub fn end_frame(trailers: &HeaderMap) -> Result<Bytes, Status> {
 /// owed for the peer's pings, pongs heard for ours.
 #[derive(Debug, Default)]
 pub struct Control {
+    /// Set with `pong_owed`, so a write pass looks at the lock only then.
+    pong_due: AtomicBool,
     pong_owed: Mutex<Option<[u8; PING_LEN]>>,
     writer: AtomicWaker,
     /// The keepalive waiting for a pong.
@@ -232,11 +234,15 @@ impl Control {
         // are alive, whichever it echoes.
         if let Ok(mut owed) = self.pong_owed.lock() {
             *owed = Some(ping);
+            self.pong_due.store(true, Ordering::Release);
         }
         self.writer.wake();
     }
 
     fn take_pong(&self) -> Option<[u8; PING_LEN]> {
+        if !self.pong_due.swap(false, Ordering::Acquire) {
+            return None;
+        }
         self.pong_owed.lock().ok()?.take()
     }
 }
@@ -395,25 +401,28 @@ impl<R: AsyncRead + Unpin> FramedBody<R> {
 
     /// Reads the client's hello, which must come first (server side).
     pub async fn hello(&mut self) -> Result<Hello, Status> {
-        match std::future::poll_fn(|cx| self.poll_call_frame(cx)).await? {
-            Some((KIND_HELLO, frame)) => Hello::parse(&frame[MESSAGE_PREFIX_LEN..]),
-            Some((kind, _)) => Err(protocol_error(format!(
-                "expected a hello, got a frame of kind {kind:#04x}"
-            ))),
-            None => Err(Status::unavailable("connection closed before the hello")),
-        }
+        let body = self.first_frame(KIND_HELLO, "a hello", "the hello").await?;
+        Hello::parse(&body)
     }
 
     /// Reads the server's head, which must come first (client side).
     pub async fn head(&mut self) -> Result<HeaderMap, Status> {
+        let body = self
+            .first_frame(KIND_HEAD, "the response head", "the server answered")
+            .await?;
+        parse_header_block(&body)
+    }
+
+    /// The body of the call's first frame, which must be of `kind`.
+    async fn first_frame(&mut self, kind: u8, what: &str, before: &str) -> Result<Bytes, Status> {
         match std::future::poll_fn(|cx| self.poll_call_frame(cx)).await? {
-            Some((KIND_HEAD, frame)) => parse_header_block(&frame[MESSAGE_PREFIX_LEN..]),
-            Some((kind, _)) => Err(protocol_error(format!(
-                "expected the response head, got a frame of kind {kind:#04x}"
+            Some((got, frame)) if got == kind => Ok(frame.slice(MESSAGE_PREFIX_LEN..)),
+            Some((got, _)) => Err(protocol_error(format!(
+                "expected {what}, got a frame of kind {got:#04x}"
             ))),
-            None => Err(Status::unavailable(
-                "connection closed before the server answered",
-            )),
+            None => Err(Status::unavailable(format!(
+                "connection closed before {before}"
+            ))),
         }
     }
 }

@@ -401,13 +401,7 @@ where
                 return Poll::Ready(Ok(None));
             }
             match self.splitter.next_message(self.max_message_len) {
-                Ok(Some(message)) => {
-                    return Poll::Ready(
-                        Packet::decode(message)
-                            .map(Some)
-                            .map_err(|e| self.fail(Status::internal(e.to_string()))),
-                    );
-                }
+                Ok(Some(message)) => return Poll::Ready(self.decode(message)),
                 Ok(None) => {}
                 Err(status) => return Poll::Ready(Err(self.fail(status))),
             }
@@ -417,11 +411,7 @@ where
                         // One whole message and nothing before it: decoded
                         // from the chunk itself, without the splitter's parts.
                         Some(message) if !self.splitter.has_partial() => {
-                            return Poll::Ready(
-                                Packet::decode(message)
-                                    .map(Some)
-                                    .map_err(|e| self.fail(Status::internal(e.to_string()))),
-                            );
+                            return Poll::Ready(self.decode(message));
                         }
                         _ => self.splitter.push(data),
                     },
@@ -444,6 +434,12 @@ where
                 None => return Poll::Ready(self.end(None)),
             }
         }
+    }
+
+    fn decode(&mut self, message: impl Buf) -> Result<Option<Packet>, Status> {
+        Packet::decode(message)
+            .map(Some)
+            .map_err(|e| self.fail(Status::internal(e.to_string())))
     }
 
     fn fail(&mut self, status: Status) -> Status {
