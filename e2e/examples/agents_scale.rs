@@ -17,10 +17,14 @@
 //!
 //! Reported: the server's RSS with no agent, with every agent connected,
 //! and with the idle connections (per agent and per connection); per phase
-//! the dials' latency p50/p99/max and the server's CPU per dial; the p99
-//! ratio of all clusters to the baseline.
+//! the dials' latency p50/p99/max, the server's CPU per dial and this
+//! process's (client, agents and target together); the p99 ratio of all
+//! clusters to the baseline. With every dial's processes on two cores, a
+//! dial waits for the CPU the others in flight take: `CP_SCALE_DIALERS=1`
+//! measures a dial's latency without that queue.
 //!
-//! Knobs: `CP_SCALE_PARALLEL` (50) idle connections opened at once;
+//! Knobs: `CP_SCALE_DIALERS` (4) dials at once in the dial phases;
+//! `CP_SCALE_PARALLEL` (50) idle connections opened at once;
 //! `CP_SCALE_SERVER_LOG=<file>` and `CP_SCALE_SERVER_RUST_LOG=<filter>` keep
 //! the server's log. Every stage of a connection (TCP, TLS, the CONNECT
 //! answer, the echo) has a 30 s limit, and a failure prints the server's
@@ -126,13 +130,12 @@ async fn open_echoed(
     Ok(stream)
 }
 
-/// Dialers running at once in the dial phases.
-const DIALERS: usize = 4;
-
-/// Dial latencies of one phase and the server CPU it took.
+/// Dial latencies of one phase and the CPU it took.
 struct Latencies {
     sorted: Vec<Duration>,
     server_cpu: f64,
+    /// This process's: the client, the agents and the target.
+    local_cpu: f64,
 }
 
 impl Latencies {
@@ -142,13 +145,23 @@ impl Latencies {
 
     fn describe(&self) -> String {
         format!(
-            "p50 {} p99 {} max {}; server CPU {:.0} µs per dial",
+            "p50 {} p99 {} max {}; CPU per dial: server {:.0} µs, client + agents + target {:.0} µs",
             ms(percentile(&self.sorted, 0.5)),
             ms(self.p99()),
             ms(self.sorted.last().copied().unwrap_or_default()),
             self.server_cpu * 1e6 / self.sorted.len().max(1) as f64,
+            self.local_cpu * 1e6 / self.sorted.len().max(1) as f64,
         )
     }
+}
+
+/// How a dial phase runs: `count` dials to the echo target's `port`,
+/// `dialers` at a time, the server's CPU read from `server_pid`.
+struct Plan {
+    port: u16,
+    count: usize,
+    dialers: usize,
+    server_pid: u32,
 }
 
 /// One dial phase over both frontends: HTTP CONNECT (a new mTLS connection
@@ -164,11 +177,9 @@ impl Dials {
         grpc: &cluster_proxy_proto::client::TunnelClient,
         client_addr: SocketAddr,
         clusters: &[String],
-        port: u16,
-        count: usize,
-        pid: u32,
+        plan: &Plan,
     ) -> anyhow::Result<Dials> {
-        let connect = Self::phase(clusters, port, count, pid, |target| {
+        let connect = Self::phase(clusters, plan, |target| {
             let tls = tls.clone();
             async move {
                 open_echoed(tls, client_addr, &target).await?;
@@ -176,7 +187,7 @@ impl Dials {
             }
         })
         .await?;
-        let grpc = Self::phase(clusters, port, count, pid, |target| async move {
+        let grpc = Self::phase(clusters, plan, |target| async move {
             let mut stream = grpc.dial(&target).await?;
             stream.write_all(b"x").await?;
             let mut back = [0u8; 1];
@@ -189,25 +200,26 @@ impl Dials {
         Ok(Dials { connect, grpc })
     }
 
-    async fn phase<F, Fut>(
-        clusters: &[String],
-        port: u16,
-        count: usize,
-        pid: u32,
-        dial: F,
-    ) -> anyhow::Result<Latencies>
+    async fn phase<F, Fut>(clusters: &[String], plan: &Plan, dial: F) -> anyhow::Result<Latencies>
     where
         F: Fn(String) -> Fut,
         Fut: std::future::Future<Output = anyhow::Result<()>>,
     {
-        let cpu_before = process_usage(pid)?.cpu_seconds;
-        let per_dialer = count / DIALERS;
-        let dialers = (0..DIALERS).map(|dialer| {
+        let Plan {
+            port,
+            count,
+            dialers,
+            server_pid,
+        } = *plan;
+        let cpu_before = process_usage(server_pid)?.cpu_seconds;
+        let local_before = process_usage(std::process::id())?.cpu_seconds;
+        let per_dialer = count / dialers;
+        let running = (0..dialers).map(|dialer| {
             let dial = &dial;
             async move {
                 let mut latencies = Vec::with_capacity(per_dialer);
                 for i in 0..per_dialer {
-                    let cluster = &clusters[(dialer + i * DIALERS) % clusters.len()];
+                    let cluster = &clusters[(dialer + i * dialers) % clusters.len()];
                     let dialed = Instant::now();
                     dial(format!("{cluster}:{port}")).await?;
                     latencies.push(dialed.elapsed());
@@ -215,7 +227,7 @@ impl Dials {
                 anyhow::Ok(latencies)
             }
         });
-        let mut sorted: Vec<Duration> = futures_util::future::try_join_all(dialers)
+        let mut sorted: Vec<Duration> = futures_util::future::try_join_all(running)
             .await?
             .into_iter()
             .flatten()
@@ -223,7 +235,8 @@ impl Dials {
         sorted.sort();
         Ok(Latencies {
             sorted,
-            server_cpu: process_usage(pid)?.cpu_seconds - cpu_before,
+            server_cpu: process_usage(server_pid)?.cpu_seconds - cpu_before,
+            local_cpu: process_usage(std::process::id())?.cpu_seconds - local_before,
         })
     }
 
@@ -238,6 +251,7 @@ async fn main() -> anyhow::Result<()> {
     let agent_count = knob("CP_SCALE_AGENTS", 2000);
     let idle_per_agent = knob("CP_SCALE_IDLE", 2);
     let dial_count = knob("CP_SCALE_DIALS", 2000);
+    let dialers = knob("CP_SCALE_DIALERS", 4).max(1);
     raise_open_file_limit(agent_count * (4 + 3 * idle_per_agent) + 4096);
 
     let binaries = tokio::task::spawn_blocking(|| Binaries::build(Progress::Quiet)).await??;
@@ -349,26 +363,14 @@ async fn main() -> anyhow::Result<()> {
     // One held gRPC connection, as a hub controller holds it.
     let grpc = e2e::harness::tunnel_client(pki.client_tls()?, client_addr).await?;
 
-    let baseline = Dials::run(
-        &tls,
-        &grpc,
-        client_addr,
-        &names[..1],
-        echo.addr.port(),
-        dial_count,
-        pid,
-    )
-    .await?;
-    let loaded = Dials::run(
-        &tls,
-        &grpc,
-        client_addr,
-        &names,
-        echo.addr.port(),
-        dial_count,
-        pid,
-    )
-    .await?;
+    let plan = Plan {
+        port: echo.addr.port(),
+        count: dial_count,
+        dialers,
+        server_pid: pid,
+    };
+    let baseline = Dials::run(&tls, &grpc, client_addr, &names[..1], &plan).await?;
+    let loaded = Dials::run(&tls, &grpc, client_addr, &names, &plan).await?;
     let rss_after = process_usage(pid)?.rss_mib;
 
     let kib_each = |delta_mib: f64, n: usize| delta_mib * 1024.0 / n.max(1) as f64;
@@ -383,7 +385,7 @@ async fn main() -> anyhow::Result<()> {
         kib_each(rss_idle - rss_agents, idle.len()),
     );
     println!(
-        "dials, {DIALERS} at a time, each a 1-byte echo; first to one cluster with every agent connected (baseline), then to all {agent_count} clusters in turn:"
+        "dials, {dialers} at a time, each a 1-byte echo; first to one cluster with every agent connected (baseline), then to all {agent_count} clusters in turn:"
     );
     baseline.print("baseline, 1 cluster");
     loaded.print(&format!("{agent_count} clusters"));
