@@ -1,8 +1,11 @@
 //! The Rust `TunnelClient` over its own HTTP/2 connection (`H2Channel`):
 //! what a tonic `Channel` did for it, it must do too: connect again once
 //! the server closed the connection, and end a stream whose tunneled
-//! connection was dropped.
+//! connection was dropped; and, beyond it, open again a stream the server
+//! did not take (a GOAWAY's unprocessed stream, REFUSED_STREAM).
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use e2e::harness::{AgentUnderTest, test_server_config, tunnel_client, wait_until};
@@ -91,5 +94,163 @@ async fn dropping_a_stream_closes_its_tunneled_connection() {
         .expect("the target's connection is closed")
         .unwrap();
     assert_eq!(read, 0, "{rest:?}");
+    server.shutdown().await;
+}
+
+/// How the stand-in's first connection answers the first stream.
+#[derive(Clone, Copy, Debug)]
+enum FirstAnswer {
+    /// GOAWAY with last stream id 0: the stream was not processed.
+    GoAwayBefore,
+    /// RST_STREAM with REFUSED_STREAM.
+    RefusedStream,
+    /// GOAWAY with last stream id 1, then the connection closes: the
+    /// stream was taken, and is not opened again.
+    GoAwayAfter,
+}
+
+/// HTTP/2 frame types and the client's connection preface (RFC 9113).
+const HEADERS: u8 = 0x1;
+const RST_STREAM: u8 = 0x3;
+const SETTINGS: u8 = 0x4;
+const GOAWAY: u8 = 0x7;
+const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let len = u32::try_from(payload.len()).unwrap().to_be_bytes();
+    let mut out = vec![len[1], len[2], len[3], kind, flags];
+    out.extend_from_slice(&stream.to_be_bytes());
+    out.extend_from_slice(payload);
+    out
+}
+
+/// A stand-in for a server whose first connection does not take the first
+/// stream (`answer`) and whose later connections are relayed to `server`.
+/// Returns its address and the number of connections it accepted.
+async fn refusing_first_stream(
+    pki: &TestPki,
+    server: std::net::SocketAddr,
+    answer: FirstAnswer,
+) -> (std::net::SocketAddr, Arc<AtomicUsize>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let tls = tokio_rustls::TlsAcceptor::from(pki.frontend_server_config().unwrap());
+    let counted = accepted.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut tcp, _)) = listener.accept().await else {
+                return;
+            };
+            if counted.fetch_add(1, Ordering::SeqCst) > 0 {
+                tokio::spawn(async move {
+                    let mut upstream = tokio::net::TcpStream::connect(server).await.unwrap();
+                    let _ = tokio::io::copy_bidirectional(&mut tcp, &mut upstream).await;
+                });
+                continue;
+            }
+            let mut io = tls.accept(tcp).await.unwrap();
+            let mut preface = [0u8; PREFACE.len()];
+            io.read_exact(&mut preface).await.unwrap();
+            assert_eq!(preface, PREFACE);
+            io.write_all(&frame(SETTINGS, 0, 0, &[])).await.unwrap();
+            loop {
+                let mut head = [0u8; 9];
+                io.read_exact(&mut head).await.unwrap();
+                let len =
+                    usize::from(head[0]) << 16 | usize::from(head[1]) << 8 | usize::from(head[2]);
+                let mut payload = vec![0u8; len];
+                io.read_exact(&mut payload).await.unwrap();
+                match head[3] {
+                    SETTINGS if head[4] & 0x1 == 0 => {
+                        io.write_all(&frame(SETTINGS, 0x1, 0, &[])).await.unwrap();
+                    }
+                    HEADERS => break,
+                    _ => {}
+                }
+            }
+            let answer = match answer {
+                // Last stream id, then the error code NO_ERROR.
+                FirstAnswer::GoAwayBefore => frame(GOAWAY, 0, 0, &[0; 8]),
+                FirstAnswer::GoAwayAfter => frame(GOAWAY, 0, 0, &[0, 0, 0, 1, 0, 0, 0, 0]),
+                FirstAnswer::RefusedStream => frame(RST_STREAM, 0, 1, &[0, 0, 0, 0x7]),
+            };
+            io.write_all(&answer).await.unwrap();
+            io.flush().await.unwrap();
+            if answer[3] == GOAWAY {
+                let _ = io.shutdown().await;
+            } else {
+                // Held open: the client leaves it for a new connection.
+                tokio::spawn(async move {
+                    let mut sink = Vec::new();
+                    let _ = io.read_to_end(&mut sink).await;
+                });
+            }
+        }
+    });
+    (addr, accepted)
+}
+
+/// A dial racing a server's shutdown: the server's GOAWAY (or its
+/// REFUSED_STREAM) says it never processed the stream, so the client opens
+/// it again on a new connection and the dial reaches a server that takes
+/// it, instead of failing.
+#[tokio::test]
+async fn a_stream_the_server_did_not_take_is_opened_again_on_a_new_connection() {
+    let pki = TestPki::new(&["cluster-a"]).unwrap();
+    let server = proxy_server::start_with_tls(test_server_config(), pki.server_tls().unwrap())
+        .await
+        .unwrap();
+    for answer in [FirstAnswer::RefusedStream, FirstAnswer::GoAwayBefore] {
+        let (addr, accepted) = refusing_first_stream(&pki, server.client_addr, answer).await;
+        let client = tunnel_client(pki.client_tls().unwrap(), addr)
+            .await
+            .unwrap();
+        let err = tokio::time::timeout(STEP, client.dial("cluster-a:80"))
+            .await
+            .unwrap_or_else(|_| {
+                panic!(
+                    "{answer:?}: the dial ends; connections {}",
+                    accepted.load(Ordering::SeqCst)
+                )
+            })
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("No agent available"),
+            "{answer:?}: the real server answers the dial opened again: {err}"
+        );
+        assert_eq!(accepted.load(Ordering::SeqCst), 2, "{answer:?}");
+    }
+    server.shutdown().await;
+}
+
+/// A stream at or below the GOAWAY's last stream id was taken by the
+/// server: it fails with the connection, and is not dialed twice.
+#[tokio::test]
+async fn a_stream_the_server_took_is_not_opened_again() {
+    let pki = TestPki::new(&["cluster-a"]).unwrap();
+    let server = proxy_server::start_with_tls(test_server_config(), pki.server_tls().unwrap())
+        .await
+        .unwrap();
+    let (addr, accepted) =
+        refusing_first_stream(&pki, server.client_addr, FirstAnswer::GoAwayAfter).await;
+    let client = tunnel_client(pki.client_tls().unwrap(), addr)
+        .await
+        .unwrap();
+    let err = tokio::time::timeout(STEP, client.dial("cluster-a:80"))
+        .await
+        .expect("the dial ends")
+        .unwrap_err()
+        .to_string();
+    assert!(!err.contains("No agent available"), "{err}");
+    assert_eq!(accepted.load(Ordering::SeqCst), 1);
+    // The next dial gets a new connection, and the server.
+    let err = tokio::time::timeout(STEP, client.dial("cluster-a:80"))
+        .await
+        .expect("the dial ends")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("No agent available"), "{err}");
     server.shutdown().await;
 }

@@ -124,26 +124,68 @@ impl H2Channel {
     /// Opens a `path` stream with `headers` and sends `first` on it;
     /// returns the stream's sender and, once the server answered with its
     /// headers, the packets it sends.
+    ///
+    /// A stream the server did not take — refused by its GOAWAY (it is
+    /// shutting down: the stream's id is above the last it processed) or
+    /// with REFUSED_STREAM — never reached the server's handler, so it is
+    /// opened once more (RFC 9113 §8.7), on a new connection: after a
+    /// GOAWAY the old one takes no more streams, and a server that refused
+    /// one stream may refuse the next on it too. Without that, a dial
+    /// racing a server's graceful shutdown would fail although another
+    /// connection would take it at once.
     pub(crate) async fn open_stream(
         &self,
         path: &str,
         headers: http::HeaderMap,
         first: &Packet,
     ) -> Result<(StreamSender, PacketStream<tonic::body::Body>), Status> {
-        let connection = self.ready().await?;
         let request = grpc_request(
             &format!("https://{}{path}", self.shared.settings.address),
             headers,
             concat!("cluster-proxy-client/", env!("CARGO_PKG_VERSION")),
         )
         .map_err(|e| Status::internal(format!("request for {path}: {e}")))?;
+        // The generation of a connection that did not take the stream.
+        let mut refused_on = None;
+        loop {
+            let (generation, connection) = self.ready(refused_on).await?;
+            match Self::open_on(connection, request.clone(), first).await {
+                Ok(opened) => return Ok(opened),
+                Err(Attempt::Failed(status)) => return Err(status),
+                Err(Attempt::NotTaken(error)) if refused_on.is_none() => {
+                    debug!(
+                        address = self.shared.settings.address,
+                        %error,
+                        "the server did not take the stream; opening it again on a new connection"
+                    );
+                    refused_on = Some(generation);
+                }
+                Err(Attempt::NotTaken(error)) => return Err(h2_status(error)),
+            }
+        }
+    }
+
+    async fn open_on(
+        connection: Connection,
+        request: http::Request<()>,
+        first: &Packet,
+    ) -> Result<(StreamSender, PacketStream<tonic::body::Body>), Attempt> {
         let mut requests = connection.requests;
-        let (response, send) = requests.send_request(request, false).map_err(h2_status)?;
+        // Nothing was sent when this fails.
+        let (response, send) = requests
+            .send_request(request, false)
+            .map_err(Attempt::NotTaken)?;
         let mut sender = StreamSender { send };
-        sender.send(first)?;
-        let response = response.await.map_err(h2_status)?;
+        sender.send(first).map_err(Attempt::Failed)?;
+        let response = response.await.map_err(|e| {
+            if not_taken(&e) {
+                Attempt::NotTaken(e)
+            } else {
+                Attempt::Failed(h2_status(e))
+            }
+        })?;
         let (head, recv) = response.into_parts();
-        check_response_head(head.status, &head.headers)?;
+        check_response_head(head.status, &head.headers).map_err(Attempt::Failed)?;
         let body = tonic::body::Body::new(RecvBody::counted(recv, connection.heard));
         Ok((
             sender,
@@ -151,21 +193,24 @@ impl H2Channel {
         ))
     }
 
-    /// A connection ready for a new stream: the current one, or a new one
-    /// when it closed.
-    async fn ready(&self) -> Result<Connection, Status> {
+    /// A connection ready for a new stream, with its generation: the
+    /// current one, or a new one when it closed or is the `stale`
+    /// generation (it is going away).
+    async fn ready(&self, stale: Option<u64>) -> Result<(u64, Connection), Status> {
         let (generation, connection) = {
             let current = self.shared.current.lock().await;
             (current.generation, current.connection.clone())
         };
-        let heard = connection.heard.clone();
-        match connection.requests.ready().await {
-            Ok(requests) => return Ok(Connection { requests, heard }),
-            Err(e) => {
-                debug!(address = self.shared.settings.address, error = %e, "connection closed; reconnecting")
+        if stale != Some(generation) {
+            let heard = connection.heard.clone();
+            match connection.requests.ready().await {
+                Ok(requests) => return Ok((generation, Connection { requests, heard })),
+                Err(e) => {
+                    debug!(address = self.shared.settings.address, error = %e, "connection closed; reconnecting")
+                }
             }
         }
-        let connection = {
+        let (generation, connection) = {
             let mut current = self.shared.current.lock().await;
             if current.generation == generation {
                 current.connection = self
@@ -176,12 +221,26 @@ impl H2Channel {
                     .map_err(|e| Status::unavailable(e.to_string()))?;
                 current.generation += 1;
             }
-            current.connection.clone()
+            (current.generation, current.connection.clone())
         };
         let heard = connection.heard.clone();
         let requests = connection.requests.ready().await.map_err(h2_status)?;
-        Ok(Connection { requests, heard })
+        Ok((generation, Connection { requests, heard }))
     }
+}
+
+/// How an attempt to open a stream failed.
+enum Attempt {
+    /// The server did not take the stream: opening it again is safe.
+    NotTaken(h2::Error),
+    Failed(Status),
+}
+
+/// Whether the server refused a stream without processing it: above the
+/// last stream id of its GOAWAY, or reset with REFUSED_STREAM.
+fn not_taken(e: &h2::Error) -> bool {
+    e.is_remote()
+        && (e.is_go_away() || (e.is_reset() && e.reason() == Some(h2::Reason::REFUSED_STREAM)))
 }
 
 impl Settings {
