@@ -113,7 +113,9 @@ enum FirstAnswer {
 const HEADERS: u8 = 0x1;
 const RST_STREAM: u8 = 0x3;
 const SETTINGS: u8 = 0x4;
+const PING: u8 = 0x6;
 const GOAWAY: u8 = 0x7;
+const ACK: u8 = 0x1;
 const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
 fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
@@ -122,6 +124,43 @@ fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
     out.extend_from_slice(&stream.to_be_bytes());
     out.extend_from_slice(payload);
     out
+}
+
+type StandInIo = tokio_rustls::server::TlsStream<tokio::net::TcpStream>;
+
+/// Terminates TLS on `tcp`, reads the client's preface and sends our
+/// SETTINGS: the server's half of an HTTP/2 connection's start.
+async fn h2_handshake(tls: &tokio_rustls::TlsAcceptor, tcp: tokio::net::TcpStream) -> StandInIo {
+    let mut io = tls.accept(tcp).await.unwrap();
+    let mut preface = [0u8; PREFACE.len()];
+    io.read_exact(&mut preface).await.unwrap();
+    assert_eq!(preface, PREFACE);
+    io.write_all(&frame(SETTINGS, 0, 0, &[])).await.unwrap();
+    io
+}
+
+struct Frame {
+    kind: u8,
+    flags: u8,
+    payload: Vec<u8>,
+}
+
+/// The next frame from the client, its SETTINGS acknowledged.
+async fn read_frame(io: &mut StandInIo) -> Frame {
+    let mut head = [0u8; 9];
+    io.read_exact(&mut head).await.unwrap();
+    let len = usize::from(head[0]) << 16 | usize::from(head[1]) << 8 | usize::from(head[2]);
+    let mut payload = vec![0u8; len];
+    io.read_exact(&mut payload).await.unwrap();
+    let (kind, flags) = (head[3], head[4]);
+    if kind == SETTINGS && flags & ACK == 0 {
+        io.write_all(&frame(SETTINGS, ACK, 0, &[])).await.unwrap();
+    }
+    Frame {
+        kind,
+        flags,
+        payload,
+    }
 }
 
 /// A stand-in for a server whose first connection does not take the first
@@ -149,26 +188,8 @@ async fn refusing_first_stream(
                 });
                 continue;
             }
-            let mut io = tls.accept(tcp).await.unwrap();
-            let mut preface = [0u8; PREFACE.len()];
-            io.read_exact(&mut preface).await.unwrap();
-            assert_eq!(preface, PREFACE);
-            io.write_all(&frame(SETTINGS, 0, 0, &[])).await.unwrap();
-            loop {
-                let mut head = [0u8; 9];
-                io.read_exact(&mut head).await.unwrap();
-                let len =
-                    usize::from(head[0]) << 16 | usize::from(head[1]) << 8 | usize::from(head[2]);
-                let mut payload = vec![0u8; len];
-                io.read_exact(&mut payload).await.unwrap();
-                match head[3] {
-                    SETTINGS if head[4] & 0x1 == 0 => {
-                        io.write_all(&frame(SETTINGS, 0x1, 0, &[])).await.unwrap();
-                    }
-                    HEADERS => break,
-                    _ => {}
-                }
-            }
+            let mut io = h2_handshake(&tls, tcp).await;
+            while read_frame(&mut io).await.kind != HEADERS {}
             let answer = match answer {
                 // Last stream id, then the error code NO_ERROR.
                 FirstAnswer::GoAwayBefore => frame(GOAWAY, 0, 0, &[0; 8]),
@@ -253,4 +274,71 @@ async fn a_stream_the_server_took_is_not_opened_again() {
         .to_string();
     assert!(err.contains("No agent available"), "{err}");
     server.shutdown().await;
+}
+
+/// `H2Channel::connect_with`'s keepalive: with no dial open, the client
+/// pings the server after each idle interval; answered pings keep the
+/// connection, and one unanswered for `PING_TIMEOUT` (20 s) drops it (the
+/// next dial then makes a new one, as after any close).
+#[tokio::test]
+async fn the_keepalive_pings_an_idle_connection_and_drops_it_when_unanswered() {
+    let pki = TestPki::new(&["cluster-a"]).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let tls = tokio_rustls::TlsAcceptor::from(pki.frontend_server_config().unwrap());
+    let (events, mut observed) = tokio::sync::mpsc::unbounded_channel::<&'static str>();
+    tokio::spawn(async move {
+        let (tcp, _) = listener.accept().await.unwrap();
+        let mut io = h2_handshake(&tls, tcp).await;
+        let mut answered = 0;
+        loop {
+            let frame = read_frame(&mut io).await;
+            if frame.kind != PING || frame.flags & ACK != 0 {
+                continue;
+            }
+            if answered < 3 {
+                io.write_all(&self::frame(PING, ACK, 0, &frame.payload))
+                    .await
+                    .unwrap();
+                answered += 1;
+                events.send("answered").unwrap();
+            } else {
+                events.send("unanswered").unwrap();
+                break;
+            }
+        }
+        // From here nothing is answered: wait for the client to close.
+        let mut rest = Vec::new();
+        let _ = io.read_to_end(&mut rest).await;
+        events.send("closed").unwrap();
+    });
+    let channel = cluster_proxy_proto::h2_channel::H2Channel::connect_with(
+        "localhost",
+        addr.port(),
+        pki.client_tls().unwrap(),
+        STEP,
+        cluster_proxy_proto::transport::CLIENT_WINDOWS,
+        Some(Duration::from_millis(100)),
+    )
+    .await
+    .unwrap();
+    for expected in ["answered", "answered", "answered", "unanswered"] {
+        let event = tokio::time::timeout(STEP, observed.recv()).await;
+        assert_eq!(
+            event,
+            Ok(Some(expected)),
+            "an idle connection is pinged at each interval on the same connection"
+        );
+    }
+    let closed = tokio::time::timeout(
+        cluster_proxy_proto::h2_driver::PING_TIMEOUT + STEP,
+        observed.recv(),
+    )
+    .await;
+    assert_eq!(
+        closed,
+        Ok(Some("closed")),
+        "an unanswered ping drops the connection"
+    );
+    drop(channel);
 }
