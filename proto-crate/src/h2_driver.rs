@@ -104,9 +104,14 @@ impl Parts<'_> {
     /// several buffered messages, a new stream nothing polled yet): the next
     /// pass polls it.
     pub fn wake(&self, part: usize) {
-        if let Some(part) = self.parts.get(part) {
-            part.waker.wake_by_ref();
-        }
+        wake_part(self.parts, part);
+    }
+}
+
+/// Wakes `part` of `parts` through its own waker (marks it, wakes the pass).
+fn wake_part(parts: &[Part], part: usize) {
+    if let Some(part) = parts.get(part) {
+        part.waker.wake_by_ref();
     }
 }
 
@@ -133,9 +138,7 @@ impl Passes {
     /// waker will not hear of (a graceful shutdown asked of the connection):
     /// the next pass polls it, and the task is woken to run one.
     pub fn wake(&self, part: usize) {
-        if let Some(part) = self.parts.get(part) {
-            part.waker.wake_by_ref();
-        }
+        wake_part(&self.parts, part);
     }
 
     /// Runs `pass` until it reports something (`Some`), nothing woke a part
