@@ -8,11 +8,21 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use cluster_proxy_proto::client::TunnelClient;
 use e2e::harness::{AgentUnderTest, test_server_config, tunnel_client, wait_until};
 use e2e::pki::TestPki;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const STEP: Duration = Duration::from_secs(10);
+
+/// How a dial to `cluster-a:80` (no agent serves it) fails, within [`STEP`].
+async fn dial_error(client: &TunnelClient) -> String {
+    tokio::time::timeout(STEP, client.dial("cluster-a:80"))
+        .await
+        .expect("the dial ends")
+        .expect_err("no agent serves cluster-a")
+        .to_string()
+}
 
 #[tokio::test]
 async fn a_client_connects_again_once_the_server_closed_its_connection() {
@@ -24,7 +34,7 @@ async fn a_client_connects_again_once_the_server_closed_its_connection() {
     let client = tunnel_client(pki.client_tls().unwrap(), addr)
         .await
         .unwrap();
-    let err = client.dial("cluster-a:80").await.unwrap_err().to_string();
+    let err = dial_error(&client).await;
     assert!(err.contains("No agent available"), "{err}");
 
     // The server goes away (GOAWAY, then the connection closes) and another
@@ -35,11 +45,7 @@ async fn a_client_connects_again_once_the_server_closed_its_connection() {
     let second = proxy_server::start_with_tls(config, pki.server_tls().unwrap())
         .await
         .unwrap();
-    let err = tokio::time::timeout(STEP, client.dial("cluster-a:80"))
-        .await
-        .expect("the dial ends")
-        .unwrap_err()
-        .to_string();
+    let err = dial_error(&client).await;
     assert!(
         err.contains("No agent available"),
         "the new server answers the dial, not a dead connection: {err}"
@@ -227,16 +233,7 @@ async fn a_stream_the_server_did_not_take_is_opened_again_on_a_new_connection() 
         let client = tunnel_client(pki.client_tls().unwrap(), addr)
             .await
             .unwrap();
-        let err = tokio::time::timeout(STEP, client.dial("cluster-a:80"))
-            .await
-            .unwrap_or_else(|_| {
-                panic!(
-                    "{answer:?}: the dial ends; connections {}",
-                    accepted.load(Ordering::SeqCst)
-                )
-            })
-            .unwrap_err()
-            .to_string();
+        let err = dial_error(&client).await;
         assert!(
             err.contains("No agent available"),
             "{answer:?}: the real server answers the dial opened again: {err}"
@@ -259,19 +256,11 @@ async fn a_stream_the_server_took_is_not_opened_again() {
     let client = tunnel_client(pki.client_tls().unwrap(), addr)
         .await
         .unwrap();
-    let err = tokio::time::timeout(STEP, client.dial("cluster-a:80"))
-        .await
-        .expect("the dial ends")
-        .unwrap_err()
-        .to_string();
+    let err = dial_error(&client).await;
     assert!(!err.contains("No agent available"), "{err}");
     assert_eq!(accepted.load(Ordering::SeqCst), 1);
     // The next dial gets a new connection, and the server.
-    let err = tokio::time::timeout(STEP, client.dial("cluster-a:80"))
-        .await
-        .expect("the dial ends")
-        .unwrap_err()
-        .to_string();
+    let err = dial_error(&client).await;
     assert!(err.contains("No agent available"), "{err}");
     server.shutdown().await;
 }
