@@ -6,6 +6,7 @@
 
 pub mod churn;
 pub mod env;
+pub mod h2_frames;
 pub mod harness;
 pub mod kubeapi;
 pub mod loadgen;

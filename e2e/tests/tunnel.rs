@@ -407,8 +407,8 @@ async fn stalled_readers_leave_their_client_connection_usable() {
 #[tokio::test]
 async fn our_clients_accept_large_http2_frames() {
     use cluster_proxy_proto::transport::{MAX_FRAME_SIZE, connect_channel};
+    use e2e::h2_frames::{SETTINGS, accept_preface, read_frame};
 
-    const SETTINGS: u8 = 0x4;
     const SETTINGS_MAX_FRAME_SIZE: u16 = 0x5;
     let pki = TestPki::new(&["cluster-a"]).unwrap();
     let acceptor = tokio_rustls::TlsAcceptor::from(pki.frontend_server_config().unwrap());
@@ -422,16 +422,9 @@ async fn our_clients_accept_large_http2_frames() {
     ));
     let first_frame = tokio::time::timeout(Duration::from_secs(10), async {
         let (tcp, _) = listener.accept().await?;
-        let mut tls = acceptor.accept(tcp).await?;
-        let mut preface = [0u8; 24];
-        tls.read_exact(&mut preface).await?;
-        assert_eq!(&preface, b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n");
-        let mut header = [0u8; 9];
-        tls.read_exact(&mut header).await?;
-        let len = u32::from_be_bytes([0, header[0], header[1], header[2]]) as usize;
-        let mut payload = vec![0u8; len];
-        tls.read_exact(&mut payload).await?;
-        Ok::<_, std::io::Error>((header[3], payload))
+        let mut tls = accept_preface(&acceptor, tcp).await?;
+        let frame = read_frame(&mut tls).await?;
+        Ok::<_, std::io::Error>((frame.kind, frame.payload))
     })
     .await
     .expect("the client's preface within 10 s")

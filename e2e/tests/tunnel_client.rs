@@ -9,6 +9,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use cluster_proxy_proto::client::TunnelClient;
+use e2e::h2_frames::{
+    self, ACK, GOAWAY, HEADERS, PING, RST_STREAM, SETTINGS, StandInIo, accept_preface, frame,
+    read_frame_acking_settings,
+};
 use e2e::harness::{AgentUnderTest, test_server_config, tunnel_client, wait_until};
 use e2e::pki::TestPki;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -115,58 +119,12 @@ enum FirstAnswer {
     GoAwayAfter,
 }
 
-/// HTTP/2 frame types and the client's connection preface (RFC 9113).
-const HEADERS: u8 = 0x1;
-const RST_STREAM: u8 = 0x3;
-const SETTINGS: u8 = 0x4;
-const PING: u8 = 0x6;
-const GOAWAY: u8 = 0x7;
-const ACK: u8 = 0x1;
-const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
-
-fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
-    let len = u32::try_from(payload.len()).unwrap().to_be_bytes();
-    let mut out = vec![len[1], len[2], len[3], kind, flags];
-    out.extend_from_slice(&stream.to_be_bytes());
-    out.extend_from_slice(payload);
-    out
-}
-
-type StandInIo = tokio_rustls::server::TlsStream<tokio::net::TcpStream>;
-
-/// Terminates TLS on `tcp`, reads the client's preface and sends our
-/// SETTINGS: the server's half of an HTTP/2 connection's start.
+/// Accepts the client's connection and sends our SETTINGS: the server's
+/// half of an HTTP/2 connection's start.
 async fn h2_handshake(tls: &tokio_rustls::TlsAcceptor, tcp: tokio::net::TcpStream) -> StandInIo {
-    let mut io = tls.accept(tcp).await.unwrap();
-    let mut preface = [0u8; PREFACE.len()];
-    io.read_exact(&mut preface).await.unwrap();
-    assert_eq!(preface, PREFACE);
+    let mut io = accept_preface(tls, tcp).await.unwrap();
     io.write_all(&frame(SETTINGS, 0, 0, &[])).await.unwrap();
     io
-}
-
-struct Frame {
-    kind: u8,
-    flags: u8,
-    payload: Vec<u8>,
-}
-
-/// The next frame from the client, its SETTINGS acknowledged.
-async fn read_frame(io: &mut StandInIo) -> Frame {
-    let mut head = [0u8; 9];
-    io.read_exact(&mut head).await.unwrap();
-    let len = usize::from(head[0]) << 16 | usize::from(head[1]) << 8 | usize::from(head[2]);
-    let mut payload = vec![0u8; len];
-    io.read_exact(&mut payload).await.unwrap();
-    let (kind, flags) = (head[3], head[4]);
-    if kind == SETTINGS && flags & ACK == 0 {
-        io.write_all(&frame(SETTINGS, ACK, 0, &[])).await.unwrap();
-    }
-    Frame {
-        kind,
-        flags,
-        payload,
-    }
 }
 
 /// A stand-in for a server whose first connection does not take the first
@@ -195,16 +153,16 @@ async fn refusing_first_stream(
                 continue;
             }
             let mut io = h2_handshake(&tls, tcp).await;
-            while read_frame(&mut io).await.kind != HEADERS {}
-            let answer = match answer {
+            while read_frame_acking_settings(&mut io).await.unwrap().kind != HEADERS {}
+            let reply = match answer {
                 // Last stream id, then the error code NO_ERROR.
                 FirstAnswer::GoAwayBefore => frame(GOAWAY, 0, 0, &[0; 8]),
                 FirstAnswer::GoAwayAfter => frame(GOAWAY, 0, 0, &[0, 0, 0, 1, 0, 0, 0, 0]),
                 FirstAnswer::RefusedStream => frame(RST_STREAM, 0, 1, &[0, 0, 0, 0x7]),
             };
-            io.write_all(&answer).await.unwrap();
+            io.write_all(&reply).await.unwrap();
             io.flush().await.unwrap();
-            if answer[3] == GOAWAY {
+            if !matches!(answer, FirstAnswer::RefusedStream) {
                 let _ = io.shutdown().await;
             } else {
                 // Held open: the client leaves it for a new connection.
@@ -281,12 +239,12 @@ async fn the_keepalive_pings_an_idle_connection_and_drops_it_when_unanswered() {
         let mut io = h2_handshake(&tls, tcp).await;
         let mut answered = 0;
         loop {
-            let frame = read_frame(&mut io).await;
+            let frame = read_frame_acking_settings(&mut io).await.unwrap();
             if frame.kind != PING || frame.flags & ACK != 0 {
                 continue;
             }
             if answered < 3 {
-                io.write_all(&self::frame(PING, ACK, 0, &frame.payload))
+                io.write_all(&h2_frames::frame(PING, ACK, 0, &frame.payload))
                     .await
                     .unwrap();
                 answered += 1;
