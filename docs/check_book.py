@@ -11,7 +11,9 @@ to a missing page or anchor as a dead link. This fails instead:
 * in the built HTML (what a reader clicks), every relative href must name a
   file of the book, and its #fragment an id on that page. Links out of the
   book (to the repository's files) must be absolute URLs: a relative one
-  would break on the published site.
+  would break on the published site;
+* README.md's relative links must name files that exist, and headings of
+  the Markdown pages they point into.
 
 Python 3.11 standard library only. Exit status 1 on the first kind of
 failure found, with every failure listed.
@@ -98,9 +100,40 @@ def check_built(book: Path) -> list[str]:
     return problems
 
 
+def heading_ids(page: Path) -> set[str]:
+    """The ids mdBook (and GitHub) give a Markdown page's headings."""
+    ids, fence = set(), False
+    for line in page.read_text(encoding="utf-8").splitlines():
+        if line.lstrip().startswith("```"):
+            fence = not fence
+        match = None if fence else re.match(r"#+ (.*)", line)
+        if match:
+            text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", match.group(1))
+            ids.add("".join(c.lower() if c.isalnum() or c in "_-" else "-" for c in text.strip()
+                            if c.isalnum() or c in "_-" or c.isspace()))
+    return ids
+
+
+def check_readme() -> list[str]:
+    """README.md's relative links (into the book's sources) name files and headings that exist."""
+    readme = DOCS.parent / "README.md"
+    problems = []
+    for number, line in enumerate(readme.read_text(encoding="utf-8").splitlines(), 1):
+        for href in re.findall(r"\]\(([^)\s]+)\)", line):
+            parts = urlsplit(href)
+            if parts.scheme or href.startswith("//"):
+                continue
+            target = (readme.parent / unquote(parts.path)).resolve() if parts.path else readme
+            if not target.exists():
+                problems.append(f"README.md:{number}: {href}: no such file")
+            elif parts.fragment and target.suffix == ".md" and parts.fragment not in heading_ids(target):
+                problems.append(f"README.md:{number}: {href}: no heading #{parts.fragment} there")
+    return problems
+
+
 def main() -> int:
     book = Path(sys.argv[1]) if len(sys.argv) > 1 else DOCS.parent / "target" / "book"
-    problems = check_summary() + check_built(book)
+    problems = check_summary() + check_built(book) + check_readme()
     for problem in problems:
         print(f"book: {problem}", file=sys.stderr)
     if problems:
