@@ -4,6 +4,9 @@
 //!   definitions (`clap::CommandFactory`), with the environment variable
 //!   each settings key is read from (the binary's `ENV` prefix) and the
 //!   default its settings' `Default` gives — what `--help` shows;
+//! * `docs/src/reference/metrics.md`: every metric the services' libraries
+//!   register, with its type and help, as `/metrics` serves it by default
+//!   (the Prometheus text format);
 //! * `docs/src/reference/crd.md`: every field of the
 //!   `ManagedProxyConfiguration` CRD, from the schema `crdgen` writes.
 //!
@@ -32,6 +35,10 @@ pub fn pages() -> Vec<Page> {
         Page {
             path: "docs/src/reference/flags.md",
             text: flags_page(),
+        },
+        Page {
+            path: "docs/src/reference/metrics.md",
+            text: metrics_page(),
         },
         Page {
             path: "docs/src/reference/crd.md",
@@ -414,6 +421,144 @@ pub fn crd_page() -> String {
             })
             .unwrap_or_default();
         crd_fields(&mut out, "", schema, &required);
+    }
+    out
+}
+
+/// The OpenMetrics text of each service's metrics, registered as the
+/// binaries register them (nothing observed yet, so families without
+/// samples show only their descriptors).
+fn service_metrics() -> Vec<(&'static str, String)> {
+    use cluster_proxy_runtime::metrics::encode_registry;
+    use prometheus_client::registry::Registry;
+    let mut addon_manager = Registry::default();
+    addon_manager::hub::metrics::HubMetrics::register(&mut addon_manager);
+    addon_manager::addon::AddonMetrics::default().register(&mut addon_manager);
+    let mut cert_authority = Registry::default();
+    cert_authority::kubernetes::metrics::Metrics::register(&mut cert_authority);
+    let mut health_prober = Registry::default();
+    health_prober::metrics::ProberMetrics::default().register(&mut health_prober);
+    vec![
+        (
+            "proxy-server",
+            proxy_server::metrics::Metrics::new().encode(),
+        ),
+        ("proxy-agent", proxy_agent::metrics::Metrics::new().encode()),
+        ("addon-agent", addon_agent::metrics::Metrics::new().encode()),
+        ("addon-manager", encode_registry(&addon_manager)),
+        ("cert-authority", encode_registry(&cert_authority)),
+        ("health-prober", encode_registry(&health_prober)),
+    ]
+}
+
+/// The Prometheus text of proxy-server and proxy-agent after
+/// `e2e/tests/metrics_golden.rs`'s scripted workload (checked against the
+/// binaries by that test): families with labels appear only once they have
+/// a sample, so their labels come from here.
+const GOLDEN: &[(&str, &str)] = &[
+    (
+        "proxy-server",
+        include_str!("../../../e2e/tests/golden/metrics_server.txt"),
+    ),
+    (
+        "proxy-agent",
+        include_str!("../../../e2e/tests/golden/metrics_agent.txt"),
+    ),
+];
+
+/// One metric family: its type, help and label names.
+#[derive(Default)]
+struct Family {
+    kind: String,
+    help: String,
+    labels: std::collections::BTreeSet<String>,
+}
+
+/// The families of a Prometheus text exposition, in their order.
+fn families(text: &str, into: &mut Vec<(String, Family)>) {
+    let position = |into: &mut Vec<(String, Family)>, name: &str| match into
+        .iter()
+        .position(|(n, _)| n == name)
+    {
+        Some(i) => i,
+        None => {
+            into.push((name.to_owned(), Family::default()));
+            into.len() - 1
+        }
+    };
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("# HELP ") {
+            let (name, help) = rest.split_once(' ').unwrap_or((rest, ""));
+            let i = position(into, name);
+            into[i].1.help = help.to_owned();
+        } else if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let (name, kind) = rest.split_once(' ').unwrap_or((rest, ""));
+            let i = position(into, name);
+            into[i].1.kind = kind.to_owned();
+        } else if let Some((series, labels)) = line.split_once('{') {
+            let Some(i) = into.iter().position(|(name, family)| {
+                series == name
+                    || (family.kind == "histogram"
+                        && ["_bucket", "_sum", "_count"]
+                            .iter()
+                            .any(|suffix| series.strip_suffix(suffix) == Some(name)))
+            }) else {
+                continue;
+            };
+            let labels = labels.split('}').next().unwrap_or_default();
+            for pair in labels.split(',') {
+                if let Some((label, _)) = pair.split_once('=')
+                    && label != "le"
+                    && label != "quantile"
+                {
+                    into[i].1.labels.insert(label.to_owned());
+                }
+            }
+        }
+    }
+}
+
+/// `docs/src/reference/metrics.md`.
+pub fn metrics_page() -> String {
+    let mut out = String::from("# Metrics\n\n");
+    out.push_str(GENERATED);
+    out.push_str(
+        "Every metric family the services' libraries register, with its type, labels and help, \
+         named as `/metrics` serves it by default (the Prometheus text format 0.0.4; OpenMetrics \
+         when the `Accept` header asks for it). A family with labels is exposed from its first \
+         sample: for proxy-server and proxy-agent those families and their labels come from \
+         `e2e/tests/golden/` (the binaries' output after a scripted workload, which \
+         `e2e/tests/metrics_golden.rs` checks), so a family no step of that workload counts \
+         (such as `cluster_proxy_server_limited_total{limit}`, counted only when a bound bites) \
+         and the other services' labelled families are described in [Metrics and \
+         alerts](../operations/metrics.md), with the ports and suggested alerts. The leader gauges \
+         `addon_manager_leader` and `health_prober_leader`, which the binaries register \
+         themselves, are not listed below.\n",
+    );
+    for (service, openmetrics) in service_metrics() {
+        let mut found = Vec::new();
+        families(
+            &cluster_proxy_runtime::metrics::to_prometheus_text(&openmetrics),
+            &mut found,
+        );
+        for (golden_service, golden) in GOLDEN {
+            if *golden_service == service {
+                families(golden, &mut found);
+            }
+        }
+        let _ = writeln!(out, "\n## {service}\n");
+        out.push_str("| metric | type | labels | help |\n|---|---|---|---|\n");
+        for (name, family) in found {
+            let labels: Vec<String> = family.labels.iter().map(|l| code(l)).collect();
+            let _ = writeln!(
+                out,
+                "| {} | {} | {} | {} |",
+                code(&name),
+                family.kind,
+                labels.join(", "),
+                cell(&family.help)
+            );
+        }
     }
     out
 }

@@ -37,3 +37,14 @@ fn every_binary_lists_flags_with_their_defaults() {
     assert!(flags.contains("`PROXY_SERVER_SERVER_PORT`"), "{flags}");
     assert!(flags.contains("| `8090` |"), "the client port's default");
 }
+
+#[test]
+fn metrics_carry_their_labels() {
+    let metrics = cluster_proxy_refgen::metrics_page();
+    assert!(
+        metrics.contains(
+            "| `konnectivity_network_proxy_server_dial_failure_count` | counter | `reason` |"
+        ),
+        "{metrics}"
+    );
+}
