@@ -288,6 +288,40 @@ async fn the_hub_follows_the_managed_proxy_configuration() {
         panic!("{err}");
     }
 
+    // The hub kubelet's Pods: one per replica, found by the component
+    // label, Running and Ready (the proxy-servers' /readyz passes once
+    // agents hold tunnels).
+    let pods: Api<k8s_openapi::api::core::v1::Pod> =
+        Api::namespaced(admin.clone(), ADDON_NAMESPACE);
+    wait_for("three Ready proxy-server Pods", READY, || async {
+        let list = pods
+            .list(
+                &kube::api::ListParams::default()
+                    .labels("proxy.open-cluster-management.io/component-name=proxy-server"),
+            )
+            .await
+            .map_err(|e| e.to_string())?;
+        let mut ready: Vec<String> = list
+            .items
+            .iter()
+            .filter(|p| {
+                let status = p.status.as_ref();
+                status.and_then(|s| s.phase.as_deref()) == Some("Running")
+                    && status
+                        .and_then(|s| s.conditions.as_ref())
+                        .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+            })
+            .filter_map(|p| p.metadata.name.clone())
+            .collect();
+        ready.sort();
+        if ready == ["cluster-proxy-0", "cluster-proxy-1", "cluster-proxy-2"] {
+            Ok(())
+        } else {
+            Err(format!("ready pods {ready:?} of {}", list.items.len()))
+        }
+    })
+    .await;
+
     // Drift: the in-cluster Service is deleted; the controller's watch
     // brings it back.
     let services: Api<Service> = Api::namespaced(admin.clone(), ADDON_NAMESPACE);

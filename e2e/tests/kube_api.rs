@@ -2542,7 +2542,16 @@ mod portforward {
 
         // `get` alone (what a WebSocket GET was authorized as before 1.35)
         // and `create` alone (upstream's Role) are both refused.
-        for (name, verbs) in [("getter", &["get"][..]), ("creator", &["create"][..])] {
+        // The messages are kube-apiserver 1.36's: the filter names the
+        // verb it checked, the in-handler `create` check gives no reason.
+        for (name, verbs, says) in [
+            ("getter", &["get"][..], "pods \"web-0\" is forbidden: "),
+            (
+                "creator",
+                &["create"][..],
+                "pods \"web-0\" is forbidden: User \"creator\" cannot get resource \"pods/portforward\" in API group \"\" in the namespace \"default\"",
+            ),
+        ] {
             let client = user(&api, &admin, name, verbs).await;
             let err = Api::<Pod>::namespaced(client, "default")
                 .portforward("web-0", &[8080])
@@ -2550,8 +2559,7 @@ mod portforward {
                 .err()
                 .unwrap_or_else(|| panic!("{name} port-forwarded"));
             let (code, message) = api_code(err);
-            assert_eq!(code, 403, "{name}: {message}");
-            assert!(message.contains("pods/portforward"), "{message}");
+            assert_eq!((code, message.as_str()), (403, says), "{name}");
         }
 
         let client = user(&api, &admin, "forwarder", &["get", "create"]).await;

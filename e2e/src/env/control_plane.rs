@@ -67,6 +67,8 @@ struct ServerPlacement {
     hub_ip: IpAddr,
     netns: Option<String>,
     credential_reload_interval: String,
+    /// The API's kubelet side: the pods' Pod objects and port addresses.
+    kubelet: Option<crate::kubeapi::pods::KubeletPods>,
 }
 
 impl PodPlacement for ServerPlacement {
@@ -99,6 +101,33 @@ impl PodPlacement for ServerPlacement {
 
     fn netns(&self) -> Option<String> {
         self.netns.clone()
+    }
+
+    /// The proxy-server's named ports are where [`Self::extra_args`] put
+    /// them: replica *i*'s own ports on the hub address.
+    fn port_address(
+        &self,
+        index: usize,
+        container: &str,
+        name: Option<&str>,
+        _port: u16,
+    ) -> Option<SocketAddr> {
+        if container != "proxy-server" {
+            return None;
+        }
+        let ports = ReplicaPorts::of(index);
+        let port = match name? {
+            "proxy-server" => ports.client,
+            "agent-server" => ports.agent,
+            "health" => ports.health,
+            "admin" => ports.admin,
+            _ => return None,
+        };
+        Some(SocketAddr::new(self.hub_ip, port))
+    }
+
+    fn pod_ip(&self, _index: usize) -> Option<IpAddr> {
+        Some(self.hub_ip)
     }
 }
 
@@ -141,6 +170,9 @@ pub struct ControlPlaneSetup {
     /// Where hub clients find the proxy-client credentials and the CA
     /// bundle, in `cert-authority init`'s layout.
     pub client_pki: PathBuf,
+    /// The in-memory API's kubelet side: the hub pods become Pod objects
+    /// that `pods/portforward` reaches.
+    pub kubelet: Option<crate::kubeapi::pods::KubeletPods>,
 }
 
 /// The processes the emulation runs, by owner (`hub` or a cluster), so a
@@ -204,6 +236,7 @@ impl ControlPlane {
             hub_ip: setup.hub_ip,
             netns: setup.hub_netns.clone(),
             credential_reload_interval: setup.ocm.credential_reload_interval.clone(),
+            kubelet: setup.kubelet.clone(),
         });
         {
             let ctx = setup.ocm.clone();
@@ -345,10 +378,9 @@ async fn run_hub_pods(
     for deployment in &list.items {
         let name = deployment.name_any();
         let status = {
-            let runner = hub
-                .runners
-                .entry(name.clone())
-                .or_insert_with(|| DeploymentRunner::new("hub"));
+            let runner = hub.runners.entry(name.clone()).or_insert_with(|| {
+                DeploymentRunner::new("hub").reporting_to(placement.kubelet.clone())
+            });
             runner
                 .sync(
                     Some(deployment),
@@ -793,6 +825,7 @@ impl super::Environment {
             hub_netns: self.summary.hub_netns.clone(),
             machines: MachinePool::new(machines),
             client_pki: client_pki.clone(),
+            kubelet: self.kube_api.as_ref().map(crate::kubeapi::KubeApi::kubelet),
         }));
         for name in &options.clusters {
             join(&admin, name)

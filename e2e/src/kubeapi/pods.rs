@@ -227,6 +227,13 @@ impl KubeletPods {
     /// is deleted (absent already is fine).
     pub fn remove(&self, namespace: &str, name: &str) -> Result<(), ApiError> {
         self.shared.pods.remove(namespace, name);
+        self.delete(namespace, name)
+    }
+
+    /// The pod is being stopped: its Pod object goes, so no new forward
+    /// reaches it, while forwards already open last until its processes
+    /// exit ([`KubeletPods::remove`]), as a terminating pod's do.
+    pub fn delete(&self, namespace: &str, name: &str) -> Result<(), ApiError> {
         let t = self.pod_type()?;
         match self
             .shared

@@ -4,7 +4,8 @@
 //! * Authorization: a WebSocket upgrade is a `GET`, which RBAC sees as
 //!   `get` on `pods/portforward`; since v1.35 the apiserver also requires
 //!   `create` on it (`AuthorizePodWebsocketUpgradeCreatePermission`, on by
-//!   default), the verb a `POST` (SPDY) needs. Both are checked.
+//!   default), the verb a `POST` (SPDY) needs. Both are checked, before
+//!   the pod is looked up, with kube-apiserver 1.36's messages.
 //! * Framing (kubelet's `wsstream`, subprotocol `v4.channel.k8s.io` or
 //!   plain `channel.k8s.io`): every message is binary, its first byte the
 //!   channel; port *i* of `?ports=` has data channel `2i` and error
@@ -131,10 +132,22 @@ pub async fn serve(
     let upgrade = header_text(&request, header::UPGRADE)
         .unwrap_or_default()
         .to_ascii_lowercase();
+    let t = shared
+        .store
+        .resource_type("", "v1", "pods")
+        .ok_or_else(|| ApiError::new(500, "InternalError", "no pods type"))?;
     match *request.method() {
         Method::GET => {
+            // The authorization filter's check, by the method's verb.
             shared.authorize(user, &attributes("get", namespace, name))?;
-            shared.authorize(user, &attributes("create", namespace, name))?;
+            // PortForwardREST.Connect's `ensureAuthorizedForVerb`: its
+            // denial carries no RBAC reason (kube-apiserver 1.36, live).
+            shared
+                .authorize(user, &attributes("create", namespace, name))
+                .map_err(|_| {
+                    ApiError::new(403, "Forbidden", format!("pods {name:?} is forbidden: "))
+                        .about(&t, name)
+                })?;
         }
         Method::POST => shared.authorize(user, &attributes("create", namespace, name))?,
         ref other => {
@@ -145,10 +158,6 @@ pub async fn serve(
             ));
         }
     }
-    let t = shared
-        .store
-        .resource_type("", "v1", "pods")
-        .ok_or_else(|| ApiError::new(500, "InternalError", "no pods type"))?;
     let pod = shared.store.get(&t, Some(namespace), name)?;
     if upgrade.starts_with("spdy/") {
         return Err(ApiError::bad_request(
