@@ -602,11 +602,37 @@ pub const DEV_AGENT_IMAGE: &str = "localhost/cluster-proxy/proxy-agent:dev";
 /// How long the environment's addon-agents make their Leases.
 pub const ENV_LEASE_DURATION: Duration = Duration::from_secs(4);
 
+/// How the environment's agents reach the proxy-servers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AgentEntrypoint {
+    /// The chart's default: each agent dials 127.0.0.1:8091, its
+    /// addon-agent port-forwards to a proxy-server pod through the hub
+    /// API. Needs a loopback per cluster, so network namespaces.
+    PortForward,
+    /// The agent Service (the load balancer in front of the replicas'
+    /// agent ports) by address: on loopback every cluster would share one
+    /// 127.0.0.1:8091.
+    Hostname(SocketAddr),
+}
+
+impl AgentEntrypoint {
+    fn spec(self) -> serde_json::Value {
+        match self {
+            AgentEntrypoint::PortForward => json!({"type": "PortForward"}),
+            AgentEntrypoint::Hostname(addr) => json!({
+                "type": "Hostname",
+                "hostname": {"value": addr.ip().to_string()},
+                "port": addr.port(),
+            }),
+        }
+    }
+}
+
 /// The `ManagedProxyConfiguration` the environment installs, as a user's
 /// values file would render it.
 pub fn managed_proxy_configuration(
     replicas: usize,
-    agent_entry: SocketAddr,
+    entrypoint: AgentEntrypoint,
     additional_sans: &[String],
 ) -> serde_json::Value {
     json!({
@@ -623,11 +649,7 @@ pub fn managed_proxy_configuration(
                 "replicas": replicas,
                 "namespace": super::ADDON_NAMESPACE,
                 "inClusterServiceName": "proxy-entrypoint",
-                "entrypoint": {
-                    "type": "Hostname",
-                    "hostname": {"value": agent_entry.ip().to_string()},
-                    "port": agent_entry.port(),
-                },
+                "entrypoint": entrypoint.spec(),
             },
             "proxyAgent": {"image": DEV_AGENT_IMAGE, "replicas": 1},
         },
@@ -746,8 +768,12 @@ impl super::Environment {
             self.summary.agent_service_addr.ip().to_string(),
         ];
         sans.dedup();
-        let mpc =
-            managed_proxy_configuration(options.replicas, self.summary.agent_service_addr, &sans);
+        let entrypoint = if self.topology.is_some() {
+            AgentEntrypoint::PortForward
+        } else {
+            AgentEntrypoint::Hostname(self.summary.agent_service_addr)
+        };
+        let mpc = managed_proxy_configuration(options.replicas, entrypoint, &sans);
         let mpcs: Api<cluster_proxy_proto::api::proxy::v1alpha1::ManagedProxyConfiguration> =
             Api::all(admin.clone());
         mpcs.patch(
