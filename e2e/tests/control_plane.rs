@@ -248,6 +248,17 @@ async fn the_hub_follows_the_managed_proxy_configuration() {
     };
 
     let mpcs: Api<ManagedProxyConfiguration> = Api::all(admin.clone());
+    // With a network namespace per cluster the agents came up through the
+    // chart's default entrypoint: each proxy-agent dialed its own
+    // 127.0.0.1:8091, which only its addon-agent's port-forward serves.
+    let entrypoint = serde_json::to_value(mpcs.get("cluster-proxy").await.unwrap()).unwrap()
+        ["spec"]["proxyServer"]["entrypoint"]["type"]
+        .clone();
+    let expected = match env.summary.isolation {
+        Isolation::Netns => "PortForward",
+        Isolation::Loopback(_) => "Hostname",
+    };
+    assert_eq!(entrypoint, expected);
     mpcs.patch(
         "cluster-proxy",
         &PatchParams::default(),
