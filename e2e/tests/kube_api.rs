@@ -2565,12 +2565,26 @@ mod portforward {
         let client = user(&api, &admin, "forwarder", &["get", "create"]).await;
         let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
         let mut forward = pods.portforward("web-0", &[8080]).await.unwrap();
-        let mut stream = forward.take_stream(8080).unwrap();
-        let payload: Vec<u8> = (0..200_000u32).map(|i| i as u8).collect();
-        stream.write_all(&payload).await.unwrap();
+        let stream = forward.take_stream(8080).unwrap();
+        // Far more than the sockets and channels between hold, both ways
+        // at once: neither direction may wait on the other.
+        let payload: Vec<u8> = (0..16 * 1024 * 1024u32).map(|i| (i % 251) as u8).collect();
+        let (mut read, mut write) = tokio::io::split(stream);
+        let sent = payload.clone();
+        let writer = tokio::spawn(async move {
+            write.write_all(&sent).await.unwrap();
+            write
+        });
         let mut back = vec![0u8; payload.len()];
-        stream.read_exact(&mut back).await.unwrap();
-        assert_eq!(back, payload);
+        tokio::time::timeout(
+            std::time::Duration::from_secs(60),
+            read.read_exact(&mut back),
+        )
+        .await
+        .expect("16 MiB echoed in time")
+        .unwrap();
+        assert!(back == payload, "the echo differs");
+        let mut stream = read.unsplit(writer.await.unwrap());
 
         // The pod going ends its forwards, as a dead container's do.
         kubelet.remove("default", "web-0").unwrap();

@@ -294,7 +294,6 @@ where
     }
     let (events, mut from_pods) = mpsc::channel::<FromPod>(16);
     let mut to_pods: BTreeMap<u8, mpsc::Sender<Bytes>> = BTreeMap::new();
-    let mut open = ports.len();
     for (i, port) in ports.iter().enumerate() {
         let data = (2 * i) as u8;
         let target: Option<SocketAddr> = endpoint.ports.get(port).copied();
@@ -312,10 +311,12 @@ where
         ));
     }
     drop(events);
-    loop {
-        tokio::select! {
-            message = stream.next() => match message {
-                Some(Ok(Message::Binary(bytes))) if bytes.len() > 1 => {
+    // The two directions run side by side: a pod that is slow to read
+    // must not hold up what it sends to the client.
+    let inbound = async {
+        while let Some(message) = stream.next().await {
+            match message {
+                Ok(Message::Binary(bytes)) if bytes.len() > 1 => {
                     let channel = bytes[0];
                     // Error channels from the client carry nothing the
                     // kubelet acts on; unknown channels are dropped too.
@@ -325,33 +326,40 @@ where
                         to_pods.remove(&channel);
                     }
                 }
-                Some(Ok(Message::Close(_))) | None | Some(Err(_)) => break,
-                Some(Ok(_)) => {}
-            },
-            event = from_pods.recv() => match event {
-                Some(FromPod::Data(channel, bytes)) => {
+                Ok(Message::Close(_)) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    };
+    let outbound = async {
+        let mut open = ports.len();
+        while let Some(event) = from_pods.recv().await {
+            match event {
+                FromPod::Data(channel, bytes) => {
                     if sink.send(framed(channel, &bytes)).await.is_err() {
-                        break;
+                        return;
                     }
                 }
-                Some(FromPod::Done(i, error)) => {
+                FromPod::Done(i, error) => {
                     if let Some(error) = error {
                         let channel = (2 * i + 1) as u8;
                         if sink.send(framed(channel, error.as_bytes())).await.is_err() {
-                            break;
+                            return;
                         }
                     }
                     open = open.saturating_sub(1);
                     if open == 0 {
-                        break;
+                        return;
                     }
                 }
-                None => break,
-            },
-            () = endpoint.gone.cancelled() => {
-                tracing::debug!(%pod, "pod gone; ending its port-forward");
-                break;
             }
+        }
+    };
+    tokio::select! {
+        () = inbound => {}
+        () = outbound => {}
+        () = endpoint.gone.cancelled() => {
+            tracing::debug!(%pod, "pod gone; ending its port-forward");
         }
     }
     let _ = sink.send(Message::Close(None)).await;
