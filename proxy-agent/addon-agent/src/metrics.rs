@@ -51,7 +51,7 @@ impl Metrics {
         cluster_proxy_runtime::metrics::register_counter(
             &mut registry,
             "addon_agent_port_forwards_total",
-            "Port-forwards to proxy-server pods by result: opened, or failed (no ready pod, refused or unreachable).",
+            "Port-forwards to proxy-server pods: opened (the hub API upgraded the connection), failed (no pod to forward to, refused by the API, or an error from the pod's port).",
             port_forwards.clone(),
         );
         let port_forwards_active = Gauge::default();

@@ -102,6 +102,12 @@ pub enum ForwardError {
     },
     #[error("port-forward to pod {namespace}/{pod}: no answer within {OPEN_TIMEOUT:?}")]
     OpenTimeout { namespace: String, pod: String },
+    #[error("port-forward to pod {namespace}/{pod}: {message}")]
+    Remote {
+        namespace: String,
+        pod: String,
+        message: String,
+    },
     #[error("port-forward to pod {namespace}/{pod}: no stream for port {port}")]
     NoStream {
         namespace: String,
@@ -359,17 +365,19 @@ impl Forwarder {
         // Either side ending ends both: the konnectivity stream has no
         // use for half a connection, and a half-open one would hold the
         // pod's slot.
+        let mut reported = None;
+        tokio::pin!(remote_error);
         tokio::select! {
+            // First: the kubelet writes why the pod's port cannot be
+            // reached before it ends the stream, and the reason matters
+            // more than the end.
+            biased;
+            message = &mut remote_error => reported = message,
             result = tokio::io::copy(&mut local_read, &mut remote_write) => {
                 tracing::debug!(pod = %name, ?result, "proxy-agent side ended");
             }
             result = tokio::io::copy(&mut remote_read, &mut local_write) => {
                 tracing::debug!(pod = %name, ?result, "proxy-server side ended");
-            }
-            message = remote_error => {
-                if let Some(message) = message {
-                    tracing::warn!(pod = %name, %message, "the port-forward reported an error");
-                }
             }
             _ = picked.closed.cancelled() => {
                 tracing::info!(pod = %name, "closing a forward to a pod that is gone or terminating");
@@ -377,7 +385,14 @@ impl Forwarder {
             _ = shutdown.cancelled() => {}
         }
         forwarder.abort();
-        Ok(name)
+        match reported {
+            Some(message) => Err(ForwardError::Remote {
+                namespace,
+                pod: name,
+                message,
+            }),
+            None => Ok(name),
+        }
     }
 }
 

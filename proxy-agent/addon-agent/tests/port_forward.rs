@@ -389,3 +389,40 @@ async fn an_agent_the_hub_does_not_let_port_forward_gets_no_forward() {
     agent.shutdown().await;
     hub.api.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_pod_whose_port_refuses_closes_the_connection_as_a_failure() {
+    let hub = hub(&["get", "create"]).await;
+    // Running, but nothing listens on its port 8091 (yet): only another
+    // port is known to the kubelet. (Not a closed ephemeral port: another
+    // test could be given it meanwhile.)
+    let other = echo_pod("pod-0").await;
+    hub.kubelet
+        .run(&RunningPod {
+            namespace: NAMESPACE.into(),
+            name: "cluster-proxy-0".into(),
+            labels: BTreeMap::from([(
+                "proxy.open-cluster-management.io/component-name".to_owned(),
+                "proxy-server".to_owned(),
+            )]),
+            ports: vec![("proxy-server".into(), 8090, other)],
+            ready: false,
+            pod_ip: Some(other.ip()),
+        })
+        .expect("run the pod");
+    let agent = start_agent(&hub.agent_kubeconfig).await;
+    wait_ready(&agent, 200).await;
+    refused(&agent).await;
+    wait_until("the refused port is counted as a failure", || {
+        agent.metrics().port_forwards("failed") == 1
+    })
+    .await;
+    // The API did upgrade: the failure came on the port's error channel.
+    assert_eq!(agent.metrics().port_forwards("opened"), 1);
+    wait_until("the forward is released", || {
+        agent.metrics().port_forwards_active() == 0
+    })
+    .await;
+    agent.shutdown().await;
+    hub.api.shutdown().await;
+}
