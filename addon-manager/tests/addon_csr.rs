@@ -209,11 +209,18 @@ fn the_subject_must_be_the_registrations() {
 fn other_signers_labels_and_decided_csrs_are_ignored_or_left() {
     let accepted = cluster("cluster-a", true);
     let mut other_signer = own_csr(&good_request());
-    other_signer.spec.signer_name = "kubernetes.io/kube-apiserver-client".into();
+    other_signer.spec.signer_name = "example.com/another-signer".into();
     assert!(matches!(
         decide(&other_signer, Some(&accepted), Some(&unit())),
         Approval::Ignore(_)
     ));
+    // The proxy-agent's subject is not the hub kubeconfig's.
+    let mut wrong_subject = own_csr(&good_request());
+    wrong_subject.spec.signer_name = "kubernetes.io/kube-apiserver-client".into();
+    assert_left(
+        decide(&wrong_subject, Some(&accepted), Some(&unit())),
+        "common name",
+    );
 
     let mut other_addon = own_csr(&good_request());
     other_addon.metadata.labels.as_mut().unwrap().insert(
@@ -291,4 +298,90 @@ fn requester_rule() {
             "{user} must not pass"
         );
     }
+}
+
+/// A hub kubeconfig request: the addon framework's subject for `cluster`
+/// (two organizations, each in a subject attribute of its own), its second
+/// group replaced by `other_group` when given.
+fn hub_kubeconfig_request(cluster: &str, other_group: Option<&str>) -> String {
+    let key = KeyPair::generate().unwrap();
+    let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    let mut name = DistinguishedName::new();
+    name.push(
+        DnType::CommonName,
+        format!("system:open-cluster-management:cluster:{cluster}:addon:cluster-proxy:agent:cluster-proxy-agent"),
+    );
+    name.push(
+        DnType::OrganizationName,
+        format!("system:open-cluster-management:cluster:{cluster}:addon:cluster-proxy"),
+    );
+    // The same attribute type once more (rcgen keeps one value per type).
+    name.push(
+        DnType::CustomDnType(vec![2, 5, 4, 10]),
+        other_group.unwrap_or("system:open-cluster-management:addon:cluster-proxy"),
+    );
+    params.distinguished_name = name;
+    params.serialize_request(&key).unwrap().pem().unwrap()
+}
+
+fn hub_kubeconfig_csr(request: &str, usages: &[&str]) -> CertificateSigningRequest {
+    let mut csr = own_csr(request);
+    csr.spec.signer_name = "kubernetes.io/kube-apiserver-client".into();
+    csr.spec.usages = Some(usages.iter().map(|u| u.to_string()).collect());
+    csr
+}
+
+/// Regression (issue 56): nothing approved the addon-agent's
+/// `kubernetes.io/kube-apiserver-client` CSR (OCM's addon-manager approves
+/// only template addons' CSRs), so its hub kubeconfig never appeared.
+#[test]
+fn the_addon_agents_hub_kubeconfig_is_approved_for_its_own_subject_only() {
+    let accepted = cluster("cluster-a", true);
+    let usages = ["digital signature", "key encipherment", "client auth"];
+    let good = hub_kubeconfig_csr(&hub_kubeconfig_request("cluster-a", None), &usages);
+    // No CA is needed for it.
+    assert_eq!(
+        decide(&good, Some(&accepted), None),
+        Approval::Approve {
+            cluster: cluster_proxy_proto::identity::ClusterName::new("cluster-a").unwrap()
+        }
+    );
+    // Another cluster's user, asked for by cluster-a's registration agent.
+    assert_left(
+        decide(
+            &hub_kubeconfig_csr(&hub_kubeconfig_request("cluster-b", None), &usages),
+            Some(&accepted),
+            None,
+        ),
+        "common name",
+    );
+    // A group with more rights slipped in.
+    assert_left(
+        decide(
+            &hub_kubeconfig_csr(
+                &hub_kubeconfig_request("cluster-a", Some("system:masters")),
+                &usages,
+            ),
+            Some(&accepted),
+            None,
+        ),
+        "organizations",
+    );
+    // A serving certificate is not a hub kubeconfig.
+    assert_left(
+        decide(
+            &hub_kubeconfig_csr(
+                &hub_kubeconfig_request("cluster-a", None),
+                &["digital signature", "server auth"],
+            ),
+            Some(&accepted),
+            None,
+        ),
+        "server auth",
+    );
+    // The hub must accept the cluster, as for the proxy-agent.
+    assert_left(
+        decide(&good, Some(&cluster("cluster-a", false)), None),
+        "hubAcceptsClient",
+    );
 }

@@ -141,8 +141,12 @@ impl Rendered {
     }
 }
 
+/// Regression (issue 56): the work said `Foreground` for everything, and the
+/// work agent (which never reads the `deletion-orphan` annotation) deleted
+/// the agent Namespace on uninstall. The addon framework turns that
+/// annotation into `SelectivelyOrphan` rules; so do we.
 #[test]
-fn work_is_named_labelled_and_deletes_in_foreground() {
+fn work_is_named_labelled_and_orphans_the_agent_namespace() {
     let rendered = Rendered::new(&hostname_mpc(), None, CA);
     let work = &rendered.work;
     assert_eq!(work["apiVersion"], "work.open-cluster-management.io/v1");
@@ -153,9 +157,17 @@ fn work_is_named_labelled_and_deletes_in_foreground() {
         work["metadata"]["labels"]["open-cluster-management.io/addon-name"],
         "cluster-proxy"
     );
+    let namespace = rendered
+        .manifests()
+        .iter()
+        .find(|m| m["kind"] == "Namespace")
+        .map(|m| m["metadata"]["name"].clone())
+        .expect("a Namespace manifest");
     assert_eq!(
-        work["spec"]["deleteOption"]["propagationPolicy"],
-        "Foreground"
+        work["spec"]["deleteOption"],
+        json!({"propagationPolicy": "SelectivelyOrphan", "selectivelyOrphans": {"orphaningRules": [
+            {"group": "", "resource": "namespaces", "name": namespace, "namespace": ""}
+        ]}})
     );
     let kinds: Vec<(String, String)> = rendered
         .manifests()

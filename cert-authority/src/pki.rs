@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use cluster_proxy_proto::identity::ClusterName;
 use rcgen::{
-    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
-    Issuer, KeyPair, KeyUsagePurpose, SanType,
+    BasicConstraints, CertificateParams, DistinguishedName, DnType, DnValue,
+    ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose, SanType,
 };
 use time::OffsetDateTime;
 
@@ -29,6 +29,8 @@ pub enum PkiError {
     UnreadableCaCertificate(String),
     #[error("the CA private key does not belong to the CA certificate")]
     CaKeyMismatch,
+    #[error("subject {0}")]
+    Subject(String),
 }
 
 /// A certificate and its private key, PEM encoded.
@@ -230,18 +232,92 @@ impl Authority {
         })
     }
 
-    /// Signs a certificate for the public key of a verified PKCS#10 request.
-    /// Subject, SANs, usages and validity come from `request` alone: nothing
-    /// the requester claimed in its CSR is copied.
+    /// Signs a certificate for the public key of a verified PKCS#10 request
+    /// with the subject the request asked for. SANs, usages and validity come
+    /// from `request` alone: nothing else the requester claimed is copied.
+    ///
+    /// The subject is kept because OCM's registration agent accepts an
+    /// issued certificate only when its subject is the one it requested (it
+    /// asks again otherwise); the identity proxy-server trusts is the
+    /// cluster URI SAN added here, never the subject.
+    ///
+    /// `subject` is [`requested_subject`] of the request: rcgen's own
+    /// reading of a request keeps one value per attribute type.
     pub fn sign_request_at(
         &self,
         mut csr: rcgen::CertificateSigningRequestParams,
+        subject: DistinguishedName,
         request: &LeafRequest,
         now: OffsetDateTime,
     ) -> Result<String, PkiError> {
         csr.params = leaf_params(request, now)?;
+        csr.params.distinguished_name = subject;
         Ok(csr.signed_by(&self.issuer)?.pem())
     }
+}
+
+/// The subject a request asks for, in a form rcgen encodes back to the same
+/// bytes: one attribute per RDN, in order, each value with its string type.
+/// rcgen's `DistinguishedName` holds one value per type, so the second value
+/// of a standard type (OCM subjects carry several organizations, one for
+/// each group) is kept as a custom type with the same OID. Multi-valued RDNs
+/// and a type repeated more often than that are refused.
+pub fn requested_subject(
+    name: &x509_parser::x509::X509Name<'_>,
+) -> Result<DistinguishedName, PkiError> {
+    use x509_parser::der_parser::asn1_rs::Tag;
+    let bad = |why: String| PkiError::Subject(format!("{name}: {why}"));
+    let mut dn = DistinguishedName::new();
+    let mut seen: Vec<DnType> = Vec::new();
+    for rdn in name.iter() {
+        let mut attributes = rdn.iter();
+        let (Some(attribute), None) = (attributes.next(), attributes.next()) else {
+            return Err(bad(
+                "an RDN with other than one attribute (multi-valued RDNs are not supported)".into(),
+            ));
+        };
+        let oid: Vec<u64> = attribute
+            .attr_type()
+            .iter()
+            .ok_or_else(|| bad("an attribute type OID out of range".into()))?
+            .collect();
+        let mut dn_type = DnType::from_oid(&oid);
+        if seen.contains(&dn_type) {
+            dn_type = DnType::CustomDnType(oid.clone());
+            if seen.contains(&dn_type) {
+                return Err(bad(format!(
+                    "attribute type {} more than twice",
+                    attribute.attr_type()
+                )));
+            }
+        }
+        let value = attribute.attr_value();
+        let text = || {
+            std::str::from_utf8(value.data)
+                .map_err(|_| bad(format!("a {:?} value that is not text", value.header.tag())))
+        };
+        let string_error = |e: rcgen::Error| bad(e.to_string());
+        let dn_value = match value.header.tag() {
+            Tag::Utf8String => DnValue::Utf8String(text()?.to_owned()),
+            Tag::PrintableString => {
+                DnValue::PrintableString(text()?.try_into().map_err(string_error)?)
+            }
+            Tag::Ia5String => DnValue::Ia5String(text()?.try_into().map_err(string_error)?),
+            Tag::T61String => DnValue::TeletexString(text()?.try_into().map_err(string_error)?),
+            Tag::BmpString => DnValue::BmpString(
+                rcgen::string::BmpString::from_utf16be(value.data.to_vec())
+                    .map_err(string_error)?,
+            ),
+            Tag::UniversalString => DnValue::UniversalString(
+                rcgen::string::UniversalString::from_utf32be(value.data.to_vec())
+                    .map_err(string_error)?,
+            ),
+            other => return Err(bad(format!("an attribute value of type {other:?}"))),
+        };
+        seen.push(dn_type.clone());
+        dn.push(dn_type, dn_value);
+    }
+    Ok(dn)
 }
 
 fn leaf_params(request: &LeafRequest, now: OffsetDateTime) -> Result<CertificateParams, PkiError> {

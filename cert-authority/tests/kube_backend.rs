@@ -17,6 +17,7 @@ use rustls_pki_types::CertificateDer;
 use rustls_pki_types::pem::PemObject;
 use serde_json::{Value, json};
 use time::OffsetDateTime;
+use x509_parser::prelude::FromDer;
 
 const CLUSTER_A_USER: &str = "system:open-cluster-management:cluster-a:agent-7xq2";
 const CLUSTER_A_GROUP: &str = "system:open-cluster-management:cluster-a";
@@ -892,6 +893,130 @@ fn the_subjects_ocm_produces_are_signed_when_they_name_the_requesters_cluster() 
             "ClusterMismatch",
             "{what}"
         );
+    }
+}
+
+/// Regression (issue 56): the certificate kept our own subject
+/// (`CN=cluster-proxy-agent:<cluster>, O=open-cluster-management`) instead of
+/// the requested one, and OCM's registration agent, which accepts only the
+/// subject it asked for, requested again until its CSR threshold stopped it.
+#[test]
+fn the_issued_subject_is_the_requested_one_and_the_cluster_is_a_san() {
+    let key = rcgen::KeyPair::generate().unwrap();
+    let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    let dn = &mut params.distinguished_name;
+    dn.push(
+        rcgen::DnType::OrganizationName,
+        "open-cluster-management:cluster-proxy",
+    );
+    dn.push(rcgen::DnType::OrganizationalUnitName, "signer-2c4b1f0e");
+    dn.push(
+        rcgen::DnType::CommonName,
+        "open-cluster-management:cluster-proxy:proxy-agent",
+    );
+    let request = params.serialize_request(&key).unwrap().pem().unwrap();
+    let requested_der = x509_parser::pem::parse_x509_pem(request.as_bytes())
+        .unwrap()
+        .1
+        .contents;
+    let (_, requested) =
+        x509_parser::certification_request::X509CertificationRequest::from_der(&requested_der)
+            .unwrap();
+    let decision = csr::decide(&approved(&request), &ca(), Duration::from_secs(3600), now());
+    let Decision::Sign {
+        certificate_pem, ..
+    } = decision
+    else {
+        panic!("not signed: {decision:?}");
+    };
+    let der = CertificateDer::from_pem_slice(certificate_pem.as_bytes()).unwrap();
+    let (_, cert) = x509_parser::parse_x509_certificate(&der).unwrap();
+    assert_eq!(
+        cert.subject().as_raw(),
+        requested.certification_request_info.subject.as_raw(),
+        "issued {} for requested {}",
+        cert.subject(),
+        requested.certification_request_info.subject
+    );
+    assert_eq!(
+        cert.subject().to_string(),
+        "CN=open-cluster-management:cluster-proxy:proxy-agent, O=open-cluster-management:cluster-proxy, OU=signer-2c4b1f0e"
+    );
+    // The identity proxy-server trusts is the URI SAN, from the requester.
+    assert_eq!(cluster_of(&der).unwrap().unwrap().as_str(), "cluster-a");
+}
+
+/// OCM subjects carry one organization per group: a second value of a type
+/// is kept, in its place.
+#[test]
+fn a_subject_with_two_organizations_is_kept() {
+    let key = rcgen::KeyPair::generate().unwrap();
+    let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    let dn = &mut params.distinguished_name;
+    dn.push(rcgen::DnType::CommonName, "agent");
+    dn.push(rcgen::DnType::OrganizationName, "one");
+    // id-at-organizationName once more, in an RDN of its own.
+    dn.push(rcgen::DnType::CustomDnType(vec![2, 5, 4, 10]), "two");
+    let request = params.serialize_request(&key).unwrap().pem().unwrap();
+    let decision = csr::decide(&approved(&request), &ca(), Duration::from_secs(3600), now());
+    let Decision::Sign {
+        certificate_pem, ..
+    } = decision
+    else {
+        panic!("not signed: {decision:?}");
+    };
+    let der = CertificateDer::from_pem_slice(certificate_pem.as_bytes()).unwrap();
+    let (_, cert) = x509_parser::parse_x509_certificate(&der).unwrap();
+    assert_eq!(cert.subject().to_string(), "CN=agent, O=one, O=two");
+}
+
+/// Subjects our encoder cannot reproduce (a multi-valued RDN, as Go writes
+/// several values of one type; a type three times) are refused once with
+/// the reason, never issued with another subject. openssl writes them.
+#[test]
+fn a_subject_that_cannot_be_kept_is_refused() {
+    if std::process::Command::new("openssl")
+        .arg("version")
+        .output()
+        .is_err()
+    {
+        assert!(
+            !std::env::var("CI").is_ok_and(|v| v == "true"),
+            "openssl is required under CI"
+        );
+        eprintln!("SKIPPED: openssl is not installed; it writes the requests of this test");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    for (what, subject, multivalue) in [
+        ("multi-valued RDN", "/O=one+O=two/CN=agent", true),
+        ("a type three times", "/O=one/O=two/O=three/CN=agent", false),
+    ] {
+        let out = dir.path().join("request.pem");
+        let mut command = std::process::Command::new("openssl");
+        command.args([
+            "req",
+            "-new",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+        ]);
+        command
+            .args(["-nodes", "-keyout"])
+            .arg(dir.path().join("key.pem"));
+        command.args(["-subj", subject, "-out"]).arg(&out);
+        if multivalue {
+            command.arg("-multivalue-rdn");
+        }
+        let status = command.output().unwrap();
+        assert!(status.status.success(), "{what}: {status:?}");
+        let request = std::fs::read_to_string(&out).unwrap();
+        let decision = csr::decide(&approved(&request), &ca(), Duration::from_secs(3600), now());
+        let Decision::Refuse { reason, message } = decision else {
+            panic!("{what}: expected a refusal, got {decision:?}");
+        };
+        assert_eq!(reason, "SubjectNotPreserved", "{what}: {message}");
     }
 }
 

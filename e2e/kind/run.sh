@@ -119,6 +119,21 @@ for cluster in "${managed[@]}"; do
 done
 wait_for "proxy-servers ready" hubctl -n "$addon_ns" rollout status deploy/cluster-proxy --timeout=10s
 
+log "0. each cluster's two addon CSRs, each approved and issued once (as e2e/tests/control_plane.rs)"
+# signerName and whether a certificate was issued, one line per CSR of the cluster's addon.
+addon_csrs() {
+  hubctl get csr -l "open-cluster-management.io/cluster-name=$1,open-cluster-management.io/addon-name=cluster-proxy" \
+    -o jsonpath='{range .items[*]}{.spec.signerName} {.status.certificate}{"\n"}{end}' |
+    awk '{print $1, ($2 == "" ? "pending" : "issued")}' | sort
+}
+expected_csrs=$'kubernetes.io/kube-apiserver-client issued\nopen-cluster-management.io/proxy-agent-signer issued'
+for cluster in "${managed[@]}"; do
+  got=$(addon_csrs "$cluster")
+  [ "$got" = "$expected_csrs" ] || die "${cluster}: addon CSRs are not one issued per signer: ${got}"
+  kubectl --context "kind-${cluster}" -n "$agent_ns" get secret cluster-proxy-hub-kubeconfig >/dev/null ||
+    die "${cluster}: no hub kubeconfig Secret for the addon-agent"
+done
+
 log "hub client credentials (Secret proxy-client)"
 for key in tls.crt tls.key ca.crt; do
   hubctl -n "$addon_ns" get secret proxy-client -o "jsonpath={.data.${key//./\\.}}" | base64 -d >"${work}/${key}"
@@ -197,6 +212,19 @@ wait_for "proxy-servers ready again" hubctl -n "$addon_ns" rollout status deploy
 check_every_replica
 for cluster in "${managed[@]}"; do
   wait_for "${cluster}: ClusterProxyReachable Reachable after the replica loss" probe_is_reachable "$cluster"
+done
+
+log "5. uninstall: the agent Namespace stays on each cluster, nothing else of ours"
+helm uninstall --kube-context "kind-${hub}" -n "$addon_ns" cluster-proxy --wait --timeout 5m
+for cluster in "${managed[@]}"; do
+  no_agent() {
+    [ -z "$(kubectl --context "kind-$1" -n "$agent_ns" get deploy,secret,serviceaccount -o name 2>/dev/null |
+      grep -v '^serviceaccount/default$' | grep -v '^secret/cluster-proxy-hub-kubeconfig$' |
+      grep -v '^secret/cluster-proxy-open-cluster-management.io-proxy-agent-signer-client-cert$')" ]
+  }
+  wait_for "${cluster}: the agent is gone" no_agent "$cluster"
+  kubectl --context "kind-${cluster}" get namespace "$agent_ns" >/dev/null ||
+    die "${cluster}: uninstall deleted the agent Namespace (it is orphaned, as OCM's addon framework does)"
 done
 
 log "kind suite passed"

@@ -129,8 +129,45 @@ async fn clusters_join_and_leave_through_the_control_plane() {
     })
     .await;
     // Its agent certificate came from a CSR the addon-manager approved and
-    // cert-authority signed, for this cluster's identity.
+    // cert-authority signed, and its addon-agent's hub kubeconfig from one
+    // the addon-manager approved and the hub's kube-apiserver-client signer
+    // signed: one CSR each, every one issued (a subject the registration
+    // agent rejects would make it ask again, issue 56).
     let csrs: Api<CertificateSigningRequest> = Api::all(admin.clone());
+    let mut signers: Vec<(String, bool)> = csrs
+        .list(&Default::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|c| {
+            c.metadata
+                .labels
+                .as_ref()
+                .and_then(|l| l.get("open-cluster-management.io/cluster-name"))
+                .is_some_and(|n| n == "cluster-new")
+        })
+        .map(|c| {
+            let issued = c
+                .status
+                .as_ref()
+                .and_then(|s| s.certificate.as_ref())
+                .is_some();
+            (c.spec.signer_name, issued)
+        })
+        .collect();
+    signers.sort();
+    assert_eq!(
+        signers,
+        [
+            ("kubernetes.io/kube-apiserver-client".to_string(), true),
+            (
+                "open-cluster-management.io/proxy-agent-signer".to_string(),
+                true
+            ),
+        ],
+        "the CSRs of cluster-new"
+    );
     let issued = csrs
         .list(&Default::default())
         .await

@@ -1,7 +1,13 @@
-//! Approval of proxy-agent CertificateSigningRequests.
+//! Approval of the addon's CertificateSigningRequests: the proxy-agent's
+//! client certificate (`open-cluster-management.io/proxy-agent-signer`,
+//! signed by cert-authority) and the addon-agent's hub kubeconfig
+//! (`kubernetes.io/kube-apiserver-client`, signed by the hub's
+//! kube-controller-manager). OCM's own addon-manager approves addon CSRs
+//! only for template addons, so without this nobody approves the second and
+//! the addon-agent never gets its hub kubeconfig.
 //!
-//! A CSR for `open-cluster-management.io/proxy-agent-signer` labelled for
-//! the addon and a cluster is approved only when all of these hold:
+//! A CSR labelled for the addon and a cluster is approved only when all of
+//! these hold:
 //!
 //! * the requester the API server authenticated (`spec.username`) is the
 //!   cluster's own registration identity,
@@ -9,11 +15,13 @@
 //!   `system:open-cluster-management:<cluster>`;
 //! * the cluster label names that same cluster;
 //! * the ManagedCluster exists and the hub accepts it (`hubAcceptsClient`);
-//! * the request's subject is the one the addon's registration asks for:
-//!   user, group and the organizational unit of the current CA.
+//! * the request's subject is the one the addon's registration for that
+//!   signer asks for (render::registrations): for the proxy-agent, user,
+//!   group and the organizational unit of the current CA; for the hub
+//!   kubeconfig, the cluster's own addon user and groups, nothing more;
+//! * a hub kubeconfig asks for client-certificate usages only.
 //!
 //! Anything else is left for a human (never denied) and the reason logged.
-//! Signing is cert-authority's job.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -34,7 +42,10 @@ use kube::{Api, ResourceExt};
 use x509_parser::prelude::{FromDer, X509CertificationRequest};
 
 use super::reconcile::get_opt;
-use super::render::{CLUSTER_PROXY_GROUP, PROXY_AGENT_SIGNER, PROXY_AGENT_USER};
+use super::render::{
+    ADDON_AGENTS_GROUP, CLUSTER_PROXY_GROUP, KUBE_APISERVER_CLIENT_SIGNER, PROXY_AGENT_SIGNER,
+    PROXY_AGENT_USER, framework_agent_group, framework_agent_user,
+};
 use super::{ADDON_NAME, AddonError, CA_BUNDLE_KEY, CA_BUNDLE_SECRET, Context, retry_after};
 
 const CONTROLLER: &str = "csr";
@@ -137,9 +148,11 @@ pub fn decide(
     cluster: Option<&ManagedCluster>,
     expected_unit: Option<&str>,
 ) -> Approval {
-    if csr.spec.signer_name != PROXY_AGENT_SIGNER {
-        return Approval::Ignore("another signer");
-    }
+    let credential = match csr.spec.signer_name.as_str() {
+        PROXY_AGENT_SIGNER => Credential::ProxyAgent,
+        KUBE_APISERVER_CLIENT_SIGNER => Credential::HubKubeconfig,
+        _ => return Approval::Ignore("another signer"),
+    };
     if has_condition(csr, "Approved")
         || has_condition(csr, "Denied")
         || has_condition(csr, "Failed")
@@ -173,35 +186,100 @@ pub fn decide(
             "the hub does not accept cluster {requester} (hubAcceptsClient)"
         ));
     }
-    let Some(expected_unit) = expected_unit else {
-        return Approval::Leave(
-            "the hub CA is not published yet; the subject cannot be checked".into(),
-        );
-    };
-    let RequestSubject {
-        common_names,
-        organizations,
-        units,
-    } = match request_subject(&csr.spec.request.0) {
+    let subject = match request_subject(&csr.spec.request.0) {
         Ok(subject) => subject,
         Err(why) => return Approval::Leave(why),
     };
-    if common_names != [PROXY_AGENT_USER] {
-        return Approval::Leave(format!(
-            "subject common name {common_names:?} is not {PROXY_AGENT_USER:?}"
-        ));
-    }
-    if organizations != [CLUSTER_PROXY_GROUP] {
-        return Approval::Leave(format!(
-            "subject organizations {organizations:?} are not [{CLUSTER_PROXY_GROUP:?}]"
-        ));
-    }
-    if units != [expected_unit] {
-        return Approval::Leave(format!(
-            "subject organizational units {units:?} are not those of the current CA ([{expected_unit:?}])"
-        ));
+    let checked = match credential {
+        Credential::ProxyAgent => match expected_unit {
+            Some(unit) => proxy_agent_subject(&subject, unit),
+            None => Err("the hub CA is not published yet; the subject cannot be checked".into()),
+        },
+        Credential::HubKubeconfig => hub_kubeconfig_subject(&subject, &requester)
+            .and_then(|()| client_usages_only(csr.spec.usages.as_deref().unwrap_or_default())),
+    };
+    if let Err(why) = checked {
+        return Approval::Leave(why);
     }
     Approval::Approve { cluster: requester }
+}
+
+/// Which of the addon's two credentials a CSR asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Credential {
+    ProxyAgent,
+    HubKubeconfig,
+}
+
+fn proxy_agent_subject(subject: &RequestSubject, expected_unit: &str) -> Result<(), String> {
+    if subject.common_names != [PROXY_AGENT_USER] {
+        return Err(format!(
+            "subject common name {:?} is not {PROXY_AGENT_USER:?}",
+            subject.common_names
+        ));
+    }
+    if subject.organizations != [CLUSTER_PROXY_GROUP] {
+        return Err(format!(
+            "subject organizations {:?} are not [{CLUSTER_PROXY_GROUP:?}]",
+            subject.organizations
+        ));
+    }
+    if subject.units != [expected_unit] {
+        return Err(format!(
+            "subject organizational units {:?} are not those of the current CA ([{expected_unit:?}])",
+            subject.units
+        ));
+    }
+    Ok(())
+}
+
+/// The hub kubeconfig authenticates to the hub API as its subject: the
+/// cluster's own addon user and groups (compared as a set: Go's encoder
+/// sorts a multi-valued RDN), and nothing that would name another cluster
+/// or a group with more rights.
+fn hub_kubeconfig_subject(subject: &RequestSubject, cluster: &ClusterName) -> Result<(), String> {
+    let user = framework_agent_user(cluster.as_str());
+    if subject.common_names != [user.as_str()] {
+        return Err(format!(
+            "subject common name {:?} is not {user:?}",
+            subject.common_names
+        ));
+    }
+    let mut groups = subject.organizations.clone();
+    groups.sort();
+    let mut expected = vec![
+        framework_agent_group(cluster.as_str()),
+        ADDON_AGENTS_GROUP.to_owned(),
+    ];
+    expected.sort();
+    if groups != expected {
+        return Err(format!(
+            "subject organizations {:?} are not {expected:?}",
+            subject.organizations
+        ));
+    }
+    if !subject.units.is_empty() {
+        return Err(format!(
+            "subject organizational units {:?}: the hub kubeconfig asks for none",
+            subject.units
+        ));
+    }
+    Ok(())
+}
+
+/// kube-controller-manager signs a `kube-apiserver-client` CSR for these
+/// usages only, and `client auth` must be among them.
+fn client_usages_only(usages: &[String]) -> Result<(), String> {
+    const ALLOWED: [&str; 3] = ["client auth", "digital signature", "key encipherment"];
+    if let Some(other) = usages.iter().find(|u| !ALLOWED.contains(&u.as_str())) {
+        return Err(format!(
+            "usage {other:?} is not one of a client certificate's ({ALLOWED:?})"
+        ));
+    }
+    if !usages.iter().any(|u| u == "client auth") {
+        return Err("the usages do not include \"client auth\"".into());
+    }
+    Ok(())
 }
 
 /// `csr` with an `Approved` condition added.
@@ -220,12 +298,21 @@ pub fn approved(
             status: "True".into(),
             reason: Some(REASON_APPROVED.into()),
             message: Some(format!(
-                "cluster-proxy addon-manager approved the proxy-agent certificate of cluster {cluster}"
+                "cluster-proxy addon-manager approved the {} of cluster {cluster}",
+                credential_name(&csr.spec.signer_name)
             )),
             last_update_time: Some(now.clone()),
             last_transition_time: Some(now),
         });
     csr
+}
+
+fn credential_name(signer: &str) -> &'static str {
+    if signer == KUBE_APISERVER_CLIENT_SIGNER {
+        "addon-agent hub kubeconfig"
+    } else {
+        "proxy-agent certificate"
+    }
 }
 
 /// Reconciles one CSR.
@@ -254,18 +341,23 @@ pub async fn reconcile(
         }
         Err(_) => None,
     };
-    let secrets = Api::<Secret>::namespaced(client.clone(), &context.settings.hub_namespace);
-    let expected_unit = get_opt(&secrets, CA_BUNDLE_SECRET)
-        .await?
-        .and_then(|secret| secret.data)
-        .and_then(|mut data| data.remove(CA_BUNDLE_KEY))
-        .filter(|pem| !pem.0.is_empty())
-        .map(|pem| super::render::signer_organization_unit(&pem.0));
+    // Only the proxy-agent's subject names the CA.
+    let expected_unit = if csr.spec.signer_name == PROXY_AGENT_SIGNER {
+        let secrets = Api::<Secret>::namespaced(client.clone(), &context.settings.hub_namespace);
+        get_opt(&secrets, CA_BUNDLE_SECRET)
+            .await?
+            .and_then(|secret| secret.data)
+            .and_then(|mut data| data.remove(CA_BUNDLE_KEY))
+            .filter(|pem| !pem.0.is_empty())
+            .map(|pem| super::render::signer_organization_unit(&pem.0))
+    } else {
+        None
+    };
     match decide(&csr, cluster.as_ref(), expected_unit.as_deref()) {
         Approval::Ignore(_) => {}
         Approval::Leave(why) => {
             context.metrics.csr_decision("left");
-            tracing::warn!(csr = %name, reason = %why, "not approving a proxy-agent CSR; left for an administrator");
+            tracing::warn!(csr = %name, signer = %csr.spec.signer_name, reason = %why, "not approving an addon CSR; left for an administrator");
         }
         Approval::Approve { cluster } => {
             let api = Api::<CertificateSigningRequest>::all(client.clone());
@@ -279,7 +371,7 @@ pub async fn reconcile(
             .await
             .map_err(AddonError::api(format!("approving CSR {name}")))?;
             context.metrics.csr_decision("approved");
-            tracing::info!(csr = %name, %cluster, "approved a proxy-agent CSR");
+            tracing::info!(csr = %name, %cluster, signer = %csr.spec.signer_name, "approved an addon CSR");
         }
     }
     Ok(Action::await_change())
@@ -296,17 +388,16 @@ fn error_policy(
 }
 
 /// The CSR approval controller, as a stream of reconcile results. It
-/// watches only our signer's CSRs labelled for the addon; a ManagedCluster
-/// change (say, `hubAcceptsClient` turning true) looks at them all again.
+/// watches only CSRs labelled for the addon (both signers: a field selector
+/// cannot name two); a ManagedCluster change (say, `hubAcceptsClient`
+/// turning true) looks at them all again.
 pub fn controller(
     context: Arc<Context>,
     shutdown: impl Future<Output = ()> + Send + Sync + 'static,
 ) -> impl Stream<Item = ()> + Send {
     use kube::runtime::WatchStreamExt;
     let client = context.client.clone();
-    let ours = watcher::Config::default()
-        .fields(&format!("spec.signerName={PROXY_AGENT_SIGNER}"))
-        .labels(&format!("{LABEL_ADDON_NAME}={ADDON_NAME}"));
+    let ours = watcher::Config::default().labels(&format!("{LABEL_ADDON_NAME}={ADDON_NAME}"));
     let clusters = watcher(
         Api::<ManagedCluster>::all(client.clone()),
         watcher::Config::default(),

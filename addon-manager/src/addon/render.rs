@@ -16,7 +16,7 @@ use cluster_proxy_proto::api::proxy::v1alpha1::{
 };
 use cluster_proxy_proto::api::work::v1::{
     DeleteOption, Manifest, ManifestError, ManifestWork, ManifestWorkSpec, ManifestsTemplate,
-    PROPAGATION_FOREGROUND,
+    PROPAGATION_FOREGROUND, PROPAGATION_SELECTIVELY_ORPHAN, ResourceIdentifier, SelectivelyOrphan,
 };
 use cluster_proxy_proto::identity::ClusterName;
 use k8s_openapi::ByteString;
@@ -630,21 +630,48 @@ pub fn agent_manifests(inputs: &AgentInputs<'_>) -> Result<Vec<Manifest>, Manife
     Ok(manifests)
 }
 
+/// What the work agent deletes with the work: everything but the manifests
+/// annotated `deletion-orphan` (the agent namespace), which it must keep.
+/// The work agent never reads that annotation; the addon framework turns
+/// it into `SelectivelyOrphan` rules, and so must we.
+fn delete_option(manifests: &[Manifest]) -> DeleteOption {
+    let rules: Vec<ResourceIdentifier> = manifests
+        .iter()
+        .filter(|m| {
+            m.0.pointer("/metadata/annotations")
+                .and_then(|a| a.get(ANNOTATION_DELETION_ORPHAN))
+                .is_some()
+        })
+        .filter_map(Manifest::identifier)
+        .collect();
+    if rules.is_empty() {
+        return DeleteOption {
+            propagation_policy: Some(PROPAGATION_FOREGROUND.into()),
+            ..DeleteOption::default()
+        };
+    }
+    DeleteOption {
+        propagation_policy: Some(PROPAGATION_SELECTIVELY_ORPHAN.into()),
+        selectively_orphan: Some(SelectivelyOrphan {
+            orphaning_rules: Some(rules),
+        }),
+        ..DeleteOption::default()
+    }
+}
+
 /// The ManifestWork `addon-cluster-proxy-deploy-0` in the cluster's
 /// namespace, owned by the ManagedClusterAddOn so it goes with it.
 pub fn manifest_work(
     inputs: &AgentInputs<'_>,
     owner: Option<OwnerReference>,
 ) -> Result<ManifestWork, ManifestError> {
+    let manifests = agent_manifests(inputs)?;
     let mut work = ManifestWork::new(
         MANIFEST_WORK_NAME,
         ManifestWorkSpec {
+            delete_option: Some(delete_option(&manifests)),
             workload: Some(ManifestsTemplate {
-                manifests: Some(agent_manifests(inputs)?),
-            }),
-            delete_option: Some(DeleteOption {
-                propagation_policy: Some(PROPAGATION_FOREGROUND.into()),
-                ..DeleteOption::default()
+                manifests: Some(manifests),
             }),
             ..ManifestWorkSpec::default()
         },

@@ -244,6 +244,11 @@ pub fn decide(
     if let Err(message) = key_strength(&parsed) {
         return refuse("WeakKey", message);
     }
+    // Before rcgen reads the request: it cannot read every subject.
+    let subject = match crate::pki::requested_subject(&parsed.certification_request_info.subject) {
+        Ok(subject) => subject,
+        Err(e) => return refuse("SubjectNotPreserved", e.to_string()),
+    };
     // Verifies the request's signature (weak keys were refused above:
     // the verifier would not even accept them).
     let params = match rcgen::CertificateSigningRequestParams::from_pem(pem) {
@@ -275,13 +280,40 @@ pub fn decide(
         None => validity,
     };
     let request = LeafRequest::agent(&cluster).with_validity(validity);
-    match signer.sign_request_at(params, &request, now) {
-        Ok(certificate_pem) => Decision::Sign {
+    let certificate_pem = match signer.sign_request_at(params, subject, &request, now) {
+        Ok(pem) => pem,
+        Err(e) => return refuse("SigningFailed", e.to_string()),
+    };
+    let requested = parsed.certification_request_info.subject.as_raw();
+    match issued_subject_is(&certificate_pem, requested) {
+        Ok(()) => Decision::Sign {
             cluster,
             certificate_pem,
         },
-        Err(e) => refuse("SigningFailed", e.to_string()),
+        Err(message) => refuse("SubjectNotPreserved", message),
     }
+}
+
+/// Whether the issued certificate's subject is byte for byte the requested
+/// one. OCM's registration agent asks again for a certificate whose subject
+/// differs from its request, and again, until its CSR threshold stops it: a
+/// subject we cannot reproduce is refused once, with the reason, instead.
+fn issued_subject_is(certificate_pem: &str, requested: &[u8]) -> Result<(), String> {
+    let (_, block) = x509_parser::pem::parse_x509_pem(certificate_pem.as_bytes())
+        .map_err(|e| format!("the issued certificate does not parse: {e}"))?;
+    let certificate = block
+        .parse_x509()
+        .map_err(|e| format!("the issued certificate does not parse: {e}"))?;
+    if certificate.subject().as_raw() == requested {
+        return Ok(());
+    }
+    let requested_text = x509_parser::x509::X509Name::from_der(requested)
+        .map(|(_, name)| name.to_string())
+        .unwrap_or_else(|_| "<unparsable>".into());
+    Err(format!(
+        "the requested subject {requested_text:?} cannot be issued as requested (got {:?})",
+        certificate.subject().to_string()
+    ))
 }
 
 /// Acts on one CSR: writes the certificate or a `Failed` condition to its

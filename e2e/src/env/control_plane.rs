@@ -835,8 +835,8 @@ impl super::Environment {
             kubeconfig_for: Arc::new(move |user, groups| {
                 direct.write(user, groups).map_err(|e| e.to_string())
             }),
-            cluster_kubeconfig_for: Arc::new(move |user, groups| {
-                for_clusters.write(user, groups).map_err(|e| e.to_string())
+            cluster_kubeconfig_with_certificate: Arc::new(move |cert, key| {
+                for_clusters.certificate_kubeconfig(cert, key)
             }),
             binaries: self.binaries.clone(),
             logs: self.logs.clone(),
@@ -1097,7 +1097,77 @@ pub struct HubRbac {
 /// CSRs (the addon-agent's Lease Role is the addon-manager's to write).
 const REGISTRATION_AGENT_ROLE: &str = "e2e:open-cluster-management:registration-agent";
 
+/// The chart rendered with its default values, as `charts/tests/check.py`
+/// keeps it (CI fails when the snapshot and the chart disagree).
+const CHART_DEFAULT_RENDER: &str = include_str!("../../../charts/tests/snapshots/default.yaml");
+
 impl HubRbac {
+    /// The RBAC of a chart's render (one JSON value per object): its
+    /// Namespaces, (Cluster)Roles and bindings, and the ServiceAccounts the
+    /// three hub Deployments run as.
+    pub fn from_chart_documents(documents: &[serde_json::Value]) -> Result<Self, String> {
+        let text = |object: &serde_json::Value, pointer: &str| {
+            object
+                .pointer(pointer)
+                .and_then(serde_json::Value::as_str)
+                .unwrap_or_default()
+                .to_string()
+        };
+        let objects = documents
+            .iter()
+            .filter(|d| {
+                matches!(
+                    text(d, "/kind").as_str(),
+                    "Namespace" | "ClusterRole" | "ClusterRoleBinding" | "Role" | "RoleBinding"
+                )
+            })
+            .cloned()
+            .collect();
+        let service_account_of = |name: &str| -> Result<String, String> {
+            let deployment = documents
+                .iter()
+                .find(|d| text(d, "/kind") == "Deployment" && text(d, "/metadata/name") == name)
+                .ok_or_else(|| format!("the chart renders no Deployment {name}"))?;
+            let account = text(deployment, "/spec/template/spec/serviceAccountName");
+            if account.is_empty() {
+                return Err(format!("Deployment {name} names no ServiceAccount"));
+            }
+            Ok(Self::service_account(
+                &text(deployment, "/metadata/namespace"),
+                &account,
+            ))
+        };
+        Ok(HubRbac {
+            objects,
+            addon_manager: service_account_of("cluster-proxy-addon-manager")?,
+            cert_authority: service_account_of("cluster-proxy-cert-authority")?,
+            health_prober: service_account_of("cluster-proxy-health-prober")?,
+        })
+    }
+
+    /// The RBAC `helm install` with default values creates, from the chart's
+    /// checked render: what `e2e up` runs the hub services under.
+    pub fn chart_defaults() -> Result<Self, String> {
+        // The snapshot starts each template's output with its `# Source:`
+        // line and separates its documents with `---`; NOTES.txt is text.
+        let mut documents: Vec<serde_json::Value> = Vec::new();
+        for section in CHART_DEFAULT_RENDER.split("# Source: ").skip(1) {
+            let (source, body) = section.split_once('\n').unwrap_or((section, ""));
+            if !source.trim_end().ends_with(".yaml") {
+                continue;
+            }
+            let parsed: Vec<serde_json::Value> = serde_saphyr::from_multiple(body)
+                .map_err(|e| format!("charts/tests/snapshots/default.yaml, {source}: {e}"))?;
+            documents.extend(parsed);
+        }
+        Self::from_chart_documents(
+            &documents
+                .into_iter()
+                .filter(|d| !d.is_null())
+                .collect::<Vec<_>>(),
+        )
+    }
+
     /// The user of ServiceAccount `name` in `namespace`.
     pub fn service_account(namespace: &str, name: &str) -> String {
         format!("system:serviceaccount:{namespace}:{name}")

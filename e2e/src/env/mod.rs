@@ -164,8 +164,11 @@ pub struct EnvOptions {
     pub spare_machines: usize,
     /// With the control plane: run addon-manager, cert-authority and
     /// health-prober as ServiceAccounts under this RBAC (the API enforces
-    /// RBAC and records every decision).
+    /// RBAC); `None` means the chart's default RBAC.
     pub hub_rbac: Option<control_plane::HubRbac>,
+    /// Keep every authorization decision of the API (tests of RBAC; it
+    /// grows without bound, so `up` does not).
+    pub record_requests: bool,
     /// Where the services send traces.
     pub traces: traces::TraceExport,
 }
@@ -202,6 +205,7 @@ impl EnvOptions {
             control_plane: false,
             spare_machines: 2,
             hub_rbac: None,
+            record_requests: false,
             traces: traces::TraceExport::Off,
         }
     }
@@ -383,7 +387,13 @@ fn write_apiserver_pki(dir: &Path, cluster: &str, service_ip: IpAddr) -> Result<
 impl Environment {
     /// Builds the binaries and starts everything; returns once every process
     /// is started (not yet ready: see [`Environment::wait_ready`]).
-    pub async fn start(options: EnvOptions) -> Result<Self, EnvError> {
+    pub async fn start(mut options: EnvOptions) -> Result<Self, EnvError> {
+        // As on a real hub, the control plane runs as the chart's
+        // ServiceAccounts, every request authorized by the chart's RBAC.
+        if options.control_plane && options.hub_rbac.is_none() {
+            options.hub_rbac =
+                Some(control_plane::HubRbac::chart_defaults().map_err(EnvError::KubeApi)?);
+        }
         for name in &options.clusters {
             cluster_proxy_proto::identity::ClusterName::new(name)
                 .map_err(|e| EnvError::ClusterName(name.clone(), e.to_string()))?;
@@ -486,7 +496,7 @@ impl Environment {
             }
             api_options.bind = SocketAddr::new(ip, KUBE_API_PORT);
             api_options.rbac = options.hub_rbac.is_some();
-            api_options.record_requests = options.hub_rbac.is_some();
+            api_options.record_requests = options.record_requests;
             Some(
                 KubeApi::start(api_options)
                     .await

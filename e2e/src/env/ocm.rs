@@ -38,7 +38,7 @@ use cluster_proxy_proto::api::addon::v1alpha1::{
 use cluster_proxy_proto::api::cluster::v1::ManagedCluster;
 use cluster_proxy_proto::api::cluster::v1beta1::{LABEL_PLACEMENT, Placement, PlacementDecision};
 use cluster_proxy_proto::api::proxy::v1alpha1::ManagedProxyConfiguration;
-use cluster_proxy_proto::api::work::v1::ManifestWork;
+use cluster_proxy_proto::api::work::v1::{DeleteOption, ManifestWork};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::certificates::v1::CertificateSigningRequest;
 use k8s_openapi::api::coordination::v1::Lease;
@@ -335,6 +335,9 @@ async fn write_decisions(
 /// Writes a kubeconfig for a user in groups and returns its path.
 pub type KubeconfigFn = Arc<dyn Fn(&str, &[&str]) -> Result<PathBuf, String> + Send + Sync>;
 
+/// A kubeconfig's text for a client certificate and its key.
+pub type CertificateKubeconfigFn = Arc<dyn Fn(&str, &str) -> String + Send + Sync>;
+
 /// Where a managed cluster's processes live.
 #[derive(Debug, Clone)]
 pub struct Machine {
@@ -350,9 +353,10 @@ pub struct OcmContext {
     pub admin: Client,
     /// Makes a kubeconfig for `user` in `groups` (for this process).
     pub kubeconfig_for: KubeconfigFn,
-    /// The same, with the API's address as the managed clusters reach it
-    /// (for the agents' processes).
-    pub cluster_kubeconfig_for: KubeconfigFn,
+    /// A kubeconfig that authenticates with a client certificate (PEM
+    /// certificate, PEM key) at the API's address as the managed clusters
+    /// reach it: the hub kubeconfig the registration agent writes.
+    pub cluster_kubeconfig_with_certificate: CertificateKubeconfigFn,
     pub binaries: Binaries,
     pub logs: Logs,
     pub state_dir: PathBuf,
@@ -378,14 +382,14 @@ pub struct Klusterlet {
     pub services: Supervised,
     volumes: SecretVolumes,
     runner: DeploymentRunner,
-    /// The agent key and the subject of the CSR in flight, if any.
-    pending_csr: Option<(String, String, String)>,
-    /// The subject the current agent certificate was issued for.
-    issued_subject: Option<String>,
-    cert_not_after: Option<OffsetDateTime>,
-    cert_not_before: Option<OffsetDateTime>,
-    /// The subject of the hub kubeconfig written so far.
-    hub_kubeconfig_subject: Option<(String, Vec<String>)>,
+    /// The proxy-agent's client certificate (our signer).
+    agent_certificate: Credential,
+    /// The addon-agent's hub kubeconfig (kube-apiserver-client).
+    hub_kubeconfig: Credential,
+    /// The objects the work agent made on the managed cluster
+    /// (`group/resource/namespace/name`), and whether it deletes each with
+    /// the work (the work's delete options at apply time, as OCM's).
+    cluster_objects: BTreeMap<String, bool>,
     pub status: ClusterStatus,
 }
 
@@ -445,11 +449,9 @@ impl Klusterlet {
             services,
             volumes: SecretVolumes::new(dir.join("secrets")),
             runner: DeploymentRunner::new(name),
-            pending_csr: None,
-            issued_subject: None,
-            cert_not_after: None,
-            cert_not_before: None,
-            hub_kubeconfig_subject: None,
+            agent_certificate: Credential::new(PROXY_AGENT_SIGNER, AGENT_CERT_SECRET),
+            hub_kubeconfig: Credential::new(KUBE_CLIENT_SIGNER, HUB_KUBECONFIG_SECRET),
+            cluster_objects: BTreeMap::new(),
             status: ClusterStatus::default(),
         }
     }
@@ -537,102 +539,13 @@ impl Klusterlet {
         }
     }
 
-    /// The subject the addon's proxy-agent-signer registration asks for:
-    /// (common name, organizations, organizational units).
-    fn wanted_subject(addon: &ManagedClusterAddOn) -> Option<(String, Vec<String>, Vec<String>)> {
-        let registrations = serde_json::to_value(addon.status.as_ref()?)
-            .ok()?
-            .get("registrations")?
-            .clone();
-        let registration = registrations
-            .as_array()?
-            .iter()
-            .find(|r| r.get("signerName").and_then(Value::as_str) == Some(PROXY_AGENT_SIGNER))?
-            .clone();
-        let subject = registration.get("subject")?;
-        let strings = |key: &str| -> Vec<String> {
-            subject
-                .get(key)
-                .and_then(Value::as_array)
-                .into_iter()
-                .flatten()
-                .filter_map(Value::as_str)
-                .map(String::from)
-                .collect()
-        };
-        Some((
-            subject.get("user").and_then(Value::as_str)?.to_string(),
-            strings("groups"),
-            strings("organizationUnit"),
-        ))
-    }
-
-    /// The subject (user, groups) the addon's kube-apiserver-client
-    /// registration asks for, if it has one.
-    fn kube_client_subject(addon: &ManagedClusterAddOn) -> Option<(String, Vec<String>)> {
-        let registrations = serde_json::to_value(addon.status.as_ref()?)
-            .ok()?
-            .get("registrations")?
-            .clone();
-        let registration = registrations
-            .as_array()?
-            .iter()
-            .find(|r| r.get("signerName").and_then(Value::as_str) == Some(KUBE_CLIENT_SIGNER))?
-            .clone();
-        let subject = registration.get("subject")?;
-        Some((
-            subject.get("user").and_then(Value::as_str)?.to_string(),
-            subject
-                .get("groups")
-                .and_then(Value::as_array)
-                .into_iter()
-                .flatten()
-                .filter_map(Value::as_str)
-                .map(String::from)
-                .collect(),
-        ))
-    }
-
+    /// The registration agent's part: each of the addon's registrations
+    /// gets its credential through a CSR, as OCM's does.
     async fn register(
         &mut self,
         ctx: &OcmContext,
         addon: &ManagedClusterAddOn,
     ) -> Result<(), OcmError> {
-        if let Some((user, groups)) = Self::kube_client_subject(addon)
-            && self.hub_kubeconfig_subject.as_ref() != Some(&(user.clone(), groups.clone()))
-        {
-            // OCM gets this through a kube-apiserver-client CSR; the
-            // in-memory API authenticates by token, so the registration
-            // agent writes a token kubeconfig for the same identity.
-            let mut with_authenticated: Vec<&str> = groups.iter().map(String::as_str).collect();
-            with_authenticated.push("system:authenticated");
-            let path = (ctx.cluster_kubeconfig_for)(&user, &with_authenticated)
-                .map_err(OcmError::Other)?;
-            let text = std::fs::read(&path)
-                .map_err(|e| OcmError::Other(format!("{}: {e}", path.display())))?;
-            let data: BTreeMap<String, Vec<u8>> = [("kubeconfig".to_string(), text)].into();
-            self.volumes
-                .write_data(HUB_KUBECONFIG_SECRET, &data)
-                .map_err(|e| OcmError::Other(e.to_string()))?;
-            self.hub_kubeconfig_subject = Some((user, groups));
-        }
-
-        let Some((user, groups, units)) = Self::wanted_subject(addon) else {
-            return Ok(());
-        };
-        let subject = format!("{user}|{}|{}", groups.join(","), units.join(","));
-        let now = OffsetDateTime::now_utc();
-        let renew_due = match (self.cert_not_before, self.cert_not_after) {
-            // The klusterlet renews when 20 % or less of the life is left.
-            (Some(from), Some(to)) => now >= to - (to - from) * 0.2,
-            _ => true,
-        };
-        let current = self.issued_subject.as_deref() == Some(subject.as_str())
-            && self.volumes.exists(AGENT_CERT_SECRET);
-        if current && !renew_due {
-            self.pending_csr = None;
-            return Ok(());
-        }
         let client = crate::kubeapi::KubeApi::client_from(
             &(ctx.kubeconfig_for)(
                 &self.registration_user(),
@@ -647,57 +560,32 @@ impl Klusterlet {
         .await
         .map_err(|e| OcmError::Other(e.to_string()))?;
         let csrs: Api<CertificateSigningRequest> = Api::all(client);
-        match self.pending_csr.clone() {
-            Some((name, key_pem, pending_subject)) if pending_subject == subject => {
-                let Some(csr) = csrs.get_opt(&name).await? else {
-                    self.pending_csr = None;
-                    return Ok(());
-                };
-                let Some(cert) = csr.status.as_ref().and_then(|s| s.certificate.as_ref()) else {
-                    return Ok(());
-                };
-                let pem = String::from_utf8_lossy(&cert.0).into_owned();
-                let (from, to) = validity(&pem).ok_or_else(|| {
-                    OcmError::Other(format!("CSR {name}: the issued certificate does not parse"))
-                })?;
-                let data: BTreeMap<String, Vec<u8>> = [
-                    ("tls.crt".to_string(), cert.0.clone()),
-                    ("tls.key".to_string(), key_pem.into_bytes()),
-                ]
-                .into();
-                self.volumes
-                    .write_data(AGENT_CERT_SECRET, &data)
-                    .map_err(|e| OcmError::Other(e.to_string()))?;
-                self.issued_subject = Some(subject);
-                self.cert_not_before = Some(from);
-                self.cert_not_after = Some(to);
-                self.pending_csr = None;
-                self.status.certificate = Some(format!("issued, valid until {}", rfc3339(to)));
+        let name = self.name.clone();
+        let hub_kubeconfig = &ctx.cluster_kubeconfig_with_certificate;
+        if let Some(subject) = Subject::of_registration(addon, KUBE_CLIENT_SIGNER, &name) {
+            let issued = self
+                .hub_kubeconfig
+                .sync(&csrs, &name, subject, &self.volumes, |cert, key| {
+                    let text = hub_kubeconfig(cert, key);
+                    [("kubeconfig".to_string(), text.into_bytes())].into()
+                })
+                .await?;
+            if let Some(problem) = issued.problem() {
+                tracing::warn!("{name}: hub kubeconfig: {problem}");
             }
-            _ => {
-                let (csr_pem, key_pem) = make_csr(&user, &groups, &units)?;
-                let object: CertificateSigningRequest = serde_json::from_value(json!({
-                    "metadata": {
-                        "generateName": format!("addon-{}-{ADDON_NAME}-", self.name),
-                        "labels": {
-                            "open-cluster-management.io/cluster-name": self.name,
-                            "open-cluster-management.io/addon-name": ADDON_NAME,
-                        },
-                    },
-                    "spec": {
-                        "signerName": PROXY_AGENT_SIGNER,
-                        "request": base64_encode(csr_pem.as_bytes()),
-                        "usages": ["digital signature", "key encipherment", "client auth"],
-                    },
-                }))
-                .map_err(|e| OcmError::Other(e.to_string()))?;
-                let created = csrs.create(&PostParams::default(), &object).await?;
-                self.status.certificate = Some(format!(
-                    "requested (CSR {}), waiting for approval and signing",
-                    created.name_any()
-                ));
-                self.pending_csr = Some((created.name_any(), key_pem, subject));
-            }
+        }
+        if let Some(subject) = Subject::of_registration(addon, PROXY_AGENT_SIGNER, &name) {
+            let issued = self
+                .agent_certificate
+                .sync(&csrs, &name, subject, &self.volumes, |cert, key| {
+                    [
+                        ("tls.crt".to_string(), cert.as_bytes().to_vec()),
+                        ("tls.key".to_string(), key.as_bytes().to_vec()),
+                    ]
+                    .into()
+                })
+                .await?;
+            self.status.certificate = Some(issued.describe());
         }
         Ok(())
     }
@@ -708,6 +596,32 @@ impl Klusterlet {
         let work = work.filter(|w| w.metadata.deletion_timestamp.is_none());
         let mut deployment: Option<Deployment> = None;
         let mut namespace = String::new();
+        match &work {
+            // What the work made stays only where its delete options say so.
+            None => self
+                .cluster_objects
+                .retain(|_, deleted_with_work| !*deleted_with_work),
+            Some(work) => {
+                let option = work.spec.delete_option.as_ref();
+                for identifier in work
+                    .spec
+                    .workload
+                    .iter()
+                    .flat_map(|w| w.manifests.iter().flatten())
+                    .filter_map(|m| m.identifier())
+                {
+                    let deleted = DeleteOption::deletes(option, &identifier);
+                    let key = format!(
+                        "{}/{}/{}/{}",
+                        identifier.group,
+                        identifier.resource,
+                        identifier.namespace,
+                        identifier.name
+                    );
+                    self.cluster_objects.insert(key, deleted);
+                }
+            }
+        }
         if let Some(work) = &work {
             for manifest in work
                 .spec
@@ -866,6 +780,12 @@ impl Klusterlet {
     }
 
     /// Stops the cluster's agents and services.
+    /// The objects on the managed cluster that the work agent made and
+    /// has not deleted (`group/resource/namespace/name`).
+    pub fn cluster_objects(&self) -> BTreeSet<String> {
+        self.cluster_objects.keys().cloned().collect()
+    }
+
     pub async fn stop(&mut self) {
         self.runner.stop_all().await;
         self.services.stop(Duration::from_secs(5)).await;
@@ -908,10 +828,19 @@ fn make_csr(user: &str, groups: &[String], units: &[String]) -> Result<(String, 
     params
         .distinguished_name
         .push(rcgen::DnType::CommonName, user);
-    for group in groups {
-        params
-            .distinguished_name
-            .push(rcgen::DnType::OrganizationName, group.as_str());
+    // One attribute per group: rcgen keeps one value per attribute type, so
+    // the second organization is written under its OID as a custom type.
+    for (i, group) in groups.iter().enumerate() {
+        let dn_type = match i {
+            0 => rcgen::DnType::OrganizationName,
+            1 => rcgen::DnType::CustomDnType(vec![2, 5, 4, 10]),
+            _ => {
+                return Err(OcmError::Other(format!(
+                    "a subject of more than two groups ({groups:?}) cannot be requested here"
+                )));
+            }
+        };
+        params.distinguished_name.push(dn_type, group.as_str());
     }
     for unit in units {
         params
@@ -925,14 +854,270 @@ fn make_csr(user: &str, groups: &[String], units: &[String]) -> Result<(String, 
     Ok((csr, key.serialize_pem()))
 }
 
-/// The validity of a PEM certificate.
-fn validity(pem: &str) -> Option<(OffsetDateTime, OffsetDateTime)> {
-    let (_, der) = x509_parser::pem::parse_x509_pem(pem.as_bytes()).ok()?;
-    let cert = der.parse_x509().ok()?;
-    Some((
+/// A certificate subject as OCM's registration agent requests and checks
+/// it (`pkg/registration/register/csr/certificate.go`): the common name,
+/// and organizations and organizational units compared as sets.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Subject {
+    pub user: String,
+    pub groups: Vec<String>,
+    pub units: Vec<String>,
+}
+
+impl Subject {
+    /// The subject the addon's registration for `signer` asks for; for the
+    /// kube-apiserver-client signer without one, OCM's default (the
+    /// cluster's addon user and its one group).
+    pub fn of_registration(
+        addon: &ManagedClusterAddOn,
+        signer: &str,
+        cluster: &str,
+    ) -> Option<Self> {
+        let registrations = serde_json::to_value(addon.status.as_ref()?)
+            .ok()?
+            .get("registrations")?
+            .clone();
+        let registration = registrations
+            .as_array()?
+            .iter()
+            .find(|r| r.get("signerName").and_then(Value::as_str) == Some(signer))?
+            .clone();
+        let Some(subject) = registration
+            .get("subject")
+            .filter(|s| s.get("user").is_some())
+        else {
+            if signer != KUBE_CLIENT_SIGNER {
+                return None;
+            }
+            let group =
+                format!("system:open-cluster-management:cluster:{cluster}:addon:{ADDON_NAME}");
+            return Some(Subject {
+                user: format!("{group}:agent:{ADDON_NAME}"),
+                groups: vec![group],
+                units: Vec::new(),
+            });
+        };
+        let strings = |key: &str| -> Vec<String> {
+            subject
+                .get(key)
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten()
+                .filter_map(Value::as_str)
+                .map(String::from)
+                .collect()
+        };
+        Some(Subject {
+            user: subject.get("user").and_then(Value::as_str)?.to_string(),
+            groups: strings("groups"),
+            units: strings("organizationUnit"),
+        })
+    }
+
+    /// Whether a certificate's subject is this one, as OCM checks it.
+    pub fn matches(&self, certificate: &x509_parser::certificate::X509Certificate<'_>) -> bool {
+        let subject = certificate.subject();
+        let texts = |values: Vec<Option<&str>>| -> BTreeSet<String> {
+            values.into_iter().flatten().map(str::to_string).collect()
+        };
+        let common_name = subject
+            .iter_common_name()
+            .next()
+            .and_then(|a| a.as_str().ok());
+        common_name == Some(self.user.as_str())
+            && texts(
+                subject
+                    .iter_organization()
+                    .map(|a| a.as_str().ok())
+                    .collect(),
+            ) == self.groups.iter().cloned().collect()
+            && texts(
+                subject
+                    .iter_organizational_unit()
+                    .map(|a| a.as_str().ok())
+                    .collect(),
+            ) == self.units.iter().cloned().collect()
+    }
+}
+
+/// OCM stops asking for an addon's certificates once this many of its CSRs
+/// exist on the hub (`addonCSRThreshold`), whatever their state.
+pub const ADDON_CSR_THRESHOLD: usize = 10;
+
+/// One registration's credential, as the registration agent keeps it.
+struct Credential {
+    signer: &'static str,
+    secret: &'static str,
+    /// The CSR in flight: name, key and subject.
+    pending: Option<(String, String, Subject)>,
+    /// The subject of the credential in the Secret.
+    issued: Option<Subject>,
+    not_before: Option<OffsetDateTime>,
+    not_after: Option<OffsetDateTime>,
+    /// The last certificate OCM would not take, and why.
+    rejected: Option<String>,
+    halted: bool,
+}
+
+/// Where a credential stands after a pass.
+enum Standing {
+    Issued(OffsetDateTime),
+    Requested(String),
+    Rejected(String),
+    Halted,
+}
+
+impl Standing {
+    fn describe(&self) -> String {
+        match self {
+            Standing::Issued(to) => format!("issued, valid until {}", rfc3339(*to)),
+            Standing::Requested(csr) => {
+                format!("requested (CSR {csr}), waiting for approval and signing")
+            }
+            Standing::Rejected(why) => format!("rejected: {why}; asked again"),
+            Standing::Halted => {
+                "Stop creating csr since there are too many csr created already on hub".into()
+            }
+        }
+    }
+
+    fn problem(&self) -> Option<String> {
+        matches!(self, Standing::Rejected(_) | Standing::Halted).then(|| self.describe())
+    }
+}
+
+impl Credential {
+    fn new(signer: &'static str, secret: &'static str) -> Self {
+        Credential {
+            signer,
+            secret,
+            pending: None,
+            issued: None,
+            not_before: None,
+            not_after: None,
+            rejected: None,
+            halted: false,
+        }
+    }
+
+    /// One pass: keeps the credential for `subject` current in its Secret
+    /// volume (`data` makes the Secret's keys from certificate and key),
+    /// asking for a new one when there is none, the subject changed or
+    /// 20 % of its life is left, as OCM's registration agent.
+    async fn sync(
+        &mut self,
+        csrs: &Api<CertificateSigningRequest>,
+        cluster: &str,
+        subject: Subject,
+        volumes: &SecretVolumes,
+        data: impl FnOnce(&str, &str) -> BTreeMap<String, Vec<u8>>,
+    ) -> Result<Standing, OcmError> {
+        let now = OffsetDateTime::now_utc();
+        let renew_due = match (self.not_before, self.not_after) {
+            (Some(from), Some(to)) => now >= to - (to - from) * 0.2,
+            _ => true,
+        };
+        if self.issued.as_ref() == Some(&subject) && volumes.exists(self.secret) && !renew_due {
+            self.pending = None;
+            if let Some(to) = self.not_after {
+                return Ok(Standing::Issued(to));
+            }
+        }
+        if let Some((name, key_pem, pending_subject)) = self.pending.clone()
+            && pending_subject == subject
+        {
+            let Some(csr) = csrs.get_opt(&name).await? else {
+                self.pending = None;
+                return Ok(Standing::Requested(name));
+            };
+            let Some(cert) = csr.status.as_ref().and_then(|s| s.certificate.as_ref()) else {
+                return Ok(Standing::Requested(name));
+            };
+            let pem = String::from_utf8_lossy(&cert.0).into_owned();
+            self.pending = None;
+            match check_issued(&pem, &subject, now) {
+                Ok((from, to)) => {
+                    volumes
+                        .write_data(self.secret, &data(&pem, &key_pem))
+                        .map_err(|e| OcmError::Other(e.to_string()))?;
+                    self.issued = Some(subject);
+                    self.not_before = Some(from);
+                    self.not_after = Some(to);
+                    self.rejected = None;
+                    return Ok(Standing::Issued(to));
+                }
+                // OCM: "No valid client certificate … is found. Bootstrap is
+                // required", and a new CSR.
+                Err(why) => {
+                    tracing::warn!(%cluster, csr = %name, signer = self.signer, "{why}");
+                    self.rejected = Some(format!("CSR {name}: {why}"));
+                }
+            }
+        }
+        // OCM's halt: it counts every CSR of this cluster's addon on the hub.
+        let labels = format!(
+            "open-cluster-management.io/cluster-name={cluster},open-cluster-management.io/addon-name={ADDON_NAME}"
+        );
+        let existing = csrs.list(&ListParams::default().labels(&labels)).await?;
+        if existing.items.len() >= ADDON_CSR_THRESHOLD {
+            if !self.halted {
+                tracing::warn!(%cluster, signer = self.signer, "too many csr created already on hub");
+            }
+            self.halted = true;
+            return Ok(Standing::Halted);
+        }
+        self.halted = false;
+        let (csr_pem, key_pem) = make_csr(&subject.user, &subject.groups, &subject.units)?;
+        let object: CertificateSigningRequest = serde_json::from_value(json!({
+            "metadata": {
+                "generateName": format!("addon-{cluster}-{ADDON_NAME}-"),
+                "labels": {
+                    "open-cluster-management.io/cluster-name": cluster,
+                    "open-cluster-management.io/addon-name": ADDON_NAME,
+                },
+            },
+            "spec": {
+                "signerName": self.signer,
+                "request": base64_encode(csr_pem.as_bytes()),
+                "usages": ["digital signature", "key encipherment", "client auth"],
+            },
+        }))
+        .map_err(|e| OcmError::Other(e.to_string()))?;
+        let created = csrs.create(&PostParams::default(), &object).await?;
+        self.pending = Some((created.name_any(), key_pem, subject));
+        Ok(match self.rejected.clone() {
+            Some(why) => Standing::Rejected(why),
+            None => Standing::Requested(created.name_any()),
+        })
+    }
+}
+
+/// The validity of an issued certificate when OCM's registration agent
+/// takes it: unexpired, and with the subject it asked for.
+fn check_issued(
+    pem: &str,
+    subject: &Subject,
+    now: OffsetDateTime,
+) -> Result<(OffsetDateTime, OffsetDateTime), String> {
+    let (_, der) = x509_parser::pem::parse_x509_pem(pem.as_bytes())
+        .map_err(|e| format!("the issued certificate is not PEM: {e}"))?;
+    let cert = der
+        .parse_x509()
+        .map_err(|e| format!("the issued certificate does not parse: {e}"))?;
+    let (from, to) = (
         cert.validity().not_before.to_datetime(),
         cert.validity().not_after.to_datetime(),
-    ))
+    );
+    if now > to {
+        return Err(format!("the issued certificate expired at {}", rfc3339(to)));
+    }
+    if !subject.matches(&cert) {
+        return Err(format!(
+            "No valid client certificate is found: issued for {}, requested {subject:?}",
+            cert.subject()
+        ));
+    }
+    Ok((from, to))
 }
 
 /// Shared view of every klusterlet, for status printing and tests.

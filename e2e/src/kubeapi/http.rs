@@ -49,6 +49,10 @@ pub struct Shared {
     pub pods: super::pods::PodNetwork,
 }
 
+/// The user a connection's verified client certificate names.
+#[derive(Debug, Clone)]
+pub struct CertificateUser(pub User);
+
 impl Shared {
     fn authenticate(&self, request: &Request<Incoming>) -> Result<User, ApiError> {
         let token = request
@@ -58,9 +62,16 @@ impl Shared {
             .and_then(|v| v.strip_prefix("Bearer "))
             .map(str::trim);
         let tokens = self.tokens.lock().unwrap_or_else(|p| p.into_inner());
-        let mut user = token
-            .and_then(|t| tokens.get(t).cloned())
-            .ok_or_else(|| ApiError::new(401, "Unauthorized", "Unauthorized"))?;
+        // A bearer token decides when one is sent; a verified client
+        // certificate otherwise.
+        let mut user = match token {
+            Some(token) => tokens.get(token).cloned(),
+            None => request
+                .extensions()
+                .get::<CertificateUser>()
+                .map(|c| c.0.clone()),
+        }
+        .ok_or_else(|| ApiError::new(401, "Unauthorized", "Unauthorized"))?;
         // As the real server: whoever authenticates is also in this group.
         if !user.groups.iter().any(|g| g == AUTHENTICATED) {
             user.groups.push(AUTHENTICATED.to_string());
@@ -579,6 +590,20 @@ async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<B
                 body
             };
             signer_admission(shared, &user, t, name, target.part, &body)?;
+            // kube-apiserver's patch handler authorizes the request as
+            // `patch`, and an apply that creates the object once more as
+            // `create` (handlers/patch.go: `withAuthorization(createValidation,
+            // …, createAuthorizerAttributes)`): a role with only `patch` can
+            // change objects but not make them.
+            if kind == PatchKind::Apply
+                && target.part == Part::Main
+                && store.get(t, ns, name).is_err()
+            {
+                shared.authorize(
+                    &user,
+                    &rbac::resource_attributes(t, "create", None, ns, Some(name)),
+                )?;
+            }
             let patched = store.patch(t, ns, name, kind, body, target.part, &user, &options)?;
             let status = if patched.created {
                 StatusCode::CREATED

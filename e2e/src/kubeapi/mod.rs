@@ -25,13 +25,15 @@
 //!
 //! What it does **not** emulate:
 //! * authorization unless [`KubeApiOptions::rbac`] is on (then [`rbac`]
-//!   decides); authentication is by bearer token only (no client
-//!   certificates, no TokenRequest), and RBAC has no escalation checks;
+//!   decides); authentication is by bearer token or by a client
+//!   certificate of the API's CA (user = CN, groups = O, as the real x509
+//!   authenticator), no TokenRequest, and RBAC has no escalation checks;
 //! * admission webhooks, CRD schema rules beyond types, `required`,
 //!   `enum`, ranges, lengths and item counts, and conversion webhooks;
 //! * strategic merge beyond the common merge keys (no `$retainKeys`);
-//! * controllers of built-in types (Deployments do not create Pods;
-//!   nothing signs CSRs);
+//! * controllers of built-in types (Deployments do not create Pods), but
+//!   for kube-controller-manager's `kube-apiserver-client` CSR signer
+//!   ([`signer`]);
 //! * protobuf, server-side printing of built-in types' own columns
 //!   (their Tables show Name and Age), OpenAPI documents, aggregated
 //!   discovery, `exec`/`logs`, `portforward` over SPDY (WebSocket is
@@ -49,6 +51,7 @@ pub mod rbac;
 pub mod resources;
 pub mod schema;
 pub mod selector;
+pub mod signer;
 pub mod store;
 pub mod table;
 pub mod validate;
@@ -104,6 +107,19 @@ pub struct KubeconfigWriter {
 }
 
 impl KubeconfigWriter {
+    /// A kubeconfig that authenticates with a client certificate of the
+    /// API's CA (signed by its `kube-apiserver-client` signer).
+    pub fn certificate_kubeconfig(&self, cert_pem: &str, key_pem: &str) -> String {
+        let encode = |text: &str| base64::engine::general_purpose::STANDARD.encode(text);
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: hub\n  cluster:\n    server: https://{addr}\n    certificate-authority-data: {ca}\nusers:\n- name: addon\n  user:\n    client-certificate-data: {cert}\n    client-key-data: {key}\ncontexts:\n- name: addon\n  context:\n    cluster: hub\n    user: addon\ncurrent-context: addon\n",
+            addr = self.server,
+            ca = encode(&self.ca_pem),
+            cert = encode(cert_pem),
+            key = encode(key_pem),
+        )
+    }
+
     /// Adds a user with `groups` and writes a kubeconfig that authenticates
     /// as it. Kubeconfigs for another server address than the API's own
     /// are named after that address too.
@@ -223,9 +239,8 @@ impl KubeApi {
         let leaf = ca
             .issue(&LeafRequest::server("kube-apiserver", &sans))
             .map_err(|e| KubeApiError::Pki(e.to_string()))?;
-        let acceptor =
-            crate::env::sample::tls_acceptor(&leaf.cert_pem, &leaf.key_pem, &[b"h2", b"http/1.1"])
-                .map_err(|e| KubeApiError::Pki(e.to_string()))?;
+        let acceptor = api_tls(&leaf.cert_pem, &leaf.key_pem, ca.cert_pem())
+            .map_err(|e| KubeApiError::Pki(format!("the API's TLS configuration: {e}")))?;
 
         let store = Arc::new(Store::new(Registry::with_builtins(), options.history));
         let system = User {
@@ -255,6 +270,12 @@ impl KubeApi {
             pods: Default::default(),
         });
         tokio::spawn(lifecycle::run(shared.store.clone(), shutdown_rx.clone()));
+        let ca_pem = ca.cert_pem().to_string();
+        tokio::spawn(signer::run(
+            shared.store.clone(),
+            Arc::new(ca),
+            shutdown_rx.clone(),
+        ));
         let task = tokio::spawn(serve(listener, acceptor, shared.clone(), shutdown_rx));
         std::fs::create_dir_all(&options.dir).map_err(|source| KubeApiError::Write {
             path: options.dir.clone(),
@@ -262,7 +283,7 @@ impl KubeApi {
         })?;
         let mut api = KubeApi {
             addr,
-            ca_pem: ca.cert_pem().to_string(),
+            ca_pem,
             dir: options.dir.clone(),
             shared,
             shutdown,
@@ -434,8 +455,20 @@ async fn serve(
             let Ok(stream) = acceptor.accept(socket).await else {
                 return;
             };
-            let service =
-                hyper::service::service_fn(move |request| http::handle(shared.clone(), request));
+            let certificate_user = stream
+                .get_ref()
+                .1
+                .peer_certificates()
+                .and_then(|chain| chain.first())
+                .and_then(|der| certificate_user(der.as_ref()));
+            let service = hyper::service::service_fn(move |mut request: hyper::Request<_>| {
+                if let Some(user) = &certificate_user {
+                    request
+                        .extensions_mut()
+                        .insert(http::CertificateUser(user.clone()));
+                }
+                http::handle(shared.clone(), request)
+            });
             let builder = auto::Builder::new(TokioExecutor::new());
             // With upgrades: `pods/portforward` switches to WebSocket.
             let connection = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
@@ -446,4 +479,65 @@ async fn serve(
             }
         });
     }
+}
+
+/// The API's TLS: its serving certificate, and client certificates of its
+/// CA accepted but not required (bearer tokens authenticate the rest).
+fn api_tls(
+    cert_pem: &str,
+    key_pem: &str,
+    client_ca_pem: &str,
+) -> Result<tokio_rustls::TlsAcceptor, String> {
+    use rustls_pki_types::pem::PemObject;
+    use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+    let chain = CertificateDer::pem_slice_iter(cert_pem.as_bytes())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("serving certificate: {e}"))?;
+    let key = PrivateKeyDer::from_pem_slice(key_pem.as_bytes())
+        .map_err(|e| format!("serving key: {e}"))?;
+    let mut roots = rustls::RootCertStore::empty();
+    for certificate in CertificateDer::pem_slice_iter(client_ca_pem.as_bytes()) {
+        roots
+            .add(certificate.map_err(|e| format!("client CA: {e}"))?)
+            .map_err(|e| format!("client CA: {e}"))?;
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+        Arc::new(roots),
+        provider.clone(),
+    )
+    .allow_unauthenticated()
+    .build()
+    .map_err(|e| e.to_string())?;
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(chain, key)
+        .map_err(|e| e.to_string())?;
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok(tokio_rustls::TlsAcceptor::from(Arc::new(config)))
+}
+
+/// The user a verified client certificate authenticates, as kube-apiserver's
+/// x509 authenticator reads it: the common name, and the organizations as
+/// groups. A certificate with no common name authenticates nobody.
+fn certificate_user(der: &[u8]) -> Option<User> {
+    let (_, certificate) = x509_parser::parse_x509_certificate(der).ok()?;
+    let subject = certificate.subject();
+    let name = subject
+        .iter_common_name()
+        .next()?
+        .as_str()
+        .ok()?
+        .to_string();
+    let groups = subject
+        .iter_organization()
+        .filter_map(|o| o.as_str().ok().map(str::to_string))
+        .collect();
+    Some(User {
+        name,
+        uid: String::new(),
+        groups,
+    })
 }

@@ -132,6 +132,30 @@ impl Manifest {
         self.0.get("apiVersion").and_then(serde_json::Value::as_str)
     }
 
+    /// The work agent's identifier of this object: group, resource,
+    /// namespace and name, the resource guessed from the kind as OCM's addon
+    /// framework guesses it (`meta.UnsafeGuessKindToResource`).
+    pub fn identifier(&self) -> Option<ResourceIdentifier> {
+        let group = match self.api_version()?.split_once('/') {
+            Some((group, _)) => group,
+            None => "",
+        };
+        let kind = self.kind()?.to_ascii_lowercase();
+        let resource = if kind.ends_with('s') {
+            format!("{kind}es")
+        } else if let Some(stem) = kind.strip_suffix('y') {
+            format!("{stem}ies")
+        } else {
+            format!("{kind}s")
+        };
+        Some(ResourceIdentifier {
+            group: group.to_owned(),
+            resource,
+            name: self.name()?.to_owned(),
+            namespace: self.namespace().unwrap_or_default().to_owned(),
+        })
+    }
+
     /// The object's `kind`, when it has one.
     pub fn kind(&self) -> Option<&str> {
         self.0.get("kind").and_then(serde_json::Value::as_str)
@@ -169,6 +193,30 @@ pub struct DeleteOption {
     /// Delete the work this long after it completes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ttl_seconds_after_finished: Option<i64>,
+}
+
+impl DeleteOption {
+    /// Whether the work agent deletes `resource` with the work, as OCM's
+    /// `OwnedByTheWork` decides at apply time: always without options, with
+    /// `Foreground` or a `SelectivelyOrphan` without rules; never with
+    /// `Orphan`; with `SelectivelyOrphan`, unless a rule names it exactly.
+    pub fn deletes(option: Option<&DeleteOption>, resource: &ResourceIdentifier) -> bool {
+        let Some(option) = option else {
+            return true;
+        };
+        match option.propagation_policy.as_deref() {
+            Some(PROPAGATION_ORPHAN) => false,
+            Some(PROPAGATION_SELECTIVELY_ORPHAN) => match &option.selectively_orphan {
+                None => true,
+                Some(orphan) => !orphan
+                    .orphaning_rules
+                    .iter()
+                    .flatten()
+                    .any(|rule| rule == resource),
+            },
+            _ => true,
+        }
+    }
 }
 
 /// `spec.deleteOption.selectivelyOrphans`.
@@ -473,5 +521,78 @@ impl ManifestResourceMeta {
             && text(&self.resource) == resource.resource
             && text(&self.namespace) == resource.namespace
             && text(&self.name) == resource.name
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn namespace(name: &str) -> ResourceIdentifier {
+        ResourceIdentifier {
+            group: String::new(),
+            resource: "namespaces".into(),
+            name: name.into(),
+            namespace: String::new(),
+        }
+    }
+
+    #[test]
+    fn the_work_agent_deletes_what_the_delete_options_own() {
+        let agent_ns = namespace("open-cluster-management-agent-addon");
+        let other = namespace("other");
+        let policy = |p: &str| DeleteOption {
+            propagation_policy: Some(p.into()),
+            ..DeleteOption::default()
+        };
+        assert!(DeleteOption::deletes(None, &agent_ns));
+        assert!(DeleteOption::deletes(
+            Some(&policy(PROPAGATION_FOREGROUND)),
+            &agent_ns
+        ));
+        assert!(!DeleteOption::deletes(
+            Some(&policy(PROPAGATION_ORPHAN)),
+            &agent_ns
+        ));
+        // SelectivelyOrphan without rules owns everything.
+        assert!(DeleteOption::deletes(
+            Some(&policy(PROPAGATION_SELECTIVELY_ORPHAN)),
+            &agent_ns
+        ));
+        let selective = DeleteOption {
+            selectively_orphan: Some(SelectivelyOrphan {
+                orphaning_rules: Some(vec![agent_ns.clone()]),
+            }),
+            ..policy(PROPAGATION_SELECTIVELY_ORPHAN)
+        };
+        assert!(!DeleteOption::deletes(Some(&selective), &agent_ns));
+        assert!(DeleteOption::deletes(Some(&selective), &other));
+    }
+
+    #[test]
+    fn identifiers_guess_the_resource_as_the_addon_framework() {
+        let manifest = |api: &str, kind: &str, ns: Option<&str>| {
+            let mut object = serde_json::json!({"apiVersion": api, "kind": kind,
+                "metadata": {"name": "x"}});
+            if let Some(ns) = ns {
+                object["metadata"]["namespace"] = ns.into();
+            }
+            Manifest(object).identifier().unwrap()
+        };
+        assert_eq!(manifest("v1", "Namespace", None), namespace("x"));
+        let deployment = manifest("apps/v1", "Deployment", Some("ns"));
+        assert_eq!(
+            (
+                deployment.group.as_str(),
+                deployment.resource.as_str(),
+                deployment.namespace.as_str()
+            ),
+            ("apps", "deployments", "ns")
+        );
+        assert_eq!(
+            manifest("networking.k8s.io/v1", "NetworkPolicy", Some("ns")).resource,
+            "networkpolicies"
+        );
+        assert_eq!(manifest("v1", "Ingress", None).resource, "ingresses");
     }
 }
