@@ -62,8 +62,8 @@ impl Metrics {
         );
         let port_forward_pods = Gauge::default();
         registry.register(
-            "addon_agent_port_forward_ready_pods",
-            "Running and Ready proxy-server pods in the last list of the port-forward proxy.",
+            "addon_agent_port_forward_pods",
+            "Running, not terminating proxy-server pods (ready or not) in the port-forward proxy's last list.",
             port_forward_pods.clone(),
         );
         Metrics {
@@ -149,7 +149,7 @@ mod tests {
             "addon_agent_proxy_agent_ready 1",
             "addon_agent_port_forwards_total{result=\"opened\"} 1",
             "addon_agent_port_forwards_active 1",
-            "addon_agent_port_forward_ready_pods 2",
+            "addon_agent_port_forward_pods 2",
         ] {
             assert!(text.contains(line), "{line} missing from\n{text}");
         }

@@ -146,7 +146,7 @@ pub struct Cli {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub proxy_server_namespace: Option<String>,
-    /// Forward connections to --port-forward-proxy-address to a Running and Ready proxy-server pod's port 8091 through the hub API's pods/portforward (the PortForward entrypoint; needs --hub-kubeconfig).
+    /// Forward connections to --port-forward-proxy-address to a Running proxy-server pod's port 8091 through the hub API's pods/portforward (the PortForward entrypoint; needs --hub-kubeconfig).
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub enable_port_forward_proxy: Option<bool>,

@@ -259,10 +259,7 @@ async fn successive_connections_reach_every_pod_and_relay_bytes() {
     assert_eq!(agent.metrics().port_forwards("opened"), 2);
     assert_eq!(agent.metrics().port_forwards_active(), 2);
     let text = agent.metrics().encode();
-    assert!(
-        text.contains("addon_agent_port_forward_ready_pods 2"),
-        "{text}"
-    );
+    assert!(text.contains("addon_agent_port_forward_pods 2"), "{text}");
 
     // The proxy-agent closing its side ends the forward.
     drop(first);
