@@ -727,6 +727,34 @@ fn proxy_ca_is_merged_only_for_https_proxies() {
 }
 
 #[test]
+fn the_port_forward_entrypoint_turns_on_the_addon_agents_proxy() {
+    let rendered = Rendered::new(&mpc(json!({"type": "PortForward"})), None, CA);
+    let proxy_agent = rendered.container("proxy-agent").args.unwrap();
+    assert!(proxy_agent.contains(&"--proxy-server-host=127.0.0.1".to_owned()));
+    assert!(proxy_agent.contains(&"--proxy-server-port=8091".to_owned()));
+    assert_eq!(
+        rendered.container("addon-agent").args.unwrap(),
+        vec![
+            "--hub-kubeconfig=/etc/kubeconfig/kubeconfig",
+            "--cluster-name=cluster-a",
+            "--lease-name=cluster-proxy",
+            "--proxy-server-namespace=open-cluster-management-addon",
+            "--enable-port-forward-proxy=true",
+            "--port-forward-proxy-address=127.0.0.1:8091",
+        ]
+    );
+    // Another port: the proxy listens where the proxy-agent dials.
+    let other_port = Rendered::new(&mpc(json!({"type": "PortForward", "port": 8443})), None, CA);
+    assert!(
+        other_port
+            .container("addon-agent")
+            .args
+            .unwrap()
+            .contains(&"--port-forward-proxy-address=127.0.0.1:8443".to_owned())
+    );
+}
+
+#[test]
 fn entrypoints() {
     let port_forward = mpc(json!({"type": "PortForward"}));
     assert_eq!(

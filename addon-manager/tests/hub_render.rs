@@ -511,12 +511,19 @@ fn port_forward_entrypoint_renders_the_rbac() {
         rules[1].resources.as_deref(),
         Some(&["pods/portforward".to_owned()][..])
     );
-    assert_eq!(rules[1].verbs, ["create"]);
+    assert_eq!(rules[1].verbs, ["get", "create"]);
     let binding = objects.port_forward_role_binding.expect("a RoleBinding");
     assert_eq!(binding.role_ref.name, PORT_FORWARD_RBAC_NAME);
     let subjects = binding.subjects.unwrap();
-    assert_eq!(subjects[0].kind, "Group");
-    assert_eq!(subjects[0].name, ADDON_AGENT_GROUP);
+    assert!(subjects.iter().all(|s| s.kind == "Group"));
+    let groups: Vec<&str> = subjects.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(
+        groups,
+        [
+            ADDON_AGENT_GROUP,
+            "system:open-cluster-management:addon:cluster-proxy"
+        ]
+    );
 }
 
 #[test]

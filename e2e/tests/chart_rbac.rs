@@ -393,9 +393,10 @@ async fn the_charts_rbac_allows_every_call_of_the_hub_services_and_nothing_more(
     )
     .await;
 
-    // The agent entrypoint goes Hostname → PortForward → LoadBalancer →
-    // Hostname: the addon-manager creates and deletes the port-forward Role
-    // and RoleBinding, then the LoadBalancer Service.
+    // The agent entrypoint goes from the environment's (PortForward with
+    // network namespaces, Hostname on loopback) → PortForward →
+    // LoadBalancer → back: the addon-manager creates and deletes the
+    // port-forward Role and RoleBinding, then the LoadBalancer Service.
     let original = Api::<ManagedProxyConfiguration>::all(admin.clone())
         .get("cluster-proxy")
         .await

@@ -285,6 +285,17 @@ async fn the_hub_follows_the_managed_proxy_configuration() {
     };
 
     let mpcs: Api<ManagedProxyConfiguration> = Api::all(admin.clone());
+    // With a network namespace per cluster the agents came up through the
+    // chart's default entrypoint: each proxy-agent dialed its own
+    // 127.0.0.1:8091, which only its addon-agent's port-forward serves.
+    let entrypoint = serde_json::to_value(mpcs.get("cluster-proxy").await.unwrap()).unwrap()
+        ["spec"]["proxyServer"]["entrypoint"]["type"]
+        .clone();
+    let expected = match env.summary.isolation {
+        Isolation::Netns => "PortForward",
+        Isolation::Loopback(_) => "Hostname",
+    };
+    assert_eq!(entrypoint, expected);
     mpcs.patch(
         "cluster-proxy",
         &PatchParams::default(),
@@ -324,6 +335,40 @@ async fn the_hub_follows_the_managed_proxy_configuration() {
         dump_logs(&env);
         panic!("{err}");
     }
+
+    // The hub kubelet's Pods: one per replica, found by the component
+    // label, Running and Ready (the proxy-servers' /readyz passes once
+    // agents hold tunnels).
+    let pods: Api<k8s_openapi::api::core::v1::Pod> =
+        Api::namespaced(admin.clone(), ADDON_NAMESPACE);
+    wait_for("three Ready proxy-server Pods", READY, || async {
+        let list = pods
+            .list(
+                &kube::api::ListParams::default()
+                    .labels("proxy.open-cluster-management.io/component-name=proxy-server"),
+            )
+            .await
+            .map_err(|e| e.to_string())?;
+        let mut ready: Vec<String> = list
+            .items
+            .iter()
+            .filter(|p| {
+                let status = p.status.as_ref();
+                status.and_then(|s| s.phase.as_deref()) == Some("Running")
+                    && status
+                        .and_then(|s| s.conditions.as_ref())
+                        .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+            })
+            .filter_map(|p| p.metadata.name.clone())
+            .collect();
+        ready.sort();
+        if ready == ["cluster-proxy-0", "cluster-proxy-1", "cluster-proxy-2"] {
+            Ok(())
+        } else {
+            Err(format!("ready pods {ready:?} of {}", list.items.len()))
+        }
+    })
+    .await;
 
     // Drift: the in-cluster Service is deleted; the controller's watch
     // brings it back.

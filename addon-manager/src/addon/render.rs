@@ -11,8 +11,8 @@ use cluster_proxy_proto::api::addon::v1alpha1::{
     ManagedClusterAddOn, RegistrationConfig, Subject,
 };
 use cluster_proxy_proto::api::proxy::v1alpha1::{
-    ANNOTATION_CONFIGURATION_GENERATION, COMPONENT_PROXY_AGENT, LABEL_COMPONENT_NAME,
-    ManagedProxyConfiguration,
+    ANNOTATION_CONFIGURATION_GENERATION, COMPONENT_PROXY_AGENT, EntrypointType,
+    LABEL_COMPONENT_NAME, ManagedProxyConfiguration,
 };
 use cluster_proxy_proto::api::work::v1::{
     DeleteOption, Manifest, ManifestError, ManifestWork, ManifestWorkSpec, ManifestsTemplate,
@@ -396,6 +396,37 @@ pub fn proxy_agent_args(inputs: &AgentInputs<'_>) -> Vec<String> {
     args
 }
 
+/// The addon-agent's arguments. With the `PortForward` entrypoint it
+/// serves the proxy-agent's 127.0.0.1:8091 by port-forwarding to the
+/// proxy-server pods of the MPC's namespace, as upstream passes it.
+pub fn addon_agent_args(inputs: &AgentInputs<'_>) -> Vec<String> {
+    let mut args = vec![
+        "--hub-kubeconfig=/etc/kubeconfig/kubeconfig".to_owned(),
+        format!("--cluster-name={}", inputs.cluster),
+        format!("--lease-name={ADDON_NAME}"),
+    ];
+    let port_forward = inputs
+        .mpc
+        .spec
+        .proxy_server
+        .entrypoint
+        .as_ref()
+        .is_some_and(|entrypoint| entrypoint.type_ == EntrypointType::PortForward);
+    if port_forward {
+        args.push(format!(
+            "--proxy-server-namespace={}",
+            inputs.mpc.spec.proxy_server.namespace
+        ));
+        args.push("--enable-port-forward-proxy=true".to_owned());
+        // The proxy-agent dials the entrypoint's port on loopback.
+        args.push(format!(
+            "--port-forward-proxy-address={}:{}",
+            inputs.entrypoint.host, inputs.entrypoint.port
+        ));
+    }
+    args
+}
+
 /// The agent Deployment `cluster-proxy-proxy-agent`.
 pub fn agent_deployment(inputs: &AgentInputs<'_>) -> Deployment {
     let generation = inputs.mpc.metadata.generation.unwrap_or(0).to_string();
@@ -444,11 +475,7 @@ pub fn agent_deployment(inputs: &AgentInputs<'_>) -> Deployment {
         image: Some(image),
         image_pull_policy: inputs.image_pull_policy.map(str::to_owned),
         command: Some(vec!["/addon-agent".into()]),
-        args: Some(vec![
-            "--hub-kubeconfig=/etc/kubeconfig/kubeconfig".into(),
-            format!("--cluster-name={}", inputs.cluster),
-            format!("--lease-name={ADDON_NAME}"),
-        ]),
+        args: Some(addon_agent_args(inputs)),
         env: Some(vec![EnvVar {
             name: "POD_NAMESPACE".into(),
             value: None,

@@ -317,10 +317,14 @@ pub fn render_with(
                 verbs: vec!["get".to_owned(), "list".to_owned()],
                 ..PolicyRule::default()
             },
+            // A WebSocket port-forward (kube-rs, client-go since 1.31) is
+            // a GET: authorized as `get`, and since Kubernetes 1.35 also
+            // as `create` (AuthorizePodWebsocketUpgradeCreatePermission),
+            // the verb SPDY's POST needs. Upstream grants only `create`.
             PolicyRule {
                 api_groups: Some(vec![String::new()]),
                 resources: Some(vec!["pods/portforward".to_owned()]),
-                verbs: vec!["create".to_owned()],
+                verbs: vec!["get".to_owned(), "create".to_owned()],
                 ..PolicyRule::default()
             },
         ]),
@@ -332,12 +336,20 @@ pub fn render_with(
             kind: "Role".to_owned(),
             name: PORT_FORWARD_RBAC_NAME.to_owned(),
         },
-        subjects: Some(vec![Subject {
-            api_group: Some("rbac.authorization.k8s.io".to_owned()),
-            kind: "Group".to_owned(),
-            name: ADDON_AGENT_GROUP.to_owned(),
-            namespace: None,
-        }]),
+        // Upstream's group, and the one every addon-agent's hub identity
+        // is in here (its per-cluster registration subject has no
+        // `open-cluster-management:cluster-proxy`).
+        subjects: Some(
+            [ADDON_AGENT_GROUP, crate::addon::render::ADDON_AGENTS_GROUP]
+                .into_iter()
+                .map(|group| Subject {
+                    api_group: Some("rbac.authorization.k8s.io".to_owned()),
+                    kind: "Group".to_owned(),
+                    name: group.to_owned(),
+                    namespace: None,
+                })
+                .collect(),
+        ),
     });
 
     Ok(HubObjects {

@@ -67,6 +67,8 @@ struct ServerPlacement {
     hub_ip: IpAddr,
     netns: Option<String>,
     credential_reload_interval: String,
+    /// The API's kubelet side: the pods' Pod objects and port addresses.
+    kubelet: Option<crate::kubeapi::pods::KubeletPods>,
 }
 
 impl PodPlacement for ServerPlacement {
@@ -99,6 +101,33 @@ impl PodPlacement for ServerPlacement {
 
     fn netns(&self) -> Option<String> {
         self.netns.clone()
+    }
+
+    /// The proxy-server's named ports are where [`Self::extra_args`] put
+    /// them: replica *i*'s own ports on the hub address.
+    fn port_address(
+        &self,
+        index: usize,
+        container: &str,
+        name: Option<&str>,
+        _port: u16,
+    ) -> Option<SocketAddr> {
+        if container != "proxy-server" {
+            return None;
+        }
+        let ports = ReplicaPorts::of(index);
+        let port = match name? {
+            "proxy-server" => ports.client,
+            "agent-server" => ports.agent,
+            "health" => ports.health,
+            "admin" => ports.admin,
+            _ => return None,
+        };
+        Some(SocketAddr::new(self.hub_ip, port))
+    }
+
+    fn pod_ip(&self, _index: usize) -> Option<IpAddr> {
+        Some(self.hub_ip)
     }
 }
 
@@ -141,6 +170,9 @@ pub struct ControlPlaneSetup {
     /// Where hub clients find the proxy-client credentials and the CA
     /// bundle, in `cert-authority init`'s layout.
     pub client_pki: PathBuf,
+    /// The in-memory API's kubelet side: the hub pods become Pod objects
+    /// that `pods/portforward` reaches.
+    pub kubelet: Option<crate::kubeapi::pods::KubeletPods>,
 }
 
 /// The processes the emulation runs, by owner (`hub` or a cluster), so a
@@ -204,6 +236,7 @@ impl ControlPlane {
             hub_ip: setup.hub_ip,
             netns: setup.hub_netns.clone(),
             credential_reload_interval: setup.ocm.credential_reload_interval.clone(),
+            kubelet: setup.kubelet.clone(),
         });
         {
             let ctx = setup.ocm.clone();
@@ -345,10 +378,9 @@ async fn run_hub_pods(
     for deployment in &list.items {
         let name = deployment.name_any();
         let status = {
-            let runner = hub
-                .runners
-                .entry(name.clone())
-                .or_insert_with(|| DeploymentRunner::new("hub"));
+            let runner = hub.runners.entry(name.clone()).or_insert_with(|| {
+                DeploymentRunner::new("hub").reporting_to(placement.kubelet.clone())
+            });
             runner
                 .sync(
                     Some(deployment),
@@ -570,11 +602,37 @@ pub const DEV_AGENT_IMAGE: &str = "localhost/cluster-proxy/proxy-agent:dev";
 /// How long the environment's addon-agents make their Leases.
 pub const ENV_LEASE_DURATION: Duration = Duration::from_secs(4);
 
+/// How the environment's agents reach the proxy-servers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AgentEntrypoint {
+    /// The chart's default: each agent dials 127.0.0.1:8091, its
+    /// addon-agent port-forwards to a proxy-server pod through the hub
+    /// API. Needs a loopback per cluster, so network namespaces.
+    PortForward,
+    /// The agent Service (the load balancer in front of the replicas'
+    /// agent ports) by address: on loopback every cluster would share one
+    /// 127.0.0.1:8091.
+    Hostname(SocketAddr),
+}
+
+impl AgentEntrypoint {
+    fn spec(self) -> serde_json::Value {
+        match self {
+            AgentEntrypoint::PortForward => json!({"type": "PortForward"}),
+            AgentEntrypoint::Hostname(addr) => json!({
+                "type": "Hostname",
+                "hostname": {"value": addr.ip().to_string()},
+                "port": addr.port(),
+            }),
+        }
+    }
+}
+
 /// The `ManagedProxyConfiguration` the environment installs, as a user's
 /// values file would render it.
 pub fn managed_proxy_configuration(
     replicas: usize,
-    agent_entry: SocketAddr,
+    entrypoint: AgentEntrypoint,
     additional_sans: &[String],
 ) -> serde_json::Value {
     json!({
@@ -591,11 +649,7 @@ pub fn managed_proxy_configuration(
                 "replicas": replicas,
                 "namespace": super::ADDON_NAMESPACE,
                 "inClusterServiceName": "proxy-entrypoint",
-                "entrypoint": {
-                    "type": "Hostname",
-                    "hostname": {"value": agent_entry.ip().to_string()},
-                    "port": agent_entry.port(),
-                },
+                "entrypoint": entrypoint.spec(),
             },
             "proxyAgent": {"image": DEV_AGENT_IMAGE, "replicas": 1},
         },
@@ -714,8 +768,12 @@ impl super::Environment {
             self.summary.agent_service_addr.ip().to_string(),
         ];
         sans.dedup();
-        let mpc =
-            managed_proxy_configuration(options.replicas, self.summary.agent_service_addr, &sans);
+        let entrypoint = if self.topology.is_some() {
+            AgentEntrypoint::PortForward
+        } else {
+            AgentEntrypoint::Hostname(self.summary.agent_service_addr)
+        };
+        let mpc = managed_proxy_configuration(options.replicas, entrypoint, &sans);
         let mpcs: Api<cluster_proxy_proto::api::proxy::v1alpha1::ManagedProxyConfiguration> =
             Api::all(admin.clone());
         mpcs.patch(
@@ -793,6 +851,7 @@ impl super::Environment {
             hub_netns: self.summary.hub_netns.clone(),
             machines: MachinePool::new(machines),
             client_pki: client_pki.clone(),
+            kubelet: self.kube_api.as_ref().map(crate::kubeapi::KubeApi::kubelet),
         }));
         for name in &options.clusters {
             join(&admin, name)

@@ -15,6 +15,13 @@
 //! * a pod whose Secrets do not exist yet is not started (a real pod waits
 //!   in `ContainerCreating`), and starts once they appear.
 //!
+//! * with a [`KubeletPods`] (the in-memory API's kubelet side), a `Pod`
+//!   object per pod: the template's labels, `Running`, `podIP`, and a
+//!   `Ready` condition that follows the containers' readiness probes (an
+//!   HTTP GET of the probe's path on the port's real address, every sync);
+//!   and where each container port really listens, so `pods/portforward`
+//!   reaches it. The Pod goes when the pod's processes stop.
+//!
 //! What differs from a cluster, and why: pods are named `<deployment>-<i>`
 //! with a stable index (the environment gives replica *i* its own ports, as a
 //! pod would have its own IP), and a change of the pod template or of the
@@ -22,12 +29,17 @@
 //! environment has no Service endpoints to shift traffic gradually.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Container, PodSpec, Secret};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use sha2::{Digest, Sha256};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::kubeapi::pods::{KubeletPods, RunningPod};
 
 use super::binaries::Binaries;
 use super::process::{Logs, ProcessError, ProcessSpec, ProcessState, Supervised};
@@ -170,6 +182,110 @@ pub trait PodPlacement: Send + Sync {
     fn extra_args(&self, index: usize, replicas: usize, container: &str) -> Vec<String>;
     /// The network namespace of the pod's processes.
     fn netns(&self) -> Option<String>;
+    /// Where port `port` (named `name`) of `container` of pod `index`
+    /// really listens; `None`: nowhere the environment placed it.
+    fn port_address(
+        &self,
+        _index: usize,
+        _container: &str,
+        _name: Option<&str>,
+        _port: u16,
+    ) -> Option<SocketAddr> {
+        None
+    }
+    /// The pod's `podIP`.
+    fn pod_ip(&self, _index: usize) -> Option<IpAddr> {
+        None
+    }
+}
+
+/// How long one readiness probe may take.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// An HTTP GET of `path` on `addr`: whether it answers 2xx or 3xx, as the
+/// kubelet's httpGet probe counts success.
+async fn http_probe(addr: SocketAddr, path: &str) -> bool {
+    let attempt = async {
+        let mut tcp = tokio::net::TcpStream::connect(addr).await.ok()?;
+        let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+        tcp.write_all(request.as_bytes()).await.ok()?;
+        let mut head = [0u8; 12];
+        tcp.read_exact(&mut head).await.ok()?;
+        let status: u16 = std::str::from_utf8(&head[9..12]).ok()?.parse().ok()?;
+        Some((200..400).contains(&status))
+    };
+    matches!(
+        tokio::time::timeout(PROBE_TIMEOUT, attempt).await,
+        Ok(Some(true))
+    )
+}
+
+/// The real address of every declared container port of pod `index`:
+/// `(container, container port, address)`.
+fn pod_ports(
+    spec: &PodSpec,
+    index: usize,
+    placement: &dyn PodPlacement,
+) -> Vec<(String, u16, SocketAddr)> {
+    let mut ports = Vec::new();
+    for container in &spec.containers {
+        for port in container.ports.iter().flatten() {
+            let Ok(number) = u16::try_from(port.container_port) else {
+                continue;
+            };
+            if let Some(addr) =
+                placement.port_address(index, &container.name, port.name.as_deref(), number)
+            {
+                ports.push((container.name.clone(), number, addr));
+            }
+        }
+    }
+    ports
+}
+
+/// The readiness probes of pod `index` that can be run here: `(address,
+/// path)` of each container's httpGet probe, its port resolved by name or
+/// number through the placement.
+fn readiness_probes(
+    spec: &PodSpec,
+    index: usize,
+    placement: &dyn PodPlacement,
+) -> Vec<(SocketAddr, String)> {
+    let mut probes = Vec::new();
+    for container in &spec.containers {
+        let Some(get) = container
+            .readiness_probe
+            .as_ref()
+            .and_then(|p| p.http_get.as_ref())
+        else {
+            continue;
+        };
+        let declared = container.ports.iter().flatten();
+        let (name, number) = match &get.port {
+            IntOrString::Int(number) => (None, u16::try_from(*number).ok()),
+            IntOrString::String(name) => (
+                Some(name.as_str()),
+                declared
+                    .clone()
+                    .find(|p| p.name.as_deref() == Some(name.as_str()))
+                    .and_then(|p| u16::try_from(p.container_port).ok()),
+            ),
+        };
+        let name = name.or_else(|| {
+            declared
+                .clone()
+                .find(|p| Some(p.container_port) == number.map(i32::from))
+                .and_then(|p| p.name.as_deref())
+        });
+        let addr = number.and_then(|n| placement.port_address(index, &container.name, name, n));
+        let path = get.path.clone().unwrap_or_else(|| "/".into());
+        match addr {
+            Some(addr) => probes.push((addr, path)),
+            // A probe that cannot be run fails, as an unreachable one does.
+            None => probes.push((SocketAddr::from(([127, 0, 0, 1], 0)), path)),
+        }
+    }
+    probes
 }
 
 fn expand(text: &str, env: &BTreeMap<String, String>) -> String {
@@ -359,7 +475,10 @@ pub fn plan(
 }
 
 struct Pod {
+    name: String,
     processes: Vec<Supervised>,
+    /// The readiness last written to the Pod object (`None`: none written).
+    reported: Option<bool>,
 }
 
 /// Runs one Deployment's pods and keeps them matching it.
@@ -370,6 +489,9 @@ pub struct DeploymentRunner {
     /// Template and Secrets the running pods were started from.
     revision: Option<String>,
     last_error: Option<String>,
+    /// Where Pod objects are written, when the API has a kubelet side.
+    kubelet: Option<KubeletPods>,
+    namespace: String,
 }
 
 /// What a runner reports after a sync.
@@ -388,6 +510,85 @@ impl DeploymentRunner {
             pods: Vec::new(),
             revision: None,
             last_error: None,
+            kubelet: None,
+            namespace: String::new(),
+        }
+    }
+
+    /// Writes a Pod object per running pod (see the module's
+    /// documentation).
+    pub fn reporting_to(mut self, kubelet: Option<KubeletPods>) -> Self {
+        self.kubelet = kubelet;
+        self
+    }
+
+    /// Stops the pod: its Pod object goes first (no new forwards), its
+    /// port registrations once its processes are gone.
+    async fn stop_pod(&self, mut pod: Pod) {
+        let kubelet = self.kubelet.as_ref().filter(|_| pod.reported.is_some());
+        let log = |err: crate::kubeapi::store::ApiError| {
+            tracing::debug!("Pod {}/{}: {}", self.namespace, pod.name, err.message);
+        };
+        if let Some(Err(err)) = kubelet.map(|k| k.delete(&self.namespace, &pod.name)) {
+            log(err);
+        }
+        for process in &mut pod.processes {
+            process.stop(Duration::from_secs(15)).await;
+        }
+        if let Some(Err(err)) = kubelet.map(|k| k.remove(&self.namespace, &pod.name)) {
+            log(err);
+        }
+    }
+
+    /// Writes the Pod objects of the pods that have none and their
+    /// readiness when it changed.
+    async fn report(&mut self, deployment: &Deployment, placement: &dyn PodPlacement) {
+        let Some(kubelet) = self.kubelet.clone() else {
+            return;
+        };
+        let Some(spec) = deployment
+            .spec
+            .as_ref()
+            .and_then(|s| s.template.spec.as_ref())
+        else {
+            return;
+        };
+        let labels: BTreeMap<String, String> = deployment
+            .spec
+            .as_ref()
+            .and_then(|s| s.template.metadata.as_ref())
+            .and_then(|m| m.labels.clone())
+            .unwrap_or_default();
+        let namespace = self.namespace.clone();
+        for (index, pod) in self.pods.iter_mut().enumerate() {
+            let running = pod
+                .processes
+                .iter_mut()
+                .all(|p| matches!(p.state(), ProcessState::Running(_)));
+            let mut ready = running;
+            if running {
+                for (addr, path) in readiness_probes(spec, index, placement) {
+                    ready = ready && http_probe(addr, &path).await;
+                }
+            }
+            let result = match pod.reported {
+                None => kubelet
+                    .run(&RunningPod {
+                        namespace: namespace.clone(),
+                        name: pod.name.clone(),
+                        labels: labels.clone(),
+                        ports: pod_ports(spec, index, placement),
+                        ready,
+                        pod_ip: placement.pod_ip(index),
+                    })
+                    .map(|_| ()),
+                Some(was) if was != ready => kubelet.set_ready(&namespace, &pod.name, ready),
+                Some(_) => Ok(()),
+            };
+            match result {
+                Ok(()) => pod.reported = Some(ready),
+                Err(err) => tracing::debug!("Pod {namespace}/{}: {}", pod.name, err.message),
+            }
         }
     }
 
@@ -440,12 +641,11 @@ impl DeploymentRunner {
             self.revision = Some(revision);
         }
         while self.pods.len() > desired {
-            if let Some(mut pod) = self.pods.pop() {
-                for process in &mut pod.processes {
-                    process.stop(Duration::from_secs(15)).await;
-                }
+            if let Some(pod) = self.pods.pop() {
+                self.stop_pod(pod).await;
             }
         }
+        self.namespace = deployment.metadata.namespace.clone().unwrap_or_default();
         let name = deployment.metadata.name.clone().unwrap_or_default();
         let mut waiting = None;
         while self.pods.len() < desired {
@@ -466,6 +666,7 @@ impl DeploymentRunner {
                 }
             }
         }
+        self.report(deployment, placement).await;
         let mut running = 0;
         for pod in &mut self.pods {
             if pod
@@ -515,15 +716,18 @@ impl DeploymentRunner {
             }
             processes.push(Supervised::start(spec, logs)?);
         }
-        Ok(Pod { processes })
+        Ok(Pod {
+            name: pod_name.to_string(),
+            processes,
+            reported: None,
+        })
     }
 
     /// Stops every pod (SIGTERM, then SIGKILL after the grace period).
     pub async fn stop_all(&mut self) {
-        for mut pod in self.pods.drain(..) {
-            for process in &mut pod.processes {
-                process.stop(Duration::from_secs(15)).await;
-            }
+        let pods: Vec<Pod> = self.pods.drain(..).collect();
+        for pod in pods {
+            self.stop_pod(pod).await;
         }
     }
 
@@ -609,6 +813,65 @@ mod tests {
                 format!("--server-cert={}", server.display()),
                 format!("--server-ca-cert={}", ca.display()),
                 "--ns=hub".to_string(),
+            ]
+        );
+    }
+
+    struct Placed;
+
+    impl PodPlacement for Placed {
+        fn extra_args(&self, _: usize, _: usize, _: &str) -> Vec<String> {
+            Vec::new()
+        }
+        fn netns(&self) -> Option<String> {
+            None
+        }
+        fn port_address(
+            &self,
+            index: usize,
+            container: &str,
+            name: Option<&str>,
+            _port: u16,
+        ) -> Option<SocketAddr> {
+            let base = 9000 + 100 * index as u16;
+            let port = match (container, name?) {
+                ("server", "agent") => base + 1,
+                ("server", "health") => base + 2,
+                _ => return None,
+            };
+            Some(SocketAddr::from(([10, 0, 0, 1], port)))
+        }
+    }
+
+    #[test]
+    fn ports_and_probes_resolve_to_where_the_placement_put_them() {
+        let spec: PodSpec = serde_json::from_value(serde_json::json!({"containers": [{
+            "name": "server",
+            "ports": [
+                {"name": "agent", "containerPort": 8091},
+                {"name": "health", "containerPort": 8092},
+                {"name": "unplaced", "containerPort": 8099},
+            ],
+            "readinessProbe": {"httpGet": {"path": "/readyz", "port": "health"}},
+        }, {
+            "name": "sidecar",
+            "readinessProbe": {"httpGet": {"path": "/ok", "port": 8092}},
+        }]}))
+        .unwrap();
+        let at = |port| SocketAddr::from(([10, 0, 0, 1], port));
+        assert_eq!(
+            pod_ports(&spec, 1, &Placed),
+            vec![
+                ("server".to_string(), 8091, at(9101)),
+                ("server".to_string(), 8092, at(9102)),
+            ]
+        );
+        assert_eq!(
+            readiness_probes(&spec, 1, &Placed),
+            vec![
+                (at(9102), "/readyz".to_string()),
+                // Nowhere to probe: it fails, as an unreachable probe does.
+                (SocketAddr::from(([127, 0, 0, 1], 0)), "/ok".to_string()),
             ]
         );
     }

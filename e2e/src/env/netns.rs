@@ -10,7 +10,8 @@
 //! What each side can reach:
 //! * a cluster routes only to the hub's agent address, where nothing but the
 //!   agent Service (the load balancer in front of the replicas' agent ports)
-//!   listens — the agent's way out;
+//!   and the Kubernetes API's forwarder listen — the agent's ways out (the
+//!   `PortForward` entrypoint goes through the API);
 //! * the hub routes to each cluster's veth address (replies to the agent),
 //!   but not to the cluster's service address, which lives on the cluster's
 //!   loopback — exactly like a pod IP behind a NAT gateway;

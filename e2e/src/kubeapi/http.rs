@@ -45,6 +45,8 @@ pub struct Shared {
     /// Every authorization decision, when the API keeps them.
     pub requests: Option<Mutex<Vec<rbac::RequestRecord>>>,
     pub shutdown: watch::Receiver<bool>,
+    /// Where the kubelet stand-in's pods listen (`pods/portforward`).
+    pub pods: super::pods::PodNetwork,
 }
 
 /// The user a connection's verified client certificate names.
@@ -82,7 +84,11 @@ impl Shared {
         !self.rbac || rbac::allowed(&self.store, user, attributes)
     }
 
-    fn authorize(&self, user: &User, attributes: &rbac::Attributes) -> Result<(), ApiError> {
+    pub(super) fn authorize(
+        &self,
+        user: &User,
+        attributes: &rbac::Attributes,
+    ) -> Result<(), ApiError> {
         let allowed = self.allowed(user, attributes);
         if let Some(requests) = &self.requests {
             requests
@@ -400,6 +406,18 @@ async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<B
                         "resources": [{"name": "selfsubjectreviews", "singularName": "selfsubjectreview",
                             "namespaced": false, "kind": "SelfSubjectReview", "verbs": ["create"]}]}),
             ));
+        }
+        [
+            "api",
+            "v1",
+            "namespaces",
+            namespace,
+            "pods",
+            name,
+            "portforward",
+        ] => {
+            let (namespace, name) = ((*namespace).to_owned(), (*name).to_owned());
+            return super::portforward::serve(shared, &user, request, &namespace, &name).await;
         }
         ["api", version] => return resource_list(shared, "", version),
         ["apis", group, version] => return resource_list(shared, group, version),

@@ -36,14 +36,16 @@
 //!   ([`signer`]);
 //! * protobuf, server-side printing of built-in types' own columns
 //!   (their Tables show Name and Age), OpenAPI documents, aggregated
-//!   discovery, `exec`/`logs`/`portforward`, API priority and fairness,
-//!   and persistence.
+//!   discovery, `exec`/`logs`, `portforward` over SPDY (WebSocket is
+//!   served, [`portforward`]), API priority and fairness, and persistence.
 
 pub mod fields;
 pub mod http;
 pub mod lag;
 pub mod lifecycle;
 pub mod openapi;
+pub mod pods;
+pub mod portforward;
 pub mod protobuf;
 pub mod rbac;
 pub mod resources;
@@ -265,6 +267,7 @@ impl KubeApi {
             rbac: options.rbac,
             requests: options.record_requests.then(Default::default),
             shutdown: shutdown_rx.clone(),
+            pods: Default::default(),
         });
         tokio::spawn(lifecycle::run(shared.store.clone(), shutdown_rx.clone()));
         let ca_pem = ca.cert_pem().to_string();
@@ -303,6 +306,15 @@ impl KubeApi {
             .as_ref()
             .map(|r| r.lock().unwrap_or_else(|p| p.into_inner()).clone())
             .unwrap_or_default()
+    }
+
+    /// The kubelet's view of pods: what the kubelet stand-in writes (Pod
+    /// objects, their readiness, where their ports are) so that
+    /// `pods/portforward` reaches them.
+    pub fn kubelet(&self) -> pods::KubeletPods {
+        pods::KubeletPods {
+            shared: self.shared.clone(),
+        }
     }
 
     /// The administrator's kubeconfig (`kubeconfig` in the directory).
@@ -458,7 +470,8 @@ async fn serve(
                 http::handle(shared.clone(), request)
             });
             let builder = auto::Builder::new(TokioExecutor::new());
-            let connection = builder.serve_connection(TokioIo::new(stream), service);
+            // With upgrades: `pods/portforward` switches to WebSocket.
+            let connection = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
             tokio::pin!(connection);
             tokio::select! {
                 _ = connection.as_mut() => {}

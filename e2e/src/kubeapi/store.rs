@@ -285,7 +285,7 @@ pub struct Store {
     events: broadcast::Sender<Arc<Event>>,
 }
 
-fn now_rfc3339() -> String {
+pub(crate) fn now_rfc3339() -> String {
     let now = time::OffsetDateTime::now_utc();
     let now = now.replace_nanosecond(0).unwrap_or(now);
     now.format(&time::format_description::well_known::Rfc3339)

@@ -13,7 +13,10 @@ async fn main() -> anyhow::Result<()> {
         .into_iter()
         .chain(cli.logging.ignored())
     {
-        tracing::warn!(flag, "flag is accepted for compatibility but has no effect");
+        tracing::warn!(
+            flag,
+            "flag is accepted but has no effect with the others given"
+        );
     }
     let config = settings.resolve(&PodEnvironment::from_vars(std::env::vars()))?;
     let mut signals = Signals::install().context("installing signal handlers")?;

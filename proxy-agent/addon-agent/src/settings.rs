@@ -15,6 +15,8 @@ use cluster_proxy_runtime::config::{self, EnvSpec, invalid};
 use cluster_proxy_runtime::logging::{LogFlags, LogFormat};
 use serde::{Deserialize, Serialize};
 
+use crate::portforward::PortForwardConfig;
+
 /// The layered settings, named as the flags (with underscores).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -37,10 +39,15 @@ pub struct AgentSettings {
     /// Empty: every address.
     pub health_bind_address: String,
     pub health_port: u16,
-    /// Upstream's namespace of the proxy-servers for its port-forward proxy.
+    /// The hub namespace of the proxy-server pods the port-forward proxy
+    /// forwards to.
     pub proxy_server_namespace: String,
-    /// Upstream's port-forward proxy; not implemented here.
+    /// Listen for the proxy-agent and forward each connection to a
+    /// proxy-server pod through the hub API (the `PortForward` entrypoint).
     pub enable_port_forward_proxy: bool,
+    /// Where the port-forward proxy listens (not an upstream flag: upstream
+    /// always listens on 127.0.0.1:8091).
+    pub port_forward_proxy_address: String,
     /// klog-style verbosity (`-v`); `RUST_LOG` overrides it.
     pub v: u8,
     pub log_format: LogFormat,
@@ -71,6 +78,7 @@ impl Default for AgentSettings {
             health_port: 8888,
             proxy_server_namespace: "open-cluster-management-addon".into(),
             enable_port_forward_proxy: false,
+            port_forward_proxy_address: crate::portforward::DEFAULT_LISTEN.into(),
             v: 0,
             log_format: LogFormat::Auto,
         }
@@ -134,14 +142,18 @@ pub struct Cli {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub health_port: Option<u16>,
-    /// Upstream's proxy-server namespace for the port-forward proxy; accepted, no effect here.
+    /// Hub namespace of the proxy-server pods the port-forward proxy forwards to.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub proxy_server_namespace: Option<String>,
-    /// Upstream's port-forward proxy; accepted, not implemented (a warning is logged when on).
+    /// Forward connections to --port-forward-proxy-address to a Running proxy-server pod's port 8091 through the hub API's pods/portforward (the PortForward entrypoint; needs --hub-kubeconfig).
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub enable_port_forward_proxy: Option<bool>,
+    /// Address (IP:port) the port-forward proxy listens on, where the proxy-agent's --proxy-server-host/--proxy-server-port point.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub port_forward_proxy_address: Option<String>,
     #[command(flatten)]
     #[serde(flatten)]
     pub logging: LogFlags,
@@ -199,6 +211,8 @@ pub struct AgentConfig {
     pub lease_duration: Duration,
     /// Where /healthz, /readyz and /metrics are served.
     pub health_addr: SocketAddr,
+    /// The port-forward proxy, when enabled.
+    pub port_forward: Option<PortForwardConfig>,
 }
 
 impl AgentConfig {
@@ -304,6 +318,27 @@ impl AgentSettings {
         } else {
             None
         };
+        let port_forward = if self.enable_port_forward_proxy {
+            if self.hub_kubeconfig.is_none() {
+                return Err(invalid(
+                    "enable-port-forward-proxy",
+                    "needs --hub-kubeconfig: the proxy-server pods are forwarded to through the hub API",
+                ));
+            }
+            check_dns_label("proxy-server-namespace", &self.proxy_server_namespace)?;
+            let listen: SocketAddr = self.port_forward_proxy_address.parse().map_err(|_| {
+                invalid(
+                    "port-forward-proxy-address",
+                    format!("{:?} is not IP:port", self.port_forward_proxy_address),
+                )
+            })?;
+            Some(PortForwardConfig::new(
+                listen,
+                self.proxy_server_namespace.clone(),
+            ))
+        } else {
+            None
+        };
         Ok(AgentConfig {
             hub_kubeconfig: self.hub_kubeconfig.clone(),
             cluster_name: self.cluster_name.clone(),
@@ -314,17 +349,22 @@ impl AgentSettings {
             proxy_agent_health_url,
             lease_duration: self.lease_duration,
             health_addr,
+            port_forward,
         })
     }
 
-    /// Upstream flags this implementation accepts but does not act on.
+    /// Flags given that have no effect with the others: the port-forward
+    /// proxy's, while it is off.
     pub fn ignored_settings(&self) -> Vec<&'static str> {
         let mut ignored = Vec::new();
-        if self.proxy_server_namespace != AgentSettings::default().proxy_server_namespace {
-            ignored.push("proxy-server-namespace");
-        }
-        if self.enable_port_forward_proxy {
-            ignored.push("enable-port-forward-proxy");
+        let defaults = AgentSettings::default();
+        if !self.enable_port_forward_proxy {
+            if self.proxy_server_namespace != defaults.proxy_server_namespace {
+                ignored.push("proxy-server-namespace");
+            }
+            if self.port_forward_proxy_address != defaults.port_forward_proxy_address {
+                ignored.push("port-forward-proxy-address");
+            }
         }
         ignored
     }
@@ -407,6 +447,8 @@ mod tests {
                 "[default: 1m0s]",
                 "[default: 8888]",
                 "[default: http://127.0.0.1:8093/readyz]",
+                "[default: 127.0.0.1:8091]",
+                "[default: open-cluster-management-addon]",
                 "[default: true]",
             ],
         );
@@ -537,21 +579,88 @@ mod tests {
     }
 
     #[test]
-    fn upstream_flags_are_accepted_and_reported() {
+    fn the_port_forward_proxy_as_upstream_passes_it() {
+        let config = parse(
+            &[
+                "--hub-kubeconfig=/k",
+                "--cluster-name=c",
+                "--proxy-server-namespace=elsewhere",
+                "--enable-port-forward-proxy=true",
+                "--v=2",
+            ],
+            &[],
+        )
+        .unwrap();
+        let port_forward = config.port_forward.expect("the proxy is on");
+        assert_eq!(port_forward.listen, "127.0.0.1:8091".parse().unwrap());
+        assert_eq!(port_forward.namespace, "elsewhere");
+        assert_eq!(port_forward.pod_port, 8091);
+        assert_eq!(
+            port_forward.selector,
+            "proxy.open-cluster-management.io/component-name=proxy-server"
+        );
+        let off = parse(&["--hub-kubeconfig=/k", "--cluster-name=c"], &[]).unwrap();
+        assert_eq!(off.port_forward, None);
+
+        for (args, flag) in [
+            (
+                vec![
+                    "--managed-kubeconfig=/m",
+                    "--lease-namespace=ns",
+                    "--enable-port-forward-proxy",
+                ],
+                "--enable-port-forward-proxy",
+            ),
+            (
+                vec![
+                    "--hub-kubeconfig=/k",
+                    "--cluster-name=c",
+                    "--enable-port-forward-proxy",
+                    "--port-forward-proxy-address=localhost:8091",
+                ],
+                "--port-forward-proxy-address",
+            ),
+            (
+                vec![
+                    "--hub-kubeconfig=/k",
+                    "--cluster-name=c",
+                    "--enable-port-forward-proxy",
+                    "--proxy-server-namespace=Not_A_Namespace",
+                ],
+                "--proxy-server-namespace",
+            ),
+        ] {
+            let err = parse(&args, &[])
+                .expect_err(&format!("{args:?}"))
+                .to_string();
+            assert!(err.contains(flag), "{args:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn port_forward_flags_without_the_proxy_are_reported() {
         let cli = Cli::try_parse_from([
             "addon-agent",
             "--hub-kubeconfig=/k",
             "--cluster-name=c",
             "--proxy-server-namespace=elsewhere",
-            "--enable-port-forward-proxy",
-            "--v=2",
+            "--port-forward-proxy-address=127.0.0.1:9000",
         ])
         .unwrap();
         let settings = AgentSettings::load_with_env(&cli, Vec::new()).unwrap();
         assert_eq!(
             settings.ignored_settings(),
-            ["proxy-server-namespace", "enable-port-forward-proxy"]
+            ["proxy-server-namespace", "port-forward-proxy-address"]
         );
-        assert_eq!(settings.v, 2);
+        let on = Cli::try_parse_from([
+            "addon-agent",
+            "--hub-kubeconfig=/k",
+            "--cluster-name=c",
+            "--proxy-server-namespace=elsewhere",
+            "--enable-port-forward-proxy",
+        ])
+        .unwrap();
+        let settings = AgentSettings::load_with_env(&on, Vec::new()).unwrap();
+        assert!(settings.ignored_settings().is_empty());
     }
 }

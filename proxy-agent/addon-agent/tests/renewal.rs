@@ -121,6 +121,7 @@ fn config(hub_kubeconfig: &Path, readyz: Option<&FakeReadyz>) -> AgentConfig {
         proxy_agent_health_url: readyz.map(FakeReadyz::url),
         lease_duration: Duration::from_secs(1),
         health_addr: "127.0.0.1:0".parse().expect("address"),
+        port_forward: None,
     }
 }
 

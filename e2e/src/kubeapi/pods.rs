@@ -1,0 +1,248 @@
+//! The kubelet's side of pods: which pods run, whether they are ready,
+//! and where their ports really are.
+//!
+//! The environment runs a "pod" as local processes (its kubelet stand-in,
+//! `env::kubelet`), whose ports are wherever the environment placed them
+//! (replica *i*'s agent port is `9091 + 100·i` on the hub address, not
+//! 8091 on a pod IP). On a real cluster the apiserver does not know where
+//! a container's port is either: it proxies `pods/portforward` to the
+//! kubelet of the pod's node, and the kubelet dials the port inside the
+//! pod's network namespace. So the mapping lives here, in a registry
+//! only the kubelet stand-in fills ([`KubeletPods`]), next to the Pod
+//! objects it writes; [`super::portforward`] plays the kubelet's
+//! streaming server with it. Putting the real address into the Pod object
+//! instead (an annotation, or `podIP` plus the real port) would let a
+//! client skip the API and dial it, and would need ports that differ
+//! from the container's, which no real Pod has.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex};
+
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+
+use super::http::Shared;
+use super::store::{ApiError, DeleteOptions, User, WriteOptions};
+
+/// Where one pod's container ports are, as its kubelet knows.
+#[derive(Debug, Clone)]
+pub struct Endpoint {
+    pub uid: String,
+    /// Container port → where it really listens.
+    pub ports: BTreeMap<u16, SocketAddr>,
+    /// Cancelled when the pod goes: its forwards end, as a dead
+    /// container's connections do.
+    pub gone: CancellationToken,
+}
+
+/// The registry of running pods' ports: `(namespace, name)` → endpoint.
+#[derive(Clone, Default)]
+pub struct PodNetwork {
+    pods: Arc<Mutex<HashMap<(String, String), Endpoint>>>,
+}
+
+impl PodNetwork {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), Endpoint>> {
+        self.pods.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The endpoint of pod `namespace/name`, if a kubelet runs it.
+    pub fn lookup(&self, namespace: &str, name: &str) -> Option<Endpoint> {
+        self.lock()
+            .get(&(namespace.to_string(), name.to_string()))
+            .cloned()
+    }
+
+    fn insert(&self, namespace: &str, name: &str, endpoint: Endpoint) {
+        if let Some(old) = self
+            .lock()
+            .insert((namespace.to_string(), name.to_string()), endpoint)
+        {
+            old.gone.cancel();
+        }
+    }
+
+    fn remove(&self, namespace: &str, name: &str) {
+        if let Some(old) = self
+            .lock()
+            .remove(&(namespace.to_string(), name.to_string()))
+        {
+            old.gone.cancel();
+        }
+    }
+}
+
+/// A pod the kubelet stand-in runs.
+#[derive(Debug, Clone, Default)]
+pub struct RunningPod {
+    pub namespace: String,
+    pub name: String,
+    /// From the pod template (what selectors find it by).
+    pub labels: BTreeMap<String, String>,
+    /// `(container name, container port, where it really listens)`.
+    pub ports: Vec<(String, u16, SocketAddr)>,
+    pub ready: bool,
+    pub pod_ip: Option<IpAddr>,
+}
+
+/// The node every stand-in pod runs on.
+pub const NODE_NAME: &str = "cluster-proxy-e2e-node";
+
+/// What a kubelet writes: Pod objects and their status, and the registry
+/// of their ports. From [`super::KubeApi::kubelet`].
+#[derive(Clone)]
+pub struct KubeletPods {
+    pub(super) shared: Arc<Shared>,
+}
+
+fn kubelet_user() -> User {
+    User {
+        name: format!("system:node:{NODE_NAME}"),
+        uid: String::new(),
+        groups: vec!["system:nodes".into()],
+    }
+}
+
+fn status(ready: bool, pod_ip: Option<IpAddr>) -> Value {
+    let flag = if ready { "True" } else { "False" };
+    let now = super::store::now_rfc3339();
+    let mut status = json!({
+        "phase": "Running",
+        "conditions": [
+            {"type": "PodScheduled", "status": "True", "lastTransitionTime": now},
+            {"type": "Initialized", "status": "True", "lastTransitionTime": now},
+            {"type": "ContainersReady", "status": flag, "lastTransitionTime": now},
+            {"type": "Ready", "status": flag, "lastTransitionTime": now},
+        ],
+        "startTime": now,
+    });
+    if let Some(ip) = pod_ip {
+        status["podIP"] = json!(ip.to_string());
+        status["podIPs"] = json!([{"ip": ip.to_string()}]);
+        status["hostIP"] = json!(ip.to_string());
+    }
+    status
+}
+
+impl KubeletPods {
+    fn pod_type(&self) -> Result<super::resources::ResourceType, ApiError> {
+        self.shared
+            .store
+            .resource_type("", "v1", "pods")
+            .ok_or_else(|| ApiError::new(500, "InternalError", "no pods type"))
+    }
+
+    /// Writes `pod` as a `Running` Pod (replacing one of the same name: a
+    /// new pod, with a new uid) and registers its ports. Returns the uid.
+    pub fn run(&self, pod: &RunningPod) -> Result<String, ApiError> {
+        let t = self.pod_type()?;
+        let store = &self.shared.store;
+        let ns = Some(pod.namespace.as_str());
+        self.shared.pods.remove(&pod.namespace, &pod.name);
+        if store.get(&t, ns, &pod.name).is_ok() {
+            store.delete(&t, ns, &pod.name, &DeleteOptions::default())?;
+        }
+        let mut containers: BTreeMap<&str, Vec<Value>> = BTreeMap::new();
+        for (container, port, _) in &pod.ports {
+            containers
+                .entry(container.as_str())
+                .or_default()
+                .push(json!({"containerPort": port, "protocol": "TCP"}));
+        }
+        let containers: Vec<Value> = containers
+            .into_iter()
+            .map(
+                |(name, ports)| json!({"name": name, "image": "cluster-proxy-e2e", "ports": ports}),
+            )
+            .collect();
+        let body = json!({
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": pod.name, "namespace": pod.namespace, "labels": pod.labels},
+            "spec": {"nodeName": NODE_NAME, "containers": containers},
+        });
+        let options = WriteOptions {
+            field_manager: Some("kubelet".into()),
+            ..WriteOptions::default()
+        };
+        let created = store.create(&t, ns, body, &kubelet_user(), &options)?;
+        let uid = created
+            .pointer("/metadata/uid")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_string();
+        let pod_status = status(pod.ready, pod.pod_ip);
+        store.mutate(&t, ns, &pod.name, "kubelet", |object| {
+            object["status"] = pod_status;
+        })?;
+        self.shared.pods.insert(
+            &pod.namespace,
+            &pod.name,
+            Endpoint {
+                uid: uid.clone(),
+                ports: pod.ports.iter().map(|(_, p, addr)| (*p, *addr)).collect(),
+                gone: CancellationToken::new(),
+            },
+        );
+        Ok(uid)
+    }
+
+    /// Sets the pod's `Ready` (and `ContainersReady`) condition.
+    pub fn set_ready(&self, namespace: &str, name: &str, ready: bool) -> Result<(), ApiError> {
+        let t = self.pod_type()?;
+        let flag = if ready { "True" } else { "False" };
+        let now = super::store::now_rfc3339();
+        self.shared
+            .store
+            .mutate(&t, Some(namespace), name, "kubelet", |object| {
+                if let Some(conditions) = object
+                    .pointer_mut("/status/conditions")
+                    .and_then(Value::as_array_mut)
+                {
+                    for condition in conditions {
+                        let kind = condition.get("type").and_then(Value::as_str);
+                        let changes = condition.get("status").and_then(Value::as_str) != Some(flag);
+                        if matches!(kind, Some("Ready" | "ContainersReady")) && changes {
+                            condition["status"] = json!(flag);
+                            condition["lastTransitionTime"] = json!(now);
+                        }
+                    }
+                }
+            })
+    }
+
+    /// Sets the pod's `phase` (`Failed` once its processes exited for
+    /// good, as the kubelet reports it).
+    pub fn set_phase(&self, namespace: &str, name: &str, phase: &str) -> Result<(), ApiError> {
+        let t = self.pod_type()?;
+        self.shared
+            .store
+            .mutate(&t, Some(namespace), name, "kubelet", |object| {
+                object["status"]["phase"] = json!(phase);
+            })
+    }
+
+    /// The pod's processes are gone: its forwards end and its Pod object
+    /// is deleted (absent already is fine).
+    pub fn remove(&self, namespace: &str, name: &str) -> Result<(), ApiError> {
+        self.shared.pods.remove(namespace, name);
+        self.delete(namespace, name)
+    }
+
+    /// The pod is being stopped: its Pod object goes, so no new forward
+    /// reaches it, while forwards already open last until its processes
+    /// exit ([`KubeletPods::remove`]), as a terminating pod's do.
+    pub fn delete(&self, namespace: &str, name: &str) -> Result<(), ApiError> {
+        let t = self.pod_type()?;
+        match self
+            .shared
+            .store
+            .delete(&t, Some(namespace), name, &DeleteOptions::default())
+        {
+            Ok(_) => Ok(()),
+            Err(error) if error.code == 404 => Ok(()),
+            Err(error) => Err(error),
+        }
+    }
+}

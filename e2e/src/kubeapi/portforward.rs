@@ -1,0 +1,449 @@
+//! `pods/portforward` over WebSocket, as kube-apiserver and the kubelet
+//! serve it to kube-rs and other channel-protocol clients.
+//!
+//! * Authorization: a WebSocket upgrade is a `GET`, which RBAC sees as
+//!   `get` on `pods/portforward`; since v1.35 the apiserver also requires
+//!   `create` on it (`AuthorizePodWebsocketUpgradeCreatePermission`, on by
+//!   default), the verb a `POST` (SPDY) needs. Both are checked, before
+//!   the pod is looked up, with kube-apiserver 1.36's messages.
+//! * Framing (kubelet's `wsstream`, subprotocol `v4.channel.k8s.io` or
+//!   plain `channel.k8s.io`): every message is binary, its first byte the
+//!   channel; port *i* of `?ports=` has data channel `2i` and error
+//!   channel `2i+1`, and the first message on each carries the port as 2
+//!   bytes little-endian. A port that cannot be reached gets its reason on
+//!   its error channel, as the kubelet writes it.
+//! * Not served: SPDY (`POST` with `Upgrade: SPDY/3.1`, what client-go's
+//!   SPDY dialer and upstream's Go addon-agent use) and the SPDY-over-
+//!   WebSocket tunnel `kubectl port-forward` uses since 1.31
+//!   (`SPDY/3.1+portforward.k8s.io`), nor the base64 channel protocols;
+//!   each is refused with a message saying so.
+//!
+//! Where a pod's port really is comes from [`super::pods::PodNetwork`],
+//! which the kubelet stand-in fills.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+
+use bytes::Bytes;
+use futures_util::{SinkExt, StreamExt};
+use http::{Method, Request, Response, StatusCode, header};
+use http_body_util::{BodyExt, Empty};
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+use serde_json::Value;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::mpsc;
+use tokio_tungstenite::WebSocketStream;
+use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
+use tokio_tungstenite::tungstenite::protocol::Role;
+
+use super::http::{Body, Shared};
+use super::pods::Endpoint;
+use super::rbac;
+use super::store::{ApiError, User};
+
+/// The binary channel protocols served, preferred first.
+const PROTOCOLS: &[&str] = &["v4.channel.k8s.io", "channel.k8s.io"];
+/// Read size from a pod's port.
+const CHUNK: usize = 32 * 1024;
+
+fn attributes(verb: &str, namespace: &str, name: &str) -> rbac::Attributes {
+    rbac::Attributes::Resource {
+        verb: verb.into(),
+        group: String::new(),
+        resource: "pods/portforward".into(),
+        namespace: Some(namespace.to_string()),
+        name: Some(name.to_string()),
+    }
+}
+
+/// The ports of `?ports=` (repeated or comma-separated), as the kubelet
+/// parses them.
+pub fn ports(query: Option<&str>) -> Result<Vec<u16>, ApiError> {
+    let mut ports = Vec::new();
+    for (key, value) in form_urlencoded::parse(query.unwrap_or_default().as_bytes()) {
+        if key != "ports" {
+            continue;
+        }
+        for text in value.split(',').map(str::trim).filter(|t| !t.is_empty()) {
+            let port: u16 = text.parse().map_err(|e| {
+                ApiError::bad_request(format!("unable to parse {text:?} as a port: {e}"))
+            })?;
+            if port == 0 {
+                return Err(ApiError::bad_request(format!("port {text:?} must be > 0")));
+            }
+            ports.push(port);
+        }
+    }
+    if ports.is_empty() {
+        return Err(ApiError::bad_request("at least one port must be specified"));
+    }
+    // Two channels per port, numbered by one byte.
+    if ports.len() > 127 {
+        return Err(ApiError::bad_request("at most 127 ports per request"));
+    }
+    Ok(ports)
+}
+
+fn header_text(request: &Request<Incoming>, name: header::HeaderName) -> Option<&str> {
+    request.headers().get(name).and_then(|v| v.to_str().ok())
+}
+
+/// The subprotocol to answer with: `Some("")` when the client asked for
+/// none (the kubelet then speaks plain binary channels).
+fn negotiate(request: &Request<Incoming>) -> Result<&'static str, ApiError> {
+    let offered: Vec<String> = request
+        .headers()
+        .get_all(header::SEC_WEBSOCKET_PROTOCOL)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(|p| p.trim().to_string())
+        .filter(|p| !p.is_empty())
+        .collect();
+    if offered.is_empty() {
+        return Ok("");
+    }
+    for protocol in PROTOCOLS {
+        if offered.iter().any(|p| p == protocol) {
+            return Ok(protocol);
+        }
+    }
+    let spdy = if offered.iter().any(|p| p.starts_with("SPDY/")) {
+        " (SPDY over WebSocket is not served by this test API)"
+    } else {
+        ""
+    };
+    Err(ApiError::bad_request(format!(
+        "unable to upgrade connection: requested protocol(s) are not supported: {offered:?}; supports {PROTOCOLS:?}{spdy}"
+    )))
+}
+
+/// Serves `GET|POST /api/v1/namespaces/{namespace}/pods/{name}/portforward`.
+pub async fn serve(
+    shared: &Shared,
+    user: &User,
+    mut request: Request<Incoming>,
+    namespace: &str,
+    name: &str,
+) -> Result<Response<Body>, ApiError> {
+    let upgrade = header_text(&request, header::UPGRADE)
+        .unwrap_or_default()
+        .to_ascii_lowercase();
+    let t = shared
+        .store
+        .resource_type("", "v1", "pods")
+        .ok_or_else(|| ApiError::new(500, "InternalError", "no pods type"))?;
+    match *request.method() {
+        Method::GET => {
+            // The authorization filter's check, by the method's verb.
+            shared.authorize(user, &attributes("get", namespace, name))?;
+            // PortForwardREST.Connect's `ensureAuthorizedForVerb`: its
+            // denial carries no RBAC reason (kube-apiserver 1.36, live).
+            shared
+                .authorize(user, &attributes("create", namespace, name))
+                .map_err(|_| {
+                    ApiError::new(403, "Forbidden", format!("pods {name:?} is forbidden: "))
+                        .about(&t, name)
+                })?;
+        }
+        Method::POST => shared.authorize(user, &attributes("create", namespace, name))?,
+        ref other => {
+            return Err(ApiError::new(
+                405,
+                "MethodNotAllowed",
+                format!("{other} is not supported on pods/portforward"),
+            ));
+        }
+    }
+    let pod = shared.store.get(&t, Some(namespace), name)?;
+    if upgrade.starts_with("spdy/") {
+        return Err(ApiError::bad_request(
+            "unable to upgrade connection: SPDY port-forward is not served by this test API; use WebSocket (v4.channel.k8s.io)",
+        ));
+    }
+    if request.method() != Method::GET || upgrade != "websocket" {
+        return Err(ApiError::bad_request("Upgrade request required"));
+    }
+    let ports = ports(request.uri().query())?;
+    if pod
+        .pointer("/spec/nodeName")
+        .and_then(Value::as_str)
+        .is_none_or(str::is_empty)
+    {
+        return Err(ApiError::bad_request(format!(
+            "pod {name} does not have a host assigned"
+        )));
+    }
+    let phase = pod
+        .pointer("/status/phase")
+        .and_then(Value::as_str)
+        .unwrap_or("Pending");
+    if phase != "Running" {
+        return Err(ApiError::new(
+            500,
+            "InternalError",
+            format!(
+                "unable to upgrade connection: pod {namespace}/{name} is not running (phase {phase})"
+            ),
+        ));
+    }
+    let uid = pod
+        .pointer("/metadata/uid")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    // The kubelet runs the pod only while the stand-in registered it under
+    // this uid; an older pod of the same name is not this one.
+    let endpoint = shared
+        .pods
+        .lookup(namespace, name)
+        .filter(|e| e.uid == uid)
+        .ok_or_else(|| {
+            ApiError::new(
+                500,
+                "InternalError",
+                format!("unable to upgrade connection: pod not found (\"{name}_{namespace}\")"),
+            )
+        })?;
+    let protocol = negotiate(&request)?;
+    if header_text(&request, header::SEC_WEBSOCKET_VERSION) != Some("13") {
+        return Err(ApiError::bad_request(
+            "unable to upgrade connection: Sec-WebSocket-Version must be 13",
+        ));
+    }
+    let key = header_text(&request, header::SEC_WEBSOCKET_KEY).ok_or_else(|| {
+        ApiError::bad_request("unable to upgrade connection: no Sec-WebSocket-Key")
+    })?;
+    let accept = derive_accept_key(key.as_bytes());
+    let on_upgrade = hyper::upgrade::on(&mut request);
+    let mut shutdown = shared.shutdown.clone();
+    let pod_name = format!("{namespace}/{name}");
+    tokio::spawn(async move {
+        let upgraded = match on_upgrade.await {
+            Ok(upgraded) => upgraded,
+            Err(error) => {
+                tracing::debug!(pod = %pod_name, %error, "port-forward upgrade failed");
+                return;
+            }
+        };
+        let ws = WebSocketStream::from_raw_socket(TokioIo::new(upgraded), Role::Server, None).await;
+        tokio::select! {
+            () = relay(ws, &pod_name, &ports, &endpoint) => {}
+            _ = shutdown.changed() => {}
+        }
+    });
+
+    let mut response = Response::new(Empty::<Bytes>::new().boxed());
+    *response.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
+    let headers = response.headers_mut();
+    headers.insert(
+        header::UPGRADE,
+        header::HeaderValue::from_static("websocket"),
+    );
+    headers.insert(
+        header::CONNECTION,
+        header::HeaderValue::from_static("Upgrade"),
+    );
+    headers.insert(
+        header::SEC_WEBSOCKET_ACCEPT,
+        header::HeaderValue::from_str(&accept)
+            .map_err(|e| ApiError::new(500, "InternalError", e.to_string()))?,
+    );
+    if !protocol.is_empty() {
+        headers.insert(
+            header::SEC_WEBSOCKET_PROTOCOL,
+            header::HeaderValue::from_static(protocol),
+        );
+    }
+    Ok(response)
+}
+
+/// What a port's reader tells the relay.
+enum FromPod {
+    Data(u8, Bytes),
+    /// The port's connection ended (or never opened: the reason goes on
+    /// its error channel).
+    Done(usize, Option<String>),
+}
+
+fn framed(channel: u8, payload: &[u8]) -> Message {
+    let mut bytes = Vec::with_capacity(payload.len() + 1);
+    bytes.push(channel);
+    bytes.extend_from_slice(payload);
+    Message::binary(bytes)
+}
+
+async fn relay<S>(ws: WebSocketStream<S>, pod: &str, ports: &[u16], endpoint: &Endpoint)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    let (mut sink, mut stream) = ws.split();
+    for (i, port) in ports.iter().enumerate() {
+        let data = (2 * i) as u8;
+        for channel in [data, data + 1] {
+            if sink
+                .send(framed(channel, &port.to_le_bytes()))
+                .await
+                .is_err()
+            {
+                return;
+            }
+        }
+    }
+    let (events, mut from_pods) = mpsc::channel::<FromPod>(16);
+    let mut to_pods: BTreeMap<u8, mpsc::Sender<Bytes>> = BTreeMap::new();
+    for (i, port) in ports.iter().enumerate() {
+        let data = (2 * i) as u8;
+        let target: Option<SocketAddr> = endpoint.ports.get(port).copied();
+        let (to_pod, rx) = mpsc::channel::<Bytes>(16);
+        to_pods.insert(data, to_pod);
+        tokio::spawn(port_task(
+            i,
+            data,
+            *port,
+            pod.to_string(),
+            endpoint.uid.clone(),
+            target,
+            rx,
+            events.clone(),
+        ));
+    }
+    drop(events);
+    // The two directions run side by side: a pod that is slow to read
+    // must not hold up what it sends to the client.
+    let inbound = async {
+        while let Some(message) = stream.next().await {
+            match message {
+                Ok(Message::Binary(bytes)) if bytes.len() > 1 => {
+                    let channel = bytes[0];
+                    // Error channels from the client carry nothing the
+                    // kubelet acts on; unknown channels are dropped too.
+                    if let Some(to_pod) = to_pods.get(&channel)
+                        && to_pod.send(bytes.slice(1..)).await.is_err()
+                    {
+                        to_pods.remove(&channel);
+                    }
+                }
+                Ok(Message::Close(_)) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    };
+    let outbound = async {
+        let mut open = ports.len();
+        while let Some(event) = from_pods.recv().await {
+            match event {
+                FromPod::Data(channel, bytes) => {
+                    if sink.send(framed(channel, &bytes)).await.is_err() {
+                        return;
+                    }
+                }
+                FromPod::Done(i, error) => {
+                    if let Some(error) = error {
+                        let channel = (2 * i + 1) as u8;
+                        if sink.send(framed(channel, error.as_bytes())).await.is_err() {
+                            return;
+                        }
+                    }
+                    open = open.saturating_sub(1);
+                    if open == 0 {
+                        return;
+                    }
+                }
+            }
+        }
+    };
+    tokio::select! {
+        () = inbound => {}
+        () = outbound => {}
+        () = endpoint.gone.cancelled() => {
+            tracing::debug!(%pod, "pod gone; ending its port-forward");
+        }
+    }
+    let _ = sink.send(Message::Close(None)).await;
+    let _ = sink.close().await;
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn port_task(
+    index: usize,
+    channel: u8,
+    port: u16,
+    pod: String,
+    uid: String,
+    target: Option<SocketAddr>,
+    mut to_pod: mpsc::Receiver<Bytes>,
+    events: mpsc::Sender<FromPod>,
+) {
+    let connected = match target {
+        Some(addr) => TcpStream::connect(addr).await.map_err(|e| e.to_string()),
+        None => Err(format!(
+            "dial tcp4 127.0.0.1:{port}: connect: connection refused"
+        )),
+    };
+    let tcp = match connected {
+        Ok(tcp) => tcp,
+        Err(reason) => {
+            let message = format!("error forwarding port {port} to pod {pod}, uid {uid}: {reason}");
+            let _ = events.send(FromPod::Done(index, Some(message))).await;
+            return;
+        }
+    };
+    let _ = tcp.set_nodelay(true);
+    let (mut read, mut write) = tcp.into_split();
+    let reader = {
+        let events = events.clone();
+        async move {
+            let mut buf = vec![0u8; CHUNK];
+            loop {
+                match read.read(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => {
+                        let bytes = Bytes::copy_from_slice(&buf[..n]);
+                        if events.send(FromPod::Data(channel, bytes)).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+            }
+        }
+    };
+    let writer = async move {
+        while let Some(bytes) = to_pod.recv().await {
+            if write.write_all(&bytes).await.is_err() {
+                return;
+            }
+        }
+    };
+    // The channel protocol has no half-close: either direction ending
+    // ends the port.
+    tokio::select! {
+        () = reader => {}
+        () = writer => {}
+    }
+    let _ = events.send(FromPod::Done(index, None)).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ports_parse_as_the_kubelet_does() {
+        assert_eq!(ports(Some("ports=8091")).unwrap(), [8091]);
+        assert_eq!(ports(Some("&ports=80%2C1234")).unwrap(), [80, 1234]);
+        assert_eq!(ports(Some("ports=80&ports=81")).unwrap(), [80, 81]);
+        for bad in [
+            None,
+            Some(""),
+            Some("ports="),
+            Some("ports=x"),
+            Some("ports=0"),
+            Some("ports=70000"),
+        ] {
+            assert_eq!(ports(bad).unwrap_err().code, 400, "{bad:?}");
+        }
+    }
+}
