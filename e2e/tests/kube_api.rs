@@ -2434,6 +2434,27 @@ async fn a_service_account_token_authenticates_as_the_service_account() {
         Err(kube::Error::Api(e)) => assert_eq!(e.code, 404, "{e:?}"),
         other => panic!("a token for an unknown ServiceAccount: {other:?}"),
     }
+
+    // A bound token dies with its account, also when one of the same name
+    // comes back (another uid): the real server's bound tokens carry both.
+    accounts.delete("robot", &Default::default()).await.unwrap();
+    match maps.list(&Default::default()).await {
+        Err(kube::Error::Api(e)) => assert_eq!(e.code, 401, "{e:?}"),
+        other => panic!("the token of a deleted ServiceAccount still authenticates: {other:?}"),
+    }
+    accounts
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({"metadata": {"name": "robot"}})).unwrap(),
+        )
+        .await
+        .unwrap();
+    match maps.list(&Default::default()).await {
+        Err(kube::Error::Api(e)) => assert_eq!(e.code, 401, "{e:?}"),
+        other => panic!(
+            "the token of a re-created ServiceAccount's predecessor authenticates: {other:?}"
+        ),
+    }
 }
 
 mod portforward {

@@ -1083,8 +1083,8 @@ impl super::Environment {
 #[derive(Debug, Clone, Default)]
 pub struct HubRbac {
     /// Applied as the administrator before any service starts: Namespaces,
-    /// ClusterRoles, ClusterRoleBindings, Roles and RoleBindings (the RBAC
-    /// part of a chart's render).
+    /// ServiceAccounts, ClusterRoles, ClusterRoleBindings, Roles and
+    /// RoleBindings (the RBAC part of a chart's render).
     pub objects: Vec<serde_json::Value>,
     /// Each service's user, `system:serviceaccount:<namespace>:<name>`.
     pub addon_manager: String,
@@ -1103,8 +1103,8 @@ const CHART_DEFAULT_RENDER: &str = include_str!("../../../charts/tests/snapshots
 
 impl HubRbac {
     /// The RBAC of a chart's render (one JSON value per object): its
-    /// Namespaces, (Cluster)Roles and bindings, and the ServiceAccounts the
-    /// three hub Deployments run as.
+    /// Namespaces, ServiceAccounts, (Cluster)Roles and bindings, and the
+    /// ServiceAccounts the three hub Deployments run as.
     pub fn from_chart_documents(documents: &[serde_json::Value]) -> Result<Self, String> {
         let text = |object: &serde_json::Value, pointer: &str| {
             object
@@ -1118,7 +1118,12 @@ impl HubRbac {
             .filter(|d| {
                 matches!(
                     text(d, "/kind").as_str(),
-                    "Namespace" | "ClusterRole" | "ClusterRoleBinding" | "Role" | "RoleBinding"
+                    "Namespace"
+                        | "ServiceAccount"
+                        | "ClusterRole"
+                        | "ClusterRoleBinding"
+                        | "Role"
+                        | "RoleBinding"
                 )
             })
             .cloned()
@@ -1173,26 +1178,19 @@ impl HubRbac {
         format!("system:serviceaccount:{namespace}:{name}")
     }
 
-    /// The groups the kube-apiserver puts a ServiceAccount's user in.
-    fn groups(user: &str) -> Vec<String> {
-        let mut groups = vec!["system:serviceaccounts".to_string()];
-        if let Some(namespace) = user
-            .strip_prefix("system:serviceaccount:")
-            .and_then(|rest| rest.split(':').next())
-        {
-            groups.push(format!("system:serviceaccounts:{namespace}"));
-        }
-        groups
-    }
-
-    /// A kubeconfig that authenticates as `user`, a ServiceAccount.
+    /// A kubeconfig that authenticates as `user`, a ServiceAccount that
+    /// [`HubRbac::apply`] created, with a token bound to it: deleting the
+    /// account (say, by garbage collection) revokes it, as on a real hub.
     pub(super) fn kubeconfig(
         api: &crate::kubeapi::KubeApi,
         user: &str,
     ) -> Result<PathBuf, super::EnvError> {
-        let groups = Self::groups(user);
-        let groups: Vec<&str> = groups.iter().map(String::as_str).collect();
-        api.kubeconfig_for(user, &groups)
+        let (namespace, name) = user
+            .strip_prefix("system:serviceaccount:")
+            .and_then(|rest| rest.split_once(':'))
+            .ok_or_else(|| super::EnvError::KubeApi(format!("{user:?} is not a ServiceAccount")))?;
+        api.kubeconfigs(None)
+            .write_service_account(namespace, name)
             .map_err(|e| super::EnvError::KubeApi(e.to_string()))
     }
 
@@ -1232,10 +1230,15 @@ impl HubRbac {
             };
             if !matches!(
                 kind,
-                "Namespace" | "ClusterRole" | "ClusterRoleBinding" | "Role" | "RoleBinding"
+                "Namespace"
+                    | "ServiceAccount"
+                    | "ClusterRole"
+                    | "ClusterRoleBinding"
+                    | "Role"
+                    | "RoleBinding"
             ) {
                 return Err(super::EnvError::KubeApi(format!(
-                    "hub RBAC: {kind} {name} is not a Namespace or an RBAC object"
+                    "hub RBAC: {kind} {name} is not a Namespace, ServiceAccount or RBAC object"
                 )));
             }
             let (group, version) = api_version.split_once('/').unwrap_or(("", api_version));

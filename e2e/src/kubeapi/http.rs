@@ -37,6 +37,10 @@ const MAX_BODY: usize = 3 * 1024 * 1024;
 pub struct Shared {
     pub store: Arc<Store>,
     pub tokens: Mutex<HashMap<String, User>>,
+    /// Tokens bound to a ServiceAccount (TokenRequest): token → the
+    /// account's namespace, name and uid. Such a token authenticates only
+    /// while that very account exists, as kube-apiserver's bound tokens.
+    pub bound_tokens: Mutex<HashMap<String, BoundAccount>>,
     /// Paginated lists' snapshots, newest last.
     pub snapshots: Mutex<std::collections::VecDeque<Snapshot>>,
     pub bookmark_interval: Duration,
@@ -47,6 +51,14 @@ pub struct Shared {
     pub shutdown: watch::Receiver<bool>,
     /// Where the kubelet stand-in's pods listen (`pods/portforward`).
     pub pods: super::pods::PodNetwork,
+}
+
+/// The ServiceAccount a bound token belongs to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BoundAccount {
+    pub namespace: String,
+    pub name: String,
+    pub uid: String,
 }
 
 /// The user a connection's verified client certificate names.
@@ -64,6 +76,18 @@ impl Shared {
         let tokens = self.tokens.lock().unwrap_or_else(|p| p.into_inner());
         // A bearer token decides when one is sent; a verified client
         // certificate otherwise.
+        if let Some(account) = token.and_then(|t| {
+            self.bound_tokens
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get(t)
+                .cloned()
+        }) && !self.account_exists(&account)
+        {
+            // kube-apiserver: "service account ... has been deleted" (or
+            // re-created with another uid): the token is no longer valid.
+            return Err(ApiError::new(401, "Unauthorized", "Unauthorized"));
+        }
         let mut user = match token {
             Some(token) => tokens.get(token).cloned(),
             None => request
@@ -77,6 +101,59 @@ impl Shared {
             user.groups.push(AUTHENTICATED.to_string());
         }
         self.impersonate(request, user)
+    }
+
+    fn account_exists(&self, account: &BoundAccount) -> bool {
+        let Some(t) = self.store.resource_type("", "v1", "serviceaccounts") else {
+            return false;
+        };
+        self.store
+            .get(&t, Some(&account.namespace), &account.name)
+            .is_ok_and(|sa| {
+                sa.pointer("/metadata/uid").and_then(Value::as_str) == Some(account.uid.as_str())
+            })
+    }
+
+    /// Issues a token bound to ServiceAccount `name` in `namespace` (as
+    /// TokenRequest does), or `None` when the account does not exist.
+    pub fn bound_token(&self, namespace: &str, name: &str) -> Option<String> {
+        let t = self.store.resource_type("", "v1", "serviceaccounts")?;
+        let account = self.store.get(&t, Some(namespace), name).ok()?;
+        let uid = account
+            .pointer("/metadata/uid")
+            .and_then(Value::as_str)?
+            .to_owned();
+        let token = format!(
+            "{:032x}{:032x}",
+            rand::random::<u128>(),
+            rand::random::<u128>()
+        );
+        self.tokens
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(
+                token.clone(),
+                User {
+                    name: format!("system:serviceaccount:{namespace}:{name}"),
+                    uid: uid.clone(),
+                    groups: vec![
+                        "system:serviceaccounts".to_owned(),
+                        format!("system:serviceaccounts:{namespace}"),
+                    ],
+                },
+            );
+        self.bound_tokens
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(
+                token.clone(),
+                BoundAccount {
+                    namespace: namespace.to_owned(),
+                    name: name.to_owned(),
+                    uid,
+                },
+            );
+        Some(token)
     }
 
     /// Whether `user` may do this (always, without RBAC).
@@ -859,7 +936,8 @@ async fn token_request(
         .store
         .resource_type("", "v1", "serviceaccounts")
         .ok_or_else(|| ApiError::new(404, "NotFound", "serviceaccounts are not served"))?;
-    let account = shared.store.get(&accounts, Some(namespace), name)?;
+    // 404 for a missing account before the body is read, as the real one.
+    shared.store.get(&accounts, Some(namespace), name)?;
     let content_type = media_type(&request);
     let asked = read_json(request, &content_type).await?;
     let seconds = match asked.pointer("/spec/expirationSeconds") {
@@ -885,30 +963,13 @@ async fn token_request(
         Some(given) if !given.is_empty() => Value::Array(given.clone()),
         _ => json!([DEFAULT_TOKEN_AUDIENCE]),
     };
-    let token = format!(
-        "{:032x}{:032x}",
-        rand::random::<u128>(),
-        rand::random::<u128>()
-    );
-    shared
-        .tokens
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .insert(
-            token.clone(),
-            User {
-                name: format!("system:serviceaccount:{namespace}:{name}"),
-                uid: account
-                    .pointer("/metadata/uid")
-                    .and_then(Value::as_str)
-                    .unwrap_or_default()
-                    .to_owned(),
-                groups: vec![
-                    "system:serviceaccounts".to_owned(),
-                    format!("system:serviceaccounts:{namespace}"),
-                ],
-            },
-        );
+    let token = shared.bound_token(namespace, name).ok_or_else(|| {
+        ApiError::new(
+            404,
+            "NotFound",
+            format!("serviceaccounts {name:?} not found"),
+        )
+    })?;
     let expires = time::OffsetDateTime::now_utc()
         .replace_nanosecond(0)
         .unwrap_or_else(|_| time::OffsetDateTime::now_utc())

@@ -137,6 +137,26 @@ impl KubeconfigWriter {
                     groups: groups.iter().map(|g| g.to_string()).collect(),
                 },
             );
+        self.write_token(user, &token)
+    }
+
+    /// Writes a kubeconfig with a token bound to ServiceAccount `name` in
+    /// `namespace`, which must exist: the token stops authenticating when
+    /// the account is deleted, as on a real API server.
+    pub fn write_service_account(
+        &self,
+        namespace: &str,
+        name: &str,
+    ) -> Result<PathBuf, KubeApiError> {
+        let token = self.shared.bound_token(namespace, name).ok_or_else(|| {
+            KubeApiError::Client(format!(
+                "no ServiceAccount {namespace}/{name} to issue a token for"
+            ))
+        })?;
+        self.write_token(&format!("system:serviceaccount:{namespace}:{name}"), &token)
+    }
+
+    fn write_token(&self, user: &str, token: &str) -> Result<PathBuf, KubeApiError> {
         let ca = base64::engine::general_purpose::STANDARD.encode(&self.ca_pem);
         let text = format!(
             "apiVersion: v1\nkind: Config\nclusters:\n- name: cluster-proxy-e2e\n  cluster:\n    server: https://{addr}\n    certificate-authority-data: {ca}\nusers:\n- name: {user:?}\n  user:\n    token: {token}\ncontexts:\n- name: {user:?}\n  context:\n    cluster: cluster-proxy-e2e\n    user: {user:?}\ncurrent-context: {user:?}\n",
@@ -262,6 +282,7 @@ impl KubeApi {
         let shared = Arc::new(Shared {
             store,
             tokens: Mutex::new(HashMap::new()),
+            bound_tokens: Mutex::new(HashMap::new()),
             snapshots: Mutex::new(Default::default()),
             bookmark_interval: options.bookmark_interval,
             rbac: options.rbac,
