@@ -175,8 +175,19 @@ def check_upstream_names(docs: list[dict]) -> None:
             and pod["metadata"]["labels"].get("component") == "cluster-proxy-manager",
             "addon-manager pod labels",
         )
-        expect(pod["spec"].get("serviceAccountName") == "cluster-proxy", "addon-manager SA")
-    expect(find(docs, "ServiceAccount", "cluster-proxy", NAMESPACE) is not None, "SA cluster-proxy")
+        # Not upstream's `cluster-proxy`: that is the proxy-server ServiceAccount the hub
+        # controller applies (owned by the MPC) in the same namespace, so deleting the MPC
+        # garbage-collected addon-manager's own account (seen on a real hub, 2026-12-01).
+        account = pod["spec"].get("serviceAccountName")
+        expect(account == "cluster-proxy-addon-manager", "addon-manager SA")
+        expect(
+            account != proxy_server_service_account_from_code(),
+            "addon-manager runs as the ServiceAccount the hub controller applies for proxy-server",
+        )
+    expect(
+        find(docs, "ServiceAccount", "cluster-proxy-addon-manager", NAMESPACE) is not None,
+        "SA cluster-proxy-addon-manager",
+    )
     rbac_name = "open-cluster-management:cluster-proxy:addon-manager"
     for kind in ("ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"):
         expect(find(docs, kind, rbac_name) is not None, f"{kind} {rbac_name}")
@@ -380,6 +391,13 @@ def check_non_default(docs: list[dict]) -> None:
 
 RBAC_RS = HERE.parent.parent / "cert-authority" / "src" / "kubernetes" / "rbac.rs"
 CSR_RS = HERE.parent.parent / "cert-authority" / "src" / "kubernetes" / "csr.rs"
+
+
+def proxy_server_service_account_from_code() -> str | None:
+    """The ServiceAccount addon-manager's hub controller applies for the proxy-servers."""
+    source = (HERE.parent.parent / "addon-manager/src/hub/render.rs").read_text()
+    found = re.search(r'pub const SERVICE_ACCOUNT_NAME: &str = "([^"]+)"', source)
+    return found.group(1) if found else None
 
 
 def cert_authority_rules_from_code() -> tuple[set, set]:

@@ -636,3 +636,43 @@ fn tls12_handshake(addr: std::net::SocketAddr) -> String {
     }
     "the handshake completed".to_owned()
 }
+
+/// Regression (found on a real hub, 2026-12-01): the chart ran addon-manager
+/// as ServiceAccount `cluster-proxy`, the name of the proxy-server
+/// ServiceAccount addon-manager itself applies (owned by the MPC) in the same
+/// namespace. Deleting the MPC garbage-collected addon-manager's own account,
+/// its token stopped authenticating (401), and a new MPC was never served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn addon_manager_serves_a_new_mpc_after_the_old_one_is_deleted() {
+    let env = start(options(1)).await;
+    let admin = env.admin_client().await.unwrap();
+    let mpcs: Api<ManagedProxyConfiguration> = Api::all(admin.clone());
+    let deployments: Api<Deployment> = Api::namespaced(admin.clone(), ADDON_NAMESPACE);
+    let mut mpc = serde_json::to_value(mpcs.get("cluster-proxy").await.unwrap()).unwrap();
+    mpcs.delete("cluster-proxy", &Default::default())
+        .await
+        .unwrap();
+    wait_for("the proxy-servers go with their MPC", READY, || async {
+        match deployments.get_opt("cluster-proxy").await {
+            Ok(None) => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    let metadata = mpc["metadata"].take();
+    mpc["metadata"] = json!({"name": metadata["name"]});
+    mpc.as_object_mut().unwrap().remove("status");
+    mpcs.create(
+        &PostParams::default(),
+        &serde_json::from_value(mpc).unwrap(),
+    )
+    .await
+    .unwrap();
+    wait_for("addon-manager serves the new MPC", READY, || async {
+        match deployments.get_opt("cluster-proxy").await {
+            Ok(Some(_)) => Ok(()),
+            other => Err(format!("{other:?}\n{}", env.logs.tail("addon-manager", 5))),
+        }
+    })
+    .await;
+}
