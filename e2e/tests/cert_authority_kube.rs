@@ -515,3 +515,56 @@ async fn secrets_are_repaired_at_once_a_damaged_ca_is_kept_and_csrs_cost_no_ca_r
         }
     }
 }
+
+/// Regression (a real hub, 2026-12-01): `helm uninstall` deletes
+/// cert-authority's ServiceAccount and RBAC with its Deployment, so the
+/// leader Lease can no longer be released when SIGTERM comes; cert-authority
+/// then exited with an error (addon-manager and health-prober only warn).
+/// The Lease expires on its own: shutting down is still a success.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_it_can_no_longer_release_does_not_fail_the_shutdown() {
+    use k8s_openapi::api::core::v1::ServiceAccount;
+    let (api, admin, _dir) = api_with_addon_namespace().await;
+    let accounts: Api<ServiceAccount> = Api::namespaced(admin.clone(), NS);
+    accounts
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({"metadata": {"name": "cert-authority"}})).unwrap(),
+        )
+        .await
+        .unwrap();
+    let kubeconfig = api
+        .kubeconfigs(None)
+        .write_service_account(NS, "cert-authority")
+        .unwrap();
+    let client = KubeApi::client_from(&kubeconfig).await.unwrap();
+    let mut options = KubeOptions::new(NS);
+    options.identity = "only".to_string();
+    options.renew_every = Duration::from_millis(200);
+    options.lease_duration = Duration::from_secs(2);
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(kubernetes::run(client, options, async {
+        let _ = stopped.await;
+    }));
+    let leases: Api<Lease> = Api::namespaced(admin.clone(), NS);
+    eventually("cert-authority leads", WAIT, || async {
+        leases
+            .get_opt(LEASE_NAME)
+            .await
+            .unwrap()
+            .and_then(|lease| lease.spec?.holder_identity)
+            .filter(|holder| holder == "only")
+    })
+    .await;
+    // Its account goes (uninstall): its token no longer authenticates.
+    accounts
+        .delete("cert-authority", &Default::default())
+        .await
+        .unwrap();
+    stop.send(()).unwrap();
+    let result = tokio::time::timeout(WAIT, task)
+        .await
+        .expect("cert-authority stops")
+        .expect("cert-authority does not panic");
+    assert!(result.is_ok(), "shutdown failed: {result:?}");
+}

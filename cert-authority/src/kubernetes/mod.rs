@@ -673,5 +673,11 @@ pub async fn run_with_metrics(
     if let Some(task) = follower {
         task.abort();
     }
-    Ok(elector.release().await?)
+    // Shutting down anyway: a Lease it can no longer release (its account
+    // and RBAC deleted with it by `helm uninstall`) expires on its own, as
+    // addon-manager and health-prober treat theirs.
+    if let Err(error) = elector.release().await {
+        tracing::warn!(%error, "releasing the leader Lease");
+    }
+    Ok(())
 }
