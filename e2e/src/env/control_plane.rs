@@ -1097,6 +1097,16 @@ pub struct HubRbac {
 /// CSRs (the addon-agent's Lease Role is the addon-manager's to write).
 const REGISTRATION_AGENT_ROLE: &str = "e2e:open-cluster-management:registration-agent";
 
+/// The kinds of a chart's render that [`HubRbac`] applies.
+const HUB_RBAC_KINDS: [&str; 6] = [
+    "Namespace",
+    "ServiceAccount",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "Role",
+    "RoleBinding",
+];
+
 /// The chart rendered with its default values, as `charts/tests/check.py`
 /// keeps it (CI fails when the snapshot and the chart disagree).
 const CHART_DEFAULT_RENDER: &str = include_str!("../../../charts/tests/snapshots/default.yaml");
@@ -1115,17 +1125,7 @@ impl HubRbac {
         };
         let objects = documents
             .iter()
-            .filter(|d| {
-                matches!(
-                    text(d, "/kind").as_str(),
-                    "Namespace"
-                        | "ServiceAccount"
-                        | "ClusterRole"
-                        | "ClusterRoleBinding"
-                        | "Role"
-                        | "RoleBinding"
-                )
-            })
+            .filter(|d| HUB_RBAC_KINDS.contains(&text(d, "/kind").as_str()))
             .cloned()
             .collect();
         let service_account_of = |name: &str| -> Result<String, String> {
@@ -1228,15 +1228,7 @@ impl HubRbac {
                     "hub RBAC: an object without apiVersion, kind or name: {object}"
                 )));
             };
-            if !matches!(
-                kind,
-                "Namespace"
-                    | "ServiceAccount"
-                    | "ClusterRole"
-                    | "ClusterRoleBinding"
-                    | "Role"
-                    | "RoleBinding"
-            ) {
+            if !HUB_RBAC_KINDS.contains(&kind) {
                 return Err(super::EnvError::KubeApi(format!(
                     "hub RBAC: {kind} {name} is not a Namespace, ServiceAccount or RBAC object"
                 )));
