@@ -563,16 +563,13 @@ impl Klusterlet {
         let name = self.name.clone();
         let hub_kubeconfig = &ctx.cluster_kubeconfig_with_certificate;
         if let Some(subject) = Subject::of_registration(addon, KUBE_CLIENT_SIGNER, &name) {
-            let issued = self
-                .hub_kubeconfig
+            // Rejections and the CSR limit are logged where they happen.
+            self.hub_kubeconfig
                 .sync(&csrs, &name, subject, &self.volumes, |cert, key| {
                     let text = hub_kubeconfig(cert, key);
                     [("kubeconfig".to_string(), text.into_bytes())].into()
                 })
                 .await?;
-            if let Some(problem) = issued.problem() {
-                tracing::warn!("{name}: hub kubeconfig: {problem}");
-            }
         }
         if let Some(subject) = Subject::of_registration(addon, PROXY_AGENT_SIGNER, &name) {
             let issued = self
@@ -980,10 +977,6 @@ impl Standing {
             }
         }
     }
-
-    fn problem(&self) -> Option<String> {
-        matches!(self, Standing::Rejected(_) | Standing::Halted).then(|| self.describe())
-    }
 }
 
 impl Credential {
@@ -1161,6 +1154,62 @@ mod tests {
                 [{"key": "env", "operator": "In", "values": ["prod"]}]}}},
         ]}});
         assert_eq!(placement_selects(&either, &clusters).len(), 2);
+    }
+
+    fn certificate(cn: &str, groups: &[&str], units: &[&str]) -> String {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        let mut dn = rcgen::DistinguishedName::new();
+        dn.push(rcgen::DnType::CommonName, cn);
+        for (i, group) in groups.iter().enumerate() {
+            let t = if i == 0 {
+                rcgen::DnType::OrganizationName
+            } else {
+                rcgen::DnType::CustomDnType(vec![2, 5, 4, 10])
+            };
+            dn.push(t, *group);
+        }
+        for unit in units {
+            dn.push(rcgen::DnType::OrganizationalUnitName, *unit);
+        }
+        params.distinguished_name = dn;
+        params.self_signed(&key).unwrap().pem()
+    }
+
+    /// The registration agent takes a certificate only with the subject it
+    /// asked for, as OCM compares them: the common name, and organizations
+    /// and units as sets.
+    #[test]
+    fn an_issued_certificate_must_carry_the_requested_subject() {
+        let wanted = Subject {
+            user: "agent".into(),
+            groups: vec!["g1".into(), "g2".into()],
+            units: vec!["u".into()],
+        };
+        let now = OffsetDateTime::now_utc();
+        assert!(check_issued(&certificate("agent", &["g2", "g1"], &["u"]), &wanted, now).is_ok());
+        for (what, pem) in [
+            (
+                "common name",
+                certificate("cluster-proxy-agent:c", &["g1", "g2"], &["u"]),
+            ),
+            ("organizations", certificate("agent", &["g1"], &["u"])),
+            ("units", certificate("agent", &["g1", "g2"], &[])),
+        ] {
+            let error = check_issued(&pem, &wanted, now).expect_err(what);
+            assert!(
+                error.contains("No valid client certificate"),
+                "{what}: {error}"
+            );
+        }
+        // rcgen's default validity ends in 4096.
+        let later = OffsetDateTime::new_utc(
+            time::Date::from_calendar_date(4097, time::Month::January, 1).unwrap(),
+            time::Time::MIDNIGHT,
+        );
+        let error = check_issued(&certificate("agent", &["g1", "g2"], &["u"]), &wanted, later)
+            .expect_err("expired");
+        assert!(error.contains("expired"), "{error}");
     }
 
     #[test]
