@@ -378,6 +378,11 @@ impl PodPlacement for Extra {
     }
 }
 
+/// Per container of a Deployment, the arguments its pod gets added.
+type ExtraArgs = Box<dyn Fn(&Deployment) -> BTreeMap<String, Vec<String>> + Send + Sync>;
+/// Rewrites a Secret (mounted at the path) before it is written as a volume.
+type SecretFix = Box<dyn Fn(&mut Secret, &Path) + Send + Sync>;
+
 /// One Deployment played as one pod.
 struct Played {
     namespace: String,
@@ -387,9 +392,9 @@ struct Played {
     /// Environment added to every container (credentials).
     env: Vec<(String, String)>,
     /// Per container, arguments added.
-    extra: Box<dyn Fn(&Deployment) -> BTreeMap<String, Vec<String>> + Send + Sync>,
+    extra: ExtraArgs,
     /// Rewrites a Secret before it is written as a volume.
-    secret_fix: Option<Box<dyn Fn(&mut Secret, &Path) + Send + Sync>>,
+    secret_fix: Option<SecretFix>,
     last: Option<String>,
 }
 
@@ -609,10 +614,7 @@ async fn ours(
         let api = api_for(client, object).await;
         let name = text(object, "/metadata/name");
         if api.get_opt(name).await.unwrap().is_some() {
-            let namespace = match text(object, "/metadata/namespace") {
-                "" => "",
-                ns => ns,
-            };
+            let namespace = text(object, "/metadata/namespace");
             found.insert((
                 namespace.to_string(),
                 text(object, "/kind").to_string(),
