@@ -21,7 +21,6 @@
 //! CSR signer admission (`approve` and `sign` on `signers`).
 
 use std::collections::BTreeSet;
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use cluster_proxy_proto::api::addon::v1alpha1::{AddOnDeploymentConfig, ManagedClusterAddOn};
@@ -117,43 +116,19 @@ fn under_ci() -> bool {
     std::env::var("CI").is_ok_and(|v| v == "true")
 }
 
-fn repository() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("the e2e crate is inside the repository")
-        .to_path_buf()
-}
-
 /// The chart rendered with its default values, one JSON value per object;
 /// `None` (after saying why) when the chart venv is missing outside CI.
 fn render_chart() -> Option<Vec<Value>> {
-    let root = repository();
-    let python = root.join("target/chart-venv/bin/python");
-    if !python.is_file() {
-        let message = format!(
-            "no chart venv at {} (python3 -m venv target/chart-venv && \
-             target/chart-venv/bin/pip install -r charts/tests/requirements.txt)",
-            python.display()
-        );
-        assert!(!under_ci(), "{message}");
-        eprintln!("SKIPPED: the chart RBAC test needs Helm's renderer: {message}");
-        return None;
+    match control_plane::render_chart_defaults() {
+        Ok(docs) => Some(docs),
+        Err(control_plane::ChartRenderError::NoVenv(python)) => {
+            let message = control_plane::ChartRenderError::NoVenv(python).to_string();
+            assert!(!under_ci(), "{message}");
+            eprintln!("SKIPPED: the chart RBAC test needs Helm's renderer: {message}");
+            None
+        }
+        Err(error) => panic!("{error}"),
     }
-    let script = "import json, sys\n\
-                  sys.path.insert(0, 'charts/tests')\n\
-                  import check\n\
-                  print(json.dumps(check.documents(check.render({}))))\n";
-    let output = std::process::Command::new(&python)
-        .current_dir(&root)
-        .args(["-c", script])
-        .output()
-        .expect("running the chart venv's python");
-    assert!(
-        output.status.success(),
-        "rendering the chart failed: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    Some(serde_json::from_slice(&output.stdout).expect("the renderer prints a JSON list"))
 }
 
 fn text<'a>(object: &'a Value, pointer: &str) -> &'a str {

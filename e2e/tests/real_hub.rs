@@ -153,33 +153,6 @@ fn time_now() -> String {
     format!("{:02}:{:02}:{:02}", now.hour(), now.minute(), now.second())
 }
 
-/// The chart rendered with its default values, one JSON value per object.
-fn render_chart() -> Vec<Value> {
-    let root = repository();
-    let python = root.join("target/chart-venv/bin/python");
-    assert!(
-        python.is_file(),
-        "no chart venv at {} (python3 -m venv target/chart-venv && \
-         target/chart-venv/bin/pip install -r charts/tests/requirements.txt)",
-        python.display()
-    );
-    let script = "import json, sys\n\
-                  sys.path.insert(0, 'charts/tests')\n\
-                  import check\n\
-                  print(json.dumps(check.documents(check.render({}))))\n";
-    let output = std::process::Command::new(&python)
-        .current_dir(&root)
-        .args(["-c", script])
-        .output()
-        .expect("running the chart venv's python");
-    assert!(
-        output.status.success(),
-        "rendering the chart failed: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    serde_json::from_slice(&output.stdout).expect("the renderer prints a JSON list")
-}
-
 /// The chart's CRDs (`charts/cluster-proxy/crds/`), as Helm installs them.
 fn chart_crds() -> Vec<Value> {
     let dir = repository().join("charts/cluster-proxy/crds");
@@ -766,7 +739,8 @@ async fn real_hub_install_join_available_reach_uninstall() {
     );
 
     // Step 1: render, clean what an earlier run left, apply.
-    let rendered = render_chart();
+    let rendered =
+        e2e::env::control_plane::render_chart_defaults().unwrap_or_else(|e| panic!("{e}"));
     let rbac = HubRbac::from_chart_documents(&rendered).expect("the chart's RBAC");
     let crds = chart_crds();
     for crd in &crds {

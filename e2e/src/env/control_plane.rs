@@ -1107,6 +1107,49 @@ const HUB_RBAC_KINDS: [&str; 6] = [
     "RoleBinding",
 ];
 
+/// Why the chart could not be rendered live.
+#[derive(Debug, thiserror::Error)]
+pub enum ChartRenderError {
+    /// The chart venv (Helm's renderer) is not there.
+    #[error(
+        "no chart venv at {0} (python3 -m venv target/chart-venv && \
+         target/chart-venv/bin/pip install -r charts/tests/requirements.txt)"
+    )]
+    NoVenv(PathBuf),
+    #[error("rendering the chart: {0}")]
+    Failed(String),
+}
+
+/// The chart rendered live with its default values, one JSON value per
+/// object, by Helm's own library in the chart venv (`charts/tests/check.py`'s
+/// renderer, which `.ci/run` installs at `target/chart-venv`).
+pub fn render_chart_defaults() -> Result<Vec<serde_json::Value>, ChartRenderError> {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(std::path::Path::to_path_buf)
+        .unwrap_or_default();
+    let python = root.join("target/chart-venv/bin/python");
+    if !python.is_file() {
+        return Err(ChartRenderError::NoVenv(python));
+    }
+    let script = "import json, sys\n\
+                  sys.path.insert(0, 'charts/tests')\n\
+                  import check\n\
+                  print(json.dumps(check.documents(check.render({}))))\n";
+    let output = std::process::Command::new(&python)
+        .current_dir(&root)
+        .args(["-c", script])
+        .output()
+        .map_err(|e| ChartRenderError::Failed(format!("running {}: {e}", python.display())))?;
+    if !output.status.success() {
+        return Err(ChartRenderError::Failed(
+            String::from_utf8_lossy(&output.stderr).into_owned(),
+        ));
+    }
+    serde_json::from_slice(&output.stdout)
+        .map_err(|e| ChartRenderError::Failed(format!("the renderer's output: {e}")))
+}
+
 /// The chart rendered with its default values, as `charts/tests/check.py`
 /// keeps it (CI fails when the snapshot and the chart disagree).
 const CHART_DEFAULT_RENDER: &str = include_str!("../../../charts/tests/snapshots/default.yaml");
