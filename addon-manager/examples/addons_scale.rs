@@ -34,12 +34,12 @@ use cluster_proxy_proto::api::cluster::v1::ManagedCluster;
 use cluster_proxy_proto::api::cluster::v1beta1::Placement;
 use cluster_proxy_proto::api::proxy::v1alpha1::ManagedProxyConfiguration;
 use cluster_proxy_proto::api::work::v1::ManifestWork;
-use e2e::env::ocm::sync_placements;
-use e2e::kubeapi::{KubeApi, KubeApiOptions};
 use k8s_openapi::api::core::v1::{Namespace, Secret, Service};
 use kube::api::{ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, ResourceExt};
+use memory_apiserver::{KubeApi, KubeApiOptions};
 use serde_json::{Value, json};
+use simulated_cluster::ocm::sync_placements;
 use tokio::sync::oneshot;
 
 const HUB: &str = "open-cluster-management-addon";
@@ -378,7 +378,7 @@ async fn main() -> anyhow::Result<()> {
         ..KubeApiOptions::new(dir.path())
     })
     .await?;
-    api.register_crds_from_yaml(e2e::env::ocm::CRDS)?;
+    api.register_crds_from_yaml(simulated_cluster::ocm::CRDS)?;
     api.register_crds_from_yaml(MPC_CRD)?;
     let admin = api.client().await?;
 
@@ -397,11 +397,11 @@ async fn main() -> anyhow::Result<()> {
         }
     };
     create_namespace(HUB.to_owned()).await?;
-    let secret = e2e::env::ocm::ca_bundle_secret(HUB, CA_PEM);
+    let secret = simulated_cluster::ocm::ca_bundle_secret(HUB, CA_PEM);
     Api::<Secret>::namespaced(admin.clone(), HUB)
         .create(&PostParams::default(), &secret)
         .await?;
-    let mpc = e2e::env::ocm::sample_managed_proxy_configuration(HUB, 1)?;
+    let mpc = simulated_cluster::ocm::sample_managed_proxy_configuration(HUB, 1)?;
     let mpcs = Api::<ManagedProxyConfiguration>::all(admin.clone());
     mpcs.create(&PostParams::default(), &mpc).await?;
     let names: Vec<String> = (0..clusters)
@@ -515,7 +515,7 @@ async fn main() -> anyhow::Result<()> {
     let mut movers = 0;
     for join in 0..joins {
         let before = clusters + join;
-        movers += before / e2e::env::ocm::MAX_CLUSTERS_PER_DECISION;
+        movers += before / simulated_cluster::ocm::MAX_CLUSTERS_PER_DECISION;
         // Each newcomer sorts before the previous one.
         let newcomer = format!("a-newcomer-{}", joins - join);
         create_namespace(newcomer.clone()).await?;

@@ -1,5 +1,5 @@
 //! The addon controllers against the in-memory Kubernetes API (with the
-//! environment's OCM CRDs, `e2e/crds/ocm.yaml`): installation by
+//! environment's OCM CRDs, `e2e/simulated-cluster/crds/ocm.yaml`): installation by
 //! placement, the agent ManifestWork and the addon's status, updates,
 //! drift, removal, bad input, and CSR approval.
 
@@ -15,14 +15,14 @@ use cluster_proxy_proto::api::cluster::v1beta1::PlacementDecision;
 use cluster_proxy_proto::api::proxy::v1alpha1::ManagedProxyConfiguration;
 use cluster_proxy_proto::api::work::v1::ManifestWork;
 use cluster_proxy_proto::api::{Condition, find_condition};
-use e2e::harness::eventually;
-use e2e::kubeapi::{KubeApi, KubeApiOptions};
 use k8s_openapi::api::certificates::v1::CertificateSigningRequest;
 use k8s_openapi::api::core::v1::{Namespace, Secret};
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, Resource, ResourceExt};
+use memory_apiserver::{KubeApi, KubeApiOptions};
 use serde_json::{Value, json};
+use simulated_cluster::wait::eventually;
 use tokio::sync::oneshot;
 
 /// How long a test waits for an observable state.
@@ -47,7 +47,8 @@ fn object<K: serde::de::DeserializeOwned>(value: Value) -> K {
 }
 
 fn mpc_object(replicas: i32) -> ManagedProxyConfiguration {
-    e2e::env::ocm::sample_managed_proxy_configuration(HUB, replicas).expect("the sample parses")
+    simulated_cluster::ocm::sample_managed_proxy_configuration(HUB, replicas)
+        .expect("the sample parses")
 }
 
 impl Hub {
@@ -67,7 +68,8 @@ impl Hub {
         })
         .await
         .unwrap();
-        api.register_crds_from_yaml(e2e::env::ocm::CRDS).unwrap();
+        api.register_crds_from_yaml(simulated_cluster::ocm::CRDS)
+            .unwrap();
         api.register_crds_from_yaml(MPC_CRD).unwrap();
         let admin = api.client().await.unwrap();
         let hub = Hub {
@@ -79,7 +81,7 @@ impl Hub {
             _dir: dir,
         };
         hub.namespace(HUB).await;
-        let secret = e2e::env::ocm::ca_bundle_secret(HUB, CA_PEM);
+        let secret = simulated_cluster::ocm::ca_bundle_secret(HUB, CA_PEM);
         Api::<Secret>::namespaced(hub.admin.clone(), HUB)
             .create(&PostParams::default(), &secret)
             .await

@@ -4,12 +4,12 @@
 //! and no other cluster's (so it cannot fake another cluster's `Available`).
 
 use addon_manager::addon::render::{hub_agent_rbac, registrations};
-use e2e::kubeapi::{KubeApi, KubeApiOptions};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kube::Api;
 use kube::api::PostParams;
+use memory_apiserver::{KubeApi, KubeApiOptions};
 use serde_json::json;
 
 /// The user and groups of `cluster`'s kube-apiserver-client registration.

@@ -15,13 +15,13 @@ use bytes::Bytes;
 use cluster_proxy_proto::api::proxy::v1alpha1::ManagedProxyConfiguration;
 use cluster_proxy_runtime::logging::LogFormat;
 use cluster_proxy_runtime::telemetry::{self, SamplerChoice, TelemetryConfig};
-use e2e::kubeapi::{KubeApi, KubeApiOptions};
-use e2e::otlp::Collector;
 use http_body_util::BodyExt;
 use http_body_util::combinators::UnsyncBoxBody;
 use kube::Api;
 use kube::api::PostParams;
+use memory_apiserver::{KubeApi, KubeApiOptions};
 use serde_json::json;
+use simulated_cluster::otlp::Collector;
 use tokio::sync::oneshot;
 
 const CRD: &str = include_str!("../../charts/cluster-proxy/crds/managedproxyconfigurations.yaml");

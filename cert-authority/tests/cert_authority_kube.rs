@@ -7,16 +7,16 @@
 use std::time::Duration;
 
 use cert_authority::kubernetes::{self, KubeOptions, LEASE_NAME, csr::SIGNER_NAME};
-use e2e::harness::eventually;
-use e2e::kubeapi::{KubeApi, KubeApiOptions};
 use k8s_openapi::api::certificates::v1::CertificateSigningRequest;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Namespace, Secret};
 use kube::Api;
 use kube::api::PostParams;
+use memory_apiserver::{KubeApi, KubeApiOptions};
 use rustls_pki_types::CertificateDer;
 use rustls_pki_types::pem::PemObject;
 use serde_json::json;
+use simulated_cluster::wait::eventually;
 use tokio::sync::oneshot;
 
 /// How long a test waits for an observable state.

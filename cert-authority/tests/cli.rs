@@ -167,10 +167,10 @@ async fn run_once_against(kubeconfig: &std::path::Path, extra: &[&str]) -> Outpu
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_kubernetes_backend_follows_the_named_managed_proxy_configuration() {
     use cluster_proxy_proto::api::proxy::v1alpha1::ManagedProxyConfiguration;
-    use e2e::kubeapi::{KubeApi, KubeApiOptions};
     use k8s_openapi::api::core::v1::{Namespace, Secret};
     use kube::Api;
     use kube::api::{Patch, PatchParams, PostParams};
+    use memory_apiserver::{KubeApi, KubeApiOptions};
     use serde_json::json;
 
     let dir = tempfile::tempdir().unwrap();

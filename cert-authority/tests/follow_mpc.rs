@@ -12,13 +12,13 @@ use cert_authority::kubernetes::metrics::Metrics;
 use cert_authority::kubernetes::{self, KubeError, KubeOptions, rbac};
 use cluster_proxy_proto::api::proxy::v1alpha1::ManagedProxyConfiguration;
 use cluster_proxy_proto::api::{Condition, find_condition};
-use e2e::harness::eventually;
-use e2e::kubeapi::{KubeApi, KubeApiOptions};
 use k8s_openapi::api::core::v1::{Namespace, Secret, Service};
 use kube::api::{Patch, PatchParams, PostParams};
 use kube::{Api, Client};
+use memory_apiserver::{KubeApi, KubeApiOptions};
 use prometheus_client::registry::Registry;
 use serde_json::{Value, json};
+use simulated_cluster::wait::eventually;
 use tokio::sync::oneshot;
 use x509_parser::extensions::GeneralName;
 

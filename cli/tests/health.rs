@@ -10,9 +10,9 @@ use std::time::Duration;
 use cert_authority::pki::{Authority, LeafRequest};
 use cluster_proxy_cli::health::{self, OutputFormat};
 use common::{Hub, Tunnel, run, strings};
-use e2e::targets::{TcpTarget, closed_port};
 use k8s_openapi::jiff::Timestamp;
 use serde_json::{Value, json};
+use simulated_cluster::targets::{TcpTarget, closed_port};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const NOW: &str = "2026-03-01T12:00:00Z";
@@ -172,7 +172,8 @@ async fn apiserver(names: &[&str]) -> TcpTarget {
         .issue(&LeafRequest::server("kube-apiserver", names))
         .unwrap();
     let acceptor =
-        e2e::env::sample::tls_acceptor(&leaf.cert_pem, &leaf.key_pem, &[b"http/1.1"]).unwrap();
+        simulated_cluster::sample::tls_acceptor(&leaf.cert_pem, &leaf.key_pem, &[b"http/1.1"])
+            .unwrap();
     TcpTarget::serve(move |socket| {
         let acceptor = acceptor.clone();
         async move {

@@ -9,10 +9,12 @@ use cluster_proxy_cli::address::ForwardTarget;
 use cluster_proxy_cli::forward::PortForward;
 use cluster_proxy_proto::connector::TunnelConnector;
 use common::{Tunnel, WAIT, run, strings};
-use e2e::harness::{free_port, tunnel_client, wait_until};
-use e2e::targets::{EchoServer, HttpServer, closed_port};
+use simulated_cluster::targets::free_port;
+use simulated_cluster::targets::{EchoServer, HttpServer, closed_port};
+use simulated_cluster::wait::wait_until;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
+use tunnel_harness::in_process::tunnel_client;
 
 /// Sends `size` patterned bytes and reads them back at the same time (an
 /// echo only keeps up if both directions flow), then half-closes and
@@ -338,7 +340,7 @@ async fn first_bytes_ride_with_the_dial_and_a_server_that_speaks_first_still_wor
     running.abort();
 
     // A server that speaks first: the dial goes once the wait is over.
-    let banner = e2e::targets::TcpTarget::serve(|mut socket| async move {
+    let banner = simulated_cluster::targets::TcpTarget::serve(|mut socket| async move {
         if socket.write_all(b"220 ready\r\n").await.is_ok() {
             let (mut r, mut w) = socket.split();
             let _ = tokio::io::copy(&mut r, &mut w).await;

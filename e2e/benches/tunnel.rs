@@ -27,13 +27,13 @@ use cluster_proxy_proto::client::TunnelClient;
 use cluster_proxy_proto::identity::ClusterName;
 use cluster_proxy_proto::trace::BoxedTracer;
 use cluster_proxy_runtime::telemetry::{self, SamplerChoice, TelemetryConfig};
-use e2e::env::binaries::{Binaries, Progress};
-use e2e::harness::{http_connect, test_server_config, tunnel_client};
-use e2e::loadgen::{BulkServer, download, knob, process_usage, rss_bytes, upload};
-use e2e::pki::TestPki;
-use e2e::processes::{ChildTunnel, ChildTunnelOptions};
-use e2e::targets::EchoServer;
+use simulated_cluster::binaries::{Binaries, Progress};
+use simulated_cluster::targets::EchoServer;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tunnel_harness::child::{ChildTunnel, ChildTunnelOptions};
+use tunnel_harness::in_process::{http_connect, test_server_config, tunnel_client};
+use tunnel_harness::loadgen::{BulkServer, download, knob, process_usage, rss_bytes, upload};
+use tunnel_harness::pki::TestPki;
 
 trait Io: AsyncRead + AsyncWrite + Unpin + Send {}
 impl<T: AsyncRead + AsyncWrite + Unpin + Send> Io for T {}
@@ -405,7 +405,7 @@ fn compare_tracing(runtime: &tokio::runtime::Runtime) {
     let rounds = (knob("CP_BENCH_ROUNDS", 5) as u64).max(1);
     let round_trip_count = knob("CP_BENCH_RTT", 10_000) as u64;
     let (collector, collector_addr, stop) = runtime
-        .block_on(e2e::otlp::Collector::start_counting())
+        .block_on(simulated_cluster::otlp::Collector::start_counting())
         .expect("collector");
     let endpoint = format!("http://{collector_addr}");
     let config = TelemetryConfig {

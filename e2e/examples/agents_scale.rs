@@ -48,12 +48,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::anyhow;
 use cluster_proxy_proto::transport::ALPN_HTTP11;
-use e2e::env::binaries::{Binaries, Progress};
-use e2e::harness::{ServerPorts, proxy_server_args};
-use e2e::loadgen::{knob, process_usage};
-use e2e::pki::TestPki;
-use e2e::targets::EchoServer;
+use simulated_cluster::binaries::{Binaries, Progress};
+use simulated_cluster::targets::EchoServer;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tunnel_harness::in_process::{ServerPorts, proxy_server_args};
+use tunnel_harness::loadgen::{knob, process_usage};
+use tunnel_harness::pki::TestPki;
 
 fn raise_open_file_limit(wanted: usize) {
     let pid = std::process::id().to_string();
@@ -341,7 +341,7 @@ async fn main() -> anyhow::Result<()> {
             match futures_util::future::try_join_all(opens).await {
                 Ok(opened) => idle.extend(opened),
                 Err(e) => {
-                    if let Ok((_, metrics)) = e2e::harness::health_get(
+                    if let Ok((_, metrics)) = tunnel_harness::in_process::health_get(
                         SocketAddr::from(([127, 0, 0, 1], health_port)),
                         "/metrics",
                     )
@@ -361,7 +361,7 @@ async fn main() -> anyhow::Result<()> {
     tokio::time::sleep(Duration::from_secs(2)).await;
     let rss_idle = process_usage(pid)?.rss_mib;
     // One held gRPC connection, as a hub controller holds it.
-    let grpc = e2e::harness::tunnel_client(pki.client_tls()?, client_addr).await?;
+    let grpc = tunnel_harness::in_process::tunnel_client(pki.client_tls()?, client_addr).await?;
 
     let plan = Plan {
         port: echo.addr.port(),

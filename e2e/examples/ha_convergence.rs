@@ -25,14 +25,14 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, anyhow};
 use cluster_proxy_proto::transport::ALPN_HTTP11;
-use e2e::env::balancer::{self, Selection};
-use e2e::harness::{health_get, http_connect};
-use e2e::pki::TestPki;
-use e2e::replicas::{Replicas, start_agents, wait_full_mesh};
-use e2e::targets::EchoServer;
 use proxy_agent::{AgentConfig, RunningAgent};
+use simulated_cluster::balancer::{self, Selection};
+use simulated_cluster::targets::EchoServer;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::Mutex;
+use tunnel_harness::in_process::{health_get, http_connect};
+use tunnel_harness::pki::TestPki;
+use tunnel_harness::replicas::{Replicas, start_agents, wait_full_mesh};
 
 const GRACE: Duration = Duration::from_secs(10);
 
@@ -477,7 +477,7 @@ async fn scaling(pki: &TestPki, clusters: &[String], rate: usize) -> anyhow::Res
     println!(
         "\nscaling 2 → 3 → 2 replicas that count each other (peer lookups every {}), {} agents, \
          {rate} dials/s through a client balancer that follows readiness",
-        ms(e2e::replicas::PEER_REFRESH),
+        ms(tunnel_harness::replicas::PEER_REFRESH),
         clusters.len()
     );
     println!(

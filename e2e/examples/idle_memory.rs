@@ -19,13 +19,13 @@ use std::time::Duration;
 
 use anyhow::anyhow;
 use cluster_proxy_proto::identity::ClusterName;
-use e2e::env::binaries::{Binaries, Progress};
-use e2e::harness::{http_connect, tunnel_client};
-use e2e::loadgen::{knob, rss_bytes};
-use e2e::pki::TestPki;
-use e2e::processes::{ChildTunnel, ChildTunnelOptions};
-use e2e::targets::EchoServer;
+use simulated_cluster::binaries::{Binaries, Progress};
+use simulated_cluster::targets::EchoServer;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tunnel_harness::child::{ChildTunnel, ChildTunnelOptions};
+use tunnel_harness::in_process::{http_connect, tunnel_client};
+use tunnel_harness::loadgen::{knob, rss_bytes};
+use tunnel_harness::pki::TestPki;
 
 const CLUSTER: &str = "cluster-a";
 const STREAMS_PER_CLIENT: usize = 500;

@@ -44,13 +44,13 @@ use std::time::{Duration, Instant};
 use anyhow::anyhow;
 use cluster_proxy_proto::client::TunnelClient;
 use cluster_proxy_proto::identity::ClusterName;
-use e2e::env::binaries::{Binaries, Progress};
-use e2e::harness::tunnel_client;
-use e2e::loadgen::{knob, pattern, process_usage, request_download};
-use e2e::pki::TestPki;
-use e2e::processes::{ChildTunnel, ChildTunnelOptions};
+use simulated_cluster::binaries::{Binaries, Progress};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
+use tunnel_harness::child::{ChildTunnel, ChildTunnelOptions};
+use tunnel_harness::in_process::tunnel_client;
+use tunnel_harness::loadgen::{knob, pattern, process_usage, request_download};
+use tunnel_harness::pki::TestPki;
 
 const CLUSTER: &str = "cluster-a";
 

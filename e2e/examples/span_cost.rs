@@ -11,13 +11,13 @@
 use std::time::{Duration, Instant};
 
 use cluster_proxy_runtime::telemetry::{self, SamplerChoice, TelemetryConfig};
-use e2e::loadgen::{knob, process_usage};
 use e2e::span_shapes::{grpc_origin, sampled_parent, server_connection_span};
+use tunnel_harness::loadgen::{knob, process_usage};
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> anyhow::Result<()> {
     let count = knob("CP_SPANS", 100_000);
-    let (collector, addr, stop) = e2e::otlp::Collector::start_counting().await?;
+    let (collector, addr, stop) = simulated_cluster::otlp::Collector::start_counting().await?;
     // `CP_SPAN_SAMPLER=always_off` measures making spans that are not
     // sampled: the work on the connection's own path, no export.
     let sampler = std::env::var("CP_SPAN_SAMPLER").unwrap_or_else(|_| "always_on".to_owned());

@@ -21,13 +21,13 @@ use cluster_proxy_proto::transport::ALPN_HTTP11;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::Mutex;
 
-use crate::env::binaries::{Binaries, Progress};
-use crate::env::process::{Logs, ProcessSpec, Supervised};
-use crate::harness::{
+use simulated_cluster::binaries::{Binaries, Progress};
+use simulated_cluster::process::{Logs, ProcessSpec, Supervised};
+use simulated_cluster::targets::{EchoServer, closed_port};
+use tunnel_harness::in_process::{
     ServerPorts, http_connect_to, proxy_agent_args, proxy_server_args, tunnel_client,
 };
-use crate::pki::TestPki;
-use crate::targets::{EchoServer, closed_port};
+use tunnel_harness::pki::TestPki;
 
 const CLUSTER: &str = "cluster-a";
 /// Longest any single step (a dial, an echo, a close) may take.
@@ -398,7 +398,10 @@ impl Shared {
         Ok(())
     }
 
-    async fn connect(&self, target: &str) -> Result<crate::harness::ConnectStream, String> {
+    async fn connect(
+        &self,
+        target: &str,
+    ) -> Result<tunnel_harness::in_process::ConnectStream, String> {
         http_connect_to(
             self.connect_tls.clone(),
             self.deployment.client_addr,

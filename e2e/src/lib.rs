@@ -1,18 +1,12 @@
-//! End-to-end support for cluster-proxy: a throwaway PKI ([`pki`]), target
-//! services ([`targets`]) and helpers that start servers, clients and
-//! hand-driven agents on loopback ([`harness`]). The loopback scenario tests
-//! live in `tests/`, the benchmark in `benches/`.
+//! The local multi-cluster environment ([`env`], behind `e2e up`) and the
+//! cross-service scenarios: connection churn through the real binaries
+//! ([`churn`]) and the proxy-server's connection span as benchmarked
+//! ([`span_shapes`]). Its parts live in nested crates: the in-memory
+//! Kubernetes API (`memory-apiserver`), the simulated clusters
+//! (`simulated-cluster`) and the data-plane starters (`tunnel-harness`).
+//! The scenario tests live in `tests/`, the benchmark in `benches/`.
 #![forbid(unsafe_code)]
 
 pub mod churn;
 pub mod env;
-pub mod h2_frames;
-pub mod harness;
-pub mod kubeapi;
-pub mod loadgen;
-pub mod otlp;
-pub mod pki;
-pub mod processes;
-pub mod replicas;
 pub mod span_shapes;
-pub mod targets;

@@ -18,11 +18,12 @@ use std::time::Duration;
 
 use anyhow::{Context, anyhow, bail};
 use clap::{Parser, Subcommand, ValueEnum};
-use e2e::env::binaries::Progress;
 use e2e::env::client::{Frontend, HubClient};
-use e2e::env::process::ProcessState;
 use e2e::env::traces::TraceExport;
-use e2e::env::{EnvOptions, Environment, Isolation, IsolationChoice, Summary, registry, sample};
+use e2e::env::{EnvOptions, Environment, Isolation, IsolationChoice, Summary, registry};
+use simulated_cluster::binaries::Progress;
+use simulated_cluster::process::ProcessState;
+use simulated_cluster::sample;
 
 /// The id of the environment `up` starts (one at a time).
 const UP_ID: &str = "up";
@@ -165,7 +166,7 @@ enum Command {
         #[arg(long = "backend", required = true)]
         backends: Vec<SocketAddr>,
         #[arg(long, value_enum, default_value_t)]
-        selection: e2e::env::balancer::Selection,
+        selection: simulated_cluster::balancer::Selection,
     },
     /// (internal) Exit 0 if a TCP connection to ADDR succeeds.
     #[command(hide = true)]
@@ -291,7 +292,7 @@ async fn main() -> anyhow::Result<()> {
                 .await
                 .with_context(|| format!("binding {listen}"))?;
             tracing::info!(%listen, ?backends, %selection, "balancing agent connections");
-            e2e::env::balancer::serve(listener, backends, selection).await?;
+            simulated_cluster::balancer::serve(listener, backends, selection).await?;
             Ok(())
         }
         Command::Probe { addr, timeout } => {
@@ -334,7 +335,7 @@ fn print_traces(
         })?,
     };
     let file = state.join(e2e::env::traces::SPAN_FILE);
-    let spans = e2e::otlp::read_span_file(&file).with_context(|| {
+    let spans = simulated_cluster::otlp::read_span_file(&file).with_context(|| {
         format!(
             "reading {} (does the environment run its own trace receiver?)",
             file.display()
@@ -343,7 +344,7 @@ fn print_traces(
     match trace_id {
         Some(id) => {
             let id = id.trim().to_ascii_lowercase();
-            let tree = e2e::otlp::render_trace(&spans, &id);
+            let tree = simulated_cluster::otlp::render_trace(&spans, &id);
             if tree.is_empty() {
                 bail!("no span of trace {id} in {}", file.display());
             }
@@ -351,7 +352,10 @@ fn print_traces(
         }
         None => {
             println!("{:<34} {:>6}  ROOT SPAN", "TRACE ID", "SPANS");
-            for (id, root, count) in e2e::otlp::list_traces(&spans).into_iter().take(last) {
+            for (id, root, count) in simulated_cluster::otlp::list_traces(&spans)
+                .into_iter()
+                .take(last)
+            {
                 println!("{id:<34} {count:>6}  {root}");
             }
         }
@@ -371,7 +375,7 @@ async fn admin_client(state: Option<PathBuf>) -> anyhow::Result<kube::Client> {
     let kubeconfig = summary
         .kubeconfig
         .ok_or_else(|| anyhow!("that environment runs no Kubernetes API"))?;
-    Ok(e2e::kubeapi::KubeApi::client_from(&kubeconfig).await?)
+    Ok(memory_apiserver::KubeApi::client_from(&kubeconfig).await?)
 }
 
 fn print_addon_status(rows: &[e2e::env::control_plane::ClusterRow]) {

@@ -27,13 +27,13 @@ use cluster_proxy_proto::api::addon::v1alpha1::{AddOnDeploymentConfig, ManagedCl
 use cluster_proxy_proto::api::proxy::v1alpha1::ManagedProxyConfiguration;
 use e2e::env::control_plane::{self, HubRbac};
 use e2e::env::{ADDON_NAMESPACE, EnvOptions, Environment, Isolation, IsolationChoice};
-use e2e::kubeapi::rbac::RequestRecord;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Secret, Service};
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::rbac::v1::Role;
 use kube::Api;
 use kube::api::{Patch, PatchParams, PostParams};
+use memory_apiserver::rbac::RequestRecord;
 use serde_json::{Value, json};
 
 const READY: Duration = Duration::from_secs(180);

@@ -1,7 +1,7 @@
 //! Scenario tests of the control plane in the local environment: the real
 //! addon-manager and cert-authority (kubernetes backend) against the
 //! in-memory API, with OCM's placement, registration and work agents played
-//! by the environment (`e2e::env::ocm`). Every server and agent runs from
+//! by the environment (`simulated_cluster::ocm`). Every server and agent runs from
 //! the objects the control plane wrote: the proxy-server Deployment, the
 //! ManifestWork, the Secrets and the CSR-issued agent certificates.
 
@@ -11,7 +11,6 @@ use cluster_proxy_proto::api::addon::v1alpha1::ManagedClusterAddOn;
 use cluster_proxy_proto::api::proxy::v1alpha1::ManagedProxyConfiguration;
 use cluster_proxy_proto::api::work::v1::ManifestWork;
 use e2e::env::control_plane::{self, replica_client_addr};
-use e2e::env::ocm::{ADDON_NAME, AGENT_DEPLOYMENT, AGENT_WORK_NAME};
 use e2e::env::{ADDON_NAMESPACE, EnvOptions, Environment, Isolation, IsolationChoice};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::certificates::v1::CertificateSigningRequest;
@@ -19,6 +18,7 @@ use k8s_openapi::api::core::v1::Service;
 use kube::Api;
 use kube::api::{Patch, PatchParams, PostParams};
 use serde_json::json;
+use simulated_cluster::ocm::{ADDON_NAME, AGENT_DEPLOYMENT, AGENT_WORK_NAME};
 
 const READY: Duration = Duration::from_secs(120);
 
@@ -522,7 +522,7 @@ async fn a_csr_from_another_clusters_identity_is_never_approved() {
             ],
         )
         .unwrap();
-    let as_b = e2e::kubeapi::KubeApi::client_from(&kubeconfig)
+    let as_b = memory_apiserver::KubeApi::client_from(&kubeconfig)
         .await
         .unwrap();
     let key = rcgen::KeyPair::generate().unwrap();

@@ -14,7 +14,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use e2e::env::client::{Frontend, HubClient, Stream};
-use e2e::env::{EnvOptions, Environment, Isolation, IsolationChoice, sample};
+use e2e::env::{EnvOptions, Environment, Isolation, IsolationChoice};
+use simulated_cluster::sample;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, WriteHalf};
 use tokio::task::JoinHandle;
 

@@ -9,13 +9,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cluster_proxy_proto::transport::ALPN_HTTP11;
-use e2e::env::balancer::{self, Selection};
-use e2e::harness::{http_connect, wait_until};
-use e2e::pki::TestPki;
-use e2e::replicas::{DialLoop, Replicas, echo_once, start_agents, wait_full_mesh};
-use e2e::targets::EchoServer;
 use proxy_agent::{AgentConfig, RunningAgent};
+use simulated_cluster::balancer::{self, Selection};
+use simulated_cluster::targets::EchoServer;
+use simulated_cluster::wait::wait_until;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tunnel_harness::in_process::http_connect;
+use tunnel_harness::pki::TestPki;
+use tunnel_harness::replicas::{DialLoop, Replicas, echo_once, start_agents, wait_full_mesh};
 
 /// Long enough that an agent pacing its retries by the sync interval, as
 /// upstream does after a duplicate, cannot make a second attempt within

@@ -9,15 +9,18 @@ use std::time::{Duration, Instant};
 
 use cluster_proxy_proto::metadata;
 use cluster_proxy_proto::packet::{self, Frame};
-use e2e::env::balancer::{self, Backends, Selection};
-use e2e::harness::{RawAgent, health_get, test_server_config, wait_until};
-use e2e::pki::TestPki;
-use e2e::replicas::{DialLoop, PEER_REFRESH, PeerSet, Replicas, start_agents, wait_full_mesh};
-use e2e::targets::EchoServer;
 use prost::Message;
 use proxy_agent::RunningAgent;
 use proxy_server::RunningServer;
 use proxy_server::peers::PeerLookup;
+use simulated_cluster::balancer::{self, Backends, Selection};
+use simulated_cluster::targets::EchoServer;
+use simulated_cluster::wait::wait_until;
+use tunnel_harness::in_process::{RawAgent, health_get, test_server_config};
+use tunnel_harness::pki::TestPki;
+use tunnel_harness::replicas::{
+    DialLoop, PEER_REFRESH, PeerSet, Replicas, start_agents, wait_full_mesh,
+};
 
 /// Agents wait this long between attempts once they hold every replica
 /// they know of, so only the SERVER_COUNT packet can bring them to a new

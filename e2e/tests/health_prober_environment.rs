@@ -1,4 +1,4 @@
-//! The prober against the control-plane environment (`e2e::env`): the real
+//! The prober against the control-plane environment (`e2e::env`; a cross-service scenario, so it lives in e2e): the real
 //! addon-manager, proxy-server replicas and agents as processes, the stand-in
 //! kube-apiserver at `<cluster>:6443`.
 
@@ -8,7 +8,6 @@ use cluster_proxy_proto::api::addon::v1alpha1::ManagedClusterAddOn;
 use cluster_proxy_proto::api::find_condition;
 use cluster_proxy_runtime::reload;
 use e2e::env::control_plane::replica_client_addr;
-use e2e::env::sample::APISERVER_PORT;
 use e2e::env::{EnvOptions, Environment};
 use health_prober::metrics::ProberMetrics;
 use health_prober::probe::ProbeTarget;
@@ -16,6 +15,7 @@ use health_prober::prober::Prober;
 use health_prober::replicas::Replica;
 use health_prober::verdict::CONDITION_TYPE;
 use kube::Api;
+use simulated_cluster::sample::APISERVER_PORT;
 
 const READY: Duration = Duration::from_secs(180);
 const CHANGE: Duration = Duration::from_secs(30);

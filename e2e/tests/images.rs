@@ -318,7 +318,7 @@ fn free_ports<const N: usize>() -> [u16; N] {
     let mut ports = [0; N];
     for i in 0..N {
         ports[i] = loop {
-            let port = e2e::harness::free_port();
+            let port = simulated_cluster::targets::free_port();
             if !ports[..i].contains(&port) {
                 break port;
             }

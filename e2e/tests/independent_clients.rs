@@ -11,9 +11,10 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use e2e::harness::{AgentUnderTest, test_server_config, wait_until};
-use e2e::pki::TestPki;
-use e2e::targets::{HttpServer, closed_port};
+use simulated_cluster::targets::{HttpServer, closed_port};
+use simulated_cluster::wait::wait_until;
+use tunnel_harness::in_process::{AgentUnderTest, test_server_config};
+use tunnel_harness::pki::TestPki;
 
 const BODY: &str = "hello from inside cluster-a\n";
 
@@ -327,9 +328,10 @@ async fn python_grpcio_agent_serves_a_dial_through_our_agent_port() {
     );
     assert!(wait_until(Duration::from_secs(10), || server.tunnel_count() == 1).await);
 
-    let client = e2e::harness::tunnel_client(pki.client_tls().unwrap(), server.client_addr)
-        .await
-        .unwrap();
+    let client =
+        tunnel_harness::in_process::tunnel_client(pki.client_tls().unwrap(), server.client_addr)
+            .await
+            .unwrap();
     let mut stream = client
         .dial(&format!("cluster-b:{}", target.addr.port()))
         .await

@@ -11,14 +11,15 @@ use cluster_proxy_proto::framed::{ALPN_FRAMED, Control, FrameWriter, FramedBody,
 use cluster_proxy_proto::grpc_framing::{AGENT_CONNECT_PATH, Direction, PacketStream};
 use cluster_proxy_proto::metadata;
 use cluster_proxy_proto::transport::{ALPN_H2, connect_tls};
-use e2e::harness::{AgentUnderTest, test_server_config, tunnel_client, wait_until};
-use e2e::loadgen::echo_intact;
-use e2e::pki::TestPki;
-use e2e::targets::EchoServer;
 use futures_util::StreamExt;
 use http::{HeaderMap, HeaderValue};
+use simulated_cluster::targets::EchoServer;
+use simulated_cluster::wait::wait_until;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
+use tunnel_harness::in_process::{AgentUnderTest, test_server_config, tunnel_client};
+use tunnel_harness::loadgen::echo_intact;
+use tunnel_harness::pki::TestPki;
 
 const WAIT: Duration = Duration::from_secs(10);
 

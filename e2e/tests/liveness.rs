@@ -10,10 +10,11 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use e2e::harness::{AgentUnderTest, test_server_config, wait_until};
-use e2e::pki::TestPki;
+use simulated_cluster::wait::wait_until;
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
+use tunnel_harness::in_process::{AgentUnderTest, test_server_config};
+use tunnel_harness::pki::TestPki;
 
 const KEEPALIVE: Duration = Duration::from_secs(1);
 /// The fixed time both sides give a PING to be answered.

@@ -10,10 +10,11 @@
 
 use std::time::Duration;
 
-use e2e::harness::{AgentUnderTest, test_server_config, tunnel_client, wait_until};
-use e2e::pki::TestPki;
-use e2e::targets::{EchoServer, closed_port};
+use simulated_cluster::targets::{EchoServer, closed_port};
+use simulated_cluster::wait::wait_until;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tunnel_harness::in_process::{AgentUnderTest, test_server_config, tunnel_client};
+use tunnel_harness::pki::TestPki;
 
 const STEP: Duration = Duration::from_secs(10);
 

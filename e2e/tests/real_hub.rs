@@ -75,11 +75,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use e2e::env::binaries::{Binaries, Progress};
 use e2e::env::client::{Frontend, HubClient};
 use e2e::env::control_plane::HubRbac;
-use e2e::env::kubelet::{DeploymentRunner, PodPlacement, SecretVolumes};
-use e2e::env::process::Logs;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::certificates::v1::CertificateSigningRequest;
@@ -92,6 +89,9 @@ use kube::api::{
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client, ResourceExt};
 use serde_json::{Value, json};
+use simulated_cluster::binaries::{Binaries, Progress};
+use simulated_cluster::kubelet::{DeploymentRunner, PodPlacement, SecretVolumes};
+use simulated_cluster::process::Logs;
 use tokio::sync::Mutex;
 
 const KUBECONFIG_VARIABLE: &str = "CP_REAL_HUB_KUBECONFIG";

@@ -12,9 +12,10 @@ use cert_authority::pki::{Authority, LeafRequest};
 use cert_authority::tls::{self, Identity, Pem};
 use cluster_proxy_proto::identity::ClusterName;
 use cluster_proxy_proto::transport::ALPN_H2;
-use e2e::harness::{AgentUnderTest, test_server_config, tunnel_client, wait_until};
-use e2e::targets::EchoServer;
+use simulated_cluster::targets::EchoServer;
+use simulated_cluster::wait::wait_until;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tunnel_harness::in_process::{AgentUnderTest, test_server_config, tunnel_client};
 
 const RELOAD: Duration = Duration::from_millis(100);
 const STEP: Duration = Duration::from_secs(10);
@@ -301,7 +302,7 @@ async fn connect_once(
 /// must not accept it once that certificate has expired.
 #[tokio::test]
 async fn a_resumed_session_does_not_outlive_the_client_certificate() {
-    let pki = e2e::pki::TestPki::new(&[]).unwrap();
+    let pki = tunnel_harness::pki::TestPki::new(&[]).unwrap();
     let server = proxy_server::start_with_tls(test_server_config(), pki.server_tls().unwrap())
         .await
         .unwrap();

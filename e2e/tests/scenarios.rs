@@ -7,7 +7,8 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use e2e::env::client::{Frontend, HubClient};
-use e2e::env::{EnvOptions, Environment, Isolation, IsolationChoice, sample};
+use e2e::env::{EnvOptions, Environment, Isolation, IsolationChoice};
+use simulated_cluster::sample;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const READY: Duration = Duration::from_secs(60);
@@ -147,7 +148,7 @@ async fn every_cluster_answers_by_name_through_every_replica_and_frontend() {
     }
     // The environment's Kubernetes API answers with the kubeconfig it wrote.
     let kubeconfig = env.summary.kubeconfig.clone().expect("a kubeconfig");
-    let kube = e2e::kubeapi::KubeApi::client_from(&kubeconfig)
+    let kube = memory_apiserver::KubeApi::client_from(&kubeconfig)
         .await
         .unwrap();
     let namespaces: kube::Api<k8s_openapi::api::core::v1::Namespace> = kube::Api::all(kube);
@@ -161,7 +162,7 @@ async fn every_cluster_answers_by_name_through_every_replica_and_frontend() {
         .collect();
     assert!(names.contains(&"default".to_string()), "{names:?}");
     // cert-authority's kubernetes backend keeps the hub Secrets there.
-    let kube = e2e::kubeapi::KubeApi::client_from(&kubeconfig)
+    let kube = memory_apiserver::KubeApi::client_from(&kubeconfig)
         .await
         .unwrap();
     let secrets: kube::Api<k8s_openapi::api::core::v1::Secret> =

@@ -18,15 +18,16 @@ use cluster_proxy_proto::packet::{self, Frame};
 use cluster_proxy_proto::transport::{ALPN_HTTP11, connect_channel};
 use cluster_proxy_runtime::logging::LogFormat;
 use cluster_proxy_runtime::telemetry::{self, SamplerChoice, TelemetryConfig};
-use e2e::harness::{AgentUnderTest, RawAgent, test_server_config, tunnel_client, wait_until};
-use e2e::otlp::{Collector, Received, WAIT};
-use e2e::pki::TestPki;
-use e2e::processes::{ChildTunnel, ChildTunnelOptions};
-use e2e::targets::{EchoServer, closed_port};
 use prost::Message;
+use simulated_cluster::otlp::{Collector, Received, WAIT};
+use simulated_cluster::targets::{EchoServer, closed_port};
+use simulated_cluster::wait::wait_until;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
+use tunnel_harness::child::{ChildTunnel, ChildTunnelOptions};
+use tunnel_harness::in_process::{AgentUnderTest, RawAgent, test_server_config, tunnel_client};
+use tunnel_harness::pki::TestPki;
 
 fn attr<'a>(span: &'a Received, key: &str) -> &'a str {
     span.attributes
@@ -397,7 +398,7 @@ struct TracedProcesses {
 
 impl TracedProcesses {
     async fn start(pki: &TestPki, endpoint: &str) -> Self {
-        use e2e::env::binaries::{Binaries, Progress};
+        use simulated_cluster::binaries::{Binaries, Progress};
         let binaries = tokio::task::spawn_blocking(|| Binaries::build(Progress::Quiet))
             .await
             .unwrap()

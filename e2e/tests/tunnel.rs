@@ -4,15 +4,15 @@
 use std::time::Duration;
 
 use cluster_proxy_proto::transport::ALPN_HTTP11;
-use e2e::harness::{
-    AgentUnderTest, health_get, http_connect, http_connect_over, test_server_config, tunnel_client,
-    wait_until,
-};
-use e2e::loadgen::{BulkServer, download, echo_intact, pattern, request_download};
-use e2e::pki::TestPki;
-use e2e::targets::{EchoServer, closed_port};
 use proxy_server::RunningServer;
+use simulated_cluster::targets::{EchoServer, closed_port};
+use simulated_cluster::wait::wait_until;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tunnel_harness::in_process::{
+    AgentUnderTest, health_get, http_connect, http_connect_over, test_server_config, tunnel_client,
+};
+use tunnel_harness::loadgen::{BulkServer, download, echo_intact, pattern, request_download};
+use tunnel_harness::pki::TestPki;
 
 const LONG: Duration = Duration::from_secs(120);
 
@@ -407,7 +407,7 @@ async fn stalled_readers_leave_their_client_connection_usable() {
 #[tokio::test]
 async fn our_clients_accept_large_http2_frames() {
     use cluster_proxy_proto::transport::{MAX_FRAME_SIZE, connect_channel};
-    use e2e::h2_frames::{SETTINGS, accept_preface, read_frame};
+    use tunnel_harness::h2_frames::{SETTINGS, accept_preface, read_frame};
 
     const SETTINGS_MAX_FRAME_SIZE: u16 = 0x5;
     let pki = TestPki::new(&["cluster-a"]).unwrap();

@@ -8,7 +8,8 @@ use std::path::Path;
 use std::process::Stdio;
 use std::time::Duration;
 
-use e2e::env::{IsolationChoice, netns, registry};
+use e2e::env::{IsolationChoice, registry};
+use simulated_cluster::netns;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
@@ -164,7 +165,7 @@ async fn up_prints_how_to_reach_clusters_and_cleans_up_on_ctrl_c() {
     let spans_file = state.path().join(e2e::env::traces::SPAN_FILE);
     let connection = tokio::time::timeout(Duration::from_secs(30), async {
         loop {
-            let spans = e2e::otlp::read_span_file(&spans_file).unwrap_or_default();
+            let spans = simulated_cluster::otlp::read_span_file(&spans_file).unwrap_or_default();
             if let Some(span) = spans.into_iter().find(|s| {
                 s.name == "tunnel.connection"
                     && s.attribute("cluster_proxy.frontend") == Some("http-connect")

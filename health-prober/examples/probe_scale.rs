@@ -28,7 +28,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{Apiserver, Hub, Tunnel, metrics, sample};
-use e2e::harness::{free_port, wait_until};
+use simulated_cluster::targets::free_port;
+use simulated_cluster::wait::wait_until;
 
 fn knob<T: std::str::FromStr>(name: &str, default: T) -> T {
     match std::env::var(name) {

@@ -7,15 +7,15 @@ use std::time::Duration;
 use bytes::Bytes;
 use cluster_proxy_proto::connector::{ConnectError, TunnelConnector, kube_client};
 use common::Tunnel;
-use e2e::harness::{RawAgent, tunnel_client};
-use e2e::kubeapi::{KubeApi, KubeApiOptions};
-use e2e::targets::{TcpTarget, closed_port};
 use http_body_util::{BodyExt, Empty};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use k8s_openapi::api::core::v1::Namespace;
 use kube::Api;
+use memory_apiserver::{KubeApi, KubeApiOptions};
+use simulated_cluster::targets::{TcpTarget, closed_port};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tunnel_harness::in_process::{RawAgent, tunnel_client};
 
 async fn connector(tunnel: &Tunnel, timeout: Duration) -> TunnelConnector {
     let client = tunnel_client(
@@ -152,7 +152,10 @@ async fn dial_failures_say_what_went_wrong() {
     )
     .await
     .unwrap();
-    assert!(e2e::harness::wait_until(common::WAIT, || tunnel.servers[0].tunnel_count() == 2).await);
+    assert!(
+        simulated_cluster::wait::wait_until(common::WAIT, || tunnel.servers[0].tunnel_count() == 2)
+            .await
+    );
     let error = connector
         .connect(&"https://cluster-z:443".parse().unwrap())
         .await

@@ -11,11 +11,11 @@ use cluster_proxy_runtime::logging::LogFormat;
 use cluster_proxy_runtime::reload;
 use cluster_proxy_runtime::telemetry::{self, SamplerChoice, TelemetryConfig};
 use common::{Apiserver, Hub, Tunnel};
-use e2e::otlp::{Collector, Received};
 use health_prober::metrics::ProberMetrics;
 use health_prober::probe::ProbeTarget;
 use health_prober::prober::Prober;
 use health_prober::replicas::Replica;
+use simulated_cluster::otlp::{Collector, Received};
 
 fn attr<'a>(span: &'a Received, key: &str) -> &'a str {
     span.attribute(key)

@@ -10,13 +10,13 @@ use cluster_proxy_proto::api::addon::v1alpha1::ManagedClusterAddOn;
 use cluster_proxy_proto::api::find_condition;
 use cluster_proxy_runtime::reload;
 use common::{Apiserver, Hub, Tunnel, WAIT};
-use e2e::harness::wait_until;
 use health_prober::metrics::{ClusterLabel, ProberMetrics};
 use health_prober::probe::ProbeTarget;
 use health_prober::prober::{FIELD_MANAGER, Prober, RoundReport};
 use health_prober::replicas::Replica;
 use kube::Api;
 use kube::api::{Patch, PatchParams};
+use simulated_cluster::wait::wait_until;
 
 fn prober(hub: &Hub, tunnel: &Tunnel, apiserver: &Apiserver, metrics: ProberMetrics) -> Prober {
     let tls = reload::fixed(tunnel.pki.client_tls().unwrap());
@@ -41,7 +41,11 @@ fn prober(hub: &Hub, tunnel: &Tunnel, apiserver: &Apiserver, metrics: ProberMetr
 /// Latency differences the tests ignore.
 const QUIET: Duration = Duration::from_secs(10);
 
-async fn lose_tunnel(tunnel: &Tunnel, index: usize, agent: e2e::harness::AgentUnderTest) {
+async fn lose_tunnel(
+    tunnel: &Tunnel,
+    index: usize,
+    agent: tunnel_harness::in_process::AgentUnderTest,
+) {
     let server = &tunnel.servers[index];
     let before = server.tunnel_count();
     agent.kill();
@@ -210,7 +214,10 @@ async fn a_replica_that_cannot_be_reached_degrades_every_cluster_by_name() {
     let tls = reload::fixed(tunnel.pki.client_tls().unwrap());
     let down = format!(
         "localhost:{}",
-        e2e::targets::closed_port().await.unwrap().port()
+        simulated_cluster::targets::closed_port()
+            .await
+            .unwrap()
+            .port()
     );
     let prober = Prober::new(
         hub.client.clone(),

@@ -12,13 +12,15 @@ use cluster_proxy_proto::Packet;
 use cluster_proxy_proto::konnectivity::proxy_service_client::ProxyServiceClient;
 use cluster_proxy_proto::packet;
 use cluster_proxy_proto::transport::connect_channel;
-use e2e::harness::wait_until;
-use e2e::harness::{AgentUnderTest, RawAgent, RawAgentError, test_server_config, tunnel_client};
-use e2e::pki::TestPki;
-use e2e::targets::EchoServer;
 use proxy_server::RunningServer;
+use simulated_cluster::targets::EchoServer;
+use simulated_cluster::wait::wait_until;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_stream::wrappers::ReceiverStream;
+use tunnel_harness::in_process::{
+    AgentUnderTest, RawAgent, RawAgentError, test_server_config, tunnel_client,
+};
+use tunnel_harness::pki::TestPki;
 
 const STEP: Duration = Duration::from_secs(10);
 const MAX_STRAY_CLOSES: u32 = 64;

@@ -9,12 +9,13 @@ use std::time::Duration;
 use bytes::Bytes;
 use cluster_proxy_proto::packet::{self, Frame};
 use cluster_proxy_proto::transport::ALPN_HTTP11;
-use e2e::harness::{RawAgent, test_server_config, wait_until};
-use e2e::pki::TestPki;
 use proxy_server::RunningServer;
 use proxy_server::http_connect::{DIAL_TIMEOUT_BODY, ESTABLISHED, TUNNEL_CLOSED_BODY};
+use simulated_cluster::wait::wait_until;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_rustls::client::TlsStream;
+use tunnel_harness::in_process::{RawAgent, test_server_config};
+use tunnel_harness::pki::TestPki;
 
 const STEP: Duration = Duration::from_secs(5);
 

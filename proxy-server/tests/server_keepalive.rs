@@ -7,10 +7,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use e2e::harness::{AgentUnderTest, test_server_config, wait_until};
-use e2e::pki::TestPki;
+use simulated_cluster::wait::wait_until;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+use tunnel_harness::in_process::{AgentUnderTest, test_server_config};
+use tunnel_harness::pki::TestPki;
 
 /// A TCP relay that can stop carrying bytes in both directions while
 /// keeping both connections open, as a partitioned network does.

@@ -9,10 +9,11 @@ use cluster_proxy_proto::connector::ConnectError;
 use cluster_proxy_proto::metadata;
 use cluster_proxy_proto::packet::{self, Frame};
 use cluster_proxy_proto::transport::ALPN_HTTP11;
-use e2e::harness::{RawAgent, RawAgentError, test_server_config, tunnel_client, wait_until};
-use e2e::pki::TestPki;
 use proxy_server::RunningServer;
+use simulated_cluster::wait::wait_until;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tunnel_harness::in_process::{RawAgent, RawAgentError, test_server_config, tunnel_client};
+use tunnel_harness::pki::TestPki;
 
 const STEP: Duration = Duration::from_secs(5);
 
@@ -587,14 +588,14 @@ async fn an_agent_certificate_cannot_dial_through_the_client_port() {
         );
     }
     let connect_tls = pki.agent_tls_alpn("cluster-a", &[ALPN_HTTP11]).unwrap();
-    let refusal = match e2e::harness::http_connect(
+    let refusal = match tunnel_harness::in_process::http_connect(
         connect_tls,
         server.client_addr,
         &format!("cluster-b:{port}"),
     )
     .await
     {
-        Err(e2e::harness::ConnectError::Status(response)) => response,
+        Err(tunnel_harness::in_process::ConnectError::Status(response)) => response,
         other => panic!("CONNECT with an agent certificate: {:?}", other.map(|_| ())),
     };
     assert!(refusal.starts_with("HTTP/1.1 403"), "{refusal}");

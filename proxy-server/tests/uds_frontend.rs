@@ -6,13 +6,14 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use cluster_proxy_proto::client::TunnelClient;
-use e2e::harness::{AgentUnderTest, test_server_config, wait_until};
-use e2e::pki::TestPki;
-use e2e::targets::EchoServer;
 use hyper_util::rt::TokioIo;
 use proxy_server::{RunningServer, ServerError};
+use simulated_cluster::targets::EchoServer;
+use simulated_cluster::wait::wait_until;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
+use tunnel_harness::in_process::{AgentUnderTest, test_server_config};
+use tunnel_harness::pki::TestPki;
 
 const STEP: Duration = Duration::from_secs(10);
 

@@ -10,12 +10,12 @@ use cert_authority::files::{Layout, Pair, write_pair};
 use cert_authority::pki::LeafRequest;
 use cluster_proxy_proto::api::addon::v1alpha1::ManagedClusterAddOn;
 use cluster_proxy_proto::api::cluster::v1::ManagedCluster;
-use e2e::harness::{AgentUnderTest, LocalReplicas};
-use e2e::kubeapi::{KubeApi, KubeApiOptions};
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::{Namespace, Secret};
 use kube::Api;
 use kube::api::{Patch, PatchParams, PostParams};
+use memory_apiserver::{KubeApi, KubeApiOptions};
+use tunnel_harness::in_process::{AgentUnderTest, LocalReplicas};
 
 pub const WAIT: Duration = Duration::from_secs(10);
 pub const BIN: &str = env!("CARGO_BIN_EXE_cluster-proxy");
@@ -104,7 +104,8 @@ impl Hub {
         let api = KubeApi::start(KubeApiOptions::new(dir.path()))
             .await
             .unwrap();
-        api.register_crds_from_yaml(e2e::env::ocm::CRDS).unwrap();
+        api.register_crds_from_yaml(simulated_cluster::ocm::CRDS)
+            .unwrap();
         api.register_crds_from_yaml(MPC_CRD).unwrap();
         let client = api.client().await.unwrap();
         Hub {

@@ -14,11 +14,12 @@ use hyper::body::{Frame, Incoming};
 use serde_json::{Value, json};
 use tokio::sync::{broadcast, mpsc, watch};
 
+use super::error::ApiError;
 use super::protobuf::{self, ProtobufError};
 use super::resources::ResourceType;
 use super::selector::{FieldSelector, LabelSelector};
 use super::store::{
-    ApiError, DeleteOptions, Deleted, Event, EventType, Part, PatchKind, Propagation, Store, User,
+    DeleteOptions, Deleted, Event, EventType, Part, PatchKind, Propagation, Store, User,
     WriteOptions, as_version,
 };
 use super::{openapi, rbac, table};
@@ -301,26 +302,18 @@ struct Target {
     part: Part,
 }
 
+/// Serves one request: health, then (authenticated) discovery, the
+/// endpoints that are not stored objects, and the resources.
 async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<Body>, ApiError> {
     let path = request.uri().path().to_string();
     // Health endpoints answer anyone, as the real server's
     // system:public-info-viewer role allows.
     if matches!(path.as_str(), "/healthz" | "/readyz" | "/livez") {
-        let mut response = Response::new(Full::new(Bytes::from_static(b"ok")).boxed());
-        response.headers_mut().insert(
-            header::CONTENT_TYPE,
-            header::HeaderValue::from_static("text/plain; charset=utf-8"),
-        );
-        return Ok(response);
+        return Ok(health_response());
     }
     let user = shared.authenticate(&request)?;
     let segments: Vec<&str> = path.split('/').filter(|s| !s.is_empty()).collect();
-    let discovery = match segments.as_slice() {
-        ["version"] | ["api"] | ["apis"] | ["apis", _] | ["openapi", ..] => true,
-        ["api", _] | ["apis", _, _] => request.method() == Method::GET,
-        _ => false,
-    };
-    if discovery {
+    if is_discovery(&segments, request.method()) {
         shared.authorize(
             &user,
             &rbac::Attributes::Path {
@@ -329,186 +322,268 @@ async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<B
             },
         )?;
     }
-    match segments.as_slice() {
-        ["version"] => {
-            return Ok(json_response(
-                StatusCode::OK,
-                &json!({"major": "1", "minor": "33", "gitVersion": "v1.33.0-cluster-proxy-e2e",
-                        "platform": "linux/amd64", "goVersion": "n/a", "compiler": "n/a",
-                        "buildDate": "2026-01-01T00:00:00Z", "gitCommit": "", "gitTreeState": "clean"}),
-            ));
-        }
-        ["openapi", "v3"] => {
-            return Ok(json_response(
-                StatusCode::OK,
-                &openapi::root(&shared.store.registry()),
-            ));
-        }
+    if let Some(answer) = discovery(shared, &segments, &path) {
+        return answer;
+    }
+    if let Some(endpoint) = Endpoint::of(&segments, request.method()) {
+        return endpoint.serve(shared, &user, request).await;
+    }
+    let (target, sub) = resource_target(shared, &segments, &path)?;
+    serve_resource(shared, &user, target, sub, request).await
+}
+
+fn health_response() -> Response<Body> {
+    let mut response = Response::new(Full::new(Bytes::from_static(b"ok")).boxed());
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    response
+}
+
+/// Paths every authenticated user may read through the
+/// `system:discovery` role, authorized as non-resource `get`s.
+fn is_discovery(segments: &[&str], method: &Method) -> bool {
+    match segments {
+        ["version"] | ["api"] | ["apis"] | ["apis", _] | ["openapi", ..] => true,
+        ["api", _] | ["apis", _, _] => method == Method::GET,
+        _ => false,
+    }
+}
+
+fn not_found_path(path: &str) -> ApiError {
+    ApiError::new(
+        404,
+        "NotFound",
+        format!("the server could not find the requested resource ({path})"),
+    )
+}
+
+/// The discovery documents: `/version`, OpenAPI v3, the group and version
+/// lists; `None` for any other path.
+fn discovery(
+    shared: &Shared,
+    segments: &[&str],
+    path: &str,
+) -> Option<Result<Response<Body>, ApiError>> {
+    let answer = match segments {
+        ["version"] => Ok(json_response(
+            StatusCode::OK,
+            &json!({"major": "1", "minor": "33", "gitVersion": "v1.33.0-cluster-proxy-e2e",
+                    "platform": "linux/amd64", "goVersion": "n/a", "compiler": "n/a",
+                    "buildDate": "2026-01-01T00:00:00Z", "gitCommit": "", "gitTreeState": "clean"}),
+        )),
+        ["openapi", "v3"] => Ok(json_response(
+            StatusCode::OK,
+            &openapi::root(&shared.store.registry()),
+        )),
         ["openapi", "v3", "api", version] | ["openapi", "v3", "apis", "", version] => {
-            return openapi_document(shared, "", version, &path);
+            openapi_document(shared, "", version, path)
         }
-        ["openapi", "v3", "apis", group, version] => {
-            return openapi_document(shared, group, version, &path);
-        }
-        ["api"] => {
-            return Ok(json_response(
-                StatusCode::OK,
-                &json!({"kind": "APIVersions", "versions": ["v1"],
-                        "serverAddressByClientCIDRs": []}),
-            ));
-        }
-        ["apis"] => {
-            let mut groups: Vec<Value> = shared
-                .store
-                .registry()
-                .groups()
-                .into_iter()
-                .filter(|(g, _)| !g.is_empty())
-                .map(|(group, versions)| {
-                    let versions: Vec<Value> = versions
-                        .iter()
-                        .map(|v| json!({"groupVersion": format!("{group}/{v}"), "version": v}))
-                        .collect();
-                    let preferred = versions.first().cloned().unwrap_or(json!({}));
-                    json!({"name": group, "versions": versions, "preferredVersion": preferred})
-                })
-                .collect();
-            // The review APIs, which have no stored objects.
-            for group in ["authentication.k8s.io", "authorization.k8s.io"] {
-                let version = json!({"groupVersion": format!("{group}/v1"), "version": "v1"});
-                groups.push(
-                    json!({"name": group, "versions": [version], "preferredVersion": version}),
-                );
-            }
-            return Ok(json_response(
-                StatusCode::OK,
-                &json!({"kind": "APIGroupList", "apiVersion": "v1", "groups": groups}),
-            ));
-        }
-        ["apis", group] => {
-            let versions = shared
-                .store
-                .registry()
-                .groups()
-                .remove(*group)
-                .filter(|_| !group.is_empty())
-                .ok_or_else(|| {
-                    ApiError::new(
-                        404,
-                        "NotFound",
-                        format!("the server could not find the requested resource ({path})"),
-                    )
-                })?;
+        ["openapi", "v3", "apis", group, version] => openapi_document(shared, group, version, path),
+        ["api"] => Ok(json_response(
+            StatusCode::OK,
+            &json!({"kind": "APIVersions", "versions": ["v1"],
+                    "serverAddressByClientCIDRs": []}),
+        )),
+        ["apis"] => Ok(group_list(shared)),
+        ["apis", group] => api_group(shared, group, path),
+        ["apis", "authorization.k8s.io", "v1"] => Ok(json_response(
+            StatusCode::OK,
+            &json!({"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": "authorization.k8s.io/v1",
+                    "resources": [{"name": "selfsubjectaccessreviews", "singularName": "selfsubjectaccessreview",
+                        "namespaced": false, "kind": "SelfSubjectAccessReview", "verbs": ["create"]}]}),
+        )),
+        ["apis", "authentication.k8s.io", "v1"] => Ok(json_response(
+            StatusCode::OK,
+            &json!({"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": "authentication.k8s.io/v1",
+                    "resources": [{"name": "selfsubjectreviews", "singularName": "selfsubjectreview",
+                        "namespaced": false, "kind": "SelfSubjectReview", "verbs": ["create"]}]}),
+        )),
+        ["api", version] => resource_list(shared, "", version),
+        ["apis", group, version] => resource_list(shared, group, version),
+        _ => return None,
+    };
+    Some(answer)
+}
+
+/// `/apis`: every group with stored kinds, and the review APIs.
+fn group_list(shared: &Shared) -> Response<Body> {
+    let mut groups: Vec<Value> = shared
+        .store
+        .registry()
+        .groups()
+        .into_iter()
+        .filter(|(g, _)| !g.is_empty())
+        .map(|(group, versions)| {
             let versions: Vec<Value> = versions
                 .iter()
                 .map(|v| json!({"groupVersion": format!("{group}/{v}"), "version": v}))
                 .collect();
-            return Ok(json_response(
-                StatusCode::OK,
-                &json!({"kind": "APIGroup", "apiVersion": "v1", "name": group,
-                        "versions": versions, "preferredVersion": versions[0]}),
-            ));
-        }
-        [
-            "api",
-            "v1",
-            "namespaces",
-            namespace,
-            "serviceaccounts",
-            name,
-            "token",
-        ] if request.method() == Method::POST => {
-            let (namespace, name) = ((*namespace).to_owned(), (*name).to_owned());
-            return token_request(shared, &user, &namespace, &name, request).await;
-        }
-        [
-            "apis",
-            "authorization.k8s.io",
-            "v1",
-            "selfsubjectaccessreviews",
-        ] if request.method() == Method::POST => {
-            shared.authorize(
-                &user,
-                &rbac::Attributes::Resource {
-                    verb: "create".into(),
-                    group: "authorization.k8s.io".into(),
-                    resource: "selfsubjectaccessreviews".into(),
-                    namespace: None,
-                    name: None,
-                },
-            )?;
-            let content_type = media_type(&request);
-            let review = read_json(request, &content_type).await?;
-            let attributes = access_review_attributes(&review)?;
-            let allowed = shared.allowed(&user, &attributes);
-            let mut answer = review.clone();
-            answer["apiVersion"] = json!("authorization.k8s.io/v1");
-            answer["kind"] = json!("SelfSubjectAccessReview");
-            answer["status"] = json!({"allowed": allowed});
-            return Ok(json_response(StatusCode::CREATED, &answer));
-        }
-        ["apis", "authorization.k8s.io", "v1"] => {
-            return Ok(json_response(
-                StatusCode::OK,
-                &json!({"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": "authorization.k8s.io/v1",
-                        "resources": [{"name": "selfsubjectaccessreviews", "singularName": "selfsubjectaccessreview",
-                            "namespaced": false, "kind": "SelfSubjectAccessReview", "verbs": ["create"]}]}),
-            ));
-        }
-        ["apis", "authentication.k8s.io", "v1", "selfsubjectreviews"]
-            if request.method() == Method::POST =>
-        {
-            shared.authorize(
-                &user,
-                &rbac::Attributes::Resource {
-                    verb: "create".into(),
-                    group: "authentication.k8s.io".into(),
-                    resource: "selfsubjectreviews".into(),
-                    namespace: None,
-                    name: None,
-                },
-            )?;
-            // `kubectl auth whoami`: who the server takes the requester for.
-            return Ok(json_response(
-                StatusCode::CREATED,
-                &json!({"kind": "SelfSubjectReview", "apiVersion": "authentication.k8s.io/v1",
-                        "metadata": {"creationTimestamp": null},
-                        "status": {"userInfo": {"username": user.name, "uid": user.uid, "groups": user.groups}}}),
-            ));
-        }
-        ["apis", "authentication.k8s.io", "v1"] => {
-            return Ok(json_response(
-                StatusCode::OK,
-                &json!({"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": "authentication.k8s.io/v1",
-                        "resources": [{"name": "selfsubjectreviews", "singularName": "selfsubjectreview",
-                            "namespaced": false, "kind": "SelfSubjectReview", "verbs": ["create"]}]}),
-            ));
-        }
-        [
-            "api",
-            "v1",
-            "namespaces",
-            namespace,
-            "pods",
-            name,
-            "portforward",
-        ] => {
-            let (namespace, name) = ((*namespace).to_owned(), (*name).to_owned());
-            return super::portforward::serve(shared, &user, request, &namespace, &name).await;
-        }
-        ["api", version] => return resource_list(shared, "", version),
-        ["apis", group, version] => return resource_list(shared, group, version),
-        _ => {}
+            let preferred = versions.first().cloned().unwrap_or(json!({}));
+            json!({"name": group, "versions": versions, "preferredVersion": preferred})
+        })
+        .collect();
+    // The review APIs, which have no stored objects.
+    for group in ["authentication.k8s.io", "authorization.k8s.io"] {
+        let version = json!({"groupVersion": format!("{group}/v1"), "version": "v1"});
+        groups.push(json!({"name": group, "versions": [version], "preferredVersion": version}));
     }
-    let (group, version, rest) = match segments.as_slice() {
+    json_response(
+        StatusCode::OK,
+        &json!({"kind": "APIGroupList", "apiVersion": "v1", "groups": groups}),
+    )
+}
+
+/// `/apis/<group>`.
+fn api_group(shared: &Shared, group: &str, path: &str) -> Result<Response<Body>, ApiError> {
+    let versions = shared
+        .store
+        .registry()
+        .groups()
+        .remove(group)
+        .filter(|_| !group.is_empty())
+        .ok_or_else(|| not_found_path(path))?;
+    let versions: Vec<Value> = versions
+        .iter()
+        .map(|v| json!({"groupVersion": format!("{group}/{v}"), "version": v}))
+        .collect();
+    Ok(json_response(
+        StatusCode::OK,
+        &json!({"kind": "APIGroup", "apiVersion": "v1", "name": group,
+                "versions": versions, "preferredVersion": versions[0]}),
+    ))
+}
+
+/// The endpoints that are not stored objects and read the request body or
+/// stream: TokenRequest, the self reviews, pod port-forwarding.
+enum Endpoint {
+    Token { namespace: String, name: String },
+    SelfSubjectAccessReview,
+    SelfSubjectReview,
+    PortForward { namespace: String, name: String },
+}
+
+impl Endpoint {
+    fn of(segments: &[&str], method: &Method) -> Option<Self> {
+        let post = method == Method::POST;
+        match segments {
+            [
+                "api",
+                "v1",
+                "namespaces",
+                namespace,
+                "serviceaccounts",
+                name,
+                "token",
+            ] if post => Some(Endpoint::Token {
+                namespace: (*namespace).to_owned(),
+                name: (*name).to_owned(),
+            }),
+            [
+                "apis",
+                "authorization.k8s.io",
+                "v1",
+                "selfsubjectaccessreviews",
+            ] if post => Some(Endpoint::SelfSubjectAccessReview),
+            ["apis", "authentication.k8s.io", "v1", "selfsubjectreviews"] if post => {
+                Some(Endpoint::SelfSubjectReview)
+            }
+            [
+                "api",
+                "v1",
+                "namespaces",
+                namespace,
+                "pods",
+                name,
+                "portforward",
+            ] => Some(Endpoint::PortForward {
+                namespace: (*namespace).to_owned(),
+                name: (*name).to_owned(),
+            }),
+            _ => None,
+        }
+    }
+
+    async fn serve(
+        self,
+        shared: &Shared,
+        user: &User,
+        request: Request<Incoming>,
+    ) -> Result<Response<Body>, ApiError> {
+        match self {
+            Endpoint::Token { namespace, name } => {
+                token_request(shared, user, &namespace, &name, request).await
+            }
+            Endpoint::SelfSubjectAccessReview => {
+                self_subject_access_review(shared, user, request).await
+            }
+            Endpoint::SelfSubjectReview => self_subject_review(shared, user),
+            Endpoint::PortForward { namespace, name } => {
+                super::portforward::serve(shared, user, request, &namespace, &name).await
+            }
+        }
+    }
+}
+
+async fn self_subject_access_review(
+    shared: &Shared,
+    user: &User,
+    request: Request<Incoming>,
+) -> Result<Response<Body>, ApiError> {
+    shared.authorize(
+        user,
+        &rbac::Attributes::Resource {
+            verb: "create".into(),
+            group: "authorization.k8s.io".into(),
+            resource: "selfsubjectaccessreviews".into(),
+            namespace: None,
+            name: None,
+        },
+    )?;
+    let content_type = media_type(&request);
+    let review = read_json(request, &content_type).await?;
+    let attributes = access_review_attributes(&review)?;
+    let allowed = shared.allowed(user, &attributes);
+    let mut answer = review.clone();
+    answer["apiVersion"] = json!("authorization.k8s.io/v1");
+    answer["kind"] = json!("SelfSubjectAccessReview");
+    answer["status"] = json!({"allowed": allowed});
+    Ok(json_response(StatusCode::CREATED, &answer))
+}
+
+/// `kubectl auth whoami`: who the server takes the requester for.
+fn self_subject_review(shared: &Shared, user: &User) -> Result<Response<Body>, ApiError> {
+    shared.authorize(
+        user,
+        &rbac::Attributes::Resource {
+            verb: "create".into(),
+            group: "authentication.k8s.io".into(),
+            resource: "selfsubjectreviews".into(),
+            namespace: None,
+            name: None,
+        },
+    )?;
+    Ok(json_response(
+        StatusCode::CREATED,
+        &json!({"kind": "SelfSubjectReview", "apiVersion": "authentication.k8s.io/v1",
+                "metadata": {"creationTimestamp": null},
+                "status": {"userInfo": {"username": user.name, "uid": user.uid, "groups": user.groups}}}),
+    ))
+}
+
+/// The resource a path names (`/api/v1/namespaces/ns/pods/name/status`),
+/// with its subresource.
+fn resource_target<'p>(
+    shared: &Shared,
+    segments: &[&'p str],
+    path: &str,
+) -> Result<(Target, Option<&'p str>), ApiError> {
+    let (group, version, rest) = match segments {
         ["api", version, rest @ ..] => ("", *version, rest),
         ["apis", group, version, rest @ ..] => (*group, *version, rest),
         _ => {
-            return Err(ApiError::new(
-                404,
-                "NotFound",
-                format!("the server could not find the requested resource ({path})"),
-            ));
+            return Err(not_found_path(path));
         }
     };
     let (namespace, rest): (Option<String>, &[&str]) = match rest {
@@ -524,23 +599,13 @@ async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<B
         [plural, name] => (*plural, Some((*name).to_string()), None),
         [plural, name, sub] => (*plural, Some((*name).to_string()), Some(*sub)),
         _ => {
-            return Err(ApiError::new(
-                404,
-                "NotFound",
-                format!("the server could not find the requested resource ({path})"),
-            ));
+            return Err(not_found_path(path));
         }
     };
     let resource = shared
         .store
         .resource_type(group, version, plural)
-        .ok_or_else(|| {
-            ApiError::new(
-                404,
-                "NotFound",
-                format!("the server could not find the requested resource ({path})"),
-            )
-        })?;
+        .ok_or_else(|| not_found_path(path))?;
     if namespace.is_some() && !resource.namespaced {
         return Err(ApiError::new(
             404,
@@ -566,10 +631,21 @@ async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<B
         name,
         part,
     };
+    Ok((target, sub))
+}
+
+/// A request for a resource, authorized for its verb, served by the store.
+async fn serve_resource(
+    shared: &Shared,
+    user: &User,
+    target: Target,
+    sub: Option<&str>,
+    request: Request<Incoming>,
+) -> Result<Response<Body>, ApiError> {
     let query = Query::parse(request.uri().query());
     let verb = rbac::verb(request.method(), target.name.is_some(), query.flag("watch"));
     shared.authorize(
-        &user,
+        user,
         &rbac::resource_attributes(
             &target.resource,
             verb,
@@ -622,106 +698,131 @@ async fn route(shared: &Shared, request: Request<Incoming>) -> Result<Response<B
             let body = read_json(request, &content_type).await?;
             strict_fields(&query, t, &body, None)?;
             let body = openapi::without_undeclared(t, body);
-            let created = store.create(t, ns, body, &user, &options)?;
+            let created = store.create(t, ns, body, user, &options)?;
             Ok(json_response(StatusCode::CREATED, &created))
         }
         (Method::PUT, Some(name)) => {
             let body = read_json(request, &content_type).await?;
             strict_fields(&query, t, &body, None)?;
             let body = openapi::without_undeclared(t, body);
-            signer_admission(shared, &user, t, name, target.part, &body)?;
+            signer_admission(shared, user, t, name, target.part, &body)?;
             let updated = store.update(t, ns, name, body, target.part, &options)?;
             Ok(json_response(StatusCode::OK, &updated))
         }
         (Method::PATCH, Some(name)) => {
-            let kind = match content_type.as_str() {
-                "application/merge-patch+json" => PatchKind::Merge,
-                // Custom objects have no strategy to merge with.
-                "application/strategic-merge-patch+json" if !t.custom => PatchKind::StrategicMerge,
-                "application/json-patch+json" => PatchKind::Json,
-                "application/apply-patch+yaml" | "application/apply-patch+json" => PatchKind::Apply,
-                _ => {
-                    let accepted = if t.custom {
-                        "application/json-patch+json, application/merge-patch+json, application/apply-patch+yaml"
-                    } else {
-                        "application/json-patch+json, application/merge-patch+json, application/strategic-merge-patch+json, application/apply-patch+yaml"
-                    };
-                    return Err(ApiError::new(
-                        415,
-                        "UnsupportedMediaType",
-                        format!(
-                            "the body of the request was in an unknown format - accepted media types include: {accepted}"
-                        ),
-                    ));
-                }
-            };
-            let body = read_json(request, &content_type).await?;
-            if kind != PatchKind::Json {
-                let applied = (kind == PatchKind::Apply).then_some(name);
-                strict_fields(&query, t, &body, applied)?;
-            }
-            // Strategic merge patches carry `$` directives no schema declares.
-            let body = if kind == PatchKind::Apply {
-                openapi::without_undeclared(t, body)
-            } else {
-                body
-            };
-            signer_admission(shared, &user, t, name, target.part, &body)?;
-            // kube-apiserver's patch handler authorizes the request as
-            // `patch`, and an apply that creates the object once more as
-            // `create` (handlers/patch.go: `withAuthorization(createValidation,
-            // …, createAuthorizerAttributes)`): a role with only `patch` can
-            // change objects but not make them.
-            if kind == PatchKind::Apply
-                && target.part == Part::Main
-                && store.get(t, ns, name).is_err()
-            {
-                shared.authorize(
-                    &user,
-                    &rbac::resource_attributes(t, "create", None, ns, Some(name)),
-                )?;
-            }
-            let patched = store.patch(t, ns, name, kind, body, target.part, &user, &options)?;
-            let status = if patched.created {
-                StatusCode::CREATED
-            } else {
-                StatusCode::OK
-            };
-            Ok(json_response(status, &patched.object))
+            patch(shared, user, &target, name, &query, &options, request).await
         }
         (Method::DELETE, Some(name)) => {
             let delete_options = delete_options(request, &query).await?;
             let deleted = store.delete(t, ns, name, &delete_options)?;
             Ok(json_response(StatusCode::OK, &deleted_body(t, deleted)))
         }
-        (Method::DELETE, None) => {
-            let delete_options = delete_options(request, &query).await?;
-            let (labels, fields) = selectors(&query, t)?;
-            let page = store.list(t, ns, &labels, &fields, 0, None);
-            let mut deleted = Vec::new();
-            for item in page.items {
-                let name = item
-                    .pointer("/metadata/name")
-                    .and_then(Value::as_str)
-                    .unwrap_or_default();
-                let item_ns = item.pointer("/metadata/namespace").and_then(Value::as_str);
-                match store.delete(t, item_ns, name, &delete_options) {
-                    Ok(Deleted::Gone(object) | Deleted::Pending(object)) => deleted.push(object),
-                    Err(_) => {}
-                }
-            }
-            Ok(json_response(
-                StatusCode::OK,
-                &json!({"kind": t.list_kind(), "apiVersion": t.api_version(),
-                        "metadata": {"resourceVersion": store.resource_version().to_string()}, "items": deleted}),
-            ))
-        }
+        (Method::DELETE, None) => delete_collection(store, t, ns, &query, request).await,
         (method, _) => Err(ApiError::new(
             405,
             "MethodNotAllowed",
             format!("{method} is not supported here"),
         )),
     }
+}
+
+/// PATCH in each of its four formats; an apply that creates the object is
+/// authorized as `create` too.
+async fn patch(
+    shared: &Shared,
+    user: &User,
+    target: &Target,
+    name: &str,
+    query: &Query,
+    options: &WriteOptions,
+    request: Request<Incoming>,
+) -> Result<Response<Body>, ApiError> {
+    let store = &shared.store;
+    let t = &target.resource;
+    let ns = target.namespace.as_deref();
+    let content_type = media_type(&request);
+    let kind = match content_type.as_str() {
+        "application/merge-patch+json" => PatchKind::Merge,
+        // Custom objects have no strategy to merge with.
+        "application/strategic-merge-patch+json" if !t.custom => PatchKind::StrategicMerge,
+        "application/json-patch+json" => PatchKind::Json,
+        "application/apply-patch+yaml" | "application/apply-patch+json" => PatchKind::Apply,
+        _ => {
+            let accepted = if t.custom {
+                "application/json-patch+json, application/merge-patch+json, application/apply-patch+yaml"
+            } else {
+                "application/json-patch+json, application/merge-patch+json, application/strategic-merge-patch+json, application/apply-patch+yaml"
+            };
+            return Err(ApiError::new(
+                415,
+                "UnsupportedMediaType",
+                format!(
+                    "the body of the request was in an unknown format - accepted media types include: {accepted}"
+                ),
+            ));
+        }
+    };
+    let body = read_json(request, &content_type).await?;
+    if kind != PatchKind::Json {
+        let applied = (kind == PatchKind::Apply).then_some(name);
+        strict_fields(query, t, &body, applied)?;
+    }
+    // Strategic merge patches carry `$` directives no schema declares.
+    let body = if kind == PatchKind::Apply {
+        openapi::without_undeclared(t, body)
+    } else {
+        body
+    };
+    signer_admission(shared, user, t, name, target.part, &body)?;
+    // kube-apiserver's patch handler authorizes the request as
+    // `patch`, and an apply that creates the object once more as
+    // `create` (handlers/patch.go: `withAuthorization(createValidation,
+    // …, createAuthorizerAttributes)`): a role with only `patch` can
+    // change objects but not make them.
+    if kind == PatchKind::Apply && target.part == Part::Main && store.get(t, ns, name).is_err() {
+        shared.authorize(
+            user,
+            &rbac::resource_attributes(t, "create", None, ns, Some(name)),
+        )?;
+    }
+    let patched = store.patch(t, ns, name, kind, body, target.part, user, options)?;
+    let status = if patched.created {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    Ok(json_response(status, &patched.object))
+}
+
+/// DELETE of a collection: every object the selectors match, as a list of
+/// what was deleted.
+async fn delete_collection(
+    store: &Store,
+    t: &ResourceType,
+    ns: Option<&str>,
+    query: &Query,
+    request: Request<Incoming>,
+) -> Result<Response<Body>, ApiError> {
+    let delete_options = delete_options(request, query).await?;
+    let (labels, fields) = selectors(query, t)?;
+    let page = store.list(t, ns, &labels, &fields, 0, None);
+    let mut deleted = Vec::new();
+    for item in page.items {
+        let name = item
+            .pointer("/metadata/name")
+            .and_then(Value::as_str)
+            .unwrap_or_default();
+        let item_ns = item.pointer("/metadata/namespace").and_then(Value::as_str);
+        match store.delete(t, item_ns, name, &delete_options) {
+            Ok(Deleted::Gone(object) | Deleted::Pending(object)) => deleted.push(object),
+            Err(_) => {}
+        }
+    }
+    Ok(json_response(
+        StatusCode::OK,
+        &json!({"kind": t.list_kind(), "apiVersion": t.api_version(),
+                "metadata": {"resourceVersion": store.resource_version().to_string()}, "items": deleted}),
+    ))
 }
 
 fn openapi_document(

@@ -22,8 +22,9 @@ use std::sync::{Arc, Mutex};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
+use super::error::ApiError;
 use super::http::Shared;
-use super::store::{ApiError, DeleteOptions, User, WriteOptions};
+use super::store::{DeleteOptions, User, WriteOptions};
 
 /// Where one pod's container ports are, as its kubelet knows.
 #[derive(Debug, Clone)]

@@ -39,10 +39,11 @@ use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
 use tokio_tungstenite::tungstenite::protocol::Role;
 
+use super::error::ApiError;
 use super::http::{Body, Shared};
 use super::pods::Endpoint;
 use super::rbac;
-use super::store::{ApiError, User};
+use super::store::User;
 
 /// The binary channel protocols served, preferred first.
 const PROTOCOLS: &[&str] = &["v4.channel.k8s.io", "channel.k8s.io"];

@@ -7,8 +7,9 @@
 
 use serde_json::{Value, json};
 
+use super::error::ApiError;
 use super::resources::ResourceType;
-use super::store::{ApiError, Store, User};
+use super::store::{Store, User};
 
 pub const RBAC_GROUP: &str = "rbac.authorization.k8s.io";
 const MASTERS: &str = "system:masters";

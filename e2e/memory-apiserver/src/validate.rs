@@ -6,8 +6,8 @@
 
 use serde_json::{Value, json};
 
+use super::error::ApiError;
 use super::resources::ResourceType;
-use super::store::ApiError;
 
 /// One field error: (field, cause reason, message).
 type FieldError = (String, &'static str, String);

@@ -15,8 +15,8 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use e2e::kubeapi::{KubeApi, KubeApiOptions};
 use kube::Client;
+use memory_apiserver::{KubeApi, KubeApiOptions};
 use serde::Deserialize;
 use serde_json::Value;
 

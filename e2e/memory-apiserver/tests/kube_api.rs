@@ -1,4 +1,4 @@
-//! The in-memory Kubernetes API (`e2e::kubeapi`) against kube-rs itself:
+//! The in-memory Kubernetes API (`memory_apiserver`) against kube-rs itself:
 //! `Api`, `watcher`, reflectors, `Controller` and `finalizer()`, all over
 //! HTTPS with the kubeconfig the server writes.
 
@@ -6,7 +6,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use e2e::kubeapi::{KubeApi, KubeApiOptions};
 use futures_util::{StreamExt, TryStreamExt};
 use k8s_openapi::api::certificates::v1::CertificateSigningRequest;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
@@ -17,6 +16,7 @@ use kube::runtime::controller::{Action, Controller};
 use kube::runtime::finalizer::{Event as Finalizer, finalizer};
 use kube::runtime::{WatchStreamExt, reflector, watcher};
 use kube::{Api, Client, CustomResource, ResourceExt};
+use memory_apiserver::{KubeApi, KubeApiOptions};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -2464,12 +2464,12 @@ mod portforward {
     use std::collections::BTreeMap;
     use std::net::SocketAddr;
 
-    use e2e::kubeapi::pods::RunningPod;
-    use e2e::kubeapi::{KubeApi, KubeApiOptions};
     use k8s_openapi::api::core::v1::Pod;
     use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
     use kube::Api;
     use kube::api::PostParams;
+    use memory_apiserver::pods::RunningPod;
+    use memory_apiserver::{KubeApi, KubeApiOptions};
     use serde_json::json;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::TcpListener;

@@ -10,10 +10,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Output, Stdio};
 use std::time::Duration;
 
-use e2e::kubeapi::{KubeApi, KubeApiOptions};
 use kube::Api;
 use kube::api::{Patch, PatchParams};
 use kube::core::{ApiResource, DynamicObject, GroupVersionKind};
+use memory_apiserver::{KubeApi, KubeApiOptions};
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
@@ -443,7 +443,10 @@ async fn explain_reads_built_in_and_custom_schemas() {
 
     // CRDs applied with validation on are checked against the CRD schema
     // itself, and then explained from their own.
-    let crds = concat!(env!("CARGO_MANIFEST_DIR"), "/crds/ocm.yaml");
+    let crds = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../simulated-cluster/crds/ocm.yaml"
+    );
     setup.ok(&["apply", "-f", crds]).await;
     let explained = setup.ok(&["explain", "managedclusters.spec"]).await;
     assert!(

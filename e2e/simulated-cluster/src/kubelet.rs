@@ -39,10 +39,10 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use sha2::{Digest, Sha256};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::kubeapi::pods::{KubeletPods, RunningPod};
+use memory_apiserver::pods::{KubeletPods, RunningPod};
 
-use super::binaries::Binaries;
-use super::process::{Logs, ProcessError, ProcessSpec, ProcessState, Supervised};
+use crate::binaries::Binaries;
+use crate::process::{Logs, ProcessError, ProcessSpec, ProcessState, Supervised};
 
 #[derive(Debug, thiserror::Error)]
 pub enum KubeletError {
@@ -526,7 +526,7 @@ impl DeploymentRunner {
     /// port registrations once its processes are gone.
     async fn stop_pod(&self, mut pod: Pod) {
         let kubelet = self.kubelet.as_ref().filter(|_| pod.reported.is_some());
-        let log = |err: crate::kubeapi::store::ApiError| {
+        let log = |err: memory_apiserver::error::ApiError| {
             tracing::debug!("Pod {}/{}: {}", self.namespace, pod.name, err.message);
         };
         if let Some(Err(err)) = kubelet.map(|k| k.delete(&self.namespace, &pod.name)) {

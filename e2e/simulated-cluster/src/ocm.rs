@@ -48,15 +48,15 @@ use kube::{Api, Client, ResourceExt};
 use serde_json::{Value, json};
 use time::OffsetDateTime;
 
-use super::binaries::Binaries;
-use super::kubelet::{DeploymentRunner, PodPlacement, RunnerStatus, SecretVolumes};
-use super::process::{Logs, Supervised};
-use crate::kubeapi::selector::LabelSelector;
+use crate::binaries::Binaries;
+use crate::kubelet::{DeploymentRunner, PodPlacement, RunnerStatus, SecretVolumes};
+use crate::process::{Logs, Supervised};
+use memory_apiserver::selector::LabelSelector;
 
 /// OCM's CustomResourceDefinitions as the in-memory API serves them
-/// (`e2e/crds/ocm.yaml`): every OCM kind the control plane, the tests and
+/// (`e2e/simulated-cluster/crds/ocm.yaml`): every OCM kind the control plane, the tests and
 /// the environment use.
-pub const CRDS: &str = include_str!("../../crds/ocm.yaml");
+pub const CRDS: &str = include_str!("../crds/ocm.yaml");
 
 /// A ManagedProxyConfiguration `cluster-proxy` for tests and examples of the
 /// addon controllers: proxy-servers in `hub_namespace` reached at
@@ -101,6 +101,10 @@ pub fn ca_bundle_secret(namespace: &str, ca_pem: &str) -> Secret {
         ..Default::default()
     }
 }
+
+/// An agent's health and admin ports (on its cluster's service address);
+/// pod `index` adds `10 * index` ([`agent_ports`]).
+pub const AGENT_PORTS: (u16, u16) = (8093, 8094);
 
 /// The addon this environment installs.
 pub const ADDON_NAME: &str = "cluster-proxy";
@@ -404,7 +408,7 @@ struct AgentPlacement {
 /// The proxy-agent's health and admin ports of pod `index`.
 pub fn agent_ports(index: usize) -> (u16, u16) {
     let step = 10 * index as u16;
-    (super::AGENT_PORTS.0 + step, super::AGENT_PORTS.1 + step)
+    (AGENT_PORTS.0 + step, AGENT_PORTS.1 + step)
 }
 
 impl PodPlacement for AgentPlacement {
@@ -546,7 +550,7 @@ impl Klusterlet {
         ctx: &OcmContext,
         addon: &ManagedClusterAddOn,
     ) -> Result<(), OcmError> {
-        let client = crate::kubeapi::KubeApi::client_from(
+        let client = memory_apiserver::KubeApi::client_from(
             &(ctx.kubeconfig_for)(
                 &self.registration_user(),
                 &[

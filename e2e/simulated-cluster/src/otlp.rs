@@ -22,7 +22,7 @@ use serde::{Deserialize, Serialize};
 use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
 
-use crate::harness::wait_until;
+use crate::wait::wait_until;
 
 /// How long [`Collector::wait_for`] waits for a span.
 pub const WAIT: Duration = Duration::from_secs(30);

@@ -13,6 +13,21 @@ use nix::unistd::Pid;
 use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
 use tokio::process::{Child, Command};
 
+/// The OpenTelemetry variables (`OTEL_*`) of this process's environment,
+/// for a harness to remove from a child's: the services read many of them
+/// (`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` overrides the endpoint a harness
+/// sets, `OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf` stops a service), and
+/// what a child exports is the harness's decision, not the shell's.
+pub fn inherited_otel_variables() -> Vec<std::ffi::OsString> {
+    otel_variables(std::env::vars_os().map(|(name, _)| name))
+}
+
+fn otel_variables(names: impl Iterator<Item = std::ffi::OsString>) -> Vec<std::ffi::OsString> {
+    names
+        .filter(|name| name.as_encoded_bytes().starts_with(b"OTEL_"))
+        .collect()
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum ProcessError {
     #[error("starting {name} ({program}): {source}")]
@@ -223,7 +238,7 @@ impl Supervised {
         command.args(&self.spec.args).env("NO_COLOR", "1");
         // Where traces go is `up`'s choice (its receiver, `--otlp-endpoint`
         // or none): a shell's `OTEL_*` settings would override or break it.
-        for variable in crate::processes::inherited_otel_variables() {
+        for variable in inherited_otel_variables() {
             command.env_remove(variable);
         }
         if let Some(endpoint) = &self.logs.trace_endpoint {
@@ -316,5 +331,37 @@ impl Supervised {
     pub async fn restart(&mut self) -> Result<(), ProcessError> {
         self.kill().await;
         self.spawn()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every OpenTelemetry variable is taken out of a child's environment
+    /// (the traces-only and protocol ones override or break what the
+    /// harness sets); nothing else is.
+    #[test]
+    fn every_otel_variable_and_only_those_is_scrubbed() {
+        let names = [
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+            "OTEL_EXPORTER_OTLP_PROTOCOL",
+            "OTEL_SDK_DISABLED",
+            "PATH",
+            "MY_OTEL_SETTING",
+            "otel_lowercase",
+        ]
+        .map(std::ffi::OsString::from);
+        assert_eq!(
+            otel_variables(names.into_iter()),
+            [
+                "OTEL_EXPORTER_OTLP_ENDPOINT",
+                "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+                "OTEL_EXPORTER_OTLP_PROTOCOL",
+                "OTEL_SDK_DISABLED",
+            ]
+            .map(std::ffi::OsString::from)
+        );
     }
 }

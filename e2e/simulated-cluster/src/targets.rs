@@ -111,3 +111,15 @@ pub async fn closed_port() -> std::io::Result<SocketAddr> {
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     listener.local_addr()
 }
+
+/// A loopback TCP port that nothing listens on right now, for a process a
+/// test starts later. It is taken below the kernel's ephemeral range
+/// (32768 and up): a port from `bind(:0)` comes from that range, where any
+/// outgoing connection of a test running beside this one may hold it by the
+/// time the process binds it (CI saw `AddrInUse`).
+pub fn free_port() -> u16 {
+    (0..1000)
+        .map(|_| 20_000 + rand::random::<u16>() % 12_000)
+        .find(|candidate| std::net::TcpListener::bind(("127.0.0.1", *candidate)).is_ok())
+        .unwrap_or_else(|| panic!("no free loopback port between 20000 and 32000"))
+}

@@ -1,4 +1,4 @@
-//! The OCM CustomResourceDefinitions the environment loads (`e2e/crds/ocm.yaml`)
+//! The OCM CustomResourceDefinitions the environment loads (`e2e/simulated-cluster/crds/ocm.yaml`)
 //! into the in-memory API: every kind the control plane uses is served with
 //! the real group, version, scope and status subresource, parses into the
 //! shared API types, and keeps each field manager's conditions when two
@@ -11,9 +11,9 @@ use cluster_proxy_proto::api::addon::v1alpha1::{
 use cluster_proxy_proto::api::cluster::v1::ManagedCluster;
 use cluster_proxy_proto::api::cluster::v1beta1::{Placement, PlacementDecision};
 use cluster_proxy_proto::api::work::v1::ManifestWork;
-use e2e::kubeapi::{KubeApi, KubeApiOptions};
 use kube::Api;
 use kube::api::{ListParams, Patch, PatchParams};
+use memory_apiserver::{KubeApi, KubeApiOptions};
 use serde_json::json;
 
 async fn api() -> (tempfile::TempDir, KubeApi, kube::Client) {
@@ -21,7 +21,11 @@ async fn api() -> (tempfile::TempDir, KubeApi, kube::Client) {
     let api = KubeApi::start(KubeApiOptions::new(dir.path()))
         .await
         .unwrap();
-    assert_eq!(api.register_crds_from_yaml(e2e::env::ocm::CRDS).unwrap(), 9);
+    assert_eq!(
+        api.register_crds_from_yaml(simulated_cluster::ocm::CRDS)
+            .unwrap(),
+        9
+    );
     let client = api.client().await.unwrap();
     (dir, api, client)
 }
@@ -150,8 +154,8 @@ async fn two_managers_conditions_on_one_addon_both_survive() {
 #[tokio::test]
 async fn the_placement_controller_splits_decisions_as_ocm_does() {
     use cluster_proxy_proto::api::cluster::v1beta1::LABEL_PLACEMENT;
-    use e2e::env::ocm::{MAX_CLUSTERS_PER_DECISION, sync_placements};
     use kube::api::{DeleteParams, PostParams};
+    use simulated_cluster::ocm::{MAX_CLUSTERS_PER_DECISION, sync_placements};
 
     let (_dir, _api, client) = api().await;
     let clusters = Api::<ManagedCluster>::all(client.clone());

@@ -127,7 +127,7 @@ impl HubClient {
                 Ok(Box::new(stream))
             }
             Frontend::HttpConnect => {
-                let stream = crate::harness::http_connect_to(
+                let stream = tunnel_harness::in_process::http_connect_to(
                     self.connect_tls.clone(),
                     server,
                     &server.ip().to_string(),

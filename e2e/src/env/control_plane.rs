@@ -3,7 +3,7 @@
 //! environment plays only what a real hub and real clusters would run
 //! besides them — the kubelet of the hub's proxy-server Deployment, OCM's
 //! placement controller, and each managed cluster's registration and work
-//! agents ([`ocm`](super::ocm)).
+//! agents ([`ocm`](simulated_cluster::ocm)).
 //!
 //! A managed cluster is a `ManagedCluster` object: creating one (`e2e join`)
 //! gives it a machine (a network namespace or a loopback address) with its
@@ -28,11 +28,11 @@ use serde_json::json;
 use tokio::sync::{Mutex, watch};
 use tokio::task::JoinHandle;
 
-use super::kubelet::{DeploymentRunner, PodPlacement, RunnerStatus, SecretVolumes};
-use super::ocm::{self, Klusterlet, Klusterlets, Machine, OcmContext};
-use super::process::{ProcessSpec, Supervised};
 use super::registry::ProcessRecord;
 use super::{ReplicaPorts, write_apiserver_pki};
+use simulated_cluster::kubelet::{DeploymentRunner, PodPlacement, RunnerStatus, SecretVolumes};
+use simulated_cluster::ocm::{self, Klusterlet, Klusterlets, Machine, OcmContext};
+use simulated_cluster::process::{ProcessSpec, Supervised};
 
 /// How often the emulated controllers look at the API. The real ones
 /// watch; a second here keeps every reaction within a couple of seconds.
@@ -68,7 +68,7 @@ struct ServerPlacement {
     netns: Option<String>,
     credential_reload_interval: String,
     /// The API's kubelet side: the pods' Pod objects and port addresses.
-    kubelet: Option<crate::kubeapi::pods::KubeletPods>,
+    kubelet: Option<memory_apiserver::pods::KubeletPods>,
 }
 
 impl PodPlacement for ServerPlacement {
@@ -172,7 +172,7 @@ pub struct ControlPlaneSetup {
     pub client_pki: PathBuf,
     /// The in-memory API's kubelet side: the hub pods become Pod objects
     /// that `pods/portforward` reaches.
-    pub kubelet: Option<crate::kubeapi::pods::KubeletPods>,
+    pub kubelet: Option<memory_apiserver::pods::KubeletPods>,
 }
 
 /// The processes the emulation runs, by owner (`hub` or a cluster), so a
@@ -339,7 +339,7 @@ async fn run_hub_pods(
     let secrets: Api<Secret> = Api::namespaced(ctx.admin.clone(), namespace);
     let mut wanted = std::collections::BTreeSet::new();
     for deployment in &list.items {
-        wanted.extend(super::kubelet::required_secrets(deployment));
+        wanted.extend(simulated_cluster::kubelet::required_secrets(deployment));
         for volume in deployment
             .spec
             .iter()
@@ -705,7 +705,10 @@ impl super::Environment {
                     format!("--proxy-ca-cert={}", files[0].display()),
                     format!("--proxy-cert={}", files[1].display()),
                     format!("--proxy-key={}", files[2].display()),
-                    format!("--target-port={}", super::sample::APISERVER_PORT),
+                    format!(
+                        "--target-port={}",
+                        simulated_cluster::sample::APISERVER_PORT
+                    ),
                     format!("--interval={PROBE_INTERVAL}"),
                     "--timeout=2s".into(),
                     "--health-port=0".into(),
@@ -733,7 +736,7 @@ impl super::Environment {
             "../../../charts/cluster-proxy/crds/managedproxyconfigurations.yaml"
         ))
         .map_err(|e| api_err(e.to_string()))?;
-        api.register_crds_from_yaml(super::ocm::CRDS)
+        api.register_crds_from_yaml(simulated_cluster::ocm::CRDS)
             .map_err(|e| api_err(e.to_string()))?;
         let admin = api.client().await.map_err(|e| api_err(e.to_string()))?;
 
@@ -821,7 +824,7 @@ impl super::Environment {
             .map(|(i, _)| match &self.topology {
                 Some(t) => Machine {
                     netns: Some(t.cluster_netns(i)),
-                    service_ip: IpAddr::V4(super::netns::CLUSTER_SERVICE_ADDR),
+                    service_ip: IpAddr::V4(simulated_cluster::netns::CLUSTER_SERVICE_ADDR),
                 },
                 None => Machine {
                     netns: None,
@@ -851,7 +854,10 @@ impl super::Environment {
             hub_netns: self.summary.hub_netns.clone(),
             machines: MachinePool::new(machines),
             client_pki: client_pki.clone(),
-            kubelet: self.kube_api.as_ref().map(crate::kubeapi::KubeApi::kubelet),
+            kubelet: self
+                .kube_api
+                .as_ref()
+                .map(memory_apiserver::KubeApi::kubelet),
         }));
         for name in &options.clusters {
             join(&admin, name)
@@ -1031,12 +1037,12 @@ pub async fn reachable(
     addr: SocketAddr,
     name: &str,
 ) -> Result<(), String> {
-    let target = format!("{name}:{}", super::sample::HTTP_PORT);
+    let target = format!("{name}:{}", simulated_cluster::sample::HTTP_PORT);
     match client
         .http_get(super::client::Frontend::Grpc, addr, &target, "/")
         .await
     {
-        Ok(body) if body == super::sample::greeting(name) => Ok(()),
+        Ok(body) if body == simulated_cluster::sample::greeting(name) => Ok(()),
         Ok(body) => Err(format!("{target} answered {body:?}")),
         Err(err) => Err(err.to_string()),
     }
@@ -1078,7 +1084,7 @@ impl super::Environment {
 
 /// The hub services as ServiceAccounts under RBAC ([`super::EnvOptions::hub_rbac`]):
 /// the API then authorizes every request and records every decision
-/// ([`crate::kubeapi::KubeApi::requests`]), so a test can hold a chart's
+/// ([`memory_apiserver::KubeApi::requests`]), so a test can hold a chart's
 /// RBAC against what addon-manager, cert-authority and health-prober ask for.
 #[derive(Debug, Clone, Default)]
 pub struct HubRbac {
@@ -1225,7 +1231,7 @@ impl HubRbac {
     /// [`HubRbac::apply`] created, with a token bound to it: deleting the
     /// account (say, by garbage collection) revokes it, as on a real hub.
     pub(super) fn kubeconfig(
-        api: &crate::kubeapi::KubeApi,
+        api: &memory_apiserver::KubeApi,
         user: &str,
     ) -> Result<PathBuf, super::EnvError> {
         let (namespace, name) = user

@@ -12,16 +12,11 @@
 //! `cargo run -p e2e -- up` drives this from the command line; the scenario
 //! tests (`tests/scenarios.rs`) start the same environment in-process.
 
-pub mod balancer;
-pub mod binaries;
 pub mod client;
 pub mod control_plane;
-pub mod kubelet;
-pub mod netns;
-pub mod ocm;
-pub mod process;
+
 pub mod registry;
-pub mod sample;
+
 pub mod traces;
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -31,12 +26,14 @@ use std::time::{Duration, Instant};
 use cert_authority::pki::{Authority, LeafRequest};
 use serde::{Deserialize, Serialize};
 
-use self::binaries::{Binaries, BuildError, Progress};
 use self::client::{Frontend, HubClient};
-use self::netns::{NetnsError, Topology};
-use self::process::{Logs, ProcessError, ProcessSpec, Supervised};
 use self::registry::{ProcessRecord, Record};
-use crate::kubeapi::{KubeApi, KubeApiOptions};
+use memory_apiserver::{KubeApi, KubeApiOptions};
+use simulated_cluster::binaries::{Binaries, BuildError, Progress};
+use simulated_cluster::netns::{NetnsError, Topology};
+use simulated_cluster::ocm::AGENT_PORTS;
+use simulated_cluster::process::{Logs, ProcessError, ProcessSpec, Supervised};
+use simulated_cluster::{balancer, netns, sample};
 
 /// The namespace of the hub's cluster-proxy objects in the Kubernetes API.
 pub const ADDON_NAMESPACE: &str = "open-cluster-management-addon";
@@ -47,9 +44,6 @@ pub const KUBE_API_PORT: u16 = 6443;
 /// Agent port of the load balancer in front of the replicas (the
 /// Kubernetes Service an agent dials).
 pub const AGENT_SERVICE_PORT: u16 = 8091;
-
-/// An agent's health and admin ports (on its cluster's service address).
-pub const AGENT_PORTS: (u16, u16) = (8093, 8094);
 
 /// The ports of replica `index` on the hub address.
 #[derive(Debug, Clone, Copy, Serialize, Deserialize)]
@@ -384,20 +378,212 @@ fn write_apiserver_pki(dir: &Path, cluster: &str, service_ip: IpAddr) -> Result<
     Ok(dir.join("ca.crt"))
 }
 
+/// Where the hub's services listen and which network they run in.
+struct HubAddresses {
+    /// The replicas' and the hub services' address.
+    hub_addr: IpAddr,
+    /// The balancer in front of the replicas' agent ports.
+    agent_service_addr: SocketAddr,
+    netns: Option<String>,
+}
+
+/// The state directory asked for, or a temporary one removed on drop.
+fn state_directory(
+    wanted: Option<&Path>,
+) -> Result<(Option<tempfile::TempDir>, PathBuf), EnvError> {
+    match wanted {
+        Some(dir) => {
+            std::fs::create_dir_all(dir).map_err(io(dir.display().to_string()))?;
+            let dir = std::fs::canonicalize(dir).map_err(io(dir.display().to_string()))?;
+            Ok((None, dir))
+        }
+        None => {
+            let dir = tempfile::Builder::new()
+                .prefix("cluster-proxy-e2e-")
+                .tempdir()
+                .map_err(io("temporary state directory"))?;
+            let path = dir.path().to_path_buf();
+            Ok((Some(dir), path))
+        }
+    }
+}
+
+/// One network per cluster; with the control plane, clusters come and go,
+/// so the networks are machines that a joining cluster takes.
+fn machine_names(options: &EnvOptions) -> Vec<String> {
+    if options.control_plane {
+        (0..options.clusters.len() + options.spare_machines)
+            .map(|i| format!("m{i}"))
+            .collect()
+    } else {
+        options.clusters.clone()
+    }
+}
+
+/// The network namespaces (recorded before they exist, so `e2e down` finds
+/// them after a crash), or none on loopback.
+fn create_topology(
+    isolation: &Isolation,
+    id: &str,
+    slot: u8,
+    machine_names: &[String],
+    record: &mut Record,
+) -> Result<Option<Topology>, EnvError> {
+    match isolation {
+        Isolation::Netns => {
+            let topology = Topology::new(id, slot, machine_names);
+            record.netns.push(topology.hub_netns());
+            record
+                .netns
+                .extend((0..machine_names.len()).map(|i| topology.cluster_netns(i)));
+            record.save().map_err(io("environment record"))?;
+            topology.create()?;
+            Ok(Some(topology))
+        }
+        Isolation::Loopback(_) => {
+            record.save().map_err(io("environment record"))?;
+            Ok(None)
+        }
+    }
+}
+
+/// The hub's address and the agent Service's.
+fn hub_addresses(topology: Option<&Topology>, slot: u8) -> (IpAddr, SocketAddr) {
+    match topology {
+        Some(t) => (
+            IpAddr::V4(t.hub_client_addr()),
+            SocketAddr::new(IpAddr::V4(t.hub_agent_addr()), AGENT_SERVICE_PORT),
+        ),
+        None => (
+            IpAddr::V4(Ipv4Addr::new(127, 18, slot, 2)),
+            SocketAddr::new(
+                IpAddr::V4(Ipv4Addr::new(127, 18, slot, 1)),
+                AGENT_SERVICE_PORT,
+            ),
+        ),
+    }
+}
+
+/// The in-memory Kubernetes API, when asked for, at `ip`.
+async fn start_kube_api(
+    options: &EnvOptions,
+    topology: Option<&Topology>,
+    ip: IpAddr,
+    state_dir: &Path,
+) -> Result<Option<KubeApi>, EnvError> {
+    if !options.kube_api {
+        return Ok(None);
+    }
+    let mut api_options = KubeApiOptions::new(state_dir);
+    if let Some(t) = topology {
+        // Clusters reach the API through a forwarder on the hub's
+        // agent address.
+        api_options.extra_sans.push(t.hub_agent_addr().to_string());
+    }
+    api_options.bind = SocketAddr::new(ip, KUBE_API_PORT);
+    api_options.rbac = options.hub_rbac.is_some();
+    api_options.record_requests = options.record_requests;
+    let api = KubeApi::start(api_options)
+        .await
+        .map_err(|e| EnvError::KubeApi(e.to_string()))?;
+    Ok(Some(api))
+}
+
+/// The PKI: one command, as a user would run it (kept across restarts of
+/// a named state directory).
+fn init_pki(
+    binaries: &Binaries,
+    pki_dir: &Path,
+    options: &EnvOptions,
+    hub: &HubAddresses,
+) -> Result<(), EnvError> {
+    if pki_dir.join("ca-bundle.crt").exists() {
+        return Ok(());
+    }
+    let out = std::process::Command::new(&binaries.cert_authority)
+        .args(["init", "--dir"])
+        .arg(pki_dir)
+        .args(["--clusters", &options.clusters.join(",")])
+        .args(hub.additional_sans())
+        .args(["--leaf-validity", &options.leaf_validity])
+        .output()
+        .map_err(io("running cert-authority init"))?;
+    if !out.status.success() {
+        return Err(EnvError::Pki(
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        ));
+    }
+    Ok(())
+}
+
+impl HubAddresses {
+    /// The hub's addresses as extra SANs of the server certificates.
+    fn additional_sans(&self) -> [String; 4] {
+        [
+            "--additional-san".into(),
+            self.hub_addr.to_string(),
+            "--additional-san".into(),
+            self.agent_service_addr.ip().to_string(),
+        ]
+    }
+}
+
+/// `cert-authority run --backend files` over the PKI directory: the
+/// rotation every environment has.
+fn start_files_cert_authority(
+    binaries: &Binaries,
+    pki_dir: &Path,
+    options: &EnvOptions,
+    hub: &HubAddresses,
+    logs: &Logs,
+) -> Result<Supervised, EnvError> {
+    let spec = ProcessSpec::new("cert-authority", &binaries.cert_authority)
+        .args(["run", "--backend", "files", "--dir"])
+        .arg(pki_dir.display().to_string())
+        .args(["--clusters", &options.clusters.join(",")])
+        .args(hub.additional_sans())
+        .args(["--interval", &options.ca_interval])
+        .args(["--leaf-validity", &options.leaf_validity])
+        .in_netns(hub.netns.clone());
+    Ok(Supervised::start(spec, logs)?)
+}
+
+/// The Service in front of the replicas' agent ports: every replica the
+/// environment may run is a backend (the control plane scales them).
+fn start_agent_balancer(
+    binaries: &Binaries,
+    options: &EnvOptions,
+    hub: &HubAddresses,
+    logs: &Logs,
+) -> Result<Supervised, EnvError> {
+    let replicas = if options.control_plane {
+        control_plane::MAX_REPLICAS
+    } else {
+        options.replicas
+    };
+    let backends = (0..replicas).flat_map(|r| {
+        [
+            "--backend".to_string(),
+            SocketAddr::new(hub.hub_addr, ReplicaPorts::of(r).agent).to_string(),
+        ]
+    });
+    let spec = ProcessSpec::new("agent-lb", &binaries.e2e)
+        .args([
+            "balance".to_string(),
+            "--listen".into(),
+            hub.agent_service_addr.to_string(),
+        ])
+        .args(backends)
+        .args(["--selection", options.agent_balancer.name()])
+        .in_netns(hub.netns.clone());
+    Ok(Supervised::start(spec, logs)?)
+}
+
 impl Environment {
     /// Builds the binaries and starts everything; returns once every process
     /// is started (not yet ready: see [`Environment::wait_ready`]).
     pub async fn start(mut options: EnvOptions) -> Result<Self, EnvError> {
-        // As on a real hub, the control plane runs as the chart's
-        // ServiceAccounts, every request authorized by the chart's RBAC.
-        if options.control_plane && options.hub_rbac.is_none() {
-            options.hub_rbac =
-                Some(control_plane::HubRbac::chart_defaults().map_err(EnvError::KubeApi)?);
-        }
-        for name in &options.clusters {
-            cluster_proxy_proto::identity::ClusterName::new(name)
-                .map_err(|e| EnvError::ClusterName(name.clone(), e.to_string()))?;
-        }
+        Self::check_options(&mut options)?;
         registry::clean_orphans();
         let binaries = Binaries::build(options.progress)?;
         let isolation = choose_isolation(options.isolation)?;
@@ -409,26 +595,10 @@ impl Environment {
             });
         }
         let slot = choose_slot(&isolation, options.slot)?;
-
-        let (temporary_state, state_dir) = match &options.state_dir {
-            Some(dir) => {
-                std::fs::create_dir_all(dir).map_err(io(dir.display().to_string()))?;
-                let dir = std::fs::canonicalize(dir).map_err(io(dir.display().to_string()))?;
-                (None, dir)
-            }
-            None => {
-                let dir = tempfile::Builder::new()
-                    .prefix("cluster-proxy-e2e-")
-                    .tempdir()
-                    .map_err(io("temporary state directory"))?;
-                let path = dir.path().to_path_buf();
-                (Some(dir), path)
-            }
-        };
+        let (temporary_state, state_dir) = state_directory(options.state_dir.as_deref())?;
         let logs_dir = state_dir.join("logs");
         std::fs::create_dir_all(&logs_dir).map_err(io(logs_dir.display().to_string()))?;
         let logs = Logs::new(&logs_dir, options.echo_logs);
-
         let mut record = Record {
             id: id.clone(),
             owner: std::process::id(),
@@ -437,106 +607,28 @@ impl Environment {
             state_dir: state_dir.clone(),
             temporary_state: temporary_state.as_ref().map(|d| d.path().to_path_buf()),
         };
-
-        // With the control plane, clusters come and go: the namespaces are
-        // machines that a joining cluster takes.
-        let machine_names: Vec<String> = if options.control_plane {
-            (0..options.clusters.len() + options.spare_machines)
-                .map(|i| format!("m{i}"))
-                .collect()
-        } else {
-            options.clusters.clone()
-        };
-        if options.control_plane && !options.kube_api {
-            return Err(EnvError::KubeApi(
-                "the control plane needs the in-memory Kubernetes API".into(),
-            ));
-        }
-        let topology = match isolation {
-            Isolation::Netns => {
-                let topology = Topology::new(&id, slot, &machine_names);
-                record.netns.push(topology.hub_netns());
-                record
-                    .netns
-                    .extend((0..machine_names.len()).map(|i| topology.cluster_netns(i)));
-                record.save().map_err(io("environment record"))?;
-                topology.create()?;
-                Some(topology)
-            }
-            Isolation::Loopback(_) => {
-                record.save().map_err(io("environment record"))?;
-                None
-            }
-        };
-        let (hub_addr, agent_service_addr) = match &topology {
-            Some(t) => (
-                IpAddr::V4(t.hub_client_addr()),
-                SocketAddr::new(IpAddr::V4(t.hub_agent_addr()), AGENT_SERVICE_PORT),
-            ),
-            None => (
-                IpAddr::V4(Ipv4Addr::new(127, 18, slot, 2)),
-                SocketAddr::new(
-                    IpAddr::V4(Ipv4Addr::new(127, 18, slot, 1)),
-                    AGENT_SERVICE_PORT,
-                ),
-            ),
-        };
+        let machine_names = machine_names(&options);
+        let topology = create_topology(&isolation, &id, slot, &machine_names, &mut record)?;
+        let (hub_addr, agent_service_addr) = hub_addresses(topology.as_ref(), slot);
         let hub_netns = topology.as_ref().map(Topology::hub_netns);
-        let kube_api = if options.kube_api {
-            // On the machine's side of the hub link, so hub services reach it.
-            let ip = match &topology {
-                Some(t) => IpAddr::V4(t.host_addr()),
-                None => IpAddr::V4(Ipv4Addr::new(127, 18, slot, 3)),
-            };
-            let mut api_options = KubeApiOptions::new(&state_dir);
-            if let Some(t) = &topology {
-                // Clusters reach the API through a forwarder on the hub's
-                // agent address.
-                api_options.extra_sans.push(t.hub_agent_addr().to_string());
-            }
-            api_options.bind = SocketAddr::new(ip, KUBE_API_PORT);
-            api_options.rbac = options.hub_rbac.is_some();
-            api_options.record_requests = options.record_requests;
-            Some(
-                KubeApi::start(api_options)
-                    .await
-                    .map_err(|e| EnvError::KubeApi(e.to_string()))?,
-            )
-        } else {
-            None
-        };
-        // Next to the Kubernetes API, which every hub service reaches.
-        let receiver_ip = match &topology {
+        // The API and the trace receiver sit on the machine's side of the hub
+        // link, which every hub service reaches.
+        let host_ip = match &topology {
             Some(t) => IpAddr::V4(t.host_addr()),
             None => IpAddr::V4(Ipv4Addr::new(127, 18, slot, 3)),
         };
-        let (trace_endpoint, trace_receiver) =
-            traces::start(&options.traces, &state_dir, receiver_ip)
-                .await
-                .map_err(|e| io("trace receiver")(std::io::Error::other(e)))?;
+        let kube_api = start_kube_api(&options, topology.as_ref(), host_ip, &state_dir).await?;
+        let (trace_endpoint, trace_receiver) = traces::start(&options.traces, &state_dir, host_ip)
+            .await
+            .map_err(|e| io("trace receiver")(std::io::Error::other(e)))?;
         let logs = logs.with_trace_endpoint(trace_endpoint);
-
-        // The PKI: one command, as a user would run it.
+        let hub = HubAddresses {
+            hub_addr,
+            agent_service_addr,
+            netns: hub_netns.clone(),
+        };
         let pki_dir = state_dir.join("pki");
-        let cluster_list = options.clusters.join(",");
-        let hub_ip = hub_addr.to_string();
-        let agent_ip = agent_service_addr.ip().to_string();
-        if !pki_dir.join("ca-bundle.crt").exists() {
-            let out = std::process::Command::new(&binaries.cert_authority)
-                .args(["init", "--dir"])
-                .arg(&pki_dir)
-                .args(["--clusters", &cluster_list])
-                .args(["--additional-san", &hub_ip, "--additional-san", &agent_ip])
-                .args(["--leaf-validity", &options.leaf_validity])
-                .output()
-                .map_err(io("running cert-authority init"))?;
-            if !out.status.success() {
-                return Err(EnvError::Pki(
-                    String::from_utf8_lossy(&out.stderr).into_owned(),
-                ));
-            }
-        }
-        let pki = |rel: &str| pki_dir.join(rel).display().to_string();
+        init_pki(&binaries, &pki_dir, &options, &hub)?;
 
         let mut environment = Environment {
             summary: Summary {
@@ -553,41 +645,8 @@ impl Environment {
                 kube_api: kube_api.as_ref().map(KubeApi::addr),
                 kubeconfig: kube_api.as_ref().map(|k| k.kubeconfig_path().to_path_buf()),
             },
-            cert_authority: Supervised::start(
-                ProcessSpec::new("cert-authority", &binaries.cert_authority)
-                    .args(["run", "--backend", "files", "--dir", &pki("")])
-                    .args(["--clusters", &cluster_list])
-                    .args(["--additional-san", &hub_ip, "--additional-san", &agent_ip])
-                    .args(["--interval", &options.ca_interval])
-                    .args(["--leaf-validity", &options.leaf_validity])
-                    .in_netns(hub_netns.clone()),
-                &logs,
-            )?,
-            balancer: Supervised::start(
-                ProcessSpec::new("agent-lb", &binaries.e2e)
-                    .args([
-                        "balance".to_string(),
-                        "--listen".into(),
-                        agent_service_addr.to_string(),
-                    ])
-                    .args(
-                        (0..if options.control_plane {
-                            control_plane::MAX_REPLICAS
-                        } else {
-                            options.replicas
-                        })
-                            .flat_map(|r| {
-                                [
-                                    "--backend".to_string(),
-                                    SocketAddr::new(hub_addr, ReplicaPorts::of(r).agent)
-                                        .to_string(),
-                                ]
-                            }),
-                    )
-                    .args(["--selection", options.agent_balancer.name()])
-                    .in_netns(hub_netns.clone()),
-                &logs,
-            )?,
+            cert_authority: start_files_cert_authority(&binaries, &pki_dir, &options, &hub, &logs)?,
+            balancer: start_agent_balancer(&binaries, &options, &hub, &logs)?,
             control_plane_ca: None,
             addon_manager: None,
             health_prober: None,
@@ -623,17 +682,48 @@ impl Environment {
                 .start_control_plane(&options, &machine_names, slot)
                 .await?;
             environment.remember_processes();
-            let summary_path = Summary::file(&state_dir);
-            let text = serde_json::to_string_pretty(&environment.summary)
-                .map_err(|e| EnvError::Pki(e.to_string()))?;
-            std::fs::write(&summary_path, text).map_err(io(summary_path.display().to_string()))?;
-            return Ok(environment);
+        } else {
+            environment.start_static_replicas(&options, &hub)?;
+            environment.start_static_clusters(&options, slot)?;
         }
+        environment.write_summary()?;
+        Ok(environment)
+    }
 
+    /// Refuses what cannot start, and puts the control plane under the
+    /// chart's RBAC unless told otherwise: as on a real hub, it runs as the
+    /// chart's ServiceAccounts.
+    fn check_options(options: &mut EnvOptions) -> Result<(), EnvError> {
+        if options.control_plane && options.hub_rbac.is_none() {
+            options.hub_rbac =
+                Some(control_plane::HubRbac::chart_defaults().map_err(EnvError::KubeApi)?);
+        }
+        for name in &options.clusters {
+            cluster_proxy_proto::identity::ClusterName::new(name)
+                .map_err(|e| EnvError::ClusterName(name.clone(), e.to_string()))?;
+        }
+        if options.control_plane && !options.kube_api {
+            return Err(EnvError::KubeApi(
+                "the control plane needs the in-memory Kubernetes API".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Without the control plane: the proxy-server replicas, each a process
+    /// started from flags over the files PKI.
+    fn start_static_replicas(
+        &mut self,
+        options: &EnvOptions,
+        hub: &HubAddresses,
+    ) -> Result<(), EnvError> {
+        let hub_ip = hub.hub_addr.to_string();
+        let pki_dir = self.summary.pki_dir.clone();
+        let pki = |rel: &str| pki_dir.join(rel).display().to_string();
         for r in 0..options.replicas {
             let name = format!("proxy-server-{r}");
             let ports = ReplicaPorts::of(r);
-            let spec = ProcessSpec::new(&name, &binaries.proxy_server)
+            let spec = ProcessSpec::new(&name, &self.binaries.proxy_server)
                 .args([
                     format!("--server-id=server-{r}"),
                     format!("--server-count={}", options.replicas),
@@ -659,18 +749,24 @@ impl Environment {
                     // SIGTERM drains: connections in flight get this long.
                     "--graceful-shutdown-timeout=10s".into(),
                 ])
-                .in_netns(hub_netns.clone());
-            environment.replicas.push(Replica {
+                .in_netns(hub.netns.clone());
+            let process = Supervised::start(spec, &self.logs)?;
+            self.replicas.push(Replica {
                 name: name.clone(),
                 ports,
-                process: Supervised::start(spec, &logs)?,
+                process,
             });
-            environment.summary.servers.push((name, ports));
-            environment.remember_processes();
+            self.summary.servers.push((name, ports));
+            self.remember_processes();
         }
+        Ok(())
+    }
 
+    /// Without the control plane: each cluster's sample services and agent,
+    /// in the cluster's own network.
+    fn start_static_clusters(&mut self, options: &EnvOptions, slot: u8) -> Result<(), EnvError> {
         for (index, name) in options.clusters.iter().enumerate() {
-            let (cluster_netns, service_ip) = match &environment.topology {
+            let (cluster_netns, service_ip) = match &self.topology {
                 Some(t) => (
                     Some(t.cluster_netns(index)),
                     IpAddr::V4(netns::CLUSTER_SERVICE_ADDR),
@@ -680,10 +776,10 @@ impl Environment {
                     IpAddr::V4(Ipv4Addr::new(127, 18, slot, 10 + index as u8)),
                 ),
             };
-            let cluster_dir = state_dir.join("clusters").join(name);
+            let cluster_dir = self.summary.state_dir.join("clusters").join(name);
             let apiserver_ca = write_apiserver_pki(&cluster_dir, name, service_ip)?;
             let services = Supervised::start(
-                ProcessSpec::new(&format!("{name}/services"), &binaries.e2e)
+                ProcessSpec::new(&format!("{name}/services"), &self.binaries.e2e)
                     .args([
                         "sample".to_string(),
                         "--cluster".into(),
@@ -696,29 +792,29 @@ impl Environment {
                         cluster_dir.join("tls.key").display().to_string(),
                     ])
                     .in_netns(cluster_netns.clone()),
-                &logs,
+                &self.logs,
             )?;
             let agent = Supervised::start(
                 Self::agent_spec(
-                    &binaries,
-                    &pki_dir,
+                    &self.binaries,
+                    &self.summary.pki_dir,
                     name,
                     name,
                     service_ip,
-                    agent_service_addr,
+                    self.summary.agent_service_addr,
                     &options.credential_reload_interval,
                     AGENT_PORTS,
                 )
                 .in_netns(cluster_netns.clone()),
-                &logs,
+                &self.logs,
             )?;
-            environment.summary.clusters.push(ClusterSummary {
+            self.summary.clusters.push(ClusterSummary {
                 name: name.clone(),
                 netns: cluster_netns.clone(),
                 service_ip,
                 apiserver_ca: apiserver_ca.clone(),
             });
-            environment.clusters.push(Cluster {
+            self.clusters.push(Cluster {
                 name: name.clone(),
                 netns: cluster_netns,
                 service_ip,
@@ -726,14 +822,18 @@ impl Environment {
                 services,
                 apiserver_ca,
             });
-            environment.remember_processes();
+            self.remember_processes();
         }
+        Ok(())
+    }
 
-        let summary_path = Summary::file(&state_dir);
-        let text = serde_json::to_string_pretty(&environment.summary)
+    /// `summary.json` in the state directory, which `e2e status` and
+    /// `fetch` read.
+    fn write_summary(&self) -> Result<(), EnvError> {
+        let summary_path = Summary::file(&self.summary.state_dir);
+        let text = serde_json::to_string_pretty(&self.summary)
             .map_err(|e| EnvError::Pki(e.to_string()))?;
-        std::fs::write(&summary_path, text).map_err(io(summary_path.display().to_string()))?;
-        Ok(environment)
+        std::fs::write(&summary_path, text).map_err(io(summary_path.display().to_string()))
     }
 
     /// Creates the addon namespace in the API and starts

@@ -11,7 +11,7 @@ use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use serde::{Deserialize, Serialize};
 
-use super::netns;
+use simulated_cluster::netns;
 
 /// One process, identified beyond its pid by its executable path, so a
 /// recycled pid is never killed.

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 
 use tokio_util::sync::CancellationToken;
 
-use crate::otlp::{Collector, CollectorError};
+use simulated_cluster::otlp::{Collector, CollectorError};
 
 /// The span file of the environment's own receiver, in the state directory.
 pub const SPAN_FILE: &str = "traces.jsonl";

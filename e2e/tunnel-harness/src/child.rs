@@ -9,32 +9,17 @@ use std::time::{Duration, Instant};
 
 use cluster_proxy_proto::identity::ClusterName;
 
-use crate::env::binaries::Binaries;
-use crate::harness::{ServerPorts, health_get, proxy_agent_args, proxy_server_args};
+use crate::in_process::{ServerPorts, health_get, proxy_agent_args, proxy_server_args};
 use crate::loadgen::{ProcessUsage, process_usage};
 use crate::pki::TestPki;
+use simulated_cluster::binaries::Binaries;
 
 /// Variables a child never inherits from the caller: the services' log
 /// filter and backtraces (a test harness asks for them; an error the log
 /// quotes should end in its message). Every `OTEL_*` variable goes too
-/// ([`inherited_otel_variables`]), so a process exports only when its
+/// ([`simulated_cluster::process::inherited_otel_variables`]), so a process exports only when its
 /// [`ChildTunnelOptions`] say so.
 const SCRUBBED_ENV: &[&str] = &["RUST_LOG", "RUST_BACKTRACE", "RUST_LIB_BACKTRACE"];
-
-/// The OpenTelemetry variables (`OTEL_*`) of this process's environment,
-/// for a harness to remove from a child's: the services read many of them
-/// (`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` overrides the endpoint a harness
-/// sets, `OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf` stops a service), and
-/// what a child exports is the harness's decision, not the shell's.
-pub fn inherited_otel_variables() -> Vec<std::ffi::OsString> {
-    otel_variables(std::env::vars_os().map(|(name, _)| name))
-}
-
-fn otel_variables(names: impl Iterator<Item = std::ffi::OsString>) -> Vec<std::ffi::OsString> {
-    names
-        .filter(|name| name.as_encoded_bytes().starts_with(b"OTEL_"))
-        .collect()
-}
 
 /// What a [`ChildTunnel`] gives its processes beyond the shared loopback
 /// flags ([`proxy_server_args`], [`proxy_agent_args`]).
@@ -181,7 +166,7 @@ impl ChildTunnel {
             for variable in SCRUBBED_ENV {
                 command.env_remove(variable);
             }
-            for variable in inherited_otel_variables() {
+            for variable in simulated_cluster::process::inherited_otel_variables() {
                 command.env_remove(variable);
             }
             command
@@ -294,34 +279,7 @@ impl ChildTunnel {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::env::binaries::Progress;
-
-    /// Every OpenTelemetry variable is taken out of a child's environment
-    /// (the traces-only and protocol ones override or break what the
-    /// harness sets); nothing else is.
-    #[test]
-    fn every_otel_variable_and_only_those_is_scrubbed() {
-        let names = [
-            "OTEL_EXPORTER_OTLP_ENDPOINT",
-            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
-            "OTEL_EXPORTER_OTLP_PROTOCOL",
-            "OTEL_SDK_DISABLED",
-            "PATH",
-            "MY_OTEL_SETTING",
-            "otel_lowercase",
-        ]
-        .map(std::ffi::OsString::from);
-        assert_eq!(
-            otel_variables(names.into_iter()),
-            [
-                "OTEL_EXPORTER_OTLP_ENDPOINT",
-                "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
-                "OTEL_EXPORTER_OTLP_PROTOCOL",
-                "OTEL_SDK_DISABLED",
-            ]
-            .map(std::ffi::OsString::from)
-        );
-    }
+    use simulated_cluster::binaries::Progress;
 
     /// The race [`ChildTunnel::start`] retries: a port picked for the
     /// server is taken before the server binds it. The server exits, the

@@ -14,6 +14,8 @@ use cluster_proxy_proto::konnectivity::agent_service_client::AgentServiceClient;
 use cluster_proxy_proto::metadata;
 use cluster_proxy_proto::transport::{TransportError, connect_channel};
 use proxy_server::config::ServerConfig;
+use simulated_cluster::targets::free_port;
+use simulated_cluster::wait::wait_until;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -162,39 +164,6 @@ impl RawAgent {
             .and_then(|r| r.ok())
             .flatten()
     }
-}
-
-/// Polls `probe` every 50 ms until it gives a value, and returns that value;
-/// panics naming `what` when `timeout` passes first. For tests waiting on an
-/// observable state (an object written, a condition set) instead of a sleep.
-pub async fn eventually<T, F, Fut>(what: &str, timeout: Duration, mut probe: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let deadline = tokio::time::Instant::now() + timeout;
-    loop {
-        if let Some(value) = probe().await {
-            return value;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out after {timeout:?} waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-/// Polls `condition` every 20 ms until it holds or `timeout` passes.
-pub async fn wait_until(timeout: Duration, mut condition: impl FnMut() -> bool) -> bool {
-    let deadline = tokio::time::Instant::now() + timeout;
-    while tokio::time::Instant::now() < deadline {
-        if condition() {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    condition()
 }
 
 /// A plain-HTTP GET of `path` on a health port: the status code and body.
@@ -462,18 +431,6 @@ impl Drop for AgentUnderTest {
             runtime.shutdown_background();
         }
     }
-}
-
-/// A loopback TCP port that nothing listens on right now, for a process a
-/// test starts later. It is taken below the kernel's ephemeral range
-/// (32768 and up): a port from `bind(:0)` comes from that range, where any
-/// outgoing connection of a test running beside this one may hold it by the
-/// time the process binds it (CI saw `AddrInUse`).
-pub fn free_port() -> u16 {
-    (0..1000)
-        .map(|_| 20_000 + rand::random::<u16>() % 12_000)
-        .find(|candidate| std::net::TcpListener::bind(("127.0.0.1", *candidate)).is_ok())
-        .unwrap_or_else(|| panic!("no free loopback port between 20000 and 32000"))
 }
 
 /// Why [`LocalReplicas`] could not start a replica or an agent.

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-use crate::targets::TcpTarget;
+use simulated_cluster::targets::TcpTarget;
 
 const CHUNK: usize = 256 * 1024;
 

@@ -1,5 +1,5 @@
 //! Several proxy-server replicas in one process behind the environment's
-//! load balancer ([`crate::env::balancer`]), and agents that reach them only
+//! load balancer ([`simulated_cluster::balancer`]), and agents that reach them only
 //! through it: the HA tests (`tests/ha.rs`, `tests/ha_scaling.rs`) and the
 //! `ha_convergence` example.
 
@@ -14,9 +14,9 @@ use proxy_server::peers::{LookupFuture, PeerLookup, PeerLookupError};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
-use crate::env::balancer::{self, Backends, Selection};
-use crate::harness::test_server_config;
+use crate::in_process::test_server_config;
 use crate::pki::{TestPki, TestPkiError};
+use simulated_cluster::balancer::{self, Backends, Selection};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ReplicasError {
@@ -350,13 +350,13 @@ pub async fn echo_once(
         let tls = pki
             .client_tls_alpn(&[ALPN_HTTP11])
             .map_err(|e| fail("client TLS", &e))?;
-        let mut stream = crate::harness::http_connect(tls, via, target)
+        let mut stream = crate::in_process::http_connect(tls, via, target)
             .await
             .map_err(|e| fail("CONNECT", &e))?;
         echo_byte(&mut stream, byte).await
     } else {
         let tls = pki.client_tls().map_err(|e| fail("client TLS", &e))?;
-        let client = crate::harness::tunnel_client(tls, via)
+        let client = crate::in_process::tunnel_client(tls, via)
             .await
             .map_err(|e| fail("gRPC connect", &e))?;
         let mut stream = client
@@ -437,7 +437,7 @@ impl DialLoop {
     pub async fn wait_for(&self, more: usize, timeout: Duration) {
         let target = self.done() + more;
         assert!(
-            crate::harness::wait_until(timeout, || self.done() >= target).await,
+            simulated_cluster::wait::wait_until(timeout, || self.done() >= target).await,
             "dial loop stalled at {} dials",
             self.done()
         );

@@ -10,14 +10,14 @@ use std::time::Duration;
 use cert_authority::pki::{Authority, LeafRequest};
 use cluster_proxy_proto::api::addon::v1alpha1::ManagedClusterAddOn;
 use cluster_proxy_proto::api::find_condition;
-use e2e::harness::{AgentUnderTest, LocalReplicas};
-use e2e::kubeapi::{KubeApi, KubeApiOptions};
-use e2e::targets::TcpTarget;
 use health_prober::verdict::CONDITION_TYPE;
 use k8s_openapi::api::core::v1::Namespace;
 use kube::Api;
 use kube::api::PostParams;
+use memory_apiserver::{KubeApi, KubeApiOptions};
+use simulated_cluster::targets::TcpTarget;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tunnel_harness::in_process::{AgentUnderTest, LocalReplicas};
 
 pub const WAIT: Duration = Duration::from_secs(10);
 
@@ -35,7 +35,8 @@ impl Apiserver {
             .issue(&LeafRequest::server("kube-apiserver", names))
             .unwrap();
         let acceptor =
-            e2e::env::sample::tls_acceptor(&leaf.cert_pem, &leaf.key_pem, &[b"http/1.1"]).unwrap();
+            simulated_cluster::sample::tls_acceptor(&leaf.cert_pem, &leaf.key_pem, &[b"http/1.1"])
+                .unwrap();
         let status = Arc::new(AtomicU16::new(200));
         let answer = status.clone();
         let target = TcpTarget::serve(move |socket| {
@@ -108,7 +109,8 @@ impl Hub {
         let api = KubeApi::start(KubeApiOptions::new(dir.path()))
             .await
             .unwrap();
-        api.register_crds_from_yaml(e2e::env::ocm::CRDS).unwrap();
+        api.register_crds_from_yaml(simulated_cluster::ocm::CRDS)
+            .unwrap();
         let client = api.client().await.unwrap();
         for cluster in clusters {
             create_namespace(&client, cluster).await;

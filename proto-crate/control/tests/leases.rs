@@ -3,9 +3,9 @@
 use std::time::Duration;
 
 use cluster_proxy_control::{LeaderElection, LeaseRenewal, is_not_found, renew_lease};
-use e2e::kubeapi::{KubeApi, KubeApiOptions};
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::Api;
+use memory_apiserver::{KubeApi, KubeApiOptions};
 use tokio::sync::{oneshot, watch};
 
 const WAIT: Duration = Duration::from_secs(20);

@@ -10,12 +10,12 @@ use std::time::Duration;
 
 use addon_agent::portforward::PortForwardConfig;
 use addon_agent::{AgentConfig, ManagedApi, RunningAgent};
-use e2e::kubeapi::pods::{KubeletPods, RunningPod};
-use e2e::kubeapi::{KubeApi, KubeApiOptions};
 use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kube::Api;
 use kube::api::PostParams;
+use memory_apiserver::pods::{KubeletPods, RunningPod};
+use memory_apiserver::{KubeApi, KubeApiOptions};
 use serde_json::json;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};

@@ -9,12 +9,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use addon_agent::{AgentConfig, ManagedApi, RunningAgent};
-use e2e::kubeapi::{KubeApi, KubeApiOptions};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::jiff::Timestamp;
 use kube::Api;
 use kube::api::PostParams;
+use memory_apiserver::{KubeApi, KubeApiOptions};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
@@ -245,7 +245,8 @@ async fn renews_the_hub_lease_only_while_the_proxy_agent_is_ready() {
 async fn an_api_that_is_down_at_start_is_used_once_it_is_up() {
     let dir = tempfile::tempdir().expect("temp dir");
     // A port nothing listens on yet; the API starts on it later.
-    let port = std::net::SocketAddr::from(([127, 0, 0, 1], e2e::harness::free_port()));
+    let port =
+        std::net::SocketAddr::from(([127, 0, 0, 1], simulated_cluster::targets::free_port()));
     let hub = dir.path().join("kubeconfig-agent");
     std::fs::write(
         &hub,

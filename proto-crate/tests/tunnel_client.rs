@@ -9,13 +9,14 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use cluster_proxy_proto::client::TunnelClient;
-use e2e::h2_frames::{
+use simulated_cluster::wait::wait_until;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tunnel_harness::h2_frames::{
     self, ACK, GOAWAY, HEADERS, PING, RST_STREAM, SETTINGS, StandInIo, accept_preface, frame,
     read_frame_acking_settings,
 };
-use e2e::harness::{AgentUnderTest, test_server_config, tunnel_client, wait_until};
-use e2e::pki::TestPki;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tunnel_harness::in_process::{AgentUnderTest, test_server_config, tunnel_client};
+use tunnel_harness::pki::TestPki;
 
 const STEP: Duration = Duration::from_secs(10);
 

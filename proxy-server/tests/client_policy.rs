@@ -5,11 +5,13 @@ use std::time::Duration;
 
 use cluster_proxy_proto::packet::Frame;
 use cluster_proxy_proto::transport::ALPN_HTTP11;
-use e2e::harness::{ConnectError, RawAgent, http_connect, test_server_config, tunnel_client};
-use e2e::pki::TestPki;
 use proxy_server::RunningServer;
 use rustls::pki_types::CertificateDer;
 use rustls::pki_types::pem::PemObject;
+use tunnel_harness::in_process::{
+    ConnectError, RawAgent, http_connect, test_server_config, tunnel_client,
+};
+use tunnel_harness::pki::TestPki;
 
 const STEP: Duration = Duration::from_secs(10);
 
@@ -44,7 +46,7 @@ async fn a_client_reaches_only_the_clusters_the_policy_gives_it() {
         .unwrap();
     let mut agent_a = agent(&pki, &server, "cluster-a").await;
     let mut agent_b = agent(&pki, &server, "cluster-b").await;
-    assert!(e2e::harness::wait_until(STEP, || server.tunnel_count() == 2).await);
+    assert!(simulated_cluster::wait::wait_until(STEP, || server.tunnel_count() == 2).await);
 
     let client = tunnel_client(pki.client_tls().unwrap(), server.client_addr)
         .await
