@@ -52,6 +52,7 @@ pub mod rbac;
 pub mod resources;
 pub mod schema;
 pub mod selector;
+pub mod shared;
 pub mod signer;
 pub mod store;
 pub mod table;
@@ -72,8 +73,8 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use self::http::Shared;
 use self::resources::Registry;
+use self::shared::Shared;
 use self::store::{Store, User};
 
 #[derive(Debug, thiserror::Error)]
@@ -335,7 +336,8 @@ impl KubeApi {
     /// `pods/portforward` reaches them.
     pub fn kubelet(&self) -> pods::KubeletPods {
         pods::KubeletPods {
-            shared: self.shared.clone(),
+            store: self.shared.store.clone(),
+            network: self.shared.pods.clone(),
         }
     }
 
@@ -487,7 +489,7 @@ async fn serve(
                 if let Some(user) = &certificate_user {
                     request
                         .extensions_mut()
-                        .insert(http::CertificateUser(user.clone()));
+                        .insert(shared::CertificateUser(user.clone()));
                 }
                 http::handle(shared.clone(), request)
             });

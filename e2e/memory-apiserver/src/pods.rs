@@ -23,8 +23,7 @@ use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
 use super::error::ApiError;
-use super::http::Shared;
-use super::store::{DeleteOptions, User, WriteOptions};
+use super::store::{DeleteOptions, Store, User, WriteOptions};
 
 /// Where one pod's container ports are, as its kubelet knows.
 #[derive(Debug, Clone)]
@@ -94,7 +93,8 @@ pub const NODE_NAME: &str = "cluster-proxy-e2e-node";
 /// of their ports. From [`super::KubeApi::kubelet`].
 #[derive(Clone)]
 pub struct KubeletPods {
-    pub(super) shared: Arc<Shared>,
+    pub(super) store: Arc<Store>,
+    pub(super) network: PodNetwork,
 }
 
 fn kubelet_user() -> User {
@@ -128,8 +128,7 @@ fn status(ready: bool, pod_ip: Option<IpAddr>) -> Value {
 
 impl KubeletPods {
     fn pod_type(&self) -> Result<super::resources::ResourceType, ApiError> {
-        self.shared
-            .store
+        self.store
             .resource_type("", "v1", "pods")
             .ok_or_else(|| ApiError::new(500, "InternalError", "no pods type"))
     }
@@ -138,9 +137,9 @@ impl KubeletPods {
     /// new pod, with a new uid) and registers its ports. Returns the uid.
     pub fn run(&self, pod: &RunningPod) -> Result<String, ApiError> {
         let t = self.pod_type()?;
-        let store = &self.shared.store;
+        let store = &self.store;
         let ns = Some(pod.namespace.as_str());
-        self.shared.pods.remove(&pod.namespace, &pod.name);
+        self.network.remove(&pod.namespace, &pod.name);
         if store.get(&t, ns, &pod.name).is_ok() {
             store.delete(&t, ns, &pod.name, &DeleteOptions::default())?;
         }
@@ -177,7 +176,7 @@ impl KubeletPods {
         store.mutate(&t, ns, &pod.name, "kubelet", |object| {
             object["status"] = pod_status;
         })?;
-        self.shared.pods.insert(
+        self.network.insert(
             &pod.namespace,
             &pod.name,
             Endpoint {
@@ -194,8 +193,7 @@ impl KubeletPods {
         let t = self.pod_type()?;
         let flag = if ready { "True" } else { "False" };
         let now = super::store::now_rfc3339();
-        self.shared
-            .store
+        self.store
             .mutate(&t, Some(namespace), name, "kubelet", |object| {
                 if let Some(conditions) = object
                     .pointer_mut("/status/conditions")
@@ -217,8 +215,7 @@ impl KubeletPods {
     /// good, as the kubelet reports it).
     pub fn set_phase(&self, namespace: &str, name: &str, phase: &str) -> Result<(), ApiError> {
         let t = self.pod_type()?;
-        self.shared
-            .store
+        self.store
             .mutate(&t, Some(namespace), name, "kubelet", |object| {
                 object["status"]["phase"] = json!(phase);
             })
@@ -227,7 +224,7 @@ impl KubeletPods {
     /// The pod's processes are gone: its forwards end and its Pod object
     /// is deleted (absent already is fine).
     pub fn remove(&self, namespace: &str, name: &str) -> Result<(), ApiError> {
-        self.shared.pods.remove(namespace, name);
+        self.network.remove(namespace, name);
         self.delete(namespace, name)
     }
 
@@ -237,7 +234,6 @@ impl KubeletPods {
     pub fn delete(&self, namespace: &str, name: &str) -> Result<(), ApiError> {
         let t = self.pod_type()?;
         match self
-            .shared
             .store
             .delete(&t, Some(namespace), name, &DeleteOptions::default())
         {

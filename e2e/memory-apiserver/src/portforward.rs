@@ -40,9 +40,9 @@ use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
 use tokio_tungstenite::tungstenite::protocol::Role;
 
 use super::error::ApiError;
-use super::http::{Body, Shared};
 use super::pods::Endpoint;
 use super::rbac;
+use super::shared::{Body, Shared};
 use super::store::User;
 
 /// The binary channel protocols served, preferred first.
