@@ -22,6 +22,7 @@ pub mod portforward;
 pub mod readiness;
 pub mod renewer;
 pub mod settings;
+pub mod user_agent;
 
 use std::net::SocketAddr;
 
@@ -33,8 +34,7 @@ use tokio_util::sync::CancellationToken;
 pub use metrics::Metrics;
 pub use settings::{AgentConfig, AgentSettings, Cli, ManagedApi, PodEnvironment};
 
-/// Sent on every Kubernetes request, so audit logs name the component.
-pub const USER_AGENT: &str = concat!("addon-agent/", env!("CARGO_PKG_VERSION"));
+pub use user_agent::USER_AGENT;
 
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {

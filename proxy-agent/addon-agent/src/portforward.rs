@@ -42,7 +42,8 @@ use kube::api::ListParams;
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 
-use crate::{Metrics, USER_AGENT};
+use crate::metrics::Metrics;
+use crate::user_agent::USER_AGENT;
 
 /// Label of the proxy-server pods (upstream's selector).
 pub const PROXY_SERVER_SELECTOR: &str =

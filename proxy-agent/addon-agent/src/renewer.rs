@@ -10,10 +10,10 @@ use k8s_openapi::api::coordination::v1::Lease;
 use kube::{Api, Client};
 use tokio_util::sync::CancellationToken;
 
-use crate::USER_AGENT;
 use crate::metrics::Metrics;
 use crate::readiness::{Probe, Readiness};
 use crate::settings::{AgentConfig, ManagedApi};
+use crate::user_agent::USER_AGENT;
 
 /// Upstream's `wait.JitterUntil` factor: each wait is the period plus up to
 /// a quarter of it.
