@@ -53,7 +53,7 @@ impl PacketMethod for GrpcFrontend {
         peer: &Arc<PeerInfo>,
         inbound: InboundPackets,
     ) -> Result<Opened<ProxyResponse>, Status> {
-        if let Some(reason) = crate::client_port::refusal(peer) {
+        if let Some(reason) = crate::policy::refusal(peer) {
             return Err(Status::permission_denied(reason));
         }
         let origin = DialOrigin {

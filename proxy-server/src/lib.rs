@@ -14,6 +14,7 @@ pub mod client_port;
 pub mod config;
 pub mod conn_trace;
 pub mod dial;
+pub mod dial_failure;
 pub mod grpc_frontend;
 pub mod grpc_port;
 pub mod http_connect;

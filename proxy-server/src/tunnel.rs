@@ -25,7 +25,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use crate::conn_trace::{ConnTrace, EndReason};
-use crate::dial::DialFailure;
+use crate::dial_failure::DialFailure;
 use crate::metrics::{Metrics, Segment};
 
 static NEXT_TUNNEL_ID: AtomicU64 = AtomicU64::new(1);

@@ -27,7 +27,9 @@ use kube::runtime::watcher;
 use kube::{Api, Resource, ResourceExt};
 
 use super::applied::{ANNOTATION_APPLIED_CONFIGURATIONS, AppliedConfigurations};
-use super::cache::{AddonCacheWriters, cached_or_read, reflected_objects, reflected_triggers};
+use super::cache::{
+    AddonCacheWriters, cached_or_read, get_opt, reflected_objects, reflected_triggers,
+};
 use super::config::{self, DeploymentConfigRef};
 use super::customize::{AgentCustomization, CustomizationError};
 use super::install;
@@ -50,15 +52,6 @@ const CONTROLLER: &str = "managedclusteraddon";
 /// How often a pending load balancer is looked at again, in case its
 /// Service is outside the watched namespace.
 const ENTRYPOINT_RETRY: Duration = Duration::from_secs(15);
-
-pub(crate) async fn get_opt<K>(api: &Api<K>, name: &str) -> Result<Option<K>, AddonError>
-where
-    K: Resource<DynamicType = ()> + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
-{
-    api.get_opt(name)
-        .await
-        .map_err(AddonError::api(format!("reading {} {name}", K::kind(&()))))
-}
 
 fn now() -> Time {
     Time(k8s_openapi::jiff::Timestamp::now())

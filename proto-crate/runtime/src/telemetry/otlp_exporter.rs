@@ -22,7 +22,7 @@ use tonic::metadata::MetadataMap;
 use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
 
 use super::otlp_encoding::SpanEncoder;
-use super::{ExportCompression, TelemetryError};
+use super::error::{ExportCompression, TelemetryError};
 
 const EXPORT_PATH: &str = "/opentelemetry.proto.collector.trace.v1.TraceService/Export";
 
