@@ -27,8 +27,8 @@ use tokio_util::sync::PollSender;
 use tonic::transport::Channel;
 
 use crate::Packet;
-pub use crate::dial_error::DialError;
 use crate::dial_error::ConnectError;
+pub use crate::dial_error::DialError;
 use crate::flow::READ_CHUNK;
 use crate::grpc_framing::{PROXY_PATH, PacketStream, streaming_call};
 use crate::h2_channel::{H2Channel, StreamSender};

@@ -17,7 +17,6 @@ use hyper_util::rt::TokioIo;
 
 use crate::client::{TunnelClient, TunnelStream};
 pub use crate::dial_error::ConnectError;
-use crate::dial_error::DialError;
 
 impl Connection for TunnelStream {
     fn connected(&self) -> Connected {
@@ -175,7 +174,7 @@ pub fn kube_client(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dial_error::NO_AGENT;
+    use crate::dial_error::{DialError, NO_AGENT};
 
     fn address(uri: &str) -> Result<String, ConnectError> {
         target_address(&uri.parse().expect("test URIs parse"))

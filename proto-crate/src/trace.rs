@@ -17,8 +17,8 @@ pub mod direct;
 mod w3c;
 
 pub use direct::{DirectSpan, install_tracer};
-pub use w3c::{TRACEPARENT, TRACESTATE, TraceHeaders, TraceParentError, parse_traceparent};
 pub use opentelemetry::global::BoxedTracer;
+pub use w3c::{TRACEPARENT, TRACESTATE, TraceHeaders, TraceParentError, parse_traceparent};
 
 /// The `tracing` target of the spans exported but never logged (the
 /// controllers' reconciles, the health-prober's rounds and probes). Log
@@ -27,4 +27,3 @@ pub use opentelemetry::global::BoxedTracer;
 /// (`cluster_proxy_runtime::telemetry`). The connection spans themselves
 /// are [`DirectSpan`]s.
 pub const SPAN_TARGET: &str = "cluster_proxy_trace";
-

@@ -21,9 +21,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use cluster_proxy_proto::framed::ALPN_FRAMED;
 use cluster_proxy_proto::identifiers::AgentIdentifiers;
-use cluster_proxy_proto::transport::ALPN_H2;
 use cluster_proxy_runtime::admin::{self, NotReady};
 use cluster_proxy_runtime::net::{BindError, bind};
 use cluster_proxy_runtime::reload;
@@ -290,6 +288,8 @@ impl RunningAgent {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use cluster_proxy_proto::framed::ALPN_FRAMED;
+    use cluster_proxy_proto::transport::ALPN_H2;
 
     fn offering(alpn: &[&[u8]]) -> Arc<rustls::ClientConfig> {
         let provider = Arc::new(rustls::crypto::ring::default_provider());

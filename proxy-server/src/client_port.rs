@@ -17,13 +17,13 @@ use tonic::body::Body;
 use tracing::debug;
 
 use crate::grpc_frontend::GrpcFrontend;
-use crate::policy::refusal;
 use crate::grpc_port::GrpcConnections;
 use crate::http_connect::ConnectFrontend;
 use crate::listener::{
     self, FIRST_REQUEST_WINDOW, HEADER_READ_TIMEOUT, Http2Settings, HttpConnections, PeerInfo,
     ServeConnection,
 };
+use crate::policy::refusal;
 
 /// What an HTTP/2 client sends first (RFC 9113, section 3.4).
 const HTTP2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
