@@ -33,6 +33,7 @@ pub mod api;
 pub mod client;
 pub mod connector;
 pub mod dial_error;
+pub mod duplex;
 pub mod duration;
 pub mod flow;
 pub mod framed;
