@@ -27,7 +27,8 @@ use tokio_util::sync::PollSender;
 use tonic::transport::Channel;
 
 use crate::Packet;
-use crate::connector::ConnectError;
+use crate::dial_error::ConnectError;
+pub use crate::dial_error::DialError;
 use crate::flow::READ_CHUNK;
 use crate::grpc_framing::{PROXY_PATH, PacketStream, streaming_call};
 use crate::h2_channel::{H2Channel, StreamSender};
@@ -45,23 +46,6 @@ pub const DEFAULT_DIAL_TIMEOUT: Duration = Duration::from_secs(30);
 /// ([`TunnelClient::dial_with_early_data`]); the rest follows as DATA. A TLS
 /// ClientHello or an HTTP request head fits.
 pub const MAX_EARLY_DATA: usize = 16 * 1024;
-
-#[derive(Debug, Clone, thiserror::Error)]
-pub enum DialError {
-    #[error("open proxy stream: {0}")]
-    Stream(#[from] tonic::Status),
-    #[error("dial failed: {0}")]
-    Refused(String),
-    #[error("dial closed by the server")]
-    DialClosed,
-    #[error("tunnel closed before the dial completed")]
-    TunnelClosed,
-    #[error("dial timeout after {0:?}")]
-    Timeout(Duration),
-    /// A lazy stream's dial task did not finish (its runtime shut down).
-    #[error("the dial task ended: {0}")]
-    TaskEnded(String),
-}
 
 /// Dials through one proxy-server.
 #[derive(Clone, Debug)]

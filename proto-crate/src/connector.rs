@@ -15,73 +15,8 @@ use std::time::Duration;
 use hyper_util::client::legacy::connect::{Connected, Connection};
 use hyper_util::rt::TokioIo;
 
-use crate::client::{DialError, TunnelClient, TunnelStream};
-
-/// What the proxy-server answers when no agent serves the host (upstream's wording).
-const NO_AGENT: &str = "No agent available";
-
-/// Why a connection through the tunnel could not be opened.
-#[derive(Debug, Clone, thiserror::Error)]
-pub enum ConnectError {
-    #[error("invalid target {uri:?}: {reason}")]
-    InvalidTarget { uri: String, reason: &'static str },
-    #[error("no agent serves {address} (is the cluster's proxy-agent connected?)")]
-    NoAgent { address: String },
-    #[error("the agent could not connect to {address}: {reason}")]
-    Refused { address: String, reason: String },
-    #[error("connecting to {address} through the tunnel timed out after {after:?}")]
-    Timeout { address: String, after: Duration },
-    #[error("tunnel to {address} failed: {source}")]
-    Tunnel {
-        address: String,
-        #[source]
-        source: DialError,
-    },
-}
-
-impl ConnectError {
-    /// The `io::ErrorKind` of a lazy stream's read or write that fails with
-    /// this ([`TunnelClient::dial_lazily`]).
-    pub fn io_kind(&self) -> std::io::ErrorKind {
-        match self {
-            ConnectError::InvalidTarget { .. } => std::io::ErrorKind::InvalidInput,
-            ConnectError::NoAgent { .. } | ConnectError::Refused { .. } => {
-                std::io::ErrorKind::ConnectionRefused
-            }
-            ConnectError::Timeout { .. } => std::io::ErrorKind::TimedOut,
-            ConnectError::Tunnel { .. } => std::io::ErrorKind::ConnectionAborted,
-        }
-    }
-
-    /// The `ConnectError` somewhere in `error`'s chain of sources: a
-    /// connector's error as hyper wraps it, or the inner error of the
-    /// `io::Error` a lazily dialed stream failed with (which hyper, TLS
-    /// and kube wrap in turn). `None` when the failure was not the tunnel's.
-    pub fn find_in<'a>(error: &'a (dyn std::error::Error + 'static)) -> Option<&'a ConnectError> {
-        std::iter::successors(Some(error), |e| e.source()).find_map(|e| {
-            e.downcast_ref::<ConnectError>().or_else(|| {
-                // `io::Error::source` skips its inner error and returns
-                // that error's source, so the inner error is looked at here.
-                e.downcast_ref::<std::io::Error>()
-                    .and_then(|io| io.get_ref())
-                    .and_then(|inner| inner.downcast_ref::<ConnectError>())
-            })
-        })
-    }
-
-    pub(crate) fn from_dial(address: String, error: DialError) -> Self {
-        match error {
-            DialError::Refused(reason) if reason == NO_AGENT => ConnectError::NoAgent { address },
-            DialError::Refused(reason) => ConnectError::Refused { address, reason },
-            DialError::DialClosed => ConnectError::Refused {
-                address,
-                reason: "the agent closed the dial".into(),
-            },
-            DialError::Timeout(after) => ConnectError::Timeout { address, after },
-            source => ConnectError::Tunnel { address, source },
-        }
-    }
-}
+use crate::client::{TunnelClient, TunnelStream};
+pub use crate::dial_error::ConnectError;
 
 impl Connection for TunnelStream {
     fn connected(&self) -> Connected {
@@ -239,6 +174,7 @@ pub fn kube_client(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::dial_error::{DialError, NO_AGENT};
 
     fn address(uri: &str) -> Result<String, ConnectError> {
         target_address(&uri.parse().expect("test URIs parse"))

@@ -32,12 +32,15 @@ pub mod konnectivity {
 pub mod api;
 pub mod client;
 pub mod connector;
+pub mod dial_error;
+pub mod duplex;
 pub mod duration;
 pub mod flow;
 pub mod framed;
 pub mod grpc_framing;
 pub mod h2_channel;
 pub mod h2_driver;
+pub mod host_port;
 pub mod identifiers;
 pub mod identity;
 pub mod metadata;

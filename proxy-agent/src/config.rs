@@ -19,7 +19,7 @@ use cluster_proxy_runtime::logging::{LogFlags, LogFormat};
 use cluster_proxy_runtime::telemetry::TelemetryFlags;
 use serde::{Deserialize, Serialize};
 
-use crate::{AgentConfig, TlsSource};
+use crate::agent_config::{AgentConfig, TlsSource};
 
 const DEFAULT_CONTENT_TYPE: &str = "application/vnd.kubernetes.protobuf";
 const DEFAULT_LEASE_SELECTOR: &str = "k8s-app=konnectivity-server";

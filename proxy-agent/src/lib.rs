@@ -9,6 +9,7 @@
 //! its bound addresses and tunnels and shuts down with DRAIN.
 #![forbid(unsafe_code)]
 
+mod agent_config;
 pub mod config;
 mod connection;
 pub mod dial;
@@ -17,14 +18,10 @@ pub mod metrics;
 pub mod tunnel;
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use cluster_proxy_proto::flow::DEFAULT_WINDOW;
-use cluster_proxy_proto::framed::ALPN_FRAMED;
 use cluster_proxy_proto::identifiers::AgentIdentifiers;
-use cluster_proxy_proto::transport::ALPN_H2;
 use cluster_proxy_runtime::admin::{self, NotReady};
 use cluster_proxy_runtime::net::{BindError, bind};
 use cluster_proxy_runtime::reload;
@@ -32,189 +29,12 @@ use cluster_proxy_runtime::tls::{self, Identity, Pem, TlsError};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+pub use agent_config::{AgentConfig, TlsSource, offered_alpn, offering_framing};
 pub use config::{AgentSettings, Cli, ConfigError};
 pub use manager::ConnectError;
 pub use metrics::Metrics;
 
 use crate::manager::Shared;
-
-/// Where the TLS client configuration for the proxy-server comes from.
-#[derive(Debug, Clone)]
-pub enum TlsSource {
-    /// PEM files, read and checked at [`start`].
-    Files {
-        ca_cert: PathBuf,
-        agent_cert: Option<PathBuf>,
-        agent_key: Option<PathBuf>,
-        /// ALPN protocols offered in addition to `h2`, which gRPC always
-        /// offers (upstream's `--alpn-proto`).
-        alpn: Vec<String>,
-    },
-    /// A ready configuration; it must offer ALPN `h2`.
-    Config(Arc<rustls::ClientConfig>),
-}
-
-impl TlsSource {
-    /// The files to watch for credential rotation.
-    pub fn paths(&self) -> Vec<PathBuf> {
-        match self {
-            TlsSource::Config(_) => Vec::new(),
-            TlsSource::Files {
-                ca_cert,
-                agent_cert,
-                agent_key,
-                ..
-            } => std::iter::once(ca_cert.clone())
-                .chain(agent_cert.clone())
-                .chain(agent_key.clone())
-                .collect(),
-        }
-    }
-
-    /// Builds the client configuration; errors name the offending file.
-    pub fn client_config(&self) -> Result<Arc<rustls::ClientConfig>, AgentError> {
-        match self {
-            TlsSource::Config(config) => Ok(config.clone()),
-            TlsSource::Files {
-                ca_cert,
-                agent_cert,
-                agent_key,
-                alpn,
-            } => {
-                let roots = tls::roots(&Pem::file("CA certificate (--ca-cert)", ca_cert)?)?;
-                let identity = match (agent_cert, agent_key) {
-                    (Some(cert), Some(key)) => Some(Identity::new(
-                        &Pem::file("agent certificate (--agent-cert)", cert)?,
-                        &Pem::file("agent key (--agent-key)", key)?,
-                    )?),
-                    (None, None) => None,
-                    _ => {
-                        return Err(AgentError::Invalid {
-                            field: "agent-cert",
-                            reason: "--agent-cert and --agent-key must be given together".into(),
-                        });
-                    }
-                };
-                Ok(tls::client_config(roots, identity, &offered_alpn(alpn))?)
-            }
-        }
-    }
-}
-
-/// The ALPN protocols an agent offers for `--alpn-proto` values `extra`:
-/// those, then `h2` unless already listed, as grpc-go appends it.
-pub fn offered_alpn(extra: &[String]) -> Vec<&[u8]> {
-    let mut offered: Vec<&[u8]> = extra.iter().map(|p| p.as_bytes()).collect();
-    if !offered.contains(&ALPN_H2) {
-        offered.push(ALPN_H2);
-    }
-    offered
-}
-
-/// `config` offering the lean framing first when `lean` (ALPN is the
-/// client's offer in its order; our servers choose the framing, others `h2`),
-/// or offering it not at all.
-pub fn offering_framing(
-    config: Arc<rustls::ClientConfig>,
-    lean: bool,
-) -> Arc<rustls::ClientConfig> {
-    let offered = config.alpn_protocols.first().map(Vec::as_slice) == Some(ALPN_FRAMED);
-    let anywhere = config.alpn_protocols.iter().any(|p| p == ALPN_FRAMED);
-    if lean == offered && (lean || !anywhere) {
-        return config;
-    }
-    let mut config = (*config).clone();
-    config.alpn_protocols.retain(|p| p != ALPN_FRAMED);
-    if lean {
-        config.alpn_protocols.insert(0, ALPN_FRAMED.to_vec());
-    }
-    Arc::new(config)
-}
-
-/// Runtime configuration of an agent. [`AgentConfig::new`] gives upstream's
-/// defaults; [`AgentSettings::to_agent_config`] builds one from flags.
-#[derive(Debug, Clone)]
-pub struct AgentConfig {
-    pub tls: TlsSource,
-    pub proxy_server_host: String,
-    pub proxy_server_port: u16,
-    pub agent_id: String,
-    /// `agentidentifiers` value (URL query form), validated at [`start`].
-    pub agent_identifiers: String,
-    /// Empty: all interfaces. Port 0: an ephemeral port.
-    pub health_server_host: String,
-    pub health_server_port: u16,
-    pub admin_bind_address: String,
-    pub admin_server_port: u16,
-    /// Pause between successful syncs, and the first backoff step.
-    pub sync_interval: Duration,
-    /// Longest backoff between failed connects.
-    pub sync_interval_cap: Duration,
-    /// Keep dialing every interval even when every known server is connected.
-    pub sync_forever: bool,
-    /// Timeout for one TCP+TLS+Connect attempt to the proxy-server.
-    pub connect_timeout: Duration,
-    /// Token file sent as `authorization: Bearer` (re-read at every connect).
-    pub service_account_token_path: Option<PathBuf>,
-    /// Our per-connection receive window; 0 disables flow control.
-    pub flow_control_window: u32,
-    /// Per-connection receive buffer when the server is plain konnectivity.
-    pub plain_peer_buffer: u32,
-    /// SO_RCVBUF of each connection to a target (`None`: kernel autotuning).
-    pub target_receive_buffer: Option<u32>,
-    pub dial_timeout: Duration,
-    /// How often credential files are checked for rotation.
-    pub credential_reload_interval: Duration,
-    /// Ping interval on tunnels (`--keepalive-time`); 0 disables pings.
-    pub keepalive_time: Duration,
-    /// Offer the lean framing ahead of `h2` (`--lean-framing`).
-    pub lean_framing: bool,
-    /// Names resolved to fixed addresses before DNS, like a pod's `hostAliases`.
-    pub host_aliases: dial::HostAliases,
-    /// How long [`RunningAgent::shutdown`] waits for open endpoint
-    /// connections after sending DRAIN.
-    pub shutdown_grace: Duration,
-}
-
-impl AgentConfig {
-    pub fn new(tls: TlsSource) -> Self {
-        AgentConfig {
-            tls,
-            proxy_server_host: "127.0.0.1".into(),
-            proxy_server_port: 8091,
-            agent_id: uuid::Uuid::new_v4().to_string(),
-            agent_identifiers: String::new(),
-            health_server_host: String::new(),
-            health_server_port: 8093,
-            admin_bind_address: "127.0.0.1".into(),
-            admin_server_port: 8094,
-            sync_interval: Duration::from_secs(1),
-            sync_interval_cap: Duration::from_secs(10),
-            sync_forever: false,
-            connect_timeout: Duration::from_secs(10),
-            service_account_token_path: None,
-            flow_control_window: DEFAULT_WINDOW,
-            plain_peer_buffer: 4 * 1024 * 1024,
-            target_receive_buffer: None,
-            dial_timeout: Duration::from_secs(5),
-            host_aliases: dial::HostAliases::new(),
-            credential_reload_interval: cluster_proxy_runtime::reload::DEFAULT_INTERVAL,
-            keepalive_time: Duration::from_secs(3600),
-            lean_framing: true,
-            shutdown_grace: Duration::from_secs(5),
-        }
-    }
-
-    /// Health and admin servers on 127.0.0.1 ephemeral ports, so several
-    /// agents can run in one process (tests).
-    pub fn with_ephemeral_ports(mut self) -> Self {
-        self.health_server_host = "127.0.0.1".into();
-        self.health_server_port = 0;
-        self.admin_bind_address = "127.0.0.1".into();
-        self.admin_server_port = 0;
-        self
-    }
-}
 
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
@@ -227,6 +47,36 @@ pub enum AgentError {
     Invalid { field: &'static str, reason: String },
     #[error(transparent)]
     Bind(#[from] BindError),
+}
+
+/// Builds `source`'s client configuration; errors name the offending file.
+/// Here rather than on [`TlsSource`], whose module cannot name [`AgentError`].
+fn client_config(source: &TlsSource) -> Result<Arc<rustls::ClientConfig>, AgentError> {
+    match source {
+        TlsSource::Config(config) => Ok(config.clone()),
+        TlsSource::Files {
+            ca_cert,
+            agent_cert,
+            agent_key,
+            alpn,
+        } => {
+            let roots = tls::roots(&Pem::file("CA certificate (--ca-cert)", ca_cert)?)?;
+            let identity = match (agent_cert, agent_key) {
+                (Some(cert), Some(key)) => Some(Identity::new(
+                    &Pem::file("agent certificate (--agent-cert)", cert)?,
+                    &Pem::file("agent key (--agent-key)", key)?,
+                )?),
+                (None, None) => None,
+                _ => {
+                    return Err(AgentError::Invalid {
+                        field: "agent-cert",
+                        reason: "--agent-cert and --agent-key must be given together".into(),
+                    });
+                }
+            };
+            Ok(tls::client_config(roots, identity, &offered_alpn(alpn))?)
+        }
+    }
 }
 
 /// Upstream's readiness failure body, which probes and runbooks match on.
@@ -291,8 +141,7 @@ pub async fn start(config: AgentConfig) -> Result<RunningAgent, AgentError> {
                 paths,
                 config.credential_reload_interval,
                 move || {
-                    source
-                        .client_config()
+                    client_config(&source)
                         .map(|config| offering_framing(config, lean))
                         .map_err(|e| match e {
                             AgentError::Tls(t) => t,
@@ -439,6 +288,8 @@ impl RunningAgent {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use cluster_proxy_proto::framed::ALPN_FRAMED;
+    use cluster_proxy_proto::transport::ALPN_H2;
 
     fn offering(alpn: &[&[u8]]) -> Arc<rustls::ClientConfig> {
         let provider = Arc::new(rustls::crypto::ring::default_provider());

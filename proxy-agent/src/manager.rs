@@ -25,7 +25,7 @@ use tokio::sync::{Notify, mpsc};
 use tokio_util::sync::CancellationToken;
 use tonic::metadata::{AsciiMetadataValue, MetadataMap};
 
-use crate::AgentConfig;
+use crate::agent_config::AgentConfig;
 use crate::connection::{Endpoint, OpenError, TunnelConnection};
 use crate::metrics::{Metrics, Segment};
 use crate::tunnel::{self, TunnelParams};

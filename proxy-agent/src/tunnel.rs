@@ -17,17 +17,19 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use cluster_proxy_proto::Packet;
+use cluster_proxy_proto::duplex::{
+    self, AfterUp, ChunkSink, ChunkSource, Copied, Payload, ReadChunks, ReadEnd, WriteChunks,
+};
 use cluster_proxy_proto::flow::{
-    FlowError, READ_CHUNK, ReceiveQueue, ReceiveQueueRx, SendCredit, Stray, StrayIds, WindowTracker,
+    Delivery, FlowError, ReceiveQueue, ReceiveQueueRx, SendCredit, Stray, StrayIds, WindowTracker,
 };
 use cluster_proxy_proto::packet::{self, Frame, PROTOCOL_TCP};
 use cluster_proxy_proto::trace::direct::tcp_server_attributes;
 use cluster_proxy_proto::trace::{DirectSpan, TraceHeaders};
 use opentelemetry::KeyValue;
 use opentelemetry::trace::SpanKind;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -467,7 +469,7 @@ impl Tunnel {
         self: Arc<Self>,
         connect_id: i64,
         tcp: TcpStream,
-        mut rx: ReceiveQueueRx<Event>,
+        rx: ReceiveQueueRx<Event>,
         credit: SendCredit,
         abort: Arc<Abort>,
         span: &mut DirectSpan,
@@ -480,56 +482,37 @@ impl Tunnel {
             Aborted,
             TunnelGone,
         }
-        let (mut rd, mut wr) = tcp.into_split();
-        let out = self.out.clone();
-        let flow_on = self.flow_on();
-        let our_window = self.params.our_window;
-        let up = async {
-            loop {
-                let mut buf = BytesMut::with_capacity(READ_CHUNK);
-                match rd.read_buf(&mut buf).await {
-                    Ok(0) => return End::TargetEof,
-                    Ok(n) => {
-                        if credit.acquire(n).await.is_err() {
-                            return End::Aborted;
-                        }
-                        if out
-                            .ordered
-                            .send(packet::data(connect_id, buf.freeze()))
-                            .await
-                            .is_err()
-                        {
-                            return End::TunnelGone;
-                        }
-                    }
-                    Err(e) => return End::TargetError(e.to_string()),
-                }
-            }
-        };
-        let down = async {
-            let mut tracker = WindowTracker::new(our_window);
-            while let Some(delivery) = rx.recv().await {
-                match &delivery.event {
-                    Event::Data(bytes) => {
-                        if let Err(e) = wr.write_all(bytes).await {
-                            return End::TargetError(e.to_string());
-                        }
-                        let n = bytes.len();
-                        // Frees the buffer space only once the bytes are out.
-                        drop(delivery);
-                        if flow_on && let Some(grant) = tracker.consumed(n) {
-                            let _ = out.control.send(packet::window_update(connect_id, grant));
-                        }
-                    }
-                    Event::Close => return End::CloseRequested,
-                }
-            }
-            End::TunnelGone
-        };
-        let end = tokio::select! {
-            e = up => e,
-            e = down => e,
-            _ = abort.token.cancelled() => End::Aborted,
+        let (rd, wr) = tcp.into_split();
+        // The connection ends with its first direction to end (upstream's
+        // agent has no half-close either), or when the reader aborts it.
+        let up = duplex::copy(
+            ReadChunks::new(rd),
+            ToServer {
+                credit: &credit,
+                out: &self.out,
+                connect_id,
+            },
+        );
+        let down = duplex::copy(
+            FromServer {
+                rx,
+                tracker: WindowTracker::new(self.params.our_window),
+                flow_on: self.flow_on(),
+                out: &self.out,
+                connect_id,
+            },
+            WriteChunks::new(wr),
+        );
+        let relayed = duplex::relay(up, down, AfterUp::Stop, abort.token.cancelled()).await;
+        let end = match (relayed.up, relayed.down) {
+            (Some(Copied::SourceEnded(ReadEnd::Eof)), _) => End::TargetEof,
+            (Some(Copied::SourceEnded(ReadEnd::Failed(e))), _)
+            | (_, Some(Copied::SinkFailed(e))) => End::TargetError(e.to_string()),
+            (Some(Copied::SinkFailed(ToServerError::NoCredit)), _) => End::Aborted,
+            (Some(Copied::SinkFailed(ToServerError::TunnelGone)), _) => End::TunnelGone,
+            (_, Some(Copied::SourceEnded(ServerEnd::CloseRequested))) => End::CloseRequested,
+            (_, Some(Copied::SourceEnded(ServerEnd::TunnelGone))) => End::TunnelGone,
+            (None, None) => End::Aborted,
         };
         self.tables().conns.remove(&connect_id);
         credit.close();
@@ -625,6 +608,86 @@ impl Tunnel {
         };
         for conn in conns.values() {
             conn.credit.close();
+        }
+    }
+}
+
+impl Payload for Event {
+    /// A close carries none (the relay ends on it, never writes it).
+    fn payload(&self) -> &[u8] {
+        match self {
+            Event::Data(bytes) => bytes,
+            Event::Close => &[],
+        }
+    }
+}
+
+/// Why the target's bytes could not go to the server.
+enum ToServerError {
+    /// The connection's credit was closed (aborted, or the tunnel went away).
+    NoCredit,
+    TunnelGone,
+}
+
+/// The target's bytes as DATA on the ordered lane, each within the
+/// server's credit.
+struct ToServer<'a> {
+    credit: &'a SendCredit,
+    out: &'a Outgoing,
+    connect_id: i64,
+}
+
+impl ChunkSink<Bytes> for ToServer<'_> {
+    type Error = ToServerError;
+
+    async fn send(&mut self, chunk: Bytes) -> Result<(), ToServerError> {
+        if self.credit.acquire(chunk.len()).await.is_err() {
+            return Err(ToServerError::NoCredit);
+        }
+        self.out
+            .ordered
+            .send(packet::data(self.connect_id, chunk))
+            .await
+            .map_err(|_| ToServerError::TunnelGone)
+    }
+}
+
+/// Why the server sends no more bytes for the target.
+enum ServerEnd {
+    CloseRequested,
+    TunnelGone,
+}
+
+/// The server's bytes for the target; each written chunk frees its buffer
+/// space, and with flow control its credit goes back to the server.
+struct FromServer<'a> {
+    rx: ReceiveQueueRx<Event>,
+    tracker: WindowTracker,
+    flow_on: bool,
+    out: &'a Outgoing,
+    connect_id: i64,
+}
+
+impl ChunkSource for FromServer<'_> {
+    type Chunk = Delivery<Event>;
+    type End = ServerEnd;
+
+    async fn recv(&mut self) -> Result<Delivery<Event>, ServerEnd> {
+        match self.rx.recv().await {
+            Some(delivery) if matches!(delivery.event, Event::Data(_)) => Ok(delivery),
+            Some(_) => Err(ServerEnd::CloseRequested),
+            None => Err(ServerEnd::TunnelGone),
+        }
+    }
+
+    fn delivered(&mut self, n: usize) {
+        if self.flow_on
+            && let Some(grant) = self.tracker.consumed(n)
+        {
+            let _ = self
+                .out
+                .control
+                .send(packet::window_update(self.connect_id, grant));
         }
     }
 }

@@ -14,7 +14,7 @@ use hyper::body::Incoming;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
 use tokio_util::sync::CancellationToken;
 use tonic::body::Body;
-use tracing::{debug, warn};
+use tracing::debug;
 
 use crate::grpc_frontend::GrpcFrontend;
 use crate::grpc_port::GrpcConnections;
@@ -23,26 +23,10 @@ use crate::listener::{
     self, FIRST_REQUEST_WINDOW, HEADER_READ_TIMEOUT, Http2Settings, HttpConnections, PeerInfo,
     ServeConnection,
 };
+use crate::policy::refusal;
 
 /// What an HTTP/2 client sends first (RFC 9113, section 3.4).
 const HTTP2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
-
-/// Why the client port refuses `peer`, if it does. A certificate that
-/// names a cluster is an agent's: agents and hub clients share the CA, so
-/// without this check one managed cluster's agent key would reach every
-/// other cluster through the client port.
-pub(crate) fn refusal(peer: &PeerInfo) -> Option<String> {
-    let cluster = peer.cluster.as_ref()?;
-    warn!(
-        remote = %peer.remote,
-        subject = peer.subject,
-        %cluster,
-        "refusing an agent certificate on the client port"
-    );
-    Some(format!(
-        "the client certificate names cluster {cluster}: agent certificates may not dial through the client port; use a hub client certificate"
-    ))
-}
 
 type MakeService = Box<dyn Fn(Arc<PeerInfo>) -> ClientPortService + Send + Sync>;
 

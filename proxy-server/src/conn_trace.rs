@@ -8,14 +8,25 @@
 //! counters remain.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use cluster_proxy_proto::trace::direct::tcp_server_attributes;
 use cluster_proxy_proto::trace::{DirectSpan, TraceHeaders};
 use opentelemetry::KeyValue;
 use opentelemetry::trace::{SpanKind, TraceId};
 
-use crate::dial::DialOrigin;
+use crate::listener::PeerInfo;
+
+/// Who asks for a dial, for the connection's span.
+#[derive(Debug, Clone, Default)]
+pub struct DialOrigin {
+    /// `grpc` or `http-connect`.
+    pub frontend: &'static str,
+    /// The client's verified certificate.
+    pub client: Option<Arc<PeerInfo>>,
+    /// The client's trace context (gRPC metadata or CONNECT headers).
+    pub trace: Option<TraceHeaders>,
+}
 
 /// How a connection ended, as the span's `cluster_proxy.end_reason` says it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -13,6 +13,7 @@ use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use cluster_proxy_proto::Packet;
+use cluster_proxy_proto::duplex::{self, ChunkSink, ChunkSource};
 use cluster_proxy_proto::flow::FlowError;
 use cluster_proxy_proto::packet::{self, Frame, PROTOCOL_TCP};
 use futures_util::Stream;
@@ -53,7 +54,7 @@ impl PacketMethod for GrpcFrontend {
         peer: &Arc<PeerInfo>,
         inbound: InboundPackets,
     ) -> Result<Opened<ProxyResponse>, Status> {
-        if let Some(reason) = crate::client_port::refusal(peer) {
+        if let Some(reason) = crate::policy::refusal(peer) {
             return Err(Status::permission_denied(reason));
         }
         let origin = DialOrigin {
@@ -259,40 +260,84 @@ impl Session {
             return;
         }
 
-        // 3. Relay the client's bytes until it closes or breaks the contract.
+        // 3. Relay the client's bytes until it closes or breaks the contract;
+        //    then ask the agent to close (the sink's finish). The agent's
+        //    CLOSE_RSP still reaches the client through the response stream.
+        let data = ClientData {
+            session: &self,
+            inbound: &mut inbound,
+            sender: &sender,
+            connect_id,
+        };
+        let to_agent = ToAgent {
+            session: &self,
+            sender: &sender,
+        };
+        duplex::copy(data, to_agent).await;
+    }
+}
+
+/// The DATA a client sends on its stream once the dial is established, as
+/// chunks; the other packets it may send meanwhile are handled here.
+struct ClientData<'a> {
+    session: &'a Session,
+    inbound: &'a mut InboundPackets,
+    sender: &'a ConnSender,
+    connect_id: i64,
+}
+
+impl ChunkSource for ClientData<'_> {
+    type Chunk = Bytes;
+    /// The stream ended or broke the contract (already answered).
+    type End = ();
+
+    async fn recv(&mut self) -> Result<Bytes, ()> {
         loop {
-            match self.next(&mut inbound).await {
-                None => break,
+            match self.session.next(self.inbound).await {
+                None => return Err(()),
                 Some(Frame::Data { connect_id: 0, .. }) => {}
                 Some(Frame::Data {
                     connect_id: id,
                     data,
-                }) if id == connect_id => {
-                    if self.forward(&sender, data).await.is_err() {
-                        break;
-                    }
-                }
-                Some(Frame::CloseRequest { connect_id: id }) if id == connect_id => {
-                    sender.request_close()
+                }) if id == self.connect_id => return Ok(data),
+                Some(Frame::CloseRequest { connect_id: id }) if id == self.connect_id => {
+                    self.sender.request_close()
                 }
                 Some(Frame::Data { connect_id: id, .. })
                 | Some(Frame::CloseRequest { connect_id: id }) => {
-                    self.reply(packet::close_response(id, "mismatched connection IDs"));
-                    break;
+                    self.session
+                        .reply(packet::close_response(id, "mismatched connection IDs"));
+                    return Err(());
                 }
                 Some(Frame::DialRequest { random: r, .. }) => {
-                    if !self.reply(packet::dial_response_error(
+                    if !self.session.reply(packet::dial_response_error(
                         r,
                         "only one dial per stream is supported",
                     )) {
-                        break;
+                        return Err(());
                     }
                 }
                 Some(_) => {}
             }
         }
-        // The agent's CLOSE_RSP still reaches the client through the response stream.
-        sender.request_close();
+    }
+}
+
+/// Sends a client's bytes towards the agent ([`Session::forward`]).
+struct ToAgent<'a> {
+    session: &'a Session,
+    sender: &'a ConnSender,
+}
+
+impl ChunkSink<Bytes> for ToAgent<'_> {
+    type Error = FlowError;
+
+    async fn send(&mut self, chunk: Bytes) -> Result<(), FlowError> {
+        self.session.forward(self.sender, chunk).await
+    }
+
+    async fn finish(&mut self) {
+        self.sender.request_close();
     }
 }
 

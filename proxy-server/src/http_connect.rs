@@ -10,20 +10,20 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::{Bytes, BytesMut};
-use cluster_proxy_proto::flow::READ_CHUNK;
+use bytes::Bytes;
+use cluster_proxy_proto::duplex::{self, AfterUp, ChunkSource, ReadChunks, WriteChunks};
+use cluster_proxy_proto::flow::Delivery;
 use http::{HeaderValue, Method, Request, Response, StatusCode, header};
 use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tonic::body::Body;
 use tracing::debug;
 
 use crate::dial::{DialFailure, DialOrigin, Dialer};
 use crate::listener::PeerInfo;
 use crate::metrics::{GaugeGuard, Metrics};
-use crate::tunnel::{Established, FrontendEvent};
+use crate::tunnel::{ConnReceiver, Established, FrontendEvent};
 use cluster_proxy_proto::trace::TraceHeaders;
 
 /// How long to wait for the agent's CLOSE_RSP after the client hung up.
@@ -154,50 +154,51 @@ where
     IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + 'static,
 {
     let _gauge = GaugeGuard::new(metrics.http_connections.clone());
-    let (sender, mut receiver) = established.split();
-    let (mut from_client, mut to_client) = tokio::io::split(io);
-    let uplink = async {
-        loop {
-            let mut buf = BytesMut::with_capacity(READ_CHUNK);
-            match from_client.read_buf(&mut buf).await {
-                Ok(n) if n > 0 => {
-                    if sender.send(buf.freeze()).await.is_err() {
-                        break;
-                    }
-                }
-                _ => break,
+    let (sender, receiver) = established.split();
+    let (from_client, to_client) = tokio::io::split(io);
+    // The client's EOF asks the agent to close (CLOSE_REQ, the sender's
+    // finish); what the agent still sends, up to its CLOSE_RSP, reaches the
+    // client for at most CLOSE_WAIT. The agent's close shuts the client's
+    // write side down and ends both.
+    let up = duplex::copy(ReadChunks::new(from_client), sender);
+    let down = duplex::copy(
+        ToClient {
+            receiver,
+            metrics: &metrics,
+            written_from: Instant::now(),
+        },
+        WriteChunks::new(to_client),
+    );
+    duplex::relay(up, down, AfterUp::Drain(CLOSE_WAIT), std::future::pending()).await;
+}
+
+/// The agent's bytes for the client, until the agent closes.
+struct ToClient<'a> {
+    receiver: ConnReceiver,
+    metrics: &'a Metrics,
+    /// When the last chunk was handed to the writer.
+    written_from: Instant,
+}
+
+impl ChunkSource for ToClient<'_> {
+    type Chunk = Delivery<FrontendEvent>;
+    type End = ();
+
+    async fn recv(&mut self) -> Result<Delivery<FrontendEvent>, ()> {
+        match self.receiver.recv().await {
+            Some(delivery) if matches!(delivery.event, FrontendEvent::Data(_)) => {
+                self.written_from = Instant::now();
+                Ok(delivery)
             }
+            _ => Err(()),
         }
-        sender.request_close();
-    };
-    let downlink = async {
-        while let Some(delivery) = receiver.recv().await {
-            let FrontendEvent::Data(data) = &delivery.event else {
-                break;
-            };
-            let started = Instant::now();
-            // The TLS layer may keep bytes it could not yet put on a full
-            // socket; only a flush writes them out. Without it, the tail of
-            // a burst waited for the next DATA (or the close), however long
-            // the target stayed quiet.
-            if to_client.write_all(data).await.is_err() || to_client.flush().await.is_err() {
-                break;
-            }
-            metrics
-                .frontend_write_duration
-                .observe(started.elapsed().as_secs_f64());
-            let n = data.len();
-            drop(delivery);
-            receiver.consumed(n);
-        }
-        let _ = to_client.shutdown().await;
-    };
-    tokio::pin!(uplink, downlink);
-    tokio::select! {
-        _ = &mut downlink => {}
-        _ = &mut uplink => {
-            let _ = tokio::time::timeout(CLOSE_WAIT, downlink).await;
-        }
+    }
+
+    fn delivered(&mut self, n: usize) {
+        self.metrics
+            .frontend_write_duration
+            .observe(self.written_from.elapsed().as_secs_f64());
+        self.receiver.consumed(n);
     }
 }
 

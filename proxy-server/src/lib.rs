@@ -14,6 +14,7 @@ pub mod client_port;
 pub mod config;
 pub mod conn_trace;
 pub mod dial;
+pub mod dial_failure;
 pub mod grpc_frontend;
 pub mod grpc_port;
 pub mod http_connect;
@@ -391,38 +392,132 @@ pub async fn start_with_peers(
     tls: ServerTls,
     peers: Option<Arc<dyn PeerLookup>>,
 ) -> Result<RunningServer, ServerError> {
+    check_config(&config)?;
+    let server_id = config.resolved_server_id();
+    let registry = Arc::new(Registry::new(config.strategies()?));
+    let metrics = Arc::new(Metrics::new());
+    let dialer = dialer(&config, &registry, &metrics, &server_id)?;
+    let ports = bind_ports(&config, tls.frontend, &metrics).await?;
+
+    let shutdown = CancellationToken::new();
+    let draining = Arc::new(AtomicBool::new(false));
+    let tasks = TaskTracker::new();
+    let grace = config.graceful_shutdown_timeout;
+    let running = Running {
+        registry: &registry,
+        metrics: &metrics,
+        shutdown: &shutdown,
+        tasks: &tasks,
+        grace,
+    };
+
+    let (server_count, server_count_rx) = tokio::sync::watch::channel(config.server_count);
+    metrics.server_count.set(i64::from(config.server_count));
+    let readiness = follow_peers(&config, peers, server_count, &draining, &running);
+    serve_agent_port(
+        &config,
+        ports.agent,
+        tls.agent,
+        &server_id,
+        server_count_rx.clone(),
+        &draining,
+        &running,
+    );
+    let client_listener = serve_client_port(&config, ports.client, dialer, &running);
+    serve_health_and_admin(ports.health, ports.admin, readiness, &running);
+
+    info!(
+        server_id,
+        client_addr = %ports.client_addr,
+        client_socket = ports.client_socket.as_ref().map(|p| p.display().to_string()),
+        agent_addr = %ports.agent_addr,
+        health_addr = %ports.health_addr,
+        admin_addr = %ports.admin_addr,
+        mode = ?config.mode,
+        strategies = config.proxy_strategies,
+        "proxy-server started"
+    );
+    Ok(RunningServer {
+        server_id,
+        client_addr: ports.client_addr,
+        client_socket: ports.client_socket,
+        agent_addr: ports.agent_addr,
+        health_addr: ports.health_addr,
+        admin_addr: ports.admin_addr,
+        registry,
+        metrics,
+        server_count: server_count_rx,
+        shutdown,
+        draining,
+        client_listener,
+        tasks,
+        grace,
+    })
+}
+
+/// Refuses a configuration that cannot work or would route unsafely, and
+/// warns about the flags accepted only for compatibility.
+fn check_config(config: &ServerConfig) -> Result<(), ServerError> {
     config.validate()?;
     config.check_routing_safety()?;
     for flag in config.ignored_settings() {
         warn!(flag, "flag accepted for compatibility and ignored");
     }
-    let server_id = config.resolved_server_id();
-    let registry = Arc::new(Registry::new(config.strategies()?));
-    let metrics = Arc::new(Metrics::new());
-    let dial_timeout = if config.backend_dial_timeout.is_zero() {
+    Ok(())
+}
+
+/// The frontends' dialer, with the server-side dial timeout and the client
+/// policy (read here, so a bad policy file fails the start).
+fn dialer(
+    config: &ServerConfig,
+    registry: &Arc<Registry>,
+    metrics: &Arc<Metrics>,
+    server_id: &str,
+) -> Result<Arc<Dialer>, ServerError> {
+    let timeout = if config.backend_dial_timeout.is_zero() {
         // "0" means no server-side limit upstream; a day is as good as never
         // while still guaranteeing pending dials cannot pile up forever.
         Duration::from_secs(24 * 3600)
     } else {
         config.backend_dial_timeout
     };
-    let dialer = Arc::new(Dialer {
+    Ok(Arc::new(Dialer {
         registry: registry.clone(),
         metrics: metrics.clone(),
-        timeout: dial_timeout,
-        server_id: server_id.clone(),
+        timeout,
+        server_id: server_id.to_owned(),
         policy: config
             .client_policy
             .as_deref()
             .map(policy::ClientPolicy::load)
             .transpose()?
             .map(Arc::new),
-    });
+    }))
+}
 
-    let (client_listener, client_addr, client_socket) = if config.uds_name.is_empty() {
-        let tls = tls
-            .frontend
-            .ok_or(ServerError::MissingFlag("server-cert"))?;
+/// The four ports, bound before anything is served so a taken port fails
+/// the start.
+struct Ports {
+    client: Listener,
+    client_addr: SocketAddr,
+    client_socket: Option<PathBuf>,
+    agent: tokio::net::TcpListener,
+    agent_addr: SocketAddr,
+    health: tokio::net::TcpListener,
+    health_addr: SocketAddr,
+    admin: tokio::net::TcpListener,
+    admin_addr: SocketAddr,
+}
+
+/// Binds the client port (TCP with TLS, or the Unix socket of
+/// `--uds-name`), then the agent, health and admin ports.
+async fn bind_ports(
+    config: &ServerConfig,
+    frontend_tls: Option<Watched<rustls::ServerConfig>>,
+    metrics: &Arc<Metrics>,
+) -> Result<Ports, ServerError> {
+    let (client, client_addr, client_socket) = if config.uds_name.is_empty() {
+        let tls = frontend_tls.ok_or(ServerError::MissingFlag("server-cert"))?;
         let (listener, addr) = bind(
             "client port",
             &config.server_bind_address,
@@ -439,25 +534,56 @@ pub async fn start_with_peers(
             Some(path),
         )
     };
-    let (agent_listener, agent_addr) =
+    let (agent, agent_addr) =
         bind("agent port", &config.agent_bind_address, config.agent_port).await?;
-    let (health_listener, health_addr) = bind(
+    let (health, health_addr) = bind(
         "health port",
         &config.health_bind_address,
         config.health_port,
     )
     .await?;
-    let (admin_listener, admin_addr) =
+    let (admin, admin_addr) =
         bind("admin port", &config.admin_bind_address, config.admin_port).await?;
+    Ok(Ports {
+        client,
+        client_addr,
+        client_socket,
+        agent,
+        agent_addr,
+        health,
+        health_addr,
+        admin,
+        admin_addr,
+    })
+}
 
-    let shutdown = CancellationToken::new();
-    let draining = Arc::new(AtomicBool::new(false));
-    let tasks = TaskTracker::new();
-    let grace = config.graceful_shutdown_timeout;
+/// What every served part of a starting server shares.
+struct Running<'a> {
+    registry: &'a Arc<Registry>,
+    metrics: &'a Arc<Metrics>,
+    shutdown: &'a CancellationToken,
+    tasks: &'a TaskTracker,
+    grace: Duration,
+}
 
-    let (server_count, server_count_rx) = tokio::sync::watch::channel(config.server_count);
-    metrics.server_count.set(i64::from(config.server_count));
-    let readiness = match peers {
+/// Starts counting the replicas when there is a way to (`peers`), and
+/// returns the readiness check that goes with it: caught up with the
+/// agents the other replicas hold, or, alone, any agent at all.
+fn follow_peers(
+    config: &ServerConfig,
+    peers: Option<Arc<dyn PeerLookup>>,
+    server_count: tokio::sync::watch::Sender<u32>,
+    draining: &Arc<AtomicBool>,
+    running: &Running<'_>,
+) -> readiness::Readiness {
+    let Running {
+        registry,
+        metrics,
+        shutdown,
+        tasks,
+        ..
+    } = *running;
+    match peers {
         Some(lookup) => {
             info!(source = lookup.describe(), every = ?config.server_count_refresh_interval, "counting the proxy-server replicas");
             let (found, peer_addresses) = tokio::sync::watch::channel(Vec::new());
@@ -482,12 +608,23 @@ pub async fn start_with_peers(
             readiness::Readiness::caught_up(draining.clone(), registry.clone(), catch_up)
         }
         None => readiness::Readiness::any_agent(draining.clone(), registry.clone()),
-    };
+    }
+}
 
+/// Serves `AgentService.Connect` on the agent port.
+fn serve_agent_port(
+    config: &ServerConfig,
+    listener: tokio::net::TcpListener,
+    tls: Watched<rustls::ServerConfig>,
+    server_id: &str,
+    server_count: tokio::sync::watch::Receiver<u32>,
+    draining: &Arc<AtomicBool>,
+    running: &Running<'_>,
+) {
     let agent_endpoint = AgentEndpoint {
         settings: AgentEndpointSettings {
-            server_id: server_id.clone(),
-            server_count: server_count_rx.clone(),
+            server_id: server_id.to_owned(),
+            server_count,
             allow_unbound_agents: config.allow_unbound_agents,
             flow_control_window: config.flow_control_window,
             plain_peer_buffer: config.plain_peer_buffer,
@@ -497,13 +634,13 @@ pub async fn start_with_peers(
             max_pending_dials_per_tunnel: limit(config.max_pending_dials_per_tunnel),
             max_stray_closes_per_tunnel: limit(config.max_stray_closes_per_tunnel),
         },
-        registry: registry.clone(),
-        metrics: metrics.clone(),
+        registry: running.registry.clone(),
+        metrics: running.metrics.clone(),
         draining: draining.clone(),
     };
-    tasks.spawn(listener::serve(
+    running.tasks.spawn(listener::serve(
         "agent",
-        Listener::Tcp(agent_listener, tls.agent, metrics.clone()),
+        Listener::Tcp(listener, tls, running.metrics.clone()),
         GrpcConnections {
             method: agent_endpoint,
             max_packet_size: limit(config.max_packet_size),
@@ -512,12 +649,21 @@ pub async fn start_with_peers(
                 max_concurrent_streams: config.max_concurrent_streams,
                 windows: cluster_proxy_proto::transport::TUNNEL_WINDOWS,
             },
-            shutdown: shutdown.clone(),
+            shutdown: running.shutdown.clone(),
         },
-        shutdown.clone(),
-        grace,
+        running.shutdown.clone(),
+        running.grace,
     ));
+}
 
+/// Serves the client port: gRPC and HTTP CONNECT, as `--mode` says. The
+/// returned task ends when the port has stopped accepting.
+fn serve_client_port(
+    config: &ServerConfig,
+    listener: Listener,
+    dialer: Arc<Dialer>,
+    running: &Running<'_>,
+) -> tokio::task::JoinHandle<()> {
     let client_http2 = Http2Settings {
         keepalive: keepalive(config.frontend_keepalive_time),
         max_concurrent_streams: config.max_concurrent_streams,
@@ -526,67 +672,57 @@ pub async fn start_with_peers(
     let grpc = matches!(config.mode, Mode::Both | Mode::Grpc).then(|| GrpcConnections {
         method: GrpcFrontend {
             dialer: dialer.clone(),
-            metrics: metrics.clone(),
+            metrics: running.metrics.clone(),
             first_packet_timeout: config.first_packet_timeout,
         },
         max_packet_size: limit(config.max_packet_size),
         http2: client_http2,
-        shutdown: shutdown.clone(),
+        shutdown: running.shutdown.clone(),
     });
     let connect = matches!(config.mode, Mode::Both | Mode::HttpConnect).then(|| {
         Arc::new(ConnectFrontend {
             dialer: dialer.clone(),
-            metrics: metrics.clone(),
+            metrics: running.metrics.clone(),
         })
     });
-    let client_connections = ClientConnections::new(grpc, connect, client_http2, shutdown.clone());
-    let client_listener = tasks.spawn(listener::serve(
+    let client_connections =
+        ClientConnections::new(grpc, connect, client_http2, running.shutdown.clone());
+    running.tasks.spawn(listener::serve(
         "client",
-        client_listener,
+        listener,
         client_connections,
-        shutdown.clone(),
-        grace,
-    ));
+        running.shutdown.clone(),
+        running.grace,
+    ))
+}
 
-    let health_metrics = metrics.clone();
-    let counted = registry.clone();
+/// Serves the health port (probes, metrics, the agent count) and the admin
+/// port (metrics).
+fn serve_health_and_admin(
+    health_listener: tokio::net::TcpListener,
+    admin_listener: tokio::net::TcpListener,
+    readiness: readiness::Readiness,
+    running: &Running<'_>,
+) {
+    let health_metrics = running.metrics.clone();
+    let counted = running.registry.clone();
     let health = admin::Routes::probes(move || readiness.check())
         .with_metrics(move || health_metrics.encode())
         .with_text(readiness::AGENT_COUNT_PATH, move || {
             format!("{}\n", counted.agent_count())
         });
-    tasks.spawn(admin::serve(health_listener, health, shutdown.clone()));
-    let admin_metrics = metrics.clone();
+    running.tasks.spawn(admin::serve(
+        health_listener,
+        health,
+        running.shutdown.clone(),
+    ));
+    let admin_metrics = running.metrics.clone();
     let admin_routes = admin::Routes::metrics_only(move || admin_metrics.encode());
-    tasks.spawn(admin::serve(admin_listener, admin_routes, shutdown.clone()));
-
-    info!(
-        server_id,
-        %client_addr,
-        client_socket = client_socket.as_ref().map(|p| p.display().to_string()),
-        %agent_addr,
-        %health_addr,
-        %admin_addr,
-        mode = ?config.mode,
-        strategies = config.proxy_strategies,
-        "proxy-server started"
-    );
-    Ok(RunningServer {
-        server_id,
-        client_addr,
-        client_socket,
-        agent_addr,
-        health_addr,
-        admin_addr,
-        registry,
-        metrics,
-        server_count: server_count_rx,
-        shutdown,
-        draining,
-        client_listener,
-        tasks,
-        grace,
-    })
+    running.tasks.spawn(admin::serve(
+        admin_listener,
+        admin_routes,
+        running.shutdown.clone(),
+    ));
 }
 
 #[cfg(test)]

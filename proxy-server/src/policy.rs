@@ -23,6 +23,9 @@ use std::path::Path;
 use cluster_proxy_proto::identity::ClusterName;
 use figment::providers::{Format, Toml};
 use serde::Deserialize;
+use tracing::warn;
+
+use crate::listener::PeerInfo;
 
 #[derive(Debug, thiserror::Error)]
 pub enum PolicyError {
@@ -120,6 +123,23 @@ impl ClientPolicy {
             None => false,
         }
     }
+}
+
+/// Why the client port refuses `peer`, if it does. A certificate that
+/// names a cluster is an agent's: agents and hub clients share the CA, so
+/// without this check one managed cluster's agent key would reach every
+/// other cluster through the client port.
+pub(crate) fn refusal(peer: &PeerInfo) -> Option<String> {
+    let cluster = peer.cluster.as_ref()?;
+    warn!(
+        remote = %peer.remote,
+        subject = peer.subject,
+        %cluster,
+        "refusing an agent certificate on the client port"
+    );
+    Some(format!(
+        "the client certificate names cluster {cluster}: agent certificates may not dial through the client port; use a hub client certificate"
+    ))
 }
 
 #[cfg(test)]

@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use cluster_proxy_proto::Packet;
+use cluster_proxy_proto::duplex::{ChunkSink, Payload};
 use cluster_proxy_proto::flow::{
     Delivery, FlowError, Outbound, READ_CHUNK, ReceiveQueue, ReceiveQueueRx, SendCredit,
     WindowTracker, outbound,
@@ -25,7 +26,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use crate::conn_trace::{ConnTrace, EndReason};
-use crate::dial::DialFailure;
+use crate::dial_failure::DialFailure;
 use crate::metrics::{Metrics, Segment};
 
 static NEXT_TUNNEL_ID: AtomicU64 = AtomicU64::new(1);
@@ -682,6 +683,29 @@ impl ConnSender {
     /// already sent; the agent's CLOSE_RSP arrives at the [`ConnReceiver`].
     pub fn request_close(&self) {
         self.shared.request_close();
+    }
+}
+
+impl ChunkSink<Bytes> for ConnSender {
+    type Error = FlowError;
+
+    async fn send(&mut self, chunk: Bytes) -> Result<(), FlowError> {
+        ConnSender::send(self, chunk).await
+    }
+
+    /// The client is done sending: ask the agent to close.
+    async fn finish(&mut self) {
+        self.request_close();
+    }
+}
+
+impl Payload for FrontendEvent {
+    /// A close carries none (the relays end on it, never write it).
+    fn payload(&self) -> &[u8] {
+        match self {
+            FrontendEvent::Data(data) => data,
+            FrontendEvent::Closed(_) => &[],
+        }
     }
 }
 

@@ -28,7 +28,17 @@ use kube::{Api, Resource};
 
 use super::AddonError;
 use super::own_writes::OwnWrites;
-use super::reconcile::get_opt;
+
+/// Reads one object from the API server (no cache); `None` when it does not
+/// exist. Here with the caches, which fall back to it.
+pub(crate) async fn get_opt<K>(api: &Api<K>, name: &str) -> Result<Option<K>, AddonError>
+where
+    K: Resource<DynamicType = ()> + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    api.get_opt(name)
+        .await
+        .map_err(AddonError::api(format!("reading {} {name}", K::kind(&()))))
+}
 
 /// What the ManagedClusterAddOn controller reads.
 #[derive(Clone)]

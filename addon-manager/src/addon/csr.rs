@@ -41,7 +41,7 @@ use kube::runtime::watcher;
 use kube::{Api, ResourceExt};
 use x509_parser::prelude::{FromDer, X509CertificationRequest};
 
-use super::reconcile::get_opt;
+use super::cache::get_opt;
 use super::render::{
     ADDON_AGENTS_GROUP, CLUSTER_PROXY_GROUP, KUBE_APISERVER_CLIENT_SIGNER, PROXY_AGENT_SIGNER,
     PROXY_AGENT_USER, framework_agent_group, framework_agent_user,

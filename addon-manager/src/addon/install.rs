@@ -35,11 +35,11 @@ use kube::{Api, Resource, ResourceExt};
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::time::Instant;
 
+use super::cache::get_opt;
 use super::cache::{
     InstallCacheWriters, cached_or_own_or_read, reflected_objects, reflected_triggers,
 };
 use super::config::{ADC_GROUP, ADC_RESOURCE, MPC_GROUP, MPC_RESOURCE};
-use super::reconcile::get_opt;
 use super::status::addon_meta;
 use super::{
     ADDON_NAME, AddonError, AddonSettings, Context, InstallStrategy, PlacementRef, retry_after,

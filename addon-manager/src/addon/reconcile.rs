@@ -24,10 +24,12 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{OwnerReference, Time};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
-use kube::{Api, Resource, ResourceExt};
+use kube::{Api, ResourceExt};
 
 use super::applied::{ANNOTATION_APPLIED_CONFIGURATIONS, AppliedConfigurations};
-use super::cache::{AddonCacheWriters, cached_or_read, reflected_objects, reflected_triggers};
+use super::cache::{
+    AddonCacheWriters, cached_or_read, get_opt, reflected_objects, reflected_triggers,
+};
 use super::config::{self, DeploymentConfigRef};
 use super::customize::{AgentCustomization, CustomizationError};
 use super::install;
@@ -50,15 +52,6 @@ const CONTROLLER: &str = "managedclusteraddon";
 /// How often a pending load balancer is looked at again, in case its
 /// Service is outside the watched namespace.
 const ENTRYPOINT_RETRY: Duration = Duration::from_secs(15);
-
-pub(crate) async fn get_opt<K>(api: &Api<K>, name: &str) -> Result<Option<K>, AddonError>
-where
-    K: Resource<DynamicType = ()> + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
-{
-    api.get_opt(name)
-        .await
-        .map_err(AddonError::api(format!("reading {} {name}", K::kind(&()))))
-}
 
 fn now() -> Time {
     Time(k8s_openapi::jiff::Timestamp::now())
@@ -124,92 +117,241 @@ async fn evaluate(
     cluster: &str,
     context: &Context,
 ) -> Result<Outcome, AddonError> {
-    let client = &context.client;
     let cache = &context.caches.addon;
     cache.ready().await?;
     let now = now();
     let mut status = OwnedStatus::from_current(addon);
-    let stop = |mut status: OwnedStatus, decided: Vec<Decided>, requeue: Option<Duration>| {
-        for decided in decided {
-            status.set(decided, &now);
+    let stop = |mut status: OwnedStatus, stop: Stop| match stop {
+        Stop::Conditions(decided, requeue) => {
+            for decided in decided {
+                status.set(decided, &now);
+            }
+            Ok(Outcome {
+                status,
+                requeue,
+                deleted: false,
+            })
         }
-        Ok(Outcome {
+        Stop::Deleted => Ok(Outcome {
             status,
-            requeue,
-            deleted: false,
-        })
+            requeue: None,
+            deleted: true,
+        }),
     };
+    // Each step goes on with what it found, or says why the reconcile stops.
+    macro_rules! step {
+        ($step:expr) => {
+            match $step {
+                Ok(found) => found,
+                Err(why) => return stop(status, why),
+            }
+        };
+    }
 
+    let cluster_name = step!(valid_cluster_name(cluster)?);
+    let managed_cluster = step!(managed_cluster(addon, cluster, context).await?);
+    let configs = step!(configurations(addon, cluster, context).await?);
+    // What this cluster has been told so far: kept while its change waits.
+    let previous_references = status.config_references.clone();
+    let previous_namespace = status.namespace.clone();
+    let target = record_configurations(&mut status, &configs, &now)?;
+
+    let ca_pem = step!(hub_ca_bundle(context).await?);
+    let install_namespace = step!(valid_install_namespace(addon, &configs, context));
+    status.registrations = Some(render::registrations(&ca_pem, cluster));
+    status.namespace = Some(install_namespace.clone());
+    let owner = apply::owner_reference(addon);
+    apply_agent_rbac(context, cluster, owner.clone()).await?;
+    status.set(
+        Decided::new(
+            CONDITION_REGISTRATION_APPLIED,
+            CONDITION_TRUE,
+            REASON_SET_PERMISSION_APPLIED,
+            "Registration of the addon agent is configured",
+        ),
+        &now,
+    );
+
+    // Deployment: a valid MPC and a known entrypoint.
+    let rendering = Rendering {
+        context,
+        cluster_name: &cluster_name,
+        managed_cluster: Some(&*managed_cluster),
+        ca_pem: &ca_pem,
+        owner,
+    };
+    let desired = step!(desired_work(&rendering, &install_namespace, &configs, &target).await?);
+    let works = Api::<ManifestWork>::namespaced(client_of(context), cluster);
+    let work_key = ObjectRef::new(MANIFEST_WORK_NAME).within(cluster);
+    let current = cache
+        .own_works
+        .freshest(&work_key, cache.works.get(&work_key))
+        .as_deref()
+        .cloned();
+
+    // A configuration change reaches an installed agent when its
+    // placement's rollout says so; until then its work stays rendered from
+    // the configurations it has.
+    let strategy = match configs
+        .placement
+        .as_ref()
+        .map(|placement| &placement.strategy)
+    {
+        None => rollout::Strategy::all(),
+        Some(Ok(strategy)) => strategy.clone(),
+        // Changes wait (below); the rest of the rollout needs no strategy.
+        Some(Err(_)) => rollout::Strategy::all(),
+    };
+    let changing = current
+        .as_ref()
+        .is_some_and(|current| rollout::work_config_spec_hash(current) != Some(target.as_str()));
+    if let Some(current) = current.as_ref().filter(|_| changing)
+        && let rollout::Admission::Wait(why) =
+            change_admission(context, cluster, &configs, &target, &now)
+    {
+        tracing::debug!(%cluster, %why, "the configuration change waits for its turn");
+        status.config_references = previous_references;
+        let work = keep_previous_work(
+            addon,
+            cluster,
+            context,
+            &rendering,
+            &configs,
+            current,
+            &mut status,
+            previous_namespace,
+        )
+        .await?;
+        status.set(manifest_applied(work.as_ref()), &now);
+        return Ok(Outcome {
+            status,
+            requeue: Some(rollout::WAITING_RECHECK),
+            deleted: false,
+        });
+    }
+
+    let work = apply_work(cluster, context, &works, current, &desired).await?;
+    status.set(manifest_applied(work.as_ref()), &now);
+    let requeue = advance_rollout(
+        addon,
+        context,
+        &configs,
+        &strategy,
+        &target,
+        work.as_ref(),
+        &mut status,
+        &now,
+    );
+    Ok(Outcome {
+        status,
+        requeue,
+        deleted: false,
+    })
+}
+
+fn client_of(context: &Context) -> kube::Client {
+    context.client.clone()
+}
+
+/// Why a reconcile stops before the agent's work is applied.
+enum Stop {
+    /// These conditions say why; look again after the duration, if any.
+    Conditions(Vec<Decided>, Option<Duration>),
+    /// The addon was removed with its cluster: no status to write.
+    Deleted,
+}
+
+impl Stop {
+    fn because(decided: Vec<Decided>) -> Self {
+        Stop::Conditions(decided, None)
+    }
+}
+
+/// The cluster's name, when the agent's Service can be named after it.
+fn valid_cluster_name(cluster: &str) -> Result<Result<ClusterName, Stop>, AddonError> {
     if !render::is_dns1035_label(cluster) {
         let message = format!(
             "cluster name {cluster:?} is not a DNS-1035 label (a lowercase letter, then lowercase alphanumerics and '-', at most 63): the agent's Service cannot be named after it"
         );
-        return stop(
-            status,
-            vec![
-                Decided::new(
-                    CONDITION_MANIFEST_APPLIED,
-                    CONDITION_FALSE,
-                    REASON_INVALID_CLUSTER_NAME,
-                    &message,
-                ),
-                Decided::new(
-                    CONDITION_REGISTRATION_APPLIED,
-                    CONDITION_FALSE,
-                    REASON_INVALID_CLUSTER_NAME,
-                    message,
-                ),
-            ],
-            None,
-        );
-    }
-    let cluster_name =
-        ClusterName::new(cluster).map_err(|_| AddonError::Incomplete("a valid cluster name"))?;
-
-    let managed_clusters = Api::<ManagedCluster>::all(client.clone());
-    let managed_cluster = cached_or_read(&cache.clusters, &managed_clusters, cluster).await?;
-    let managements = Api::<ClusterManagementAddOn>::all(client.clone());
-    if managed_cluster.is_none() {
-        let management = cached_or_read(&cache.managements, &managements, ADDON_NAME).await?;
-        if management
-            .as_ref()
-            .is_some_and(|management| install::installed_by(addon, management))
-        {
-            tracing::info!(%cluster, "the ManagedCluster is gone; removing the addon installed for it");
-            install::delete_addon(&Api::namespaced(client.clone(), cluster)).await?;
-            return Ok(Outcome {
-                status,
-                requeue: None,
-                deleted: true,
-            });
-        }
-        return stop(
-            status,
-            vec![Decided::new(
+        return Ok(Err(Stop::because(vec![
+            Decided::new(
                 CONDITION_MANIFEST_APPLIED,
                 CONDITION_FALSE,
-                REASON_CLUSTER_NOT_FOUND,
-                format!("ManagedCluster {cluster} does not exist"),
-            )],
-            None,
-        );
+                REASON_INVALID_CLUSTER_NAME,
+                &message,
+            ),
+            Decided::new(
+                CONDITION_REGISTRATION_APPLIED,
+                CONDITION_FALSE,
+                REASON_INVALID_CLUSTER_NAME,
+                message,
+            ),
+        ])));
     }
+    ClusterName::new(cluster)
+        .map(Ok)
+        .map_err(|_| AddonError::Incomplete("a valid cluster name"))
+}
 
-    // Configurations: the MPC, and the AddOnDeploymentConfig if one applies.
+/// The addon's ManagedCluster; when it is gone, the addon we installed for
+/// it is removed, and any other addon says so.
+async fn managed_cluster(
+    addon: &ManagedClusterAddOn,
+    cluster: &str,
+    context: &Context,
+) -> Result<Result<Arc<ManagedCluster>, Stop>, AddonError> {
+    let cache = &context.caches.addon;
+    let managed_clusters = Api::<ManagedCluster>::all(client_of(context));
+    if let Some(found) = cached_or_read(&cache.clusters, &managed_clusters, cluster).await? {
+        return Ok(Ok(found));
+    }
+    let managements = Api::<ClusterManagementAddOn>::all(client_of(context));
+    let management = cached_or_read(&cache.managements, &managements, ADDON_NAME).await?;
+    if management
+        .as_ref()
+        .is_some_and(|management| install::installed_by(addon, management))
+    {
+        tracing::info!(%cluster, "the ManagedCluster is gone; removing the addon installed for it");
+        install::delete_addon(&Api::namespaced(client_of(context), cluster)).await?;
+        return Ok(Err(Stop::Deleted));
+    }
+    Ok(Err(Stop::because(vec![Decided::new(
+        CONDITION_MANIFEST_APPLIED,
+        CONDITION_FALSE,
+        REASON_CLUSTER_NOT_FOUND,
+        format!("ManagedCluster {cluster} does not exist"),
+    )])))
+}
+
+/// What the agent is configured by: the MPC, and the AddOnDeploymentConfig
+/// if one applies (through the cluster's placement, or the addon's own).
+struct Configurations {
+    mpc: Arc<ManagedProxyConfiguration>,
+    management: Option<Arc<ClusterManagementAddOn>>,
+    placement: Option<rollout::ClusterPlacement>,
+    adc_ref: Option<DeploymentConfigRef>,
+    adc: Option<Arc<AddOnDeploymentConfig>>,
+}
+
+/// Reads the configurations; stops when one that applies does not exist.
+async fn configurations(
+    addon: &ManagedClusterAddOn,
+    cluster: &str,
+    context: &Context,
+) -> Result<Result<Configurations, Stop>, AddonError> {
+    let cache = &context.caches.addon;
+    let client = &context.client;
     let mpc_name = context.settings.managed_proxy_configuration.as_str();
     let mpc = cached_or_read(&cache.mpcs, &Api::all(client.clone()), mpc_name).await?;
     let Some(mpc) = mpc else {
-        return stop(
-            status,
-            vec![Decided::new(
-                CONDITION_CONFIGURED,
-                CONDITION_FALSE,
-                REASON_CONFIGURATION_NOT_FOUND,
-                format!("ManagedProxyConfiguration {mpc_name} does not exist"),
-            )],
-            None,
-        );
+        return Ok(Err(Stop::because(vec![Decided::new(
+            CONDITION_CONFIGURED,
+            CONDITION_FALSE,
+            REASON_CONFIGURATION_NOT_FOUND,
+            format!("ManagedProxyConfiguration {mpc_name} does not exist"),
+        )])));
     };
+    let managements = Api::<ClusterManagementAddOn>::all(client.clone());
     let management = cached_or_read(&cache.managements, &managements, ADDON_NAME).await?;
     let placement = rollout::placement_of(context, management.as_deref(), cluster);
     let selection = match (&placement, &context.settings.install_strategy) {
@@ -225,24 +367,37 @@ async fn evaluate(
             match cached_or_read(&cache.deployment_configs, &api, &reference.name).await? {
                 Some(adc) => Some(adc),
                 None => {
-                    return stop(
-                        status,
-                        vec![Decided::new(
-                            CONDITION_CONFIGURED,
-                            CONDITION_FALSE,
-                            REASON_CONFIGURATION_NOT_FOUND,
-                            format!("AddOnDeploymentConfig {reference} does not exist"),
-                        )],
-                        None,
-                    );
+                    return Ok(Err(Stop::because(vec![Decided::new(
+                        CONDITION_CONFIGURED,
+                        CONDITION_FALSE,
+                        REASON_CONFIGURATION_NOT_FOUND,
+                        format!("AddOnDeploymentConfig {reference} does not exist"),
+                    )])));
                 }
             }
         }
     };
-    // What this cluster has been told so far: kept while its change waits.
-    let previous_references = status.config_references.clone();
-    let previous_namespace = status.namespace.clone();
-    let references = config_references(&mpc, adc_ref.as_ref(), adc.as_deref())?;
+    Ok(Ok(Configurations {
+        mpc,
+        management,
+        placement,
+        adc_ref,
+        adc,
+    }))
+}
+
+/// Records the configurations in `status` (references, `Configured`) and
+/// returns their hash, the work's target.
+fn record_configurations(
+    status: &mut OwnedStatus,
+    configs: &Configurations,
+    now: &Time,
+) -> Result<String, AddonError> {
+    let references = config_references(
+        &configs.mpc,
+        configs.adc_ref.as_ref(),
+        configs.adc.as_deref(),
+    )?;
     let target = rollout::config_spec_hash(&references);
     status.config_references = Some(references);
     status.set(
@@ -252,62 +407,75 @@ async fn evaluate(
             REASON_CONFIGURED,
             "Configurations configured",
         ),
-        &now,
+        now,
     );
+    Ok(target)
+}
 
-    // Registration: needs the hub CA, whose hash is in the agent's subject.
-    let secrets = Api::namespaced(client.clone(), &context.settings.hub_namespace);
+/// The hub CA bundle, whose hash is in the agent's subject: registration
+/// needs it.
+async fn hub_ca_bundle(context: &Context) -> Result<Result<Vec<u8>, Stop>, AddonError> {
+    let cache = &context.caches.addon;
+    let secrets = Api::namespaced(client_of(context), &context.settings.hub_namespace);
     let ca_pem = cached_or_read(&cache.hub_secrets, &secrets, CA_BUNDLE_SECRET)
         .await?
         .and_then(|secret| secret.data.as_ref()?.get(CA_BUNDLE_KEY).cloned())
         .map(|bytes| bytes.0)
         .filter(|pem| !pem.is_empty());
-    let Some(ca_pem) = ca_pem else {
+    Ok(ca_pem.ok_or_else(|| {
         let message = format!(
             "Secret {}/{CA_BUNDLE_SECRET} has no {CA_BUNDLE_KEY} yet",
             context.settings.hub_namespace
         );
-        return stop(
-            status,
-            vec![
-                Decided::new(
-                    CONDITION_REGISTRATION_APPLIED,
-                    CONDITION_FALSE,
-                    REASON_CA_NOT_FOUND,
-                    &message,
-                ),
-                Decided::new(
-                    CONDITION_MANIFEST_APPLIED,
-                    CONDITION_FALSE,
-                    REASON_CA_NOT_FOUND,
-                    message,
-                ),
-            ],
-            None,
-        );
-    };
+        Stop::because(vec![
+            Decided::new(
+                CONDITION_REGISTRATION_APPLIED,
+                CONDITION_FALSE,
+                REASON_CA_NOT_FOUND,
+                &message,
+            ),
+            Decided::new(
+                CONDITION_MANIFEST_APPLIED,
+                CONDITION_FALSE,
+                REASON_CA_NOT_FOUND,
+                message,
+            ),
+        ])
+    }))
+}
+
+/// The namespace the agent is installed in, when it is a valid one.
+fn valid_install_namespace(
+    addon: &ManagedClusterAddOn,
+    configs: &Configurations,
+    context: &Context,
+) -> Result<String, Stop> {
     let install_namespace = render::install_namespace(
         addon,
-        adc.as_deref(),
+        configs.adc.as_deref(),
         &context.settings.agent_install_namespace,
     );
     if !is_dns1123_label(&install_namespace) {
-        return stop(
-            status,
-            vec![Decided::new(
-                CONDITION_MANIFEST_APPLIED,
-                CONDITION_FALSE,
-                REASON_INVALID_INSTALL_NAMESPACE,
-                format!("install namespace {install_namespace:?} is not a DNS-1123 label"),
-            )],
-            None,
-        );
+        return Err(Stop::because(vec![Decided::new(
+            CONDITION_MANIFEST_APPLIED,
+            CONDITION_FALSE,
+            REASON_INVALID_INSTALL_NAMESPACE,
+            format!("install namespace {install_namespace:?} is not a DNS-1123 label"),
+        )]));
     }
-    status.registrations = Some(render::registrations(&ca_pem, cluster));
-    status.namespace = Some(install_namespace.clone());
-    let owner = apply::owner_reference(addon);
-    let (role, binding) = render::hub_agent_rbac(cluster, owner.clone());
-    let roles = Api::<Role>::namespaced(client.clone(), cluster);
+    Ok(install_namespace)
+}
+
+/// Applies the addon agent's Role and RoleBinding in the cluster's
+/// namespace on the hub, unless they already are as rendered.
+async fn apply_agent_rbac(
+    context: &Context,
+    cluster: &str,
+    owner: Option<OwnerReference>,
+) -> Result<(), AddonError> {
+    let cache = &context.caches.addon;
+    let (role, binding) = render::hub_agent_rbac(cluster, owner);
+    let roles = Api::<Role>::namespaced(client_of(context), cluster);
     let role_key = ObjectRef::new(AGENT_RBAC_NAME).within(cluster);
     let current_role = cache
         .own_roles
@@ -320,7 +488,7 @@ async fn evaluate(
             .own_roles
             .wrote(current_role.as_deref(), apply::apply(&roles, &role).await?);
     }
-    let bindings = Api::<RoleBinding>::namespaced(client.clone(), cluster);
+    let bindings = Api::<RoleBinding>::namespaced(client_of(context), cluster);
     let binding_key = ObjectRef::new(AGENT_RBAC_NAME).within(cluster);
     let current_binding = cache
         .own_role_bindings
@@ -335,159 +503,196 @@ async fn evaluate(
             apply::apply(&bindings, &binding).await?,
         );
     }
-    status.set(
-        Decided::new(
-            CONDITION_REGISTRATION_APPLIED,
-            CONDITION_TRUE,
-            REASON_SET_PERMISSION_APPLIED,
-            "Registration of the addon agent is configured",
-        ),
-        &now,
-    );
+    Ok(())
+}
 
-    // Deployment: a valid MPC and a known entrypoint.
-    let rendering = Rendering {
-        context,
-        cluster_name: &cluster_name,
-        managed_cluster: managed_cluster.as_deref(),
-        ca_pem: &ca_pem,
-        owner,
-    };
-    let applied = AppliedConfigurations::of(&mpc, adc_ref.as_ref(), adc.as_deref())
-        .to_annotation()
-        .map_err(|error| AddonError::Render(work::ManifestError::Serialize(error)))?;
-    let desired = match rendering
-        .work(&install_namespace, &mpc, adc.as_deref(), &target, &applied)
+/// The agent's work as the configurations render it; stops when they cannot.
+async fn desired_work(
+    rendering: &Rendering<'_>,
+    install_namespace: &str,
+    configs: &Configurations,
+    target: &str,
+) -> Result<Result<ManifestWork, Stop>, AddonError> {
+    let applied = AppliedConfigurations::of(
+        &configs.mpc,
+        configs.adc_ref.as_ref(),
+        configs.adc.as_deref(),
+    )
+    .to_annotation()
+    .map_err(|error| AddonError::Render(work::ManifestError::Serialize(error)))?;
+    Ok(rendering
+        .work(
+            install_namespace,
+            &configs.mpc,
+            configs.adc.as_deref(),
+            target,
+            &applied,
+        )
         .await?
-    {
-        Ok(desired) => desired,
-        Err(refused) => return stop(status, vec![refused.condition], refused.requeue),
-    };
-    let works = Api::<ManifestWork>::namespaced(client.clone(), cluster);
-    let work_key = ObjectRef::new(MANIFEST_WORK_NAME).within(cluster);
-    let current = cache
-        .own_works
-        .freshest(&work_key, cache.works.get(&work_key))
-        .as_deref()
-        .cloned();
-    let wrote_work =
-        |written| Arc::unwrap_or_clone(cache.own_works.wrote(current.as_ref(), written));
+        .map_err(|refused| Stop::Conditions(vec![refused.condition], refused.requeue)))
+}
 
-    // A configuration change reaches an installed agent when its
-    // placement's rollout says so; until then its work stays rendered from
-    // the configurations it has.
-    let management = management.as_deref();
-    let strategy = match placement.as_ref().map(|placement| &placement.strategy) {
-        None => rollout::Strategy::all(),
-        Some(Ok(strategy)) => strategy.clone(),
-        // Changes wait (below); the rest of the rollout needs no strategy.
-        Some(Err(_)) => rollout::Strategy::all(),
-    };
-    let rollout_strategy_valid = placement
-        .as_ref()
-        .is_none_or(|placement| placement.strategy.is_ok());
-    let changing = current
-        .as_ref()
-        .is_some_and(|current| rollout::work_config_spec_hash(current) != Some(target.as_str()));
-    if let Some(current) = current.as_ref().filter(|_| changing) {
-        let admission = match &placement {
-            Some(rollout::ClusterPlacement {
-                strategy: Err(invalid),
-                ..
-            }) => {
-                tracing::warn!(%cluster, %invalid, "the placement's rolloutStrategy cannot be followed; the configuration change waits");
-                rollout::Admission::Wait(format!("invalid rolloutStrategy: {invalid}"))
-            }
-            Some(rollout::ClusterPlacement {
-                placement,
-                strategy: Ok(strategy),
-            }) if strategy.kind != rollout::RolloutKind::All => context.rollouts.decide(
-                placement,
-                strategy,
-                cluster,
-                &target,
-                || rollout::members(context, placement, strategy, &mpc, management, now.0),
-                now.0,
-            ),
-            _ => rollout::Admission::Admit,
-        };
-        if let rollout::Admission::Wait(why) = admission {
-            tracing::debug!(%cluster, %why, "the configuration change waits for its turn");
-            status.config_references = previous_references;
-            let work = match rendering.previous_work(addon, current, &mpc).await? {
-                Ok(previous) if is_current(current, &previous.work) => {
-                    status.namespace = Some(previous.install_namespace);
-                    Some(current.clone())
-                }
-                Ok(previous) => {
-                    tracing::info!(%cluster, "applying the agent ManifestWork of a cluster waiting for its turn, from the configurations it has");
-                    status.namespace = Some(previous.install_namespace);
-                    Some(wrote_work(apply::apply(&works, &previous.work).await?))
-                }
-                Err(unrecorded @ NotRerendered::Unrecorded) => {
-                    tracing::debug!(%cluster, why = %unrecorded, "the work of a cluster waiting for its turn is left as it is");
-                    status.namespace = previous_namespace;
-                    Some(current.clone())
-                }
-                Err(why) => {
-                    tracing::warn!(%cluster, %why, "the work of a cluster waiting for its turn cannot be rendered from the configurations it has; it is left as it is");
-                    status.namespace = previous_namespace;
-                    Some(current.clone())
-                }
-            };
-            status.set(manifest_applied(work.as_ref()), &now);
-            return Ok(Outcome {
-                status,
-                requeue: Some(rollout::WAITING_RECHECK),
-                deleted: false,
-            });
+/// Whether the placement's rollout lets the cluster's configuration change
+/// through now.
+fn change_admission(
+    context: &Context,
+    cluster: &str,
+    configs: &Configurations,
+    target: &str,
+    now: &Time,
+) -> rollout::Admission {
+    match &configs.placement {
+        Some(rollout::ClusterPlacement {
+            strategy: Err(invalid),
+            ..
+        }) => {
+            tracing::warn!(%cluster, %invalid, "the placement's rolloutStrategy cannot be followed; the configuration change waits");
+            rollout::Admission::Wait(format!("invalid rolloutStrategy: {invalid}"))
         }
+        Some(rollout::ClusterPlacement {
+            placement,
+            strategy: Ok(strategy),
+        }) if strategy.kind != rollout::RolloutKind::All => context.rollouts.decide(
+            placement,
+            strategy,
+            cluster,
+            target,
+            || {
+                rollout::members(
+                    context,
+                    placement,
+                    strategy,
+                    &configs.mpc,
+                    configs.management.as_deref(),
+                    now.0,
+                )
+            },
+            now.0,
+        ),
+        _ => rollout::Admission::Admit,
     }
+}
 
+/// For a cluster whose change waits: its work as rendered from the
+/// configurations it has (applied again if it drifted), or as it is when
+/// it cannot be rendered from them. Sets the status's namespace to match.
+#[allow(clippy::too_many_arguments)]
+async fn keep_previous_work(
+    addon: &ManagedClusterAddOn,
+    cluster: &str,
+    context: &Context,
+    rendering: &Rendering<'_>,
+    configs: &Configurations,
+    current: &ManifestWork,
+    status: &mut OwnedStatus,
+    previous_namespace: Option<String>,
+) -> Result<Option<ManifestWork>, AddonError> {
+    let cache = &context.caches.addon;
+    Ok(
+        match rendering
+            .previous_work(addon, current, &configs.mpc)
+            .await?
+        {
+            Ok(previous) if is_current(current, &previous.work) => {
+                status.namespace = Some(previous.install_namespace);
+                Some(current.clone())
+            }
+            Ok(previous) => {
+                tracing::info!(%cluster, "applying the agent ManifestWork of a cluster waiting for its turn, from the configurations it has");
+                status.namespace = Some(previous.install_namespace);
+                let works = Api::<ManifestWork>::namespaced(client_of(context), cluster);
+                let written = apply::apply(&works, &previous.work).await?;
+                Some(Arc::unwrap_or_clone(
+                    cache.own_works.wrote(Some(current), written),
+                ))
+            }
+            Err(unrecorded @ NotRerendered::Unrecorded) => {
+                tracing::debug!(%cluster, why = %unrecorded, "the work of a cluster waiting for its turn is left as it is");
+                status.namespace = previous_namespace;
+                Some(current.clone())
+            }
+            Err(why) => {
+                tracing::warn!(%cluster, %why, "the work of a cluster waiting for its turn cannot be rendered from the configurations it has; it is left as it is");
+                status.namespace = previous_namespace;
+                Some(current.clone())
+            }
+        },
+    )
+}
+
+/// Applies `desired` unless `current` already is it; the work as it is now.
+async fn apply_work(
+    cluster: &str,
+    context: &Context,
+    works: &Api<ManifestWork>,
+    current: Option<ManifestWork>,
+    desired: &ManifestWork,
+) -> Result<Option<ManifestWork>, AddonError> {
     let up_to_date = current
         .as_ref()
-        .is_some_and(|current| is_current(current, &desired));
-    let work = if up_to_date {
-        current
-    } else {
-        tracing::info!(%cluster, "applying the agent ManifestWork");
-        Some(wrote_work(apply::apply(&works, &desired).await?))
-    };
-    status.set(manifest_applied(work.as_ref()), &now);
-
-    let phase = rollout::phase(&target, work.as_ref(), addon, &strategy, now.0);
-    if let Some(progressing) = progressing_condition(&phase) {
-        status.set(progressing, &now);
+        .is_some_and(|current| is_current(current, desired));
+    if up_to_date {
+        return Ok(current);
     }
-    let requeue = phase.next_check(&strategy, now.0);
+    tracing::info!(%cluster, "applying the agent ManifestWork");
+    let written = apply::apply(works, desired).await?;
+    Ok(Some(Arc::unwrap_or_clone(
+        context
+            .caches
+            .addon
+            .own_works
+            .wrote(current.as_ref(), written),
+    )))
+}
+
+/// Records the rollout's phase of the cluster (`Progressing`), wakes a
+/// cluster waiting for the place this one frees, and returns when to look
+/// again.
+#[allow(clippy::too_many_arguments)]
+fn advance_rollout(
+    addon: &ManagedClusterAddOn,
+    context: &Context,
+    configs: &Configurations,
+    strategy: &rollout::Strategy,
+    target: &str,
+    work: Option<&ManifestWork>,
+    status: &mut OwnedStatus,
+    now: &Time,
+) -> Option<Duration> {
+    let rollout_strategy_valid = configs
+        .placement
+        .as_ref()
+        .is_none_or(|placement| placement.strategy.is_ok());
+    let phase = rollout::phase(target, work, addon, strategy, now.0);
+    if let Some(progressing) = progressing_condition(&phase) {
+        status.set(progressing, now);
+    }
+    let requeue = phase.next_check(strategy, now.0);
     let recorded =
         cluster_proxy_proto::api::find_condition(addon.conditions(), CONDITION_PROGRESSING);
-    if let Some(placement) = placement
+    if let Some(placement) = configs
+        .placement
         .as_ref()
-        .filter(|_| rollout_strategy_valid && phase.frees_a_place(recorded, &strategy, now.0))
+        .filter(|_| rollout_strategy_valid && phase.frees_a_place(recorded, strategy, now.0))
     {
         // This cluster's progress may free a place for one waiting.
         context.rollouts.wake(
             &placement.placement,
-            &strategy,
+            strategy,
             || {
                 rollout::members(
                     context,
                     &placement.placement,
-                    &strategy,
-                    &mpc,
-                    management,
+                    strategy,
+                    &configs.mpc,
+                    configs.management.as_deref(),
                     now.0,
                 )
             },
             now.0,
         );
     }
-    Ok(Outcome {
-        status,
-        requeue,
-        deleted: false,
-    })
+    requeue
 }
 
 /// Whether `current` already is `desired`: the same spec and owner, and

@@ -23,7 +23,7 @@ use opentelemetry::KeyValue;
 use opentelemetry::global::{BoxedSpan, BoxedTracer};
 use opentelemetry::trace::{Span as _, SpanContext, SpanId, SpanKind, Status, TraceId, Tracer};
 
-use super::TraceHeaders;
+use super::w3c::TraceHeaders;
 
 static TRACER: OnceLock<BoxedTracer> = OnceLock::new();
 
@@ -43,7 +43,7 @@ pub fn tracer_installed() -> bool {
 /// semantic conventions for network spans name them: `network.transport`,
 /// `server.address` and `server.port`.
 pub fn tcp_server_attributes(address: &str) -> [KeyValue; 3] {
-    let (host, port) = crate::packet::split_host_port(address).unwrap_or((address, ""));
+    let (host, port) = crate::host_port::split_host_port(address).unwrap_or((address, ""));
     [
         KeyValue::new("network.transport", "tcp"),
         KeyValue::new("server.address", host.to_owned()),

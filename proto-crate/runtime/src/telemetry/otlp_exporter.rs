@@ -21,8 +21,8 @@ use tonic::codec::{BufferSettings, Codec, EncodeBuf, Encoder};
 use tonic::metadata::MetadataMap;
 use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
 
+use super::error::{ExportCompression, TelemetryError};
 use super::otlp_encoding::SpanEncoder;
-use super::{ExportCompression, TelemetryError};
 
 const EXPORT_PATH: &str = "/opentelemetry.proto.collector.trace.v1.TraceService/Export";
 

@@ -6,7 +6,7 @@
 
 use k8s_openapi::api::core::v1::Service;
 
-use super::{
+use super::resource::{
     DEFAULT_AGENT_SERVER_PORT, DEFAULT_LOAD_BALANCER_SERVICE_NAME, EntrypointType,
     ManagedProxyConfiguration,
 };

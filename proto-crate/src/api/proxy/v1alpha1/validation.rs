@@ -8,7 +8,7 @@
 use std::collections::BTreeSet;
 use std::net::IpAddr;
 
-use super::{EntrypointType, ManagedProxyConfigurationSpec, SignerType};
+use super::resource::{EntrypointType, ManagedProxyConfigurationSpec, SignerType};
 use crate::identity::is_dns1123_label;
 
 /// Condition reason for a spec that fails [`ManagedProxyConfigurationSpec::validate`].
