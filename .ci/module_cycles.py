@@ -426,8 +426,9 @@ def name(path: tuple[str, ...]) -> str:
     return "::".join(("crate",) + path)
 
 
-def check_target(label: str, root_file: Path, out=sys.stdout) -> int:
-    """Prints the circles of one crate target; returns how many."""
+def check_target(label: str, root_file: Path, out=sys.stdout) -> list[str]:
+    """Prints the circles of one crate target; returns each as a one-line key
+    (`<target label>: <module>, <module>, ...`), as a --known file lists them."""
     modules = load_crate(root_file)
     edges = collect_edges(modules)
     found = cycles(edges)
@@ -441,7 +442,13 @@ def check_target(label: str, root_file: Path, out=sys.stdout) -> int:
         for (src, dst), e in sorted(first.items()):
             rel = os.path.relpath(e.file, ROOT) if e.file.is_relative_to(ROOT) else e.file
             print(f"    {name(src)} -> {name(dst)}  ({rel}:{e.line}: {e.text[:100]})", file=out)
-    return len(found)
+    return [f"{label}: {', '.join(name(m) for m in component)}" for component in found]
+
+
+def read_known(path: Path) -> set[str]:
+    """The circles a --known file accepts for now: one key a line, `#` comments."""
+    lines = (line.split("#", 1)[0].strip() for line in path.read_text().splitlines())
+    return {line for line in lines if line}
 
 
 # --- crates -----------------------------------------------------------------
@@ -543,17 +550,27 @@ def self_test() -> int:
 
 
 def main(argv: list[str]) -> int:
-    if argv[1:] == ["--self-test"]:
+    args = argv[1:]
+    if args == ["--self-test"]:
         return self_test()
-    if argv[1:]:
+    known: set[str] = set()
+    if len(args) == 2 and args[0] == "--known":
+        known = read_known(Path(args[1]))
+    elif args:
         print(__doc__, file=sys.stderr)
         return 2
-    total = 0
+    found: list[str] = []
     targets = workspace_targets(ROOT)
     for label, root_file in targets:
-        total += check_target(label, root_file)
-    print(f"{total} module circle(s) in {len(targets)} crate targets")
-    return 1 if total else 0
+        found.extend(check_target(label, root_file))
+    new = [key for key in found if key not in known]
+    gone = sorted(known - set(found))
+    print(f"{len(found)} module circle(s) in {len(targets)} crate targets, {len(found) - len(new)} of them known")
+    for key in new:
+        print(f"NEW circle (open it; do not add it to the known list): {key}")
+    for key in gone:
+        print(f"no longer a circle, remove it from the known list: {key}")
+    return 1 if new or gone else 0
 
 
 if __name__ == "__main__":
