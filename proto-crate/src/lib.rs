@@ -17,6 +17,7 @@
 //! * [`duration`] / [`strconv`] — Go's duration and boolean syntaxes, as upstream flags use them.
 //! * [`trace`] — W3C trace-context propagation (gRPC metadata, HTTP headers, dial requests).
 //! * [`transport`] / [`client`] — mTLS gRPC channels and a tunnel dialer for Rust users.
+//! * [`service_access`] — the user-server → service-proxy contract: its headers and hub identities.
 //! * [`connector`] — a hyper / tower connector (and, with `kube-api`, a `kube::Client`)
 //!   whose connections go through the tunnel.
 //! * `api` (feature `kube-api`) — the versioned Kubernetes API types: our CRD and the OCM types.
@@ -45,6 +46,7 @@ pub mod identifiers;
 pub mod identity;
 pub mod metadata;
 pub mod packet;
+pub mod service_access;
 pub mod status;
 pub mod strconv;
 pub mod trace;

@@ -22,7 +22,7 @@ use super::store::{
     DeleteOptions, Deleted, Event, EventType, Part, PatchKind, Propagation, Store, User,
     WriteOptions, as_version,
 };
-use super::{openapi, rbac, table};
+use super::{openapi, rbac, reviews, table};
 
 /// Kubernetes' protobuf media type (typed clients' request bodies).
 const PROTOBUF: &str = "application/vnd.kubernetes.protobuf";
@@ -30,7 +30,7 @@ const PROTOBUF: &str = "application/vnd.kubernetes.protobuf";
 /// Largest request body accepted (the real server's limit is 3 MiB).
 const MAX_BODY: usize = 3 * 1024 * 1024;
 
-fn json_response(status: StatusCode, value: &Value) -> Response<Body> {
+pub(crate) fn json_response(status: StatusCode, value: &Value) -> Response<Body> {
     let bytes = serde_json::to_vec(value).unwrap_or_default();
     let mut response = Response::new(Full::new(Bytes::from(bytes)).boxed());
     *response.status_mut() = status;
@@ -183,17 +183,13 @@ fn discovery(
         )),
         ["apis"] => Ok(group_list(shared)),
         ["apis", group] => api_group(shared, group, path),
-        ["apis", "authorization.k8s.io", "v1"] => Ok(json_response(
+        [
+            "apis",
+            group @ ("authorization.k8s.io" | "authentication.k8s.io"),
+            "v1",
+        ] => Ok(json_response(
             StatusCode::OK,
-            &json!({"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": "authorization.k8s.io/v1",
-                    "resources": [{"name": "selfsubjectaccessreviews", "singularName": "selfsubjectaccessreview",
-                        "namespaced": false, "kind": "SelfSubjectAccessReview", "verbs": ["create"]}]}),
-        )),
-        ["apis", "authentication.k8s.io", "v1"] => Ok(json_response(
-            StatusCode::OK,
-            &json!({"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": "authentication.k8s.io/v1",
-                    "resources": [{"name": "selfsubjectreviews", "singularName": "selfsubjectreview",
-                        "namespaced": false, "kind": "SelfSubjectReview", "verbs": ["create"]}]}),
+            &reviews::resource_list(group),
         )),
         ["api", version] => resource_list(shared, "", version),
         ["apis", group, version] => resource_list(shared, group, version),
@@ -256,6 +252,8 @@ enum Endpoint {
     Token { namespace: String, name: String },
     SelfSubjectAccessReview,
     SelfSubjectReview,
+    SubjectAccessReview,
+    TokenReview,
     PortForward { namespace: String, name: String },
 }
 
@@ -284,6 +282,12 @@ impl Endpoint {
             ["apis", "authentication.k8s.io", "v1", "selfsubjectreviews"] if post => {
                 Some(Endpoint::SelfSubjectReview)
             }
+            ["apis", "authorization.k8s.io", "v1", "subjectaccessreviews"] if post => {
+                Some(Endpoint::SubjectAccessReview)
+            }
+            ["apis", "authentication.k8s.io", "v1", "tokenreviews"] if post => {
+                Some(Endpoint::TokenReview)
+            }
             [
                 "api",
                 "v1",
@@ -311,60 +315,18 @@ impl Endpoint {
                 token_request(shared, user, &namespace, &name, request).await
             }
             Endpoint::SelfSubjectAccessReview => {
-                self_subject_access_review(shared, user, request).await
+                reviews::self_subject_access_review(shared, user, request).await
             }
-            Endpoint::SelfSubjectReview => self_subject_review(shared, user),
+            Endpoint::SelfSubjectReview => reviews::self_subject_review(shared, user),
+            Endpoint::SubjectAccessReview => {
+                reviews::subject_access_review(shared, user, request).await
+            }
+            Endpoint::TokenReview => reviews::token_review(shared, user, request).await,
             Endpoint::PortForward { namespace, name } => {
                 super::portforward::serve(shared, user, request, &namespace, &name).await
             }
         }
     }
-}
-
-async fn self_subject_access_review(
-    shared: &Shared,
-    user: &User,
-    request: Request<Incoming>,
-) -> Result<Response<Body>, ApiError> {
-    shared.authorize(
-        user,
-        &rbac::Attributes::Resource {
-            verb: "create".into(),
-            group: "authorization.k8s.io".into(),
-            resource: "selfsubjectaccessreviews".into(),
-            namespace: None,
-            name: None,
-        },
-    )?;
-    let content_type = media_type(&request);
-    let review = read_json(request, &content_type).await?;
-    let attributes = access_review_attributes(&review)?;
-    let allowed = shared.allowed(user, &attributes);
-    let mut answer = review.clone();
-    answer["apiVersion"] = json!("authorization.k8s.io/v1");
-    answer["kind"] = json!("SelfSubjectAccessReview");
-    answer["status"] = json!({"allowed": allowed});
-    Ok(json_response(StatusCode::CREATED, &answer))
-}
-
-/// `kubectl auth whoami`: who the server takes the requester for.
-fn self_subject_review(shared: &Shared, user: &User) -> Result<Response<Body>, ApiError> {
-    shared.authorize(
-        user,
-        &rbac::Attributes::Resource {
-            verb: "create".into(),
-            group: "authentication.k8s.io".into(),
-            resource: "selfsubjectreviews".into(),
-            namespace: None,
-            name: None,
-        },
-    )?;
-    Ok(json_response(
-        StatusCode::CREATED,
-        &json!({"kind": "SelfSubjectReview", "apiVersion": "authentication.k8s.io/v1",
-                "metadata": {"creationTimestamp": null},
-                "status": {"userInfo": {"username": user.name, "uid": user.uid, "groups": user.groups}}}),
-    ))
 }
 
 /// The resource a path names (`/api/v1/namespaces/ns/pods/name/status`),
@@ -685,42 +647,6 @@ fn strict_fields(
     Err(ApiError::bad_request(message))
 }
 
-/// What a SelfSubjectAccessReview asks about.
-fn access_review_attributes(review: &Value) -> Result<rbac::Attributes, ApiError> {
-    let text = |pointer: &str| {
-        review
-            .pointer(pointer)
-            .and_then(Value::as_str)
-            .unwrap_or_default()
-            .to_string()
-    };
-    if review.pointer("/spec/resourceAttributes").is_some() {
-        let resource = text("/spec/resourceAttributes/resource");
-        let subresource = text("/spec/resourceAttributes/subresource");
-        let optional = |v: String| (!v.is_empty()).then_some(v);
-        return Ok(rbac::Attributes::Resource {
-            verb: text("/spec/resourceAttributes/verb"),
-            group: text("/spec/resourceAttributes/group"),
-            resource: if subresource.is_empty() {
-                resource
-            } else {
-                format!("{resource}/{subresource}")
-            },
-            namespace: optional(text("/spec/resourceAttributes/namespace")),
-            name: optional(text("/spec/resourceAttributes/name")),
-        });
-    }
-    if review.pointer("/spec/nonResourceAttributes").is_some() {
-        return Ok(rbac::Attributes::Path {
-            verb: text("/spec/nonResourceAttributes/verb"),
-            path: text("/spec/nonResourceAttributes/path"),
-        });
-    }
-    Err(ApiError::invalid(
-        "SelfSubjectAccessReview.authorization.k8s.io \"\" is invalid: spec.resourceAttributes: Invalid value: \"null\": exactly one of nonResourceAttributes or resourceAttributes must be specified",
-    ))
-}
-
 /// The `DeleteOptions` of a DELETE: its body (as kube-rs and kubectl send
 /// it) or the query.
 async fn delete_options(
@@ -978,7 +904,7 @@ fn signer_admission(
 }
 
 /// The request's `Content-Type` without parameters (`application/json`), or "".
-fn media_type(request: &Request<Incoming>) -> String {
+pub(crate) fn media_type(request: &Request<Incoming>) -> String {
     request
         .headers()
         .get(header::CONTENT_TYPE)
@@ -987,7 +913,10 @@ fn media_type(request: &Request<Incoming>) -> String {
         .unwrap_or_default()
 }
 
-async fn read_json(request: Request<Incoming>, content_type: &str) -> Result<Value, ApiError> {
+pub(crate) async fn read_json(
+    request: Request<Incoming>,
+    content_type: &str,
+) -> Result<Value, ApiError> {
     let bytes = Limited::new(request.into_body(), MAX_BODY)
         .collect()
         .await

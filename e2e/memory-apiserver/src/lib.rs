@@ -50,6 +50,7 @@ pub mod portforward;
 pub mod protobuf;
 pub mod rbac;
 pub mod resources;
+pub mod reviews;
 pub mod schema;
 pub mod selector;
 pub mod shared;
@@ -126,6 +127,13 @@ impl KubeconfigWriter {
     /// as it. Kubeconfigs for another server address than the API's own
     /// are named after that address too.
     pub fn write(&self, user: &str, groups: &[&str]) -> Result<PathBuf, KubeApiError> {
+        let token = self.token(user, groups);
+        self.write_token(user, &token)
+    }
+
+    /// Adds a user with `groups` and returns a bearer token that
+    /// authenticates as it.
+    pub fn token(&self, user: &str, groups: &[&str]) -> String {
         let token = format!("{:032x}", rand::random::<u128>());
         self.shared
             .tokens
@@ -139,7 +147,17 @@ impl KubeconfigWriter {
                     groups: groups.iter().map(|g| g.to_string()).collect(),
                 },
             );
-        self.write_token(user, &token)
+        token
+    }
+
+    /// Forgets `token`: it no longer authenticates (as a revoked or
+    /// expired one).
+    pub fn revoke(&self, token: &str) {
+        self.shared
+            .tokens
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(token);
     }
 
     /// Writes a kubeconfig with a token bound to ServiceAccount `name` in
@@ -291,6 +309,7 @@ impl KubeApi {
             requests: options.record_requests.then(Default::default),
             shutdown: shutdown_rx.clone(),
             pods: Default::default(),
+            token_reviews: Default::default(),
         });
         tokio::spawn(lifecycle::run(shared.store.clone(), shutdown_rx.clone()));
         let ca_pem = ca.cert_pem().to_string();
@@ -329,6 +348,18 @@ impl KubeApi {
             .as_ref()
             .map(|r| r.lock().unwrap_or_else(|p| p.into_inner()).clone())
             .unwrap_or_default()
+    }
+
+    /// The CA certificate (PEM) the API's serving certificate chains to.
+    pub fn ca_pem(&self) -> &str {
+        &self.ca_pem
+    }
+
+    /// How many TokenReviews the API has answered.
+    pub fn token_reviews(&self) -> u64 {
+        self.shared
+            .token_reviews
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The kubelet's view of pods: what the kubelet stand-in writes (Pod

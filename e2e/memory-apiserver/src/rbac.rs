@@ -339,6 +339,14 @@ pub fn bootstrap(store: &Store, system: &User) {
             vec![("Group", "system:authenticated")],
         ),
         (
+            // Bound by delegating authenticators and authorizers (an
+            // aggregated API, the user-server): no subject by default.
+            "system:auth-delegator",
+            json!([{"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"], "verbs": ["create"]},
+                   {"apiGroups": ["authorization.k8s.io"], "resources": ["subjectaccessreviews"], "verbs": ["create"]}]),
+            vec![],
+        ),
+        (
             "system:public-info-viewer",
             json!([{"nonResourceURLs": ["/healthz", "/livez", "/readyz", "/version", "/version/"],
                 "verbs": ["get"]}]),
@@ -369,7 +377,9 @@ pub fn bootstrap(store: &Store, system: &User) {
             "roleRef": {"apiGroup": RBAC_GROUP, "kind": "ClusterRole", "name": name},
             "subjects": subjects});
         let _ = store.create(&role_type, None, role, system, &Default::default());
-        let _ = store.create(&binding_type, None, binding, system, &Default::default());
+        if !subjects.is_empty() {
+            let _ = store.create(&binding_type, None, binding, system, &Default::default());
+        }
     }
 }
 

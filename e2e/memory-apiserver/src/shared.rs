@@ -5,6 +5,7 @@
 
 use std::collections::HashMap;
 use std::convert::Infallible;
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -42,6 +43,8 @@ pub struct Shared {
     pub shutdown: watch::Receiver<bool>,
     /// Where the kubelet stand-in's pods listen (`pods/portforward`).
     pub pods: PodNetwork,
+    /// TokenReviews answered: what a caching authenticator saves.
+    pub token_reviews: AtomicU64,
 }
 
 /// The ServiceAccount a bound token belongs to.
@@ -64,23 +67,10 @@ impl Shared {
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "))
             .map(str::trim);
-        let tokens = self.tokens.lock().unwrap_or_else(|p| p.into_inner());
         // A bearer token decides when one is sent; a verified client
         // certificate otherwise.
-        if let Some(account) = token.and_then(|t| {
-            self.bound_tokens
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .get(t)
-                .cloned()
-        }) && !self.account_exists(&account)
-        {
-            // kube-apiserver: "service account ... has been deleted" (or
-            // re-created with another uid): the token is no longer valid.
-            return Err(ApiError::new(401, "Unauthorized", "Unauthorized"));
-        }
         let mut user = match token {
-            Some(token) => tokens.get(token).cloned(),
+            Some(token) => self.user_of_token(token),
             None => request
                 .extensions()
                 .get::<CertificateUser>()
@@ -92,6 +82,28 @@ impl Shared {
             user.groups.push(AUTHENTICATED.to_string());
         }
         self.impersonate(request, user)
+    }
+
+    /// Who `token` authenticates as, if anyone: a bound token only while
+    /// its ServiceAccount exists (kube-apiserver: "service account ... has
+    /// been deleted", or re-created with another uid).
+    pub(crate) fn user_of_token(&self, token: &str) -> Option<User> {
+        let bound = self
+            .bound_tokens
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(token)
+            .cloned();
+        if let Some(account) = bound
+            && !self.account_exists(&account)
+        {
+            return None;
+        }
+        self.tokens
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(token)
+            .cloned()
     }
 
     fn account_exists(&self, account: &BoundAccount) -> bool {

@@ -7,6 +7,8 @@
 //! * [`config`] — layered configuration: defaults < TOML file < environment
 //!   (with the Kubernetes Service-link variables filtered out and Go's boolean
 //!   spellings) < command-line flags.
+//! * [`http_proxy`] — what the service-access proxies share: hop-by-hop
+//!   headers, upgraded streams, Kubernetes `Status` errors.
 //! * [`cli`] — `--help` that shows every default, and the check that every
 //!   flag is described.
 //! * [`logging`] — `tracing` set-up: text on a terminal, plain text without
@@ -30,6 +32,7 @@ pub mod admin;
 mod allocator;
 pub mod cli;
 pub mod config;
+pub mod http_proxy;
 pub mod logging;
 pub mod metrics;
 pub mod net;

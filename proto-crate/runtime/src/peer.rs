@@ -71,6 +71,24 @@ pub fn check_not_expired(chain: &[impl AsRef<[u8]>], now: SystemTime) -> Result<
     Ok(())
 }
 
+/// The common name of a certificate's subject, if it has exactly one.
+pub fn common_name_of(cert_der: &[u8]) -> Result<Option<String>, PeerError> {
+    let (_, cert) =
+        X509Certificate::from_der(cert_der).map_err(|e| PeerError::Parse(e.to_string()))?;
+    let mut names = cert.subject().iter_common_name();
+    let first = names
+        .next()
+        .map(|cn| cn.as_str().map(str::to_owned))
+        .transpose()
+        .map_err(|e| PeerError::Parse(format!("common name: {e}")))?;
+    if names.next().is_some() {
+        return Err(PeerError::Parse(
+            "the subject has more than one common name".into(),
+        ));
+    }
+    Ok(first)
+}
+
 /// The subject of a certificate, for logs.
 pub fn subject_of(cert_der: &[u8]) -> String {
     X509Certificate::from_der(cert_der)

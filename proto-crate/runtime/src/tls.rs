@@ -318,6 +318,33 @@ pub fn server_config_with_policy(
     alpn: &[&[u8]],
     policy: &ServerTlsPolicy,
 ) -> Result<Arc<ServerConfig>, TlsError> {
+    build_server_config(identity, client_ca, false, alpn, policy)
+}
+
+/// A server config presenting `identity` that verifies client certificates
+/// issued by `client_ca` when a client sends one, and accepts clients that
+/// send none (they authenticate otherwise, e.g. with a bearer token).
+pub fn server_config_optional_clients(
+    identity: Identity,
+    client_ca: Arc<RootCertStore>,
+    alpn: &[&[u8]],
+) -> Result<Arc<ServerConfig>, TlsError> {
+    build_server_config(
+        identity,
+        Some(client_ca),
+        true,
+        alpn,
+        &ServerTlsPolicy::default(),
+    )
+}
+
+fn build_server_config(
+    identity: Identity,
+    client_ca: Option<Arc<RootCertStore>>,
+    clients_optional: bool,
+    alpn: &[&[u8]],
+    policy: &ServerTlsPolicy,
+) -> Result<Arc<ServerConfig>, TlsError> {
     let mut provider = ring_provider();
     if let Some(allowed) = &policy.tls12_suites {
         provider.cipher_suites.retain(|suite| {
@@ -334,7 +361,11 @@ pub fn server_config_with_policy(
         .map_err(|e| TlsError::Config(e.to_string()))?;
     let builder = match client_ca {
         Some(roots) => {
-            let verifier = WebPkiClientVerifier::builder_with_provider(roots, provider)
+            let mut verifier = WebPkiClientVerifier::builder_with_provider(roots, provider);
+            if clients_optional {
+                verifier = verifier.allow_unauthenticated();
+            }
+            let verifier = verifier
                 .build()
                 .map_err(|e| TlsError::Config(e.to_string()))?;
             builder.with_client_cert_verifier(verifier)

@@ -1,0 +1,179 @@
+//! What both HTTP proxies of service access (the hub's user-server, the
+//! managed side's service-proxy) do alike: drop hop-by-hop headers, carry
+//! upgraded streams (SPDY and WebSocket: `exec`, `attach`, `port-forward`)
+//! through, and answer errors as Kubernetes `Status` objects, which kubectl
+//! prints as it prints the API server's own.
+
+use std::convert::Infallible;
+
+use bytes::Bytes;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Request, Response, StatusCode};
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::TokioIo;
+
+/// The body both proxies answer with: the backend's, streamed, or their own.
+pub type ProxyBody = BoxBody<Bytes, hyper::Error>;
+
+/// Headers that belong to one connection, never forwarded (RFC 9110 §7.6.1),
+/// besides those the `Connection` header itself names.
+const HOP_BY_HOP: &[HeaderName] = &[
+    header::CONNECTION,
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+];
+
+/// Whether a request or response asks to switch protocols (`Connection:
+/// Upgrade` with an `Upgrade` header).
+pub fn is_upgrade(headers: &HeaderMap) -> bool {
+    headers.contains_key(header::UPGRADE)
+        && headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .any(|token| token.trim().eq_ignore_ascii_case("upgrade"))
+}
+
+/// Removes the hop-by-hop headers; an upgrade keeps `Connection: Upgrade`
+/// and its `Upgrade` header, which the next hop needs to switch too.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let upgrade = is_upgrade(headers).then(|| headers.get(header::UPGRADE).cloned());
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|token| HeaderName::from_bytes(token.trim().as_bytes()).ok())
+        .collect();
+    for name in named.iter().chain(HOP_BY_HOP) {
+        headers.remove(name);
+    }
+    headers.remove("keep-alive");
+    headers.remove("proxy-connection");
+    if let Some(Some(protocol)) = upgrade {
+        headers.insert(header::CONNECTION, HeaderValue::from_static("Upgrade"));
+        headers.insert(header::UPGRADE, protocol);
+    }
+}
+
+/// A Kubernetes `meta/v1 Status` error response.
+pub fn status_response(code: StatusCode, reason: &str, message: &str) -> Response<ProxyBody> {
+    let body = serde_json::json!({
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "code": code.as_u16(),
+    });
+    let mut response = Response::new(full(Bytes::from(body.to_string())));
+    *response.status_mut() = code;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    response
+}
+
+/// A body of `bytes`, as a [`ProxyBody`].
+pub fn full(bytes: Bytes) -> ProxyBody {
+    Full::new(bytes)
+        .map_err(|never: Infallible| match never {})
+        .boxed()
+}
+
+/// Once both sides have switched protocols, copies bytes between the
+/// client's upgraded connection and the backend's until either ends, then
+/// calls `ended` with the bytes sent up (client to backend) and down.
+/// `client` is the request the proxy received (its upgrade future is taken
+/// before the request is sent on), `backend` the backend's 101 response.
+pub fn relay_upgrade<B>(
+    client: hyper::upgrade::OnUpgrade,
+    backend: &mut Response<B>,
+    ended: impl FnOnce(u64, u64) + Send + 'static,
+) {
+    let backend = hyper::upgrade::on(backend);
+    tokio::spawn(async move {
+        let (client, backend) = match tokio::try_join!(client, backend) {
+            Ok(both) => both,
+            Err(error) => {
+                tracing::debug!(%error, "an upgrade did not complete");
+                ended(0, 0);
+                return;
+            }
+        };
+        let mut client = TokioIo::new(client);
+        let mut backend = TokioIo::new(backend);
+        match tokio::io::copy_bidirectional(&mut client, &mut backend).await {
+            Ok((up, down)) => ended(up, down),
+            Err(error) => {
+                tracing::debug!(%error, "upgraded stream failed");
+                ended(0, 0);
+            }
+        }
+    });
+}
+
+/// The upgrade future of a request that asks for one (taken before the
+/// request is forwarded, as hyper requires), else `None`.
+pub fn take_upgrade<B>(request: &mut Request<B>) -> Option<hyper::upgrade::OnUpgrade> {
+    is_upgrade(request.headers()).then(|| hyper::upgrade::on(request))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hop_by_hop_headers_go_and_upgrades_keep_their_two() {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("keep-alive, x-private"),
+        );
+        headers.insert("x-private", HeaderValue::from_static("1"));
+        headers.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        headers.insert(
+            header::TRANSFER_ENCODING,
+            HeaderValue::from_static("chunked"),
+        );
+        headers.insert(header::ACCEPT, HeaderValue::from_static("application/json"));
+        strip_hop_by_hop(&mut headers);
+        assert_eq!(headers.len(), 1, "{headers:?}");
+        assert!(headers.contains_key(header::ACCEPT));
+
+        let mut headers = HeaderMap::new();
+        headers.insert(header::CONNECTION, HeaderValue::from_static("Upgrade"));
+        headers.insert(header::UPGRADE, HeaderValue::from_static("SPDY/3.1"));
+        assert!(is_upgrade(&headers));
+        strip_hop_by_hop(&mut headers);
+        assert_eq!(headers.get(header::UPGRADE).unwrap(), "SPDY/3.1");
+        assert_eq!(headers.get(header::CONNECTION).unwrap(), "Upgrade");
+    }
+
+    #[test]
+    fn an_upgrade_header_without_connection_upgrade_is_no_upgrade() {
+        let mut headers = HeaderMap::new();
+        headers.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+        assert!(!is_upgrade(&headers));
+        strip_hop_by_hop(&mut headers);
+        assert!(headers.is_empty());
+    }
+
+    #[test]
+    fn errors_are_kubernetes_status_objects() {
+        let response = status_response(StatusCode::NOT_FOUND, "NotFound", "no cluster \"x\"");
+        assert_eq!(response.status(), StatusCode::NOT_FOUND);
+        assert_eq!(
+            response.headers().get(header::CONTENT_TYPE).unwrap(),
+            "application/json"
+        );
+    }
+}

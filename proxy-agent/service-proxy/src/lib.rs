@@ -1,0 +1,493 @@
+//! service-proxy: runs beside the proxy-agent in a managed cluster and
+//! serves the hub user-server's requests, which reach it through the tunnel.
+//!
+//! The user-server has already authenticated the user and checked the hub's
+//! RBAC; it names the user in headers ([`cluster_proxy_proto::service_access`]).
+//! Those headers are believed only on a TLS connection whose client
+//! certificate is the user-server's (its CA and common name are configured):
+//! any other hub client of the proxy-server, which can reach this port too,
+//! gets 403. A request is then sent to this cluster's kube-apiserver with
+//! this pod's own ServiceAccount token, impersonating `cluster:hub:<user>`
+//! and the user's groups prefixed the same way, so this cluster's RBAC
+//! decides what the hub user may do. Every `Impersonate-*` and `X-Remote-*`
+//! header the client sent is removed first. Upgraded streams (exec, attach,
+//! port-forward over SPDY or WebSocket) are relayed after the 101.
+#![forbid(unsafe_code)]
+
+pub mod settings;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use cluster_proxy_proto::identity::ClusterName;
+use cluster_proxy_proto::service_access;
+use cluster_proxy_proto::transport::ALPN_HTTP11;
+use cluster_proxy_runtime::http_proxy::{
+    ProxyBody, relay_upgrade, status_response, strip_hop_by_hop, take_upgrade,
+};
+use cluster_proxy_runtime::reload::{self, Watched};
+use cluster_proxy_runtime::tls::{self, Identity, Pem, TlsError};
+use cluster_proxy_runtime::{admin, net, peer};
+use http::header::{self, HeaderValue};
+use http::{Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+pub use settings::{Cli, ServiceProxyConfig, Settings};
+
+/// How long a client has for its TLS handshake, and then for each
+/// request's headers: a slow or idle peer cannot hold a task.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
+/// Idle connections kept to the kube-apiserver, and for how long.
+const MAX_IDLE_PER_HOST: usize = 100;
+const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(transparent)]
+    Tls(#[from] TlsError),
+    #[error(transparent)]
+    Bind(#[from] net::BindError),
+    #[error("the ServiceAccount token {path}: {source}")]
+    Token {
+        path: String,
+        source: std::io::Error,
+    },
+}
+
+type Upstream = Client<hyper_rustls::HttpsConnector<HttpConnector>, Incoming>;
+
+/// What every request needs.
+struct Shared {
+    cluster: ClusterName,
+    user_server_name: String,
+    kube_api: http::Uri,
+    upstream: Upstream,
+    token: Watched<String>,
+    impersonation: bool,
+}
+
+/// A running service-proxy.
+pub struct RunningServiceProxy {
+    pub addr: SocketAddr,
+    pub health_addr: SocketAddr,
+    stop: CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl RunningServiceProxy {
+    /// Stops accepting, and closes the connections once their requests end
+    /// (upgraded streams end with the process).
+    pub async fn shutdown(self) {
+        self.stop.cancel();
+        let _ = self.task.await;
+    }
+}
+
+/// Loads the credentials (startup fails clearly on bad ones), binds the
+/// ports and serves until [`RunningServiceProxy::shutdown`].
+pub async fn start(config: ServiceProxyConfig) -> Result<RunningServiceProxy, StartError> {
+    let tls = serving_tls(&config)?;
+    let kube_roots = tls::roots(&Pem::file("kube-apiserver CA", &config.kube_ca)?)?;
+    let kube_tls = tls::client_config(kube_roots, None, &[ALPN_HTTP11])?;
+    let token = watch_token(&config)?;
+    let mut http = HttpConnector::new();
+    http.enforce_http(false);
+    http.set_connect_timeout(Some(HANDSHAKE_TIMEOUT));
+    // hyper-rustls sets the ALPN itself (and insists on it being unset).
+    let mut kube_tls = (*kube_tls).clone();
+    kube_tls.alpn_protocols.clear();
+    let connector = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(kube_tls)
+        .https_only()
+        .enable_http1()
+        .wrap_connector(http);
+    let upstream = Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(MAX_IDLE_PER_HOST)
+        .pool_idle_timeout(IDLE_TIMEOUT)
+        .pool_timer(TokioTimer::new())
+        .build(connector);
+    let shared = Arc::new(Shared {
+        cluster: config.cluster.clone(),
+        user_server_name: config.user_server_name.clone(),
+        kube_api: config.kube_api.clone(),
+        upstream,
+        token,
+        impersonation: config.impersonation,
+    });
+
+    let stop = CancellationToken::new();
+    let (health, health_addr) = net::bind(
+        "health port",
+        &config.health.ip().to_string(),
+        config.health.port(),
+    )
+    .await?;
+    tokio::spawn(admin::serve(
+        health,
+        admin::Routes::probes(|| Ok(())),
+        stop.clone(),
+    ));
+    let (listener, addr) = net::bind(
+        "service-proxy port",
+        &config.listen.ip().to_string(),
+        config.listen.port(),
+    )
+    .await?;
+    tracing::info!(%addr, cluster = %config.cluster, kube_api = %config.kube_api, "serving the user-server's requests");
+    let task = tokio::spawn(accept(listener, tls, shared, stop.clone()));
+    Ok(RunningServiceProxy {
+        addr,
+        health_addr,
+        stop,
+        task,
+    })
+}
+
+/// The serving configuration: this proxy's certificate, and client
+/// certificates required from the user-server's CA; rebuilt when the files
+/// change.
+fn serving_tls(config: &ServiceProxyConfig) -> Result<Watched<rustls::ServerConfig>, TlsError> {
+    let (cert, key, ca) = (
+        config.cert.clone(),
+        config.key.clone(),
+        config.user_server_ca.clone(),
+    );
+    reload::watch_files(
+        "service-proxy serving credentials",
+        vec![cert.clone(), key.clone(), ca.clone()],
+        config.reload_interval,
+        move || {
+            let identity = Identity::from_files(&cert, &key)?;
+            let clients = tls::roots(&Pem::file("user-server CA", &ca)?)?;
+            tls::server_config(identity, Some(clients), &[ALPN_HTTP11])
+        },
+    )
+}
+
+fn watch_token(config: &ServiceProxyConfig) -> Result<Watched<String>, StartError> {
+    let path = config.token_file.clone();
+    let read = {
+        let path = path.clone();
+        move || -> Result<Arc<String>, TlsError> {
+            let text = std::fs::read_to_string(&path).map_err(|e| {
+                TlsError::Config(format!("the ServiceAccount token {}: {e}", path.display()))
+            })?;
+            Ok(Arc::new(text.trim().to_owned()))
+        }
+    };
+    if let Err(source) = std::fs::metadata(&path) {
+        return Err(StartError::Token {
+            path: path.display().to_string(),
+            source,
+        });
+    }
+    Ok(reload::watch_files(
+        "ServiceAccount token",
+        vec![path],
+        config.reload_interval,
+        read,
+    )?)
+}
+
+async fn accept(
+    listener: TcpListener,
+    tls: Watched<rustls::ServerConfig>,
+    shared: Arc<Shared>,
+    stop: CancellationToken,
+) {
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    loop {
+        let (tcp, peer) = tokio::select! {
+            () = stop.cancelled() => break,
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(error) => {
+                    tracing::warn!(%error, "accepting a connection");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+        };
+        let acceptor = tokio_rustls::TlsAcceptor::from(tls.borrow().clone());
+        let shared = shared.clone();
+        let watcher = graceful.watcher();
+        tokio::spawn(async move {
+            let stream = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                Ok(Ok(stream)) => stream,
+                Ok(Err(error)) => {
+                    tracing::info!(%peer, %error, "TLS handshake refused");
+                    return;
+                }
+                Err(_) => {
+                    tracing::info!(%peer, "TLS handshake timed out");
+                    return;
+                }
+            };
+            let trusted = client_is_user_server(&stream, &shared.user_server_name);
+            if let Err(reason) = &trusted {
+                tracing::warn!(%peer, reason, "a client that is not the user-server; its requests are refused");
+            }
+            let service = hyper::service::service_fn(move |request| {
+                let shared = shared.clone();
+                let trusted = trusted.clone();
+                async move {
+                    Ok::<_, std::convert::Infallible>(match trusted {
+                        Ok(()) => handle(&shared, request).await,
+                        Err(reason) => status_response(
+                            StatusCode::FORBIDDEN,
+                            "Forbidden",
+                            &format!("service-proxy serves only the hub's user-server: {reason}"),
+                        ),
+                    })
+                }
+            });
+            let mut builder =
+                hyper_util::server::conn::auto::Builder::new(TokioExecutor::new()).http1_only();
+            builder
+                .http1()
+                .timer(TokioTimer::new())
+                .header_read_timeout(HEADER_READ_TIMEOUT);
+            let connection = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
+            if let Err(error) = watcher.watch(connection.into_owned()).await {
+                tracing::debug!(%peer, %error, "connection ended");
+            }
+        });
+    }
+    drop(listener);
+    let _ = tokio::time::timeout(Duration::from_secs(30), graceful.shutdown()).await;
+}
+
+/// Whether the TLS client certificate (already verified against the
+/// user-server CA) names the user-server.
+fn client_is_user_server(
+    stream: &tokio_rustls::server::TlsStream<tokio::net::TcpStream>,
+    expected: &str,
+) -> Result<(), String> {
+    let (_, connection) = stream.get_ref();
+    let leaf = connection
+        .peer_certificates()
+        .and_then(|chain| chain.first())
+        .ok_or_else(|| "no client certificate".to_owned())?;
+    match peer::common_name_of(leaf) {
+        Ok(Some(name)) if name == expected => Ok(()),
+        Ok(Some(name)) => Err(format!(
+            "the client certificate names {name:?}, not {expected:?}"
+        )),
+        Ok(None) => Err("the client certificate has no common name".to_owned()),
+        Err(error) => Err(error.to_string()),
+    }
+}
+
+/// What a request is for, from the user-server's headers.
+struct Routed {
+    user: String,
+    groups: Vec<String>,
+}
+
+/// Why a request is refused, before anything is forwarded.
+struct Refusal {
+    code: StatusCode,
+    reason: &'static str,
+    message: String,
+}
+
+impl Refusal {
+    fn new(code: StatusCode, reason: &'static str, message: &str) -> Self {
+        Refusal {
+            code,
+            reason,
+            message: message.to_owned(),
+        }
+    }
+
+    fn response(&self) -> Response<ProxyBody> {
+        status_response(self.code, self.reason, &self.message)
+    }
+}
+
+/// Checks the user-server's headers: this cluster, a user, the kube API.
+fn route(shared: &Shared, request: &Request<Incoming>) -> Result<Routed, Refusal> {
+    let headers = request.headers();
+    let text = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+    match text(service_access::CLUSTER) {
+        Some(cluster) if cluster == shared.cluster.as_str() => {}
+        Some(cluster) => {
+            return Err(Refusal::new(
+                StatusCode::MISDIRECTED_REQUEST,
+                "MisdirectedRequest",
+                &format!(
+                    "this is cluster {:?}'s service-proxy; the request is for {cluster:?}",
+                    shared.cluster.as_str()
+                ),
+            ));
+        }
+        None => {
+            return Err(Refusal::new(
+                StatusCode::BAD_REQUEST,
+                "BadRequest",
+                &format!("no {} header", service_access::CLUSTER),
+            ));
+        }
+    }
+    let kube_api = matches!(
+        (
+            text(service_access::NAMESPACE),
+            text(service_access::SERVICE)
+        ),
+        (None, None) | (Some("default"), Some("kubernetes"))
+    );
+    if !kube_api {
+        // Services other than the kube API need an allowlist entry; none is
+        // configured here, and the default is deny.
+        return Err(Refusal::new(
+            StatusCode::FORBIDDEN,
+            "Forbidden",
+            "services other than the kube-apiserver are denied: no exposed-services allowlist admits it",
+        ));
+    }
+    let Some(user) = text(service_access::USER).filter(|u| !u.is_empty()) else {
+        return Err(Refusal::new(
+            StatusCode::UNAUTHORIZED,
+            "Unauthorized",
+            "the user-server named no hub user",
+        ));
+    };
+    if !shared.impersonation {
+        return Err(Refusal::new(
+            StatusCode::FORBIDDEN,
+            "Forbidden",
+            "this cluster does not serve hub users (--enable-impersonation=false)",
+        ));
+    }
+    let groups = headers
+        .get_all(service_access::GROUP)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .map(str::to_owned)
+        .collect();
+    Ok(Routed {
+        user: user.to_owned(),
+        groups,
+    })
+}
+
+async fn handle(shared: &Shared, mut request: Request<Incoming>) -> Response<ProxyBody> {
+    let routed = match route(shared, &request) {
+        Ok(routed) => routed,
+        Err(refusal) => return refusal.response(),
+    };
+    let client_upgrade = take_upgrade(&mut request);
+    let (mut parts, body) = request.into_parts();
+    let path = parts
+        .uri
+        .path_and_query()
+        .map(|p| p.as_str())
+        .unwrap_or("/")
+        .to_owned();
+    let uri = match http::Uri::builder()
+        .scheme("https")
+        .authority(
+            shared
+                .kube_api
+                .authority()
+                .map(|a| a.as_str())
+                .unwrap_or_default(),
+        )
+        .path_and_query(path.as_str())
+        .build()
+    {
+        Ok(uri) => uri,
+        Err(error) => {
+            return status_response(
+                StatusCode::BAD_REQUEST,
+                "BadRequest",
+                &format!("request path {path:?}: {error}"),
+            );
+        }
+    };
+    strip_hop_by_hop(&mut parts.headers);
+    let names: Vec<_> = parts
+        .headers
+        .keys()
+        .filter(|name| service_access::is_identity_header(name.as_str()))
+        .cloned()
+        .collect();
+    for name in names {
+        parts.headers.remove(name);
+    }
+    parts.headers.remove(header::HOST);
+    let credentials = match identity_headers(shared, &routed) {
+        Ok(credentials) => credentials,
+        Err(error) => {
+            return status_response(StatusCode::BAD_REQUEST, "BadRequest", &error);
+        }
+    };
+    for (name, value) in credentials {
+        parts.headers.append(name, value);
+    }
+    parts.uri = uri;
+    let outgoing = Request::from_parts(parts, body);
+    match shared.upstream.request(outgoing).await {
+        Ok(mut response) => {
+            if response.status() == StatusCode::SWITCHING_PROTOCOLS
+                && let Some(client) = client_upgrade
+            {
+                relay_upgrade(client, &mut response, |up, down| {
+                    tracing::debug!(up, down, "upgraded stream closed");
+                });
+                let (parts, _) = response.into_parts();
+                return Response::from_parts(
+                    parts,
+                    cluster_proxy_runtime::http_proxy::full(bytes::Bytes::new()),
+                );
+            }
+            let (mut parts, body) = response.into_parts();
+            strip_hop_by_hop(&mut parts.headers);
+            Response::from_parts(parts, body.boxed())
+        }
+        Err(error) => {
+            tracing::warn!(%error, "the kube-apiserver did not answer");
+            status_response(
+                StatusCode::BAD_GATEWAY,
+                "ServiceUnavailable",
+                &format!(
+                    "cluster {:?}'s kube-apiserver did not answer: {error}",
+                    shared.cluster.as_str()
+                ),
+            )
+        }
+    }
+}
+
+/// This pod's token and the impersonation of the hub user.
+fn identity_headers(
+    shared: &Shared,
+    routed: &Routed,
+) -> Result<Vec<(http::HeaderName, HeaderValue)>, String> {
+    let value = |text: &str| {
+        HeaderValue::from_str(text).map_err(|_| format!("{text:?} is not a valid header value"))
+    };
+    let token = shared.token.borrow().clone();
+    let mut headers = vec![
+        (header::AUTHORIZATION, value(&format!("Bearer {token}"))?),
+        (
+            http::HeaderName::from_static("impersonate-user"),
+            value(&service_access::managed_user(&routed.user))?,
+        ),
+    ];
+    for group in service_access::managed_groups(routed.groups.iter().map(String::as_str)) {
+        headers.push((
+            http::HeaderName::from_static("impersonate-group"),
+            value(&group)?,
+        ));
+    }
+    Ok(headers)
+}

@@ -1,0 +1,296 @@
+//! Flags, environment and TOML file (`SERVICE_PROXY_<KEY>`), resolved into a
+//! [`ServiceProxyConfig`].
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+use cluster_proxy_proto::identity::ClusterName;
+use cluster_proxy_proto::service_access::{SERVICE_PROXY_PORT, USER_SERVER_IDENTITY};
+use cluster_proxy_runtime::cli::{parse_go_bool, parse_path};
+use cluster_proxy_runtime::config::{self, ConfigError, EnvSpec, invalid};
+use cluster_proxy_runtime::logging::{LogFlags, LogFormat};
+use serde::{Deserialize, Serialize};
+
+const ENV: EnvSpec = EnvSpec {
+    prefix: "SERVICE_PROXY_",
+    aliases: &[],
+};
+
+/// Where a pod's ServiceAccount credentials are mounted.
+const SERVICE_ACCOUNT_DIR: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
+
+/// Every setting, with its default.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct Settings {
+    pub cluster_name: String,
+    pub bind_address: String,
+    pub port: u16,
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub user_server_ca: PathBuf,
+    pub user_server_name: String,
+    pub kube_api: String,
+    pub kube_ca: PathBuf,
+    pub token_file: PathBuf,
+    pub enable_impersonation: bool,
+    pub health_bind_address: String,
+    pub health_port: u16,
+    pub v: u8,
+    pub log_format: LogFormat,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            cluster_name: String::new(),
+            // The proxy-agent beside it reaches it on the pod's loopback
+            // (upstream: hostAliases name the hashed host 127.0.0.1).
+            bind_address: "127.0.0.1".into(),
+            port: SERVICE_PROXY_PORT,
+            cert: PathBuf::new(),
+            key: PathBuf::new(),
+            user_server_ca: PathBuf::new(),
+            user_server_name: USER_SERVER_IDENTITY.into(),
+            kube_api: String::new(),
+            kube_ca: PathBuf::from(SERVICE_ACCOUNT_DIR).join("ca.crt"),
+            token_file: PathBuf::from(SERVICE_ACCOUNT_DIR).join("token"),
+            enable_impersonation: true,
+            health_bind_address: String::new(),
+            health_port: 8000,
+            v: 0,
+            log_format: LogFormat::Auto,
+        }
+    }
+}
+
+#[derive(Debug, Parser, Serialize)]
+#[command(
+    name = "service-proxy",
+    version,
+    about = "cluster-proxy service-proxy: serves the hub user-server's requests on this cluster's kube-apiserver, as the hub user",
+    args_override_self = true
+)]
+pub struct Cli {
+    /// TOML configuration file (keys as the flags, with underscores).
+    #[arg(long)]
+    #[serde(skip)]
+    pub config: Option<PathBuf>,
+    /// Name of this managed cluster: requests routed for any other are refused.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cluster_name: Option<String>,
+    /// Address the HTTPS port listens on (the proxy-agent dials it on the pod's loopback).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bind_address: Option<String>,
+    /// HTTPS port the user-server's requests arrive on through the tunnel.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub port: Option<u16>,
+    /// Serving certificate (PEM), re-read when it changes.
+    #[arg(long, value_parser = parse_path)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cert: Option<PathBuf>,
+    /// Key of the serving certificate.
+    #[arg(long, value_parser = parse_path)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub key: Option<PathBuf>,
+    /// CA bundle (PEM) that signs the user-server's client certificate: the only client trusted to name a hub user.
+    #[arg(long, value_parser = parse_path)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub user_server_ca: Option<PathBuf>,
+    /// Common name the user-server's client certificate must carry.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub user_server_name: Option<String>,
+    /// URL of this cluster's kube-apiserver (default: https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT, else https://kubernetes.default.svc).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kube_api: Option<String>,
+    /// CA bundle of the kube-apiserver.
+    #[arg(long, value_parser = parse_path)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kube_ca: Option<PathBuf>,
+    /// This pod's ServiceAccount token, re-read when it changes (projected tokens rotate).
+    #[arg(long, value_parser = parse_path)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_file: Option<PathBuf>,
+    /// Serve hub users by impersonating them (cluster:hub:<user>); off: every request is refused.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub enable_impersonation: Option<bool>,
+    /// Address the health port listens on (empty: every address).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub health_bind_address: Option<String>,
+    /// Health port serving /healthz and /readyz (0: any free port).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub health_port: Option<u16>,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub logging: LogFlags,
+}
+
+/// The settings, checked.
+#[derive(Debug, Clone)]
+pub struct ServiceProxyConfig {
+    pub cluster: ClusterName,
+    pub listen: SocketAddr,
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub user_server_ca: PathBuf,
+    pub user_server_name: String,
+    pub kube_api: http::Uri,
+    pub kube_ca: PathBuf,
+    pub token_file: PathBuf,
+    pub impersonation: bool,
+    pub health: SocketAddr,
+    /// How often credential files are checked for changes.
+    pub reload_interval: Duration,
+}
+
+impl Settings {
+    pub fn load(cli: &Cli) -> Result<Self, ConfigError> {
+        config::load(ENV, cli.config.as_deref(), cli)
+    }
+
+    /// Checks the settings; `kubernetes_service` is the pod's
+    /// `KUBERNETES_SERVICE_HOST` and `_PORT`, when set.
+    pub fn resolve(
+        &self,
+        kubernetes_service: Option<(String, String)>,
+    ) -> Result<ServiceProxyConfig, ConfigError> {
+        let cluster = ClusterName::new(self.cluster_name.clone())
+            .map_err(|e| invalid("cluster-name", e.to_string()))?;
+        let ip = |field: &'static str, value: &str| -> Result<IpAddr, ConfigError> {
+            if value.is_empty() {
+                return Ok(IpAddr::from([0, 0, 0, 0]));
+            }
+            value
+                .parse()
+                .map_err(|_| invalid(field, format!("{value:?} is not an IP address")))
+        };
+        for (field, path) in [
+            ("cert", &self.cert),
+            ("key", &self.key),
+            ("user-server-ca", &self.user_server_ca),
+        ] {
+            if path.as_os_str().is_empty() {
+                return Err(invalid(field, "is required"));
+            }
+        }
+        if self.user_server_name.is_empty() {
+            return Err(invalid("user-server-name", "may not be empty"));
+        }
+        let kube_api = match (self.kube_api.as_str(), kubernetes_service) {
+            ("", Some((host, port))) if !host.is_empty() => {
+                let host = if host.contains(':') {
+                    format!("[{host}]")
+                } else {
+                    host
+                };
+                format!("https://{host}:{port}")
+            }
+            ("", _) => "https://kubernetes.default.svc".to_owned(),
+            (url, _) => url.to_owned(),
+        };
+        let kube_api: http::Uri = kube_api
+            .parse()
+            .map_err(|e| invalid("kube-api", format!("{kube_api:?}: {e}")))?;
+        if kube_api.scheme_str() != Some("https") || kube_api.host().is_none() {
+            return Err(invalid(
+                "kube-api",
+                format!("{kube_api} is not an https:// URL"),
+            ));
+        }
+        Ok(ServiceProxyConfig {
+            cluster,
+            listen: SocketAddr::new(ip("bind-address", &self.bind_address)?, self.port),
+            cert: self.cert.clone(),
+            key: self.key.clone(),
+            user_server_ca: self.user_server_ca.clone(),
+            user_server_name: self.user_server_name.clone(),
+            kube_api,
+            kube_ca: self.kube_ca.clone(),
+            token_file: self.token_file.clone(),
+            impersonation: self.enable_impersonation,
+            health: SocketAddr::new(
+                ip("health-bind-address", &self.health_bind_address)?,
+                self.health_port,
+            ),
+            reload_interval: cluster_proxy_runtime::reload::DEFAULT_INTERVAL,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings() -> Settings {
+        Settings {
+            cluster_name: "cluster-a".into(),
+            cert: "/tls/tls.crt".into(),
+            key: "/tls/tls.key".into(),
+            user_server_ca: "/hub/ca.crt".into(),
+            ..Settings::default()
+        }
+    }
+
+    #[test]
+    fn the_kube_api_defaults_to_the_pods_kubernetes_service() {
+        let config = settings()
+            .resolve(Some(("10.96.0.1".into(), "443".into())))
+            .unwrap();
+        assert_eq!(config.kube_api, "https://10.96.0.1:443/");
+        assert_eq!(config.listen, "127.0.0.1:7443".parse().unwrap());
+        let config = settings()
+            .resolve(Some(("fd00::1".into(), "6443".into())))
+            .unwrap();
+        assert_eq!(config.kube_api.host(), Some("[fd00::1]"));
+        let config = settings().resolve(None).unwrap();
+        assert_eq!(config.kube_api.host(), Some("kubernetes.default.svc"));
+    }
+
+    #[test]
+    fn bad_settings_name_their_flag() {
+        let cases: Vec<(Settings, &str)> = vec![
+            (
+                Settings {
+                    cluster_name: "Not_A_Name".into(),
+                    ..settings()
+                },
+                "cluster-name",
+            ),
+            (
+                Settings {
+                    cert: PathBuf::new(),
+                    ..settings()
+                },
+                "cert",
+            ),
+            (
+                Settings {
+                    kube_api: "http://plain:80".into(),
+                    ..settings()
+                },
+                "kube-api",
+            ),
+            (
+                Settings {
+                    bind_address: "localhost".into(),
+                    ..settings()
+                },
+                "bind-address",
+            ),
+        ];
+        for (settings, flag) in cases {
+            let error = settings.resolve(None).unwrap_err().to_string();
+            assert!(error.contains(flag), "{flag}: {error}");
+        }
+    }
+}

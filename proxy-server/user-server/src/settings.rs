@@ -1,0 +1,322 @@
+//! Flags (upstream's names where it has them), environment
+//! (`USER_SERVER_<KEY>`) and TOML file, resolved into a [`UserServerConfig`].
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+use cluster_proxy_proto::duration::serde_go;
+use cluster_proxy_proto::service_access::SERVICE_PROXY_PORT;
+use cluster_proxy_runtime::cli::parse_path;
+use cluster_proxy_runtime::config::{self, ConfigError, EnvSpec, invalid};
+use cluster_proxy_runtime::logging::{LogFlags, LogFormat};
+use serde::{Deserialize, Serialize};
+
+const ENV: EnvSpec = EnvSpec {
+    prefix: "USER_SERVER_",
+    aliases: &[],
+};
+
+/// Every setting, with its default.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct Settings {
+    pub host: String,
+    pub port: u16,
+    pub proxy_ca_cert: PathBuf,
+    pub proxy_cert: PathBuf,
+    pub proxy_key: PathBuf,
+    pub bind_address: String,
+    pub server_port: u16,
+    pub server_cert: PathBuf,
+    pub server_key: PathBuf,
+    pub client_ca: Option<PathBuf>,
+    pub service_proxy_ca_cert: PathBuf,
+    pub service_proxy_port: u16,
+    pub identity_cert: PathBuf,
+    pub identity_key: PathBuf,
+    pub hub_kubeconfig: Option<PathBuf>,
+    #[serde(with = "serde_go")]
+    pub token_review_cache_ttl: Duration,
+    #[serde(with = "serde_go")]
+    pub authorization_cache_ttl: Duration,
+    pub cache_size: usize,
+    pub max_idle_connections_per_cluster: usize,
+    #[serde(with = "serde_go")]
+    pub idle_connection_timeout: Duration,
+    #[serde(with = "serde_go")]
+    pub dial_timeout: Duration,
+    #[serde(with = "serde_go")]
+    pub response_header_timeout: Duration,
+    pub health_bind_address: String,
+    pub health_port: u16,
+    pub v: u8,
+    pub log_format: LogFormat,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            host: String::new(),
+            port: 8090,
+            proxy_ca_cert: PathBuf::new(),
+            proxy_cert: PathBuf::new(),
+            proxy_key: PathBuf::new(),
+            bind_address: String::new(),
+            server_port: 9092,
+            server_cert: PathBuf::new(),
+            server_key: PathBuf::new(),
+            client_ca: None,
+            service_proxy_ca_cert: PathBuf::new(),
+            service_proxy_port: SERVICE_PROXY_PORT,
+            identity_cert: PathBuf::new(),
+            identity_key: PathBuf::new(),
+            hub_kubeconfig: None,
+            token_review_cache_ttl: Duration::from_secs(120),
+            authorization_cache_ttl: Duration::from_secs(10),
+            cache_size: 10_000,
+            max_idle_connections_per_cluster: 32,
+            idle_connection_timeout: Duration::from_secs(90),
+            dial_timeout: Duration::from_secs(10),
+            response_header_timeout: Duration::from_secs(60),
+            health_bind_address: String::new(),
+            health_port: 8000,
+            v: 0,
+            log_format: LogFormat::Auto,
+        }
+    }
+}
+
+#[derive(Debug, Parser, Serialize)]
+#[command(
+    name = "user-server",
+    version,
+    about = "cluster-proxy user-server: kubectl to every managed cluster through the hub, as the hub user",
+    args_override_self = true
+)]
+pub struct Cli {
+    /// TOML configuration file (keys as the flags, with underscores).
+    #[arg(long)]
+    #[serde(skip)]
+    pub config: Option<PathBuf>,
+    /// Host of the proxy-server's client port (its Service).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
+    /// The proxy-server's client port.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub port: Option<u16>,
+    /// CA bundle of the proxy-server's serving certificate.
+    #[arg(long, value_parser = parse_path)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub proxy_ca_cert: Option<PathBuf>,
+    /// Proxy-client certificate presented to the proxy-server, re-read when it changes.
+    #[arg(long, value_parser = parse_path)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub proxy_cert: Option<PathBuf>,
+    /// Key of the proxy-client certificate.
+    #[arg(long, value_parser = parse_path)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub proxy_key: Option<PathBuf>,
+    /// Address the HTTPS port listens on (empty: every address).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bind_address: Option<String>,
+    /// HTTPS port users connect to.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub server_port: Option<u16>,
+    /// Serving certificate for users, re-read when it changes.
+    #[arg(long, value_parser = parse_path)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub server_cert: Option<PathBuf>,
+    /// Key of the serving certificate.
+    #[arg(long, value_parser = parse_path)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub server_key: Option<PathBuf>,
+    /// CA bundle of hub client certificates to accept as users (CN the user, O the groups); none: tokens only.
+    #[arg(long, value_parser = parse_path)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub client_ca: Option<PathBuf>,
+    /// CA bundle of the service-proxies' serving certificates.
+    #[arg(long, value_parser = parse_path)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub service_proxy_ca_cert: Option<PathBuf>,
+    /// Port of the service-proxy beside each cluster's proxy-agent.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub service_proxy_port: Option<u16>,
+    /// Client certificate presented to the service-proxies: the identity they require before believing the user this server names.
+    #[arg(long, value_parser = parse_path)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub identity_cert: Option<PathBuf>,
+    /// Key of the identity certificate.
+    #[arg(long, value_parser = parse_path)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub identity_key: Option<PathBuf>,
+    /// Kubeconfig of the hub (default: $KUBECONFIG, ~/.kube/config, or the pod's ServiceAccount).
+    #[arg(long, value_parser = parse_path)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hub_kubeconfig: Option<PathBuf>,
+    /// How long a token the hub's TokenReview accepted stays accepted without asking again (Go duration).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_review_cache_ttl: Option<String>,
+    /// How long a SubjectAccessReview decision is reused (Go duration): a revoked grant takes effect within it.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub authorization_cache_ttl: Option<String>,
+    /// Most tokens and decisions each cache holds.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cache_size: Option<usize>,
+    /// Idle connections kept open to each cluster's service-proxy.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_idle_connections_per_cluster: Option<usize>,
+    /// How long an idle connection to a service-proxy is kept (Go duration).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub idle_connection_timeout: Option<String>,
+    /// Limit on connecting to the proxy-server and dialing a cluster through it (Go duration).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dial_timeout: Option<String>,
+    /// Limit on waiting for a cluster's response headers (Go duration); a watch's body may then stream for as long as it lasts.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub response_header_timeout: Option<String>,
+    /// Address the health port listens on (empty: every address).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub health_bind_address: Option<String>,
+    /// Health port serving /healthz, /readyz and /metrics (0: any free port).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub health_port: Option<u16>,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub logging: LogFlags,
+}
+
+/// The settings, checked.
+#[derive(Debug, Clone)]
+pub struct UserServerConfig {
+    pub proxy_server: (String, u16),
+    pub proxy_ca_cert: PathBuf,
+    pub proxy_cert: PathBuf,
+    pub proxy_key: PathBuf,
+    pub listen: SocketAddr,
+    pub server_cert: PathBuf,
+    pub server_key: PathBuf,
+    pub client_ca: Option<PathBuf>,
+    pub service_proxy_ca_cert: PathBuf,
+    pub service_proxy_port: u16,
+    pub identity_cert: PathBuf,
+    pub identity_key: PathBuf,
+    pub hub_kubeconfig: Option<PathBuf>,
+    pub token_review_cache_ttl: Duration,
+    pub authorization_cache_ttl: Duration,
+    pub cache_size: usize,
+    pub max_idle_connections_per_cluster: usize,
+    pub idle_connection_timeout: Duration,
+    pub dial_timeout: Duration,
+    pub response_header_timeout: Duration,
+    pub health: SocketAddr,
+    pub reload_interval: Duration,
+}
+
+impl Settings {
+    pub fn load(cli: &Cli) -> Result<Self, ConfigError> {
+        let mut settings: Settings = config::load(ENV, cli.config.as_deref(), cli)?;
+        // An empty path (a template rendering an unset value) is "not given".
+        for path in [&mut settings.client_ca, &mut settings.hub_kubeconfig] {
+            if path.as_ref().is_some_and(|p| p.as_os_str().is_empty()) {
+                *path = None;
+            }
+        }
+        Ok(settings)
+    }
+
+    pub fn resolve(&self) -> Result<UserServerConfig, ConfigError> {
+        if self.host.is_empty() {
+            return Err(invalid(
+                "host",
+                "is required: the proxy-server's client Service",
+            ));
+        }
+        for (field, path) in [
+            ("proxy-ca-cert", &self.proxy_ca_cert),
+            ("proxy-cert", &self.proxy_cert),
+            ("proxy-key", &self.proxy_key),
+            ("server-cert", &self.server_cert),
+            ("server-key", &self.server_key),
+            ("service-proxy-ca-cert", &self.service_proxy_ca_cert),
+            ("identity-cert", &self.identity_cert),
+            ("identity-key", &self.identity_key),
+        ] {
+            if path.as_os_str().is_empty() {
+                return Err(invalid(field, "is required"));
+            }
+        }
+        for (field, value) in [
+            ("token-review-cache-ttl", self.token_review_cache_ttl),
+            ("authorization-cache-ttl", self.authorization_cache_ttl),
+        ] {
+            if value > Duration::from_secs(3600) {
+                return Err(invalid(
+                    field,
+                    "may be at most 1h: a revoked credential would stay valid that long",
+                ));
+            }
+        }
+        for (field, value) in [
+            ("dial-timeout", self.dial_timeout),
+            ("response-header-timeout", self.response_header_timeout),
+        ] {
+            if value.is_zero() {
+                return Err(invalid(field, "must be positive"));
+            }
+        }
+        if self.cache_size == 0 {
+            return Err(invalid("cache-size", "must be at least 1"));
+        }
+        let ip = |field: &'static str, value: &str| -> Result<IpAddr, ConfigError> {
+            if value.is_empty() {
+                return Ok(IpAddr::from([0, 0, 0, 0]));
+            }
+            value
+                .parse()
+                .map_err(|_| invalid(field, format!("{value:?} is not an IP address")))
+        };
+        Ok(UserServerConfig {
+            proxy_server: (self.host.clone(), self.port),
+            proxy_ca_cert: self.proxy_ca_cert.clone(),
+            proxy_cert: self.proxy_cert.clone(),
+            proxy_key: self.proxy_key.clone(),
+            listen: SocketAddr::new(ip("bind-address", &self.bind_address)?, self.server_port),
+            server_cert: self.server_cert.clone(),
+            server_key: self.server_key.clone(),
+            client_ca: self.client_ca.clone(),
+            service_proxy_ca_cert: self.service_proxy_ca_cert.clone(),
+            service_proxy_port: self.service_proxy_port,
+            identity_cert: self.identity_cert.clone(),
+            identity_key: self.identity_key.clone(),
+            hub_kubeconfig: self.hub_kubeconfig.clone(),
+            token_review_cache_ttl: self.token_review_cache_ttl,
+            authorization_cache_ttl: self.authorization_cache_ttl,
+            cache_size: self.cache_size,
+            max_idle_connections_per_cluster: self.max_idle_connections_per_cluster,
+            idle_connection_timeout: self.idle_connection_timeout,
+            dial_timeout: self.dial_timeout,
+            response_header_timeout: self.response_header_timeout,
+            health: SocketAddr::new(
+                ip("health-bind-address", &self.health_bind_address)?,
+                self.health_port,
+            ),
+            reload_interval: cluster_proxy_runtime::reload::DEFAULT_INTERVAL,
+        })
+    }
+}
