@@ -131,6 +131,18 @@ fn binaries() -> Vec<Binary> {
             health_prober::settings::ENV,
             &health_prober::settings::Settings::default(),
         ),
+        binary(
+            "user-server",
+            user_server::settings::Cli::command(),
+            user_server::settings::ENV,
+            &user_server::settings::Settings::default(),
+        ),
+        binary(
+            "service-proxy",
+            service_proxy::settings::Cli::command(),
+            service_proxy::settings::ENV,
+            &service_proxy::settings::Settings::default(),
+        ),
     ]
 }
 
@@ -438,6 +450,8 @@ fn service_metrics() -> Vec<(&'static str, String)> {
     cert_authority::kubernetes::metrics::Metrics::register(&mut cert_authority);
     let mut health_prober = Registry::default();
     health_prober::metrics::ProberMetrics::default().register(&mut health_prober);
+    let mut user_server = Registry::default();
+    user_server::audit::Metrics::default().register(&mut user_server);
     vec![
         (
             "proxy-server",
@@ -448,6 +462,7 @@ fn service_metrics() -> Vec<(&'static str, String)> {
         ("addon-manager", encode_registry(&addon_manager)),
         ("cert-authority", encode_registry(&cert_authority)),
         ("health-prober", encode_registry(&health_prober)),
+        ("user-server", encode_registry(&user_server)),
     ]
 }
 

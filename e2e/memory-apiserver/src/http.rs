@@ -14,7 +14,6 @@ use serde_json::{Value, json};
 use tokio::sync::{broadcast, mpsc, watch};
 
 use super::error::ApiError;
-use super::protobuf::{self, ProtobufError};
 use super::resources::ResourceType;
 use super::selector::{FieldSelector, LabelSelector};
 use super::shared::{Body, Shared, Snapshot};
@@ -24,22 +23,7 @@ use super::store::{
 };
 use super::{openapi, rbac, reviews, table};
 
-/// Kubernetes' protobuf media type (typed clients' request bodies).
-const PROTOBUF: &str = "application/vnd.kubernetes.protobuf";
-
-/// Largest request body accepted (the real server's limit is 3 MiB).
-const MAX_BODY: usize = 3 * 1024 * 1024;
-
-pub(crate) fn json_response(status: StatusCode, value: &Value) -> Response<Body> {
-    let bytes = serde_json::to_vec(value).unwrap_or_default();
-    let mut response = Response::new(Full::new(Bytes::from(bytes)).boxed());
-    *response.status_mut() = status;
-    response.headers_mut().insert(
-        header::CONTENT_TYPE,
-        header::HeaderValue::from_static("application/json"),
-    );
-    response
-}
+use super::body::{MAX_BODY, json_response, media_type, read_json};
 
 fn error_response(error: &ApiError) -> Response<Body> {
     let status = StatusCode::from_u16(error.code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
@@ -901,55 +885,6 @@ fn signer_admission(
             name: Some(signer.to_string()),
         },
     )
-}
-
-/// The request's `Content-Type` without parameters (`application/json`), or "".
-pub(crate) fn media_type(request: &Request<Incoming>) -> String {
-    request
-        .headers()
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .map(|v| v.split(';').next().unwrap_or_default().trim().to_string())
-        .unwrap_or_default()
-}
-
-pub(crate) async fn read_json(
-    request: Request<Incoming>,
-    content_type: &str,
-) -> Result<Value, ApiError> {
-    let bytes = Limited::new(request.into_body(), MAX_BODY)
-        .collect()
-        .await
-        .map_err(|e| {
-            ApiError::new(
-                413,
-                "RequestEntityTooLarge",
-                format!("reading the body: {e}"),
-            )
-        })?
-        .to_bytes();
-    if content_type == "application/apply-patch+yaml" {
-        // JSON is YAML; most clients (kube-rs included) send JSON here.
-        if let Ok(value) = serde_json::from_slice(&bytes) {
-            return Ok(value);
-        }
-        let text = std::str::from_utf8(&bytes)
-            .map_err(|_| ApiError::bad_request("the body is not UTF-8"))?;
-        return serde_saphyr::from_str::<Value>(text)
-            .map_err(|e| ApiError::bad_request(format!("invalid YAML body: {e}")));
-    }
-    if content_type == PROTOBUF {
-        return protobuf::decode(&bytes).map_err(|e| match e {
-            ProtobufError::NoMagic | ProtobufError::Malformed { .. } => {
-                ApiError::bad_request(e.to_string())
-            }
-            ProtobufError::UnsupportedKind { .. } | ProtobufError::UnsupportedField { .. } => {
-                ApiError::new(415, "UnsupportedMediaType", e.to_string())
-            }
-        });
-    }
-    serde_json::from_slice(&bytes)
-        .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
 }
 
 /// The fields a type can be selected by besides `metadata.name` and

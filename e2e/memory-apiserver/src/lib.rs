@@ -39,6 +39,7 @@
 //!   discovery, `exec`/`logs`, `portforward` over SPDY (WebSocket is
 //!   served, [`portforward`]), API priority and fairness, and persistence.
 
+pub mod body;
 pub mod error;
 pub mod fields;
 pub mod http;

@@ -11,8 +11,8 @@ use http::{Request, Response, StatusCode};
 use hyper::body::Incoming;
 use serde_json::{Value, json};
 
+use super::body::{json_response, media_type, read_json};
 use super::error::ApiError;
-use super::http::{json_response, media_type, read_json};
 use super::rbac;
 use super::shared::{Body, Shared};
 use super::store::User;

@@ -13,7 +13,7 @@ use cluster_proxy_runtime::config::{self, ConfigError, EnvSpec, invalid};
 use cluster_proxy_runtime::logging::{LogFlags, LogFormat};
 use serde::{Deserialize, Serialize};
 
-const ENV: EnvSpec = EnvSpec {
+pub const ENV: EnvSpec = EnvSpec {
     prefix: "SERVICE_PROXY_",
     aliases: &[],
 };
@@ -292,5 +292,14 @@ mod tests {
             let error = settings.resolve(None).unwrap_err().to_string();
             assert!(error.contains(flag), "{flag}: {error}");
         }
+    }
+
+    #[test]
+    fn every_flag_is_described_and_shows_its_default() {
+        let problems = cluster_proxy_runtime::cli::help_problems::<Cli>(
+            &Settings::default(),
+            &["[default: 7443]"],
+        );
+        assert!(problems.is_empty(), "{problems:?}");
     }
 }

@@ -13,7 +13,7 @@ use cluster_proxy_runtime::config::{self, ConfigError, EnvSpec, invalid};
 use cluster_proxy_runtime::logging::{LogFlags, LogFormat};
 use serde::{Deserialize, Serialize};
 
-const ENV: EnvSpec = EnvSpec {
+pub const ENV: EnvSpec = EnvSpec {
     prefix: "USER_SERVER_",
     aliases: &[],
 };
@@ -318,5 +318,93 @@ impl Settings {
             ),
             reload_interval: cluster_proxy_runtime::reload::DEFAULT_INTERVAL,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings() -> Settings {
+        let path = |p: &str| PathBuf::from(p);
+        Settings {
+            host: "cluster-proxy-addon-entrypoint".into(),
+            proxy_ca_cert: path("/p/ca.crt"),
+            proxy_cert: path("/p/tls.crt"),
+            proxy_key: path("/p/tls.key"),
+            server_cert: path("/s/tls.crt"),
+            server_key: path("/s/tls.key"),
+            service_proxy_ca_cert: path("/sp/ca.crt"),
+            identity_cert: path("/i/tls.crt"),
+            identity_key: path("/i/tls.key"),
+            ..Settings::default()
+        }
+    }
+
+    #[test]
+    fn complete_settings_resolve_and_bad_ones_name_their_flag() {
+        let config = settings().resolve().unwrap();
+        assert_eq!(config.listen, "0.0.0.0:9092".parse().unwrap());
+        assert_eq!(
+            config.proxy_server,
+            ("cluster-proxy-addon-entrypoint".into(), 8090)
+        );
+        let cases: Vec<(Settings, &str)> = vec![
+            (
+                Settings {
+                    host: String::new(),
+                    ..settings()
+                },
+                "host",
+            ),
+            (
+                Settings {
+                    identity_cert: PathBuf::new(),
+                    ..settings()
+                },
+                "identity-cert",
+            ),
+            (
+                Settings {
+                    token_review_cache_ttl: Duration::from_secs(7200),
+                    ..settings()
+                },
+                "token-review-cache-ttl",
+            ),
+            (
+                Settings {
+                    dial_timeout: Duration::ZERO,
+                    ..settings()
+                },
+                "dial-timeout",
+            ),
+            (
+                Settings {
+                    cache_size: 0,
+                    ..settings()
+                },
+                "cache-size",
+            ),
+            (
+                Settings {
+                    bind_address: "example.com".into(),
+                    ..settings()
+                },
+                "bind-address",
+            ),
+        ];
+        for (settings, flag) in cases {
+            let error = settings.resolve().unwrap_err().to_string();
+            assert!(error.contains(flag), "{flag}: {error}");
+        }
+    }
+
+    #[test]
+    fn every_flag_is_described_and_shows_its_default() {
+        let problems = cluster_proxy_runtime::cli::help_problems::<Cli>(
+            &Settings::default(),
+            &["[default: 9092]"],
+        );
+        assert!(problems.is_empty(), "{problems:?}");
     }
 }
