@@ -38,11 +38,9 @@ pub(crate) fn media_type(request: &Request<Incoming>) -> String {
         .unwrap_or_default()
 }
 
-pub(crate) async fn read_json(
-    request: Request<Incoming>,
-    content_type: &str,
-) -> Result<Value, ApiError> {
-    let bytes = Limited::new(request.into_body(), MAX_BODY)
+/// The request's body, at most [`MAX_BODY`] bytes.
+pub(crate) async fn read_bytes(request: Request<Incoming>) -> Result<Bytes, ApiError> {
+    Ok(Limited::new(request.into_body(), MAX_BODY)
         .collect()
         .await
         .map_err(|e| {
@@ -52,7 +50,14 @@ pub(crate) async fn read_json(
                 format!("reading the body: {e}"),
             )
         })?
-        .to_bytes();
+        .to_bytes())
+}
+
+pub(crate) async fn read_json(
+    request: Request<Incoming>,
+    content_type: &str,
+) -> Result<Value, ApiError> {
+    let bytes = read_bytes(request).await?;
     if content_type == "application/apply-patch+yaml" {
         // JSON is YAML; most clients (kube-rs included) send JSON here.
         if let Ok(value) = serde_json::from_slice(&bytes) {

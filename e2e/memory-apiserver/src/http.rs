@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode, header};
-use http_body_util::{BodyExt, Full, Limited, StreamBody};
+use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::{Frame, Incoming};
 use serde_json::{Value, json};
 use tokio::sync::{broadcast, mpsc, watch};
@@ -23,7 +23,7 @@ use super::store::{
 };
 use super::{openapi, rbac, reviews, table};
 
-use super::body::{MAX_BODY, json_response, media_type, read_json};
+use super::body::{json_response, media_type, read_bytes, read_json};
 
 fn error_response(error: &ApiError) -> Response<Body> {
     let status = StatusCode::from_u16(error.code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
@@ -637,17 +637,7 @@ async fn delete_options(
     request: Request<Incoming>,
     query: &Query,
 ) -> Result<DeleteOptions, ApiError> {
-    let bytes = Limited::new(request.into_body(), MAX_BODY)
-        .collect()
-        .await
-        .map_err(|e| {
-            ApiError::new(
-                413,
-                "RequestEntityTooLarge",
-                format!("reading the body: {e}"),
-            )
-        })?
-        .to_bytes();
+    let bytes = read_bytes(request).await?;
     let body: Value = if bytes.iter().all(u8::is_ascii_whitespace) {
         json!({})
     } else {

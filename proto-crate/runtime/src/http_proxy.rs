@@ -1,17 +1,27 @@
 //! What both HTTP proxies of service access (the hub's user-server, the
-//! managed side's service-proxy) do alike: drop hop-by-hop headers, carry
-//! upgraded streams (SPDY and WebSocket: `exec`, `attach`, `port-forward`)
-//! through, and answer errors as Kubernetes `Status` objects, which kubectl
-//! prints as it prints the API server's own.
+//! managed side's service-proxy) do alike: serve HTTPS with bounded
+//! handshakes and headers, drop hop-by-hop headers, carry upgraded streams
+//! (SPDY and WebSocket: `exec`, `attach`, `port-forward`) through, and
+//! answer errors as Kubernetes `Status` objects, which kubectl prints as it
+//! prints the API server's own.
 
 use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Request, Response, StatusCode};
 use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full};
-use hyper_util::rt::TokioIo;
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::reload::Watched;
 
 /// The body both proxies answer with: the backend's, streamed, or their own.
 pub type ProxyBody = BoxBody<Bytes, hyper::Error>;
@@ -125,6 +135,97 @@ pub fn relay_upgrade<B>(
 /// request is forwarded, as hyper requires), else `None`.
 pub fn take_upgrade<B>(request: &mut Request<B>) -> Option<hyper::upgrade::OnUpgrade> {
     is_upgrade(request.headers()).then(|| hyper::upgrade::on(request))
+}
+
+/// How [`serve_https`] serves its connections.
+#[derive(Debug, Clone)]
+pub struct HttpsOptions {
+    /// Only HTTP/1.1 (a hop whose every request may be an upgrade);
+    /// otherwise HTTP/2 too, as ALPN decides.
+    pub http1_only: bool,
+    /// How long a client has for its TLS handshake.
+    pub handshake_timeout: Duration,
+    /// How long a client has to send a request's headers, and how many
+    /// bytes they may take.
+    pub header_read_timeout: Duration,
+    pub max_header_bytes: usize,
+    /// How long open requests may finish after the stop.
+    pub drain_timeout: Duration,
+}
+
+/// Serves HTTPS on `listener` with the newest `tls` for each handshake,
+/// until `stop`, then lets open requests finish for the drain timeout.
+/// `connection` sees each connection's TLS state (its client certificate)
+/// once and gives the handler of that connection's requests.
+pub async fn serve_https<C, H, F>(
+    listener: TcpListener,
+    tls: Watched<rustls::ServerConfig>,
+    stop: CancellationToken,
+    options: HttpsOptions,
+    connection: C,
+) where
+    C: Fn(&rustls::ServerConnection, SocketAddr) -> H + Send + Sync + 'static,
+    H: Fn(Request<Incoming>) -> F + Clone + Send + Sync + 'static,
+    F: Future<Output = Response<ProxyBody>> + Send + 'static,
+{
+    let connection = Arc::new(connection);
+    let options = Arc::new(options);
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    loop {
+        let (tcp, peer) = tokio::select! {
+            () = stop.cancelled() => break,
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(error) => {
+                    // Out of descriptors, most likely: wait rather than spin.
+                    tracing::warn!(%error, "accepting a connection");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+        };
+        let acceptor = tokio_rustls::TlsAcceptor::from(tls.borrow().clone());
+        let (connection, options) = (connection.clone(), options.clone());
+        let watcher = graceful.watcher();
+        tokio::spawn(async move {
+            let stream =
+                match tokio::time::timeout(options.handshake_timeout, acceptor.accept(tcp)).await {
+                    Ok(Ok(stream)) => stream,
+                    Ok(Err(error)) => {
+                        tracing::info!(%peer, %error, "TLS handshake refused");
+                        return;
+                    }
+                    Err(_) => {
+                        tracing::info!(%peer, "TLS handshake timed out");
+                        return;
+                    }
+                };
+            let handler = connection(stream.get_ref().1, peer);
+            let service = hyper::service::service_fn(move |request| {
+                let handler = handler.clone();
+                async move { Ok::<_, Infallible>(handler(request).await) }
+            });
+            let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+            if options.http1_only {
+                builder = builder.http1_only();
+            }
+            builder
+                .http1()
+                .timer(TokioTimer::new())
+                .header_read_timeout(options.header_read_timeout)
+                // hyper's floor (it panics below 8 KiB).
+                .max_buf_size(options.max_header_bytes.max(8192));
+            builder
+                .http2()
+                .max_header_list_size(u32::try_from(options.max_header_bytes).unwrap_or(u32::MAX));
+            let served = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
+            if let Err(error) = watcher.watch(served.into_owned()).await {
+                tracing::debug!(%peer, %error, "connection ended");
+            }
+        });
+    }
+    drop(listener);
+    let _ = tokio::time::timeout(options.drain_timeout, graceful.shutdown()).await;
 }
 
 #[cfg(test)]

@@ -24,7 +24,8 @@ use cluster_proxy_proto::identity::ClusterName;
 use cluster_proxy_proto::service_access;
 use cluster_proxy_proto::transport::ALPN_HTTP11;
 use cluster_proxy_runtime::http_proxy::{
-    ProxyBody, relay_upgrade, status_response, strip_hop_by_hop, take_upgrade,
+    HttpsOptions, ProxyBody, relay_upgrade, serve_https, status_response, strip_hop_by_hop,
+    take_upgrade,
 };
 use cluster_proxy_runtime::reload::{self, Watched};
 use cluster_proxy_runtime::tls::{self, Identity, Pem, TlsError};
@@ -35,7 +36,7 @@ use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::rt::{TokioExecutor, TokioTimer};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -45,6 +46,9 @@ pub use settings::{Cli, ServiceProxyConfig, Settings};
 /// request's headers: a slow or idle peer cannot hold a task.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
+const MAX_HEADER_BYTES: usize = 256 * 1024;
+/// How long open requests may finish after SIGTERM.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 /// Idle connections kept to the kube-apiserver, and for how long.
 const MAX_IDLE_PER_HOST: usize = 100;
 const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
@@ -197,81 +201,50 @@ fn watch_token(config: &ServiceProxyConfig) -> Result<Watched<String>, StartErro
     )?)
 }
 
+/// Serves until `stop`; each connection's requests are refused unless its
+/// client certificate is the user-server's.
 async fn accept(
     listener: TcpListener,
     tls: Watched<rustls::ServerConfig>,
     shared: Arc<Shared>,
     stop: CancellationToken,
 ) {
-    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
-    loop {
-        let (tcp, peer) = tokio::select! {
-            () = stop.cancelled() => break,
-            accepted = listener.accept() => match accepted {
-                Ok(accepted) => accepted,
-                Err(error) => {
-                    tracing::warn!(%error, "accepting a connection");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    continue;
-                }
-            },
-        };
-        let acceptor = tokio_rustls::TlsAcceptor::from(tls.borrow().clone());
+    let options = HttpsOptions {
+        http1_only: true,
+        handshake_timeout: HANDSHAKE_TIMEOUT,
+        header_read_timeout: HEADER_READ_TIMEOUT,
+        max_header_bytes: MAX_HEADER_BYTES,
+        drain_timeout: DRAIN_TIMEOUT,
+    };
+    serve_https(listener, tls, stop, options, move |connection, peer| {
+        let trusted = client_is_user_server(connection, &shared.user_server_name);
+        if let Err(reason) = &trusted {
+            tracing::warn!(%peer, reason, "a client that is not the user-server; its requests are refused");
+        }
         let shared = shared.clone();
-        let watcher = graceful.watcher();
-        tokio::spawn(async move {
-            let stream = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
-                Ok(Ok(stream)) => stream,
-                Ok(Err(error)) => {
-                    tracing::info!(%peer, %error, "TLS handshake refused");
-                    return;
+        move |request| {
+            let (shared, trusted) = (shared.clone(), trusted.clone());
+            async move {
+                match trusted {
+                    Ok(()) => handle(&shared, request).await,
+                    Err(reason) => status_response(
+                        StatusCode::FORBIDDEN,
+                        "Forbidden",
+                        &format!("service-proxy serves only the hub's user-server: {reason}"),
+                    ),
                 }
-                Err(_) => {
-                    tracing::info!(%peer, "TLS handshake timed out");
-                    return;
-                }
-            };
-            let trusted = client_is_user_server(&stream, &shared.user_server_name);
-            if let Err(reason) = &trusted {
-                tracing::warn!(%peer, reason, "a client that is not the user-server; its requests are refused");
             }
-            let service = hyper::service::service_fn(move |request| {
-                let shared = shared.clone();
-                let trusted = trusted.clone();
-                async move {
-                    Ok::<_, std::convert::Infallible>(match trusted {
-                        Ok(()) => handle(&shared, request).await,
-                        Err(reason) => status_response(
-                            StatusCode::FORBIDDEN,
-                            "Forbidden",
-                            &format!("service-proxy serves only the hub's user-server: {reason}"),
-                        ),
-                    })
-                }
-            });
-            let mut builder =
-                hyper_util::server::conn::auto::Builder::new(TokioExecutor::new()).http1_only();
-            builder
-                .http1()
-                .timer(TokioTimer::new())
-                .header_read_timeout(HEADER_READ_TIMEOUT);
-            let connection = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
-            if let Err(error) = watcher.watch(connection.into_owned()).await {
-                tracing::debug!(%peer, %error, "connection ended");
-            }
-        });
-    }
-    drop(listener);
-    let _ = tokio::time::timeout(Duration::from_secs(30), graceful.shutdown()).await;
+        }
+    })
+    .await;
 }
 
 /// Whether the TLS client certificate (already verified against the
 /// user-server CA) names the user-server.
 fn client_is_user_server(
-    stream: &tokio_rustls::server::TlsStream<tokio::net::TcpStream>,
+    connection: &rustls::ServerConnection,
     expected: &str,
 ) -> Result<(), String> {
-    let (_, connection) = stream.get_ref();
     let leaf = connection
         .peer_certificates()
         .and_then(|chain| chain.first())

@@ -32,7 +32,8 @@ use std::time::Duration;
 
 use cluster_proxy_proto::service_access;
 use cluster_proxy_runtime::http_proxy::{
-    ProxyBody, full, relay_upgrade, status_response, strip_hop_by_hop, take_upgrade,
+    HttpsOptions, ProxyBody, full, relay_upgrade, serve_https, status_response, strip_hop_by_hop,
+    take_upgrade,
 };
 use cluster_proxy_runtime::reload::{self, Watched};
 use cluster_proxy_runtime::tls::{self, Identity, Pem, TlsError};
@@ -41,7 +42,6 @@ use http::header::{self, HeaderName, HeaderValue};
 use http::{Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -59,6 +59,8 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// for them (kube-apiserver's own limit is 1 MiB; kubectl sends a few KiB).
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 const MAX_HEADER_BYTES: usize = 256 * 1024;
+/// How long open requests may finish after SIGTERM.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 const USER_AGENT: &str = concat!("user-server/", env!("CARGO_PKG_VERSION"));
 
 #[derive(Debug, thiserror::Error)]
@@ -260,72 +262,33 @@ fn watch_client_tls(
     )
 }
 
+/// Serves until `stop`; a connection's verified client certificate (if
+/// any) is read once, for its requests without a bearer token.
 async fn accept(
     listener: TcpListener,
     tls: Watched<rustls::ServerConfig>,
     shared: Arc<Shared>,
     stop: CancellationToken,
 ) {
-    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
-    loop {
-        let (tcp, peer) = tokio::select! {
-            () = stop.cancelled() => break,
-            accepted = listener.accept() => match accepted {
-                Ok(accepted) => accepted,
-                Err(error) => {
-                    tracing::warn!(%error, "accepting a connection");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    continue;
-                }
-            },
-        };
-        let acceptor = tokio_rustls::TlsAcceptor::from(tls.borrow().clone());
+    let options = HttpsOptions {
+        http1_only: false,
+        handshake_timeout: HANDSHAKE_TIMEOUT,
+        header_read_timeout: HEADER_READ_TIMEOUT,
+        max_header_bytes: MAX_HEADER_BYTES,
+        drain_timeout: DRAIN_TIMEOUT,
+    };
+    serve_https(listener, tls, stop, options, move |connection, _peer| {
+        let certificate_user = connection
+            .peer_certificates()
+            .and_then(|chain| chain.first())
+            .map(|leaf| authn::certificate_user(leaf));
         let shared = shared.clone();
-        let watcher = graceful.watcher();
-        tokio::spawn(async move {
-            let stream = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
-                Ok(Ok(stream)) => stream,
-                Ok(Err(error)) => {
-                    tracing::debug!(%peer, %error, "TLS handshake refused");
-                    return;
-                }
-                Err(_) => {
-                    tracing::debug!(%peer, "TLS handshake timed out");
-                    return;
-                }
-            };
-            let certificate_user = stream
-                .get_ref()
-                .1
-                .peer_certificates()
-                .and_then(|chain| chain.first())
-                .map(|leaf| authn::certificate_user(leaf));
-            let service = hyper::service::service_fn(move |request| {
-                let shared = shared.clone();
-                let certificate_user = certificate_user.clone();
-                async move {
-                    Ok::<_, std::convert::Infallible>(
-                        handle(&shared, request, certificate_user).await,
-                    )
-                }
-            });
-            let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-            builder
-                .http1()
-                .timer(TokioTimer::new())
-                .header_read_timeout(HEADER_READ_TIMEOUT)
-                .max_buf_size(MAX_HEADER_BYTES);
-            builder
-                .http2()
-                .max_header_list_size(MAX_HEADER_BYTES as u32);
-            let connection = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
-            if let Err(error) = watcher.watch(connection.into_owned()).await {
-                tracing::debug!(%peer, %error, "connection ended");
-            }
-        });
-    }
-    drop(listener);
-    let _ = tokio::time::timeout(Duration::from_secs(30), graceful.shutdown()).await;
+        move |request| {
+            let (shared, certificate_user) = (shared.clone(), certificate_user.clone());
+            async move { handle(&shared, request, certificate_user).await }
+        }
+    })
+    .await;
 }
 
 /// The trace id of a W3C `traceparent` header, if the client sent one.
