@@ -45,6 +45,27 @@ enum Command {
     /// Listen locally; every connection goes through the tunnel to
     /// CLUSTER:PORT (the cluster's kube-apiserver host) or CLUSTER:HOST:PORT.
     PortForward(PortForwardArgs),
+    /// Write a kubeconfig with one context per managed cluster, reaching it
+    /// through the user-server as the hub user of the current context.
+    Kubeconfig(KubeconfigArgs),
+}
+
+#[derive(Debug, Args)]
+struct KubeconfigArgs {
+    #[command(flatten)]
+    hub: HubArgs,
+    /// The user-server's URL as this machine reaches it (https://HOST:PORT).
+    #[arg(long)]
+    user_server: String,
+    /// CA bundle (PEM) of the user-server's serving certificate.
+    #[arg(long)]
+    certificate_authority: PathBuf,
+    /// Only these clusters (repeatable) [default: every ManagedCluster].
+    #[arg(long = "cluster", value_name = "NAME")]
+    clusters: Vec<String>,
+    /// Where to write it (mode 0600) [default: standard output].
+    #[arg(short = 'o', long = "output")]
+    output: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -142,7 +163,7 @@ fn main() -> ExitCode {
     init_logging(cli.v);
     let worker_threads = match &cli.command {
         Command::PortForward(args) => args.worker_threads,
-        Command::Health(_) => workers::PER_CPU,
+        Command::Health(_) | Command::Kubeconfig(_) => workers::PER_CPU,
     };
     let runtime = match workers::build(worker_threads) {
         Ok(runtime) => runtime,
@@ -155,6 +176,7 @@ fn main() -> ExitCode {
         match cli.command {
             Command::Health(args) => health(args).await,
             Command::PortForward(args) => port_forward(args).await,
+            Command::Kubeconfig(args) => kubeconfig(args).await,
         }
     });
     match result {
@@ -166,6 +188,63 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+async fn kubeconfig(args: KubeconfigArgs) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let ca = std::fs::read_to_string(&args.certificate_authority).with_context(|| {
+        format!(
+            "reading --certificate-authority {}",
+            args.certificate_authority.display()
+        )
+    })?;
+    let hub_config = match &args.hub.kubeconfig {
+        Some(path) => kube::config::Kubeconfig::read_from(path)
+            .with_context(|| format!("reading {}", path.display()))?,
+        None => kube::config::Kubeconfig::read().context("reading the hub kubeconfig")?,
+    };
+    let clusters = if args.clusters.is_empty() {
+        let (client, url) =
+            hub::client(args.hub.kubeconfig.as_deref(), args.hub.context.as_deref()).await?;
+        let listed =
+            kube::Api::<cluster_proxy_proto::api::cluster::v1::ManagedCluster>::all(client)
+                .list(&Default::default())
+                .await
+                .with_context(|| format!("listing ManagedClusters on {url}"))?;
+        listed
+            .items
+            .iter()
+            .filter_map(|c| c.metadata.name.clone())
+            .collect()
+    } else {
+        args.clusters.clone()
+    };
+    let config = cluster_proxy_cli::kubeconfig::for_clusters(
+        &hub_config,
+        args.hub.context.as_deref(),
+        &args.user_server,
+        &ca,
+        &clusters,
+    )?;
+    match &args.output {
+        Some(path) => {
+            cluster_proxy_cli::kubeconfig::write(&config, path)
+                .with_context(|| format!("writing {}", path.display()))?;
+            eprintln!(
+                "wrote {} contexts to {}; try: kubectl --kubeconfig {} --context {} get namespaces",
+                config.contexts.len(),
+                path.display(),
+                path.display(),
+                config.contexts[0].name
+            );
+        }
+        None => {
+            let mut stdout = std::io::stdout().lock();
+            serde_json::to_writer_pretty(&mut stdout, &config)?;
+            stdout.write_all(b"\n")?;
+        }
+    }
+    Ok(())
 }
 
 async fn health(args: HealthArgs) -> anyhow::Result<()> {

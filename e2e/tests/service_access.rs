@@ -601,6 +601,41 @@ async fn a_hub_user_reaches_a_cluster_as_itself_and_both_rbacs_decide() {
                 "{groups}"
             );
         }
+        // `cluster-proxy kubeconfig`: a context per cluster, alice's own
+        // hub credential, the user-server's CA; kubectl just works.
+        let alice_hub = fleet.hub.kubeconfig_for("alice", &["team-a"]).unwrap();
+        let hub_config = kube::config::Kubeconfig::read_from(&alice_hub).unwrap();
+        let written = cluster_proxy_cli::kubeconfig::for_clusters(
+            &hub_config,
+            None,
+            &format!("https://127.0.0.1:{}", fleet.user_server.addr.port()),
+            &fleet.pki_ca_pem,
+            &[CLUSTER_A.to_owned(), CLUSTER_B.to_owned()],
+        )
+        .unwrap();
+        let path = fleet.dir.path().join("clusters.kubeconfig");
+        cluster_proxy_cli::kubeconfig::write(&written, &path).unwrap();
+        let mut command = tokio::process::Command::new("kubectl");
+        command
+            .arg(format!("--kubeconfig={}", path.display()))
+            .args([
+                "--context",
+                CLUSTER_A,
+                "get",
+                "configmap",
+                "greeting",
+                "-n",
+                "default",
+                "-o",
+                "jsonpath={.data.hello}",
+            ])
+            .kill_on_drop(true);
+        let output = tokio::time::timeout(Duration::from_secs(60), command.output())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(stdout(&output), "from cluster-a");
+
         let denied = stderr_of_failure(
             &fleet
                 .kubectl(CLUSTER_A, &alice, &["get", "secrets", "-n", "default"])
