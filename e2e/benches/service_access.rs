@@ -1,0 +1,130 @@
+//! Service-access benchmark: `GET` of one ConfigMap straight to a cluster's
+//! API against the same request through the user-server, the tunnel and the
+//! service-proxy (with TokenReview, SubjectAccessReview and impersonation),
+//! in one run on loopback ([`e2e::service_access::Fleet`]).
+//!
+//! `cargo bench -p e2e --bench service_access` (env: `CP_BENCH_REQUESTS`
+//! sequential requests per path for the latency, default 2000;
+//! `CP_BENCH_SECONDS` per concurrency level for requests/s, default 3).
+
+use std::time::{Duration, Instant};
+
+use e2e::service_access::{CLUSTER_A, Fleet};
+use k8s_openapi::api::core::v1::ConfigMap;
+use kube::Api;
+use kube::api::PostParams;
+use tunnel_harness::loadgen::knob;
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    let index = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[index.min(sorted.len() - 1)]
+}
+
+async fn latencies(api: &Api<ConfigMap>, requests: usize) -> Vec<Duration> {
+    let mut taken = Vec::with_capacity(requests);
+    for _ in 0..requests {
+        let started = Instant::now();
+        api.get("greeting").await.expect("GET");
+        taken.push(started.elapsed());
+    }
+    taken.sort();
+    taken
+}
+
+async fn requests_per_second(api: &Api<ConfigMap>, clients: usize, seconds: u64) -> f64 {
+    let deadline = Instant::now() + Duration::from_secs(seconds);
+    let tasks: Vec<_> = (0..clients)
+        .map(|_| {
+            let api = api.clone();
+            tokio::spawn(async move {
+                let mut done = 0u64;
+                while Instant::now() < deadline {
+                    api.get("greeting").await.expect("GET");
+                    done += 1;
+                }
+                done
+            })
+        })
+        .collect();
+    let mut total = 0;
+    for task in tasks {
+        total += task.await.expect("client task");
+    }
+    total as f64 / seconds as f64
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let requests = knob("CP_BENCH_REQUESTS", 2000);
+    let seconds = knob("CP_BENCH_SECONDS", 3) as u64;
+    let fleet = Fleet::start().await?;
+    let greeting: ConfigMap = serde_json::from_value(
+        serde_json::json!({"metadata": {"name": "greeting"}, "data": {"hello": "world"}}),
+    )?;
+    Api::<ConfigMap>::namespaced(fleet.managed.client().await?, "default")
+        .create(&PostParams::default(), &greeting)
+        .await?;
+    // Direct: cluster-a's own API, as a user with the same rights.
+    let direct_user = fleet.managed.kubeconfig_for("direct", &[])?;
+    let managed_admin = fleet.managed.client().await?;
+    e2e::service_access::create(
+        &managed_admin,
+        e2e::service_access::cluster_binding("direct-reads", "configmap-reader", "User", "direct"),
+    )
+    .await?;
+    let direct = Api::<ConfigMap>::namespaced(
+        memory_apiserver::KubeApi::client_from(&direct_user).await?,
+        "default",
+    );
+    let alice = fleet.hub_user("alice", &["team-a"]);
+    let through = Api::<ConfigMap>::namespaced(fleet.client(CLUSTER_A, &alice).await?, "default");
+    // Warm both (connections, the caches), then measure.
+    latencies(&direct, 50).await;
+    latencies(&through, 50).await;
+    let reviews_before = fleet.hub.token_reviews();
+
+    let direct_latency = latencies(&direct, requests).await;
+    let through_latency = latencies(&through, requests).await;
+    println!(
+        "GET one ConfigMap, {requests} sequential requests per path (loopback, this machine):"
+    );
+    println!("| path | p50 | p99 |");
+    println!("|---|---|---|");
+    for (name, taken) in [
+        ("direct to the cluster's API", &direct_latency),
+        ("through the user-server", &through_latency),
+    ] {
+        println!(
+            "| {name} | {:.0} µs | {:.0} µs |",
+            percentile(taken, 0.5).as_secs_f64() * 1e6,
+            percentile(taken, 0.99).as_secs_f64() * 1e6
+        );
+    }
+    println!(
+        "added by the user-server path: p50 +{:.0} µs, p99 +{:.0} µs",
+        (percentile(&through_latency, 0.5).as_secs_f64()
+            - percentile(&direct_latency, 0.5).as_secs_f64())
+            * 1e6,
+        (percentile(&through_latency, 0.99).as_secs_f64()
+            - percentile(&direct_latency, 0.99).as_secs_f64())
+            * 1e6,
+    );
+    println!();
+    println!("requests/s over {seconds} s:");
+    println!("| clients | direct | through the user-server | ratio |");
+    println!("|---|---|---|---|");
+    for clients in [1, 32] {
+        let direct_rate = requests_per_second(&direct, clients, seconds).await;
+        let through_rate = requests_per_second(&through, clients, seconds).await;
+        println!(
+            "| {clients} | {direct_rate:.0} | {through_rate:.0} | {:.2} |",
+            through_rate / direct_rate
+        );
+    }
+    println!();
+    println!(
+        "hub TokenReviews during the measured requests: {} (one user, cached)",
+        fleet.hub.token_reviews() - reviews_before
+    );
+    Ok(())
+}

@@ -1,0 +1,462 @@
+//! Service access as one process holds it, for the scenario tests and the
+//! benchmark: a hub (in-memory API with RBAC, ManagedClusters) and its
+//! user-server; a proxy-server; cluster-a's proxy-agent and service-proxy
+//! in front of cluster-a's own in-memory API (RBAC on, so impersonation
+//! and denials are real); cluster-b registered but without an agent. Hub
+//! user `alice` of group `team-a` may reach both clusters on the hub and
+//! read ConfigMaps in cluster-a's `default` as `cluster:hub:alice`.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::Context as _;
+use bytes::Bytes;
+use cluster_proxy_proto::identity::ClusterName;
+use cluster_proxy_proto::service_access;
+use http_body_util::{BodyExt, Empty};
+use k8s_openapi::api::core::v1::ServiceAccount;
+use kube::api::{DynamicObject, PostParams};
+use kube::discovery::ApiResource;
+use kube::{Api, Client};
+use memory_apiserver::{KubeApi, KubeApiOptions};
+use rustls_pki_types::pem::PemObject;
+use serde_json::{Value, json};
+use tunnel_harness::in_process::{AgentUnderTest, LocalReplicas};
+
+pub const CLUSTER_A: &str = "cluster-a";
+pub const CLUSTER_B: &str = "cluster-b";
+
+pub struct Fleet {
+    pub hub: KubeApi,
+    pub managed: KubeApi,
+    _replicas: LocalReplicas,
+    _agent: AgentUnderTest,
+    pub service_proxy: service_proxy::RunningServiceProxy,
+    pub user_server: user_server::RunningUserServer,
+    pub dir: tempfile::TempDir,
+    /// The CA of the user-server's serving certificate (and of every test
+    /// certificate).
+    pub ca: PathBuf,
+    pub pki_ca_pem: String,
+    pub proxy_client: (String, String),
+    pub identity: (String, String),
+}
+
+pub fn write(dir: &Path, name: &str, text: &str) -> anyhow::Result<PathBuf> {
+    let path = dir.join(name);
+    std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+    Ok(path)
+}
+
+pub fn resource(group: &str, kind: &str, plural: &str) -> ApiResource {
+    ApiResource {
+        group: group.into(),
+        version: "v1".into(),
+        api_version: if group.is_empty() {
+            "v1".into()
+        } else {
+            format!("{group}/v1")
+        },
+        kind: kind.into(),
+        plural: plural.into(),
+    }
+}
+
+/// Creates `object` (JSON with apiVersion and kind) through `client`.
+pub async fn create(client: &Client, object: Value) -> anyhow::Result<()> {
+    let text = |field: &str| {
+        object[field]
+            .as_str()
+            .map(str::to_owned)
+            .with_context(|| format!("the object has no {field}"))
+    };
+    let (api_version, kind) = (text("apiVersion")?, text("kind")?);
+    let group = api_version.rsplit_once('/').map(|(g, _)| g).unwrap_or("");
+    let plural = format!("{}s", kind.to_lowercase());
+    let resource = resource(group, &kind, &plural);
+    let namespace = object
+        .pointer("/metadata/namespace")
+        .and_then(Value::as_str);
+    let api: Api<DynamicObject> = match namespace {
+        Some(ns) => Api::namespaced_with(client.clone(), ns, &resource),
+        None => Api::all_with(client.clone(), &resource),
+    };
+    api.create(&PostParams::default(), &serde_json::from_value(object)?)
+        .await
+        .with_context(|| format!("creating a {kind}"))?;
+    Ok(())
+}
+
+pub fn cluster_role(name: &str, rules: Value) -> Value {
+    json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+           "metadata": {"name": name}, "rules": rules})
+}
+
+/// A ClusterRoleBinding of `role` to one subject: a `User`, a `Group`, or
+/// a `ServiceAccount` named `namespace/name`.
+pub fn cluster_binding(name: &str, role: &str, subject_kind: &str, subject: &str) -> Value {
+    let subject = match (subject_kind, subject.split_once('/')) {
+        ("ServiceAccount", Some((namespace, account))) => {
+            json!({"kind": "ServiceAccount", "namespace": namespace, "name": account})
+        }
+        _ => {
+            json!({"kind": subject_kind, "name": subject, "apiGroup": "rbac.authorization.k8s.io"})
+        }
+    };
+    json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+           "metadata": {"name": name},
+           "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role},
+           "subjects": [subject]})
+}
+
+/// Grants hub group `group` the user-server's access to `cluster`.
+pub async fn grant_hub_access(
+    hub: &Client,
+    name: &str,
+    group: &str,
+    cluster: &str,
+) -> anyhow::Result<()> {
+    create(
+        hub,
+        cluster_role(
+            name,
+            json!([{"apiGroups": ["cluster.open-cluster-management.io"],
+                    "resources": ["managedclusters/proxy"], "resourceNames": [cluster],
+                    "verbs": ["get"]}]),
+        ),
+    )
+    .await?;
+    create(hub, cluster_binding(name, name, "Group", group)).await
+}
+
+impl Fleet {
+    pub async fn start() -> anyhow::Result<Fleet> {
+        let dir = tempfile::tempdir()?;
+        let api = |sub: &str| {
+            let mut options = KubeApiOptions::new(dir.path().join(sub));
+            options.rbac = true;
+            options
+        };
+        let hub = KubeApi::start(api("hub")).await?;
+        hub.register_crds_from_yaml(simulated_cluster::ocm::CRDS)?;
+        let hub_admin = hub.client().await?;
+        for cluster in [CLUSTER_A, CLUSTER_B] {
+            create(
+                &hub_admin,
+                json!({"apiVersion": "cluster.open-cluster-management.io/v1", "kind": "ManagedCluster",
+                       "metadata": {"name": cluster}, "spec": {"hubAcceptsClient": true}}),
+            )
+            .await?;
+        }
+        // The user-server's hub identity: reviews, and the cluster list.
+        create(
+            &hub_admin,
+            cluster_binding(
+                "user-server-auth",
+                "system:auth-delegator",
+                "User",
+                "user-server",
+            ),
+        )
+        .await?;
+        create(
+            &hub_admin,
+            cluster_role(
+                "user-server-clusters",
+                json!([{"apiGroups": ["cluster.open-cluster-management.io"],
+                        "resources": ["managedclusters"], "verbs": ["get", "list", "watch"]}]),
+            ),
+        )
+        .await?;
+        create(
+            &hub_admin,
+            cluster_binding(
+                "user-server-clusters",
+                "user-server-clusters",
+                "User",
+                "user-server",
+            ),
+        )
+        .await?;
+        grant_hub_access(&hub_admin, "team-a-cluster-a", "team-a", CLUSTER_A).await?;
+        grant_hub_access(&hub_admin, "team-a-cluster-b", "team-a", CLUSTER_B).await?;
+
+        // cluster-a's own API: the service-proxy's ServiceAccount may
+        // impersonate; the hub's alice may read ConfigMaps in default.
+        let managed = KubeApi::start(api("cluster-a")).await?;
+        let managed_admin = managed.client().await?;
+        let account: ServiceAccount =
+            serde_json::from_value(json!({"metadata": {"name": "cluster-proxy"}}))?;
+        Api::<ServiceAccount>::namespaced(managed_admin.clone(), "default")
+            .create(&PostParams::default(), &account)
+            .await?;
+        let kubeconfig = managed
+            .kubeconfigs(None)
+            .write_service_account("default", "cluster-proxy")?;
+        let token = std::fs::read_to_string(kubeconfig)?
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("token: ").map(str::to_owned))
+            .context("the ServiceAccount kubeconfig has no token")?;
+        create(
+            &managed_admin,
+            cluster_role(
+                "impersonator",
+                json!([{"apiGroups": [""], "resources": ["users", "groups"], "verbs": ["impersonate"]}]),
+            ),
+        )
+        .await?;
+        create(
+            &managed_admin,
+            cluster_binding(
+                "impersonator",
+                "impersonator",
+                "ServiceAccount",
+                "default/cluster-proxy",
+            ),
+        )
+        .await?;
+        create(
+            &managed_admin,
+            cluster_role(
+                "configmap-reader",
+                json!([{"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "list", "watch"]}]),
+            ),
+        )
+        .await?;
+        create(
+            &managed_admin,
+            cluster_binding(
+                "hub-alice-reads",
+                "configmap-reader",
+                "User",
+                "cluster:hub:alice",
+            ),
+        )
+        .await?;
+
+        // The tunnel, and the certificates of service access.
+        let replicas = LocalReplicas::start(&[CLUSTER_A, CLUSTER_B], 1).await?;
+        let ca = replicas.pki.ca.cert_pem().to_owned();
+        let files = dir.path().join("pki");
+        std::fs::create_dir_all(&files)?;
+        let ca_path = write(&files, "ca.crt", &ca)?;
+        let cluster_a = ClusterName::new(CLUSTER_A)?;
+        let hashed = cluster_a.service_proxy_host();
+        let issue = |request: cert_authority::pki::LeafRequest| replicas.pki.ca.issue(&request);
+        let serving = issue(cert_authority::pki::LeafRequest::server(
+            "service-proxy",
+            &[hashed.as_str()],
+        ))?;
+        let identity = issue(cert_authority::pki::LeafRequest::client(
+            service_access::USER_SERVER_IDENTITY,
+        ))?;
+        let user_serving = issue(cert_authority::pki::LeafRequest::server(
+            "cluster-proxy-addon-user",
+            &["localhost", "127.0.0.1"],
+        ))?;
+
+        let service_proxy = service_proxy::start(service_proxy::ServiceProxyConfig {
+            cluster: cluster_a.clone(),
+            listen: "127.0.0.1:0".parse()?,
+            cert: write(&files, "service-proxy.crt", &serving.cert_pem)?,
+            key: write(&files, "service-proxy.key", &serving.key_pem)?,
+            user_server_ca: ca_path.clone(),
+            user_server_name: service_access::USER_SERVER_IDENTITY.into(),
+            kube_api: format!("https://127.0.0.1:{}", managed.addr().port()).parse()?,
+            kube_ca: write(&files, "managed-ca.crt", managed.ca_pem())?,
+            token_file: write(&files, "token", &token)?,
+            impersonation: true,
+            health: "127.0.0.1:0".parse()?,
+            reload_interval: Duration::from_millis(200),
+        })
+        .await?;
+
+        let server = &replicas.servers[0];
+        let before = server.tunnel_count();
+        let mut agent = proxy_agent::AgentConfig::new(proxy_agent::TlsSource::Config(
+            replicas.pki.agent_tls(CLUSTER_A)?,
+        ))
+        .with_ephemeral_ports();
+        agent.proxy_server_host = "localhost".into();
+        agent.proxy_server_port = server.agent_addr.port();
+        agent.agent_id = "cluster-a-agent".into();
+        agent.agent_identifiers = format!("host={CLUSTER_A}&host={hashed}");
+        agent.sync_interval = Duration::from_millis(200);
+        agent.host_aliases = [(hashed.clone(), std::net::IpAddr::from([127, 0, 0, 1]))]
+            .into_iter()
+            .collect();
+        let agent = AgentUnderTest::start_with(agent).await?;
+        anyhow::ensure!(
+            simulated_cluster::wait::wait_until(Duration::from_secs(10), || server.tunnel_count()
+                > before)
+            .await,
+            "cluster-a's agent did not connect"
+        );
+
+        let hub_user_server =
+            KubeApi::client_from(&hub.kubeconfig_for("user-server", &[])?).await?;
+        let config = user_server::UserServerConfig {
+            proxy_server: ("localhost".into(), server.client_addr.port()),
+            proxy_ca_cert: ca_path.clone(),
+            proxy_cert: write(
+                &files,
+                "proxy-client.crt",
+                &replicas.pki.proxy_client.cert_pem,
+            )?,
+            proxy_key: write(
+                &files,
+                "proxy-client.key",
+                &replicas.pki.proxy_client.key_pem,
+            )?,
+            listen: "127.0.0.1:0".parse()?,
+            server_cert: write(&files, "user.crt", &user_serving.cert_pem)?,
+            server_key: write(&files, "user.key", &user_serving.key_pem)?,
+            client_ca: None,
+            service_proxy_ca_cert: ca_path.clone(),
+            service_proxy_port: service_proxy.addr.port(),
+            identity_cert: write(&files, "identity.crt", &identity.cert_pem)?,
+            identity_key: write(&files, "identity.key", &identity.key_pem)?,
+            hub_kubeconfig: None,
+            token_review_cache_ttl: Duration::from_secs(60),
+            authorization_cache_ttl: Duration::from_millis(300),
+            cache_size: 1000,
+            max_idle_connections_per_cluster: 32,
+            idle_connection_timeout: Duration::from_secs(30),
+            dial_timeout: Duration::from_secs(5),
+            response_header_timeout: Duration::from_secs(10),
+            health: "127.0.0.1:0".parse()?,
+            reload_interval: Duration::from_millis(200),
+        };
+        let user_server = user_server::start(config, hub_user_server).await?;
+        let proxy_client = (
+            replicas.pki.proxy_client.cert_pem.clone(),
+            replicas.pki.proxy_client.key_pem.clone(),
+        );
+        let fleet = Fleet {
+            hub,
+            managed,
+            _replicas: replicas,
+            _agent: agent,
+            service_proxy,
+            user_server,
+            ca: ca_path,
+            pki_ca_pem: ca,
+            proxy_client,
+            identity: (identity.cert_pem.clone(), identity.key_pem.clone()),
+            dir,
+        };
+        let health = fleet.user_server.health_addr;
+        simulated_cluster::wait::eventually(
+            "the user-server's readiness",
+            Duration::from_secs(10),
+            || async {
+                matches!(
+                    tunnel_harness::in_process::health_get(health, "/readyz").await,
+                    Ok((200, _))
+                )
+                .then_some(())
+            },
+        )
+        .await;
+        Ok(fleet)
+    }
+
+    pub fn base(&self, cluster: &str) -> String {
+        format!(
+            "https://127.0.0.1:{}/{cluster}",
+            self.user_server.addr.port()
+        )
+    }
+
+    /// A hub user with `groups` and a token of it.
+    pub fn hub_user(&self, name: &str, groups: &[&str]) -> String {
+        self.hub.kubeconfigs(None).token(name, groups)
+    }
+
+    /// A kube-rs client of `cluster` through the user-server, as `token`.
+    pub async fn client(&self, cluster: &str, token: &str) -> anyhow::Result<Client> {
+        let mut config = kube::Config::new(self.base(cluster).parse()?);
+        config.root_cert = Some(vec![
+            rustls_pki_types::CertificateDer::from_pem_slice(self.pki_ca_pem.as_bytes())?.to_vec(),
+        ]);
+        config.auth_info.token = Some(token.to_owned().into());
+        Ok(Client::try_from(config)?)
+    }
+
+    /// One request to the user-server: status and body.
+    pub async fn request(
+        &self,
+        path: &str,
+        headers: &[(&str, &str)],
+    ) -> anyhow::Result<(http::StatusCode, Value)> {
+        let request = headers
+            .iter()
+            .fold(
+                http::Request::get(format!(
+                    "https://127.0.0.1:{}{path}",
+                    self.user_server.addr.port()
+                )),
+                |request, (name, value)| request.header(*name, *value),
+            )
+            .body(Empty::<Bytes>::new())?;
+        https_request(&self.pki_ca_pem, None, request).await
+    }
+
+    /// kubectl against `cluster` through the user-server, as `token`.
+    pub async fn kubectl(
+        &self,
+        cluster: &str,
+        token: &str,
+        args: &[&str],
+    ) -> anyhow::Result<std::process::Output> {
+        let mut command = tokio::process::Command::new("kubectl");
+        command
+            .env("KUBECONFIG", self.dir.path().join("no-kubeconfig"))
+            .arg(format!("--server={}", self.base(cluster)))
+            .arg(format!("--token={token}"))
+            .arg(format!("--certificate-authority={}", self.ca.display()))
+            .arg(format!(
+                "--cache-dir={}",
+                self.dir.path().join("kubectl-cache").display()
+            ))
+            .args(args)
+            .kill_on_drop(true);
+        tokio::time::timeout(Duration::from_secs(60), command.output())
+            .await
+            .context("kubectl did not finish within 60 s")?
+            .context("running kubectl")
+    }
+}
+
+/// One HTTPS request verified against `ca_pem`, with a client certificate
+/// when given; the status and the JSON body (`null` when not JSON).
+pub async fn https_request(
+    ca_pem: &str,
+    client_cert: Option<(&str, &str)>,
+    request: http::Request<Empty<Bytes>>,
+) -> anyhow::Result<(http::StatusCode, Value)> {
+    use cluster_proxy_runtime::tls::{self, Identity, Pem};
+    let roots = tls::roots(&Pem::text("ca", ca_pem))?;
+    let identity = client_cert
+        .map(|(cert, key)| Identity::new(&Pem::text("cert", cert), &Pem::text("key", key)))
+        .transpose()?;
+    let config = tls::client_config(roots, identity, &[b"http/1.1"])?;
+    let mut http = hyper_util::client::legacy::connect::HttpConnector::new();
+    http.enforce_http(false);
+    let mut config = (*config).clone();
+    config.alpn_protocols.clear();
+    let connector = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(config)
+        .https_only()
+        .enable_http1()
+        .wrap_connector(http);
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build(connector);
+    let response = tokio::time::timeout(Duration::from_secs(20), client.request(request))
+        .await
+        .context("no answer within 20 s")?
+        .context("the request was not answered")?;
+    let status = response.status();
+    let body = response.into_body().collect().await?.to_bytes();
+    Ok((status, serde_json::from_slice(&body).unwrap_or(Value::Null)))
+}
