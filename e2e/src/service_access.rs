@@ -40,6 +40,25 @@ pub struct Fleet {
     pub pki_ca_pem: String,
     pub proxy_client: (String, String),
     pub identity: (String, String),
+    /// The hub's client CA: certificates it issues authenticate users at
+    /// the user-server (CN the user, O the groups).
+    hub_client_ca: rcgen::Issuer<'static, rcgen::KeyPair>,
+}
+
+/// A CA for hub users' client certificates, and its PEM.
+fn hub_client_ca() -> anyhow::Result<(rcgen::Issuer<'static, rcgen::KeyPair>, String)> {
+    let key = rcgen::KeyPair::generate()?;
+    let mut params = rcgen::CertificateParams::new(Vec::<String>::new())?;
+    params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, "hub client CA");
+    params.key_usages = vec![
+        rcgen::KeyUsagePurpose::KeyCertSign,
+        rcgen::KeyUsagePurpose::DigitalSignature,
+    ];
+    let cert = params.self_signed(&key)?;
+    Ok((rcgen::Issuer::new(params, key), cert.pem()))
 }
 
 pub fn write(dir: &Path, name: &str, text: &str) -> anyhow::Result<PathBuf> {
@@ -250,6 +269,7 @@ impl Fleet {
         let identity = issue(cert_authority::pki::LeafRequest::client(
             service_access::USER_SERVER_IDENTITY,
         ))?;
+        let (hub_client_ca, hub_client_ca_pem) = hub_client_ca()?;
         let user_serving = issue(cert_authority::pki::LeafRequest::server(
             "cluster-proxy-addon-user",
             &["localhost", "127.0.0.1"],
@@ -311,7 +331,7 @@ impl Fleet {
             listen: "127.0.0.1:0".parse()?,
             server_cert: write(&files, "user.crt", &user_serving.cert_pem)?,
             server_key: write(&files, "user.key", &user_serving.key_pem)?,
-            client_ca: None,
+            client_ca: Some(write(&files, "hub-client-ca.crt", &hub_client_ca_pem)?),
             service_proxy_ca_cert: ca_path.clone(),
             service_proxy_port: service_proxy.addr.port(),
             identity_cert: write(&files, "identity.crt", &identity.cert_pem)?,
@@ -343,6 +363,7 @@ impl Fleet {
             pki_ca_pem: ca,
             proxy_client,
             identity: (identity.cert_pem.clone(), identity.key_pem.clone()),
+            hub_client_ca,
             dir,
         };
         let health = fleet.user_server.health_addr;
@@ -366,6 +387,22 @@ impl Fleet {
             "https://127.0.0.1:{}/{cluster}",
             self.user_server.addr.port()
         )
+    }
+
+    /// A client certificate (PEM certificate and key) of the hub's client
+    /// CA for `user` in `group` (rcgen writes one O).
+    pub fn client_certificate(&self, user: &str, group: &str) -> anyhow::Result<(String, String)> {
+        let key = rcgen::KeyPair::generate()?;
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new())?;
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, user);
+        params
+            .distinguished_name
+            .push(rcgen::DnType::OrganizationName, group);
+        params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth];
+        let cert = params.signed_by(&key, &self.hub_client_ca)?;
+        Ok((cert.pem(), key.serialize_pem()))
     }
 
     /// A hub user with `groups` and a token of it.

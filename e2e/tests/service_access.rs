@@ -425,6 +425,71 @@ async fn https_request_to(
 }
 
 #[tokio::test]
+async fn a_hub_client_certificate_authenticates_and_oversized_headers_are_cut_off() {
+    let fleet = Fleet::start().await.unwrap();
+    // carol has no token, only a certificate of the hub's client CA; her
+    // group team-a is granted cluster-a on the hub, and alice's rights on
+    // cluster-a are granted to cluster:hub:alice only: carol may list
+    // nothing there, and says so as herself.
+    let (cert, key) = fleet.client_certificate("carol", "team-a").unwrap();
+    let request = |path: &str| {
+        http::Request::get(format!(
+            "https://127.0.0.1:{}{path}",
+            fleet.user_server.addr.port()
+        ))
+        .body(Empty::<Bytes>::new())
+        .unwrap()
+    };
+    let (status, body) = e2e::service_access::https_request(
+        &fleet.pki_ca_pem,
+        Some((&cert, &key)),
+        request("/cluster-a/api/v1/namespaces/default/configmaps"),
+    )
+    .await
+    .unwrap();
+    assert_eq!(status, 403, "{body}");
+    let message = body["message"].as_str().unwrap_or_default();
+    assert!(message.contains("cluster:hub:carol"), "{message}");
+    // Her group has no grant for a cluster it was not given.
+    let (status, _) = e2e::service_access::https_request(
+        &fleet.pki_ca_pem,
+        Some((&cert, &key)),
+        request("/cluster-z/api"),
+    )
+    .await
+    .unwrap();
+    assert_eq!(status, 404);
+
+    // A certificate of another CA is refused in the handshake.
+    let (cert, key) = &fleet.identity;
+    let stranger = e2e::service_access::https_request(
+        &fleet.pki_ca_pem,
+        Some((cert, key)),
+        request("/cluster-a/api"),
+    )
+    .await;
+    assert!(
+        stranger.is_err(),
+        "a certificate of another CA: {stranger:?}"
+    );
+
+    // Headers beyond 256 KiB: 431, the connection is not held.
+    let alice = fleet.hub_user("alice", &["team-a"]);
+    let big = "x".repeat(300 * 1024);
+    let (status, _) = fleet
+        .request(
+            "/cluster-a/api",
+            &[
+                ("authorization", &format!("Bearer {alice}")),
+                ("x-padding", &big),
+            ],
+        )
+        .await
+        .unwrap();
+    assert_eq!(status, 431);
+}
+
+#[tokio::test]
 async fn a_users_requests_cost_the_hub_one_token_review() {
     let fleet = Fleet::start().await.unwrap();
     let alice = fleet.hub_user("alice", &["team-a"]);
