@@ -1,6 +1,8 @@
 //! The answers of the hub's reviews, kept for a while: a bounded map from a
 //! question's SHA-256 to its answer, where concurrent askers of the same
-//! uncached question wait for one review instead of sending one each.
+//! uncached question wait for one review instead of sending one each, and
+//! at most [`MAX_REVIEWS_IN_FLIGHT`] reviews are sent at once (a burst of
+//! distinct new tokens queues here rather than at the hub's rate limiter).
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -24,9 +26,13 @@ pub fn key<'a>(parts: impl IntoIterator<Item = &'a str>) -> [u8; 32] {
 
 type Cell<T> = Arc<OnceCell<(Instant, T)>>;
 
+/// Reviews of one kind sent to the hub at once, at most.
+pub const MAX_REVIEWS_IN_FLIGHT: usize = 32;
+
 pub struct ReviewCache<T> {
     capacity: usize,
     entries: Mutex<HashMap<[u8; 32], Cell<T>>>,
+    in_flight: tokio::sync::Semaphore,
 }
 
 impl<T: Clone> ReviewCache<T> {
@@ -34,6 +40,7 @@ impl<T: Clone> ReviewCache<T> {
         ReviewCache {
             capacity: capacity.max(1),
             entries: Mutex::new(HashMap::new()),
+            in_flight: tokio::sync::Semaphore::new(MAX_REVIEWS_IN_FLIGHT),
         }
     }
 
@@ -46,7 +53,11 @@ impl<T: Clone> ReviewCache<T> {
     {
         let cell = self.cell(key, &ttl);
         let (answered, answer) = cell
-            .get_or_init(|| async { (Instant::now(), review().await) })
+            .get_or_init(|| async {
+                // The semaphore is never closed, so a permit always comes.
+                let _permit = self.in_flight.acquire().await.ok();
+                (Instant::now(), review().await)
+            })
             .await
             .clone();
         if answered.elapsed() >= ttl(&answer) {
@@ -175,6 +186,36 @@ mod tests {
                 .await,
             9
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn at_most_so_many_reviews_run_at_once() {
+        let cache: ReviewCache<u32> = ReviewCache::new(1000);
+        let running = Arc::new(AtomicUsize::new(0));
+        let most = Arc::new(AtomicUsize::new(0));
+        let asks = (0..(MAX_REVIEWS_IN_FLIGHT * 3) as u32).map(|n| {
+            let (running, most) = (running.clone(), most.clone());
+            let name = n.to_string();
+            let cache = &cache;
+            async move {
+                cache
+                    .get(
+                        key([name.as_str()]),
+                        |_| Duration::from_secs(60),
+                        || async move {
+                            let now = running.fetch_add(1, Ordering::SeqCst) + 1;
+                            most.fetch_max(now, Ordering::SeqCst);
+                            tokio::time::sleep(Duration::from_millis(10)).await;
+                            running.fetch_sub(1, Ordering::SeqCst);
+                            n
+                        },
+                    )
+                    .await
+            }
+        });
+        let answers = futures_util::future::join_all(asks).await;
+        assert_eq!(answers.len(), MAX_REVIEWS_IN_FLIGHT * 3);
+        assert_eq!(most.load(Ordering::SeqCst), MAX_REVIEWS_IN_FLIGHT);
     }
 
     #[test]
