@@ -22,7 +22,7 @@ use time::OffsetDateTime;
 use x509_parser::prelude::{FromDer, GeneralName, ParsedExtension, X509CertificationRequest};
 use x509_parser::public_key::PublicKey;
 
-use super::{FIELD_MANAGER, KubeError};
+use super::common::{FIELD_MANAGER, KubeError};
 use crate::pki::{Authority, LeafRequest};
 
 pub const SIGNER_NAME: &str = "open-cluster-management.io/proxy-agent-signer";

@@ -30,8 +30,9 @@ use kube::{Api, Client};
 use time::OffsetDateTime;
 use tokio::sync::watch;
 
-use super::secrets::{LeafCertificates, LeafSecretNames, is_dns_subdomain};
-use super::{FIELD_MANAGER, KubeError};
+use super::common::{FIELD_MANAGER, KubeError};
+use super::options::{LeafSecretNames, is_dns_subdomain};
+use super::secrets::LeafCertificates;
 
 /// What the followed MPC asks for, once read and checked.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -6,7 +6,7 @@ pub use cluster_proxy_control::leader::{
     Elector, LeaderElection, LeaderError, LeaseAction, lease_action,
 };
 
-use super::KubeError;
+use super::common::KubeError;
 
 impl From<LeaderError> for KubeError {
     fn from(error: LeaderError) -> Self {

@@ -6,12 +6,19 @@
 //! ([`follow`]), the hub leaf Secrets' namespace, names and SANs come from
 //! it, and their conditions go onto its status.
 
+mod common;
 pub mod csr;
 pub mod follow;
 pub mod leader;
 pub mod metrics;
+mod options;
 pub mod rbac;
 pub mod secrets;
+
+pub use self::common::{
+    FIELD_MANAGER, KubeError, LEASE_NAME, MANAGED_BY_LABEL, USER_AGENT, client, identify,
+};
+pub use self::options::KubeOptions;
 
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -33,155 +40,30 @@ use tracing::Instrument;
 
 use self::follow::{Following, Target};
 use self::metrics::Metrics;
-use self::secrets::LeafSecretNames;
-use crate::authority::{AuthorityError, Desired};
 use crate::pki::Authority;
-use crate::rotation::{LeafPolicy, RolloverPolicy};
 
-pub const FIELD_MANAGER: &str = "cluster-proxy-cert-authority";
-pub const LEASE_NAME: &str = "cluster-proxy-cert-authority";
-/// Label on every Secret the authority creates; its watch selects by it.
-pub const MANAGED_BY_LABEL: &str = "app.kubernetes.io/managed-by";
-/// Sent on every request, so audit logs name the component.
-pub const USER_AGENT: &str = concat!("cert-authority/", env!("CARGO_PKG_VERSION"));
-
-#[derive(Debug, thiserror::Error)]
-pub enum KubeError {
-    #[error("Kubernetes API: {0}")]
-    Api(#[from] kube::Error),
-    #[error("Kubernetes client configuration: {0}")]
-    Config(String),
-    #[error(transparent)]
-    Authority(#[from] AuthorityError),
-    #[error("Secret {name}: {detail}")]
-    BadSecret { name: String, detail: String },
-    #[error("another replica ({0}) holds the lease")]
-    NotLeader(String),
-    #[error("cannot follow the ManagedProxyConfiguration: {0}")]
-    Configuration(String),
-    #[error("signer Secret {namespace}/{name}: {source}")]
-    DamagedSigner {
-        namespace: String,
-        name: String,
-        #[source]
-        source: AuthorityError,
-    },
-}
-
-impl KubeError {
-    /// Whether the signer Secret holds damaged CA material: nothing is
-    /// written until a person repairs it.
-    pub fn is_damaged_signer(&self) -> bool {
-        matches!(self, KubeError::DamagedSigner { .. })
-    }
-}
-
-/// Makes every request of a client built from `config` carry
-/// [`USER_AGENT`].
-pub fn identify(config: &mut kube::Config) {
-    config.headers.push((
-        http::header::USER_AGENT,
-        http::HeaderValue::from_static(USER_AGENT),
-    ));
-}
-
-/// A client from the usual configuration inference (`KUBECONFIG`,
-/// `~/.kube/config`, in-cluster), identifying itself as [`USER_AGENT`].
-pub async fn client() -> Result<Client, KubeError> {
-    let mut config = kube::Config::infer()
-        .await
-        .map_err(|e| KubeError::Config(e.to_string()))?;
-    identify(&mut config);
-    Ok(Client::try_from(config)?)
-}
-
-/// What the backend keeps, and where.
-#[derive(Debug, Clone)]
-pub struct KubeOptions {
-    /// Where the Lease lives, and the hub Secrets unless a followed
-    /// ManagedProxyConfiguration names their namespace.
-    pub namespace: String,
-    /// The names of the three hub leaf Secrets.
-    pub secret_names: LeafSecretNames,
-    /// The cluster-scoped ManagedProxyConfiguration to follow; `None`:
-    /// everything comes from these options.
-    pub managed_proxy_configuration: Option<String>,
-    pub signer_secret_name: String,
-    pub signer_secret_namespace: String,
-    /// Extra SANs of both server certificates.
-    pub additional_sans: Vec<String>,
-    /// The in-cluster Service hub clients and agents dial.
-    pub service_name: String,
-    pub leaf_policy: LeafPolicy,
-    pub rollover_policy: RolloverPolicy,
-    /// How often the Secrets are checked.
-    pub interval: Duration,
-    /// This replica's name in the Lease.
-    pub identity: String,
-    pub lease_duration: Duration,
-    pub renew_every: Duration,
-}
-
-impl KubeOptions {
-    pub fn new(namespace: &str) -> Self {
-        let host = std::env::var("POD_NAME")
-            .or_else(|_| std::env::var("HOSTNAME"))
-            .unwrap_or_else(|_| "cert-authority".into());
-        KubeOptions {
-            namespace: namespace.to_string(),
-            secret_names: LeafSecretNames::default(),
-            managed_proxy_configuration: None,
-            signer_secret_name: "cluster-proxy-signer".into(),
-            signer_secret_namespace: namespace.to_string(),
-            additional_sans: Vec::new(),
-            service_name: "proxy-entrypoint".into(),
-            leaf_policy: LeafPolicy::default(),
-            rollover_policy: RolloverPolicy::default(),
-            interval: Duration::from_secs(60),
-            identity: format!("{host}_{:08x}", rand::random::<u32>()),
-            lease_duration: Duration::from_secs(15),
-            renew_every: Duration::from_secs(5),
+/// These options with what `target` asks for: its namespace for the hub
+/// Secrets, its Secret names and Service name, and its SANs after the
+/// ones given here. The Lease and the signer Secret stay where they are.
+fn options_following(options: &KubeOptions, target: &Target) -> KubeOptions {
+    let mut options = options.clone();
+    options.namespace = target.namespace.clone();
+    options.service_name = target.service_name.clone();
+    options.secret_names = target.secret_names.clone();
+    for san in &target.sans {
+        if !options.additional_sans.contains(san) {
+            options.additional_sans.push(san.clone());
         }
     }
+    options
+}
 
-    /// The server certificates' SANs: upstream's common SANs (local names,
-    /// the Service's in-cluster names) plus the additional ones.
-    pub fn desired(&self) -> Desired {
-        let mut sans = self.additional_sans.clone();
-        sans.push(format!("{}.{}", self.service_name, self.namespace));
-        sans.push(format!("{}.{}.svc", self.service_name, self.namespace));
-        Desired {
-            outside_leaves_on_previous: 0,
-            clusters: Vec::new(),
-            server_sans: crate::files::server_sans(&sans),
-            leaf_policy: self.leaf_policy.clone(),
-            rollover_policy: self.rollover_policy.clone(),
-        }
-    }
-
-    /// These options with what `target` asks for: its namespace for the hub
-    /// Secrets, its Secret names and Service name, and its SANs after the
-    /// ones given here. The Lease and the signer Secret stay where they are.
-    pub fn following(&self, target: &Target) -> KubeOptions {
-        let mut options = self.clone();
-        options.namespace = target.namespace.clone();
-        options.service_name = target.service_name.clone();
-        options.secret_names = target.secret_names.clone();
-        for san in &target.sans {
-            if !options.additional_sans.contains(san) {
-                options.additional_sans.push(san.clone());
-            }
-        }
-        options
-    }
-
-    fn elector(&self, client: &Client) -> leader::Elector {
-        leader::Elector {
-            api: Api::<Lease>::namespaced(client.clone(), &self.namespace),
-            name: LEASE_NAME.into(),
-            identity: self.identity.clone(),
-            lease_duration_seconds: i32::try_from(self.lease_duration.as_secs()).unwrap_or(15),
-        }
+fn elector(options: &KubeOptions, client: &Client) -> leader::Elector {
+    leader::Elector {
+        api: Api::<Lease>::namespaced(client.clone(), &options.namespace),
+        name: LEASE_NAME.into(),
+        identity: options.identity.clone(),
+        lease_duration_seconds: i32::try_from(options.lease_duration.as_secs()).unwrap_or(15),
     }
 }
 
@@ -298,7 +180,7 @@ pub async fn run_once(
     client: &Client,
     options: &KubeOptions,
 ) -> Result<crate::authority::Report, KubeError> {
-    let elector = options.elector(client);
+    let elector = elector(options, client);
     if !elector.try_lead(OffsetDateTime::now_utc()).await? {
         let holder = elector
             .api
@@ -339,7 +221,7 @@ async fn pass_once(
             Err(KubeError::Configuration(reason))
         }
         Following::Ready(target) => {
-            let effective = options.following(&target);
+            let effective = options_following(options, &target);
             let pass = secrets::pass(client, &effective, &effective.desired(), now).await?;
             let conditions = follow::certificate_conditions(&target, &pass.certificates);
             follow::publish_conditions(client, name, &conditions, target.generation, now).await?;
@@ -495,7 +377,7 @@ pub async fn run_with_metrics(
             instance: Some(options.identity.clone()),
         },
     );
-    let elector = options.elector(&client);
+    let elector = elector(&options, &client);
     let initial = match &options.managed_proxy_configuration {
         Some(name) => Following::Missing(format!("ManagedProxyConfiguration {name} not read yet")),
         None => Following::Ready(Target {
@@ -606,7 +488,7 @@ pub async fn run_with_metrics(
                 tracing::warn!(ignored = ?target.ignored_sans, "SANs of the ManagedProxyConfiguration that are neither an IP address nor a DNS name are left out of the certificates");
             }
         }
-        let effective = options.following(&target);
+        let effective = options_following(&options, &target);
         if secret_watch.as_ref().map(|(namespace, _)| namespace) != Some(&effective.namespace) {
             if let Some((_, old)) = secret_watch.take() {
                 old.abort();

@@ -20,16 +20,17 @@ use kube::api::{Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use time::OffsetDateTime;
 
-use super::{FIELD_MANAGER, KubeError, KubeOptions};
+use super::common::{FIELD_MANAGER, KubeError};
+use super::options::KubeOptions;
+pub(crate) use super::options::is_dns_subdomain;
+pub use super::options::{BUNDLE_SECRET, LeafSecretNames};
 use crate::authority::{
     AuthorityError, CaParts, CaSlot, Desired, Leaf, Report, Store, format_phase, parse_phase,
     reconcile, stored_ca,
 };
-use crate::files;
 use crate::pki::{Authority, Credentials};
 use crate::rotation::RolloverPhase;
 
-pub const BUNDLE_SECRET: &str = "proxy-server-ca";
 /// The dirty-set entry of the signer Secret, whatever its configured name;
 /// `#` keeps it apart from every valid Secret name.
 const SIGNER: &str = "#signer";
@@ -42,83 +43,6 @@ fn ca_keys(slot: CaSlot) -> (&'static str, &'static str) {
         CaSlot::Next => ("next-ca.crt", "next-ca.key"),
         CaSlot::Previous => ("previous-ca.crt", "previous-ca.key"),
     }
-}
-
-/// The names of the three hub leaf Secrets (upstream's
-/// `spec.authentication.dump.secrets`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LeafSecretNames {
-    pub proxy_server: String,
-    pub agent_server: String,
-    pub proxy_client: String,
-}
-
-impl Default for LeafSecretNames {
-    fn default() -> Self {
-        LeafSecretNames {
-            proxy_server: files::PROXY_SERVER.into(),
-            agent_server: files::AGENT_SERVER.into(),
-            proxy_client: files::PROXY_CLIENT.into(),
-        }
-    }
-}
-
-impl LeafSecretNames {
-    /// The Secret holding `leaf`; `None` for agents, which get their
-    /// certificates through CSRs in this backend.
-    pub fn of(&self, leaf: &Leaf) -> Option<&str> {
-        match leaf {
-            Leaf::ProxyServer => Some(&self.proxy_server),
-            Leaf::AgentServer => Some(&self.agent_server),
-            Leaf::ProxyClient => Some(&self.proxy_client),
-            Leaf::Agent(_) => None,
-        }
-    }
-
-    /// Every name is a valid Secret name and names one Secret only, so no
-    /// two certificates (or a certificate and the bundle) overwrite each
-    /// other.
-    pub fn validate(&self) -> Result<(), String> {
-        let names = [
-            ("signingProxyServerSecretName", &self.proxy_server),
-            ("signingAgentServerSecretName", &self.agent_server),
-            ("signingProxyClientSecretName", &self.proxy_client),
-        ];
-        for (field, name) in names {
-            if !is_dns_subdomain(name) {
-                return Err(format!(
-                    "{field} {name:?} is not a valid Secret name (lower-case DNS subdomain)"
-                ));
-            }
-            if name == BUNDLE_SECRET {
-                return Err(format!(
-                    "{field} {name:?} is the trust bundle's Secret; choose another name"
-                ));
-            }
-        }
-        for (i, (field, name)) in names.iter().enumerate() {
-            if let Some((other, _)) = names[i + 1..].iter().find(|(_, n)| n == name) {
-                return Err(format!(
-                    "{field} and {other} are both {name:?}; each certificate needs its own Secret"
-                ));
-            }
-        }
-        Ok(())
-    }
-}
-
-/// A Kubernetes object name (RFC 1123 subdomain).
-pub(crate) fn is_dns_subdomain(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= 253
-        && name.split('.').all(|label| {
-            !label.is_empty()
-                && label
-                    .bytes()
-                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-                && !label.starts_with('-')
-                && !label.ends_with('-')
-        })
 }
 
 /// A Secret's data as text (PEM); non-UTF-8 data is an error naming the key.
@@ -284,7 +208,7 @@ fn secret(name: &str, namespace: &str, type_: &str, data: &BTreeMap<String, Stri
     secret.metadata.namespace = Some(namespace.to_string());
     secret.metadata.labels = Some(
         [(
-            super::MANAGED_BY_LABEL.to_string(),
+            super::common::MANAGED_BY_LABEL.to_string(),
             FIELD_MANAGER.to_string(),
         )]
         .into(),
