@@ -480,15 +480,12 @@ pub async fn https_request(
     let config = tls::client_config(roots, identity, &[b"http/1.1"])?;
     let mut http = hyper_util::client::legacy::connect::HttpConnector::new();
     http.enforce_http(false);
-    let mut config = (*config).clone();
-    config.alpn_protocols.clear();
-    let connector = hyper_rustls::HttpsConnectorBuilder::new()
-        .with_tls_config(config)
-        .https_only()
-        .enable_http1()
-        .wrap_connector(http);
-    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-        .build(connector);
+    let client = cluster_proxy_runtime::http_proxy::pooled_https_client(
+        &config,
+        http,
+        1,
+        Duration::from_secs(30),
+    );
     let response = tokio::time::timeout(Duration::from_secs(20), client.request(request))
         .await
         .context("no answer within 20 s")?

@@ -42,6 +42,17 @@ pub fn invalid(field: &'static str, reason: impl Into<String>) -> ConfigError {
     }
 }
 
+/// The IP address a `--*-bind-address` flag names; empty is every IPv4
+/// address, as upstream's empty bind addresses mean.
+pub fn bind_ip(field: &'static str, value: &str) -> Result<std::net::IpAddr, ConfigError> {
+    if value.is_empty() {
+        return Ok(std::net::IpAddr::from([0, 0, 0, 0]));
+    }
+    value
+        .parse()
+        .map_err(|_| invalid(field, format!("{value:?} is not an IP address")))
+}
+
 /// Where a binary's environment layer reads from.
 #[derive(Debug, Clone, Copy)]
 pub struct EnvSpec {

@@ -137,6 +137,36 @@ pub fn take_upgrade<B>(request: &mut Request<B>) -> Option<hyper::upgrade::OnUpg
     is_upgrade(request.headers()).then(|| hyper::upgrade::on(request))
 }
 
+/// A pooled HTTP/1.1 client (HTTP/1.1: upgrades need it) that speaks TLS
+/// with `tls` over the connections `connector` opens, verifying each
+/// server for its URI's host; at most `max_idle_per_host` idle connections
+/// are kept per host, each for `idle_timeout`.
+pub fn pooled_https_client<C, B>(
+    tls: &rustls::ClientConfig,
+    connector: C,
+    max_idle_per_host: usize,
+    idle_timeout: Duration,
+) -> hyper_util::client::legacy::Client<hyper_rustls::HttpsConnector<C>, B>
+where
+    hyper_rustls::HttpsConnector<C>: hyper_util::client::legacy::connect::Connect + Clone,
+    B: http_body::Body + Send,
+    B::Data: Send,
+{
+    // hyper-rustls sets the ALPN itself (and insists on it being unset).
+    let mut tls = tls.clone();
+    tls.alpn_protocols.clear();
+    let connector = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_only()
+        .enable_http1()
+        .wrap_connector(connector);
+    hyper_util::client::legacy::Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(max_idle_per_host)
+        .pool_idle_timeout(idle_timeout)
+        .pool_timer(TokioTimer::new())
+        .build(connector)
+}
+
 /// How [`serve_https`] serves its connections.
 #[derive(Debug, Clone)]
 pub struct HttpsOptions {

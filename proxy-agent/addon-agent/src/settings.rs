@@ -3,7 +3,7 @@
 //! the project. Upstream's `/agent` flags that a ManifestWork may still pass
 //! are accepted.
 
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -302,16 +302,7 @@ impl AgentSettings {
         if i32::try_from(self.lease_duration.as_secs()).is_err() {
             return Err(invalid("lease-duration", "is too long"));
         }
-        let health_ip: IpAddr = if self.health_bind_address.is_empty() {
-            IpAddr::V4(Ipv4Addr::UNSPECIFIED)
-        } else {
-            self.health_bind_address.parse().map_err(|_| {
-                invalid(
-                    "health-bind-address",
-                    format!("{:?} is not an IP address", self.health_bind_address),
-                )
-            })?
-        };
+        let health_ip = config::bind_ip("health-bind-address", &self.health_bind_address)?;
         let health_addr = SocketAddr::new(health_ip, self.health_port);
         let proxy_agent_health_url = if self.enable_proxy_agent_health_check {
             Some(parse_health_url(&self.proxy_agent_health_url)?)

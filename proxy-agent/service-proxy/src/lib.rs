@@ -24,8 +24,8 @@ use cluster_proxy_proto::identity::ClusterName;
 use cluster_proxy_proto::service_access;
 use cluster_proxy_proto::transport::ALPN_HTTP11;
 use cluster_proxy_runtime::http_proxy::{
-    HttpsOptions, ProxyBody, relay_upgrade, serve_https, status_response, strip_hop_by_hop,
-    take_upgrade,
+    HttpsOptions, ProxyBody, pooled_https_client, relay_upgrade, serve_https, status_response,
+    strip_hop_by_hop, take_upgrade,
 };
 use cluster_proxy_runtime::reload::{self, Watched};
 use cluster_proxy_runtime::tls::{self, Identity, Pem, TlsError};
@@ -36,7 +36,6 @@ use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::{TokioExecutor, TokioTimer};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -105,19 +104,7 @@ pub async fn start(config: ServiceProxyConfig) -> Result<RunningServiceProxy, St
     let mut http = HttpConnector::new();
     http.enforce_http(false);
     http.set_connect_timeout(Some(HANDSHAKE_TIMEOUT));
-    // hyper-rustls sets the ALPN itself (and insists on it being unset).
-    let mut kube_tls = (*kube_tls).clone();
-    kube_tls.alpn_protocols.clear();
-    let connector = hyper_rustls::HttpsConnectorBuilder::new()
-        .with_tls_config(kube_tls)
-        .https_only()
-        .enable_http1()
-        .wrap_connector(http);
-    let upstream = Client::builder(TokioExecutor::new())
-        .pool_max_idle_per_host(MAX_IDLE_PER_HOST)
-        .pool_idle_timeout(IDLE_TIMEOUT)
-        .pool_timer(TokioTimer::new())
-        .build(connector);
+    let upstream = pooled_https_client(&kube_tls, http, MAX_IDLE_PER_HOST, IDLE_TIMEOUT);
     let shared = Arc::new(Shared {
         cluster: config.cluster.clone(),
         user_server_name: config.user_server_name.clone(),

@@ -1,7 +1,7 @@
 //! Flags, environment and TOML file (`SERVICE_PROXY_<KEY>`), resolved into a
 //! [`ServiceProxyConfig`].
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -9,7 +9,7 @@ use clap::Parser;
 use cluster_proxy_proto::identity::ClusterName;
 use cluster_proxy_proto::service_access::{SERVICE_PROXY_PORT, USER_SERVER_IDENTITY};
 use cluster_proxy_runtime::cli::{parse_go_bool, parse_path};
-use cluster_proxy_runtime::config::{self, ConfigError, EnvSpec, invalid};
+use cluster_proxy_runtime::config::{self, ConfigError, EnvSpec, bind_ip, invalid};
 use cluster_proxy_runtime::logging::{LogFlags, LogFormat};
 use serde::{Deserialize, Serialize};
 
@@ -166,14 +166,6 @@ impl Settings {
     ) -> Result<ServiceProxyConfig, ConfigError> {
         let cluster = ClusterName::new(self.cluster_name.clone())
             .map_err(|e| invalid("cluster-name", e.to_string()))?;
-        let ip = |field: &'static str, value: &str| -> Result<IpAddr, ConfigError> {
-            if value.is_empty() {
-                return Ok(IpAddr::from([0, 0, 0, 0]));
-            }
-            value
-                .parse()
-                .map_err(|_| invalid(field, format!("{value:?} is not an IP address")))
-        };
         for (field, path) in [
             ("cert", &self.cert),
             ("key", &self.key),
@@ -209,7 +201,7 @@ impl Settings {
         }
         Ok(ServiceProxyConfig {
             cluster,
-            listen: SocketAddr::new(ip("bind-address", &self.bind_address)?, self.port),
+            listen: SocketAddr::new(bind_ip("bind-address", &self.bind_address)?, self.port),
             cert: self.cert.clone(),
             key: self.key.clone(),
             user_server_ca: self.user_server_ca.clone(),
@@ -219,7 +211,7 @@ impl Settings {
             token_file: self.token_file.clone(),
             impersonation: self.enable_impersonation,
             health: SocketAddr::new(
-                ip("health-bind-address", &self.health_bind_address)?,
+                bind_ip("health-bind-address", &self.health_bind_address)?,
                 self.health_port,
             ),
             reload_interval: cluster_proxy_runtime::reload::DEFAULT_INTERVAL,

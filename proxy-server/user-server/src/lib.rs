@@ -291,16 +291,15 @@ async fn accept(
     .await;
 }
 
-/// The trace id of a W3C `traceparent` header, if the client sent one.
+/// The trace id of a W3C `traceparent` header, if the client sent a valid one.
 fn trace_id(request: &Request<Incoming>) -> String {
     request
         .headers()
-        .get("traceparent")
+        .get(cluster_proxy_proto::trace::TRACEPARENT)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.split('-').nth(1))
-        .filter(|id| id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit()))
+        .and_then(|v| cluster_proxy_proto::trace::parse_traceparent(v).ok())
+        .map(|context| context.trace_id().to_string())
         .unwrap_or_default()
-        .to_owned()
 }
 
 fn bearer_token(request: &Request<Incoming>) -> Option<Result<&str, AuthnError>> {

@@ -1,7 +1,7 @@
 //! Flags (upstream's names where it has them), environment
 //! (`USER_SERVER_<KEY>`) and TOML file, resolved into a [`UserServerConfig`].
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -9,7 +9,7 @@ use clap::Parser;
 use cluster_proxy_proto::duration::serde_go;
 use cluster_proxy_proto::service_access::SERVICE_PROXY_PORT;
 use cluster_proxy_runtime::cli::parse_path;
-use cluster_proxy_runtime::config::{self, ConfigError, EnvSpec, invalid};
+use cluster_proxy_runtime::config::{self, ConfigError, EnvSpec, bind_ip, invalid};
 use cluster_proxy_runtime::logging::{LogFlags, LogFormat};
 use serde::{Deserialize, Serialize};
 
@@ -283,20 +283,15 @@ impl Settings {
         if self.cache_size == 0 {
             return Err(invalid("cache-size", "must be at least 1"));
         }
-        let ip = |field: &'static str, value: &str| -> Result<IpAddr, ConfigError> {
-            if value.is_empty() {
-                return Ok(IpAddr::from([0, 0, 0, 0]));
-            }
-            value
-                .parse()
-                .map_err(|_| invalid(field, format!("{value:?} is not an IP address")))
-        };
         Ok(UserServerConfig {
             proxy_server: (self.host.clone(), self.port),
             proxy_ca_cert: self.proxy_ca_cert.clone(),
             proxy_cert: self.proxy_cert.clone(),
             proxy_key: self.proxy_key.clone(),
-            listen: SocketAddr::new(ip("bind-address", &self.bind_address)?, self.server_port),
+            listen: SocketAddr::new(
+                bind_ip("bind-address", &self.bind_address)?,
+                self.server_port,
+            ),
             server_cert: self.server_cert.clone(),
             server_key: self.server_key.clone(),
             client_ca: self.client_ca.clone(),
@@ -313,7 +308,7 @@ impl Settings {
             dial_timeout: self.dial_timeout,
             response_header_timeout: self.response_header_timeout,
             health: SocketAddr::new(
-                ip("health-bind-address", &self.health_bind_address)?,
+                bind_ip("health-bind-address", &self.health_bind_address)?,
                 self.health_port,
             ),
             reload_interval: cluster_proxy_runtime::reload::DEFAULT_INTERVAL,

@@ -24,7 +24,7 @@ use hyper::body::Incoming;
 
 use crate::audit::CountedBody;
 use hyper_util::client::legacy::Client;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::rt::TokioIo;
 
 /// Why a tunneled connection could not be opened.
 #[derive(Debug, thiserror::Error)]
@@ -123,20 +123,12 @@ pub fn service_proxy_client(
     max_idle_per_cluster: usize,
     idle_timeout: Duration,
 ) -> ServiceProxyClient {
-    // hyper-rustls sets the ALPN (http/1.1) itself, and insists on it
-    // being unset.
-    let mut tls = (*tls).clone();
-    tls.alpn_protocols.clear();
-    let connector = hyper_rustls::HttpsConnectorBuilder::new()
-        .with_tls_config(tls)
-        .https_only()
-        .enable_http1()
-        .wrap_connector(dialer);
-    Client::builder(TokioExecutor::new())
-        .pool_max_idle_per_host(max_idle_per_cluster)
-        .pool_idle_timeout(idle_timeout)
-        .pool_timer(TokioTimer::new())
-        .build(connector)
+    cluster_proxy_runtime::http_proxy::pooled_https_client(
+        &tls,
+        dialer,
+        max_idle_per_cluster,
+        idle_timeout,
+    )
 }
 
 /// The base URL of `cluster`'s service-proxy: its hashed host, which the
