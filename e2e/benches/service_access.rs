@@ -77,7 +77,8 @@ async fn main() -> anyhow::Result<()> {
         "default",
     );
     let alice = fleet.hub_user("alice", &["team-a"]);
-    let through = Api::<ConfigMap>::namespaced(fleet.client(CLUSTER_A, &alice).await?, "default");
+    let through =
+        Api::<ConfigMap>::namespaced(fleet.path.client(CLUSTER_A, &alice).await?, "default");
     // Warm both (connections, the caches), then measure.
     latencies(&direct, 50).await;
     latencies(&through, 50).await;

@@ -26,14 +26,33 @@ use tunnel_harness::in_process::{AgentUnderTest, LocalReplicas};
 pub const CLUSTER_A: &str = "cluster-a";
 pub const CLUSTER_B: &str = "cluster-b";
 
+/// The in-memory fleet: a hub API, cluster-a's API, and the service-access
+/// path between them.
 pub struct Fleet {
     pub hub: KubeApi,
     pub managed: KubeApi,
+    pub path: AccessPath,
+    pub dir: tempfile::TempDir,
+}
+
+/// cluster-a's kube API as the service-proxy sees it.
+pub struct ManagedApi {
+    /// `https://host:port`.
+    pub url: String,
+    pub ca_pem: String,
+    /// The service-proxy's ServiceAccount token (allowed to impersonate).
+    pub token: String,
+}
+
+/// The path of service access for cluster-a, on any hub and managed API: a
+/// proxy-server, cluster-a's proxy-agent and service-proxy, the hub's
+/// user-server.
+pub struct AccessPath {
     _replicas: LocalReplicas,
     _agent: AgentUnderTest,
     pub service_proxy: service_proxy::RunningServiceProxy,
     pub user_server: user_server::RunningUserServer,
-    pub dir: tempfile::TempDir,
+    dir: PathBuf,
     /// The CA of the user-server's serving certificate (and of every test
     /// certificate).
     pub ca: PathBuf,
@@ -253,10 +272,43 @@ impl Fleet {
         )
         .await?;
 
+        let hub_identity = KubeApi::client_from(&hub.kubeconfig_for("user-server", &[])?).await?;
+        let path = AccessPath::start(
+            dir.path(),
+            hub_identity,
+            ManagedApi {
+                url: format!("https://127.0.0.1:{}", managed.addr().port()),
+                ca_pem: managed.ca_pem().to_owned(),
+                token,
+            },
+        )
+        .await?;
+        Ok(Fleet {
+            hub,
+            managed,
+            path,
+            dir,
+        })
+    }
+
+    /// A hub user with `groups` and a token of it.
+    pub fn hub_user(&self, name: &str, groups: &[&str]) -> String {
+        self.hub.kubeconfigs(None).token(name, groups)
+    }
+}
+
+impl AccessPath {
+    /// Starts the path for cluster-a in `dir`: the user-server asks the hub
+    /// as `hub_identity`, the service-proxy sends to `managed`.
+    pub async fn start(
+        dir: &Path,
+        hub_identity: Client,
+        managed: ManagedApi,
+    ) -> anyhow::Result<AccessPath> {
         // The tunnel, and the certificates of service access.
         let replicas = LocalReplicas::start(&[CLUSTER_A, CLUSTER_B], 1).await?;
         let ca = replicas.pki.ca.cert_pem().to_owned();
-        let files = dir.path().join("pki");
+        let files = dir.join("pki");
         std::fs::create_dir_all(&files)?;
         let ca_path = write(&files, "ca.crt", &ca)?;
         let cluster_a = ClusterName::new(CLUSTER_A)?;
@@ -282,9 +334,9 @@ impl Fleet {
             key: write(&files, "service-proxy.key", &serving.key_pem)?,
             user_server_ca: ca_path.clone(),
             user_server_name: service_access::USER_SERVER_IDENTITY.into(),
-            kube_api: format!("https://127.0.0.1:{}", managed.addr().port()).parse()?,
-            kube_ca: write(&files, "managed-ca.crt", managed.ca_pem())?,
-            token_file: write(&files, "token", &token)?,
+            kube_api: managed.url.parse()?,
+            kube_ca: write(&files, "managed-ca.crt", &managed.ca_pem)?,
+            token_file: write(&files, "token", &managed.token)?,
             impersonation: true,
             health: "127.0.0.1:0".parse()?,
             reload_interval: Duration::from_millis(200),
@@ -313,8 +365,6 @@ impl Fleet {
             "cluster-a's agent did not connect"
         );
 
-        let hub_user_server =
-            KubeApi::client_from(&hub.kubeconfig_for("user-server", &[])?).await?;
         let config = user_server::UserServerConfig {
             proxy_server: ("localhost".into(), server.client_addr.port()),
             proxy_ca_cert: ca_path.clone(),
@@ -347,14 +397,12 @@ impl Fleet {
             health: "127.0.0.1:0".parse()?,
             reload_interval: Duration::from_millis(200),
         };
-        let user_server = user_server::start(config, hub_user_server).await?;
+        let user_server = user_server::start(config, hub_identity).await?;
         let proxy_client = (
             replicas.pki.proxy_client.cert_pem.clone(),
             replicas.pki.proxy_client.key_pem.clone(),
         );
-        let fleet = Fleet {
-            hub,
-            managed,
+        let path = AccessPath {
             _replicas: replicas,
             _agent: agent,
             service_proxy,
@@ -364,9 +412,9 @@ impl Fleet {
             proxy_client,
             identity: (identity.cert_pem.clone(), identity.key_pem.clone()),
             hub_client_ca,
-            dir,
+            dir: dir.to_path_buf(),
         };
-        let health = fleet.user_server.health_addr;
+        let health = path.user_server.health_addr;
         simulated_cluster::wait::eventually(
             "the user-server's readiness",
             Duration::from_secs(10),
@@ -379,7 +427,7 @@ impl Fleet {
             },
         )
         .await;
-        Ok(fleet)
+        Ok(path)
     }
 
     pub fn base(&self, cluster: &str) -> String {
@@ -403,11 +451,6 @@ impl Fleet {
         params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth];
         let cert = params.signed_by(&key, &self.hub_client_ca)?;
         Ok((cert.pem(), key.serialize_pem()))
-    }
-
-    /// A hub user with `groups` and a token of it.
-    pub fn hub_user(&self, name: &str, groups: &[&str]) -> String {
-        self.hub.kubeconfigs(None).token(name, groups)
     }
 
     /// A kube-rs client of `cluster` through the user-server, as `token`.
@@ -439,6 +482,36 @@ impl Fleet {
         https_request(&self.pki_ca_pem, None, request).await
     }
 
+    /// One request of `method` to `path` of `cluster` through the
+    /// user-server as `token`, with `headers` and a JSON `body` (none when
+    /// `null`): status and body.
+    pub async fn request_as(
+        &self,
+        cluster: &str,
+        token: &str,
+        method: http::Method,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Value,
+    ) -> anyhow::Result<(http::StatusCode, Value)> {
+        let mut request = http::Request::builder()
+            .method(method)
+            .uri(format!("{}{path}", self.base(cluster)))
+            .header("authorization", format!("Bearer {token}"));
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        let bytes = match body {
+            Value::Null => Bytes::new(),
+            body => {
+                request = request.header("content-type", "application/json");
+                Bytes::from(serde_json::to_vec(&body)?)
+            }
+        };
+        let request = request.body(http_body_util::Full::new(bytes))?;
+        https_request(&self.pki_ca_pem, None, request).await
+    }
+
     /// kubectl against `cluster` through the user-server, as `token`.
     pub async fn kubectl(
         &self,
@@ -448,13 +521,13 @@ impl Fleet {
     ) -> anyhow::Result<std::process::Output> {
         let mut command = tokio::process::Command::new("kubectl");
         command
-            .env("KUBECONFIG", self.dir.path().join("no-kubeconfig"))
+            .env("KUBECONFIG", self.dir.join("no-kubeconfig"))
             .arg(format!("--server={}", self.base(cluster)))
             .arg(format!("--token={token}"))
             .arg(format!("--certificate-authority={}", self.ca.display()))
             .arg(format!(
                 "--cache-dir={}",
-                self.dir.path().join("kubectl-cache").display()
+                self.dir.join("kubectl-cache").display()
             ))
             .args(args)
             .kill_on_drop(true);
@@ -467,11 +540,15 @@ impl Fleet {
 
 /// One HTTPS request verified against `ca_pem`, with a client certificate
 /// when given; the status and the JSON body (`null` when not JSON).
-pub async fn https_request(
+pub async fn https_request<B>(
     ca_pem: &str,
     client_cert: Option<(&str, &str)>,
-    request: http::Request<Empty<Bytes>>,
-) -> anyhow::Result<(http::StatusCode, Value)> {
+    request: http::Request<B>,
+) -> anyhow::Result<(http::StatusCode, Value)>
+where
+    B: http_body::Body<Data = Bytes> + Send + Unpin + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     use cluster_proxy_runtime::tls::{self, Identity, Pem};
     let roots = tls::roots(&Pem::text("ca", ca_pem))?;
     let identity = client_cert

@@ -67,7 +67,7 @@ async fn a_hub_user_reaches_a_cluster_as_itself_and_both_rbacs_decide() {
     let alice = fleet.hub_user("alice", &["team-a"]);
 
     // kube-rs through the user-server: get, and a watch that sees a change.
-    let through = fleet.client(CLUSTER_A, &alice).await.unwrap();
+    let through = fleet.path.client(CLUSTER_A, &alice).await.unwrap();
     let remote = Api::<ConfigMap>::namespaced(through.clone(), "default");
     let got = remote.get("greeting").await.unwrap();
     assert_eq!(got.data.unwrap()["hello"], "from cluster-a");
@@ -121,6 +121,7 @@ async fn a_hub_user_reaches_a_cluster_as_itself_and_both_rbacs_decide() {
     if kubectl_available() {
         let listed = stdout(
             &fleet
+                .path
                 .kubectl(
                     CLUSTER_A,
                     &alice,
@@ -147,7 +148,7 @@ async fn a_hub_user_reaches_a_cluster_as_itself_and_both_rbacs_decide() {
             ],
         ] {
             let whoami: Value = serde_json::from_str(&stdout(
-                &fleet.kubectl(CLUSTER_A, &alice, args).await.unwrap(),
+                &fleet.path.kubectl(CLUSTER_A, &alice, args).await.unwrap(),
             ))
             .unwrap();
             assert_eq!(
@@ -171,8 +172,8 @@ async fn a_hub_user_reaches_a_cluster_as_itself_and_both_rbacs_decide() {
         let written = cluster_proxy_cli::kubeconfig::for_clusters(
             &hub_config,
             None,
-            &format!("https://127.0.0.1:{}", fleet.user_server.addr.port()),
-            &fleet.pki_ca_pem,
+            &format!("https://127.0.0.1:{}", fleet.path.user_server.addr.port()),
+            &fleet.path.pki_ca_pem,
             &[CLUSTER_A.to_owned(), CLUSTER_B.to_owned()],
         )
         .unwrap();
@@ -201,6 +202,7 @@ async fn a_hub_user_reaches_a_cluster_as_itself_and_both_rbacs_decide() {
 
         let denied = stderr_of_failure(
             &fleet
+                .path
                 .kubectl(CLUSTER_A, &alice, &["get", "secrets", "-n", "default"])
                 .await
                 .unwrap(),
@@ -282,7 +284,7 @@ async fn bad_requests_get_kubernetes_status_answers() {
             .as_deref()
             .map(|a| vec![("authorization", a)])
             .unwrap_or_default();
-        let (status, body) = fleet.request(path, &headers).await.unwrap();
+        let (status, body) = fleet.path.request(path, &headers).await.unwrap();
         assert_eq!(status.as_u16(), code, "{path}: {body}");
         assert_eq!(body["kind"], "Status", "{path}: {body}");
         assert_eq!(body["code"], code, "{path}: {body}");
@@ -297,6 +299,7 @@ async fn bad_requests_get_kubernetes_status_answers() {
     // cluster:hub:alice (who may not list Secrets), not as the admin it
     // names (who could: the service-proxy may impersonate anyone).
     let (status, body) = fleet
+        .path
         .request(
             "/cluster-a/api/v1/namespaces/default/secrets",
             &[
@@ -324,7 +327,7 @@ async fn bad_requests_get_kubernetes_status_answers() {
     let direct = |cluster: &str| {
         http::Request::get(format!(
             "https://127.0.0.1:{}/api/v1/namespaces/default/configmaps",
-            fleet.service_proxy.addr.port()
+            fleet.path.service_proxy.addr.port()
         ))
         .header(service_access::CLUSTER, cluster)
         .header(service_access::USER, "alice")
@@ -335,8 +338,8 @@ async fn bad_requests_get_kubernetes_status_answers() {
         .body(Empty::<Bytes>::new())
         .unwrap()
     };
-    let service_proxy_ca = fleet.pki_ca_pem.clone();
-    let (cert, key) = &fleet.proxy_client;
+    let service_proxy_ca = fleet.path.pki_ca_pem.clone();
+    let (cert, key) = &fleet.path.proxy_client;
     // rustls verifies the serving certificate for the hashed host; connect
     // by that name.
     let (status, body) = https_request_to(
@@ -355,7 +358,7 @@ async fn bad_requests_get_kubernetes_status_answers() {
         "{body}"
     );
     // With the user-server's identity but for another cluster: misdirected.
-    let (cert, key) = &fleet.identity;
+    let (cert, key) = &fleet.path.identity;
     let (status, body) = https_request_to(
         &service_proxy_ca,
         Some((cert, key)),
@@ -367,7 +370,7 @@ async fn bad_requests_get_kubernetes_status_answers() {
 
     // Every request above is audited: counted per cluster and code.
     let (code, metrics) =
-        tunnel_harness::in_process::health_get(fleet.user_server.health_addr, "/metrics")
+        tunnel_harness::in_process::health_get(fleet.path.user_server.health_addr, "/metrics")
             .await
             .unwrap();
     assert_eq!(code, 200);
@@ -402,7 +405,7 @@ async fn https_request_to(
         Identity::new(&Pem::text("cert", cert), &Pem::text("key", key)).unwrap()
     });
     let config = tls::client_config(roots, identity, &[b"http/1.1"]).unwrap();
-    let tcp = tokio::net::TcpStream::connect(fleet.service_proxy.addr)
+    let tcp = tokio::net::TcpStream::connect(fleet.path.service_proxy.addr)
         .await
         .unwrap();
     let name = rustls_pki_types::ServerName::try_from(
@@ -431,17 +434,17 @@ async fn a_hub_client_certificate_authenticates_and_oversized_headers_are_cut_of
     // group team-a is granted cluster-a on the hub, and alice's rights on
     // cluster-a are granted to cluster:hub:alice only: carol may list
     // nothing there, and says so as herself.
-    let (cert, key) = fleet.client_certificate("carol", "team-a").unwrap();
+    let (cert, key) = fleet.path.client_certificate("carol", "team-a").unwrap();
     let request = |path: &str| {
         http::Request::get(format!(
             "https://127.0.0.1:{}{path}",
-            fleet.user_server.addr.port()
+            fleet.path.user_server.addr.port()
         ))
         .body(Empty::<Bytes>::new())
         .unwrap()
     };
     let (status, body) = e2e::service_access::https_request(
-        &fleet.pki_ca_pem,
+        &fleet.path.pki_ca_pem,
         Some((&cert, &key)),
         request("/cluster-a/api/v1/namespaces/default/configmaps"),
     )
@@ -452,7 +455,7 @@ async fn a_hub_client_certificate_authenticates_and_oversized_headers_are_cut_of
     assert!(message.contains("cluster:hub:carol"), "{message}");
     // Her group has no grant for a cluster it was not given.
     let (status, _) = e2e::service_access::https_request(
-        &fleet.pki_ca_pem,
+        &fleet.path.pki_ca_pem,
         Some((&cert, &key)),
         request("/cluster-z/api"),
     )
@@ -461,9 +464,9 @@ async fn a_hub_client_certificate_authenticates_and_oversized_headers_are_cut_of
     assert_eq!(status, 404);
 
     // A certificate of another CA is refused in the handshake.
-    let (cert, key) = &fleet.identity;
+    let (cert, key) = &fleet.path.identity;
     let stranger = e2e::service_access::https_request(
-        &fleet.pki_ca_pem,
+        &fleet.path.pki_ca_pem,
         Some((cert, key)),
         request("/cluster-a/api"),
     )
@@ -477,6 +480,7 @@ async fn a_hub_client_certificate_authenticates_and_oversized_headers_are_cut_of
     let alice = fleet.hub_user("alice", &["team-a"]);
     let big = "x".repeat(300 * 1024);
     let (status, _) = fleet
+        .path
         .request(
             "/cluster-a/api",
             &[
@@ -494,7 +498,7 @@ async fn a_users_requests_cost_the_hub_one_token_review() {
     let fleet = Fleet::start().await.unwrap();
     let alice = fleet.hub_user("alice", &["team-a"]);
     let before = fleet.hub.token_reviews();
-    let through = fleet.client(CLUSTER_A, &alice).await.unwrap();
+    let through = fleet.path.client(CLUSTER_A, &alice).await.unwrap();
     let remote = Api::<ConfigMap>::namespaced(through, "default");
     // Concurrent first requests share one review, later ones hit the cache.
     let params = kube::api::ListParams::default();
@@ -508,7 +512,7 @@ async fn a_users_requests_cost_the_hub_one_token_review() {
         1,
         "50 requests, one review"
     );
-    assert_eq!(fleet.user_server.cached_tokens(), 1);
+    assert_eq!(fleet.path.user_server.cached_tokens(), 1);
 }
 
 /// Grants hub alice (as `cluster:hub:alice` on cluster-a) port-forwarding
@@ -564,7 +568,7 @@ async fn port_forward_streams_through_the_user_server_and_the_service_proxy() {
 
     // kube-rs's WebSocket port-forward: the upgrade crosses both proxies.
     let pods = Api::<k8s_openapi::api::core::v1::Pod>::namespaced(
-        fleet.client(CLUSTER_A, &alice).await.unwrap(),
+        fleet.path.client(CLUSTER_A, &alice).await.unwrap(),
         "default",
     );
     let mut forward = pods.portforward("echo-0", &[7000]).await.unwrap();
