@@ -6,7 +6,9 @@
 
 use std::path::PathBuf;
 
+use cluster_proxy_proto::api::proxy::v1alpha1::USER_SERVER_SERVICE_NAME;
 use cluster_proxy_proto::identity::ClusterName;
+use cluster_proxy_proto::service_access::USER_SERVER_IDENTITY;
 use time::OffsetDateTime;
 use tracing::info;
 
@@ -160,7 +162,20 @@ pub enum Leaf {
     AgentServer,
     ProxyClient,
     Agent(ClusterName),
+    /// The user-server's serving certificate (service access).
+    UserServer,
+    /// The user-server's client certificate toward service-proxies: the
+    /// only certificate whose named hub users they believe.
+    UserServerIdentity,
+    /// The service-proxies' serving certificate, one for every cluster
+    /// (upstream's): the user-server reaches each by its hashed host.
+    ServiceProxy,
 }
+
+/// SANs of the service-proxy certificate: every cluster's hashed host
+/// (`cluster-<hash>.open-cluster-management.proxy`) and the local names.
+pub const SERVICE_PROXY_SANS: &[&str] =
+    &["*.open-cluster-management.proxy", "localhost", "127.0.0.1"];
 
 impl Leaf {
     fn request(&self, sans: &[String], policy: &LeafPolicy) -> LeafRequest {
@@ -170,17 +185,29 @@ impl Leaf {
             Leaf::AgentServer => LeafRequest::server(files::AGENT_SERVER, &sans),
             Leaf::ProxyClient => LeafRequest::client(files::PROXY_CLIENT),
             Leaf::Agent(cluster) => LeafRequest::agent(cluster),
+            Leaf::UserServer => LeafRequest::server(USER_SERVER_SERVICE_NAME, &sans),
+            Leaf::UserServerIdentity => LeafRequest::client(USER_SERVER_IDENTITY),
+            Leaf::ServiceProxy => LeafRequest::server(files::SERVICE_PROXY, &sans),
         };
         request.with_validity(policy.validity)
     }
 
     /// The SANs this leaf should carry (client certificates carry none).
-    fn desired_sans(&self, server_sans: &[String]) -> Vec<String> {
+    fn desired_sans(&self, desired: &Desired) -> Vec<String> {
         match self {
-            Leaf::ProxyServer | Leaf::AgentServer => server_sans.to_vec(),
-            Leaf::ProxyClient | Leaf::Agent(_) => Vec::new(),
+            Leaf::ProxyServer | Leaf::AgentServer => desired.server_sans.clone(),
+            Leaf::UserServer => desired.user_server_sans.clone().unwrap_or_default(),
+            Leaf::ServiceProxy => SERVICE_PROXY_SANS.iter().map(|s| (*s).to_owned()).collect(),
+            Leaf::ProxyClient | Leaf::Agent(_) | Leaf::UserServerIdentity => Vec::new(),
         }
     }
+
+    /// The leaves of service access, kept only while it is wanted.
+    pub const SERVICE_ACCESS: [Leaf; 3] = [
+        Leaf::UserServer,
+        Leaf::UserServerIdentity,
+        Leaf::ServiceProxy,
+    ];
 }
 
 impl std::fmt::Display for Leaf {
@@ -190,6 +217,9 @@ impl std::fmt::Display for Leaf {
             Leaf::AgentServer => f.write_str(files::AGENT_SERVER),
             Leaf::ProxyClient => f.write_str(files::PROXY_CLIENT),
             Leaf::Agent(cluster) => write!(f, "agent of {cluster}"),
+            Leaf::UserServer => f.write_str(files::USER_SERVER),
+            Leaf::UserServerIdentity => f.write_str(files::USER_SERVER_IDENTITY),
+            Leaf::ServiceProxy => f.write_str(files::SERVICE_PROXY),
         }
     }
 }
@@ -221,11 +251,18 @@ pub struct Desired {
     /// (agent certificates signed through CSRs): the previous CA stays in
     /// the bundle while any remain.
     pub outside_leaves_on_previous: usize,
+    /// Service access: `Some` (the user-server certificate's SANs) keeps
+    /// [`Leaf::SERVICE_ACCESS`] too; `None` leaves them alone (a user may
+    /// provide them, as upstream allows).
+    pub user_server_sans: Option<Vec<String>>,
 }
 
 impl Desired {
     fn leaves(&self) -> Vec<Leaf> {
         let mut leaves = vec![Leaf::ProxyServer, Leaf::AgentServer, Leaf::ProxyClient];
+        if self.user_server_sans.is_some() {
+            leaves.extend(Leaf::SERVICE_ACCESS);
+        }
         leaves.extend(self.clusters.iter().cloned().map(Leaf::Agent));
         leaves
     }
@@ -270,7 +307,7 @@ pub fn reconcile(
     let bundle = rotation::trust_bundle(&state);
     let signer = Authority::from_pem(&signer_creds.cert_pem, &signer_creds.key_pem)?;
     for leaf in desired.leaves() {
-        let sans = leaf.desired_sans(&desired.server_sans);
+        let sans = leaf.desired_sans(desired);
         let decision = match store.load_leaf(&leaf)? {
             None => None,
             Some(c) => Some(rotation::leaf_decision(
@@ -365,6 +402,9 @@ impl FileStore {
             Leaf::AgentServer => self.layout.agent_server(),
             Leaf::ProxyClient => self.layout.proxy_client(),
             Leaf::Agent(cluster) => self.layout.agent(cluster),
+            Leaf::UserServer => self.layout.user_server(),
+            Leaf::UserServerIdentity => self.layout.user_server_identity(),
+            Leaf::ServiceProxy => self.layout.service_proxy(),
         }
     }
 
@@ -631,6 +671,7 @@ mod tests {
                 prepare_before_expiry: 30 * DAY,
                 bundle_propagation: 7 * DAY,
             },
+            user_server_sans: None,
         }
     }
 
@@ -763,6 +804,7 @@ mod tests {
                 prepare_before_expiry: DAY,
                 bundle_propagation: DAY,
             },
+            user_server_sans: None,
         };
         assert!(matches!(
             reconcile(&store, &desired, OffsetDateTime::now_utc()),

@@ -25,6 +25,11 @@ pub const PROXY_SERVER: &str = "proxy-server";
 pub const AGENT_SERVER: &str = "agent-server";
 pub const PROXY_CLIENT: &str = "proxy-client";
 pub const AGENTS_DIR: &str = "agents";
+/// Service access (when wanted): the user-server's serving certificate, its
+/// identity toward service-proxies, and the service-proxies' serving one.
+pub const USER_SERVER: &str = "user-server";
+pub const USER_SERVER_IDENTITY: &str = "user-server-identity";
+pub const SERVICE_PROXY: &str = "service-proxy";
 pub const CERT_FILE: &str = "tls.crt";
 pub const KEY_FILE: &str = "tls.key";
 
@@ -114,6 +119,18 @@ impl Layout {
 
     pub fn agent(&self, cluster: &ClusterName) -> Pair {
         self.pair(&Path::new(AGENTS_DIR).join(cluster.as_str()))
+    }
+
+    pub fn user_server(&self) -> Pair {
+        self.pair(Path::new(USER_SERVER))
+    }
+
+    pub fn user_server_identity(&self) -> Pair {
+        self.pair(Path::new(USER_SERVER_IDENTITY))
+    }
+
+    pub fn service_proxy(&self) -> Pair {
+        self.pair(Path::new(SERVICE_PROXY))
     }
 }
 

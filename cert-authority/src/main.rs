@@ -98,6 +98,9 @@ fn run_files(settings: &RunSettings) -> anyhow::Result<()> {
         server_sans: cert_authority::files::server_sans(&settings.additional_san),
         leaf_policy: leaf_policy(settings),
         rollover_policy: rollover_policy(settings),
+        // Service access's certificates come only from the kubernetes
+        // backend (a ManagedProxyConfiguration's spec.userServer).
+        user_server_sans: None,
     };
     let store = FileStore {
         layout: Layout::new(&dir),

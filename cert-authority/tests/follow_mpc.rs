@@ -475,6 +475,170 @@ async fn sans_names_namespace_and_conditions_follow_the_mpc() {
     authority.stop().await;
 }
 
+/// The common name and whether the certificate is for clients (ClientAuth)
+/// and for servers (ServerAuth).
+fn subject_and_usage(pem: &str) -> (String, bool, bool) {
+    let (_, block) = x509_parser::pem::parse_x509_pem(pem.as_bytes()).unwrap();
+    let certificate = block.parse_x509().unwrap();
+    let name = certificate
+        .subject()
+        .iter_common_name()
+        .next()
+        .and_then(|cn| cn.as_str().ok())
+        .unwrap_or_default()
+        .to_owned();
+    let usage = certificate.extended_key_usage().unwrap().unwrap().value;
+    (name, usage.client_auth, usage.server_auth)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spec_user_server_keeps_the_service_access_certificates() {
+    let hub = Hub::start(true).await;
+    let default_names = json!({});
+    // Without spec.userServer a user-server certificate is the user's own:
+    // never touched, and no condition speaks of it.
+    let users_ca =
+        cert_authority::pki::Authority::generate("the user's CA", Duration::from_secs(86400))
+            .unwrap();
+    let users = users_ca
+        .issue(&cert_authority::pki::LeafRequest::server(
+            "cluster-proxy-addon-user",
+            &["users.example.com"],
+        ))
+        .unwrap();
+    let own: Secret = serde_json::from_value(json!({
+        "metadata": {"name": "cluster-proxy-user-serving-cert"},
+        "type": "kubernetes.io/tls",
+        "stringData": {"tls.crt": users.cert_pem, "tls.key": users.key_pem},
+    }))
+    .unwrap();
+    hub.secrets(HUB_NS)
+        .create(&PostParams::default(), &own)
+        .await
+        .unwrap();
+    hub.apply_mpc(spec(
+        &[],
+        hostname("proxy.example.com"),
+        default_names.clone(),
+    ))
+    .await;
+    let authority = Running::start(hub.api.client().await.unwrap(), Metrics::default());
+    signed_conditions(&hub, ["proxy-server", "agent-server", "proxy-client"]).await;
+    let untouched = hub
+        .secrets(HUB_NS)
+        .get("cluster-proxy-user-serving-cert")
+        .await
+        .unwrap();
+    assert_eq!(
+        untouched.data.unwrap()["tls.crt"].0,
+        users.cert_pem.as_bytes(),
+        "the user's Secret was rewritten"
+    );
+    for name in [
+        "cluster-proxy-user-server-identity",
+        "cluster-proxy-service-proxy-server-cert",
+    ] {
+        assert!(
+            hub.secrets(HUB_NS).get_opt(name).await.unwrap().is_none(),
+            "{name}"
+        );
+    }
+    assert!(find_condition(&hub.conditions().await, "UserServerSecretSigned").is_none());
+
+    // spec.userServer set: the three certificates, upstream's SANs plus
+    // the valid additional ones, and the condition.
+    let mut with_user_server = spec(&[], hostname("proxy.example.com"), default_names);
+    with_user_server["userServer"] =
+        json!({"additionalSANs": ["users.example.com", "not a name!"]});
+    hub.apply_mpc(with_user_server).await;
+    let serving = certificate_when(
+        &hub,
+        "cluster-proxy-user-serving-cert",
+        "upstream's user SANs",
+        |sans| {
+            [
+                "users.example.com",
+                "cluster-proxy-addon-user",
+                "cluster-proxy-addon-user.hub-proxy",
+                "cluster-proxy-addon-user.hub-proxy.svc",
+                "cluster-proxy-addon-user.hub-proxy.svc.cluster.local",
+                "localhost",
+                "127.0.0.1",
+            ]
+            .iter()
+            .all(|san| has(sans, san))
+        },
+    )
+    .await;
+    assert!(!has(&sans_of(&serving), "not a name!"));
+    assert_ne!(serving, users.cert_pem, "now the authority's own");
+    assert!(
+        !has(&sans_of(&serving), "proxy.example.com"),
+        "the proxy-server's SANs are not the user-server's"
+    );
+    let (_, client, server) = subject_and_usage(&serving);
+    assert!(server && !client, "a serving certificate");
+    let identity = certificate_when(
+        &hub,
+        "cluster-proxy-user-server-identity",
+        "no SANs",
+        |sans| sans.is_empty(),
+    )
+    .await;
+    assert_eq!(
+        subject_and_usage(&identity),
+        ("cluster-proxy-user-server".to_owned(), true, false),
+        "the identity service-proxies believe"
+    );
+    let service_proxy = certificate_when(
+        &hub,
+        "cluster-proxy-service-proxy-server-cert",
+        "every cluster's hashed host",
+        |sans| has(sans, "*.open-cluster-management.proxy") && has(sans, "localhost"),
+    )
+    .await;
+    assert!(subject_and_usage(&service_proxy).2);
+    let bundle = hub
+        .secrets(HUB_NS)
+        .get("proxy-server-ca")
+        .await
+        .unwrap()
+        .data
+        .unwrap()["ca.crt"]
+        .clone();
+    for name in [
+        "cluster-proxy-user-serving-cert",
+        "cluster-proxy-user-server-identity",
+        "cluster-proxy-service-proxy-server-cert",
+    ] {
+        let secret = hub.secrets(HUB_NS).get(name).await.unwrap();
+        assert_eq!(secret.type_.as_deref(), Some("kubernetes.io/tls"), "{name}");
+        assert_eq!(
+            secret.data.unwrap().get("ca.crt"),
+            Some(&bundle),
+            "{name} carries the bundle"
+        );
+    }
+    eventually(
+        "UserServerSecretSigned True with the certificate's expiry",
+        WAIT,
+        || async {
+            let conditions = hub.conditions().await;
+            let pem = certificate_pem(
+                &hub.secrets(HUB_NS)
+                    .get("cluster-proxy-user-serving-cert")
+                    .await
+                    .ok()?,
+            )?;
+            find_condition(&conditions, "UserServerSecretSigned")
+                .is_some_and(|c| c.status == "True" && c.message == expiry_of(&pem))
+                .then_some(())
+        },
+    )
+    .await;
+    authority.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_load_balancer_address_joins_the_sans_once_published() {
     let hub = Hub::start(true).await;

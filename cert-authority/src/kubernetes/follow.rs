@@ -17,8 +17,9 @@ use std::sync::Arc;
 
 use cluster_proxy_proto::api::proxy::v1alpha1::{
     CONDITION_AGENT_SERVER_SECRET_SIGNED, CONDITION_PROXY_CLIENT_SECRET_SIGNED,
-    CONDITION_PROXY_SERVER_SECRET_SIGNED, EntrypointType, ManagedProxyConfiguration,
-    REASON_NOT_YET_SIGNED, REASON_SUCCESSFULLY_SIGNED,
+    CONDITION_PROXY_SERVER_SECRET_SIGNED, CONDITION_USER_SERVER_SECRET_SIGNED, EntrypointType,
+    ManagedProxyConfiguration, REASON_NOT_YET_SIGNED, REASON_SUCCESSFULLY_SIGNED,
+    USER_SERVER_SECRET_NAME,
 };
 use cluster_proxy_proto::api::{CONDITION_FALSE, CONDITION_TRUE, Condition};
 use futures_util::{Stream, StreamExt};
@@ -51,6 +52,9 @@ pub struct Target {
     pub ignored_sans: Vec<String>,
     /// The MPC's `metadata.generation`, recorded in the conditions.
     pub generation: Option<i64>,
+    /// `spec.userServer.additionalSANs` when `spec.userServer` is set (then
+    /// the service-access certificates are kept too).
+    pub user_server_additional_sans: Option<Vec<String>>,
 }
 
 /// The state of the followed MPC.
@@ -167,16 +171,25 @@ pub fn derive(
             EntrypointType::PortForward => {}
         }
     }
-    let mut sans = Vec::new();
     let mut ignored_sans = Vec::new();
-    for san in wanted {
-        let san = san.trim().to_owned();
-        if !is_valid_san(&san) {
-            ignored_sans.push(san);
-        } else if !sans.contains(&san) {
-            sans.push(san);
+    let mut valid = |wanted: Vec<String>| {
+        let mut sans = Vec::new();
+        for san in wanted {
+            let san = san.trim().to_owned();
+            if !is_valid_san(&san) {
+                ignored_sans.push(san);
+            } else if !sans.contains(&san) {
+                sans.push(san);
+            }
         }
-    }
+        sans
+    };
+    let sans = valid(wanted);
+    let user_server_additional_sans = mpc
+        .spec
+        .user_server
+        .as_ref()
+        .map(|user_server| valid(user_server.additional_sans.clone()));
     Ok(Target {
         namespace: server.namespace.clone(),
         service_name: server.in_cluster_service_name.clone(),
@@ -184,6 +197,7 @@ pub fn derive(
         sans,
         ignored_sans,
         generation: mpc.metadata.generation,
+        user_server_additional_sans,
     })
 }
 
@@ -324,31 +338,40 @@ fn expiry_message(pem: &str) -> Result<String, String> {
     Ok(format!("Expiry:{not_after}"))
 }
 
-/// The three certificate conditions for the certificates a pass left in
-/// the Secrets of `target`.
+/// The certificate conditions for the certificates a pass left in the
+/// Secrets of `target`: three, and `UserServerSecretSigned` while
+/// `spec.userServer` is set.
 pub fn certificate_conditions(
     target: &Target,
     certificates: &LeafCertificates,
 ) -> Vec<CertificateCondition> {
     let names = &target.secret_names;
+    let user_server = target.user_server_additional_sans.as_ref().map(|_| {
+        (
+            CONDITION_USER_SERVER_SECRET_SIGNED,
+            USER_SERVER_SECRET_NAME,
+            &certificates.user_server,
+        )
+    });
     [
         (
             CONDITION_PROXY_SERVER_SECRET_SIGNED,
-            &names.proxy_server,
+            names.proxy_server.as_str(),
             &certificates.proxy_server,
         ),
         (
             CONDITION_AGENT_SERVER_SECRET_SIGNED,
-            &names.agent_server,
+            names.agent_server.as_str(),
             &certificates.agent_server,
         ),
         (
             CONDITION_PROXY_CLIENT_SECRET_SIGNED,
-            &names.proxy_client,
+            names.proxy_client.as_str(),
             &certificates.proxy_client,
         ),
     ]
     .into_iter()
+    .chain(user_server)
     .map(|(type_, secret, pem)| {
         let checked = match pem {
             None => Err(format!(

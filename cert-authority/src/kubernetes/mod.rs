@@ -50,6 +50,7 @@ fn options_following(options: &KubeOptions, target: &Target) -> KubeOptions {
     options.namespace = target.namespace.clone();
     options.service_name = target.service_name.clone();
     options.secret_names = target.secret_names.clone();
+    options.user_server_additional_sans = target.user_server_additional_sans.clone();
     for san in &target.sans {
         if !options.additional_sans.contains(san) {
             options.additional_sans.push(san.clone());
@@ -387,6 +388,7 @@ pub async fn run_with_metrics(
             sans: Vec::new(),
             ignored_sans: Vec::new(),
             generation: None,
+            user_server_additional_sans: options.user_server_additional_sans.clone(),
         }),
     };
     let (follow_tx, mut follow_rx) = watch::channel(initial);

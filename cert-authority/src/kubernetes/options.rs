@@ -3,6 +3,11 @@
 
 use std::time::Duration;
 
+use cluster_proxy_proto::api::proxy::v1alpha1::{
+    SERVICE_PROXY_SECRET_NAME, USER_SERVER_IDENTITY_SECRET_NAME, USER_SERVER_SECRET_NAME,
+    USER_SERVER_SERVICE_NAME,
+};
+
 use crate::authority::{Desired, Leaf};
 use crate::files;
 use crate::rotation::{LeafPolicy, RolloverPolicy};
@@ -35,6 +40,9 @@ pub struct KubeOptions {
     pub identity: String,
     pub lease_duration: Duration,
     pub renew_every: Duration,
+    /// Service access: `Some` (the user-server certificate's additional
+    /// SANs) keeps its three certificates too (`spec.userServer` is set).
+    pub user_server_additional_sans: Option<Vec<String>>,
 }
 
 impl KubeOptions {
@@ -56,6 +64,7 @@ impl KubeOptions {
             identity: format!("{host}_{:08x}", rand::random::<u32>()),
             lease_duration: Duration::from_secs(15),
             renew_every: Duration::from_secs(5),
+            user_server_additional_sans: None,
         }
     }
 
@@ -71,12 +80,36 @@ impl KubeOptions {
             server_sans: crate::files::server_sans(&sans),
             leaf_policy: self.leaf_policy.clone(),
             rollover_policy: self.rollover_policy.clone(),
+            user_server_sans: self
+                .user_server_additional_sans
+                .as_deref()
+                .map(|additional| user_server_sans(&self.namespace, additional)),
         }
     }
 }
 
+/// The user-server certificate's SANs (upstream's): the local names, the
+/// Service's names in `namespace`, then `additional`.
+pub fn user_server_sans(namespace: &str, additional: &[String]) -> Vec<String> {
+    let service = USER_SERVER_SERVICE_NAME;
+    let mut sans: Vec<String> = vec![
+        "127.0.0.1".into(),
+        "localhost".into(),
+        service.into(),
+        format!("{service}.{namespace}"),
+        format!("{service}.{namespace}.svc"),
+        format!("{service}.{namespace}.svc.cluster.local"),
+    ];
+    for san in additional {
+        if !sans.contains(san) {
+            sans.push(san.clone());
+        }
+    }
+    sans
+}
+
 /// The names of the three hub leaf Secrets (upstream's
-/// `spec.authentication.dump.secrets`).
+/// `spec.authentication.dump.secrets`); service access's have fixed names.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LeafSecretNames {
     pub proxy_server: String,
@@ -102,6 +135,9 @@ impl LeafSecretNames {
             Leaf::ProxyServer => Some(&self.proxy_server),
             Leaf::AgentServer => Some(&self.agent_server),
             Leaf::ProxyClient => Some(&self.proxy_client),
+            Leaf::UserServer => Some(USER_SERVER_SECRET_NAME),
+            Leaf::UserServerIdentity => Some(USER_SERVER_IDENTITY_SECRET_NAME),
+            Leaf::ServiceProxy => Some(SERVICE_PROXY_SECRET_NAME),
             Leaf::Agent(_) => None,
         }
     }
@@ -124,6 +160,14 @@ impl LeafSecretNames {
             if name == BUNDLE_SECRET {
                 return Err(format!(
                     "{field} {name:?} is the trust bundle's Secret; choose another name"
+                ));
+            }
+            if Leaf::SERVICE_ACCESS
+                .iter()
+                .any(|leaf| self.of(leaf) == Some(name.as_str()))
+            {
+                return Err(format!(
+                    "{field} {name:?} is a service-access certificate's Secret; choose another name"
                 ));
             }
         }
@@ -150,4 +194,42 @@ pub(crate) fn is_dns_subdomain(name: &str) -> bool {
                 && !label.starts_with('-')
                 && !label.ends_with('-')
         })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_leaf_secret_may_not_take_a_service_access_secrets_name() {
+        for reserved in [
+            USER_SERVER_SECRET_NAME,
+            USER_SERVER_IDENTITY_SECRET_NAME,
+            SERVICE_PROXY_SECRET_NAME,
+        ] {
+            let names = LeafSecretNames {
+                proxy_client: reserved.into(),
+                ..LeafSecretNames::default()
+            };
+            let error = names.validate().unwrap_err();
+            assert!(error.contains("service-access"), "{error}");
+        }
+        assert_eq!(LeafSecretNames::default().validate(), Ok(()));
+    }
+
+    #[test]
+    fn user_server_sans_are_upstreams_then_the_additional_ones_once() {
+        assert_eq!(
+            user_server_sans("hub", &["users.example.com".into(), "localhost".into()]),
+            [
+                "127.0.0.1",
+                "localhost",
+                "cluster-proxy-addon-user",
+                "cluster-proxy-addon-user.hub",
+                "cluster-proxy-addon-user.hub.svc",
+                "cluster-proxy-addon-user.hub.svc.cluster.local",
+                "users.example.com",
+            ]
+        );
+    }
 }

@@ -8,6 +8,7 @@
 //! | `cluster-proxy-signer` (Opaque) | `ca.crt`, `ca.key` (signing CA, PKCS#8); during a rollover also `next-ca.crt`/`next-ca.key` or `previous-ca.crt`/`previous-ca.key`, and `rollover-phase` |
 //! | `proxy-server-ca` (Opaque) | `ca.crt`: the trust bundle (every trusted CA) |
 //! | `proxy-server`, `agent-server`, `proxy-client` (`kubernetes.io/tls`) | `tls.crt`, `tls.key`, `ca.crt` (the bundle) |
+//! | with `spec.userServer`: `cluster-proxy-user-serving-cert`, `cluster-proxy-user-server-identity`, `cluster-proxy-service-proxy-server-cert` (`kubernetes.io/tls`) | the same |
 
 use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
@@ -36,6 +37,16 @@ use crate::rotation::RolloverPhase;
 const SIGNER: &str = "#signer";
 const PHASE_KEY: &str = "rollover-phase";
 const LEAVES: [Leaf; 3] = [Leaf::ProxyServer, Leaf::AgentServer, Leaf::ProxyClient];
+
+/// The hub leaves kept in Secrets: the three always, service access's when
+/// wanted (else a Secret of that name is the user's, never touched).
+fn hub_leaves(service_access: bool) -> Vec<Leaf> {
+    let mut leaves = LEAVES.to_vec();
+    if service_access {
+        leaves.extend(Leaf::SERVICE_ACCESS);
+    }
+    leaves
+}
 
 fn ca_keys(slot: CaSlot) -> (&'static str, &'static str) {
     match slot {
@@ -67,6 +78,7 @@ pub(crate) fn texts(secret: &Secret) -> Result<BTreeMap<String, String>, KubeErr
 #[derive(Debug, Default)]
 pub struct SecretSnapshot {
     names: LeafSecretNames,
+    service_access: bool,
     signer: RefCell<BTreeMap<String, String>>,
     bundle: RefCell<Option<String>>,
     leaves: RefCell<BTreeMap<String, BTreeMap<String, String>>>,
@@ -74,10 +86,12 @@ pub struct SecretSnapshot {
 }
 
 impl SecretSnapshot {
-    /// An empty snapshot whose leaves live in the Secrets `names`.
-    pub fn new(names: LeafSecretNames) -> Self {
+    /// An empty snapshot whose leaves live in the Secrets `names`, with
+    /// service access's certificates when `service_access`.
+    pub fn new(names: LeafSecretNames, service_access: bool) -> Self {
         SecretSnapshot {
             names,
+            service_access,
             ..SecretSnapshot::default()
         }
     }
@@ -153,7 +167,7 @@ impl Store for SecretSnapshot {
             self.mark(BUNDLE_SECRET);
         }
         // Every leaf Secret carries the bundle too.
-        for leaf in LEAVES {
+        for leaf in hub_leaves(self.service_access) {
             let Some(name) = self.names.of(&leaf) else {
                 continue;
             };
@@ -228,12 +242,14 @@ pub struct Pass {
     pub certificates: LeafCertificates,
 }
 
-/// The three hub leaf certificates after a pass.
+/// The hub leaf certificates after a pass.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct LeafCertificates {
     pub proxy_server: Option<String>,
     pub agent_server: Option<String>,
     pub proxy_client: Option<String>,
+    /// Only while service access is wanted.
+    pub user_server: Option<String>,
 }
 
 /// One pass over the Secrets at `now`; returns what changed.
@@ -318,7 +334,8 @@ pub async fn pass(
 ) -> Result<Pass, KubeError> {
     let hub: Api<Secret> = Api::namespaced(client.clone(), &options.namespace);
     let signer_api: Api<Secret> = Api::namespaced(client.clone(), &options.signer_secret_namespace);
-    let snapshot = SecretSnapshot::new(options.secret_names.clone());
+    let service_access = desired.user_server_sans.is_some();
+    let snapshot = SecretSnapshot::new(options.secret_names.clone(), service_access);
     let mut report = Report::default();
     match signer_api.get_opt(&options.signer_secret_name).await? {
         Some(found) => {
@@ -356,7 +373,7 @@ pub async fn pass(
     if let Some(found) = hub.get_opt(BUNDLE_SECRET).await? {
         *snapshot.bundle.borrow_mut() = texts(&found)?.remove("ca.crt");
     }
-    for leaf in LEAVES {
+    for leaf in hub_leaves(service_access) {
         if let Some(name) = options.secret_names.of(&leaf)
             && let Some(found) = hub.get_opt(name).await?
         {
@@ -439,6 +456,9 @@ pub async fn pass(
             proxy_server: snapshot.certificate(&Leaf::ProxyServer),
             agent_server: snapshot.certificate(&Leaf::AgentServer),
             proxy_client: snapshot.certificate(&Leaf::ProxyClient),
+            user_server: service_access
+                .then(|| snapshot.certificate(&Leaf::UserServer))
+                .flatten(),
         },
     })
 }

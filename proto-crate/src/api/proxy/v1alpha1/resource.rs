@@ -63,6 +63,14 @@ pub const PROXY_SERVER_CA_SECRET_NAME: &str = "proxy-server-ca";
 pub const USER_SERVER_SECRET_NAME: &str = "cluster-proxy-user-serving-cert";
 /// Service of the user-server; its DNS names are in the user certificate.
 pub const USER_SERVER_SERVICE_NAME: &str = "cluster-proxy-addon-user";
+/// Secret of the user-server's client certificate toward service-proxies
+/// (common name [`crate::service_access::USER_SERVER_IDENTITY`]), when
+/// `spec.userServer` is set. Service-proxies believe a hub identity only
+/// from this certificate.
+pub const USER_SERVER_IDENTITY_SECRET_NAME: &str = "cluster-proxy-user-server-identity";
+/// Secret of the service-proxy serving certificate (upstream's name), when
+/// `spec.userServer` is set; agents get a copy.
+pub const SERVICE_PROXY_SECRET_NAME: &str = "cluster-proxy-service-proxy-server-cert";
 /// Default of `spec.proxyServer.replicas` and `spec.proxyAgent.replicas`.
 pub const DEFAULT_REPLICAS: i32 = 3;
 /// Default of `spec.proxyServer.inClusterServiceName`.
