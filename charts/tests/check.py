@@ -11,6 +11,9 @@
   (UPDATE_SNAPSHOTS=1 rewrites them; review the diff);
 * upstream's object names and labels (reference §8);
 * cert-authority's RBAC equals the rules its code checks its requests against (rbac.rs);
+* the user-server (userServer.enabled): its objects, arguments (every one a flag of its
+  settings.rs), mounts, RBAC and policy, the ManagedProxyConfiguration's spec.userServer, and
+  none of it by default;
 * upstream's values file either renders or fails with a schema error naming the value;
 * every upstream value that moved under `global` or a subchart is refused naming where it went;
 * wrong values fail at render time with the value named;
@@ -258,6 +261,228 @@ def check_disabled_health_prober() -> None:
     expect(not left, f"healthProber.enabled=false still renders {left}")
 
 
+USER_SERVER_SETTINGS = HERE.parent.parent / "proxy-server" / "user-server" / "src" / "settings.rs"
+LOGGING_RS = HERE.parent.parent / "proto-crate" / "runtime" / "src" / "logging.rs"
+USER_SERVER = "cluster-proxy-addon-user"
+USER_SERVER_RBAC = "open-cluster-management:cluster-proxy:user-server"
+# Mount path -> Secret (or ConfigMap, for the client CA) of the user-server's credentials.
+USER_SERVER_SECRETS = {
+    "/etc/server-ca-pki": "proxy-server-ca",
+    "/etc/client-pki": "proxy-client",
+    "/etc/user-serving": "cluster-proxy-user-serving-cert",
+    "/etc/identity": "cluster-proxy-user-server-identity",
+}
+
+
+def struct_flags(source: str, struct: str) -> set[str]:
+    """The long flags of a clap struct: each `pub field` after an `#[arg(long...)]`."""
+    body = source[source.index(f"pub struct {struct} {{"):]
+    body = body[: body.index("\n}")]
+    flags = set()
+    for attribute, field in re.findall(r"#\[arg\(([^\n]*)\)\]\n(?:\s*#\[[^\n]*\n)*\s*pub (\w+):", body):
+        if "long" not in attribute:
+            continue
+        named = re.search(r'long = "([^"]+)"', attribute)
+        flags.add(named.group(1) if named else field.replace("_", "-"))
+    return flags
+
+
+def user_server_flags_from_code() -> set[str]:
+    """The flags the user-server takes (settings.rs `Cli`, with the logging flags it flattens)."""
+    source = USER_SERVER_SETTINGS.read_text()
+    flags = struct_flags(source, "Cli")
+    if "LogFlags" in source:
+        flags |= struct_flags(LOGGING_RS.read_text(), "LogFlags")
+    if not {"host", "server-cert", "identity-cert", "v"} <= flags:
+        raise ValueError(f"could not read the user-server's flags from {USER_SERVER_SETTINGS}: {flags}")
+    return flags
+
+
+def user_server_expected_args(namespace: str) -> list[str]:
+    return [
+        f"--host=proxy-entrypoint.{namespace}.svc",
+        "--port=8090",
+        "--proxy-ca-cert=/etc/server-ca-pki/ca.crt",
+        "--proxy-cert=/etc/client-pki/tls.crt",
+        "--proxy-key=/etc/client-pki/tls.key",
+        "--server-port=9092",
+        "--server-cert=/etc/user-serving/tls.crt",
+        "--server-key=/etc/user-serving/tls.key",
+        "--service-proxy-ca-cert=/etc/server-ca-pki/ca.crt",
+        "--identity-cert=/etc/identity/tls.crt",
+        "--identity-key=/etc/identity/tls.key",
+        "--token-review-cache-ttl=2m",
+        "--authorization-cache-ttl=10s",
+        "--health-port=8000",
+        "--v=0",
+    ]
+
+
+def check_user_server_objects(label: str, docs: list[dict], namespace: str,
+                              args: list[str], replicas: int) -> None:
+    """The user-server's objects in one rendering: upstream's names, the proxy-server's image,
+    exactly `args` (each a flag of settings.rs), every credential mounted read-only from its
+    Secret, the probes, and RBAC that is exactly its calls."""
+    where = f"{label}: user-server"
+    for kind in ("ServiceAccount", "Service", "Deployment"):
+        expect(find(docs, kind, USER_SERVER, namespace) is not None,
+               f"{where}: no {kind} {USER_SERVER} in {namespace}")
+    service = find(docs, "Service", USER_SERVER, namespace)
+    if service:
+        expect(
+            service["spec"]["ports"] == [
+                {"name": "https", "port": 9092, "targetPort": "https", "protocol": "TCP"}
+            ]
+            and service["spec"]["selector"] == {
+                "open-cluster-management.io/addon": "cluster-proxy",
+                "component": USER_SERVER,
+            }
+            and service["metadata"]["labels"].get("component") == USER_SERVER,
+            f"{where}: Service port https 9092 selecting the user-server pods: {service['spec']}",
+        )
+    deployment = find(docs, "Deployment", USER_SERVER, namespace)
+    if not deployment:
+        return
+    expect(deployment["spec"]["replicas"] == replicas,
+           f"{where}: replicas {deployment['spec']['replicas']}, expected {replicas}")
+    pod = deployment["spec"]["template"]
+    expect(pod["metadata"]["labels"] == deployment["spec"]["selector"]["matchLabels"] == {
+        "open-cluster-management.io/addon": "cluster-proxy", "component": USER_SERVER,
+    }, f"{where}: pod labels {pod['metadata']['labels']}")
+    spec = pod["spec"]
+    expect(spec.get("serviceAccountName") == USER_SERVER, f"{where}: ServiceAccount")
+    expect([c["name"] for c in spec["containers"]] == ["user-server"],
+           f"{where}: one container user-server")
+    container = spec["containers"][0]
+    mpc = find(docs, "ManagedProxyConfiguration", "cluster-proxy")
+    expect(
+        mpc is not None and container["image"] == mpc["spec"]["proxyServer"]["image"],
+        f"{where}: runs the proxy-server's image, not {container['image']}",
+    )
+    expect(container.get("command") == ["/user-server"], f"{where}: command {container.get('command')}")
+    expect(container.get("args") == args,
+           f"{where}: args\n  {container.get('args')}\nexpected\n  {args}")
+    try:
+        known = user_server_flags_from_code()
+    except (ValueError, OSError) as error:
+        fail(f"{where}: {error}")
+        known = set()
+    for arg in container.get("args", []):
+        flag = arg.removeprefix("--").split("=", 1)[0]
+        expect(not known or flag in known, f"{where}: {arg}: the user-server has no flag --{flag}")
+    ports = {p["name"]: p["containerPort"] for p in container.get("ports", [])}
+    expect(ports == {"https": 9092, "health": 8000}, f"{where}: container ports {ports}")
+    for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
+        got = container.get(probe, {}).get("httpGet", {})
+        expect(got == {"path": path, "port": "health"}, f"{where}: {probe} {got}")
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    mounts = {m["mountPath"]: m for m in container.get("volumeMounts", [])}
+    expected = dict(USER_SERVER_SECRETS)
+    if "--client-ca=/etc/client-ca/ca.crt" in args:
+        expected["/etc/client-ca"] = None
+    expect(set(mounts) == set(expected), f"{where}: mounts {sorted(mounts)}, expected {sorted(expected)}")
+    for path, secret in expected.items():
+        mount = mounts.get(path)
+        if not mount:
+            continue
+        expect(mount.get("readOnly") is True and "subPath" not in mount,
+               f"{where}: {path} mounted read-only, whole (re-read on rotation)")
+        volume = volumes.get(mount["name"], {})
+        if secret is None:
+            expect(volume.get("configMap", {}).get("items") == [{"key": "ca.crt", "path": "ca.crt"}],
+                   f"{where}: client CA from a ConfigMap's ca.crt: {volume}")
+        else:
+            expect(volume.get("secret") == {"secretName": secret},
+                   f"{where}: {path} from Secret {secret}: {volume}")
+    for arg in container.get("args", []):
+        value = arg.split("=", 1)[1] if "=" in arg else ""
+        if value.startswith("/etc/"):
+            expect(value.rsplit("/", 1)[0] in mounts, f"{where}: {arg} names a file outside every mount")
+    pdb = find(docs, "PodDisruptionBudget", USER_SERVER, namespace)
+    expect((pdb is not None) == (replicas > 1), f"{where}: a PDB exactly with more than one replica")
+    role = find(docs, "ClusterRole", USER_SERVER_RBAC)
+    expect(
+        role is not None and rules_of(role) == {
+            ("authentication.k8s.io", "tokenreviews", ("create",), ()),
+            ("authorization.k8s.io", "subjectaccessreviews", ("create",), ()),
+            ("cluster.open-cluster-management.io", "managedclusters", ("list", "watch"), ()),
+        },
+        f"{where}: ClusterRole {USER_SERVER_RBAC} must be TokenReviews, SubjectAccessReviews and "
+        f"the ManagedCluster watch, nothing more: {role and sorted(rules_of(role))}",
+    )
+    binding = find(docs, "ClusterRoleBinding", USER_SERVER_RBAC)
+    expect(
+        binding is not None
+        and binding["roleRef"]["name"] == USER_SERVER_RBAC
+        and binding["subjects"] == [
+            {"kind": "ServiceAccount", "name": USER_SERVER, "namespace": namespace}
+        ],
+        f"{where}: ClusterRoleBinding {USER_SERVER_RBAC} to the ServiceAccount",
+    )
+    leftover = [
+        f"{d['kind']}/{d['metadata']['name']}" for d in docs
+        if d["kind"] in ("Role", "RoleBinding") and "user-server" in d["metadata"]["name"]
+    ]
+    expect(not leftover, f"{where}: no namespaced RBAC (no leader election, no events): {leftover}")
+
+
+def user_server_objects(docs: list[dict]) -> list[str]:
+    return [
+        f"{d['kind']}/{d['metadata']['name']}" for d in docs
+        if USER_SERVER in d["metadata"]["name"] or "user-server" in d["metadata"]["name"]
+    ]
+
+
+def check_user_server() -> None:
+    """userServer.enabled installs the user-server and sets the MPC's spec.userServer; by
+    default there is neither."""
+    try:
+        default = documents(render({}))
+        enabled = documents(render({"userServer": {"enabled": True}}))
+        options = documents(render({"userServer": {
+            "enabled": True, "replicas": 1, "tokenReviewCacheTTL": "5m",
+            "authorizationCacheTTL": "30s", "clientCA": "hub-client-ca",
+            "additionalArgs": ["--response-header-timeout=2m"],
+        }}))
+    except helm.HelmError as error:
+        fail(f"userServer: {error}")
+        return
+    expect(not user_server_objects(default),
+           f"default: renders user-server objects {user_server_objects(default)}")
+    mpc = find(default, "ManagedProxyConfiguration", "cluster-proxy")
+    expect(mpc is not None and "userServer" not in mpc["spec"],
+           "default: the MPC has no spec.userServer (cert-authority issues no user-server Secrets)")
+    validate("userServer", enabled)
+    validate("userServer options", options)
+    check_hardening("userServer", enabled)
+    check_user_server_objects("userServer", enabled, NAMESPACE,
+                              user_server_expected_args(NAMESPACE), 2)
+    expect(
+        sorted(user_server_objects(enabled)) == sorted([
+            f"ServiceAccount/{USER_SERVER}", f"Service/{USER_SERVER}",
+            f"Deployment/{USER_SERVER}", f"PodDisruptionBudget/{USER_SERVER}",
+            f"ClusterRole/{USER_SERVER_RBAC}", f"ClusterRoleBinding/{USER_SERVER_RBAC}",
+        ]),
+        f"userServer: objects {sorted(user_server_objects(enabled))}",
+    )
+    mpc = find(enabled, "ManagedProxyConfiguration", "cluster-proxy")
+    expect(mpc is not None and mpc["spec"].get("userServer") == {},
+           f"userServer: the MPC has spec.userServer {{}}: {mpc and mpc['spec'].get('userServer')}")
+    args = user_server_expected_args(NAMESPACE)
+    args[args.index("--token-review-cache-ttl=2m")] = "--token-review-cache-ttl=5m"
+    args[args.index("--authorization-cache-ttl=10s")] = "--authorization-cache-ttl=30s"
+    args.insert(args.index("--service-proxy-ca-cert=/etc/server-ca-pki/ca.crt"),
+                "--client-ca=/etc/client-ca/ca.crt")
+    args.append("--response-header-timeout=2m")
+    check_user_server_objects("userServer options", options, NAMESPACE, args, 1)
+    deployment = find(options, "Deployment", USER_SERVER)
+    volumes = [] if deployment is None else deployment["spec"]["template"]["spec"]["volumes"]
+    expect(
+        any(v.get("configMap", {}).get("name") == "hub-client-ca" for v in volumes),
+        f"userServer.clientCA names the mounted ConfigMap: {volumes}",
+    )
+
+
 def check_hardening(label: str, docs: list[dict]) -> None:
     for doc in docs:
         if doc.get("kind") != "Deployment":
@@ -377,6 +602,54 @@ def check_non_default(docs: list[dict]) -> None:
             and "--agent-kube-apiserver-ports=6443,8443" in args,
             f"non-default: the agents get NetworkPolicies too, with the kube-apiserver ports: {args}",
         )
+    args = user_server_expected_args("proxy-servers")
+    args[args.index("--token-review-cache-ttl=2m")] = "--token-review-cache-ttl=5m"
+    args[args.index("--authorization-cache-ttl=10s")] = "--authorization-cache-ttl=30s"
+    args[args.index("--v=0")] = "--v=4"
+    args.insert(args.index("--service-proxy-ca-cert=/etc/server-ca-pki/ca.crt"),
+                "--client-ca=/etc/client-ca/ca.crt")
+    args.append("--max-idle-connections-per-cluster=64")
+    check_user_server_objects("non-default", docs, "proxy-servers", args, 3)
+    user = find(docs, "Deployment", USER_SERVER, "proxy-servers")
+    if user:
+        image = user["spec"]["template"]["spec"]["containers"][0]["image"]
+        expect(image.endswith("/cluster-proxy/proxy-server@sha256:" + "4" * 64),
+               f"non-default: the user-server runs the proxy-server's digest image {image}")
+    if mpc:
+        expect(mpc["spec"].get("userServer") == {"additionalSANs": ["users.example.com"]},
+               f"non-default: userServer.additionalSANs reach the MPC: {mpc['spec'].get('userServer')}")
+    expect(find(docs, "ServiceMonitor", USER_SERVER, "proxy-servers") is not None,
+           "non-default: ServiceMonitor cluster-proxy-addon-user")
+    metrics = find(docs, "Service", f"{USER_SERVER}-metrics", "proxy-servers")
+    expect(metrics is not None and metrics["spec"]["ports"][0]["port"] == 8000,
+           "non-default: the user-server's metrics Service on its health port 8000")
+    user_policy = find(docs, "NetworkPolicy", USER_SERVER, "proxy-servers")
+    expect(user_policy is not None, "non-default: NetworkPolicy cluster-proxy-addon-user")
+    if user_policy:
+        ingress = user_policy["spec"]["ingress"]
+        expect(
+            {"ports": [{"port": 9092, "protocol": "TCP"}]} in ingress
+            and {"ports": [{"port": "health"}]} in ingress
+            and all("from" not in rule for rule in ingress),
+            f"non-default: the user-server admits users on 9092 and scrapes of its health port "
+            f"from anywhere: {ingress}",
+        )
+        egress = user_policy["spec"]["egress"]
+        expect(
+            {
+                "to": [{"podSelector": {"matchLabels": {
+                    "proxy.open-cluster-management.io/component-name": "proxy-server"}}}],
+                "ports": [{"port": 8090, "protocol": "TCP"}],
+            } in egress
+            and {"ports": [{"port": 6443, "protocol": "TCP"}, {"port": 8443, "protocol": "TCP"}]}
+            in egress,
+            f"non-default: the user-server reaches the proxy-servers' client port and the "
+            f"kube-apiserver's ports: {egress}",
+        )
+        expect(
+            not any(port.get("port") == 4317 for rule in egress for port in rule["ports"]),
+            f"non-default: the user-server exports no traces, so no egress to the collector: {egress}",
+        )
     prober = find(docs, "Deployment", "cluster-proxy-health-prober", "proxy-servers")
     expect(prober is not None, "non-default: health-prober runs in the proxy-server namespace")
     if prober:
@@ -490,6 +763,10 @@ def check_refusals() -> None:
         ({"global": {"unknownGlobal": 1}}, "unknownGlobal"),
         ({"global": {"commonLabels": {"helm.sh/chart": "x"}}}, "commonLabels"),
         ({"global": {"commonLabels": {"team": 1}}}, "commonLabels"),
+        (
+            {"global": {"commonLabels": {"open-cluster-management.io/addon": "x"}}},
+            "commonLabels",
+        ),
         ({"proxyServer": {"port": 70000}}, "port"),
         ({"proxyServer": {"resources": {"limit": {"cpu": 1}}}}, "limit"),
         ({"global": {"networkPolicies": {"apiServerPorts": []}}}, "apiServerPorts"),
@@ -498,6 +775,25 @@ def check_refusals() -> None:
         ({"addonManager": {"image": {"name": "x", "digest": "latest"}}}, "digest"),
         ({"images": {"proxyServer": {"name": "x", "digest": "latest"}}}, "digest"),
         ({"enableServiceProxy": True}, "enableServiceProxy"),
+        ({"userServer": {"enabled": "yes"}}, "enabled"),
+        ({"userServer": {"additionalSANs": "users.example.com"}}, "additionalSANs"),
+        ({"userServer": {"enabled": True, "additionalSANs": "users.example.com"}}, "additionalSANs"),
+        ({"userServer": {"enabled": True, "additionalSANs": [""]}}, "additionalSANs"),
+        ({"userServer": {"enabled": True, "unknownKey": 1}}, "unknownKey"),
+        ({"userServer": {"enabled": True, "replicas": 0}}, "replicas"),
+        ({"userServer": {"enabled": True, "tokenReviewCacheTTL": "2 minutes"}}, "tokenReviewCacheTTL"),
+        ({"userServer": {"enabled": True, "authorizationCacheTTL": 10}}, "authorizationCacheTTL"),
+        ({"userServer": {"enabled": True, "clientCA": "Not_A_Name"}}, "clientCA"),
+        ({"userServer": {"enabled": True, "additionalArgs": "--cache-size=10"}}, "additionalArgs"),
+        ({"userServer": {"enabled": True, "additionalArgs": ["cache-size=10"]}}, "additionalArgs"),
+        # The user-server runs from the proxy-server's image; a subchart cannot read it.
+        (
+            {"userServer": {"enabled": True},
+             "images": {"proxyServer": {"name": "cluster-proxy/proxy-server",
+                                        "digest": "sha256:" + "4" * 64}}},
+            "userServer.image",
+        ),
+        ({"userServer": {"enabled": True}, "proxyServerImage": "example.com/cp:1"}, "userServer.image"),
         ({"unknownKey": 1}, "unknownKey"),
         ({"healthProber": {"timeout": "soon"}}, "timeout"),
         ({"addonManager": {"rolloutStrategy": {"type": "Canary"}}}, "rolloutStrategy"),
@@ -616,7 +912,7 @@ def nested_get(values: dict, path: tuple) -> bool:
 
 
 SUBCHARTS = {"addon-manager": "addonManager", "cert-authority": "certAuthority",
-             "health-prober": "healthProber"}
+             "health-prober": "healthProber", "user-server": "userServer"}
 
 
 def check_common_labels() -> None:
@@ -770,6 +1066,7 @@ def main() -> int:
     check_refusals()
     check_moved_values()
     check_disabled_health_prober()
+    check_user_server()
     check_kind_suite()
     check_upstream_values()
     if failures:
