@@ -18,14 +18,16 @@ root=$PWD
 triple=x86_64-unknown-linux-musl
 profile=image
 control_profile=image-control
-all_images=(proxy-server proxy-agent cert-authority addon-manager health-prober)
-# Binaries each image holds (the agent image also runs addon-agent).
+all_images=(proxy-server proxy-agent cert-authority addon-manager health-prober user-server)
+# Binaries each image holds (the agent image also runs addon-agent, and
+# `proxy-agent service-proxy` is the service-proxy).
 declare -A image_bins=(
   [proxy-server]="proxy-server"
   [proxy-agent]="proxy-agent addon-agent"
   [cert-authority]="cert-authority"
   [addon-manager]="addon-manager"
   [health-prober]="health-prober"
+  [user-server]="user-server"
 )
 
 die() { echo "images/build.sh: $*" >&2; exit 1; }

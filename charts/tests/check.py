@@ -320,7 +320,7 @@ def user_server_expected_args(namespace: str) -> list[str]:
 
 def check_user_server_objects(label: str, docs: list[dict], namespace: str,
                               args: list[str], replicas: int) -> None:
-    """The user-server's objects in one rendering: upstream's names, the proxy-server's image,
+    """The user-server's objects in one rendering: upstream's names, its own image,
     exactly `args` (each a flag of settings.rs), every credential mounted read-only from its
     Secret, the probes, and RBAC that is exactly its calls."""
     where = f"{label}: user-server"
@@ -355,9 +355,11 @@ def check_user_server_objects(label: str, docs: list[dict], namespace: str,
            f"{where}: one container user-server")
     container = spec["containers"][0]
     mpc = find(docs, "ManagedProxyConfiguration", "cluster-proxy")
+    server_image = mpc["spec"]["proxyServer"]["image"] if mpc else ""
     expect(
-        mpc is not None and container["image"] == mpc["spec"]["proxyServer"]["image"],
-        f"{where}: runs the proxy-server's image, not {container['image']}",
+        "/cluster-proxy/user-server" in container["image"]
+        and container["image"].split("/cluster-proxy/")[0] == server_image.split("/cluster-proxy/")[0],
+        f"{where}: runs its own image from the proxy-server's registry, not {container['image']}",
     )
     expect(container.get("command") == ["/user-server"], f"{where}: command {container.get('command')}")
     expect(container.get("args") == args,
@@ -613,8 +615,8 @@ def check_non_default(docs: list[dict]) -> None:
     user = find(docs, "Deployment", USER_SERVER, "proxy-servers")
     if user:
         image = user["spec"]["template"]["spec"]["containers"][0]["image"]
-        expect(image.endswith("/cluster-proxy/proxy-server@sha256:" + "4" * 64),
-               f"non-default: the user-server runs the proxy-server's digest image {image}")
+        expect(image.endswith("/cluster-proxy/user-server@sha256:" + "4" * 64),
+               f"non-default: the user-server runs its own digest image {image}")
     if mpc:
         expect(mpc["spec"].get("userServer") == {"additionalSANs": ["users.example.com"]},
                f"non-default: userServer.additionalSANs reach the MPC: {mpc['spec'].get('userServer')}")
@@ -786,14 +788,6 @@ def check_refusals() -> None:
         ({"userServer": {"enabled": True, "clientCA": "Not_A_Name"}}, "clientCA"),
         ({"userServer": {"enabled": True, "additionalArgs": "--cache-size=10"}}, "additionalArgs"),
         ({"userServer": {"enabled": True, "additionalArgs": ["cache-size=10"]}}, "additionalArgs"),
-        # The user-server runs from the proxy-server's image; a subchart cannot read it.
-        (
-            {"userServer": {"enabled": True},
-             "images": {"proxyServer": {"name": "cluster-proxy/proxy-server",
-                                        "digest": "sha256:" + "4" * 64}}},
-            "userServer.image",
-        ),
-        ({"userServer": {"enabled": True}, "proxyServerImage": "example.com/cp:1"}, "userServer.image"),
         ({"unknownKey": 1}, "unknownKey"),
         ({"healthProber": {"timeout": "soon"}}, "timeout"),
         ({"addonManager": {"rolloutStrategy": {"type": "Canary"}}}, "rolloutStrategy"),

@@ -50,6 +50,10 @@ const IMAGES: &[ImageSpec] = &[
         name: "health-prober",
         binaries: &["health-prober"],
     },
+    ImageSpec {
+        name: "user-server",
+        binaries: &["user-server"],
+    },
 ];
 
 fn under_ci() -> bool {

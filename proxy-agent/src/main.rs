@@ -4,6 +4,12 @@ use cluster_proxy_runtime::{cli, shutdown::Signals, telemetry, workers};
 use proxy_agent::{AgentSettings, Cli};
 
 fn main() -> anyhow::Result<()> {
+    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    if service_proxy::process::is_requested(&args) {
+        // `proxy-agent service-proxy <flags>`: the service-proxy's own
+        // flags, as if its binary were run.
+        return Ok(service_proxy::process::run(args.into_iter().skip(1))?);
+    }
     let cli: Cli = cli::parse(&AgentSettings::default());
     let settings = AgentSettings::load(&cli)?;
     workers::build(settings.worker_threads)

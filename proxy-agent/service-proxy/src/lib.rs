@@ -14,6 +14,7 @@
 //! port-forward over SPDY or WebSocket) are relayed after the 101.
 #![forbid(unsafe_code)]
 
+pub mod process;
 pub mod settings;
 
 use std::net::SocketAddr;

@@ -1,6 +1,5 @@
 {{/* The user-server's image: imageReference, or the image entry as every service's. Arguments:
-the root context and the user-server's values (the subchart's .Values, or the umbrella's
-.Values.userServer: the umbrella checks that it is the proxy-server's image). */}}
+the root context and the user-server's values (the subchart's .Values). */}}
 {{- define "cluster-proxy.userServerImage" -}}
 {{- $root := index . 0 -}}
 {{- $values := index . 1 -}}

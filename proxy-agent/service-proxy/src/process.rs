@@ -1,0 +1,61 @@
+//! The service-proxy as a process: what its own binary runs, and what the
+//! proxy-agent binary runs as `proxy-agent service-proxy …` (the agent
+//! image ships one binary for both, as upstream's `/cluster-proxy
+//! service-proxy`; a second copy of TLS and HTTP would cost the image
+//! 7.5 MB).
+
+use std::ffi::OsString;
+
+use cluster_proxy_runtime::config::ConfigError;
+use cluster_proxy_runtime::{cli, logging, shutdown::Signals};
+
+use crate::{Cli, Settings, StartError};
+
+/// The subcommand under which the proxy-agent binary runs the service-proxy.
+pub const SUBCOMMAND: &str = "service-proxy";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ProcessError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("starting service-proxy: {0}")]
+    Start(#[from] StartError),
+    #[error("starting the runtime: {0}")]
+    Runtime(std::io::Error),
+    #[error("installing signal handlers: {0}")]
+    Signals(std::io::Error),
+}
+
+/// Parses `args` (the first is the program name; `--help` and bad flags
+/// exit as clap does), then serves until SIGTERM or SIGINT.
+pub fn run<I, T>(args: I) -> Result<(), ProcessError>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    let cli: Cli = cli::parse_from(&Settings::default(), args);
+    let settings = Settings::load(&cli)?;
+    logging::init(settings.v, settings.log_format);
+    let kubernetes_service = std::env::var("KUBERNETES_SERVICE_HOST")
+        .ok()
+        .zip(std::env::var("KUBERNETES_SERVICE_PORT").ok());
+    let config = settings.resolve(kubernetes_service)?;
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(ProcessError::Runtime)?
+        .block_on(async {
+            let mut signals = Signals::install().map_err(ProcessError::Signals)?;
+            let running = crate::start(config).await?;
+            let signal = signals.recv().await;
+            tracing::info!(signal, "stopping");
+            running.shutdown().await;
+            Ok(())
+        })
+}
+
+/// Whether the proxy-agent binary was asked to be the service-proxy:
+/// `args` is the process's, program name first.
+pub fn is_requested(args: &[OsString]) -> bool {
+    args.get(1).is_some_and(|arg| arg == SUBCOMMAND)
+}
