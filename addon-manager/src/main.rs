@@ -78,6 +78,7 @@ async fn run(settings: Settings) -> anyhow::Result<()> {
     addon_settings.removal_grace = settings.placement_removal_grace;
     addon_settings.enable_kube_api_proxy = settings.enable_kube_api_proxy;
     addon_settings.enable_network_policies = settings.enable_network_policies;
+    addon_settings.enable_service_proxy = settings.enable_service_proxy;
     addon_settings.agent_kube_apiserver_ports = settings.kube_apiserver_ports()?;
     let image_pull_policy =
         (!settings.image_pull_policy.is_empty()).then(|| settings.image_pull_policy.clone());

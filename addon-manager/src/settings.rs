@@ -71,6 +71,13 @@ pub struct Cli {
     #[arg(long, value_parser = cluster_proxy_runtime::cli::parse_go_bool, num_args = 0..=1, default_missing_value = "true")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub enable_network_policies: Option<bool>,
+    /// Put a service-proxy beside every agent (kubectl through the hub's
+    /// user-server), once cert-authority has issued its certificate (the
+    /// ManagedProxyConfiguration's spec.userServer). Upstream's binary
+    /// defaults to true and its chart passes false; here both say false.
+    #[arg(long, value_parser = cluster_proxy_runtime::cli::parse_go_bool, num_args = 0..=1, default_missing_value = "true")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub enable_service_proxy: Option<bool>,
     /// The ports of the managed clusters' kube-apiservers that policy lets
     /// the agents reach, comma-separated (the endpoints' ports: policies
     /// apply after the Service's translation).
@@ -126,6 +133,7 @@ pub struct Settings {
     pub agent_image_name: String,
     pub enable_kube_api_proxy: bool,
     pub enable_network_policies: bool,
+    pub enable_service_proxy: bool,
     pub agent_kube_apiserver_ports: String,
     pub image_pull_policy: String,
     pub placement_name: String,
@@ -150,6 +158,7 @@ impl Default for Settings {
             agent_image_name: String::new(),
             enable_kube_api_proxy: true,
             enable_network_policies: false,
+            enable_service_proxy: false,
             agent_kube_apiserver_ports: "443,6443".into(),
             image_pull_policy: String::new(),
             placement_name: "cluster-proxy-placement".into(),

@@ -1684,3 +1684,92 @@ async fn the_named_configuration_and_agent_image_are_followed() {
     );
     hub.stop().await;
 }
+
+/// The container names of `cluster`'s agent, once its work exists.
+async fn agent_containers(hub: &Hub, cluster: &str) -> Option<Vec<String>> {
+    let work = hub.work(cluster).await?;
+    Some(
+        containers_of(&work)
+            .iter()
+            .filter_map(|c| c["name"].as_str().map(str::to_owned))
+            .collect(),
+    )
+}
+
+/// `--enable-service-proxy`: the agent goes without its service-proxy until
+/// cert-authority's certificate exists, gets it (with the certificate and
+/// the impersonator role) when it appears, and loses it with it; without
+/// the flag the Secret changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_service_proxy_joins_the_agent_once_its_certificate_exists() {
+    let mut hub = Hub::new(true).await;
+    hub.cluster("cluster-a", true).await;
+    hub.decide(&["cluster-a"]).await;
+    let mut settings = AddonSettings::new(HUB);
+    settings.enable_service_proxy = true;
+    hub.start(settings);
+    eventually(
+        "cluster-a's agent without a service-proxy",
+        WAIT,
+        || async {
+            (agent_containers(&hub, "cluster-a").await? == ["proxy-agent", "addon-agent"])
+                .then_some(())
+        },
+    )
+    .await;
+
+    let certificate = json!({"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
+        "metadata": {"name": "cluster-proxy-service-proxy-server-cert", "namespace": HUB},
+        "stringData": {"tls.crt": "SERVICE-PROXY CERT", "tls.key": "SERVICE-PROXY KEY"}});
+    let secrets = Api::<Secret>::namespaced(hub.admin.clone(), HUB);
+    secrets
+        .create(&PostParams::default(), &object(certificate))
+        .await
+        .unwrap();
+    let work = eventually("cluster-a's agent with its service-proxy", WAIT, || async {
+        let containers = agent_containers(&hub, "cluster-a").await?;
+        (containers == ["proxy-agent", "addon-agent", "service-proxy"]).then_some(())?;
+        hub.work("cluster-a").await
+    })
+    .await;
+    let manifests = &serde_json::to_value(&work).unwrap()["spec"]["workload"]["manifests"];
+    let copied = manifests
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["metadata"]["name"] == "cluster-proxy-service-proxy-server-certificates")
+        .expect("the certificate's copy is in the work");
+    use base64::Engine as _;
+    assert_eq!(
+        base64::engine::general_purpose::STANDARD
+            .decode(copied["data"]["tls.crt"].as_str().unwrap())
+            .unwrap(),
+        b"SERVICE-PROXY CERT"
+    );
+    assert!(
+        manifests
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|m| m["kind"] == "ClusterRole"
+                && m["metadata"]["name"] == "cluster-proxy-addon-agent-impersonator")
+    );
+
+    secrets
+        .delete(
+            "cluster-proxy-service-proxy-server-cert",
+            &Default::default(),
+        )
+        .await
+        .unwrap();
+    eventually(
+        "the service-proxy leaves with its certificate",
+        WAIT,
+        || async {
+            (agent_containers(&hub, "cluster-a").await? == ["proxy-agent", "addon-agent"])
+                .then_some(())
+        },
+    )
+    .await;
+    hub.stop().await;
+}

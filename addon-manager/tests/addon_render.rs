@@ -4,8 +4,8 @@
 use addon_manager::addon::customize::{AgentCustomization, CustomizationError};
 use addon_manager::addon::install::cluster_management_addon;
 use addon_manager::addon::render::{
-    self, AgentInputs, Entrypoint, EntrypointError, agent_ca_bundle, hub_agent_rbac, manifest_work,
-    registrations, signer_organization_unit,
+    self, AgentInputs, Entrypoint, EntrypointError, ServiceProxyInputs, agent_ca_bundle,
+    hub_agent_rbac, manifest_work, registrations, signer_organization_unit,
 };
 use addon_manager::addon::{AddonSettings, InstallStrategy};
 use cluster_proxy_proto::api::addon::v1alpha1::{AddOnDeploymentConfig, ClusterManagementAddOn};
@@ -84,6 +84,19 @@ impl Rendered {
         ca: &[u8],
         kube_api_proxy: bool,
     ) -> Self {
+        Self::with_service_proxy(mpc, adc, managed_cluster, ca, kube_api_proxy, None)
+    }
+
+    /// With a service-proxy (certificate and key PEM) when given; its
+    /// impersonation as the ADC says.
+    fn with_service_proxy(
+        mpc: &ManagedProxyConfiguration,
+        adc: Option<&AddOnDeploymentConfig>,
+        managed_cluster: Option<&ManagedCluster>,
+        ca: &[u8],
+        kube_api_proxy: bool,
+        service_proxy: Option<(&[u8], &[u8])>,
+    ) -> Self {
         let cluster = ClusterName::new("cluster-a").unwrap();
         let entrypoint = render::entrypoint(mpc, None).unwrap();
         let customization =
@@ -99,6 +112,9 @@ impl Rendered {
             kube_api_proxy,
             network_policy: None,
             image_pull_policy: None,
+            service_proxy: service_proxy
+                .map(|(cert_pem, key_pem)| ServiceProxyInputs { cert_pem, key_pem }),
+            impersonation: render::impersonation(adc).unwrap(),
         };
         let work = manifest_work(&inputs, None).unwrap();
         Rendered {
@@ -978,6 +994,8 @@ fn with_network_policies_the_agent_ships_its_own() {
         kube_api_proxy: true,
         network_policy: Some(&[6443, 8443]),
         image_pull_policy: Some("Always"),
+        service_proxy: None,
+        impersonation: false,
     };
     let work = serde_json::to_value(manifest_work(&inputs, None).unwrap()).unwrap();
     let manifests = work["spec"]["workload"]["manifests"].as_array().unwrap();
@@ -1031,5 +1049,218 @@ fn with_network_policies_the_agent_ships_its_own() {
             .manifests()
             .iter()
             .any(|m| m["kind"] == "NetworkPolicy")
+    );
+}
+
+const SERVICE_PROXY_CERT: &[u8] =
+    b"-----BEGIN CERTIFICATE-----\nMIIBsp\n-----END CERTIFICATE-----\n";
+const SERVICE_PROXY_KEY: &[u8] =
+    b"-----BEGIN PRIVATE KEY-----\nMIIBkey\n-----END PRIVATE KEY-----\n";
+
+fn with_service_proxy(adc: Option<&AddOnDeploymentConfig>) -> Rendered {
+    Rendered::with_service_proxy(
+        &hostname_mpc(),
+        adc,
+        None,
+        CA,
+        true,
+        Some((SERVICE_PROXY_CERT, SERVICE_PROXY_KEY)),
+    )
+}
+
+#[test]
+fn the_service_proxy_runs_beside_the_agent_from_the_agent_image() {
+    let rendered = with_service_proxy(None);
+    let container = rendered.container("service-proxy");
+    assert_eq!(container.command, Some(vec!["/proxy-agent".to_owned()]));
+    assert_eq!(
+        container.args.unwrap(),
+        [
+            "service-proxy",
+            "--cluster-name=cluster-a",
+            "--cert=/etc/service-proxy/tls.crt",
+            "--key=/etc/service-proxy/tls.key",
+            "--user-server-ca=/etc/ca/ca.crt",
+            "--enable-impersonation=true",
+            "--health-port=8000",
+        ]
+    );
+    assert_eq!(
+        container.image,
+        rendered.container("proxy-agent").image,
+        "one image for the agent's containers"
+    );
+    let mounts: Vec<(String, String, Option<bool>)> = container
+        .volume_mounts
+        .unwrap()
+        .into_iter()
+        .map(|m| (m.name, m.mount_path, m.read_only))
+        .collect();
+    assert_eq!(
+        mounts,
+        [
+            ("ca".to_owned(), "/etc/ca".to_owned(), Some(true)),
+            (
+                "service-proxy".to_owned(),
+                "/etc/service-proxy".to_owned(),
+                Some(true)
+            ),
+        ]
+    );
+    for probe in [container.readiness_probe, container.liveness_probe] {
+        let port = probe.unwrap().http_get.unwrap().port;
+        assert_eq!(
+            port,
+            k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(8000)
+        );
+    }
+    let security = container.security_context.unwrap();
+    assert_eq!(security.run_as_non_root, Some(true));
+    assert_eq!(security.read_only_root_filesystem, Some(true));
+
+    let pod = rendered.deployment().spec.unwrap().template.spec.unwrap();
+    // The proxy-agent's requests for the hashed host land on the
+    // service-proxy's loopback port.
+    let aliases = pod.host_aliases.unwrap();
+    assert_eq!(aliases.len(), 1);
+    assert_eq!(aliases[0].ip, "127.0.0.1");
+    assert_eq!(
+        aliases[0].hostnames,
+        Some(vec![
+            ClusterName::new("cluster-a").unwrap().service_proxy_host()
+        ])
+    );
+    let volume = pod
+        .volumes
+        .unwrap()
+        .into_iter()
+        .find(|v| v.name == "service-proxy")
+        .unwrap();
+    assert_eq!(
+        volume.secret.unwrap().secret_name.as_deref(),
+        Some("cluster-proxy-service-proxy-server-certificates")
+    );
+    // The proxy-agent still answers to the hashed host.
+    let agent_args = rendered.container("proxy-agent").args.unwrap().join(" ");
+    assert!(
+        agent_args.contains(&ClusterName::new("cluster-a").unwrap().service_proxy_host()),
+        "{agent_args}"
+    );
+
+    let secret = rendered.manifest("Secret", "cluster-proxy-service-proxy-server-certificates");
+    assert_eq!(secret["type"], "kubernetes.io/tls");
+    assert_eq!(
+        secret["metadata"]["namespace"],
+        "open-cluster-management-cluster-proxy"
+    );
+    use base64::Engine as _;
+    let decoded = |key: &str| {
+        base64::engine::general_purpose::STANDARD
+            .decode(secret["data"][key].as_str().unwrap())
+            .unwrap()
+    };
+    assert_eq!(decoded("tls.crt"), SERVICE_PROXY_CERT);
+    assert_eq!(decoded("tls.key"), SERVICE_PROXY_KEY);
+
+    let role = rendered.manifest("ClusterRole", "cluster-proxy-addon-agent-impersonator");
+    assert_eq!(
+        role["rules"],
+        json!([{"apiGroups": [""], "resources": ["users", "groups"], "verbs": ["impersonate"]}]),
+        "impersonation of users and groups, nothing more"
+    );
+    let binding = rendered.manifest(
+        "ClusterRoleBinding",
+        "cluster-proxy-addon-agent-impersonator:open-cluster-management-cluster-proxy",
+    );
+    assert_eq!(
+        binding["roleRef"]["name"],
+        "cluster-proxy-addon-agent-impersonator"
+    );
+    assert_eq!(
+        binding["subjects"],
+        json!([{"kind": "ServiceAccount", "name": "cluster-proxy",
+                "namespace": "open-cluster-management-cluster-proxy"}])
+    );
+    // The Deployment comes after what it mounts and is allowed.
+    let kinds: Vec<&str> = rendered
+        .manifests()
+        .iter()
+        .map(|m| m["kind"].as_str().unwrap())
+        .collect();
+    assert_eq!(kinds.last(), Some(&"Deployment"), "{kinds:?}");
+}
+
+#[test]
+fn without_the_service_proxy_nothing_of_it_is_rendered() {
+    let rendered = Rendered::new(&hostname_mpc(), None, CA);
+    let pod = rendered.deployment().spec.unwrap().template.spec.unwrap();
+    assert_eq!(
+        pod.containers
+            .iter()
+            .map(|c| c.name.as_str())
+            .collect::<Vec<_>>(),
+        ["proxy-agent", "addon-agent"]
+    );
+    assert!(pod.host_aliases.is_none());
+    for manifest in rendered.manifests() {
+        let name = manifest["metadata"]["name"].as_str().unwrap();
+        assert!(
+            !name.contains("service-proxy") && !name.contains("impersonator"),
+            "{name}"
+        );
+    }
+}
+
+#[test]
+fn enable_impersonation_false_drops_the_impersonator_role() {
+    let adc =
+        adc(json!({"customizedVariables": [{"name": "enableImpersonation", "value": "false"}]}));
+    let rendered = with_service_proxy(Some(&adc));
+    let args = rendered.container("service-proxy").args.unwrap();
+    assert!(
+        args.contains(&"--enable-impersonation=false".to_owned()),
+        "{args:?}"
+    );
+    assert!(
+        rendered
+            .manifests()
+            .iter()
+            .all(|m| m["kind"] != "ClusterRole" && m["kind"] != "ClusterRoleBinding")
+    );
+    // Not a boolean: a clear error naming it.
+    let bad = adc_with_impersonation("sometimes");
+    let error = render::impersonation(Some(&bad)).unwrap_err();
+    assert!(
+        error.contains("enableImpersonation") && error.contains("sometimes"),
+        "{error}"
+    );
+    assert_eq!(render::impersonation(None), Ok(true));
+    assert_eq!(
+        render::impersonation(Some(&adc_with_impersonation("1"))),
+        Ok(true)
+    );
+}
+
+fn adc_with_impersonation(value: &str) -> AddOnDeploymentConfig {
+    adc(json!({"customizedVariables": [{"name": "enableImpersonation", "value": value}]}))
+}
+
+#[test]
+fn additional_service_proxy_args_follow_ours_and_the_binding_name_is_upstreams() {
+    let mut mpc = hostname_mpc();
+    mpc.spec.proxy_agent.additional_service_proxy_args = vec!["--v=4".to_owned()];
+    let rendered = Rendered::with_service_proxy(
+        &mpc,
+        None,
+        None,
+        CA,
+        true,
+        Some((SERVICE_PROXY_CERT, SERVICE_PROXY_KEY)),
+    );
+    let args = rendered.container("service-proxy").args.unwrap();
+    assert_eq!(args.last().map(String::as_str), Some("--v=4"));
+    assert_eq!(
+        render::impersonator_binding_name("open-cluster-management-agent-addon"),
+        "cluster-proxy-addon-agent-impersonator"
     );
 }

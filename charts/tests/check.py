@@ -477,6 +477,20 @@ def check_user_server() -> None:
                 "--client-ca=/etc/client-ca/ca.crt")
     args.append("--response-header-timeout=2m")
     check_user_server_objects("userServer options", options, NAMESPACE, args, 1)
+    manager_args = lambda docs: next(  # noqa: E731
+        (d["spec"]["template"]["spec"]["containers"][0]["args"] for d in docs
+         if d["kind"] == "Deployment" and d["metadata"]["name"] == "cluster-proxy-addon-manager"),
+        [])
+    expect("--enable-service-proxy=false" in manager_args(enabled),
+           f"userServer alone: the agents get no service-proxy: {manager_args(enabled)}")
+    try:
+        both = documents(render({"userServer": {"enabled": True},
+                                 "addonManager": {"enableServiceProxy": True}}))
+    except helm.HelmError as error:
+        fail(f"userServer and addonManager.enableServiceProxy: {error}")
+        both = []
+    expect("--enable-service-proxy=true" in manager_args(both),
+           f"addonManager.enableServiceProxy reaches the addon-manager: {manager_args(both)}")
     deployment = find(options, "Deployment", USER_SERVER)
     volumes = [] if deployment is None else deployment["spec"]["template"]["spec"]["volumes"]
     expect(
@@ -777,6 +791,9 @@ def check_refusals() -> None:
         ({"addonManager": {"image": {"name": "x", "digest": "latest"}}}, "digest"),
         ({"images": {"proxyServer": {"name": "x", "digest": "latest"}}}, "digest"),
         ({"enableServiceProxy": True}, "enableServiceProxy"),
+        # The service-proxies use the certificate issued with the user-server's.
+        ({"addonManager": {"enableServiceProxy": True}}, "userServer.enabled"),
+        ({"addonManager": {"enableServiceProxy": "yes"}}, "enableServiceProxy"),
         ({"userServer": {"enabled": "yes"}}, "enabled"),
         ({"userServer": {"additionalSANs": "users.example.com"}}, "additionalSANs"),
         ({"userServer": {"enabled": True, "additionalSANs": "users.example.com"}}, "additionalSANs"),
@@ -821,6 +838,7 @@ MOVED = {
     ("spokeAddonNamespace",): ("global", "spokeAddonNamespace"),
     ("installByPlacement",): ("global", "installByPlacement"),
     ("enableKubeApiProxy",): ("addonManager", "enableKubeApiProxy"),
+    ("enableServiceProxy",): ("addonManager", "enableServiceProxy"),
     ("imagePullPolicy",): ("global", "imagePullPolicy"),
     ("imagePullSecrets",): ("global", "imagePullSecrets"),
     ("logVerbosity",): ("global", "logVerbosity"),

@@ -33,6 +33,10 @@ pub const ALL: &[&str] = &[CLUSTER, USER, UID, GROUP, PROTO, NAMESPACE, SERVICE,
 /// The service-proxy's port (upstream's).
 pub const SERVICE_PROXY_PORT: u16 = 7443;
 
+/// The argument under which the proxy-agent binary runs the service-proxy
+/// (`/proxy-agent service-proxy <flags>`), as addon-manager renders it.
+pub const SERVICE_PROXY_SUBCOMMAND: &str = "service-proxy";
+
 /// The common name of the user-server's client certificate, which the
 /// service-proxies require by default.
 pub const USER_SERVER_IDENTITY: &str = "cluster-proxy-user-server";

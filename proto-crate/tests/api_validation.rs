@@ -252,3 +252,27 @@ fn name_rules_follow_kubernetes() {
     assert!(!is_dns1123_subdomain(""));
     assert!(!is_dns1123_subdomain(&format!("{}.com", "a".repeat(250))));
 }
+
+#[test]
+fn enable_impersonation_is_refused_among_the_additional_service_proxy_args() {
+    for arg in [
+        "--enable-impersonation=false",
+        "--enable-impersonation",
+        "-enable-impersonation=true",
+    ] {
+        let mut spec = hub();
+        spec.proxy_agent.additional_service_proxy_args = vec!["--v=4".into(), arg.into()];
+        let error = invalid(&spec);
+        assert_eq!(
+            problem_fields(&error),
+            ["spec.proxyAgent.additionalServiceProxyArgs[1]"],
+            "{arg}"
+        );
+    }
+    let mut spec = hub();
+    spec.proxy_agent.additional_service_proxy_args = vec!["--enable-impersonation-audit".into()];
+    assert!(
+        spec.validate().is_ok(),
+        "another flag of that prefix is fine"
+    );
+}

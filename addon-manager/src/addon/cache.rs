@@ -49,6 +49,9 @@ pub struct AddonCache {
     pub deployment_configs: Store<AddOnDeploymentConfig>,
     /// The CA bundle Secret in the hub namespace.
     pub hub_secrets: Store<Secret>,
+    /// cert-authority's service-proxy certificate in the hub namespace
+    /// (watched apart: a watch selects one name).
+    pub service_proxy_secrets: Store<Secret>,
     /// Services of the hub namespace (the agents' load balancer).
     pub hub_services: Store<Service>,
     /// The addon's ManifestWorks.
@@ -74,6 +77,7 @@ pub struct AddonCacheWriters {
     pub managements: Writer<ClusterManagementAddOn>,
     pub deployment_configs: Writer<AddOnDeploymentConfig>,
     pub hub_secrets: Writer<Secret>,
+    pub service_proxy_secrets: Writer<Secret>,
     pub hub_services: Writer<Service>,
     pub works: Writer<ManifestWork>,
     pub roles: Writer<Role>,
@@ -124,6 +128,7 @@ pub fn caches() -> (Caches, CacheWriters) {
     let (managements, managements_writer) = reflector::store();
     let (deployment_configs, deployment_configs_writer) = reflector::store();
     let (hub_secrets, hub_secrets_writer) = reflector::store();
+    let (service_proxy_secrets, service_proxy_secrets_writer) = reflector::store();
     let (hub_services, hub_services_writer) = reflector::store();
     let (works, works_writer) = reflector::store();
     let (roles, roles_writer) = reflector::store();
@@ -141,6 +146,7 @@ pub fn caches() -> (Caches, CacheWriters) {
                 managements,
                 deployment_configs,
                 hub_secrets,
+                service_proxy_secrets,
                 hub_services,
                 works,
                 roles,
@@ -167,6 +173,7 @@ pub fn caches() -> (Caches, CacheWriters) {
                 managements: managements_writer,
                 deployment_configs: deployment_configs_writer,
                 hub_secrets: hub_secrets_writer,
+                service_proxy_secrets: service_proxy_secrets_writer,
                 hub_services: hub_services_writer,
                 works: works_writer,
                 roles: roles_writer,
@@ -301,6 +308,7 @@ impl AddonCache {
             && filled(&self.managements).await
             && filled(&self.deployment_configs).await
             && filled(&self.hub_secrets).await
+            && filled(&self.service_proxy_secrets).await
             && filled(&self.hub_services).await
             && filled(&self.works).await
             && filled(&self.roles).await

@@ -121,6 +121,11 @@ pub struct AddonSettings {
     /// (upstream's `--enable-network-policies`, default false); see
     /// [`render::agent_network_policy`].
     pub enable_network_policies: bool,
+    /// Put a service-proxy beside every agent (upstream's
+    /// `--enable-service-proxy`; its chart's default, false): once
+    /// cert-authority has issued its certificate (the MPC's
+    /// `spec.userServer`), every agent's work carries it.
+    pub enable_service_proxy: bool,
     /// The kube-apiserver ports that policy lets the agents reach
     /// (`--agent-kube-apiserver-ports`, default 443 and 6443).
     pub agent_kube_apiserver_ports: Vec<i32>,
@@ -151,6 +156,7 @@ impl AddonSettings {
             removal_grace: DEFAULT_REMOVAL_GRACE,
             enable_kube_api_proxy: true,
             enable_network_policies: false,
+            enable_service_proxy: false,
             agent_kube_apiserver_ports: render::KUBE_API_SERVER_PORTS.to_vec(),
             managed_proxy_configuration:
                 cluster_proxy_proto::api::proxy::v1alpha1::MANAGED_PROXY_CONFIGURATION_NAME

@@ -13,7 +13,9 @@ use cluster_proxy_proto::api::addon::v1alpha1::{
     REASON_SET_PERMISSION_APPLIED,
 };
 use cluster_proxy_proto::api::cluster::v1::ManagedCluster;
-use cluster_proxy_proto::api::proxy::v1alpha1::ManagedProxyConfiguration;
+use cluster_proxy_proto::api::proxy::v1alpha1::{
+    ManagedProxyConfiguration, SERVICE_PROXY_SECRET_NAME,
+};
 use cluster_proxy_proto::api::work::v1::{self as work, ManifestWork};
 use cluster_proxy_proto::api::{CONDITION_FALSE, CONDITION_TRUE, CONDITION_UNKNOWN};
 use cluster_proxy_proto::identity::{ClusterName, is_dns1123_label};
@@ -821,6 +823,39 @@ impl Rendering<'_> {
                 }));
             }
         };
+        let service_proxy_secret = context
+            .settings
+            .enable_service_proxy
+            .then(|| {
+                context.caches.addon.service_proxy_secrets.get(
+                    &ObjectRef::new(SERVICE_PROXY_SECRET_NAME)
+                        .within(&context.settings.hub_namespace),
+                )
+            })
+            .flatten();
+        let service_proxy = service_proxy_secret.as_deref().and_then(|secret| {
+            let data = secret.data.as_ref()?;
+            Some(render::ServiceProxyInputs {
+                cert_pem: &data.get("tls.crt")?.0,
+                key_pem: &data.get("tls.key")?.0,
+            })
+        });
+        if context.settings.enable_service_proxy && service_proxy.is_none() {
+            // cert-authority issues it once the MPC sets spec.userServer;
+            // its watch renders every agent again when it appears.
+            tracing::debug!(
+                cluster = %self.cluster_name,
+                "no service-proxy certificate (Secret {}/{SERVICE_PROXY_SECRET_NAME}) yet: the agent goes without its service-proxy",
+                context.settings.hub_namespace
+            );
+        }
+        let impersonation = match service_proxy.map(|_| render::impersonation(adc)) {
+            None => false,
+            Some(Ok(impersonation)) => impersonation,
+            Some(Err(invalid)) => {
+                return Ok(Err(Refused::new(REASON_INVALID_CONFIGURATION, invalid)));
+            }
+        };
         let inputs = AgentInputs {
             cluster: self.cluster_name,
             install_namespace,
@@ -835,6 +870,8 @@ impl Rendering<'_> {
                 .enable_network_policies
                 .then_some(context.settings.agent_kube_apiserver_ports.as_slice()),
             image_pull_policy: context.settings.image_pull_policy.as_deref(),
+            service_proxy,
+            impersonation,
         };
         let mut desired = render::manifest_work(&inputs, self.owner.clone())?;
         let annotations = desired
@@ -1012,6 +1049,8 @@ pub fn controller(
         watcher::Config::default().fields(&format!("metadata.name={AGENT_RBAC_NAME}"));
     let hub_namespace = context.settings.hub_namespace.clone();
     let ca_secret = watcher::Config::default().fields(&format!("metadata.name={CA_BUNDLE_SECRET}"));
+    let service_proxy_secret =
+        watcher::Config::default().fields(&format!("metadata.name={SERVICE_PROXY_SECRET_NAME}"));
     // Any of these changes every addon's rendering.
     let everything = stream::select_all(vec![
         reflected_triggers(
@@ -1029,6 +1068,15 @@ pub fn controller(
             watcher(
                 Api::<Secret>::namespaced(client.clone(), &hub_namespace),
                 ca_secret,
+            ),
+        )
+        .boxed(),
+        reflected_triggers(
+            writers.service_proxy_secrets,
+            None,
+            watcher(
+                Api::<Secret>::namespaced(client.clone(), &hub_namespace),
+                service_proxy_secret,
             ),
         )
         .boxed(),

@@ -19,18 +19,21 @@ use cluster_proxy_proto::api::work::v1::{
     PROPAGATION_FOREGROUND, PROPAGATION_SELECTIVELY_ORPHAN, ResourceIdentifier, SelectivelyOrphan,
 };
 use cluster_proxy_proto::identity::ClusterName;
+use cluster_proxy_proto::service_access::SERVICE_PROXY_SUBCOMMAND;
 use k8s_openapi::ByteString;
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
 use k8s_openapi::api::core::v1::{
-    Capabilities, Container, EnvVar, EnvVarSource, HTTPGetAction, LocalObjectReference, Namespace,
-    ObjectFieldSelector, PodSpec, PodTemplateSpec, Probe, SecretVolumeSource, SecurityContext,
-    Service, ServiceAccount, ServiceSpec, Toleration, Volume, VolumeMount,
+    Capabilities, Container, EnvVar, EnvVarSource, HTTPGetAction, HostAlias, LocalObjectReference,
+    Namespace, ObjectFieldSelector, PodSpec, PodTemplateSpec, Probe, SecretVolumeSource,
+    SecurityContext, Service, ServiceAccount, ServiceSpec, Toleration, Volume, VolumeMount,
 };
 use k8s_openapi::api::networking::v1::{
     NetworkPolicy, NetworkPolicyEgressRule, NetworkPolicyIngressRule, NetworkPolicyPort,
     NetworkPolicySpec,
 };
-use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject as RbacSubject};
+use k8s_openapi::api::rbac::v1::{
+    ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding, RoleRef, Subject as RbacSubject,
+};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use sha2::{Digest, Sha256};
@@ -69,6 +72,42 @@ pub const PROXY_AGENT_CONTAINER: &str = "proxy-agent";
 pub const ADDON_AGENT_CONTAINER: &str = "addon-agent";
 /// Where the agents run as a non-root user (distroless `nonroot`).
 const NON_ROOT_UID: i64 = 65532;
+/// The service-proxy container (`--enable-service-proxy`), run as
+/// `/proxy-agent service-proxy` from the agent image.
+pub const SERVICE_PROXY_CONTAINER: &str = "service-proxy";
+/// Upstream's managed-side copy of the hub's service-proxy certificate.
+pub const SERVICE_PROXY_CERT_SECRET: &str = "cluster-proxy-service-proxy-server-certificates";
+/// The service-proxy's health port (`/healthz`, `/readyz`), upstream's.
+pub const SERVICE_PROXY_HEALTH_PORT: i32 = 8000;
+/// Upstream's ClusterRole letting the agent's ServiceAccount impersonate
+/// hub users and groups.
+pub const IMPERSONATOR: &str = "cluster-proxy-addon-agent-impersonator";
+/// The AddOnDeploymentConfig variable that turns impersonation off for a
+/// cluster (upstream's; a Go boolean, default `true`).
+pub const VARIABLE_ENABLE_IMPERSONATION: &str = "enableImpersonation";
+
+/// The service-proxy beside the agent: what it is rendered from.
+#[derive(Debug, Clone, Copy)]
+pub struct ServiceProxyInputs<'a> {
+    /// The hub's service-proxy serving certificate and key (PEM), from
+    /// cert-authority's `cluster-proxy-service-proxy-server-cert`.
+    pub cert_pem: &'a [u8],
+    pub key_pem: &'a [u8],
+}
+
+/// Whether the service-proxy of a cluster with `deployment_config`
+/// impersonates hub users (`enableImpersonation`, default true); a value
+/// that is no Go boolean is an error naming it.
+pub fn impersonation(deployment_config: Option<&AddOnDeploymentConfig>) -> Result<bool, String> {
+    match deployment_config.and_then(|adc| adc.variable(VARIABLE_ENABLE_IMPERSONATION)) {
+        None | Some("") => Ok(true),
+        Some(value) => cluster_proxy_runtime::cli::parse_go_bool(value).map_err(|_| {
+            format!(
+                "customizedVariables {VARIABLE_ENABLE_IMPERSONATION}={value:?} is not a boolean"
+            )
+        }),
+    }
+}
 
 /// Where the agent dials the proxy-servers.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -175,6 +214,12 @@ pub struct AgentInputs<'a> {
     /// The containers' `imagePullPolicy` (`--image-pull-policy`); `None`:
     /// Kubernetes' default.
     pub image_pull_policy: Option<&'a str>,
+    /// The service-proxy (`--enable-service-proxy`, once cert-authority
+    /// has issued its certificate); `None`: the agent without it.
+    pub service_proxy: Option<ServiceProxyInputs<'a>>,
+    /// Whether that service-proxy impersonates hub users (see
+    /// [`impersonation`]).
+    pub impersonation: bool,
 }
 
 fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
@@ -427,6 +472,30 @@ pub fn addon_agent_args(inputs: &AgentInputs<'_>) -> Vec<String> {
     args
 }
 
+/// The service-proxy's arguments (after the `service-proxy` subcommand),
+/// then `spec.proxyAgent.additionalServiceProxyArgs`.
+pub fn service_proxy_args(inputs: &AgentInputs<'_>) -> Vec<String> {
+    let mut args = vec![
+        format!("--cluster-name={}", inputs.cluster),
+        "--cert=/etc/service-proxy/tls.crt".to_owned(),
+        "--key=/etc/service-proxy/tls.key".to_owned(),
+        // cert-authority signs the user-server's identity with the hub CA.
+        "--user-server-ca=/etc/ca/ca.crt".to_owned(),
+        format!("--enable-impersonation={}", inputs.impersonation),
+        format!("--health-port={SERVICE_PROXY_HEALTH_PORT}"),
+    ];
+    args.extend(
+        inputs
+            .mpc
+            .spec
+            .proxy_agent
+            .additional_service_proxy_args
+            .iter()
+            .cloned(),
+    );
+    args
+}
+
 /// The agent Deployment `cluster-proxy-proxy-agent`.
 pub fn agent_deployment(inputs: &AgentInputs<'_>) -> Deployment {
     let generation = inputs.mpc.metadata.generation.unwrap_or(0).to_string();
@@ -495,6 +564,45 @@ pub fn agent_deployment(inputs: &AgentInputs<'_>) -> Deployment {
         ..Container::default()
     };
 
+    let mut containers = vec![proxy_agent, addon_agent];
+    let mut volumes = vec![
+        secret_volume("ca", AGENT_CA_SECRET),
+        secret_volume("tls", AGENT_CLIENT_CERT_SECRET),
+        secret_volume("hub-kubeconfig", HUB_KUBECONFIG_SECRET),
+    ];
+    let mut host_aliases = None;
+    if inputs.service_proxy.is_some() {
+        containers.push(Container {
+            name: SERVICE_PROXY_CONTAINER.into(),
+            image: Some(inputs.customization.image().to_owned()),
+            image_pull_policy: inputs.image_pull_policy.map(str::to_owned),
+            command: Some(vec!["/proxy-agent".into()]),
+            args: Some(
+                std::iter::once(SERVICE_PROXY_SUBCOMMAND.to_owned())
+                    .chain(service_proxy_args(inputs))
+                    .collect(),
+            ),
+            volume_mounts: Some(vec![
+                mount("ca", "/etc/ca"),
+                mount("service-proxy", "/etc/service-proxy"),
+            ]),
+            readiness_probe: Some(http_probe("/readyz", SERVICE_PROXY_HEALTH_PORT)),
+            liveness_probe: Some(http_probe("/healthz", SERVICE_PROXY_HEALTH_PORT)),
+            security_context: Some(hardened()),
+            resources: inputs
+                .customization
+                .resources(AGENT_DEPLOYMENT, SERVICE_PROXY_CONTAINER),
+            ..Container::default()
+        });
+        volumes.push(secret_volume("service-proxy", SERVICE_PROXY_CERT_SECRET));
+        // The proxy-agent dials the cluster's hashed host (its identifier)
+        // for the user-server's requests: the service-proxy on loopback.
+        host_aliases = Some(vec![HostAlias {
+            ip: "127.0.0.1".into(),
+            hostnames: Some(vec![inputs.cluster.service_proxy_host()]),
+        }]);
+    }
+
     Deployment {
         metadata: ObjectMeta {
             labels: Some(agent_labels()),
@@ -515,16 +623,13 @@ pub fn agent_deployment(inputs: &AgentInputs<'_>) -> Deployment {
                 }),
                 spec: Some(PodSpec {
                     service_account_name: Some(AGENT_SERVICE_ACCOUNT.into()),
-                    containers: vec![proxy_agent, addon_agent],
+                    containers,
+                    host_aliases,
                     tolerations: Some(tolerations),
                     node_selector,
                     image_pull_secrets: (!image_pull_secrets.is_empty())
                         .then_some(image_pull_secrets),
-                    volumes: Some(vec![
-                        secret_volume("ca", AGENT_CA_SECRET),
-                        secret_volume("tls", AGENT_CLIENT_CERT_SECRET),
-                        secret_volume("hub-kubeconfig", HUB_KUBECONFIG_SECRET),
-                    ]),
+                    volumes: Some(volumes),
                     ..PodSpec::default()
                 }),
             },
@@ -622,12 +727,77 @@ pub fn agent_manifests(inputs: &AgentInputs<'_>) -> Result<Vec<Manifest>, Manife
             kube_apiserver_ports,
         ))?);
     }
-    manifests.extend([
-        Manifest::new(&role)?,
-        Manifest::new(&binding)?,
-        Manifest::new(&agent_deployment(inputs))?,
-    ]);
+    manifests.extend([Manifest::new(&role)?, Manifest::new(&binding)?]);
+    if let Some(service_proxy) = inputs.service_proxy {
+        manifests.extend(service_proxy_manifests(inputs, service_proxy)?);
+    }
+    manifests.push(Manifest::new(&agent_deployment(inputs))?);
     Ok(manifests)
+}
+
+/// The service-proxy's certificate Secret, and (with impersonation) the
+/// ClusterRole that lets the agent's ServiceAccount impersonate users and
+/// groups, bound under upstream's names.
+fn service_proxy_manifests(
+    inputs: &AgentInputs<'_>,
+    service_proxy: ServiceProxyInputs<'_>,
+) -> Result<Vec<Manifest>, ManifestError> {
+    let namespace = inputs.install_namespace;
+    let certificate = k8s_openapi::api::core::v1::Secret {
+        metadata: meta(SERVICE_PROXY_CERT_SECRET, Some(namespace)),
+        type_: Some("kubernetes.io/tls".into()),
+        data: Some(BTreeMap::from([
+            (
+                "tls.crt".to_owned(),
+                ByteString(service_proxy.cert_pem.to_vec()),
+            ),
+            (
+                "tls.key".to_owned(),
+                ByteString(service_proxy.key_pem.to_vec()),
+            ),
+        ])),
+        ..k8s_openapi::api::core::v1::Secret::default()
+    };
+    let mut manifests = vec![Manifest::new(&certificate)?];
+    if inputs.impersonation {
+        let role = ClusterRole {
+            metadata: meta(IMPERSONATOR, None),
+            rules: Some(vec![PolicyRule {
+                api_groups: Some(vec![String::new()]),
+                resources: Some(vec!["users".into(), "groups".into()]),
+                verbs: vec!["impersonate".into()],
+                ..PolicyRule::default()
+            }]),
+            ..ClusterRole::default()
+        };
+        let binding = ClusterRoleBinding {
+            metadata: meta(&impersonator_binding_name(namespace), None),
+            role_ref: RoleRef {
+                api_group: "rbac.authorization.k8s.io".into(),
+                kind: "ClusterRole".into(),
+                name: IMPERSONATOR.into(),
+            },
+            subjects: Some(vec![RbacSubject {
+                kind: "ServiceAccount".into(),
+                name: AGENT_SERVICE_ACCOUNT.into(),
+                namespace: Some(namespace.to_owned()),
+                api_group: None,
+            }]),
+        };
+        manifests.extend([Manifest::new(&role)?, Manifest::new(&binding)?]);
+    }
+    Ok(manifests)
+}
+
+/// Upstream's name of the impersonator binding: the ClusterRole's in the
+/// addon framework's default namespace, else suffixed with the namespace
+/// (two installs in different namespaces keep their own binding).
+pub fn impersonator_binding_name(namespace: &str) -> String {
+    if namespace == "open-cluster-management-agent-addon" {
+        IMPERSONATOR.to_owned()
+    } else {
+        format!("{IMPERSONATOR}:{namespace}")
+    }
 }
 
 /// What the work agent deletes with the work: everything but the manifests

@@ -12,7 +12,7 @@ use cluster_proxy_runtime::{cli, logging, shutdown::Signals};
 use crate::{Cli, Settings, StartError};
 
 /// The subcommand under which the proxy-agent binary runs the service-proxy.
-pub const SUBCOMMAND: &str = "service-proxy";
+pub use cluster_proxy_proto::service_access::SERVICE_PROXY_SUBCOMMAND as SUBCOMMAND;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ProcessError {

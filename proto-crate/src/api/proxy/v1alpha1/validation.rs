@@ -280,6 +280,28 @@ impl ManagedProxyConfigurationSpec {
             }
         }
 
+        // Impersonation is per cluster (the AddOnDeploymentConfig's
+        // enableImpersonation, with its RBAC): a flag here would contradict
+        // the rendered ClusterRole. Upstream refuses it too.
+        for (index, arg) in self
+            .proxy_agent
+            .additional_service_proxy_args
+            .iter()
+            .enumerate()
+        {
+            let flag = arg
+                .trim_start_matches('-')
+                .split('=')
+                .next()
+                .unwrap_or_default();
+            if flag == "enable-impersonation" {
+                problems.add(
+                    format!("spec.proxyAgent.additionalServiceProxyArgs[{index}]"),
+                    "--enable-impersonation is set per cluster by the AddOnDeploymentConfig variable enableImpersonation, not here".to_owned(),
+                );
+            }
+        }
+
         if let Some(user_server) = &self.user_server {
             for (index, san) in user_server.additional_sans.iter().enumerate() {
                 problems.san(&format!("spec.userServer.additionalSANs[{index}]"), san);
