@@ -63,6 +63,19 @@
 //! * the hub client verifies the API server's certificate as
 //!   `kubernetes.default.svc` (the Service's target), not as `<cluster>`.
 //!
+//! With `CP_REAL_HUB_SERVICE_ACCESS=1` the chart is installed with service
+//! access (`userServer.enabled`, one replica, and
+//! `addonManager.enableServiceProxy`): the user-server's Deployment is
+//! played too (under its own ServiceAccount's token; `--host=127.0.0.1`,
+//! its ports on 127.0.0.1), the agent pod runs its service-proxy container
+//! (`/proxy-agent service-proxy`, with the agent ServiceAccount's token and
+//! the API server's CA as a pod's mounted credentials), and after step 3 a
+//! hub ServiceAccount granted `managedclusters/proxy` reads a ConfigMap
+//! through `https://127.0.0.1:9092/<cluster>/…` and is seen by the API
+//! server as `cluster:hub:system:serviceaccount:…`; one without the grant
+//! gets 403. Its residue adds cert-authority's three service-access
+//! Secrets; the impersonator ClusterRole must be gone with the work.
+//!
 //! Before installing, a previous run's leftovers (chart objects and
 //! [`RESIDUE`]) are removed; after the check, [`RESIDUE`] is removed too, so
 //! the hub can be reused. Not automated: the reinstall over the residue and
@@ -95,6 +108,14 @@ use simulated_cluster::process::Logs;
 use tokio::sync::Mutex;
 
 const KUBECONFIG_VARIABLE: &str = "CP_REAL_HUB_KUBECONFIG";
+/// `1`: install with service access (`userServer.enabled`,
+/// `addonManager.enableServiceProxy`) and check kubectl's path through it.
+const SERVICE_ACCESS_VARIABLE: &str = "CP_REAL_HUB_SERVICE_ACCESS";
+const USER_SERVER_DEPLOYMENT: &str = "cluster-proxy-addon-user";
+const USER_SERVER_PORT: u16 = 9092;
+const USER_SERVER_HEALTH_PORT: u16 = 58093;
+/// Where the service-access check's hub users and ConfigMap live.
+const USERS_NAMESPACE: &str = "cp-real-hub-users";
 const CLUSTER_VARIABLE: &str = "CP_REAL_HUB_CLUSTER";
 const RELEASE_NAMESPACE: &str = "open-cluster-management-addon";
 const AGENT_NAMESPACE: &str = "open-cluster-management-cluster-proxy";
@@ -136,6 +157,37 @@ const RESIDUE: &[(&str, &str, &str)] = &[
     (RELEASE_NAMESPACE, "Secret", "proxy-server"),
     (RELEASE_NAMESPACE, "Secret", "proxy-server-ca"),
 ];
+
+/// What service access adds to [`RESIDUE`]: cert-authority's three
+/// certificates (the same open finding: cert-authority's Secrets outlive
+/// the uninstall).
+const SERVICE_ACCESS_RESIDUE: &[(&str, &str, &str)] = &[
+    (
+        RELEASE_NAMESPACE,
+        "Secret",
+        "cluster-proxy-service-proxy-server-cert",
+    ),
+    (
+        RELEASE_NAMESPACE,
+        "Secret",
+        "cluster-proxy-user-server-identity",
+    ),
+    (
+        RELEASE_NAMESPACE,
+        "Secret",
+        "cluster-proxy-user-serving-cert",
+    ),
+];
+
+fn residue(
+    service_access: bool,
+) -> impl Iterator<Item = &'static (&'static str, &'static str, &'static str)> {
+    RESIDUE.iter().chain(
+        SERVICE_ACCESS_RESIDUE
+            .iter()
+            .filter(move |_| service_access),
+    )
+}
 
 fn repository() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -610,7 +662,7 @@ async fn clean(client: &Client, cluster: &str, rendered: &[Value]) {
             ));
         }
     }
-    for (namespace, kind, name) in RESIDUE {
+    for (namespace, kind, name) in residue(true) {
         let result = match *kind {
             "Lease" => Api::<Lease>::namespaced(client.clone(), namespace)
                 .delete(name, &DeleteParams::default())
@@ -678,6 +730,8 @@ async fn real_hub_install_join_available_reach_uninstall() {
     };
     let started = Instant::now();
     let cluster = std::env::var(CLUSTER_VARIABLE).unwrap_or_else(|_| "cluster-a".into());
+    let service_access =
+        std::env::var(SERVICE_ACCESS_VARIABLE).is_ok_and(|v| v == "1" || v == "true");
     let admin_config = Kubeconfig::read_from(&kubeconfig_path).expect("reading the kubeconfig");
     let config =
         kube::Config::from_custom_kubeconfig(admin_config.clone(), &KubeConfigOptions::default())
@@ -739,8 +793,14 @@ async fn real_hub_install_join_available_reach_uninstall() {
     );
 
     // Step 1: render, clean what an earlier run left, apply.
-    let rendered =
-        e2e::env::control_plane::render_chart_defaults().unwrap_or_else(|e| panic!("{e}"));
+    let values = if service_access {
+        json!({"userServer": {"enabled": true, "replicas": 1},
+               "addonManager": {"enableServiceProxy": true}})
+    } else {
+        json!({})
+    };
+    log(format!("chart values: {values}"));
+    let rendered = e2e::env::control_plane::render_chart(&values).unwrap_or_else(|e| panic!("{e}"));
     let rbac = HubRbac::from_chart_documents(&rendered).expect("the chart's RBAC");
     let crds = chart_crds();
     for crd in &crds {
@@ -828,10 +888,10 @@ async fn real_hub_install_join_available_reach_uninstall() {
         .collect();
     assert_eq!(
         hub_deployments.len(),
-        3,
-        "the chart renders three hub Deployments"
+        if service_access { 4 } else { 3 },
+        "the chart renders three hub Deployments, and the user-server's with service access"
     );
-    let chart_users: BTreeSet<String> = [
+    let mut chart_users: BTreeSet<String> = [
         &rbac.addon_manager,
         &rbac.cert_authority,
         &rbac.health_prober,
@@ -839,7 +899,13 @@ async fn real_hub_install_join_available_reach_uninstall() {
     .into_iter()
     .cloned()
     .collect();
-    for object in hub_deployments {
+    if service_access {
+        chart_users.insert(HubRbac::service_account(
+            RELEASE_NAMESPACE,
+            USER_SERVER_DEPLOYMENT,
+        ));
+    }
+    for object in &hub_deployments {
         let name = text(object, "/metadata/name").to_string();
         let deployment = Api::<Deployment>::namespaced(admin.clone(), RELEASE_NAMESPACE)
             .get(&name)
@@ -869,6 +935,7 @@ async fn real_hub_install_join_available_reach_uninstall() {
                     .flatten()
                     .any(|a| a.ends_with("health-prober"))
             });
+        let is_user_server = name == USER_SERVER_DEPLOYMENT;
         kubelet.pods.push(Played {
             namespace: RELEASE_NAMESPACE.into(),
             name: name.clone(),
@@ -889,6 +956,17 @@ async fn real_hub_install_join_available_reach_uninstall() {
                     ];
                     if is_prober {
                         args.push(format!("--proxy-server-addresses=127.0.0.1:{CLIENT_PORT}"));
+                    }
+                    if is_user_server {
+                        // No cluster DNS for proxy-entrypoint.<ns>.svc; and
+                        // the service-proxy's health port is 8000 too.
+                        args.extend([
+                            "--host=127.0.0.1".to_string(),
+                            format!("--port={CLIENT_PORT}"),
+                            "--bind-address=127.0.0.1".to_string(),
+                            format!("--server-port={USER_SERVER_PORT}"),
+                            format!("--health-port={USER_SERVER_HEALTH_PORT}"),
+                        ]);
                     }
                     extra.insert(c.name.clone(), args);
                 }
@@ -912,7 +990,10 @@ async fn real_hub_install_join_available_reach_uninstall() {
             }
         })
     };
-    log("step 2: the three hub services run under their ServiceAccounts' tokens");
+    log(format!(
+        "step 2: the {} hub services run under their ServiceAccounts' tokens",
+        hub_deployments.len()
+    ));
 
     // Step 3: the OCM flow.
     let addon_api = addons(&admin, &cluster);
@@ -1082,6 +1163,20 @@ async fn real_hub_install_join_available_reach_uninstall() {
         let token = service_account_token(&admin, AGENT_NAMESPACE, ADDON).await;
         let managed_credentials = dir.join("agent-managed.kubeconfig");
         token_kubeconfig(&admin_config, &token, &managed_credentials);
+        // The service-proxy's in-cluster credentials: the agent's
+        // ServiceAccount token and the API server's CA, as mounted in a pod.
+        let token_file = dir.join("agent-serviceaccount/token");
+        std::fs::create_dir_all(token_file.parent().unwrap()).unwrap();
+        std::fs::write(&token_file, &token).unwrap();
+        let kube_ca = dir.join("agent-serviceaccount/ca.crt");
+        std::fs::write(&kube_ca, &cluster_ca_pem).unwrap();
+        let service_proxy_args = vec![
+            format!("--kube-api=https://{api_server}"),
+            format!("--kube-ca={}", kube_ca.display()),
+            format!("--token-file={}", token_file.display()),
+            "--health-bind-address=127.0.0.1".to_string(),
+            "--log-format=text".to_string(),
+        ];
         kubelet.pods.push(Played {
             namespace: AGENT_NAMESPACE.into(),
             name: AGENT_DEPLOYMENT.into(),
@@ -1121,6 +1216,7 @@ async fn real_hub_install_join_available_reach_uninstall() {
                             "--log-format=text".to_string(),
                         ],
                     ),
+                    ("service-proxy".to_string(), service_proxy_args.clone()),
                 ])
             }),
             // The hub kubeconfig names its certificate files relative to
@@ -1246,6 +1342,25 @@ async fn real_hub_install_join_available_reach_uninstall() {
         "step 3: {target}/version through the tunnel: {}",
         version.replace('\n', " ")
     ));
+    if service_access {
+        let agent = Api::<Deployment>::namespaced(admin.clone(), AGENT_NAMESPACE)
+            .get(AGENT_DEPLOYMENT)
+            .await
+            .unwrap();
+        let containers: Vec<String> = agent
+            .spec
+            .iter()
+            .filter_map(|s| s.template.spec.as_ref())
+            .flat_map(|s| s.containers.iter().map(|c| c.name.clone()))
+            .collect();
+        assert_eq!(
+            containers,
+            ["proxy-agent", "addon-agent", "service-proxy"],
+            "the agent runs its service-proxy"
+        );
+        service_access_through_the_user_server(&admin, &cluster, &key(&bundle, "ca.crt")).await;
+        log("step 3b: kubectl's path through the user-server and the service-proxy works");
+    }
 
     // Step 4: uninstall as helm does: every chart object at once.
     for object in &rendered {
@@ -1266,6 +1381,7 @@ async fn real_hub_install_join_available_reach_uninstall() {
                         "cluster-proxy-health-prober",
                         PROXY_SERVER_DEPLOYMENT,
                         AGENT_DEPLOYMENT,
+                        USER_SERVER_DEPLOYMENT,
                     ]
                     .into_iter()
                     .filter(|n| kubelet.running(n))
@@ -1281,8 +1397,7 @@ async fn real_hub_install_join_available_reach_uninstall() {
         )
         .await;
     }
-    let expected: BTreeSet<(String, String, String)> = RESIDUE
-        .iter()
+    let expected: BTreeSet<(String, String, String)> = residue(service_access)
         .map(|(n, k, name)| (n.to_string(), k.to_string(), name.to_string()))
         .collect();
     // Polled until it is exactly RESIDUE (or the time is up): the work
@@ -1303,6 +1418,17 @@ async fn real_hub_install_join_available_reach_uninstall() {
         namespaces.get_opt(AGENT_NAMESPACE).await.unwrap().is_some(),
         "the agent Namespace stays (the ManifestWork orphans it)"
     );
+    if service_access {
+        let roles: Api<k8s_openapi::api::rbac::v1::ClusterRole> = Api::all(admin.clone());
+        assert!(
+            roles
+                .get_opt("cluster-proxy-addon-agent-impersonator")
+                .await
+                .unwrap()
+                .is_none(),
+            "the impersonator ClusterRole goes with the work"
+        );
+    }
     stop_tx.send(true).unwrap();
     ticker.await.unwrap();
     kubelet.lock().await.stop_all().await;
@@ -1317,6 +1443,173 @@ async fn real_hub_install_join_available_reach_uninstall() {
         "step 4: the uninstall left exactly RESIDUE; whole scenario {:.1?}",
         started.elapsed()
     ));
+}
+
+/// Hub users through the played user-server and the agent's service-proxy,
+/// with the real API server's TokenReview, SubjectAccessReview,
+/// impersonation and RBAC: `alice` (granted `managedclusters/proxy` for
+/// `cluster`, and as `cluster:hub:…:alice` ConfigMaps there) reads a
+/// ConfigMap and is told who she is; `bob` (no grant) is refused.
+async fn service_access_through_the_user_server(admin: &Client, cluster: &str, ca_pem: &str) {
+    use e2e::service_access::{cluster_binding, cluster_role, create};
+    let namespaces: Api<Namespace> = Api::all(admin.clone());
+    let cleanup = || async {
+        let _ = namespaces
+            .delete(USERS_NAMESPACE, &DeleteParams::default())
+            .await;
+        let roles: Api<k8s_openapi::api::rbac::v1::ClusterRole> = Api::all(admin.clone());
+        let bindings: Api<k8s_openapi::api::rbac::v1::ClusterRoleBinding> = Api::all(admin.clone());
+        for name in ["cp-real-hub-alice-proxy", "cp-real-hub-alice-configmaps"] {
+            let _ = bindings.delete(name, &DeleteParams::default()).await;
+            let _ = roles.delete(name, &DeleteParams::default()).await;
+        }
+        until("the users' Namespace gone", STEP, || async {
+            match namespaces.get_opt(USERS_NAMESPACE).await {
+                Ok(None) => Ok(()),
+                Ok(Some(_)) => Err("still there".to_string()),
+                Err(e) => Err(e.to_string()),
+            }
+        })
+        .await;
+    };
+    cleanup().await;
+    create(
+        admin,
+        json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": USERS_NAMESPACE}}),
+    )
+    .await
+    .unwrap();
+    for account in ["alice", "bob"] {
+        Api::<ServiceAccount>::namespaced(admin.clone(), USERS_NAMESPACE)
+            .create(
+                &PostParams::default(),
+                &serde_json::from_value(json!({"metadata": {"name": account}})).unwrap(),
+            )
+            .await
+            .unwrap();
+    }
+    let alice = service_account_token(admin, USERS_NAMESPACE, "alice").await;
+    let bob = service_account_token(admin, USERS_NAMESPACE, "bob").await;
+    let alice_user = format!("system:serviceaccount:{USERS_NAMESPACE}:alice");
+    create(
+        admin,
+        cluster_role(
+            "cp-real-hub-alice-proxy",
+            json!([{"apiGroups": ["cluster.open-cluster-management.io"],
+                    "resources": ["managedclusters/proxy"], "resourceNames": [cluster],
+                    "verbs": ["get"]}]),
+        ),
+    )
+    .await
+    .unwrap();
+    create(
+        admin,
+        cluster_binding(
+            "cp-real-hub-alice-proxy",
+            "cp-real-hub-alice-proxy",
+            "ServiceAccount",
+            &format!("{USERS_NAMESPACE}/alice"),
+        ),
+    )
+    .await
+    .unwrap();
+    create(
+        admin,
+        cluster_role(
+            "cp-real-hub-alice-configmaps",
+            json!([{"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "list"]}]),
+        ),
+    )
+    .await
+    .unwrap();
+    create(
+        admin,
+        cluster_binding(
+            "cp-real-hub-alice-configmaps",
+            "cp-real-hub-alice-configmaps",
+            "User",
+            &format!("cluster:hub:{alice_user}"),
+        ),
+    )
+    .await
+    .unwrap();
+    create(
+        admin,
+        json!({"apiVersion": "v1", "kind": "ConfigMap",
+               "metadata": {"name": "greeting", "namespace": USERS_NAMESPACE},
+               "data": {"hello": "through the user-server"}}),
+    )
+    .await
+    .unwrap();
+
+    let request = |token: &str, method: http::Method, path: &str, body: Option<Value>| {
+        let mut request = http::Request::builder()
+            .method(method)
+            .uri(format!(
+                "https://127.0.0.1:{USER_SERVER_PORT}/{cluster}{path}"
+            ))
+            .header("authorization", format!("Bearer {token}"));
+        let bytes = match body {
+            Some(body) => {
+                request = request.header("content-type", "application/json");
+                bytes::Bytes::from(body.to_string())
+            }
+            None => bytes::Bytes::new(),
+        };
+        request.body(http_body_util::Full::new(bytes)).unwrap()
+    };
+    let path = format!("/api/v1/namespaces/{USERS_NAMESPACE}/configmaps/greeting");
+    let greeting = until(
+        "alice reads the ConfigMap through the user-server",
+        STEP,
+        || {
+            let request = request(&alice, http::Method::GET, &path, None);
+            async move {
+                match e2e::service_access::https_request(ca_pem, None, request).await {
+                    Ok((status, body)) if status.is_success() => Ok(body),
+                    Ok((status, body)) => Err(format!("{status}: {body}")),
+                    Err(e) => Err(format!("{e:#}")),
+                }
+            }
+        },
+    )
+    .await;
+    assert_eq!(greeting["data"]["hello"], "through the user-server");
+    let (status, review) = e2e::service_access::https_request(
+        ca_pem,
+        None,
+        request(
+            &alice,
+            http::Method::POST,
+            "/apis/authentication.k8s.io/v1/selfsubjectreviews",
+            Some(json!({"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"})),
+        ),
+    )
+    .await
+    .unwrap();
+    assert_eq!(status, http::StatusCode::CREATED, "{review}");
+    assert_eq!(
+        review["status"]["userInfo"]["username"],
+        json!(format!("cluster:hub:{alice_user}")),
+        "{review}"
+    );
+    log(format!(
+        "the managed API server takes alice for {}",
+        review["status"]["userInfo"]
+    ));
+    let (status, body) = e2e::service_access::https_request(
+        ca_pem,
+        None,
+        request(&bob, http::Method::GET, &path, None),
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        status,
+        http::StatusCode::FORBIDDEN,
+        "bob has no grant: {body}"
+    );
+    cleanup().await;
 }
 
 /// `GET https://<target>/version` through the proxy-server's HTTP CONNECT

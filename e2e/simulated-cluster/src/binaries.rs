@@ -13,6 +13,7 @@ pub const PACKAGES: &[(&str, &str)] = &[
     ("addon-manager", "addon-manager"),
     ("addon-agent", "addon-agent"),
     ("health-prober", "health-prober"),
+    ("user-server", "user-server"),
     ("e2e", "e2e"),
 ];
 

@@ -1130,6 +1130,14 @@ pub enum ChartRenderError {
 /// object, by Helm's own library in the chart venv (`charts/tests/check.py`'s
 /// renderer, which `.ci/run` installs at `target/chart-venv`).
 pub fn render_chart_defaults() -> Result<Vec<serde_json::Value>, ChartRenderError> {
+    render_chart(&serde_json::json!({}))
+}
+
+/// The chart rendered with `values` (as `--set`/`-f` would give them), as
+/// [`render_chart_defaults`] does.
+pub fn render_chart(
+    values: &serde_json::Value,
+) -> Result<Vec<serde_json::Value>, ChartRenderError> {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .map(std::path::Path::to_path_buf)
@@ -1141,10 +1149,10 @@ pub fn render_chart_defaults() -> Result<Vec<serde_json::Value>, ChartRenderErro
     let script = "import json, sys\n\
                   sys.path.insert(0, 'charts/tests')\n\
                   import check\n\
-                  print(json.dumps(check.documents(check.render({}))))\n";
+                  print(json.dumps(check.documents(check.render(json.loads(sys.argv[1])))))\n";
     let output = std::process::Command::new(&python)
         .current_dir(&root)
-        .args(["-c", script])
+        .args(["-c", script, &values.to_string()])
         .output()
         .map_err(|e| ChartRenderError::Failed(format!("running {}: {e}", python.display())))?;
     if !output.status.success() {
