@@ -26,7 +26,7 @@ use kube::runtime::reflector::ObjectRef;
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Resource};
 
-use super::AddonError;
+use super::error::AddonError;
 use super::own_writes::OwnWrites;
 
 /// Reads one object from the API server (no cache); `None` when it does not

@@ -6,7 +6,7 @@ use cluster_proxy_proto::api::addon::v1alpha1::{
     ManagedClusterAddOn,
 };
 
-use super::PlacementRef;
+use super::settings::PlacementRef;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 

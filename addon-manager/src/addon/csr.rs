@@ -42,11 +42,13 @@ use kube::{Api, ResourceExt};
 use x509_parser::prelude::{FromDer, X509CertificationRequest};
 
 use super::cache::get_opt;
+use super::context::Context;
+use super::error::{AddonError, retry_after};
+use super::names::{ADDON_NAME, CA_BUNDLE_KEY, CA_BUNDLE_SECRET};
 use super::render::{
     ADDON_AGENTS_GROUP, CLUSTER_PROXY_GROUP, KUBE_APISERVER_CLIENT_SIGNER, PROXY_AGENT_SIGNER,
     PROXY_AGENT_USER, framework_agent_group, framework_agent_user,
 };
-use super::{ADDON_NAME, AddonError, CA_BUNDLE_KEY, CA_BUNDLE_SECRET, Context, retry_after};
 
 const CONTROLLER: &str = "csr";
 const OCM_USER_PREFIX: &str = "system:open-cluster-management:";

@@ -13,10 +13,9 @@
 //! cluster's addon is removed by the addon controller. Addons users created
 //! are left alone.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
 use std::future::Future;
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::sync::Arc;
 
 use cluster_proxy_proto::api::addon::v1alpha1::{
     ANNOTATION_LIFECYCLE, AddOnConfig, ClusterManagementAddOn, ClusterManagementAddOnSpec,
@@ -32,18 +31,17 @@ use kube::runtime::controller::{Action, Controller};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher;
 use kube::{Api, Resource, ResourceExt};
-use prometheus_client::metrics::gauge::Gauge;
-use tokio::time::Instant;
 
 use super::cache::get_opt;
 use super::cache::{
     InstallCacheWriters, cached_or_own_or_read, reflected_objects, reflected_triggers,
 };
 use super::config::{ADC_GROUP, ADC_RESOURCE, MPC_GROUP, MPC_RESOURCE};
+use super::context::Context;
+use super::error::{AddonError, retry_after};
+use super::names::ADDON_NAME;
+use super::settings::{AddonSettings, InstallStrategy, PlacementRef};
 use super::status::addon_meta;
-use super::{
-    ADDON_NAME, AddonError, AddonSettings, Context, InstallStrategy, PlacementRef, retry_after,
-};
 use crate::apply;
 
 const CONTROLLER: &str = "install";
@@ -248,55 +246,6 @@ pub fn installed_addon(
     addon.metadata.namespace = Some(cluster.to_owned());
     addon.metadata.owner_references = apply::owner_reference(management).map(|owner| vec![owner]);
     addon
-}
-
-/// The installed addons whose cluster left the placements, and since when.
-///
-/// A cluster out of every decision is not taken for gone at once: OCM's
-/// placement controller writes a placement's decisions one object at a time,
-/// and a cluster moving between two of them is briefly in neither. Its
-/// addon is removed only once the cluster has stayed out for the grace;
-/// seen in a decision again, it is forgotten.
-pub struct PendingRemovals {
-    grace: Duration,
-    since: Mutex<HashMap<String, Instant>>,
-    gauge: Gauge,
-}
-
-impl PendingRemovals {
-    pub fn new(grace: Duration, gauge: Gauge) -> Self {
-        Self {
-            grace,
-            since: Mutex::new(HashMap::new()),
-            gauge,
-        }
-    }
-
-    /// How long `cluster`, out of every decision now, still has to stay out
-    /// before its addon goes; `None`: remove it now. The first call starts
-    /// the grace.
-    pub fn remaining(&self, cluster: &str) -> Option<Duration> {
-        let mut since = self.lock();
-        let left_at = *since.entry(cluster.to_owned()).or_insert_with(Instant::now);
-        let remaining = self.grace.saturating_sub(left_at.elapsed());
-        self.gauge.set(since.len() as i64);
-        (!remaining.is_zero()).then_some(remaining)
-    }
-
-    /// `cluster` is selected again, or its addon is gone: nothing pending.
-    pub fn forget(&self, cluster: &str) {
-        let mut since = self.lock();
-        if since.remove(cluster).is_some() {
-            self.gauge.set(since.len() as i64);
-        }
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Instant>> {
-        // The map holds plain data: a panic elsewhere leaves it consistent.
-        self.since
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
 }
 
 /// Reconciles one ManagedCluster's installation.

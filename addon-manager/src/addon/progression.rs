@@ -24,11 +24,13 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::Api;
 use kube::runtime::reflector::ObjectRef;
-use tokio::sync::Notify;
 
 use super::config::{self, ADC_GROUP, ADC_RESOURCE, MPC_GROUP, MPC_RESOURCE};
+use super::context::Context;
+use super::error::AddonError;
+use super::names::ADDON_NAME;
 use super::rollout::{self, Phase, Strategy};
-use super::{ADDON_NAME, AddonError, Context, InstallStrategy, PlacementRef};
+use super::settings::{InstallStrategy, PlacementRef};
 use crate::apply;
 
 /// How long changes are gathered before the summary is written: a rollout
@@ -37,19 +39,6 @@ pub const COALESCE: Duration = Duration::from_secs(1);
 /// How often it is looked at without a change (a `progressDeadline`
 /// passing changes nothing that signals).
 const RECHECK: Duration = Duration::from_secs(30);
-
-/// Tells the summary task that an addon's rollout state may have changed.
-#[derive(Default)]
-pub struct ProgressionSignal {
-    changed: Notify,
-}
-
-impl ProgressionSignal {
-    /// Something the summary counts changed.
-    pub fn changed(&self) {
-        self.changed.notify_one();
-    }
-}
 
 /// Counts of one placement's clusters by where they stand.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -310,7 +299,15 @@ fn placement_counts(
     // Only the deadline matters to where a cluster stands.
     let strategy = rollout::placement_strategy(Some(management), placement)
         .unwrap_or_else(|_| Strategy::all());
-    let members = rollout::members(context, placement, &strategy, mpc, Some(management), now);
+    let members = rollout::members(
+        &context.settings,
+        &context.caches,
+        placement,
+        &strategy,
+        mpc,
+        Some(management),
+        now,
+    );
     Counts::of(
         selected.len(),
         members.into_iter().map(|member| member.phase),
@@ -370,7 +367,7 @@ pub async fn run(context: Arc<Context>, shutdown: impl Future<Output = ()>) {
                 tracing::warn!(%error, management = ADDON_NAME, "writing the ClusterManagementAddOn's installProgressions failed; retrying");
             }
             tokio::select! {
-                () = context.progressions.changed.notified() => {}
+                () = context.progressions.notified() => {}
                 () = tokio::time::sleep(RECHECK) => {}
             }
             // Gather the changes of a burst into one write.

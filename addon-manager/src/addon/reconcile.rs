@@ -33,20 +33,22 @@ use super::cache::{
     AddonCacheWriters, cached_or_read, get_opt, reflected_objects, reflected_triggers,
 };
 use super::config::{self, DeploymentConfigRef};
+use super::context::Context;
 use super::customize::{AgentCustomization, CustomizationError};
+use super::error::{AddonError, retry_after};
 use super::install;
+use super::names::{
+    ADDON_NAME, AGENT_RBAC_NAME, CA_BUNDLE_KEY, CA_BUNDLE_SECRET, MANIFEST_WORK_NAME,
+};
 use super::render::{self, AgentInputs};
 use super::rollout;
+use super::settings::InstallStrategy;
 use super::status::{
     Decided, OwnedStatus, REASON_CA_NOT_FOUND, REASON_CLUSTER_NOT_FOUND,
     REASON_CONFIGURATION_NOT_FOUND, REASON_CONFIGURED, REASON_ENTRYPOINT_NOT_READY,
     REASON_INVALID_CLUSTER_NAME, REASON_INVALID_CONFIGURATION, REASON_INVALID_IMAGE_REGISTRIES,
     REASON_INVALID_INSTALL_NAMESPACE, REASON_INVALID_NODE_SELECTOR,
     REASON_INVALID_RESOURCE_REQUIREMENTS, REASON_MANIFEST_APPLYING,
-};
-use super::{
-    ADDON_NAME, AGENT_RBAC_NAME, AddonError, CA_BUNDLE_KEY, CA_BUNDLE_SECRET, Context,
-    InstallStrategy, MANIFEST_WORK_NAME, retry_after,
 };
 use crate::apply;
 
@@ -355,7 +357,12 @@ async fn configurations(
     };
     let managements = Api::<ClusterManagementAddOn>::all(client.clone());
     let management = cached_or_read(&cache.managements, &managements, ADDON_NAME).await?;
-    let placement = rollout::placement_of(context, management.as_deref(), cluster);
+    let placement = rollout::placement_of(
+        &context.settings,
+        &context.caches,
+        management.as_deref(),
+        cluster,
+    );
     let selection = match (&placement, &context.settings.install_strategy) {
         (Some(placement), _) => config::Selection::By(&placement.placement),
         (None, InstallStrategy::Placements(_)) => config::Selection::Unselected,
@@ -561,7 +568,8 @@ fn change_admission(
             target,
             || {
                 rollout::members(
-                    context,
+                    &context.settings,
+                    &context.caches,
                     placement,
                     strategy,
                     &configs.mpc,
@@ -683,7 +691,8 @@ fn advance_rollout(
             strategy,
             || {
                 rollout::members(
-                    context,
+                    &context.settings,
+                    &context.caches,
                     &placement.placement,
                     strategy,
                     &configs.mpc,

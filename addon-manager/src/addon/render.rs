@@ -39,7 +39,7 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use sha2::{Digest, Sha256};
 
 use super::customize::AgentCustomization;
-use super::{
+use super::names::{
     ADDON_NAME, AGENT_CA_SECRET, AGENT_CLIENT_CERT_SECRET, AGENT_DEPLOYMENT, AGENT_RBAC_NAME,
     AGENT_SERVICE_ACCOUNT, HUB_KUBECONFIG_SECRET, MANIFEST_WORK_NAME,
 };

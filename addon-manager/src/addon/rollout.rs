@@ -45,8 +45,10 @@ use kube::runtime::reflector::ObjectRef;
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::mpsc;
 
+use super::cache::Caches;
 use super::config;
-use super::{ADDON_NAME, Context, InstallStrategy, MANIFEST_WORK_NAME, PlacementRef};
+use super::names::{ADDON_NAME, MANIFEST_WORK_NAME};
+use super::settings::{AddonSettings, InstallStrategy, PlacementRef};
 
 /// ManifestWork annotation: the spec hash of every configuration the work
 /// was rendered from, as a JSON object keyed `<resource>.<group>/<namespace>/<name>`
@@ -754,14 +756,15 @@ pub struct ClusterPlacement {
 /// See [`ClusterPlacement`]; `None` when no placement selects `cluster`
 /// (the `Manual` strategy, or an addon users created).
 pub fn placement_of(
-    context: &Context,
+    settings: &AddonSettings,
+    caches: &Caches,
     management: Option<&ClusterManagementAddOn>,
     cluster: &str,
 ) -> Option<ClusterPlacement> {
-    let InstallStrategy::Placements(placements) = &context.settings.install_strategy else {
+    let InstallStrategy::Placements(placements) = &settings.install_strategy else {
         return None;
     };
-    let decisions = context.caches.install.decisions.state();
+    let decisions = caches.install.decisions.state();
     let placement = placements.iter().find(|placement| {
         decisions.iter().any(|decision| {
             of_placement(decision, placement)
@@ -776,11 +779,14 @@ pub fn placement_of(
 
 /// Each selected cluster's placement as [`placement_of`] finds it: the first
 /// of the install strategy's placements whose decisions select it.
-fn owning_placements(context: &Context) -> HashMap<String, &PlacementRef> {
-    let InstallStrategy::Placements(placements) = &context.settings.install_strategy else {
+fn owning_placements<'a>(
+    settings: &'a AddonSettings,
+    caches: &Caches,
+) -> HashMap<String, &'a PlacementRef> {
+    let InstallStrategy::Placements(placements) = &settings.install_strategy else {
         return HashMap::new();
     };
-    let decisions = context.caches.install.decisions.state();
+    let decisions = caches.install.decisions.state();
     let mut owners = HashMap::new();
     for placement in placements {
         for decision in decisions
@@ -822,7 +828,8 @@ pub fn of_placement(decision: &PlacementDecision, placement: &PlacementRef) -> b
 /// measured against its own configurations (the MPC `mpc`, and the
 /// AddOnDeploymentConfig its addon or `management` names).
 pub fn members(
-    context: &Context,
+    settings: &AddonSettings,
+    caches: &Caches,
     placement: &PlacementRef,
     strategy: &Strategy,
     mpc: &ManagedProxyConfiguration,
@@ -839,8 +846,8 @@ pub fn members(
     let mut members = Vec::new();
     // A cluster some earlier placement selects too takes its configurations
     // from that one, as its reconcile does (`placement_of`).
-    let owners = owning_placements(context);
-    for decision in context.caches.install.decisions.state() {
+    let owners = owning_placements(settings, caches);
+    for decision in caches.install.decisions.state() {
         if !of_placement(&decision, placement) {
             continue;
         }
@@ -848,8 +855,7 @@ pub fn members(
         let group_index = label(LABEL_DECISION_GROUP_INDEX).parse().unwrap_or(0);
         let group_name = label(LABEL_DECISION_GROUP_NAME);
         for cluster in decision.cluster_names() {
-            let Some(addon) = context
-                .caches
+            let Some(addon) = caches
                 .install
                 .addons
                 .get(&ObjectRef::new(ADDON_NAME).within(cluster))
@@ -864,8 +870,7 @@ pub fn members(
                 .or_insert_with(|| {
                     let mut references = vec![mpc_reference.clone()];
                     if let Some(adc_ref) = &adc_ref {
-                        let adc = context
-                            .caches
+                        let adc = caches
                             .addon
                             .deployment_configs
                             .get(&ObjectRef::new(&adc_ref.name).within(&adc_ref.namespace))?;
@@ -879,8 +884,7 @@ pub fn members(
             let Some(target) = target else {
                 continue;
             };
-            let work = context
-                .caches
+            let work = caches
                 .addon
                 .works
                 .get(&ObjectRef::new(MANIFEST_WORK_NAME).within(cluster));

@@ -193,7 +193,7 @@ impl OwnedStatus {
 /// The addon's display name and description (upstream §8).
 pub fn addon_meta() -> AddOnMeta {
     AddOnMeta {
-        display_name: Some(super::ADDON_NAME.into()),
-        description: Some(super::ADDON_NAME.into()),
+        display_name: Some(super::names::ADDON_NAME.into()),
+        description: Some(super::names::ADDON_NAME.into()),
     }
 }
