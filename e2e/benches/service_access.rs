@@ -3,6 +3,11 @@
 //! service-proxy (with TokenReview, SubjectAccessReview and impersonation),
 //! in one run on loopback ([`e2e::service_access::Fleet`]).
 //!
+//! Then the hub's side of many users: `CP_BENCH_USERS` hub users (default
+//! 100) at once, `CP_BENCH_USER_REQUESTS` sequential GETs each (default
+//! 100): the TokenReviews and SubjectAccessReviews the hub answered, and
+//! their peak per second (sampled every 100 ms).
+//!
 //! `cargo bench -p e2e --bench service_access` (env: `CP_BENCH_REQUESTS`
 //! sequential requests per path for the latency, default 2000;
 //! `CP_BENCH_SECONDS` per concurrency level for requests/s, default 3).
@@ -126,6 +131,88 @@ async fn main() -> anyhow::Result<()> {
     println!(
         "hub TokenReviews during the measured requests: {} (one user, cached)",
         fleet.hub.token_reviews() - reviews_before
+    );
+    many_users(&fleet).await
+}
+
+/// `CP_BENCH_USERS` users at once, each `CP_BENCH_USER_REQUESTS` GETs: what
+/// the hub answers for them.
+async fn many_users(fleet: &Fleet) -> anyhow::Result<()> {
+    let users = knob("CP_BENCH_USERS", 100);
+    let per_user = knob("CP_BENCH_USER_REQUESTS", 100);
+    // On cluster-a, team-a (as cluster:hub:team-a) reads ConfigMaps.
+    e2e::service_access::create(
+        &fleet.managed.client().await?,
+        e2e::service_access::cluster_binding(
+            "hub-team-a-reads",
+            "configmap-reader",
+            "Group",
+            "cluster:hub:team-a",
+        ),
+    )
+    .await?;
+    let mut clients = Vec::with_capacity(users);
+    for index in 0..users {
+        let token = fleet.hub_user(&format!("user-{index}"), &["team-a"]);
+        // Each user's own client (its own connection), as separate kubectls.
+        clients.push(Api::<ConfigMap>::namespaced(
+            fleet.path.client(CLUSTER_A, &token).await?,
+            "default",
+        ));
+    }
+    let hub = &fleet.hub;
+    let reviews = || hub.token_reviews() + hub.subject_access_reviews();
+    let (token_before, access_before) = (hub.token_reviews(), hub.subject_access_reviews());
+    let (done_tx, mut done_rx) = tokio::sync::watch::channel(false);
+    let sampler = {
+        let mut last = reviews();
+        let mut peak = 0u64;
+        async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(100));
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => {
+                        let now = reviews();
+                        peak = peak.max((now - last) * 10);
+                        last = now;
+                    }
+                    _ = done_rx.changed() => break,
+                }
+            }
+            peak
+        }
+    };
+    let started = Instant::now();
+    let load = async {
+        let tasks: Vec<_> = clients
+            .into_iter()
+            .map(|api| {
+                tokio::spawn(async move {
+                    for _ in 0..per_user {
+                        api.get("greeting").await.expect("GET");
+                    }
+                })
+            })
+            .collect();
+        for task in tasks {
+            task.await.expect("user task");
+        }
+        let _ = done_tx.send(true);
+    };
+    let ((), peak) = tokio::join!(load, sampler);
+    let elapsed = started.elapsed();
+    let total = users * per_user;
+    println!();
+    println!(
+        "{users} hub users at once, {per_user} GETs each ({total} requests in {:.1} s, {:.0}/s):",
+        elapsed.as_secs_f64(),
+        total as f64 / elapsed.as_secs_f64()
+    );
+    println!(
+        "hub TokenReviews {}, SubjectAccessReviews {} (authorization cache 300 ms here; the \
+         user-server's default is 10 s); hub review calls at peak {peak}/s",
+        hub.token_reviews() - token_before,
+        hub.subject_access_reviews() - access_before
     );
     Ok(())
 }

@@ -311,6 +311,7 @@ impl KubeApi {
             shutdown: shutdown_rx.clone(),
             pods: Default::default(),
             token_reviews: Default::default(),
+            subject_access_reviews: Default::default(),
         });
         tokio::spawn(lifecycle::run(shared.store.clone(), shutdown_rx.clone()));
         let ca_pem = ca.cert_pem().to_string();
@@ -360,6 +361,13 @@ impl KubeApi {
     pub fn token_reviews(&self) -> u64 {
         self.shared
             .token_reviews
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// How many SubjectAccessReviews the API has answered.
+    pub fn subject_access_reviews(&self) -> u64 {
+        self.shared
+            .subject_access_reviews
             .load(std::sync::atomic::Ordering::Relaxed)
     }
 

@@ -129,6 +129,9 @@ pub(crate) async fn subject_access_review(
         ));
     }
     let attributes = access_review_attributes(&review, "SubjectAccessReview")?;
+    shared
+        .subject_access_reviews
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let allowed = shared.allowed(&subject, &attributes);
     let status = if allowed {
         json!({"allowed": true, "reason": "RBAC: allowed"})

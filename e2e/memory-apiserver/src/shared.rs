@@ -45,6 +45,8 @@ pub struct Shared {
     pub pods: PodNetwork,
     /// TokenReviews answered: what a caching authenticator saves.
     pub token_reviews: AtomicU64,
+    /// SubjectAccessReviews answered (likewise for a caching authorizer).
+    pub subject_access_reviews: AtomicU64,
 }
 
 /// The ServiceAccount a bound token belongs to.
