@@ -571,3 +571,58 @@ where
     let body = response.into_body().collect().await?.to_bytes();
     Ok((status, serde_json::from_slice(&body).unwrap_or(Value::Null)))
 }
+
+/// A TokenRequest token (valid `seconds`) of ServiceAccount
+/// `namespace/name`, for tests against a real API server.
+pub async fn service_account_token(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+    seconds: i64,
+) -> anyhow::Result<String> {
+    use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
+    let request = TokenRequest {
+        spec: TokenRequestSpec {
+            expiration_seconds: Some(seconds),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    Ok(Api::<ServiceAccount>::namespaced(client.clone(), namespace)
+        .create_token_request(name, &PostParams::default(), &request)
+        .await
+        .with_context(|| format!("TokenRequest for {namespace}/{name}"))?
+        .status
+        .context("a TokenRequest answers a token")?
+        .token)
+}
+
+/// The API server's URL and CA (PEM) named by `kubeconfig`'s first cluster.
+pub fn server_and_ca(kubeconfig: &kube::config::Kubeconfig) -> anyhow::Result<(String, String)> {
+    use base64::Engine as _;
+    let cluster = kubeconfig
+        .clusters
+        .first()
+        .and_then(|c| c.cluster.as_ref())
+        .context("the kubeconfig names no cluster")?;
+    let url = cluster
+        .server
+        .clone()
+        .context("the cluster has no server")?;
+    let ca = match (
+        &cluster.certificate_authority_data,
+        &cluster.certificate_authority,
+    ) {
+        (Some(data), _) => String::from_utf8(
+            base64::engine::general_purpose::STANDARD
+                .decode(data)
+                .context("certificate-authority-data is not base64")?,
+        )
+        .context("the CA is not PEM text")?,
+        (None, Some(file)) => {
+            std::fs::read_to_string(file).with_context(|| format!("reading {file}"))?
+        }
+        (None, None) => anyhow::bail!("the kubeconfig's cluster carries no CA"),
+    };
+    Ok((url.trim_end_matches('/').to_owned(), ca))
+}

@@ -91,7 +91,6 @@ use std::time::{Duration, Instant};
 use e2e::env::client::{Frontend, HubClient};
 use e2e::env::control_plane::HubRbac;
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::certificates::v1::CertificateSigningRequest;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Namespace, Secret, ServiceAccount};
@@ -374,21 +373,9 @@ fn token_kubeconfig(admin: &Kubeconfig, token: &str, path: &Path) {
 }
 
 async fn service_account_token(client: &Client, namespace: &str, name: &str) -> String {
-    let request = TokenRequest {
-        spec: TokenRequestSpec {
-            audiences: Vec::new(),
-            expiration_seconds: Some(24 * 3600),
-            ..Default::default()
-        },
-        ..Default::default()
-    };
-    Api::<ServiceAccount>::namespaced(client.clone(), namespace)
-        .create_token_request(name, &PostParams::default(), &request)
+    e2e::service_access::service_account_token(client, namespace, name, 24 * 3600)
         .await
-        .unwrap_or_else(|e| panic!("TokenRequest for {namespace}/{name}: {e}"))
-        .status
-        .expect("a TokenRequest answers a token")
-        .token
+        .unwrap_or_else(|e| panic!("{e:#}"))
 }
 
 /// Extra arguments per container, the same for every pod.
@@ -745,29 +732,8 @@ async fn real_hub_install_join_available_reach_uninstall() {
             .parse()
             .expect("the API server is at an IP address")
     };
-    let cluster_ca_pem = {
-        let named = admin_config
-            .clusters
-            .first()
-            .and_then(|c| c.cluster.clone())
-            .unwrap();
-        match (
-            &named.certificate_authority_data,
-            &named.certificate_authority,
-        ) {
-            (Some(data), _) => {
-                use base64::Engine;
-                String::from_utf8(
-                    base64::engine::general_purpose::STANDARD
-                        .decode(data)
-                        .unwrap(),
-                )
-                .unwrap()
-            }
-            (None, Some(file)) => std::fs::read_to_string(file).unwrap(),
-            (None, None) => panic!("the admin kubeconfig names no CA"),
-        }
-    };
+    let (_, cluster_ca_pem) =
+        e2e::service_access::server_and_ca(&admin_config).unwrap_or_else(|e| panic!("{e:#}"));
     let admin = Client::try_from(config).expect("a client");
 
     // Precondition: the cluster joined and was accepted.

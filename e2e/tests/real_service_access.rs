@@ -33,7 +33,6 @@ use std::time::Duration;
 use e2e::service_access::{
     AccessPath, CLUSTER_A, ManagedApi, cluster_binding, cluster_role, create,
 };
-use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Secret, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
 use kube::api::{DeleteParams, ListParams, PostParams};
@@ -49,31 +48,6 @@ fn log(text: impl AsRef<str>) {
     eprintln!("[real_service_access] {}", text.as_ref());
 }
 
-/// The kube API's URL and CA (PEM) from the administrator's kubeconfig.
-fn api_of(kubeconfig: &Kubeconfig) -> (String, String) {
-    let cluster = kubeconfig
-        .clusters
-        .first()
-        .and_then(|c| c.cluster.as_ref())
-        .expect("the kubeconfig names a cluster");
-    let url = cluster.server.clone().expect("the cluster has a server");
-    let ca = match (
-        &cluster.certificate_authority_data,
-        &cluster.certificate_authority,
-    ) {
-        (Some(data), _) => {
-            use base64::Engine as _;
-            let pem = base64::engine::general_purpose::STANDARD
-                .decode(data)
-                .expect("certificate-authority-data is base64");
-            String::from_utf8(pem).expect("the CA is PEM")
-        }
-        (None, Some(file)) => std::fs::read_to_string(file).expect("reading certificate-authority"),
-        (None, None) => panic!("the kubeconfig's cluster carries no CA"),
-    };
-    (url.trim_end_matches('/').to_owned(), ca)
-}
-
 async fn token_of(admin: &Client, account: &str) -> String {
     Api::<ServiceAccount>::namespaced(admin.clone(), NAMESPACE)
         .create(
@@ -82,20 +56,9 @@ async fn token_of(admin: &Client, account: &str) -> String {
         )
         .await
         .unwrap_or_else(|e| panic!("creating ServiceAccount {account}: {e}"));
-    let request = TokenRequest {
-        spec: TokenRequestSpec {
-            expiration_seconds: Some(3600),
-            ..Default::default()
-        },
-        ..Default::default()
-    };
-    Api::<ServiceAccount>::namespaced(admin.clone(), NAMESPACE)
-        .create_token_request(account, &PostParams::default(), &request)
+    e2e::service_access::service_account_token(admin, NAMESPACE, account, 3600)
         .await
-        .unwrap_or_else(|e| panic!("TokenRequest for {account}: {e}"))
-        .status
-        .expect("a TokenRequest answers a token")
-        .token
+        .unwrap()
 }
 
 /// Removes what a run creates; waits until the Namespace is gone.
@@ -152,7 +115,7 @@ async fn service_access_on_a_real_api_server() {
         return;
     };
     let kubeconfig = Kubeconfig::read_from(&path).expect("reading the administrator's kubeconfig");
-    let (url, ca_pem) = api_of(&kubeconfig);
+    let (url, ca_pem) = e2e::service_access::server_and_ca(&kubeconfig).unwrap();
     let admin = Client::try_from(
         kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
             .await

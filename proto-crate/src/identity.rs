@@ -43,6 +43,12 @@ pub fn is_dns1123_label(s: &str) -> bool {
         && b[b.len() - 1] != b'-'
 }
 
+/// Whether `value` is a DNS-1123 subdomain (dot-separated labels, at most
+/// 253), as Kubernetes requires of most object names.
+pub fn is_dns1123_subdomain(value: &str) -> bool {
+    value.len() <= 253 && value.split('.').all(is_dns1123_label)
+}
+
 /// A validated OCM managed-cluster name.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ClusterName(String);

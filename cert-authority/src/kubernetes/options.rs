@@ -183,18 +183,7 @@ impl LeafSecretNames {
 }
 
 /// A Kubernetes object name (RFC 1123 subdomain).
-pub(crate) fn is_dns_subdomain(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= 253
-        && name.split('.').all(|label| {
-            !label.is_empty()
-                && label
-                    .bytes()
-                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-                && !label.starts_with('-')
-                && !label.ends_with('-')
-        })
-}
+pub(crate) use cluster_proxy_proto::identity::is_dns1123_subdomain as is_dns_subdomain;
 
 #[cfg(test)]
 mod tests {

@@ -397,16 +397,7 @@ fn check_dns_label(field: &'static str, value: &str) -> Result<(), ConfigError> 
 
 /// RFC 1123 subdomain, as Kubernetes requires of Lease names.
 fn check_dns_subdomain(field: &'static str, value: &str) -> Result<(), ConfigError> {
-    let valid = !value.is_empty()
-        && value.len() <= 253
-        && value.split('.').all(|label| {
-            !label.is_empty()
-                && label
-                    .bytes()
-                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-                && !label.starts_with('-')
-                && !label.ends_with('-')
-        });
+    let valid = cluster_proxy_proto::identity::is_dns1123_subdomain(value);
     if valid {
         Ok(())
     } else {

@@ -110,10 +110,7 @@ impl Problems {
     }
 }
 
-/// Whether `value` is a DNS-1123 subdomain (dot-separated labels, at most 253).
-pub fn is_dns1123_subdomain(value: &str) -> bool {
-    value.len() <= 253 && value.split('.').all(is_dns1123_label)
-}
+pub use crate::identity::is_dns1123_subdomain;
 
 /// Whether `key` is a qualified name as annotation and label keys must be:
 /// an optional DNS-subdomain prefix and `/`, then a name of at most 63
