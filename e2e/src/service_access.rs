@@ -519,6 +519,21 @@ impl AccessPath {
         token: &str,
         args: &[&str],
     ) -> anyhow::Result<std::process::Output> {
+        let mut command = self.kubectl_command(cluster, token, args);
+        tokio::time::timeout(Duration::from_secs(60), command.output())
+            .await
+            .context("kubectl did not finish within 60 s")?
+            .context("running kubectl")
+    }
+
+    /// The kubectl command line of [`AccessPath::kubectl`], to run with
+    /// stdin or to stream from.
+    pub fn kubectl_command(
+        &self,
+        cluster: &str,
+        token: &str,
+        args: &[&str],
+    ) -> tokio::process::Command {
         let mut command = tokio::process::Command::new("kubectl");
         command
             .env("KUBECONFIG", self.dir.join("no-kubeconfig"))
@@ -531,10 +546,7 @@ impl AccessPath {
             ))
             .args(args)
             .kill_on_drop(true);
-        tokio::time::timeout(Duration::from_secs(60), command.output())
-            .await
-            .context("kubectl did not finish within 60 s")?
-            .context("running kubectl")
+        command
     }
 }
 

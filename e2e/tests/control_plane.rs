@@ -349,6 +349,34 @@ async fn the_hub_follows_the_managed_proxy_configuration() {
     })
     .await;
 
+    // The kubelet's `pods/log` and `pods/exec` reach the replica's
+    // process: its log begins with its command line, and a command runs
+    // beside it with the container's environment (the downward API's
+    // pod name).
+    let log = pods
+        .logs("cluster-proxy-0", &kube::api::LogParams::default())
+        .await
+        .unwrap();
+    assert!(
+        log.lines()
+            .next()
+            .is_some_and(|l| l.contains("proxy-server")),
+        "{log}"
+    );
+    let mut attached = pods
+        .exec(
+            "cluster-proxy-0",
+            ["sh", "-c", "echo $PROXY_SERVER_ID"],
+            &kube::api::AttachParams::default().stderr(false),
+        )
+        .await
+        .unwrap();
+    let mut echoed = String::new();
+    tokio::io::AsyncReadExt::read_to_string(&mut attached.stdout().unwrap(), &mut echoed)
+        .await
+        .unwrap();
+    assert_eq!(echoed.trim(), "cluster-proxy-0");
+
     // Drift: the in-cluster Service is deleted; the controller's watch
     // brings it back.
     let services: Api<Service> = Api::namespaced(admin.clone(), ADDON_NAMESPACE);

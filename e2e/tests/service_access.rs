@@ -593,3 +593,190 @@ async fn port_forward_streams_through_the_user_server_and_the_service_proxy() {
     // not served by the in-memory API yet; the relay above is the same for
     // any upgrade.
 }
+
+/// kubectl exec (WebSocket v5), exec with stdin, cp both ways and logs
+/// (tail and follow) through the user-server and the service-proxy, as
+/// hub alice, decided by cluster-a's RBAC for `cluster:hub:alice`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kubectl_exec_cp_and_logs_through_the_user_server() {
+    use std::io::Write;
+    use std::process::Stdio;
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+    if !kubectl_available() {
+        return;
+    }
+    let fleet = Fleet::start().await.unwrap();
+    let alice = fleet.hub_user("alice", &["team-a"]);
+    let managed = fleet.managed.client().await.unwrap();
+    create(
+        &managed,
+        cluster_role(
+            "pod-operator",
+            json!([{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]},
+                   {"apiGroups": [""], "resources": ["pods/exec"], "verbs": ["get", "create"]},
+                   {"apiGroups": [""], "resources": ["pods/log"], "verbs": ["get"]}]),
+        ),
+    )
+    .await
+    .unwrap();
+    create(
+        &managed,
+        cluster_binding(
+            "hub-alice-operates",
+            "pod-operator",
+            "User",
+            "cluster:hub:alice",
+        ),
+    )
+    .await
+    .unwrap();
+    let pod_dir = fleet.dir.path().join("shell-0");
+    std::fs::create_dir_all(&pod_dir).unwrap();
+    let log = pod_dir.join("main.log");
+    std::fs::write(&log, "starting\nready\n").unwrap();
+    let pod = memory_apiserver::pods::RunningPod {
+        namespace: "default".into(),
+        name: "shell-0".into(),
+        ready: true,
+        containers: std::collections::BTreeMap::from([(
+            "main".to_owned(),
+            memory_apiserver::pods::ContainerRuntime {
+                log: Some(log.clone()),
+                exec: Some(memory_apiserver::pods::ExecContext {
+                    dir: pod_dir.clone(),
+                    ..Default::default()
+                }),
+            },
+        )]),
+        ..Default::default()
+    };
+    fleet.managed.kubelet().run(&pod).unwrap();
+    let kubectl = async |args: &[&str]| fleet.path.kubectl(CLUSTER_A, &alice, args).await;
+
+    let output = kubectl(&[
+        "exec",
+        "-n",
+        "default",
+        "shell-0",
+        "--",
+        "sh",
+        "-c",
+        "echo out; echo err >&2; exit 7",
+    ])
+    .await
+    .unwrap();
+    assert_eq!(output.status.code(), Some(7), "{output:?}");
+    assert_eq!(String::from_utf8_lossy(&output.stdout), "out\n");
+    assert!(String::from_utf8_lossy(&output.stderr).contains("err"));
+
+    let mut cat = fleet.path.kubectl_command(
+        CLUSTER_A,
+        &alice,
+        &["exec", "-i", "-n", "default", "shell-0", "--", "wc", "-c"],
+    );
+    cat.stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut cat = cat.spawn().unwrap();
+    let mut stdin = cat.stdin.take().unwrap();
+    stdin.write_all(&vec![b'x'; 100_000]).await.unwrap();
+    drop(stdin);
+    let output = tokio::time::timeout(Duration::from_secs(60), cat.wait_with_output())
+        .await
+        .expect("exec -i ends once its stdin does")
+        .unwrap();
+    assert_eq!(stdout(&output).trim(), "100000");
+
+    // 4 MiB each way through kubectl cp.
+    let payload: Vec<u8> = (0..4 * 1024 * 1024u32).map(|i| (i % 251) as u8).collect();
+    let local = fleet.dir.path().join("payload.bin");
+    std::fs::write(&local, &payload).unwrap();
+    let inside = pod_dir.join("copied.bin");
+    stdout(
+        &kubectl(&[
+            "cp",
+            &local.to_string_lossy(),
+            &format!("default/shell-0:{}", inside.display()),
+        ])
+        .await
+        .unwrap(),
+    );
+    assert!(
+        std::fs::read(&inside).unwrap() == payload,
+        "copied in differs"
+    );
+    let back = fleet.dir.path().join("back.bin");
+    stdout(
+        &kubectl(&[
+            "cp",
+            &format!("default/shell-0:{}", inside.display()),
+            &back.to_string_lossy(),
+        ])
+        .await
+        .unwrap(),
+    );
+    assert!(
+        std::fs::read(&back).unwrap() == payload,
+        "copied out differs"
+    );
+
+    assert_eq!(
+        stdout(
+            &kubectl(&["logs", "-n", "default", "shell-0", "--tail=1"])
+                .await
+                .unwrap()
+        ),
+        "ready\n"
+    );
+    let mut follow = fleet.path.kubectl_command(
+        CLUSTER_A,
+        &alice,
+        &["logs", "-f", "-n", "default", "shell-0", "--tail=0"],
+    );
+    follow.stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut follow = follow.spawn().unwrap();
+    let mut lines = BufReader::new(follow.stdout.take().unwrap()).lines();
+    let mut appended = std::fs::OpenOptions::new().append(true).open(&log).unwrap();
+    let seen = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            writeln!(appended, "served a request").unwrap();
+            tokio::select! {
+                line = lines.next_line() => break line.unwrap(),
+                () = tokio::time::sleep(Duration::from_millis(200)) => {}
+            }
+        }
+    })
+    .await
+    .expect("the followed log shows new lines through the user-server");
+    assert_eq!(seen.as_deref(), Some("served a request"));
+    fleet
+        .managed
+        .kubelet()
+        .remove("default", "shell-0")
+        .unwrap();
+    let status = tokio::time::timeout(Duration::from_secs(30), follow.wait())
+        .await
+        .expect("logs -f ends when the pod goes")
+        .unwrap();
+    assert!(status.success(), "{status:?}");
+
+    // Revoked on the managed cluster: exec is refused, naming the hub user.
+    fleet.managed.kubelet().run(&pod).unwrap();
+    Api::<DynamicObject>::all_with(
+        managed,
+        &resource(
+            "rbac.authorization.k8s.io",
+            "ClusterRoleBinding",
+            "clusterrolebindings",
+        ),
+    )
+    .delete("hub-alice-operates", &DeleteParams::default())
+    .await
+    .unwrap();
+    let denied = stderr_of_failure(
+        &kubectl(&["exec", "-n", "default", "shell-0", "--", "true"])
+            .await
+            .unwrap(),
+    );
+    assert!(denied.contains("cluster:hub:alice"), "{denied}");
+}

@@ -231,7 +231,8 @@ fn api_group(shared: &Shared, group: &str, path: &str) -> Result<Response<Body>,
 }
 
 /// The endpoints that are not stored objects and read the request body or
-/// stream: TokenRequest, the self reviews, pod port-forwarding.
+/// stream: TokenRequest, the self reviews, pod port-forwarding, exec and
+/// logs.
 enum Endpoint {
     Token { namespace: String, name: String },
     SelfSubjectAccessReview,
@@ -239,6 +240,8 @@ enum Endpoint {
     SubjectAccessReview,
     TokenReview,
     PortForward { namespace: String, name: String },
+    Exec { namespace: String, name: String },
+    Log { namespace: String, name: String },
 }
 
 impl Endpoint {
@@ -284,6 +287,14 @@ impl Endpoint {
                 namespace: (*namespace).to_owned(),
                 name: (*name).to_owned(),
             }),
+            ["api", "v1", "namespaces", namespace, "pods", name, "exec"] => Some(Endpoint::Exec {
+                namespace: (*namespace).to_owned(),
+                name: (*name).to_owned(),
+            }),
+            ["api", "v1", "namespaces", namespace, "pods", name, "log"] => Some(Endpoint::Log {
+                namespace: (*namespace).to_owned(),
+                name: (*name).to_owned(),
+            }),
             _ => None,
         }
     }
@@ -308,6 +319,12 @@ impl Endpoint {
             Endpoint::TokenReview => reviews::token_review(shared, user, request).await,
             Endpoint::PortForward { namespace, name } => {
                 super::portforward::serve(shared, user, request, &namespace, &name).await
+            }
+            Endpoint::Exec { namespace, name } => {
+                super::exec::serve(shared, user, request, &namespace, &name).await
+            }
+            Endpoint::Log { namespace, name } => {
+                super::log::serve(shared, user, request, &namespace, &name).await
             }
         }
     }

@@ -36,15 +36,18 @@
 //!   ([`signer`]);
 //! * protobuf, server-side printing of built-in types' own columns
 //!   (their Tables show Name and Age), OpenAPI documents, aggregated
-//!   discovery, `exec`/`logs`, `portforward` over SPDY (WebSocket is
-//!   served, [`portforward`]), API priority and fairness, and persistence.
+//!   discovery, SPDY for `exec` and `portforward` (WebSocket is served:
+//!   [`exec`], [`portforward`]; `logs` too: [`log`]), `attach`, API
+//!   priority and fairness, and persistence.
 
 pub mod body;
 pub mod error;
+pub mod exec;
 pub mod fields;
 pub mod http;
 pub mod lag;
 pub mod lifecycle;
+pub mod log;
 pub mod openapi;
 pub mod pods;
 pub mod portforward;
@@ -59,6 +62,7 @@ pub mod signer;
 pub mod store;
 pub mod table;
 pub mod validate;
+pub mod websocket;
 
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -534,7 +538,7 @@ async fn serve(
                 http::handle(shared.clone(), request)
             });
             let builder = auto::Builder::new(TokioExecutor::new());
-            // With upgrades: `pods/portforward` switches to WebSocket.
+            // With upgrades: `pods/portforward` and `pods/exec` switch to WebSocket.
             let connection = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
             tokio::pin!(connection);
             tokio::select! {

@@ -17,6 +17,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use serde_json::{Value, json};
@@ -31,6 +32,8 @@ pub struct Endpoint {
     pub uid: String,
     /// Container port → where it really listens.
     pub ports: BTreeMap<u16, SocketAddr>,
+    /// Container name → what the kubelet knows of its process.
+    pub containers: BTreeMap<String, ContainerRuntime>,
     /// Cancelled when the pod goes: its forwards end, as a dead
     /// container's connections do.
     pub gone: CancellationToken,
@@ -73,6 +76,31 @@ impl PodNetwork {
     }
 }
 
+/// What a kubelet knows of a container's process, beyond its ports:
+/// where its output goes (`pods/log`) and how to run a command beside it
+/// (`pods/exec`). A container without them has an empty log and refuses
+/// exec.
+#[derive(Debug, Clone, Default)]
+pub struct ContainerRuntime {
+    /// The file the container's process writes its stdout and stderr to.
+    pub log: Option<PathBuf>,
+    /// Where `pods/exec` runs commands; `None`: exec is refused.
+    pub exec: Option<ExecContext>,
+}
+
+/// How `pods/exec` runs a command "in" a container that is a local
+/// process: in its working directory, with its environment, in its
+/// network namespace (so the command sees the pod's network, as `exec` in
+/// a real pod does). There is no separate filesystem: paths are the
+/// machine's.
+#[derive(Debug, Clone, Default)]
+pub struct ExecContext {
+    pub dir: PathBuf,
+    pub env: Vec<(String, String)>,
+    /// Run through `ip netns exec <netns>`.
+    pub netns: Option<String>,
+}
+
 /// A pod the kubelet stand-in runs.
 #[derive(Debug, Clone, Default)]
 pub struct RunningPod {
@@ -84,6 +112,9 @@ pub struct RunningPod {
     pub ports: Vec<(String, u16, SocketAddr)>,
     pub ready: bool,
     pub pod_ip: Option<IpAddr>,
+    /// Containers' logs and exec (containers named here and not in
+    /// `ports` are containers without ports).
+    pub containers: BTreeMap<String, ContainerRuntime>,
 }
 
 /// The node every stand-in pod runs on.
@@ -150,6 +181,9 @@ impl KubeletPods {
                 .or_default()
                 .push(json!({"containerPort": port, "protocol": "TCP"}));
         }
+        for container in pod.containers.keys() {
+            containers.entry(container.as_str()).or_default();
+        }
         let containers: Vec<Value> = containers
             .into_iter()
             .map(
@@ -182,6 +216,7 @@ impl KubeletPods {
             Endpoint {
                 uid: uid.clone(),
                 ports: pod.ports.iter().map(|(_, p, addr)| (*p, *addr)).collect(),
+                containers: pod.containers.clone(),
                 gone: CancellationToken::new(),
             },
         );

@@ -1,11 +1,8 @@
 //! `pods/portforward` over WebSocket, as kube-apiserver and the kubelet
 //! serve it to kube-rs and other channel-protocol clients.
 //!
-//! * Authorization: a WebSocket upgrade is a `GET`, which RBAC sees as
-//!   `get` on `pods/portforward`; since v1.35 the apiserver also requires
-//!   `create` on it (`AuthorizePodWebsocketUpgradeCreatePermission`, on by
-//!   default), the verb a `POST` (SPDY) needs. Both are checked, before
-//!   the pod is looked up, with kube-apiserver 1.36's messages.
+//! * Authorization and the handshake: [`super::websocket`] (`get` and
+//!   `create` on `pods/portforward`).
 //! * Framing (kubelet's `wsstream`, subprotocol `v4.channel.k8s.io` or
 //!   plain `channel.k8s.io`): every message is binary, its first byte the
 //!   channel; port *i* of `?ports=` has data channel `2i` and error
@@ -26,8 +23,7 @@ use std::net::SocketAddr;
 
 use bytes::Bytes;
 use futures_util::{SinkExt, StreamExt};
-use http::{Method, Request, Response, StatusCode, header};
-use http_body_util::{BodyExt, Empty};
+use http::{Request, Response};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use serde_json::Value;
@@ -36,29 +32,18 @@ use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio_tungstenite::WebSocketStream;
 use tokio_tungstenite::tungstenite::Message;
-use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
 use tokio_tungstenite::tungstenite::protocol::Role;
 
 use super::error::ApiError;
 use super::pods::Endpoint;
-use super::rbac;
 use super::shared::{Body, Shared};
 use super::store::User;
+use super::websocket::{self, framed};
 
 /// The binary channel protocols served, preferred first.
 const PROTOCOLS: &[&str] = &["v4.channel.k8s.io", "channel.k8s.io"];
 /// Read size from a pod's port.
 const CHUNK: usize = 32 * 1024;
-
-fn attributes(verb: &str, namespace: &str, name: &str) -> rbac::Attributes {
-    rbac::Attributes::Resource {
-        verb: verb.into(),
-        group: String::new(),
-        resource: "pods/portforward".into(),
-        namespace: Some(namespace.to_string()),
-        name: Some(name.to_string()),
-    }
-}
 
 /// The ports of `?ports=` (repeated or comma-separated), as the kubelet
 /// parses them.
@@ -88,40 +73,6 @@ pub fn ports(query: Option<&str>) -> Result<Vec<u16>, ApiError> {
     Ok(ports)
 }
 
-fn header_text(request: &Request<Incoming>, name: header::HeaderName) -> Option<&str> {
-    request.headers().get(name).and_then(|v| v.to_str().ok())
-}
-
-/// The subprotocol to answer with: `Some("")` when the client asked for
-/// none (the kubelet then speaks plain binary channels).
-fn negotiate(request: &Request<Incoming>) -> Result<&'static str, ApiError> {
-    let offered: Vec<String> = request
-        .headers()
-        .get_all(header::SEC_WEBSOCKET_PROTOCOL)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .map(|p| p.trim().to_string())
-        .filter(|p| !p.is_empty())
-        .collect();
-    if offered.is_empty() {
-        return Ok("");
-    }
-    for protocol in PROTOCOLS {
-        if offered.iter().any(|p| p == protocol) {
-            return Ok(protocol);
-        }
-    }
-    let spdy = if offered.iter().any(|p| p.starts_with("SPDY/")) {
-        " (SPDY over WebSocket is not served by this test API)"
-    } else {
-        ""
-    };
-    Err(ApiError::bad_request(format!(
-        "unable to upgrade connection: requested protocol(s) are not supported: {offered:?}; supports {PROTOCOLS:?}{spdy}"
-    )))
-}
-
 /// Serves `GET|POST /api/v1/namespaces/{namespace}/pods/{name}/portforward`.
 pub async fn serve(
     shared: &Shared,
@@ -130,45 +81,53 @@ pub async fn serve(
     namespace: &str,
     name: &str,
 ) -> Result<Response<Body>, ApiError> {
-    let upgrade = header_text(&request, header::UPGRADE)
-        .unwrap_or_default()
-        .to_ascii_lowercase();
     let t = shared
         .store
         .resource_type("", "v1", "pods")
         .ok_or_else(|| ApiError::new(500, "InternalError", "no pods type"))?;
-    match *request.method() {
-        Method::GET => {
-            // The authorization filter's check, by the method's verb.
-            shared.authorize(user, &attributes("get", namespace, name))?;
-            // PortForwardREST.Connect's `ensureAuthorizedForVerb`: its
-            // denial carries no RBAC reason (kube-apiserver 1.36, live).
-            shared
-                .authorize(user, &attributes("create", namespace, name))
-                .map_err(|_| {
-                    ApiError::new(403, "Forbidden", format!("pods {name:?} is forbidden: "))
-                        .about(&t, name)
-                })?;
-        }
-        Method::POST => shared.authorize(user, &attributes("create", namespace, name))?,
-        ref other => {
-            return Err(ApiError::new(
-                405,
-                "MethodNotAllowed",
-                format!("{other} is not supported on pods/portforward"),
-            ));
-        }
-    }
+    websocket::authorize(
+        shared,
+        user,
+        request.method(),
+        &t,
+        "portforward",
+        namespace,
+        name,
+    )?;
     let pod = shared.store.get(&t, Some(namespace), name)?;
-    if upgrade.starts_with("spdy/") {
-        return Err(ApiError::bad_request(
-            "unable to upgrade connection: SPDY port-forward is not served by this test API; use WebSocket (v4.channel.k8s.io)",
-        ));
-    }
-    if request.method() != Method::GET || upgrade != "websocket" {
-        return Err(ApiError::bad_request("Upgrade request required"));
-    }
+    websocket::require_websocket(&request, PROTOCOLS)?;
     let ports = ports(request.uri().query())?;
+    let endpoint = running_endpoint(shared, &pod, namespace, name)?;
+    let protocol = websocket::negotiate(&request, PROTOCOLS, true)?;
+    let (response, on_upgrade) = websocket::accept(&mut request, protocol)?;
+    let mut shutdown = shared.shutdown.clone();
+    let pod_name = format!("{namespace}/{name}");
+    tokio::spawn(async move {
+        let upgraded = match on_upgrade.await {
+            Ok(upgraded) => upgraded,
+            Err(error) => {
+                tracing::debug!(pod = %pod_name, %error, "port-forward upgrade failed");
+                return;
+            }
+        };
+        let ws = WebSocketStream::from_raw_socket(TokioIo::new(upgraded), Role::Server, None).await;
+        tokio::select! {
+            () = relay(ws, &pod_name, &ports, &endpoint) => {}
+            _ = shutdown.changed() => {}
+        }
+    });
+    Ok(response)
+}
+
+/// The kubelet's endpoint of `pod`, which must be bound to a node,
+/// `Running`, and the one the kubelet stand-in runs under this uid (an
+/// older pod of the same name is not this one).
+pub(crate) fn running_endpoint(
+    shared: &Shared,
+    pod: &Value,
+    namespace: &str,
+    name: &str,
+) -> Result<Endpoint, ApiError> {
     if pod
         .pointer("/spec/nodeName")
         .and_then(Value::as_str)
@@ -195,9 +154,7 @@ pub async fn serve(
         .pointer("/metadata/uid")
         .and_then(Value::as_str)
         .unwrap_or_default();
-    // The kubelet runs the pod only while the stand-in registered it under
-    // this uid; an older pod of the same name is not this one.
-    let endpoint = shared
+    shared
         .pods
         .lookup(namespace, name)
         .filter(|e| e.uid == uid)
@@ -207,58 +164,7 @@ pub async fn serve(
                 "InternalError",
                 format!("unable to upgrade connection: pod not found (\"{name}_{namespace}\")"),
             )
-        })?;
-    let protocol = negotiate(&request)?;
-    if header_text(&request, header::SEC_WEBSOCKET_VERSION) != Some("13") {
-        return Err(ApiError::bad_request(
-            "unable to upgrade connection: Sec-WebSocket-Version must be 13",
-        ));
-    }
-    let key = header_text(&request, header::SEC_WEBSOCKET_KEY).ok_or_else(|| {
-        ApiError::bad_request("unable to upgrade connection: no Sec-WebSocket-Key")
-    })?;
-    let accept = derive_accept_key(key.as_bytes());
-    let on_upgrade = hyper::upgrade::on(&mut request);
-    let mut shutdown = shared.shutdown.clone();
-    let pod_name = format!("{namespace}/{name}");
-    tokio::spawn(async move {
-        let upgraded = match on_upgrade.await {
-            Ok(upgraded) => upgraded,
-            Err(error) => {
-                tracing::debug!(pod = %pod_name, %error, "port-forward upgrade failed");
-                return;
-            }
-        };
-        let ws = WebSocketStream::from_raw_socket(TokioIo::new(upgraded), Role::Server, None).await;
-        tokio::select! {
-            () = relay(ws, &pod_name, &ports, &endpoint) => {}
-            _ = shutdown.changed() => {}
-        }
-    });
-
-    let mut response = Response::new(Empty::<Bytes>::new().boxed());
-    *response.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
-    let headers = response.headers_mut();
-    headers.insert(
-        header::UPGRADE,
-        header::HeaderValue::from_static("websocket"),
-    );
-    headers.insert(
-        header::CONNECTION,
-        header::HeaderValue::from_static("Upgrade"),
-    );
-    headers.insert(
-        header::SEC_WEBSOCKET_ACCEPT,
-        header::HeaderValue::from_str(&accept)
-            .map_err(|e| ApiError::new(500, "InternalError", e.to_string()))?,
-    );
-    if !protocol.is_empty() {
-        headers.insert(
-            header::SEC_WEBSOCKET_PROTOCOL,
-            header::HeaderValue::from_static(protocol),
-        );
-    }
-    Ok(response)
+        })
 }
 
 /// What a port's reader tells the relay.
@@ -267,13 +173,6 @@ enum FromPod {
     /// The port's connection ended (or never opened: the reason goes on
     /// its error channel).
     Done(usize, Option<String>),
-}
-
-fn framed(channel: u8, payload: &[u8]) -> Message {
-    let mut bytes = Vec::with_capacity(payload.len() + 1);
-    bytes.push(channel);
-    bytes.extend_from_slice(payload);
-    Message::binary(bytes)
 }
 
 async fn relay<S>(ws: WebSocketStream<S>, pod: &str, ports: &[u16], endpoint: &Endpoint)
@@ -363,7 +262,7 @@ where
             tracing::debug!(%pod, "pod gone; ending its port-forward");
         }
     }
-    let _ = sink.send(Message::Close(None)).await;
+    let _ = sink.send(websocket::normal_close()).await;
     let _ = sink.close().await;
 }
 

@@ -2541,6 +2541,7 @@ mod portforward {
                 ports: vec![("web".into(), 8080, target)],
                 ready: true,
                 pod_ip: Some(target.ip()),
+                ..RunningPod::default()
             })
             .unwrap();
 
@@ -2708,6 +2709,138 @@ mod portforward {
                 .unwrap();
         let (code, message) = api_code(admin.request_text(request).await.unwrap_err());
         assert_eq!((code, message.as_str()), (400, "Upgrade request required"));
+        api.shutdown().await;
+    }
+}
+
+mod exec {
+    //! `pods/exec` with kube-rs's client (`v4.channel.k8s.io`, no stdin
+    //! close) and the requests the apiserver and kubelet refuse.
+
+    use std::collections::BTreeMap;
+
+    use k8s_openapi::api::core::v1::Pod;
+    use kube::Api;
+    use kube::api::AttachParams;
+    use memory_apiserver::pods::{ContainerRuntime, ExecContext, RunningPod};
+    use memory_apiserver::{KubeApi, KubeApiOptions};
+    use tokio::io::AsyncReadExt;
+
+    fn api_code(err: kube::Error) -> (u16, String) {
+        match err {
+            kube::Error::Api(status) => (status.code, status.message),
+            other => panic!("not an API error: {other}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn exec_runs_the_command_and_refuses_what_the_kubelet_refuses() {
+        let dir = tempfile::tempdir().unwrap();
+        let api = KubeApi::start(KubeApiOptions::new(dir.path()))
+            .await
+            .unwrap();
+        let admin = api.client().await.unwrap();
+        let runtime = |exec: bool| ContainerRuntime {
+            log: None,
+            exec: exec.then(|| ExecContext {
+                dir: dir.path().to_path_buf(),
+                ..ExecContext::default()
+            }),
+        };
+        api.kubelet()
+            .run(&RunningPod {
+                namespace: "default".into(),
+                name: "two".into(),
+                ready: true,
+                containers: BTreeMap::from([
+                    ("main".to_owned(), runtime(true)),
+                    ("sidecar".to_owned(), runtime(false)),
+                ]),
+                ..RunningPod::default()
+            })
+            .unwrap();
+        let raw = admin.clone();
+        let pods: Api<Pod> = Api::namespaced(admin, "default");
+        let params = || AttachParams::default().container("main").stderr(false);
+
+        let mut attached = pods
+            .exec("two", ["sh", "-c", "printf 'hi\\n'; exit 4"], &params())
+            .await
+            .unwrap();
+        let mut stdout = attached.stdout().unwrap();
+        let status = attached.take_status().unwrap();
+        let mut out = String::new();
+        stdout.read_to_string(&mut out).await.unwrap();
+        assert_eq!(out, "hi\n");
+        let status = status.await.unwrap();
+        assert_eq!(status.reason.as_deref(), Some("NonZeroExitCode"));
+        let cause = &status.details.unwrap().causes.unwrap()[0];
+        assert_eq!(
+            (cause.reason.as_deref(), cause.message.as_deref()),
+            (Some("ExitCode"), Some("4"))
+        );
+
+        // Which container: two, none named.
+        let (code, message) = api_code(
+            pods.exec("two", ["true"], &AttachParams::default().stderr(false))
+                .await
+                .err()
+                .unwrap(),
+        );
+        assert_eq!(code, 400);
+        assert_eq!(
+            message,
+            "a container name must be specified for pod two, choose one of: [main sidecar]"
+        );
+        let (code, message) = api_code(
+            pods.exec("two", ["true"], &params().container("nope"))
+                .await
+                .err()
+                .unwrap(),
+        );
+        assert_eq!(
+            (code, message.as_str()),
+            (400, "container nope is not valid for pod two")
+        );
+        // A container the stand-in runs no commands for.
+        let (code, message) = api_code(
+            pods.exec("two", ["true"], &params().container("sidecar"))
+                .await
+                .err()
+                .unwrap(),
+        );
+        assert_eq!(code, 500, "{message}");
+        // No stream asked for, and no command (kube-rs refuses both
+        // itself; other clients need not).
+        for (query, expected) in [
+            (
+                "command=true&container=main",
+                "you must specify at least 1 of stdin, stdout, stderr",
+            ),
+            (
+                "stdout=true&container=main",
+                "you must specify at least one command for the container",
+            ),
+        ] {
+            let request =
+                http::Request::get(format!("/api/v1/namespaces/default/pods/two/exec?{query}"))
+                    .body(Vec::new())
+                    .unwrap();
+            let (code, message) = api_code(raw.request_text(request).await.unwrap_err());
+            assert_eq!((code, message.as_str()), (400, expected));
+        }
+        // A completed pod.
+        api.kubelet()
+            .set_phase("default", "two", "Succeeded")
+            .unwrap();
+        let (code, message) = api_code(pods.exec("two", ["true"], &params()).await.err().unwrap());
+        assert_eq!(
+            (code, message.as_str()),
+            (
+                400,
+                "cannot exec into a container in a completed pod; current phase is Succeeded"
+            )
+        );
         api.shutdown().await;
     }
 }

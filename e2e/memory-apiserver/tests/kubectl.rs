@@ -641,3 +641,189 @@ async fn auth_whoami_and_can_i_with_and_without_rbac() {
         .await;
     assert_eq!(String::from_utf8_lossy(&output.stdout).trim(), "yes");
 }
+
+/// Runs pod `shell-0` (one container, `main`) whose commands run in
+/// `dir` and whose log is `log`.
+fn shell_pod(api: &KubeApi, dir: &Path, log: &Path) {
+    use memory_apiserver::pods::{ContainerRuntime, ExecContext, RunningPod};
+    api.kubelet()
+        .run(&RunningPod {
+            namespace: "default".into(),
+            name: "shell-0".into(),
+            ready: true,
+            containers: std::collections::BTreeMap::from([(
+                "main".to_owned(),
+                ContainerRuntime {
+                    log: Some(log.to_path_buf()),
+                    exec: Some(ExecContext {
+                        dir: dir.to_path_buf(),
+                        env: vec![("GREETING".into(), "from the pod".into())],
+                        netns: None,
+                    }),
+                },
+            )]),
+            ..RunningPod::default()
+        })
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn exec_cp_and_logs_reach_the_kubelets_processes() {
+    if kubectl_available().await.is_none() {
+        return;
+    }
+    let setup = Setup::start(true).await;
+    let pod_dir = tempfile::tempdir().unwrap();
+    let log = pod_dir.path().join("main.log");
+    std::fs::write(&log, "starting\nlistening on :8080\n").unwrap();
+    shell_pod(&setup.api, pod_dir.path(), &log);
+
+    // kubectl exec (WebSocket v5): output, stderr, the environment and the
+    // directory of the container, and its exit code.
+    let output = setup
+        .run(&[
+            "exec",
+            "shell-0",
+            "--",
+            "sh",
+            "-c",
+            "echo \"$GREETING in $(pwd)\"; echo oops >&2; exit 3",
+        ])
+        .await;
+    assert_eq!(output.status.code(), Some(3), "{output:?}");
+    assert_eq!(
+        String::from_utf8_lossy(&output.stdout).trim(),
+        format!("from the pod in {}", pod_dir.path().display())
+    );
+    assert!(String::from_utf8_lossy(&output.stderr).contains("oops"));
+    // Stdin reaches the command, and its end (v5's close) ends `cat`.
+    let mut cat = setup.command(&setup.kubeconfig, &["exec", "-i", "shell-0", "--", "cat"]);
+    cat.stdin(Stdio::piped()).stdout(Stdio::piped());
+    let mut cat = cat.spawn().unwrap();
+    let mut stdin = cat.stdin.take().unwrap();
+    tokio::io::AsyncWriteExt::write_all(&mut stdin, b"through stdin\n")
+        .await
+        .unwrap();
+    drop(stdin);
+    let output = tokio::time::timeout(Duration::from_secs(60), cat.wait_with_output())
+        .await
+        .expect("cat ends once its stdin does")
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    assert_eq!(String::from_utf8_lossy(&output.stdout), "through stdin\n");
+    let missing = setup
+        .fails(&["exec", "shell-0", "--", "no-such-command"])
+        .await;
+    assert!(missing.contains("no-such-command"), "{missing}");
+    let denied = setup.fails(&["exec", "stray", "--", "true"]).await;
+    assert!(
+        denied.contains("NotFound") || denied.contains("not found"),
+        "{denied}"
+    );
+
+    // kubectl cp, both ways (tar through exec).
+    let local = setup.home.path().join("payload.bin");
+    let payload: Vec<u8> = (0..300_000u32).map(|i| (i % 253) as u8).collect();
+    std::fs::write(&local, &payload).unwrap();
+    let inside = pod_dir.path().join("copied.bin");
+    setup
+        .ok(&[
+            "cp",
+            &local.to_string_lossy(),
+            &format!("default/shell-0:{}", inside.display()),
+        ])
+        .await;
+    assert!(
+        std::fs::read(&inside).unwrap() == payload,
+        "copied in differs"
+    );
+    let back = setup.home.path().join("back.bin");
+    setup
+        .ok(&[
+            "cp",
+            &format!("default/shell-0:{}", inside.display()),
+            &back.to_string_lossy(),
+        ])
+        .await;
+    assert!(
+        std::fs::read(&back).unwrap() == payload,
+        "copied out differs"
+    );
+
+    // kubectl logs: all, the tail, and followed until the pod goes.
+    assert_eq!(
+        setup.ok(&["logs", "shell-0"]).await,
+        "starting\nlistening on :8080\n"
+    );
+    assert_eq!(
+        setup.ok(&["logs", "shell-0", "--tail=1"]).await,
+        "listening on :8080\n"
+    );
+    let refused = setup.fails(&["logs", "shell-0", "--timestamps"]).await;
+    assert!(refused.contains("timestamps"), "{refused}");
+    let mut follow = setup.command(&setup.kubeconfig, &["logs", "-f", "shell-0", "--tail=0"]);
+    follow.stdout(Stdio::piped());
+    let mut follow = follow.spawn().unwrap();
+    let mut lines = BufReader::new(follow.stdout.take().unwrap()).lines();
+    // Appended until the follower shows it: it may attach after a write.
+    let mut appended = std::fs::OpenOptions::new().append(true).open(&log).unwrap();
+    let seen = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            writeln!(appended, "request served").unwrap();
+            tokio::select! {
+                line = lines.next_line() => break line.unwrap(),
+                () = tokio::time::sleep(Duration::from_millis(200)) => {}
+            }
+        }
+    })
+    .await
+    .expect("the followed log shows a new line");
+    assert_eq!(seen.as_deref(), Some("request served"));
+    setup.api.kubelet().remove("default", "shell-0").unwrap();
+    let status = tokio::time::timeout(Duration::from_secs(30), follow.wait())
+        .await
+        .expect("logs -f ends with the pod")
+        .unwrap();
+    assert!(status.success(), "{status:?}");
+
+    // RBAC: reading pods is not exec'ing into them, nor reading their logs.
+    shell_pod(&setup.api, pod_dir.path(), &log);
+    setup
+        .ok(&[
+            "create",
+            "role",
+            "read-pods",
+            "--verb=get,list",
+            "--resource=pods",
+            "-n",
+            "default",
+        ])
+        .await;
+    setup
+        .ok(&[
+            "create",
+            "rolebinding",
+            "read-pods",
+            "--role=read-pods",
+            "--user=viewer",
+            "-n",
+            "default",
+        ])
+        .await;
+    let viewer = setup.api.kubeconfig_for("viewer", &[]).unwrap();
+    let output = setup
+        .run_as(&viewer, &["exec", "shell-0", "--", "true"])
+        .await;
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("pods/exec") && stderr.contains("viewer"),
+        "{stderr}"
+    );
+    let output = setup.run_as(&viewer, &["logs", "shell-0"]).await;
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        !output.status.success() && stderr.contains("pods/log"),
+        "{stderr}"
+    );
+}

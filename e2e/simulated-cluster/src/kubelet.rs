@@ -19,8 +19,10 @@
 //!   object per pod: the template's labels, `Running`, `podIP`, and a
 //!   `Ready` condition that follows the containers' readiness probes (an
 //!   HTTP GET of the probe's path on the port's real address, every sync);
-//!   and where each container port really listens, so `pods/portforward`
-//!   reaches it. The Pod goes when the pod's processes stop.
+//!   where each container port really listens, so `pods/portforward`
+//!   reaches it; and each container's log file and where its commands
+//!   run, so `pods/log` and `pods/exec` (and `kubectl cp`) reach them. The
+//!   Pod goes when the pod's processes stop.
 //!
 //! What differs from a cluster, and why: pods are named `<deployment>-<i>`
 //! with a stable index (the environment gives replica *i* its own ports, as a
@@ -39,7 +41,7 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use sha2::{Digest, Sha256};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use memory_apiserver::pods::{KubeletPods, RunningPod};
+use memory_apiserver::pods::{ContainerRuntime, ExecContext, KubeletPods, RunningPod};
 
 use crate::binaries::Binaries;
 use crate::process::{Logs, ProcessError, ProcessSpec, ProcessState, Supervised};
@@ -222,6 +224,36 @@ async fn http_probe(addr: SocketAddr, path: &str) -> bool {
 
 /// The real address of every declared container port of pod `index`:
 /// `(container, container port, address)`.
+/// What `pods/log` and `pods/exec` reach of each container: its process's
+/// log, and commands run beside it (in the pod's directory of logs, with
+/// the container's environment, in its network namespace).
+fn container_runtimes(processes: &[Supervised]) -> BTreeMap<String, ContainerRuntime> {
+    processes
+        .iter()
+        .map(|process| {
+            let log = process.log_path();
+            let container = process
+                .name()
+                .rsplit('/')
+                .next()
+                .unwrap_or_default()
+                .to_string();
+            let exec = log.parent().map(|dir| ExecContext {
+                dir: dir.to_path_buf(),
+                env: process.spec.env.clone(),
+                netns: process.spec.netns.clone(),
+            });
+            (
+                container,
+                ContainerRuntime {
+                    log: Some(log),
+                    exec,
+                },
+            )
+        })
+        .collect()
+}
+
 fn pod_ports(
     spec: &PodSpec,
     index: usize,
@@ -580,6 +612,7 @@ impl DeploymentRunner {
                         ports: pod_ports(spec, index, placement),
                         ready,
                         pod_ip: placement.pod_ip(index),
+                        containers: container_runtimes(&pod.processes),
                     })
                     .map(|_| ()),
                 Some(was) if was != ready => kubelet.set_ready(&namespace, &pod.name, ready),

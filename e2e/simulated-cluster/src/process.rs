@@ -288,6 +288,11 @@ impl Supervised {
         &self.spec.name
     }
 
+    /// The file its stdout and stderr go to.
+    pub fn log_path(&self) -> PathBuf {
+        self.logs.path_of(&self.spec.name)
+    }
+
     pub fn pid(&self) -> Option<u32> {
         self.child.as_ref().and_then(Child::id)
     }

@@ -113,6 +113,7 @@ fn run_pod(kubelet: &KubeletPods, name: &str, addr: SocketAddr) {
             ports: vec![("proxy-server".into(), 8091, addr)],
             ready: true,
             pod_ip: Some(addr.ip()),
+            ..RunningPod::default()
         })
         .expect("run the pod");
 }
@@ -405,6 +406,7 @@ async fn a_pod_whose_port_refuses_closes_the_connection_as_a_failure() {
             ports: vec![("proxy-server".into(), 8090, other)],
             ready: false,
             pod_ip: Some(other.ip()),
+            ..RunningPod::default()
         })
         .expect("run the pod");
     let agent = start_agent(&hub.agent_kubeconfig).await;
