@@ -526,6 +526,44 @@ impl AccessPath {
             .context("running kubectl")
     }
 
+    /// `kubectl port-forward` through the user-server, once it says where
+    /// it listens: the child and its local port. `websockets` chooses
+    /// kubectl's transport (SPDY tunneled in WebSocket, or plain SPDY).
+    pub async fn kubectl_port_forward(
+        &self,
+        cluster: &str,
+        token: &str,
+        args: &[&str],
+        websockets: bool,
+    ) -> anyhow::Result<(tokio::process::Child, u16)> {
+        use tokio::io::AsyncBufReadExt;
+        let mut command = self.kubectl_command(cluster, token, args);
+        command
+            .env("KUBECTL_PORT_FORWARD_WEBSOCKETS", websockets.to_string())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::inherit());
+        let mut child = command.spawn().context("running kubectl port-forward")?;
+        let stdout = child.stdout.take().context("no stdout")?;
+        let mut lines = tokio::io::BufReader::new(stdout).lines();
+        let port = tokio::time::timeout(Duration::from_secs(60), async {
+            while let Some(line) = lines.next_line().await? {
+                // "Forwarding from 127.0.0.1:40123 -> 7000"
+                if let Some(port) = line
+                    .strip_prefix("Forwarding from 127.0.0.1:")
+                    .and_then(|rest| rest.split_whitespace().next())
+                {
+                    return Ok(port.parse::<u16>()?);
+                }
+            }
+            anyhow::bail!("kubectl port-forward ended without forwarding")
+        })
+        .await
+        .context("kubectl port-forward did not listen within 60 s")??;
+        // Keep reading, or kubectl blocks on a full pipe.
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        Ok((child, port))
+    }
+
     /// The kubectl command line of [`AccessPath::kubectl`], to run with
     /// stdin or to stream from.
     pub fn kubectl_command(

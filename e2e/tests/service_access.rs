@@ -589,9 +589,46 @@ async fn port_forward_streams_through_the_user_server_and_the_service_proxy() {
     drop(stream);
     forward.abort();
 
-    // kubectl's own port-forward (SPDY, or SPDY tunneled in WebSocket) is
-    // not served by the in-memory API yet; the relay above is the same for
-    // any upgrade.
+    // kubectl's own port-forward, SPDY tunneled in WebSocket (1.31+) and
+    // plain SPDY: both upgrades cross the user-server and the
+    // service-proxy.
+    if !kubectl_available() {
+        return;
+    }
+    for websockets in [true, false] {
+        let (mut kubectl, port) = fleet
+            .path
+            .kubectl_port_forward(
+                CLUSTER_A,
+                &alice,
+                &["port-forward", "-n", "default", "pod/echo-0", ":7000"],
+                websockets,
+            )
+            .await
+            .unwrap();
+        for size in [1024 * 1024, 10] {
+            let mut tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .unwrap();
+            let sent: Vec<u8> = (0..size).map(|i| (i % 241) as u8).collect();
+            let (mut read, mut write) = tcp.split();
+            let (written, back) = tokio::time::timeout(Duration::from_secs(30), async {
+                tokio::join!(write.write_all(&sent), async {
+                    let mut back = vec![0u8; size];
+                    read.read_exact(&mut back).await.map(|_| back)
+                })
+            })
+            .await
+            .expect("echoed through kubectl port-forward within 30 s");
+            written.unwrap();
+            assert!(
+                back.unwrap() == sent,
+                "websockets={websockets}: the echo differs"
+            );
+        }
+        kubectl.start_kill().unwrap();
+        kubectl.wait().await.unwrap();
+    }
 }
 
 /// kubectl exec (WebSocket v5), exec with stdin, cp both ways and logs

@@ -36,9 +36,10 @@
 //!   ([`signer`]);
 //! * protobuf, server-side printing of built-in types' own columns
 //!   (their Tables show Name and Age), OpenAPI documents, aggregated
-//!   discovery, SPDY for `exec` and `portforward` (WebSocket is served:
-//!   [`exec`], [`portforward`]; `logs` too: [`log`]), `attach`, API
-//!   priority and fairness, and persistence.
+//!   discovery, SPDY for `exec` (WebSocket is served: [`exec`]; and
+//!   `logs`: [`log`]; `portforward` over WebSocket and SPDY:
+//!   [`portforward`]), `attach`, API priority and fairness, and
+//!   persistence.
 
 pub mod body;
 pub mod error;
@@ -51,6 +52,7 @@ pub mod log;
 pub mod openapi;
 pub mod pods;
 pub mod portforward;
+pub mod portforward_spdy;
 pub mod protobuf;
 pub mod rbac;
 pub mod resources;
@@ -59,6 +61,7 @@ pub mod schema;
 pub mod selector;
 pub mod shared;
 pub mod signer;
+pub mod spdy;
 pub mod store;
 pub mod table;
 pub mod validate;

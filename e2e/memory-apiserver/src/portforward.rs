@@ -9,11 +9,11 @@
 //!   channel `2i+1`, and the first message on each carries the port as 2
 //!   bytes little-endian. A port that cannot be reached gets its reason on
 //!   its error channel, as the kubelet writes it.
-//! * Not served: SPDY (`POST` with `Upgrade: SPDY/3.1`, what client-go's
-//!   SPDY dialer and upstream's Go addon-agent use) and the SPDY-over-
-//!   WebSocket tunnel `kubectl port-forward` uses since 1.31
-//!   (`SPDY/3.1+portforward.k8s.io`), nor the base64 channel protocols;
-//!   each is refused with a message saying so.
+//! * SPDY (`POST` with `Upgrade: SPDY/3.1`, what client-go's SPDY dialer
+//!   and upstream's Go addon-agent use) and SPDY tunneled in WebSocket
+//!   (`SPDY/3.1+portforward.k8s.io`, `kubectl port-forward` since 1.31):
+//!   [`super::portforward_spdy`]. The base64 channel protocols are
+//!   refused with a message saying so.
 //!
 //! Where a pod's port really is comes from [`super::pods::PodNetwork`],
 //! which the kubelet stand-in fills.
@@ -36,12 +36,18 @@ use tokio_tungstenite::tungstenite::protocol::Role;
 
 use super::error::ApiError;
 use super::pods::Endpoint;
+use super::portforward_spdy;
 use super::shared::{Body, Shared};
 use super::store::User;
 use super::websocket::{self, framed};
 
-/// The binary channel protocols served, preferred first.
-const PROTOCOLS: &[&str] = &["v4.channel.k8s.io", "channel.k8s.io"];
+/// The WebSocket subprotocols served, preferred first: the binary
+/// channel protocols and SPDY tunneled in WebSocket.
+const SERVED: &[&str] = &[
+    "v4.channel.k8s.io",
+    "channel.k8s.io",
+    portforward_spdy::TUNNEL_PROTOCOL,
+];
 /// Read size from a pod's port.
 const CHUNK: usize = 32 * 1024;
 
@@ -95,13 +101,42 @@ pub async fn serve(
         name,
     )?;
     let pod = shared.store.get(&t, Some(namespace), name)?;
-    websocket::require_websocket(&request, PROTOCOLS)?;
-    let ports = ports(request.uri().query())?;
-    let endpoint = running_endpoint(shared, &pod, namespace, name)?;
-    let protocol = websocket::negotiate(&request, PROTOCOLS, true)?;
-    let (response, on_upgrade) = websocket::accept(&mut request, protocol)?;
-    let mut shutdown = shared.shutdown.clone();
+    let upgrade = request
+        .headers()
+        .get(http::header::UPGRADE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_ascii_lowercase();
     let pod_name = format!("{namespace}/{name}");
+    let mut shutdown = shared.shutdown.clone();
+    // Plain SPDY: client-go's SPDY dialer (and kubectl with
+    // KUBECTL_PORT_FORWARD_WEBSOCKETS=false). The ports come in each
+    // stream's headers.
+    if upgrade == "spdy/3.1" && request.method() == http::Method::POST {
+        let endpoint = running_endpoint(shared, &pod, namespace, name)?;
+        let (response, on_upgrade) = portforward_spdy::accept(&mut request)?;
+        tokio::spawn(async move {
+            match on_upgrade.await {
+                Ok(upgraded) => tokio::select! {
+                    () = portforward_spdy::serve(TokioIo::new(upgraded), &pod_name, &endpoint) => {}
+                    _ = shutdown.changed() => {}
+                },
+                Err(error) => {
+                    tracing::debug!(pod = %pod_name, %error, "port-forward upgrade failed")
+                }
+            }
+        });
+        return Ok(response);
+    }
+    websocket::require_websocket(&request, SERVED)?;
+    let protocol = websocket::negotiate(&request, SERVED, true)?;
+    let ports = if protocol == portforward_spdy::TUNNEL_PROTOCOL {
+        Vec::new()
+    } else {
+        ports(request.uri().query())?
+    };
+    let endpoint = running_endpoint(shared, &pod, namespace, name)?;
+    let (response, on_upgrade) = websocket::accept(&mut request, protocol)?;
     tokio::spawn(async move {
         let upgraded = match on_upgrade.await {
             Ok(upgraded) => upgraded,
@@ -111,6 +146,14 @@ pub async fn serve(
             }
         };
         let ws = WebSocketStream::from_raw_socket(TokioIo::new(upgraded), Role::Server, None).await;
+        if protocol == portforward_spdy::TUNNEL_PROTOCOL {
+            // kubectl 1.31+: SPDY inside WebSocket binary messages.
+            tokio::select! {
+                () = portforward_spdy::serve_tunneled(ws, &pod_name, &endpoint) => {}
+                _ = shutdown.changed() => {}
+            }
+            return;
+        }
         tokio::select! {
             () = relay(ws, &pod_name, &ports, &endpoint) => {}
             _ = shutdown.changed() => {}
@@ -266,6 +309,17 @@ where
     let _ = sink.close().await;
 }
 
+/// A failed dial as the kubelet words it: it dials the port on the pod's
+/// loopback, and Go says `dial tcp4 …: connect: connection refused`.
+pub(crate) fn dial_error(port: u16, error: &std::io::Error) -> String {
+    match error.kind() {
+        std::io::ErrorKind::ConnectionRefused => {
+            format!("dial tcp4 127.0.0.1:{port}: connect: connection refused")
+        }
+        _ => format!("dial tcp4 127.0.0.1:{port}: {error}"),
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 async fn port_task(
     index: usize,
@@ -278,7 +332,9 @@ async fn port_task(
     events: mpsc::Sender<FromPod>,
 ) {
     let connected = match target {
-        Some(addr) => TcpStream::connect(addr).await.map_err(|e| e.to_string()),
+        Some(addr) => TcpStream::connect(addr)
+            .await
+            .map_err(|e| dial_error(port, &e)),
         None => Err(format!(
             "dial tcp4 127.0.0.1:{port}: connect: connection refused"
         )),

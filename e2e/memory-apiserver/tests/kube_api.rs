@@ -2692,16 +2692,20 @@ mod portforward {
             404
         );
 
-        // SPDY is refused with a message that says so.
-        let request =
-            http::Request::post("/api/v1/namespaces/default/pods/web-0/portforward?ports=8080")
-                .header("upgrade", "SPDY/3.1")
-                .header("connection", "Upgrade")
-                .body(Vec::new())
-                .unwrap();
+        // SPDY with a stream protocol other than portforward.k8s.io (the
+        // SPDY session itself: kubectl, in tests/kubectl.rs).
+        let request = http::Request::post("/api/v1/namespaces/default/pods/web-0/portforward")
+            .header("upgrade", "SPDY/3.1")
+            .header("connection", "Upgrade")
+            .header("x-stream-protocol-version", "portforward.k8s.io.v9")
+            .body(Vec::new())
+            .unwrap();
         let (code, message) = api_code(admin.request_text(request).await.unwrap_err());
-        assert_eq!(code, 400, "{message}");
-        assert!(message.contains("SPDY"), "{message}");
+        assert_eq!(code, 403, "{message}");
+        assert!(
+            message.contains("unable to negotiate protocol"),
+            "{message}"
+        );
         // Not an upgrade at all.
         let request =
             http::Request::get("/api/v1/namespaces/default/pods/web-0/portforward?ports=8080")

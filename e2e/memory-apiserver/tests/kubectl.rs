@@ -827,3 +827,156 @@ async fn exec_cp_and_logs_reach_the_kubelets_processes() {
         "{stderr}"
     );
 }
+
+/// A TCP echo listener: what a pod's container port serves here.
+async fn echo_listener() -> std::net::SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut tcp, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let (mut read, mut write) = tcp.split();
+                let _ = tokio::io::copy(&mut read, &mut write).await;
+            });
+        }
+    });
+    addr
+}
+
+/// `kubectl port-forward` until it says where it listens; the child and
+/// the local port.
+async fn port_forward(mut command: Command) -> (tokio::process::Child, u16) {
+    command.stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = command.spawn().unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let port = tokio::time::timeout(Duration::from_secs(60), async {
+        while let Some(line) = lines.next_line().await.unwrap() {
+            // "Forwarding from 127.0.0.1:40123 -> 7000"
+            if let Some(rest) = line.strip_prefix("Forwarding from 127.0.0.1:") {
+                return rest
+                    .split_whitespace()
+                    .next()
+                    .unwrap()
+                    .parse::<u16>()
+                    .unwrap();
+            }
+        }
+        panic!("kubectl port-forward ended without forwarding");
+    })
+    .await
+    .expect("kubectl port-forward listens within 60 s");
+    // Keep reading, or kubectl blocks on a full pipe.
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    (child, port)
+}
+
+/// Echoes `size` bytes through `port` and checks them.
+async fn echo_through(port: u16, size: usize) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    let payload: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
+    let (mut read, mut write) = tcp.split();
+    let (written, back) = tokio::time::timeout(Duration::from_secs(60), async {
+        tokio::join!(write.write_all(&payload), async {
+            let mut back = vec![0u8; size];
+            read.read_exact(&mut back).await.map(|_| back)
+        })
+    })
+    .await
+    .expect("echoed within 60 s");
+    written.unwrap();
+    assert!(back.unwrap() == payload, "the echo differs");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn port_forward_over_spdy_and_spdy_in_websocket() {
+    if kubectl_available().await.is_none() {
+        return;
+    }
+    let setup = Setup::start(true).await;
+    let echo = echo_listener().await;
+    setup
+        .api
+        .kubelet()
+        .run(&memory_apiserver::pods::RunningPod {
+            namespace: "default".into(),
+            name: "echo-0".into(),
+            ports: vec![("echo".into(), 7000, echo)],
+            ready: true,
+            ..Default::default()
+        })
+        .unwrap();
+    // kubectl 1.31+ tunnels SPDY in WebSocket; `false` makes it speak
+    // plain SPDY, as client-go's SPDY dialer does.
+    for websockets in ["true", "false"] {
+        let mut command = setup.command(
+            &setup.kubeconfig,
+            &["port-forward", "pod/echo-0", ":7000", "-n", "default"],
+        );
+        command.env("KUBECTL_PORT_FORWARD_WEBSOCKETS", websockets);
+        let (mut child, port) = port_forward(command).await;
+        // Two connections one after the other, then two at once: each is
+        // its own pair of streams on the one session.
+        echo_through(port, 1024 * 1024).await;
+        echo_through(port, 10).await;
+        tokio::join!(echo_through(port, 300_000), echo_through(port, 300_000));
+        child.start_kill().unwrap();
+        child.wait().await.unwrap();
+    }
+    // A container port nothing listens on: the kubelet's reason reaches
+    // kubectl, which says so.
+    let closed = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let dead = closed.local_addr().unwrap();
+    drop(closed);
+    setup
+        .api
+        .kubelet()
+        .run(&memory_apiserver::pods::RunningPod {
+            namespace: "default".into(),
+            name: "dead-0".into(),
+            ports: vec![("dead".into(), 7001, dead)],
+            ready: true,
+            ..Default::default()
+        })
+        .unwrap();
+    let mut command = setup.command(
+        &setup.kubeconfig,
+        &["port-forward", "pod/dead-0", ":7001", "-n", "default"],
+    );
+    command.stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = command.spawn().unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let port = loop {
+        let line = lines.next_line().await.unwrap().unwrap();
+        if let Some(rest) = line.strip_prefix("Forwarding from 127.0.0.1:") {
+            break rest
+                .split_whitespace()
+                .next()
+                .unwrap()
+                .parse::<u16>()
+                .unwrap();
+        }
+    };
+    let mut tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    let mut buf = [0u8; 16];
+    let read = tokio::time::timeout(
+        Duration::from_secs(30),
+        tokio::io::AsyncReadExt::read(&mut tcp, &mut buf),
+    )
+    .await
+    .expect("the forwarded connection ends");
+    assert!(matches!(read, Ok(0) | Err(_)), "{read:?}");
+    let output = tokio::time::timeout(Duration::from_secs(30), child.wait_with_output())
+        .await
+        .expect("kubectl gives up on the dead port")
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("error forwarding port 7001") && stderr.contains("connection refused"),
+        "{stderr}"
+    );
+}
