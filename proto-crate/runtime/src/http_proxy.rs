@@ -12,12 +12,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use cluster_proxy_proto::duplex::{self, ChunkSource, Copied, ReadChunks, ReadEnd, WriteChunks};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Request, Response, StatusCode};
 use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -119,16 +121,66 @@ pub fn relay_upgrade<B>(
                 return;
             }
         };
-        let mut client = TokioIo::new(client);
-        let mut backend = TokioIo::new(backend);
-        match tokio::io::copy_bidirectional(&mut client, &mut backend).await {
-            Ok((up, down)) => ended(up, down),
-            Err(error) => {
-                tracing::debug!(%error, "upgraded stream failed");
-                ended(0, 0);
-            }
-        }
+        let (up, down) = relay_streams(TokioIo::new(client), TokioIo::new(backend)).await;
+        ended(up, down);
     });
+}
+
+/// A byte stream's chunks, counting the bytes delivered.
+struct Counted<S> {
+    source: S,
+    delivered: u64,
+}
+
+impl<S: ChunkSource> ChunkSource for &mut Counted<S> {
+    type Chunk = S::Chunk;
+    type End = S::End;
+
+    fn recv(&mut self) -> impl std::future::Future<Output = Result<S::Chunk, S::End>> + Send {
+        self.source.recv()
+    }
+
+    fn delivered(&mut self, n: usize) {
+        self.delivered += n as u64;
+        self.source.delivered(n);
+    }
+}
+
+/// Copies an upgraded connection both ways until both directions ended;
+/// the bytes client → backend and backend → client.
+///
+/// Each direction flushes what it writes and, when its source ends (EOF,
+/// or an error such as a TLS peer that closed without `close_notify`),
+/// shuts its destination's write side down, which flushes the rest and
+/// sends `close_notify`. `tokio::io::copy_bidirectional` instead returns
+/// at the first error of either direction and drops what a TLS layer
+/// still holds: the last frames of a stream (a WebSocket close, an exec's
+/// exit status) were lost that way.
+pub async fn relay_streams<C, B>(client: C, backend: B) -> (u64, u64)
+where
+    C: AsyncRead + AsyncWrite + Send,
+    B: AsyncRead + AsyncWrite + Send,
+{
+    let (client_read, client_write) = tokio::io::split(client);
+    let (backend_read, backend_write) = tokio::io::split(backend);
+    let mut up = Counted {
+        source: ReadChunks::new(client_read),
+        delivered: 0,
+    };
+    let mut down = Counted {
+        source: ReadChunks::new(backend_read),
+        delivered: 0,
+    };
+    let (up_ended, down_ended) = tokio::join!(
+        duplex::copy(&mut up, WriteChunks::new(backend_write)),
+        duplex::copy(&mut down, WriteChunks::new(client_write)),
+    );
+    for (direction, ended) in [("up", up_ended), ("down", down_ended)] {
+        if let Copied::SourceEnded(ReadEnd::Failed(error)) = ended {
+            tracing::debug!(direction, %error, "an upgraded stream's read ended with an error");
+        }
+    }
+    (up.delivered, down.delivered)
 }
 
 /// The upgrade future of a request that asks for one (taken before the
@@ -261,6 +313,79 @@ pub async fn serve_https<C, H, F>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A backend that sends `data`, then fails its next read, as a TLS
+    /// peer that closed without `close_notify` does; it takes any write.
+    struct SendsThenFails {
+        data: Option<Vec<u8>>,
+    }
+
+    impl AsyncRead for SendsThenFails {
+        fn poll_read(
+            mut self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+            buf: &mut tokio::io::ReadBuf<'_>,
+        ) -> std::task::Poll<std::io::Result<()>> {
+            std::task::Poll::Ready(match self.data.take() {
+                Some(data) => {
+                    buf.put_slice(&data);
+                    Ok(())
+                }
+                None => Err(std::io::ErrorKind::UnexpectedEof.into()),
+            })
+        }
+    }
+
+    impl AsyncWrite for SendsThenFails {
+        fn poll_write(
+            self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+            buf: &[u8],
+        ) -> std::task::Poll<std::io::Result<usize>> {
+            std::task::Poll::Ready(Ok(buf.len()))
+        }
+        fn poll_flush(
+            self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<std::io::Result<()>> {
+            std::task::Poll::Ready(Ok(()))
+        }
+        fn poll_shutdown(
+            self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<std::io::Result<()>> {
+            std::task::Poll::Ready(Ok(()))
+        }
+    }
+
+    /// Regression: with `copy_bidirectional` the backend's read error
+    /// ended the relay at once and what the client's TLS layer still
+    /// buffered (here a `BufWriter`, which holds bytes until a flush) was
+    /// lost: kubectl saw "close 1006 (abnormal closure)" instead of an
+    /// exec's exit status.
+    #[tokio::test]
+    async fn an_upgraded_stream_delivers_what_came_before_the_backend_failed() {
+        use tokio::io::AsyncReadExt;
+        let data: Vec<u8> = (0..10_000u32).map(|i| (i % 251) as u8).collect();
+        let backend = SendsThenFails {
+            data: Some(data.clone()),
+        };
+        let (near, mut far) = tokio::io::duplex(1 << 20);
+        let client = tokio::io::BufWriter::new(near);
+        let relay = tokio::spawn(relay_streams(client, backend));
+        let mut got = Vec::new();
+        tokio::time::timeout(Duration::from_secs(10), far.read_to_end(&mut got))
+            .await
+            .expect("the client's side ends")
+            .unwrap();
+        assert!(got == data, "{} of {} bytes arrived", got.len(), data.len());
+        drop(far);
+        let (up, down) = tokio::time::timeout(Duration::from_secs(10), relay)
+            .await
+            .expect("the relay ends once both directions did")
+            .unwrap();
+        assert_eq!((up, down), (0, data.len() as u64));
+    }
 
     #[test]
     fn hop_by_hop_headers_go_and_upgrades_keep_their_two() {
