@@ -705,6 +705,28 @@ async fn kubectl_exec_cp_and_logs_through_the_user_server() {
     assert_eq!(output.status.code(), Some(7), "{output:?}");
     assert_eq!(String::from_utf8_lossy(&output.stdout), "out\n");
     assert!(String::from_utf8_lossy(&output.stderr).contains("err"));
+    // The same over SPDY (kubectl's other executor, and its fallback).
+    let mut spdy = fleet.path.kubectl_command(
+        CLUSTER_A,
+        &alice,
+        &[
+            "exec",
+            "-n",
+            "default",
+            "shell-0",
+            "--",
+            "sh",
+            "-c",
+            "echo spdy; exit 6",
+        ],
+    );
+    spdy.env("KUBECTL_REMOTE_COMMAND_WEBSOCKETS", "false");
+    let output = tokio::time::timeout(Duration::from_secs(60), spdy.output())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(6), "{output:?}");
+    assert_eq!(String::from_utf8_lossy(&output.stdout), "spdy\n");
 
     let mut cat = fleet.path.kubectl_command(
         CLUSTER_A,

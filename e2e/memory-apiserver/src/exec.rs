@@ -38,13 +38,14 @@ use super::portforward::running_endpoint;
 use super::shared::{Body, Shared};
 use super::store::User;
 use super::websocket::{self, framed};
+use super::{exec_spdy, spdy};
 
 /// The channel protocols served, preferred first. Both carry the final
 /// Status as JSON on channel 3; only v5 can close stdin.
 const PROTOCOLS: &[&str] = &["v5.channel.k8s.io", "v4.channel.k8s.io"];
 const STDIN: u8 = 0;
-const STDOUT: u8 = 1;
-const STDERR: u8 = 2;
+pub(crate) const STDOUT: u8 = 1;
+pub(crate) const STDERR: u8 = 2;
 const ERROR: u8 = 3;
 const CLOSE: u8 = 255;
 /// Read size from the command's output.
@@ -171,13 +172,38 @@ pub async fn serve(
                 ),
             )
         })?;
-    // Last: kubectl falls back to SPDY when the WebSocket upgrade is
-    // refused, and the fallback's answer must still name the problem.
+    let mut shutdown = shared.shutdown.clone();
+    let pod_name = format!("{namespace}/{name}");
+    let spdy_upgrade = request
+        .headers()
+        .get(http::header::UPGRADE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.eq_ignore_ascii_case("spdy/3.1"));
+    if spdy_upgrade && request.method() == http::Method::POST {
+        let (response, on_upgrade, _) = spdy::accept(&mut request, exec_spdy::PROTOCOLS, false)?;
+        tokio::spawn(async move {
+            let upgraded = match on_upgrade.await {
+                Ok(upgraded) => upgraded,
+                Err(error) => {
+                    tracing::debug!(pod = %pod_name, %error, "exec upgrade failed");
+                    return;
+                }
+            };
+            tokio::select! {
+                () = exec_spdy::serve(TokioIo::new(upgraded), options, context, pod_name.clone()) => {}
+                () = endpoint.gone.cancelled() => {
+                    tracing::debug!(pod = %pod_name, "pod gone; ending its exec");
+                }
+                _ = shutdown.changed() => {}
+            }
+        });
+        return Ok(response);
+    }
+    // Last: the answer to a refused WebSocket upgrade must name the
+    // problem, which kubectl shows after falling back to SPDY.
     websocket::require_websocket(&request, PROTOCOLS)?;
     let protocol = websocket::negotiate(&request, PROTOCOLS, false)?;
     let (response, on_upgrade) = websocket::accept(&mut request, protocol)?;
-    let mut shutdown = shared.shutdown.clone();
-    let pod_name = format!("{namespace}/{name}");
     let v5 = protocol == "v5.channel.k8s.io";
     tokio::spawn(async move {
         let upgraded = match on_upgrade.await {
@@ -249,19 +275,118 @@ fn command(options: &ExecOptions, context: &ExecContext) -> tokio::process::Comm
     command
 }
 
-/// Forwards one output pipe to the client on `channel`.
-async fn pump<R: AsyncRead + Unpin>(mut pipe: R, channel: u8, out: mpsc::Sender<Message>) {
+/// A chunk of the command's output: [`STDOUT`] or [`STDERR`], and bytes.
+pub(crate) type Output = (u8, Bytes);
+
+/// Forwards one output pipe as `channel`.
+async fn pump<R: AsyncRead + Unpin>(mut pipe: R, channel: u8, out: mpsc::Sender<Output>) {
     let mut buf = vec![0u8; CHUNK];
     loop {
         match pipe.read(&mut buf).await {
             Ok(0) | Err(_) => return,
             Ok(n) => {
-                if out.send(framed(channel, &buf[..n])).await.is_err() {
+                if out
+                    .send((channel, Bytes::copy_from_slice(&buf[..n])))
+                    .await
+                    .is_err()
+                {
                     return;
                 }
             }
         }
     }
+}
+
+/// Runs the command, whatever carries its streams: input from `stdin`
+/// (its sender dropped: the end of input), output to `output`. Returns
+/// once the command exited and its output was all sent: its exit code,
+/// or why it could not run. Dropping the future kills the command.
+pub(crate) async fn run_command(
+    options: &ExecOptions,
+    context: &ExecContext,
+    stdin: Option<mpsc::Receiver<Bytes>>,
+    output: mpsc::Sender<Output>,
+) -> Result<i32, String> {
+    let mut command = command(options, context);
+    command.stdin(if stdin.is_some() {
+        Stdio::piped()
+    } else {
+        Stdio::null()
+    });
+    // With a "terminal", stdout and stderr are one stream, as on a tty.
+    let merged = if options.tty && options.stdout {
+        let (reader, writer) = std::io::pipe().map_err(|e| e.to_string())?;
+        let second = writer.try_clone().map_err(|e| e.to_string())?;
+        command.stdout(writer).stderr(second);
+        Some(reader)
+    } else {
+        let piped = |wanted: bool| {
+            if wanted {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            }
+        };
+        command
+            .stdout(piped(options.stdout))
+            .stderr(piped(options.stderr));
+        None
+    };
+    let mut child = command.spawn().map_err(|e| e.to_string())?;
+    // The parent's copies of the pipe's write ends must go, or the
+    // reader never sees the end of the output.
+    drop(command);
+
+    let mut pumps = Vec::new();
+    if let Some(reader) = merged {
+        let out = output.clone();
+        // A std pipe has no async reader: a blocking thread reads it.
+        pumps.push(tokio::task::spawn_blocking(move || {
+            use std::io::Read;
+            let mut reader = reader;
+            let mut buf = vec![0u8; CHUNK];
+            loop {
+                match reader.read(&mut buf) {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => {
+                        if out
+                            .blocking_send((STDOUT, Bytes::copy_from_slice(&buf[..n])))
+                            .is_err()
+                        {
+                            return;
+                        }
+                    }
+                }
+            }
+        }));
+    }
+    if let Some(stdout) = child.stdout.take() {
+        pumps.push(tokio::spawn(pump(stdout, STDOUT, output.clone())));
+    }
+    if let Some(stderr) = child.stderr.take() {
+        pumps.push(tokio::spawn(pump(stderr, STDERR, output.clone())));
+    }
+    drop(output);
+    // Stdin is written by its own task: a command that does not read its
+    // input must not stop its output from reaching the client.
+    if let (Some(mut pipe), Some(mut stdin)) = (child.stdin.take(), stdin) {
+        tokio::spawn(async move {
+            while let Some(bytes) = stdin.recv().await {
+                if pipe.write_all(&bytes).await.is_err() {
+                    return;
+                }
+            }
+            // Dropping the pipe is the end of input the command sees.
+        });
+    }
+    for pump in pumps {
+        let _ = pump.await;
+    }
+    let status = child.wait().await.map_err(|e| e.to_string())?;
+    use std::os::unix::process::ExitStatusExt;
+    Ok(status
+        .code()
+        .unwrap_or_else(|| 128 + status.signal().unwrap_or(0)))
 }
 
 /// Sends the final Status and closes the connection as the kubelet does.
@@ -276,113 +401,29 @@ where
     let _ = sink.close().await;
 }
 
+/// The WebSocket side of a command: channel messages in and out.
 async fn run<S>(ws: WebSocketStream<S>, options: &ExecOptions, context: &ExecContext, v5: bool)
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {
     let (mut sink, mut stream) = ws.split();
-    let mut command = command(options, context);
-    command.stdin(if options.stdin {
-        Stdio::piped()
-    } else {
-        Stdio::null()
-    });
-    // With a "terminal", stdout and stderr are one stream, as on a tty.
-    let merged = if options.tty && options.stdout {
-        match std::io::pipe().and_then(|(reader, writer)| {
-            let second = writer.try_clone()?;
-            Ok((reader, writer, second))
-        }) {
-            Ok((reader, writer, second)) => {
-                command.stdout(writer).stderr(second);
-                Some(reader)
-            }
-            Err(error) => {
-                let status = final_status(&options.command, Err(error.to_string()));
-                finish(&mut sink, &status).await;
-                return;
-            }
-        }
-    } else {
-        let piped = |wanted: bool| {
-            if wanted {
-                Stdio::piped()
-            } else {
-                Stdio::null()
-            }
-        };
-        command
-            .stdout(piped(options.stdout))
-            .stderr(piped(options.stderr));
-        None
-    };
-    let mut child = match command.spawn() {
-        Ok(child) => child,
-        Err(error) => {
-            let status = final_status(&options.command, Err(error.to_string()));
-            finish(&mut sink, &status).await;
-            return;
-        }
-    };
-    // The parent's copies of the pipe's write ends must go, or the
-    // reader never sees the end of the output.
-    drop(command);
-
-    let (out, mut outgoing) = mpsc::channel::<Message>(16);
-    if let Some(reader) = merged {
-        let out = out.clone();
-        // A std pipe has no async reader: a blocking thread reads it.
-        tokio::task::spawn_blocking(move || {
-            use std::io::Read;
-            let mut reader = reader;
-            let mut buf = vec![0u8; CHUNK];
-            loop {
-                match reader.read(&mut buf) {
-                    Ok(0) | Err(_) => return,
-                    Ok(n) => {
-                        if out.blocking_send(framed(STDOUT, &buf[..n])).is_err() {
-                            return;
-                        }
-                    }
-                }
-            }
-        });
-    }
-    if let Some(stdout) = child.stdout.take() {
-        tokio::spawn(pump(stdout, STDOUT, out.clone()));
-    }
-    if let Some(stderr) = child.stderr.take() {
-        tokio::spawn(pump(stderr, STDERR, out.clone()));
-    }
-    drop(out);
-
-    // Stdin is written by its own task: a command that does not read its
-    // input must not stop its output from reaching the client.
-    let (to_stdin, mut stdin_bytes) = mpsc::channel::<Bytes>(16);
-    let mut to_stdin = Some(to_stdin);
-    if let Some(mut stdin) = child.stdin.take() {
-        tokio::spawn(async move {
-            while let Some(bytes) = stdin_bytes.recv().await {
-                if stdin.write_all(&bytes).await.is_err() {
-                    return;
-                }
-            }
-            // Dropping the pipe is the end of input the command sees.
-        });
-    } else {
-        to_stdin = None;
-    }
-
-    let mut output_open = true;
+    let (to_stdin, stdin) = mpsc::channel::<Bytes>(16);
+    let mut to_stdin = options.stdin.then_some(to_stdin);
+    let (output, mut outgoing) = mpsc::channel::<Output>(16);
+    let command = run_command(options, context, options.stdin.then_some(stdin), output);
+    tokio::pin!(command);
+    let mut outcome = None;
     loop {
         tokio::select! {
-            message = outgoing.recv(), if output_open => match message {
-                Some(message) => {
-                    if sink.send(message).await.is_err() {
+            done = &mut command, if outcome.is_none() => outcome = Some(done),
+            chunk = outgoing.recv() => match chunk {
+                Some((channel, bytes)) => {
+                    if sink.send(framed(channel, &bytes)).await.is_err() {
                         return;
                     }
                 }
-                None => output_open = false,
+                // Only once the command is done and its output all sent.
+                None => break,
             },
             message = stream.next() => match message {
                 Some(Ok(Message::Binary(bytes))) if !bytes.is_empty() => match bytes[0] {
@@ -398,25 +439,17 @@ where
                     // channels carry nothing from the client.
                     _ => {}
                 },
-                // The client went: so does the command (`kill_on_drop`).
+                // The client went: so does the command (dropped, killed).
                 Some(Ok(Message::Close(_)) | Err(_)) | None => return,
                 Some(Ok(_)) => {}
             },
-            exit = child.wait(), if !output_open => {
-                let outcome = exit
-                    .map(|status| {
-                        use std::os::unix::process::ExitStatusExt;
-                        status
-                            .code()
-                            .unwrap_or_else(|| 128 + status.signal().unwrap_or(0))
-                    })
-                    .map_err(|e| e.to_string());
-                let status = final_status(&options.command, outcome);
-                finish(&mut sink, &status).await;
-                return;
-            }
         }
     }
+    let outcome = match outcome {
+        Some(outcome) => outcome,
+        None => command.await,
+    };
+    finish(&mut sink, &final_status(&options.command, outcome)).await;
 }
 
 #[cfg(test)]

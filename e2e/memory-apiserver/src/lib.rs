@@ -36,14 +36,14 @@
 //!   ([`signer`]);
 //! * protobuf, server-side printing of built-in types' own columns
 //!   (their Tables show Name and Age), OpenAPI documents, aggregated
-//!   discovery, SPDY for `exec` (WebSocket is served: [`exec`]; and
-//!   `logs`: [`log`]; `portforward` over WebSocket and SPDY:
-//!   [`portforward`]), `attach`, API priority and fairness, and
-//!   persistence.
+//!   discovery, `attach` (`exec` and `portforward` are served over
+//!   WebSocket and SPDY: [`exec`], [`portforward`]; `logs` too: [`log`]),
+//!   API priority and fairness, and persistence.
 
 pub mod body;
 pub mod error;
 pub mod exec;
+pub mod exec_spdy;
 pub mod fields;
 pub mod http;
 pub mod lag;

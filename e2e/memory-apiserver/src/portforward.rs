@@ -38,6 +38,7 @@ use super::error::ApiError;
 use super::pods::Endpoint;
 use super::portforward_spdy;
 use super::shared::{Body, Shared};
+use super::spdy;
 use super::store::User;
 use super::websocket::{self, framed};
 
@@ -114,7 +115,8 @@ pub async fn serve(
     // stream's headers.
     if upgrade == "spdy/3.1" && request.method() == http::Method::POST {
         let endpoint = running_endpoint(shared, &pod, namespace, name)?;
-        let (response, on_upgrade) = portforward_spdy::accept(&mut request)?;
+        let (response, on_upgrade, _) =
+            spdy::accept(&mut request, &[portforward_spdy::STREAM_PROTOCOL], true)?;
         tokio::spawn(async move {
             match on_upgrade.await {
                 Ok(upgraded) => tokio::select! {

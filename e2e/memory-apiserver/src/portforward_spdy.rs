@@ -15,74 +15,21 @@ use std::net::SocketAddr;
 
 use bytes::Bytes;
 use futures_util::{SinkExt, StreamExt};
-use http::{Request, Response, StatusCode, header};
-use http_body_util::{BodyExt, Empty};
-use hyper::body::Incoming;
-use hyper::upgrade::OnUpgrade;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio_tungstenite::WebSocketStream;
 use tokio_tungstenite::tungstenite::Message;
 
-use super::error::ApiError;
 use super::pods::Endpoint;
-use super::shared::Body;
-use super::spdy::{self, Frame, HeaderReader, HeaderWriter};
+use super::spdy::{self, Frame, HeaderReader, Outgoing, header};
 use super::websocket;
 
 /// The stream protocol of port-forwarding over SPDY.
 pub const STREAM_PROTOCOL: &str = "portforward.k8s.io";
 /// The WebSocket subprotocol of SPDY tunneled in WebSocket.
 pub const TUNNEL_PROTOCOL: &str = "SPDY/3.1+portforward.k8s.io";
-const PROTOCOL_HEADER: &str = "x-stream-protocol-version";
 const CHUNK: usize = 32 * 1024;
-
-/// Accepts a plain SPDY upgrade: the `101` naming the stream protocol
-/// (the client may offer several; this is the one there is).
-pub fn accept(request: &mut Request<Incoming>) -> Result<(Response<Body>, OnUpgrade), ApiError> {
-    let offered: Vec<String> = request
-        .headers()
-        .get_all(PROTOCOL_HEADER)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .map(|p| p.trim().to_string())
-        .filter(|p| !p.is_empty())
-        .collect();
-    if !offered.is_empty() && !offered.iter().any(|p| p == STREAM_PROTOCOL) {
-        return Err(ApiError::new(
-            403,
-            "Forbidden",
-            format!(
-                "unable to upgrade: unable to negotiate protocol: client supports {offered:?}, server supports [\"{STREAM_PROTOCOL}\"]"
-            ),
-        ));
-    }
-    let on_upgrade = hyper::upgrade::on(request);
-    let mut response = Response::new(Empty::<Bytes>::new().boxed());
-    *response.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
-    let headers = response.headers_mut();
-    headers.insert(
-        header::CONNECTION,
-        header::HeaderValue::from_static("Upgrade"),
-    );
-    headers.insert(
-        header::UPGRADE,
-        header::HeaderValue::from_static("SPDY/3.1"),
-    );
-    headers.insert(
-        PROTOCOL_HEADER,
-        header::HeaderValue::from_static(STREAM_PROTOCOL),
-    );
-    Ok((response, on_upgrade))
-}
-
-/// What the session writes, in order (one header compressor).
-enum Outgoing {
-    Reply(u32),
-    Frame(Vec<u8>),
-}
 
 /// From the client to one forwarded port: bytes, then `None` at its FIN.
 type ToPod = mpsc::Sender<Option<Bytes>>;
@@ -91,13 +38,6 @@ type ToPod = mpsc::Sender<Option<Bytes>>;
 struct Pair {
     error: Option<u32>,
     data: Option<(u32, Result<u16, String>)>,
-}
-
-fn header<'h>(headers: &'h spdy::Headers, name: &str) -> Option<&'h str> {
-    headers
-        .iter()
-        .find(|(n, _)| n == name)
-        .map(|(_, v)| v.as_str())
 }
 
 fn parse_port(text: Option<&str>) -> Result<u16, String> {
@@ -114,27 +54,9 @@ pub async fn serve<IO>(io: IO, pod: &str, endpoint: &Endpoint)
 where
     IO: AsyncRead + AsyncWrite + Send + 'static,
 {
-    let (mut reader, mut writer) = tokio::io::split(io);
-    let (out, mut outgoing) = mpsc::channel::<Outgoing>(64);
-    let writes = async move {
-        let mut headers = HeaderWriter::default();
-        while let Some(item) = outgoing.recv().await {
-            let bytes = match item {
-                Outgoing::Reply(stream) => match spdy::syn_reply(&mut headers, stream, &[]) {
-                    Ok(bytes) => bytes,
-                    Err(error) => {
-                        tracing::debug!(%error, "SPDY reply");
-                        return;
-                    }
-                },
-                Outgoing::Frame(bytes) => bytes,
-            };
-            if writer.write_all(&bytes).await.is_err() {
-                return;
-            }
-        }
-        let _ = writer.shutdown().await;
-    };
+    let (mut reader, writer) = tokio::io::split(io);
+    let (out, outgoing) = mpsc::channel::<Outgoing>(64);
+    let writes = spdy::write_frames(writer, outgoing);
     let reads = async {
         let mut headers = HeaderReader::default();
         let mut pairs: HashMap<String, Pair> = HashMap::new();

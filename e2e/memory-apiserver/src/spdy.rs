@@ -22,7 +22,15 @@ use std::sync::OnceLock;
 
 use bytes::Bytes;
 use flate2::{Compress, Compression, Decompress, FlushCompress, FlushDecompress, Status};
-use tokio::io::{AsyncRead, AsyncReadExt};
+use http::{Request, Response, StatusCode, header};
+use http_body_util::{BodyExt, Empty};
+use hyper::body::Incoming;
+use hyper::upgrade::OnUpgrade;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::mpsc;
+
+use super::error::ApiError;
+use super::shared::Body;
 
 pub const TYPE_SYN_STREAM: u16 = 1;
 pub const TYPE_SYN_REPLY: u16 = 2;
@@ -467,6 +475,104 @@ pub fn data(stream: u32, fin: bool, payload: &[u8]) -> Vec<u8> {
     frame.extend_from_slice(&(payload.len() as u32).to_be_bytes()[1..]);
     frame.extend_from_slice(payload);
     frame
+}
+
+/// The header naming a SPDY upgrade's stream protocol.
+const PROTOCOL_HEADER: &str = "x-stream-protocol-version";
+
+/// Accepts a SPDY upgrade (`POST` with `Upgrade: SPDY/3.1`) for the first
+/// of `served` the client offers (`X-Stream-Protocol-Version`): the `101`
+/// naming it, and the connection it turns into. No common protocol is
+/// the kubelet's 403. A client that offers none gets `served[0]` when
+/// `allow_none` (the kubelet's pre-versioning default, which port-forward
+/// still is), unnamed in the response.
+pub fn accept(
+    request: &mut Request<Incoming>,
+    served: &[&'static str],
+    allow_none: bool,
+) -> Result<(Response<Body>, OnUpgrade, &'static str), ApiError> {
+    let offered: Vec<String> = request
+        .headers()
+        .get_all(PROTOCOL_HEADER)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(|p| p.trim().to_string())
+        .filter(|p| !p.is_empty())
+        .collect();
+    let chosen = if offered.is_empty() && allow_none {
+        served.first().copied()
+    } else {
+        served
+            .iter()
+            .find(|p| offered.iter().any(|o| o == *p))
+            .copied()
+    };
+    let Some(protocol) = chosen else {
+        return Err(ApiError::new(
+            403,
+            "Forbidden",
+            format!(
+                "unable to upgrade: unable to negotiate protocol: client supports {offered:?}, server supports {served:?}"
+            ),
+        ));
+    };
+    let on_upgrade = hyper::upgrade::on(request);
+    let mut response = Response::new(Empty::<Bytes>::new().boxed());
+    *response.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONNECTION,
+        header::HeaderValue::from_static("Upgrade"),
+    );
+    headers.insert(
+        header::UPGRADE,
+        header::HeaderValue::from_static("SPDY/3.1"),
+    );
+    if !offered.is_empty() {
+        headers.insert(PROTOCOL_HEADER, header::HeaderValue::from_static(protocol));
+    }
+    Ok((response, on_upgrade, protocol))
+}
+
+/// What a session writes, in order (one header compressor).
+pub enum Outgoing {
+    /// SYN_REPLY accepting the stream, no headers.
+    Reply(u32),
+    Frame(Vec<u8>),
+}
+
+/// Writes a session's frames until every sender is gone, then closes the
+/// connection's write side.
+pub async fn write_frames<W: AsyncWrite + Unpin>(
+    mut writer: W,
+    mut outgoing: mpsc::Receiver<Outgoing>,
+) {
+    let mut headers = HeaderWriter::default();
+    while let Some(item) = outgoing.recv().await {
+        let bytes = match item {
+            Outgoing::Reply(stream) => match syn_reply(&mut headers, stream, &[]) {
+                Ok(bytes) => bytes,
+                Err(error) => {
+                    tracing::debug!(%error, "SPDY reply");
+                    return;
+                }
+            },
+            Outgoing::Frame(bytes) => bytes,
+        };
+        if writer.write_all(&bytes).await.is_err() {
+            return;
+        }
+    }
+    let _ = writer.shutdown().await;
+}
+
+/// A header's value (names are lower case on the wire).
+pub fn header<'h>(headers: &'h Headers, name: &str) -> Option<&'h str> {
+    headers
+        .iter()
+        .find(|(n, _)| n == name)
+        .map(|(_, v)| v.as_str())
 }
 
 #[cfg(test)]

@@ -980,3 +980,87 @@ async fn port_forward_over_spdy_and_spdy_in_websocket() {
         "{stderr}"
     );
 }
+
+/// kubectl's SPDY executor (`KUBECTL_REMOTE_COMMAND_WEBSOCKETS=false`,
+/// and its fallback when a WebSocket upgrade is refused): exit codes,
+/// stderr, stdin to its end, and `kubectl cp` both ways.
+#[tokio::test(flavor = "multi_thread")]
+async fn exec_and_cp_over_spdy() {
+    if kubectl_available().await.is_none() {
+        return;
+    }
+    let setup = Setup::start(true).await;
+    let pod_dir = tempfile::tempdir().unwrap();
+    let log = pod_dir.path().join("main.log");
+    std::fs::write(&log, "").unwrap();
+    shell_pod(&setup.api, pod_dir.path(), &log);
+    let spdy = |args: &[&str]| {
+        let mut command = setup.command(&setup.kubeconfig, args);
+        command.env("KUBECTL_REMOTE_COMMAND_WEBSOCKETS", "false");
+        command
+    };
+    let output = tokio::time::timeout(
+        Duration::from_secs(60),
+        spdy(&[
+            "exec",
+            "shell-0",
+            "--",
+            "sh",
+            "-c",
+            "echo \"$GREETING\"; echo oops >&2; exit 5",
+        ])
+        .output(),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    assert_eq!(output.status.code(), Some(5), "{output:?}");
+    assert_eq!(String::from_utf8_lossy(&output.stdout), "from the pod\n");
+    assert!(String::from_utf8_lossy(&output.stderr).contains("oops"));
+
+    let mut wc = spdy(&["exec", "-i", "shell-0", "--", "wc", "-c"]);
+    wc.stdin(Stdio::piped()).stdout(Stdio::piped());
+    let mut wc = wc.spawn().unwrap();
+    let mut stdin = wc.stdin.take().unwrap();
+    tokio::io::AsyncWriteExt::write_all(&mut stdin, &vec![b'y'; 200_000])
+        .await
+        .unwrap();
+    drop(stdin);
+    let output = tokio::time::timeout(Duration::from_secs(60), wc.wait_with_output())
+        .await
+        .expect("exec -i over SPDY ends once its stdin does")
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    assert_eq!(String::from_utf8_lossy(&output.stdout).trim(), "200000");
+
+    let local = setup.home.path().join("payload.bin");
+    let payload: Vec<u8> = (0..500_000u32).map(|i| (i % 249) as u8).collect();
+    std::fs::write(&local, &payload).unwrap();
+    let inside = pod_dir.path().join("copied.bin");
+    let back = setup.home.path().join("back.bin");
+    for (from, to) in [
+        (
+            local.display().to_string(),
+            format!("default/shell-0:{}", inside.display()),
+        ),
+        (
+            format!("default/shell-0:{}", inside.display()),
+            back.display().to_string(),
+        ),
+    ] {
+        let output =
+            tokio::time::timeout(Duration::from_secs(60), spdy(&["cp", &from, &to]).output())
+                .await
+                .unwrap()
+                .unwrap();
+        assert!(output.status.success(), "cp {from} {to}: {output:?}");
+    }
+    assert!(
+        std::fs::read(&inside).unwrap() == payload,
+        "copied in differs"
+    );
+    assert!(
+        std::fs::read(&back).unwrap() == payload,
+        "copied out differs"
+    );
+}
