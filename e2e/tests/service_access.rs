@@ -650,7 +650,7 @@ async fn kubectl_exec_cp_and_logs_through_the_user_server() {
         cluster_role(
             "pod-operator",
             json!([{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]},
-                   {"apiGroups": [""], "resources": ["pods/exec"], "verbs": ["get", "create"]},
+                   {"apiGroups": [""], "resources": ["pods/exec", "pods/attach"], "verbs": ["get", "create"]},
                    {"apiGroups": [""], "resources": ["pods/log"], "verbs": ["get"]}]),
         ),
     )
@@ -816,6 +816,38 @@ async fn kubectl_exec_cp_and_logs_through_the_user_server() {
     let status = tokio::time::timeout(Duration::from_secs(30), follow.wait())
         .await
         .expect("logs -f ends when the pod goes")
+        .unwrap();
+    assert!(status.success(), "{status:?}");
+
+    // kubectl attach: the container's output from now on, until it goes.
+    fleet.managed.kubelet().run(&pod).unwrap();
+    let mut attach =
+        fleet
+            .path
+            .kubectl_command(CLUSTER_A, &alice, &["attach", "-n", "default", "shell-0"]);
+    attach.stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut attach = attach.spawn().unwrap();
+    let mut lines = BufReader::new(attach.stdout.take().unwrap()).lines();
+    let seen = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            writeln!(appended, "seen by attach").unwrap();
+            tokio::select! {
+                line = lines.next_line() => break line.unwrap(),
+                () = tokio::time::sleep(Duration::from_millis(200)) => {}
+            }
+        }
+    })
+    .await
+    .expect("attach shows new output through the user-server");
+    assert_eq!(seen.as_deref(), Some("seen by attach"));
+    fleet
+        .managed
+        .kubelet()
+        .remove("default", "shell-0")
+        .unwrap();
+    let status = tokio::time::timeout(Duration::from_secs(30), attach.wait())
+        .await
+        .expect("attach ends when the pod goes")
         .unwrap();
     assert!(status.success(), "{status:?}");
 

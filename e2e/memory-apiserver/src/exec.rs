@@ -1,7 +1,10 @@
-//! `pods/exec` over WebSocket, as kube-apiserver and the kubelet serve it
-//! to kubectl (1.30+ speaks `v5.channel.k8s.io` first) and kube-rs
-//! (`v4.channel.k8s.io`). `kubectl cp` is `exec` of `tar` and rides the
-//! same path.
+//! `pods/exec` and `pods/attach`, as kube-apiserver and the kubelet serve
+//! them: over WebSocket here, to kubectl (1.30+ speaks
+//! `v5.channel.k8s.io` first) and kube-rs (`v4.channel.k8s.io`), and over
+//! SPDY in [`super::exec_spdy`]. `kubectl cp` is `exec` of `tar` and
+//! rides the same path. `attach` shows the container's output from now
+//! on (its log, stdout and stderr as one stream) until the pod goes; the
+//! stand-in's processes read no stdin, so `attach -i` is refused.
 //!
 //! * Authorization and the handshake: [`super::websocket`] (`get` and
 //!   `create` on `pods/exec`).
@@ -39,6 +42,7 @@ use super::shared::{Body, Shared};
 use super::store::User;
 use super::websocket::{self, framed};
 use super::{exec_spdy, spdy};
+use tokio_util::sync::CancellationToken;
 
 /// The channel protocols served, preferred first. Both carry the final
 /// Status as JSON on channel 3; only v5 can close stdin.
@@ -125,19 +129,55 @@ pub(crate) fn container_of(
     }
 }
 
-/// Serves `GET|POST /api/v1/namespaces/{namespace}/pods/{name}/exec`.
+/// What a connect request runs: a command beside the container
+/// (`exec`), or the container's own output (`attach`).
+#[derive(Debug, Clone)]
+pub enum Work {
+    Command(ExecContext),
+    /// The container's log, followed from its end until the pod goes.
+    Attach(Option<std::path::PathBuf>, CancellationToken),
+}
+
+/// Which connect subresource.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Connect {
+    Exec,
+    Attach,
+}
+
+impl Connect {
+    fn subresource(self) -> &'static str {
+        match self {
+            Connect::Exec => "exec",
+            Connect::Attach => "attach",
+        }
+    }
+}
+
+/// Serves `GET|POST /api/v1/namespaces/{namespace}/pods/{name}/exec`
+/// (and `/attach`).
 pub async fn serve(
     shared: &Shared,
     user: &User,
     mut request: Request<Incoming>,
     namespace: &str,
     name: &str,
+    connect: Connect,
 ) -> Result<Response<Body>, ApiError> {
     let t = shared
         .store
         .resource_type("", "v1", "pods")
         .ok_or_else(|| ApiError::new(500, "InternalError", "no pods type"))?;
-    websocket::authorize(shared, user, request.method(), &t, "exec", namespace, name)?;
+    let subresource = connect.subresource();
+    websocket::authorize(
+        shared,
+        user,
+        request.method(),
+        &t,
+        subresource,
+        namespace,
+        name,
+    )?;
     let options = options(request.uri().query())?;
     let pod = shared.store.get(&t, Some(namespace), name)?;
     let container = container_of(&pod, options.container.as_deref(), name)?;
@@ -145,10 +185,10 @@ pub async fn serve(
         pod.pointer("/status/phase").and_then(Value::as_str)
     {
         return Err(ApiError::bad_request(format!(
-            "cannot exec into a container in a completed pod; current phase is {phase}"
+            "cannot {subresource} into a container in a completed pod; current phase is {phase}"
         )));
     }
-    if options.command.is_empty() {
+    if connect == Connect::Exec && options.command.is_empty() {
         return Err(ApiError::bad_request(
             "you must specify at least one command for the container",
         ));
@@ -159,11 +199,9 @@ pub async fn serve(
         ));
     }
     let endpoint = running_endpoint(shared, &pod, namespace, name)?;
-    let context = endpoint
-        .containers
-        .get(&container)
-        .and_then(|c| c.exec.clone())
-        .ok_or_else(|| {
+    let runtime = endpoint.containers.get(&container);
+    let work = match connect {
+        Connect::Exec => Work::Command(runtime.and_then(|c| c.exec.clone()).ok_or_else(|| {
             ApiError::new(
                 500,
                 "InternalError",
@@ -171,7 +209,21 @@ pub async fn serve(
                     "unable to upgrade connection: container {container} of pod {namespace}/{name} runs no commands in this test API"
                 ),
             )
-        })?;
+        })?),
+        Connect::Attach => {
+            if options.stdin {
+                return Err(ApiError::bad_request(format!(
+                    "container {container} of pod {namespace}/{name} takes no stdin: its process reads none in this test API"
+                )));
+            }
+            Work::Attach(runtime.and_then(|c| c.log.clone()), endpoint.gone.clone())
+        }
+    };
+    // An exec ends with its pod; an attach ends then too, with a Status.
+    let gone = match connect {
+        Connect::Exec => endpoint.gone.clone(),
+        Connect::Attach => CancellationToken::new(),
+    };
     let mut shutdown = shared.shutdown.clone();
     let pod_name = format!("{namespace}/{name}");
     let spdy_upgrade = request
@@ -185,14 +237,14 @@ pub async fn serve(
             let upgraded = match on_upgrade.await {
                 Ok(upgraded) => upgraded,
                 Err(error) => {
-                    tracing::debug!(pod = %pod_name, %error, "exec upgrade failed");
+                    tracing::debug!(pod = %pod_name, %error, "{subresource} upgrade failed");
                     return;
                 }
             };
             tokio::select! {
-                () = exec_spdy::serve(TokioIo::new(upgraded), options, context, pod_name.clone()) => {}
-                () = endpoint.gone.cancelled() => {
-                    tracing::debug!(pod = %pod_name, "pod gone; ending its exec");
+                () = exec_spdy::serve(TokioIo::new(upgraded), options, work, pod_name.clone()) => {}
+                () = gone.cancelled() => {
+                    tracing::debug!(pod = %pod_name, "pod gone; ending its {subresource}");
                 }
                 _ = shutdown.changed() => {}
             }
@@ -209,15 +261,15 @@ pub async fn serve(
         let upgraded = match on_upgrade.await {
             Ok(upgraded) => upgraded,
             Err(error) => {
-                tracing::debug!(pod = %pod_name, %error, "exec upgrade failed");
+                tracing::debug!(pod = %pod_name, %error, "{subresource} upgrade failed");
                 return;
             }
         };
         let ws = WebSocketStream::from_raw_socket(TokioIo::new(upgraded), Role::Server, None).await;
         tokio::select! {
-            () = run(ws, &options, &context, v5) => {}
-            () = endpoint.gone.cancelled() => {
-                tracing::debug!(pod = %pod_name, "pod gone; ending its exec");
+            () = run(ws, &options, &work, v5) => {}
+            () = gone.cancelled() => {
+                tracing::debug!(pod = %pod_name, "pod gone; ending its {subresource}");
             }
             _ = shutdown.changed() => {}
         }
@@ -389,6 +441,46 @@ pub(crate) async fn run_command(
         .unwrap_or_else(|| 128 + status.signal().unwrap_or(0)))
 }
 
+/// Runs `work` with the streams of [`run_command`]: an exec's command, or
+/// an attach's view of the container's output (stdout: the log is one
+/// stream of both), which ends, successfully, when the pod goes.
+pub(crate) async fn run_work(
+    work: &Work,
+    options: &ExecOptions,
+    stdin: Option<mpsc::Receiver<Bytes>>,
+    output: mpsc::Sender<Output>,
+) -> Result<i32, String> {
+    match work {
+        Work::Command(context) => run_command(options, context, stdin, output).await,
+        Work::Attach(log, gone) => {
+            let (chunks, mut followed) = mpsc::channel::<Bytes>(16);
+            let follow_options = super::log::LogOptions {
+                follow: true,
+                tail_lines: Some(0),
+                ..Default::default()
+            };
+            let follow = super::log::stream_log(log.clone(), follow_options, gone.clone(), chunks);
+            tokio::pin!(follow);
+            loop {
+                tokio::select! {
+                    () = &mut follow => {}
+                    chunk = followed.recv() => match chunk {
+                        Some(bytes) if options.stdout => {
+                            if output.send((STDOUT, bytes)).await.is_err() {
+                                break;
+                            }
+                        }
+                        Some(_) => {}
+                        None => break,
+                    },
+                    () = gone.cancelled() => break,
+                }
+            }
+            Ok(0)
+        }
+    }
+}
+
 /// Sends the final Status and closes the connection as the kubelet does.
 async fn finish<K>(sink: &mut K, status: &Value)
 where
@@ -402,7 +494,7 @@ where
 }
 
 /// The WebSocket side of a command: channel messages in and out.
-async fn run<S>(ws: WebSocketStream<S>, options: &ExecOptions, context: &ExecContext, v5: bool)
+async fn run<S>(ws: WebSocketStream<S>, options: &ExecOptions, work: &Work, v5: bool)
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {
@@ -410,7 +502,7 @@ where
     let (to_stdin, stdin) = mpsc::channel::<Bytes>(16);
     let mut to_stdin = options.stdin.then_some(to_stdin);
     let (output, mut outgoing) = mpsc::channel::<Output>(16);
-    let command = run_command(options, context, options.stdin.then_some(stdin), output);
+    let command = run_work(work, options, options.stdin.then_some(stdin), output);
     tokio::pin!(command);
     let mut outcome = None;
     loop {

@@ -1,4 +1,4 @@
-//! `pods/exec` over SPDY (`v4.channel.k8s.io`), what client-go's SPDY
+//! `pods/exec` and `pods/attach` over SPDY (`v4.channel.k8s.io`), what client-go's SPDY
 //! executor speaks: kubectl before 1.30, kubectl with
 //! `KUBECTL_REMOTE_COMMAND_WEBSOCKETS=false`, and kubectl's fallback when
 //! a WebSocket upgrade is refused.
@@ -17,8 +17,7 @@ use bytes::Bytes;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::mpsc;
 
-use super::exec::{ExecOptions, Output, STDERR, STDOUT, final_status, run_command};
-use super::pods::ExecContext;
+use super::exec::{ExecOptions, Output, STDERR, STDOUT, Work, final_status, run_work};
 use super::spdy::{self, Frame, HeaderReader, Outgoing, header};
 
 /// The stream protocols served: v4's error stream carries a JSON Status
@@ -58,7 +57,7 @@ impl Drop for AbortOnDrop {
 }
 
 /// Serves one command over a SPDY connection.
-pub async fn serve<IO>(io: IO, options: ExecOptions, context: ExecContext, pod: String)
+pub async fn serve<IO>(io: IO, options: ExecOptions, work: Work, pod: String)
 where
     IO: AsyncRead + AsyncWrite + Send + 'static,
 {
@@ -124,7 +123,7 @@ where
     let (to_stdin, stdin) = mpsc::channel::<Bytes>(16);
     let mut to_stdin = streams.stdin.map(|_| to_stdin);
     let (output, mut chunks) = mpsc::channel::<Output>(16);
-    let command = run_command(&options, &context, streams.stdin.map(|_| stdin), output);
+    let command = run_work(&work, &options, streams.stdin.map(|_| stdin), output);
     tokio::pin!(command);
     let mut outcome = None;
     let channels: HashMap<u8, u32> = [(STDOUT, streams.stdout), (STDERR, streams.stderr)]

@@ -10,6 +10,8 @@ use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode, header};
 use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::{Frame, Incoming};
+
+use super::exec::Connect;
 use serde_json::{Value, json};
 use tokio::sync::{broadcast, mpsc, watch};
 
@@ -231,8 +233,8 @@ fn api_group(shared: &Shared, group: &str, path: &str) -> Result<Response<Body>,
 }
 
 /// The endpoints that are not stored objects and read the request body or
-/// stream: TokenRequest, the self reviews, pod port-forwarding, exec and
-/// logs.
+/// stream: TokenRequest, the self reviews, pod port-forwarding, exec,
+/// attach and logs.
 enum Endpoint {
     Token { namespace: String, name: String },
     SelfSubjectAccessReview,
@@ -241,6 +243,7 @@ enum Endpoint {
     TokenReview,
     PortForward { namespace: String, name: String },
     Exec { namespace: String, name: String },
+    Attach { namespace: String, name: String },
     Log { namespace: String, name: String },
 }
 
@@ -291,6 +294,12 @@ impl Endpoint {
                 namespace: (*namespace).to_owned(),
                 name: (*name).to_owned(),
             }),
+            ["api", "v1", "namespaces", namespace, "pods", name, "attach"] => {
+                Some(Endpoint::Attach {
+                    namespace: (*namespace).to_owned(),
+                    name: (*name).to_owned(),
+                })
+            }
             ["api", "v1", "namespaces", namespace, "pods", name, "log"] => Some(Endpoint::Log {
                 namespace: (*namespace).to_owned(),
                 name: (*name).to_owned(),
@@ -321,7 +330,10 @@ impl Endpoint {
                 super::portforward::serve(shared, user, request, &namespace, &name).await
             }
             Endpoint::Exec { namespace, name } => {
-                super::exec::serve(shared, user, request, &namespace, &name).await
+                super::exec::serve(shared, user, request, &namespace, &name, Connect::Exec).await
+            }
+            Endpoint::Attach { namespace, name } => {
+                super::exec::serve(shared, user, request, &namespace, &name, Connect::Attach).await
             }
             Endpoint::Log { namespace, name } => {
                 super::log::serve(shared, user, request, &namespace, &name).await

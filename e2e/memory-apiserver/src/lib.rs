@@ -36,9 +36,9 @@
 //!   ([`signer`]);
 //! * protobuf, server-side printing of built-in types' own columns
 //!   (their Tables show Name and Age), OpenAPI documents, aggregated
-//!   discovery, `attach` (`exec` and `portforward` are served over
-//!   WebSocket and SPDY: [`exec`], [`portforward`]; `logs` too: [`log`]),
-//!   API priority and fairness, and persistence.
+//!   discovery, API priority and fairness, and persistence (`exec`,
+//!   `attach` and `portforward` are served, over WebSocket and SPDY:
+//!   [`exec`], [`portforward`]; `logs` too: [`log`]).
 
 pub mod body;
 pub mod error;

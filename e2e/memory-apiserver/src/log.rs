@@ -193,7 +193,7 @@ pub async fn serve(
     Ok(response)
 }
 
-async fn stream_log(
+pub(crate) async fn stream_log(
     log: Option<PathBuf>,
     options: LogOptions,
     gone: CancellationToken,

@@ -1064,3 +1064,56 @@ async fn exec_and_cp_over_spdy() {
         "copied out differs"
     );
 }
+
+/// `kubectl attach` over both transports: the container's output from
+/// now on, until the pod goes (then kubectl exits successfully).
+#[tokio::test(flavor = "multi_thread")]
+async fn attach_streams_the_containers_output_until_the_pod_goes() {
+    if kubectl_available().await.is_none() {
+        return;
+    }
+    let setup = Setup::start(true).await;
+    let pod_dir = tempfile::tempdir().unwrap();
+    let log = pod_dir.path().join("main.log");
+    std::fs::write(&log, "before the attach\n").unwrap();
+    for websockets in ["true", "false"] {
+        shell_pod(&setup.api, pod_dir.path(), &log);
+        let mut attach = setup.command(&setup.kubeconfig, &["attach", "shell-0"]);
+        attach
+            .env("KUBECTL_REMOTE_COMMAND_WEBSOCKETS", websockets)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut attach = attach.spawn().unwrap();
+        let mut lines = BufReader::new(attach.stdout.take().unwrap()).lines();
+        let mut appended = std::fs::OpenOptions::new().append(true).open(&log).unwrap();
+        let seen = tokio::time::timeout(Duration::from_secs(30), async {
+            loop {
+                writeln!(appended, "while attached").unwrap();
+                tokio::select! {
+                    line = lines.next_line() => break line.unwrap(),
+                    () = tokio::time::sleep(Duration::from_millis(200)) => {}
+                }
+            }
+        })
+        .await
+        .expect("attach shows what the container writes");
+        assert_eq!(
+            seen.as_deref(),
+            Some("while attached"),
+            "websockets={websockets}"
+        );
+        setup.api.kubelet().remove("default", "shell-0").unwrap();
+        let output = tokio::time::timeout(Duration::from_secs(30), attach.wait_with_output())
+            .await
+            .expect("attach ends with the pod")
+            .unwrap();
+        assert!(
+            output.status.success(),
+            "websockets={websockets}: {output:?}"
+        );
+    }
+    // The stand-in's processes read no stdin.
+    shell_pod(&setup.api, pod_dir.path(), &log);
+    let refused = setup.fails(&["attach", "-i", "shell-0"]).await;
+    assert!(refused.contains("takes no stdin"), "{refused}");
+}
