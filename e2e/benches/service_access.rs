@@ -8,6 +8,11 @@
 //! 100): the TokenReviews and SubjectAccessReviews the hub answered, and
 //! their peak per second (sampled every 100 ms).
 //!
+//! Then 1,000 concurrent watches through the user-server (memory, every
+//! event delivered), and a 1 GiB echo through a pod's port: plain TCP, the
+//! L4 tunnel, the API's port-forward, and the port-forward through the
+//! user-server (`CP_BENCH_WATCHES`, `CP_BENCH_TRANSFER_MIB`).
+//!
 //! `cargo bench -p e2e --bench service_access` (env: `CP_BENCH_REQUESTS`
 //! sequential requests per path for the latency, default 2000;
 //! `CP_BENCH_SECONDS` per concurrency level for requests/s, default 3).
@@ -132,7 +137,216 @@ async fn main() -> anyhow::Result<()> {
         "hub TokenReviews during the measured requests: {} (one user, cached)",
         fleet.hub.token_reviews() - reviews_before
     );
-    many_users(&fleet).await
+    many_users(&fleet).await?;
+    watches(&fleet).await?;
+    transfers(&fleet).await
+}
+
+/// This process's resident memory, in bytes (Linux `statm`).
+fn resident_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/statm")
+        .ok()
+        .and_then(|text| text.split_whitespace().nth(1)?.parse::<u64>().ok())
+        .map_or(0, |pages| pages * 4096)
+}
+
+/// `CP_BENCH_WATCHES` (default 1000) watches of cluster-a's ConfigMaps
+/// through the user-server at once, from `CP_BENCH_WATCH_CLIENTS` (10)
+/// clients; then `CP_BENCH_WATCH_EVENTS` (10) ConfigMaps are created and
+/// every watch must see every one.
+async fn watches(fleet: &Fleet) -> anyhow::Result<()> {
+    use futures_util::StreamExt;
+    use kube::api::{WatchEvent, WatchParams};
+    let count = knob("CP_BENCH_WATCHES", 1000);
+    let clients = knob("CP_BENCH_WATCH_CLIENTS", 10).max(1);
+    let events = knob("CP_BENCH_WATCH_EVENTS", 10);
+    let alice = fleet.hub_user("alice", &["team-a"]);
+    let managed = Api::<ConfigMap>::namespaced(fleet.managed.client().await?, "default");
+    let version = managed
+        .list(&Default::default())
+        .await?
+        .metadata
+        .resource_version
+        .unwrap_or_default();
+    let mut apis = Vec::with_capacity(clients);
+    for _ in 0..clients {
+        apis.push(Api::<ConfigMap>::namespaced(
+            fleet.path.client(CLUSTER_A, &alice).await?,
+            "default",
+        ));
+    }
+    let before = resident_bytes();
+    let started = Instant::now();
+    let (ready_tx, mut ready_rx) = tokio::sync::mpsc::channel::<()>(count.max(1));
+    let mut tasks = Vec::with_capacity(count);
+    for index in 0..count {
+        let api = apis[index % clients].clone();
+        let version = version.clone();
+        let ready = ready_tx.clone();
+        tasks.push(tokio::spawn(async move {
+            let params = WatchParams::default().labels("bench=watch").timeout(290);
+            let mut stream = api.watch(&params, &version).await?.boxed();
+            let _ = ready.send(()).await;
+            let mut seen = 0usize;
+            while seen < events {
+                match stream.next().await {
+                    Some(Ok(WatchEvent::Added(_))) => seen += 1,
+                    Some(Ok(_)) => {}
+                    Some(Err(error)) => anyhow::bail!("watch {index}: {error}"),
+                    None => anyhow::bail!("watch {index} ended after {seen} events"),
+                }
+            }
+            anyhow::Ok(seen)
+        }));
+    }
+    drop(ready_tx);
+    for _ in 0..count {
+        ready_rx
+            .recv()
+            .await
+            .ok_or_else(|| anyhow::anyhow!("a watch failed to start"))?;
+    }
+    let opened = started.elapsed();
+    let during = resident_bytes();
+    let sent = Instant::now();
+    for event in 0..events {
+        let object: ConfigMap = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": format!("watched-{event}"), "labels": {"bench": "watch"}},
+        }))?;
+        managed.create(&PostParams::default(), &object).await?;
+    }
+    let mut delivered = 0usize;
+    for task in tasks {
+        delivered += task.await??;
+    }
+    let all_seen = sent.elapsed();
+    println!();
+    println!(
+        "{count} watches through the user-server ({clients} clients): open in {:.1} s; \
+         resident memory +{:.1} KiB per watch (the whole fleet is this one process: clients, \
+         user-server, proxy-server, agent, service-proxy, API); {events} new ConfigMaps: \
+         {delivered} of {} events delivered, all within {:.2} s",
+        opened.as_secs_f64(),
+        during.saturating_sub(before) as f64 / 1024.0 / count.max(1) as f64,
+        count * events,
+        all_seen.as_secs_f64()
+    );
+    anyhow::ensure!(delivered == count * events, "events were lost");
+    Ok(())
+}
+
+/// Echoes `total` bytes through `stream` (written and read back at once):
+/// the time it took.
+async fn echo_for<S>(stream: S, total: usize) -> anyhow::Result<Duration>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (mut read, mut write) = tokio::io::split(stream);
+    let chunk = vec![0x5au8; 64 * 1024];
+    let started = Instant::now();
+    let writing = async {
+        let mut sent = 0;
+        while sent < total {
+            let n = chunk.len().min(total - sent);
+            write.write_all(&chunk[..n]).await?;
+            sent += n;
+        }
+        write.flush().await?;
+        anyhow::Ok(())
+    };
+    let reading = async {
+        let mut buf = vec![0u8; 64 * 1024];
+        let mut got = 0;
+        while got < total {
+            let n = read.read(&mut buf).await?;
+            anyhow::ensure!(n > 0, "the echo ended after {got} of {total} bytes");
+            got += n;
+        }
+        anyhow::Ok(())
+    };
+    let (written, read) = tokio::join!(writing, reading);
+    written?;
+    read?;
+    Ok(started.elapsed())
+}
+
+/// `CP_BENCH_TRANSFER_MIB` (default 1024) echoed by a pod's port: over
+/// plain TCP, the L4 tunnel, the managed API's port-forward, and the
+/// port-forward through the user-server and service-proxy.
+async fn transfers(fleet: &Fleet) -> anyhow::Result<()> {
+    use k8s_openapi::api::core::v1::Pod;
+    let mib = knob("CP_BENCH_TRANSFER_MIB", 1024);
+    let total = mib * 1024 * 1024;
+    let managed = fleet.managed.client().await?;
+    e2e::service_access::create(
+        &managed,
+        e2e::service_access::cluster_role(
+            "port-forwarder",
+            serde_json::json!([{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]},
+                   {"apiGroups": [""], "resources": ["pods/portforward"], "verbs": ["get", "create"]}]),
+        ),
+    )
+    .await?;
+    e2e::service_access::create(
+        &managed,
+        e2e::service_access::cluster_binding(
+            "hub-alice-forwards",
+            "port-forwarder",
+            "User",
+            "cluster:hub:alice",
+        ),
+    )
+    .await?;
+    let echo = simulated_cluster::targets::EchoServer::start().await?;
+    fleet
+        .managed
+        .kubelet()
+        .run(&memory_apiserver::pods::RunningPod {
+            namespace: "default".into(),
+            name: "echo-0".into(),
+            ports: vec![("echo".into(), 7000, echo.addr)],
+            ready: true,
+            ..Default::default()
+        })
+        .map_err(|e| anyhow::anyhow!(e.message))?;
+    let alice = fleet.hub_user("alice", &["team-a"]);
+
+    let tcp = echo_for(tokio::net::TcpStream::connect(echo.addr).await?, total).await?;
+    let l4 = echo_for(fleet.path.dial_l4(echo.addr.port()).await?, total).await?;
+    let forward = |client: kube::Client| async move {
+        let pods = Api::<Pod>::namespaced(client, "default");
+        let mut forward = pods.portforward("echo-0", &[7000]).await?;
+        let stream = forward
+            .take_stream(7000)
+            .ok_or_else(|| anyhow::anyhow!("no stream for port 7000"))?;
+        let taken = echo_for(stream, total).await;
+        forward.abort();
+        taken
+    };
+    let direct = forward(managed.clone()).await?;
+    let through = forward(fleet.path.client(CLUSTER_A, &alice).await?).await?;
+    let rate = |taken: Duration| mib as f64 / taken.as_secs_f64();
+    println!();
+    println!("{mib} MiB echoed by a pod's port (each byte both ways), MiB/s one way:");
+    println!("| path | MiB/s | vs the L4 tunnel |");
+    println!("|---|---|---|");
+    for (name, taken) in [
+        ("plain TCP to the port (no tunnel)", tcp),
+        ("the L4 tunnel (proxy-server → agent)", l4),
+        ("port-forward, straight to the cluster's API", direct),
+        (
+            "port-forward through the user-server and service-proxy",
+            through,
+        ),
+    ] {
+        println!(
+            "| {name} | {:.0} | {:.2} |",
+            rate(taken),
+            l4.as_secs_f64() / taken.as_secs_f64()
+        );
+    }
+    Ok(())
 }
 
 /// `CP_BENCH_USERS` users at once, each `CP_BENCH_USER_REQUESTS` GETs: what

@@ -48,7 +48,7 @@ pub struct ManagedApi {
 /// proxy-server, cluster-a's proxy-agent and service-proxy, the hub's
 /// user-server.
 pub struct AccessPath {
-    _replicas: LocalReplicas,
+    replicas: LocalReplicas,
     _agent: AgentUnderTest,
     pub service_proxy: service_proxy::RunningServiceProxy,
     pub user_server: user_server::RunningUserServer,
@@ -403,7 +403,7 @@ impl AccessPath {
             replicas.pki.proxy_client.key_pem.clone(),
         );
         let path = AccessPath {
-            _replicas: replicas,
+            replicas,
             _agent: agent,
             service_proxy,
             user_server,
@@ -428,6 +428,23 @@ impl AccessPath {
         )
         .await;
         Ok(path)
+    }
+
+    /// A connection to `127.0.0.1:port` on cluster-a through the L4
+    /// tunnel alone (proxy-server → agent), as a konnectivity client
+    /// dials: the baseline of what service access adds.
+    pub async fn dial_l4(
+        &self,
+        port: u16,
+    ) -> anyhow::Result<cluster_proxy_proto::client::TunnelStream> {
+        let server = &self.replicas.servers[0];
+        let client = tunnel_harness::in_process::tunnel_client(
+            self.replicas.pki.client_tls()?,
+            server.client_addr,
+        )
+        .await?;
+        let host = ClusterName::new(CLUSTER_A)?.service_proxy_host();
+        Ok(client.dial(&format!("{host}:{port}")).await?)
     }
 
     pub fn base(&self, cluster: &str) -> String {
