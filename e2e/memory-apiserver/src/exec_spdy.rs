@@ -17,7 +17,7 @@ use bytes::Bytes;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::mpsc;
 
-use super::exec::{ExecOptions, Output, STDERR, STDOUT, Work, final_status, run_work};
+use super::remotecommand::{ExecOptions, Output, STDERR, STDOUT, Work, final_status, run_work};
 use super::spdy::{self, Frame, HeaderReader, Outgoing, header};
 
 /// The stream protocols served: v4's error stream carries a JSON Status

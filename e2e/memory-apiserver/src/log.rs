@@ -22,7 +22,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::error::ApiError;
-use super::exec::{container_of, parse_bool};
+use super::query::{container_of, parse_bool};
 use super::rbac;
 use super::shared::{Body, Shared};
 use super::store::User;

@@ -101,6 +101,17 @@ pub struct ExecContext {
     pub netns: Option<String>,
 }
 
+/// A failed dial as the kubelet words it: it dials the port on the pod's
+/// loopback, and Go says `dial tcp4 …: connect: connection refused`.
+pub fn dial_error(port: u16, error: &std::io::Error) -> String {
+    match error.kind() {
+        std::io::ErrorKind::ConnectionRefused => {
+            format!("dial tcp4 127.0.0.1:{port}: connect: connection refused")
+        }
+        _ => format!("dial tcp4 127.0.0.1:{port}: {error}"),
+    }
+}
+
 /// A pod the kubelet stand-in runs.
 #[derive(Debug, Clone, Default)]
 pub struct RunningPod {

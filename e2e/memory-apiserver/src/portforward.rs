@@ -311,17 +311,6 @@ where
     let _ = sink.close().await;
 }
 
-/// A failed dial as the kubelet words it: it dials the port on the pod's
-/// loopback, and Go says `dial tcp4 …: connect: connection refused`.
-pub(crate) fn dial_error(port: u16, error: &std::io::Error) -> String {
-    match error.kind() {
-        std::io::ErrorKind::ConnectionRefused => {
-            format!("dial tcp4 127.0.0.1:{port}: connect: connection refused")
-        }
-        _ => format!("dial tcp4 127.0.0.1:{port}: {error}"),
-    }
-}
-
 #[allow(clippy::too_many_arguments)]
 async fn port_task(
     index: usize,
@@ -336,7 +325,7 @@ async fn port_task(
     let connected = match target {
         Some(addr) => TcpStream::connect(addr)
             .await
-            .map_err(|e| dial_error(port, &e)),
+            .map_err(|e| super::pods::dial_error(port, &e)),
         None => Err(format!(
             "dial tcp4 127.0.0.1:{port}: connect: connection refused"
         )),

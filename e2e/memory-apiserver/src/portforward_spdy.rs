@@ -168,7 +168,7 @@ async fn forward(
             match target {
                 Some(addr) => TcpStream::connect(addr)
                     .await
-                    .map_err(|e| super::portforward::dial_error(port, &e))
+                    .map_err(|e| super::pods::dial_error(port, &e))
                     .map_err(|reason| {
                         format!(
                             "error forwarding port {port} to pod {pod}, uid {}: {reason}",
