@@ -279,37 +279,7 @@ async fn transfers(fleet: &Fleet) -> anyhow::Result<()> {
     let mib = knob("CP_BENCH_TRANSFER_MIB", 1024);
     let total = mib * 1024 * 1024;
     let managed = fleet.managed.client().await?;
-    e2e::service_access::create(
-        &managed,
-        e2e::service_access::cluster_role(
-            "port-forwarder",
-            serde_json::json!([{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]},
-                   {"apiGroups": [""], "resources": ["pods/portforward"], "verbs": ["get", "create"]}]),
-        ),
-    )
-    .await?;
-    e2e::service_access::create(
-        &managed,
-        e2e::service_access::cluster_binding(
-            "hub-alice-forwards",
-            "port-forwarder",
-            "User",
-            "cluster:hub:alice",
-        ),
-    )
-    .await?;
-    let echo = simulated_cluster::targets::EchoServer::start().await?;
-    fleet
-        .managed
-        .kubelet()
-        .run(&memory_apiserver::pods::RunningPod {
-            namespace: "default".into(),
-            name: "echo-0".into(),
-            ports: vec![("echo".into(), 7000, echo.addr)],
-            ready: true,
-            ..Default::default()
-        })
-        .map_err(|e| anyhow::anyhow!(e.message))?;
+    let echo = fleet.echo_pod().await?;
     let alice = fleet.hub_user("alice", &["team-a"]);
 
     let tcp = echo_for(tokio::net::TcpStream::connect(echo.addr).await?, total).await?;

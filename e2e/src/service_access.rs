@@ -291,6 +291,45 @@ impl Fleet {
         })
     }
 
+    /// Grants hub alice (as `cluster:hub:alice` on cluster-a) port-forwarding
+    /// to the pods of `default`, and runs pod `echo-0` with an echo server on
+    /// container port 7000.
+    pub async fn echo_pod(&self) -> anyhow::Result<simulated_cluster::targets::EchoServer> {
+        let managed = self.managed.client().await?;
+        create(
+            &managed,
+            cluster_role(
+                "port-forwarder",
+                json!([{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]},
+                       {"apiGroups": [""], "resources": ["pods/portforward"], "verbs": ["get", "create"]}]),
+            ),
+        )
+        .await?;
+        create(
+            &managed,
+            cluster_binding(
+                "hub-alice-forwards",
+                "port-forwarder",
+                "User",
+                "cluster:hub:alice",
+            ),
+        )
+        .await?;
+        let echo = simulated_cluster::targets::EchoServer::start().await?;
+        self.managed
+            .kubelet()
+            .run(&memory_apiserver::pods::RunningPod {
+                namespace: "default".into(),
+                name: "echo-0".into(),
+                ports: vec![("echo".into(), 7000, echo.addr)],
+                ready: true,
+                pod_ip: Some(echo.addr.ip()),
+                ..Default::default()
+            })
+            .map_err(|e| anyhow::anyhow!(e.message))?;
+        Ok(echo)
+    }
+
     /// A hub user with `groups` and a token of it.
     pub fn hub_user(&self, name: &str, groups: &[&str]) -> String {
         self.hub.kubeconfigs(None).token(name, groups)

@@ -2,6 +2,8 @@
 //! fleet): users come as hub users (bearer tokens the hub's TokenReview
 //! knows) and reach cluster-a with kube-rs and the real kubectl.
 
+use std::io::Write as _;
+use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
@@ -16,6 +18,7 @@ use k8s_openapi::api::core::v1::ConfigMap;
 use kube::Api;
 use kube::api::{DeleteParams, DynamicObject, PostParams};
 use serde_json::{Value, json};
+use tokio::io::{AsyncBufReadExt, BufReader};
 
 fn kubectl_available() -> bool {
     let found = Command::new("kubectl")
@@ -515,55 +518,11 @@ async fn a_users_requests_cost_the_hub_one_token_review() {
     assert_eq!(fleet.path.user_server.cached_tokens(), 1);
 }
 
-/// Grants hub alice (as `cluster:hub:alice` on cluster-a) port-forwarding
-/// to the pods of `default`, and runs pod `echo-0` with an echo server on
-/// container port 7000.
-async fn echo_pod(fleet: &Fleet) -> simulated_cluster::targets::EchoServer {
-    let managed = fleet.managed.client().await.unwrap();
-    create(
-        &managed,
-        cluster_role(
-            "port-forwarder",
-            json!([{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]},
-                   {"apiGroups": [""], "resources": ["pods/portforward"], "verbs": ["get", "create"]}]),
-        ),
-    )
-    .await
-    .unwrap();
-    create(
-        &managed,
-        cluster_binding(
-            "hub-alice-forwards",
-            "port-forwarder",
-            "User",
-            "cluster:hub:alice",
-        ),
-    )
-    .await
-    .unwrap();
-    let echo = simulated_cluster::targets::EchoServer::start()
-        .await
-        .unwrap();
-    fleet
-        .managed
-        .kubelet()
-        .run(&memory_apiserver::pods::RunningPod {
-            namespace: "default".into(),
-            name: "echo-0".into(),
-            ports: vec![("echo".into(), 7000, echo.addr)],
-            ready: true,
-            pod_ip: Some(echo.addr.ip()),
-            ..Default::default()
-        })
-        .unwrap();
-    echo
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn port_forward_streams_through_the_user_server_and_the_service_proxy() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let fleet = Fleet::start().await.unwrap();
-    let _echo = echo_pod(&fleet).await;
+    let _echo = fleet.echo_pod().await.unwrap();
     let alice = fleet.hub_user("alice", &["team-a"]);
 
     // kube-rs's WebSocket port-forward: the upgrade crosses both proxies.
@@ -636,9 +595,8 @@ async fn port_forward_streams_through_the_user_server_and_the_service_proxy() {
 /// hub alice, decided by cluster-a's RBAC for `cluster:hub:alice`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kubectl_exec_cp_and_logs_through_the_user_server() {
-    use std::io::Write;
     use std::process::Stdio;
-    use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+    use tokio::io::AsyncWriteExt;
     if !kubectl_available() {
         return;
     }
@@ -787,69 +745,32 @@ async fn kubectl_exec_cp_and_logs_through_the_user_server() {
         ),
         "ready\n"
     );
-    let mut follow = fleet.path.kubectl_command(
-        CLUSTER_A,
-        &alice,
-        &["logs", "-f", "-n", "default", "shell-0", "--tail=0"],
-    );
-    follow.stdout(Stdio::piped()).stderr(Stdio::piped());
-    let mut follow = follow.spawn().unwrap();
-    let mut lines = BufReader::new(follow.stdout.take().unwrap()).lines();
-    let mut appended = std::fs::OpenOptions::new().append(true).open(&log).unwrap();
-    let seen = tokio::time::timeout(Duration::from_secs(30), async {
-        loop {
-            writeln!(appended, "served a request").unwrap();
-            tokio::select! {
-                line = lines.next_line() => break line.unwrap(),
-                () = tokio::time::sleep(Duration::from_millis(200)) => {}
-            }
-        }
-    })
-    .await
-    .expect("the followed log shows new lines through the user-server");
-    assert_eq!(seen.as_deref(), Some("served a request"));
-    fleet
-        .managed
-        .kubelet()
-        .remove("default", "shell-0")
-        .unwrap();
-    let status = tokio::time::timeout(Duration::from_secs(30), follow.wait())
-        .await
-        .expect("logs -f ends when the pod goes")
-        .unwrap();
-    assert!(status.success(), "{status:?}");
-
-    // kubectl attach: the container's output from now on, until it goes.
-    fleet.managed.kubelet().run(&pod).unwrap();
-    let mut attach =
+    // kubectl logs -f and kubectl attach: what the container writes from
+    // now on, until the pod goes (then kubectl exits successfully).
+    let follows = [
+        &["logs", "-f", "-n", "default", "shell-0", "--tail=0"][..],
+        &["attach", "-n", "default", "shell-0"],
+    ];
+    for args in follows {
+        fleet.managed.kubelet().run(&pod).unwrap();
+        let mut follow = fleet.path.kubectl_command(CLUSTER_A, &alice, args);
+        follow.stdout(Stdio::piped()).stderr(Stdio::piped());
+        let mut follow = follow.spawn().unwrap();
+        let mut lines = BufReader::new(follow.stdout.take().unwrap()).lines();
+        let line = format!("seen by kubectl {}", args[0]);
+        let seen = append_until_seen(&log, &line, &mut lines).await;
+        assert_eq!(seen.as_deref(), Some(line.as_str()));
         fleet
-            .path
-            .kubectl_command(CLUSTER_A, &alice, &["attach", "-n", "default", "shell-0"]);
-    attach.stdout(Stdio::piped()).stderr(Stdio::piped());
-    let mut attach = attach.spawn().unwrap();
-    let mut lines = BufReader::new(attach.stdout.take().unwrap()).lines();
-    let seen = tokio::time::timeout(Duration::from_secs(30), async {
-        loop {
-            writeln!(appended, "seen by attach").unwrap();
-            tokio::select! {
-                line = lines.next_line() => break line.unwrap(),
-                () = tokio::time::sleep(Duration::from_millis(200)) => {}
-            }
-        }
-    })
-    .await
-    .expect("attach shows new output through the user-server");
-    assert_eq!(seen.as_deref(), Some("seen by attach"));
-    fleet
-        .managed
-        .kubelet()
-        .remove("default", "shell-0")
-        .unwrap();
-    let status = tokio::time::timeout(Duration::from_secs(30), attach.wait())
-        .await
-        .expect("attach ends when the pod goes")
-        .unwrap();
-    assert!(status.success(), "{status:?}");
+            .managed
+            .kubelet()
+            .remove("default", "shell-0")
+            .unwrap();
+        let status = tokio::time::timeout(Duration::from_secs(30), follow.wait())
+            .await
+            .unwrap_or_else(|_| panic!("{args:?} ends when the pod goes"))
+            .unwrap();
+        assert!(status.success(), "{args:?}: {status:?}");
+    }
 
     // Revoked on the managed cluster: exec is refused, naming the hub user.
     fleet.managed.kubelet().run(&pod).unwrap();
@@ -870,4 +791,26 @@ async fn kubectl_exec_cp_and_logs_through_the_user_server() {
             .unwrap(),
     );
     assert!(denied.contains("cluster:hub:alice"), "{denied}");
+}
+
+/// Appends `line` to `log` until `follower` (kubectl following it) shows
+/// it, for at most 30 s: it may start following after a write. The line
+/// it showed.
+async fn append_until_seen(
+    log: &Path,
+    line: &str,
+    follower: &mut tokio::io::Lines<BufReader<tokio::process::ChildStdout>>,
+) -> Option<String> {
+    let mut appended = std::fs::OpenOptions::new().append(true).open(log).unwrap();
+    tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            writeln!(appended, "{line}").unwrap();
+            tokio::select! {
+                shown = follower.next_line() => break shown.unwrap(),
+                () = tokio::time::sleep(Duration::from_millis(200)) => {}
+            }
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("{line:?} not shown within 30 s"))
 }

@@ -17,6 +17,56 @@ pub(crate) const PROTOBUF: &str = "application/vnd.kubernetes.protobuf";
 /// Largest request body accepted (the real server's limit is 3 MiB).
 pub(crate) const MAX_BODY: usize = 3 * 1024 * 1024;
 
+/// A streamed response of `content_type`: each chunk from `chunks` as it
+/// comes, ending when every sender is gone (watches, followed logs).
+pub(crate) fn streamed_response(
+    chunks: tokio::sync::mpsc::Receiver<Bytes>,
+    content_type: &'static str,
+) -> Response<Body> {
+    let stream = futures_util::stream::unfold(chunks, |mut chunks| async move {
+        chunks.recv().await.map(|bytes| {
+            (
+                Ok::<_, std::convert::Infallible>(hyper::body::Frame::data(bytes)),
+                chunks,
+            )
+        })
+    });
+    let mut response = Response::new(http_body_util::StreamBody::new(stream).boxed());
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static(content_type),
+    );
+    response
+}
+
+/// The `101 Switching Protocols` of an accepted upgrade to `upgrade`.
+pub(crate) fn switching_protocols(upgrade: &'static str) -> Response<Body> {
+    let mut response = Response::new(http_body_util::Empty::<Bytes>::new().boxed());
+    *response.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
+    let headers = response.headers_mut();
+    headers.insert(header::UPGRADE, header::HeaderValue::from_static(upgrade));
+    headers.insert(
+        header::CONNECTION,
+        header::HeaderValue::from_static("Upgrade"),
+    );
+    response
+}
+
+/// Serves an accepted upgrade once hyper hands the connection over (an
+/// upgrade that never completes is logged with `what` and dropped).
+pub(crate) fn serve_upgraded<F, Fut>(on_upgrade: hyper::upgrade::OnUpgrade, what: String, serve: F)
+where
+    F: FnOnce(hyper_util::rt::TokioIo<hyper::upgrade::Upgraded>) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
+    tokio::spawn(async move {
+        match on_upgrade.await {
+            Ok(upgraded) => serve(hyper_util::rt::TokioIo::new(upgraded)).await,
+            Err(error) => tracing::debug!(%what, %error, "an upgrade did not complete"),
+        }
+    });
+}
+
 pub(crate) fn json_response(status: StatusCode, value: &Value) -> Response<Body> {
     let bytes = serde_json::to_vec(value).unwrap_or_default();
     let mut response = Response::new(Full::new(Bytes::from(bytes)).boxed());

@@ -19,7 +19,6 @@ use bytes::Bytes;
 use futures_util::{SinkExt, StreamExt};
 use http::{Request, Response};
 use hyper::body::Incoming;
-use hyper_util::rt::TokioIo;
 use serde_json::Value;
 use tokio::sync::mpsc;
 use tokio_tungstenite::WebSocketStream;
@@ -136,49 +135,44 @@ pub async fn serve(
         .get(http::header::UPGRADE)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.eq_ignore_ascii_case("spdy/3.1"));
-    if spdy_upgrade && request.method() == http::Method::POST {
+    // `None`: SPDY; else WebSocket, whether v5.
+    let (response, on_upgrade, websocket_v5) = if spdy_upgrade
+        && request.method() == http::Method::POST
+    {
         let (response, on_upgrade, _) = spdy::accept(&mut request, exec_spdy::PROTOCOLS, false)?;
-        tokio::spawn(async move {
-            let upgraded = match on_upgrade.await {
-                Ok(upgraded) => upgraded,
-                Err(error) => {
-                    tracing::debug!(pod = %pod_name, %error, "{subresource} upgrade failed");
-                    return;
+        (response, on_upgrade, None)
+    } else {
+        // Last: the answer to a refused WebSocket upgrade must name the
+        // problem, which kubectl shows after falling back to SPDY.
+        websocket::require_websocket(&request, PROTOCOLS)?;
+        let protocol = websocket::negotiate(&request, PROTOCOLS, false)?;
+        let (response, on_upgrade) = websocket::accept(&mut request, protocol)?;
+        (response, on_upgrade, Some(protocol == "v5.channel.k8s.io"))
+    };
+    super::body::serve_upgraded(
+        on_upgrade,
+        format!("{subresource} {pod_name}"),
+        move |io| async move {
+            let served = async {
+                match websocket_v5 {
+                    None => {
+                        exec_spdy::serve(io, options.clone(), work.clone(), pod_name.clone()).await
+                    }
+                    Some(v5) => {
+                        let ws = WebSocketStream::from_raw_socket(io, Role::Server, None).await;
+                        run(ws, &options, &work, v5).await;
+                    }
                 }
             };
             tokio::select! {
-                () = exec_spdy::serve(TokioIo::new(upgraded), options, work, pod_name.clone()) => {}
+                () = served => {}
                 () = gone.cancelled() => {
                     tracing::debug!(pod = %pod_name, "pod gone; ending its {subresource}");
                 }
                 _ = shutdown.changed() => {}
             }
-        });
-        return Ok(response);
-    }
-    // Last: the answer to a refused WebSocket upgrade must name the
-    // problem, which kubectl shows after falling back to SPDY.
-    websocket::require_websocket(&request, PROTOCOLS)?;
-    let protocol = websocket::negotiate(&request, PROTOCOLS, false)?;
-    let (response, on_upgrade) = websocket::accept(&mut request, protocol)?;
-    let v5 = protocol == "v5.channel.k8s.io";
-    tokio::spawn(async move {
-        let upgraded = match on_upgrade.await {
-            Ok(upgraded) => upgraded,
-            Err(error) => {
-                tracing::debug!(pod = %pod_name, %error, "{subresource} upgrade failed");
-                return;
-            }
-        };
-        let ws = WebSocketStream::from_raw_socket(TokioIo::new(upgraded), Role::Server, None).await;
-        tokio::select! {
-            () = run(ws, &options, &work, v5) => {}
-            () = gone.cancelled() => {
-                tracing::debug!(pod = %pod_name, "pod gone; ending its {subresource}");
-            }
-            _ = shutdown.changed() => {}
-        }
-    });
+        },
+    );
     Ok(response)
 }
 

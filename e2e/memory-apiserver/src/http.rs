@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode, header};
-use http_body_util::{BodyExt, Full, StreamBody};
-use hyper::body::{Frame, Incoming};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
 
 use super::exec::Connect;
 use serde_json::{Value, json};
@@ -1209,17 +1209,7 @@ fn watch_response(
             ));
         }
     }
-    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
-        rx.recv()
-            .await
-            .map(|bytes| (Ok::<_, Infallible>(Frame::data(bytes)), rx))
-    });
-    let mut response = Response::new(StreamBody::new(stream).boxed());
-    response.headers_mut().insert(
-        header::CONTENT_TYPE,
-        header::HeaderValue::from_static("application/json"),
-    );
-    Ok(response)
+    Ok(super::body::streamed_response(rx, "application/json"))
 }
 
 #[allow(clippy::too_many_arguments)]

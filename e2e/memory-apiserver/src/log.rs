@@ -8,14 +8,12 @@
 //! a 400 saying so: `timestamps`, `sinceSeconds` and `sinceTime`, which
 //! need the time of every line, which a plain log file does not keep.
 
-use std::convert::Infallible;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{Request, Response, header};
-use http_body_util::{BodyExt, StreamBody};
-use hyper::body::{Frame, Incoming};
+use http::{Request, Response};
+use hyper::body::Incoming;
 use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncSeekExt};
 use tokio::sync::mpsc;
@@ -180,17 +178,7 @@ pub async fn serve(
             _ = shutdown.changed() => {}
         }
     });
-    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
-        rx.recv()
-            .await
-            .map(|bytes| (Ok::<_, Infallible>(Frame::data(bytes)), rx))
-    });
-    let mut response = Response::new(StreamBody::new(stream).boxed());
-    response.headers_mut().insert(
-        header::CONTENT_TYPE,
-        header::HeaderValue::from_static("text/plain"),
-    );
-    Ok(response)
+    Ok(super::body::streamed_response(rx, "text/plain"))
 }
 
 pub(crate) async fn stream_log(

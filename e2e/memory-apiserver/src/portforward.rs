@@ -25,7 +25,6 @@ use bytes::Bytes;
 use futures_util::{SinkExt, StreamExt};
 use http::{Request, Response};
 use hyper::body::Incoming;
-use hyper_util::rt::TokioIo;
 use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -117,17 +116,16 @@ pub async fn serve(
         let endpoint = running_endpoint(shared, &pod, namespace, name)?;
         let (response, on_upgrade, _) =
             spdy::accept(&mut request, &[portforward_spdy::STREAM_PROTOCOL], true)?;
-        tokio::spawn(async move {
-            match on_upgrade.await {
-                Ok(upgraded) => tokio::select! {
-                    () = portforward_spdy::serve(TokioIo::new(upgraded), &pod_name, &endpoint) => {}
+        super::body::serve_upgraded(
+            on_upgrade,
+            format!("port-forward {pod_name}"),
+            move |io| async move {
+                tokio::select! {
+                    () = portforward_spdy::serve(io, &pod_name, &endpoint) => {}
                     _ = shutdown.changed() => {}
-                },
-                Err(error) => {
-                    tracing::debug!(pod = %pod_name, %error, "port-forward upgrade failed")
                 }
-            }
-        });
+            },
+        );
         return Ok(response);
     }
     websocket::require_websocket(&request, SERVED)?;
@@ -139,28 +137,25 @@ pub async fn serve(
     };
     let endpoint = running_endpoint(shared, &pod, namespace, name)?;
     let (response, on_upgrade) = websocket::accept(&mut request, protocol)?;
-    tokio::spawn(async move {
-        let upgraded = match on_upgrade.await {
-            Ok(upgraded) => upgraded,
-            Err(error) => {
-                tracing::debug!(pod = %pod_name, %error, "port-forward upgrade failed");
-                return;
-            }
-        };
-        let ws = WebSocketStream::from_raw_socket(TokioIo::new(upgraded), Role::Server, None).await;
-        if protocol == portforward_spdy::TUNNEL_PROTOCOL {
-            // kubectl 1.31+: SPDY inside WebSocket binary messages.
+    super::body::serve_upgraded(
+        on_upgrade,
+        format!("port-forward {pod_name}"),
+        move |io| async move {
+            let ws = WebSocketStream::from_raw_socket(io, Role::Server, None).await;
+            let served = async {
+                if protocol == portforward_spdy::TUNNEL_PROTOCOL {
+                    // kubectl 1.31+: SPDY inside WebSocket binary messages.
+                    portforward_spdy::serve_tunneled(ws, &pod_name, &endpoint).await;
+                } else {
+                    relay(ws, &pod_name, &ports, &endpoint).await;
+                }
+            };
             tokio::select! {
-                () = portforward_spdy::serve_tunneled(ws, &pod_name, &endpoint) => {}
+                () = served => {}
                 _ = shutdown.changed() => {}
             }
-            return;
-        }
-        tokio::select! {
-            () = relay(ws, &pod_name, &ports, &endpoint) => {}
-            _ = shutdown.changed() => {}
-        }
-    });
+        },
+    );
     Ok(response)
 }
 

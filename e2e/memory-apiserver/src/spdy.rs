@@ -22,8 +22,7 @@ use std::sync::OnceLock;
 
 use bytes::Bytes;
 use flate2::{Compress, Compression, Decompress, FlushCompress, FlushDecompress, Status};
-use http::{Request, Response, StatusCode, header};
-use http_body_util::{BodyExt, Empty};
+use http::{Request, Response, header};
 use hyper::body::Incoming;
 use hyper::upgrade::OnUpgrade;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -491,15 +490,7 @@ pub fn accept(
     served: &[&'static str],
     allow_none: bool,
 ) -> Result<(Response<Body>, OnUpgrade, &'static str), ApiError> {
-    let offered: Vec<String> = request
-        .headers()
-        .get_all(PROTOCOL_HEADER)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .map(|p| p.trim().to_string())
-        .filter(|p| !p.is_empty())
-        .collect();
+    let offered = super::websocket::offered(request, PROTOCOL_HEADER);
     let chosen = if offered.is_empty() && allow_none {
         served.first().copied()
     } else {
@@ -518,17 +509,8 @@ pub fn accept(
         ));
     };
     let on_upgrade = hyper::upgrade::on(request);
-    let mut response = Response::new(Empty::<Bytes>::new().boxed());
-    *response.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
+    let mut response = super::body::switching_protocols("SPDY/3.1");
     let headers = response.headers_mut();
-    headers.insert(
-        header::CONNECTION,
-        header::HeaderValue::from_static("Upgrade"),
-    );
-    headers.insert(
-        header::UPGRADE,
-        header::HeaderValue::from_static("SPDY/3.1"),
-    );
     if !offered.is_empty() {
         headers.insert(PROTOCOL_HEADER, header::HeaderValue::from_static(protocol));
     }

@@ -11,9 +11,7 @@
 //!   is its channel); the base64 variants and SPDY (plain or tunneled in
 //!   WebSocket) are refused with a message saying so.
 
-use bytes::Bytes;
-use http::{Method, Request, Response, StatusCode, header};
-use http_body_util::{BodyExt, Empty};
+use http::{Method, Request, Response, header};
 use hyper::body::Incoming;
 use hyper::upgrade::OnUpgrade;
 use tokio_tungstenite::tungstenite::Message;
@@ -90,6 +88,19 @@ pub fn require_websocket(request: &Request<Incoming>, served: &[&str]) -> Result
     Ok(())
 }
 
+/// The protocols a client offers in `name` (repeated or comma-separated).
+pub fn offered(request: &Request<Incoming>, name: &str) -> Vec<String> {
+    request
+        .headers()
+        .get_all(name)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(|p| p.trim().to_string())
+        .filter(|p| !p.is_empty())
+        .collect()
+}
+
 /// The subprotocol to answer with, the first of `served` the client
 /// offered: `Some("")` when the client offered none (the kubelet then
 /// speaks plain binary channels) and `allow_none`.
@@ -98,15 +109,7 @@ pub fn negotiate(
     served: &[&'static str],
     allow_none: bool,
 ) -> Result<&'static str, ApiError> {
-    let offered: Vec<String> = request
-        .headers()
-        .get_all(header::SEC_WEBSOCKET_PROTOCOL)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .map(|p| p.trim().to_string())
-        .filter(|p| !p.is_empty())
-        .collect();
+    let offered = offered(request, header::SEC_WEBSOCKET_PROTOCOL.as_str());
     if offered.is_empty() && allow_none {
         return Ok("");
     }
@@ -141,17 +144,8 @@ pub fn accept(
     })?;
     let accept = derive_accept_key(key.as_bytes());
     let on_upgrade = hyper::upgrade::on(request);
-    let mut response = Response::new(Empty::<Bytes>::new().boxed());
-    *response.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
+    let mut response = super::body::switching_protocols("websocket");
     let headers = response.headers_mut();
-    headers.insert(
-        header::UPGRADE,
-        header::HeaderValue::from_static("websocket"),
-    );
-    headers.insert(
-        header::CONNECTION,
-        header::HeaderValue::from_static("Upgrade"),
-    );
     headers.insert(
         header::SEC_WEBSOCKET_ACCEPT,
         header::HeaderValue::from_str(&accept)

@@ -765,19 +765,7 @@ async fn exec_cp_and_logs_reach_the_kubelets_processes() {
     follow.stdout(Stdio::piped());
     let mut follow = follow.spawn().unwrap();
     let mut lines = BufReader::new(follow.stdout.take().unwrap()).lines();
-    // Appended until the follower shows it: it may attach after a write.
-    let mut appended = std::fs::OpenOptions::new().append(true).open(&log).unwrap();
-    let seen = tokio::time::timeout(Duration::from_secs(30), async {
-        loop {
-            writeln!(appended, "request served").unwrap();
-            tokio::select! {
-                line = lines.next_line() => break line.unwrap(),
-                () = tokio::time::sleep(Duration::from_millis(200)) => {}
-            }
-        }
-    })
-    .await
-    .expect("the followed log shows a new line");
+    let seen = append_until_seen(&log, "request served", &mut lines).await;
     assert_eq!(seen.as_deref(), Some("request served"));
     setup.api.kubelet().remove("default", "shell-0").unwrap();
     let status = tokio::time::timeout(Duration::from_secs(30), follow.wait())
@@ -1085,18 +1073,7 @@ async fn attach_streams_the_containers_output_until_the_pod_goes() {
             .stderr(Stdio::piped());
         let mut attach = attach.spawn().unwrap();
         let mut lines = BufReader::new(attach.stdout.take().unwrap()).lines();
-        let mut appended = std::fs::OpenOptions::new().append(true).open(&log).unwrap();
-        let seen = tokio::time::timeout(Duration::from_secs(30), async {
-            loop {
-                writeln!(appended, "while attached").unwrap();
-                tokio::select! {
-                    line = lines.next_line() => break line.unwrap(),
-                    () = tokio::time::sleep(Duration::from_millis(200)) => {}
-                }
-            }
-        })
-        .await
-        .expect("attach shows what the container writes");
+        let seen = append_until_seen(&log, "while attached", &mut lines).await;
         assert_eq!(
             seen.as_deref(),
             Some("while attached"),
@@ -1116,4 +1093,26 @@ async fn attach_streams_the_containers_output_until_the_pod_goes() {
     shell_pod(&setup.api, pod_dir.path(), &log);
     let refused = setup.fails(&["attach", "-i", "shell-0"]).await;
     assert!(refused.contains("takes no stdin"), "{refused}");
+}
+
+/// Appends `line` to `log` until `follower` (kubectl following it) shows
+/// it, for at most 30 s: it may start following after a write. The line
+/// it showed.
+async fn append_until_seen(
+    log: &Path,
+    line: &str,
+    follower: &mut tokio::io::Lines<BufReader<tokio::process::ChildStdout>>,
+) -> Option<String> {
+    let mut appended = std::fs::OpenOptions::new().append(true).open(log).unwrap();
+    tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            writeln!(appended, "{line}").unwrap();
+            tokio::select! {
+                shown = follower.next_line() => break shown.unwrap(),
+                () = tokio::time::sleep(Duration::from_millis(200)) => {}
+            }
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("{line:?} not shown within 30 s"))
 }
