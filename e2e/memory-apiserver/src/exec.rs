@@ -68,10 +68,7 @@ pub async fn serve(
     name: &str,
     connect: Connect,
 ) -> Result<Response<Body>, ApiError> {
-    let t = shared
-        .store
-        .resource_type("", "v1", "pods")
-        .ok_or_else(|| ApiError::new(500, "InternalError", "no pods type"))?;
+    let t = super::pods::pod_type(&shared.store)?;
     let subresource = connect.subresource();
     websocket::authorize(
         shared,

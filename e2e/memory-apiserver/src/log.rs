@@ -140,10 +140,7 @@ pub async fn serve(
         },
     )?;
     let options = options(request.uri().query())?;
-    let t = shared
-        .store
-        .resource_type("", "v1", "pods")
-        .ok_or_else(|| ApiError::new(500, "InternalError", "no pods type"))?;
+    let t = super::pods::pod_type(&shared.store)?;
     let pod = shared.store.get(&t, Some(namespace), name)?;
     let container = container_of(&pod, options.container.as_deref(), name)?;
     if options.previous {

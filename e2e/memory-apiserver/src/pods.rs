@@ -112,6 +112,13 @@ pub fn dial_error(port: u16, error: &std::io::Error) -> String {
     }
 }
 
+/// The built-in Pod type of `store`.
+pub(crate) fn pod_type(store: &Store) -> Result<super::resources::ResourceType, ApiError> {
+    store
+        .resource_type("", "v1", "pods")
+        .ok_or_else(|| ApiError::new(500, "InternalError", "no pods type"))
+}
+
 /// A pod the kubelet stand-in runs.
 #[derive(Debug, Clone, Default)]
 pub struct RunningPod {
@@ -170,9 +177,7 @@ fn status(ready: bool, pod_ip: Option<IpAddr>) -> Value {
 
 impl KubeletPods {
     fn pod_type(&self) -> Result<super::resources::ResourceType, ApiError> {
-        self.store
-            .resource_type("", "v1", "pods")
-            .ok_or_else(|| ApiError::new(500, "InternalError", "no pods type"))
+        pod_type(&self.store)
     }
 
     /// Writes `pod` as a `Running` Pod (replacing one of the same name: a

@@ -87,10 +87,7 @@ pub async fn serve(
     namespace: &str,
     name: &str,
 ) -> Result<Response<Body>, ApiError> {
-    let t = shared
-        .store
-        .resource_type("", "v1", "pods")
-        .ok_or_else(|| ApiError::new(500, "InternalError", "no pods type"))?;
+    let t = super::pods::pod_type(&shared.store)?;
     websocket::authorize(
         shared,
         user,
