@@ -153,10 +153,12 @@ enum Command {
         cluster: String,
         #[arg(long)]
         ip: IpAddr,
-        #[arg(long)]
-        cert: PathBuf,
-        #[arg(long)]
-        key: PathBuf,
+        /// The stand-in kube-apiserver's certificate and key; without them
+        /// there is no stand-in (the environment runs the cluster's API).
+        #[arg(long, requires = "key")]
+        cert: Option<PathBuf>,
+        #[arg(long, requires = "cert")]
+        key: Option<PathBuf>,
     },
     /// (internal) The load balancer in front of the replicas' agent ports.
     #[command(hide = true)]
@@ -278,7 +280,14 @@ async fn main() -> anyhow::Result<()> {
             init_logging();
             let read =
                 |p: &PathBuf| std::fs::read_to_string(p).with_context(|| p.display().to_string());
-            let tls = sample::tls_acceptor(&read(&cert)?, &read(&key)?, &[b"http/1.1"])?;
+            let tls = match (cert, key) {
+                (Some(cert), Some(key)) => Some(sample::tls_acceptor(
+                    &read(&cert)?,
+                    &read(&key)?,
+                    &[b"http/1.1"],
+                )?),
+                _ => None,
+            };
             sample::serve(cluster, ip, tls).await?;
             Ok(())
         }
@@ -724,7 +733,7 @@ fn print_commands(summary: &Summary) {
         "  curl -p -x https://{server} --proxy-cacert {p}/ca-bundle.crt \\\n    --proxy-cert {p}/proxy-client/tls.crt --proxy-key {p}/proxy-client/tls.key \\\n    http://{name}:{}/",
         sample::HTTP_PORT
     );
-    println!("  # the stand-in kube-apiserver, TLS end to end with the cluster's own CA");
+    println!("  # the cluster's kube-apiserver, TLS end to end with the cluster's own CA");
     println!(
         "  curl -p -x https://{server} --proxy-cacert {p}/ca-bundle.crt \\\n    --proxy-cert {p}/proxy-client/tls.crt --proxy-key {p}/proxy-client/tls.key \\\n    --cacert {} https://{name}:{}/healthz",
         first.apiserver_ca.display(),
@@ -741,6 +750,22 @@ fn print_commands(summary: &Summary) {
             "  ip netns exec {hub_ns} curl -sS --max-time 2 http://{}:{}/",
             first.service_ip,
             sample::HTTP_PORT
+        );
+    }
+    if let (Some(user_server), Some(hub)) = (summary.user_server, &summary.kubeconfig) {
+        let kubeconfig = summary.state_dir.join("clusters.kubeconfig");
+        println!(
+            "\nkubectl to every cluster through the hub's user-server, as the hub administrator \
+             (the hub's RBAC and each cluster's decide; each cluster grants it cluster-admin):\n"
+        );
+        println!(
+            "  cargo run -q -p cluster-proxy-cli -- kubeconfig --kubeconfig {} \\\n    --user-server https://{user_server} --certificate-authority {p}/ca-bundle.crt -o {}",
+            hub.display(),
+            kubeconfig.display()
+        );
+        println!(
+            "  kubectl --kubeconfig {} --context {name} get pods -A",
+            kubeconfig.display()
         );
     }
     println!("\nCtrl-C stops everything.\n");

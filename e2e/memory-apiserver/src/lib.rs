@@ -178,12 +178,22 @@ impl KubeconfigWriter {
         namespace: &str,
         name: &str,
     ) -> Result<PathBuf, KubeApiError> {
-        let token = self.shared.bound_token(namespace, name).ok_or_else(|| {
+        let token = self.service_account_token(namespace, name)?;
+        self.write_token(&format!("system:serviceaccount:{namespace}:{name}"), &token)
+    }
+
+    /// A token bound to ServiceAccount `name` in `namespace`, which must
+    /// exist (what the kubelet projects into a pod running as it).
+    pub fn service_account_token(
+        &self,
+        namespace: &str,
+        name: &str,
+    ) -> Result<String, KubeApiError> {
+        self.shared.bound_token(namespace, name).ok_or_else(|| {
             KubeApiError::Client(format!(
                 "no ServiceAccount {namespace}/{name} to issue a token for"
             ))
-        })?;
-        self.write_token(&format!("system:serviceaccount:{namespace}:{name}"), &token)
+        })
     }
 
     fn write_token(&self, user: &str, token: &str) -> Result<PathBuf, KubeApiError> {
@@ -229,6 +239,10 @@ pub struct KubeApiOptions {
     /// Keep every authorization decision ([`KubeApi::requests`]): tests
     /// compare what services asked for with what their RBAC grants.
     pub record_requests: bool,
+    /// More sockets the API serves on besides `bind`, bound already (in
+    /// another network namespace, say): their addresses join the serving
+    /// certificate.
+    pub listeners: Vec<Arc<std::net::TcpListener>>,
 }
 
 impl KubeApiOptions {
@@ -241,6 +255,7 @@ impl KubeApiOptions {
             rbac: false,
             extra_sans: Vec::new(),
             record_requests: false,
+            listeners: Vec::new(),
         }
     }
 }
@@ -278,6 +293,23 @@ impl KubeApi {
             Duration::from_secs(86400 * 30),
         )
         .map_err(|e| KubeApiError::Pki(e.to_string()))?;
+        let mut extra = Vec::new();
+        for listener in &options.listeners {
+            let bound = || -> std::io::Result<TcpListener> {
+                let listener = listener.try_clone()?;
+                listener.set_nonblocking(true)?;
+                TcpListener::from_std(listener)
+            };
+            let listener = bound().map_err(|source| KubeApiError::Bind {
+                addr: options.bind,
+                source,
+            })?;
+            let local = listener.local_addr().map_err(|source| KubeApiError::Bind {
+                addr: options.bind,
+                source,
+            })?;
+            extra.push((listener, local.ip().to_string()));
+        }
         let ip = addr.ip().to_string();
         let mut sans = vec![
             "localhost",
@@ -285,6 +317,7 @@ impl KubeApi {
             ip.as_str(),
             "kubernetes.default.svc",
         ];
+        sans.extend(extra.iter().map(|(_, ip)| ip.as_str()));
         sans.extend(options.extra_sans.iter().map(String::as_str));
         let leaf = ca
             .issue(&LeafRequest::server("kube-apiserver", &sans))
@@ -329,6 +362,14 @@ impl KubeApi {
             Arc::new(ca),
             shutdown_rx.clone(),
         ));
+        for (listener, _) in extra {
+            tokio::spawn(serve(
+                listener,
+                acceptor.clone(),
+                shared.clone(),
+                shutdown_rx.clone(),
+            ));
+        }
         let task = tokio::spawn(serve(listener, acceptor, shared.clone(), shutdown_rx));
         std::fs::create_dir_all(&options.dir).map_err(|source| KubeApiError::Write {
             path: options.dir.clone(),

@@ -37,6 +37,54 @@ pub struct Endpoint {
     /// Cancelled when the pod goes: its forwards end, as a dead
     /// container's connections do.
     pub gone: CancellationToken,
+    /// How the kubelet reaches the pod's ports (`None`: from this
+    /// process's own network).
+    pub dialer: Option<PodDialer>,
+    /// Where the pod's own loopback is, if it has one the kubelet can
+    /// dial: a port not in `ports` is dialled there.
+    pub loopback: Option<IpAddr>,
+}
+
+impl Endpoint {
+    /// Where port `port` of the pod really listens: a declared port, else
+    /// the port on the pod's loopback (a kubelet forwards to any port of
+    /// the pod's network, declared or not).
+    pub fn target(&self, port: u16) -> Option<SocketAddr> {
+        self.ports
+            .get(&port)
+            .copied()
+            .or_else(|| self.loopback.map(|ip| SocketAddr::new(ip, port)))
+    }
+
+    /// Connects to `addr`, one of this pod's port addresses, as its
+    /// kubelet would: from inside the pod's network when it has its own.
+    pub async fn connect(&self, addr: SocketAddr) -> std::io::Result<tokio::net::TcpStream> {
+        match &self.dialer {
+            Some(dialer) => (dialer.0)(addr).await,
+            None => tokio::net::TcpStream::connect(addr).await,
+        }
+    }
+}
+
+/// Connects to a pod's port from where the pod's network is (another
+/// network namespace, say): what a kubelet on the pod's node can do and
+/// this process, elsewhere, cannot.
+#[derive(Clone)]
+pub struct PodDialer(
+    pub  Arc<
+        dyn Fn(
+                SocketAddr,
+            )
+                -> futures_util::future::BoxFuture<'static, std::io::Result<tokio::net::TcpStream>>
+            + Send
+            + Sync,
+    >,
+);
+
+impl std::fmt::Debug for PodDialer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PodDialer")
+    }
 }
 
 /// The registry of running pods' ports: `(namespace, name)` → endpoint.
@@ -133,6 +181,10 @@ pub struct RunningPod {
     /// Containers' logs and exec (containers named here and not in
     /// `ports` are containers without ports).
     pub containers: BTreeMap<String, ContainerRuntime>,
+    /// How `pods/portforward` reaches `ports` (`None`: directly).
+    pub dialer: Option<PodDialer>,
+    /// The pod's own loopback, where undeclared ports are forwarded.
+    pub loopback: Option<IpAddr>,
 }
 
 /// The node every stand-in pod runs on.
@@ -234,6 +286,8 @@ impl KubeletPods {
                 ports: pod.ports.iter().map(|(_, p, addr)| (*p, *addr)).collect(),
                 containers: pod.containers.clone(),
                 gone: CancellationToken::new(),
+                dialer: pod.dialer.clone(),
+                loopback: pod.loopback,
             },
         );
         Ok(uid)

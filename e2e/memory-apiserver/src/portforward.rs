@@ -27,7 +27,6 @@ use http::{Request, Response};
 use hyper::body::Incoming;
 use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio_tungstenite::WebSocketStream;
 use tokio_tungstenite::tungstenite::Message;
@@ -233,7 +232,7 @@ where
     let mut to_pods: BTreeMap<u8, mpsc::Sender<Bytes>> = BTreeMap::new();
     for (i, port) in ports.iter().enumerate() {
         let data = (2 * i) as u8;
-        let target: Option<SocketAddr> = endpoint.ports.get(port).copied();
+        let target: Option<SocketAddr> = endpoint.target(*port);
         let (to_pod, rx) = mpsc::channel::<Bytes>(16);
         to_pods.insert(data, to_pod);
         tokio::spawn(port_task(
@@ -241,7 +240,7 @@ where
             data,
             *port,
             pod.to_string(),
-            endpoint.uid.clone(),
+            endpoint.clone(),
             target,
             rx,
             events.clone(),
@@ -309,13 +308,14 @@ async fn port_task(
     channel: u8,
     port: u16,
     pod: String,
-    uid: String,
+    endpoint: Endpoint,
     target: Option<SocketAddr>,
     mut to_pod: mpsc::Receiver<Bytes>,
     events: mpsc::Sender<FromPod>,
 ) {
     let connected = match target {
-        Some(addr) => TcpStream::connect(addr)
+        Some(addr) => endpoint
+            .connect(addr)
             .await
             .map_err(|e| super::pods::dial_error(port, &e)),
         None => Err(format!(
@@ -325,7 +325,10 @@ async fn port_task(
     let tcp = match connected {
         Ok(tcp) => tcp,
         Err(reason) => {
-            let message = format!("error forwarding port {port} to pod {pod}, uid {uid}: {reason}");
+            let message = format!(
+                "error forwarding port {port} to pod {pod}, uid {}: {reason}",
+                endpoint.uid
+            );
             let _ = events.send(FromPod::Done(index, Some(message))).await;
             return;
         }

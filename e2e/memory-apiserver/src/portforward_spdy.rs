@@ -16,7 +16,6 @@ use std::net::SocketAddr;
 use bytes::Bytes;
 use futures_util::{SinkExt, StreamExt};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio_tungstenite::WebSocketStream;
 use tokio_tungstenite::tungstenite::Message;
@@ -164,9 +163,10 @@ async fn forward(
     let dialled = match port {
         Err(reason) => Err(reason),
         Ok(port) => {
-            let target: Option<SocketAddr> = endpoint.ports.get(&port).copied();
+            let target: Option<SocketAddr> = endpoint.target(port);
             match target {
-                Some(addr) => TcpStream::connect(addr)
+                Some(addr) => endpoint
+                    .connect(addr)
                     .await
                     .map_err(|e| super::pods::dial_error(port, &e))
                     .map_err(|reason| {

@@ -195,6 +195,15 @@ pub trait PodPlacement: Send + Sync {
     ) -> Option<SocketAddr> {
         None
     }
+    /// How the kubelet reaches the pods' ports (`None`: directly).
+    fn dialer(&self) -> Option<memory_apiserver::pods::PodDialer> {
+        None
+    }
+    /// Where pod `index`'s own loopback is, if the kubelet may forward
+    /// any port there (`None`: only the ports of [`Self::port_address`]).
+    fn loopback(&self, _index: usize) -> Option<IpAddr> {
+        None
+    }
     /// The pod's `podIP`.
     fn pod_ip(&self, _index: usize) -> Option<IpAddr> {
         None
@@ -613,6 +622,8 @@ impl DeploymentRunner {
                         ready,
                         pod_ip: placement.pod_ip(index),
                         containers: container_runtimes(&pod.processes),
+                        dialer: placement.dialer(),
+                        loopback: placement.loopback(index),
                     })
                     .map(|_| ()),
                 Some(was) if was != ready => kubelet.set_ready(&namespace, &pod.name, ready),

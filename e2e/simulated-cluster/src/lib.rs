@@ -12,6 +12,7 @@
 
 pub mod balancer;
 pub mod binaries;
+pub mod cluster_api;
 pub mod kubelet;
 pub mod netns;
 pub mod ocm;

@@ -21,7 +21,7 @@
 //! Interface names are at most 15 bytes (`cp<id>h<n>`), so an environment id
 //! is four hex digits.
 
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
 use std::process::{Command, Output};
 
 /// Every namespace this crate creates starts with this, so `e2e down` finds
@@ -313,4 +313,59 @@ pub fn slot_is_free(slot: u8) -> bool {
     };
     let needle = format!(" 198.18.{slot}.");
     !String::from_utf8_lossy(&out.stdout).contains(&needle)
+}
+
+/// Runs `work` on a thread of its own that has entered network namespace
+/// `name`: sockets made there belong to that namespace for good, whatever
+/// thread then uses them. The thread ends with `work`, so no other code
+/// ever runs in the namespace by accident.
+fn in_namespace<T: Send + 'static>(
+    name: &str,
+    work: impl FnOnce() -> std::io::Result<T> + Send + 'static,
+) -> std::io::Result<T> {
+    let path = format!("/var/run/netns/{name}");
+    let namespace = std::fs::File::open(&path)
+        .map_err(|e| std::io::Error::new(e.kind(), format!("network namespace {path}: {e}")))?;
+    std::thread::Builder::new()
+        .name(format!("netns-{name}"))
+        .spawn(move || {
+            nix::sched::setns(&namespace, nix::sched::CloneFlags::CLONE_NEWNET)
+                .map_err(|e| std::io::Error::other(format!("entering {path}: {e}")))?;
+            work()
+        })?
+        .join()
+        .map_err(|_| std::io::Error::other("the network-namespace thread panicked"))?
+}
+
+/// A TCP listener bound to `addr` inside network namespace `name`.
+pub fn listen_in(name: &str, addr: std::net::SocketAddr) -> std::io::Result<std::net::TcpListener> {
+    in_namespace(name, move || std::net::TcpListener::bind(addr))
+}
+
+/// A connection to `addr` made from inside network namespace `name` (what
+/// a process there would dial), for async use.
+pub async fn connect_in(
+    name: String,
+    addr: std::net::SocketAddr,
+) -> std::io::Result<tokio::net::TcpStream> {
+    const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+    let stream = tokio::task::spawn_blocking(move || {
+        in_namespace(&name, move || {
+            let stream = std::net::TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT)?;
+            stream.set_nonblocking(true)?;
+            Ok(stream)
+        })
+    })
+    .await
+    .map_err(|e| std::io::Error::other(format!("the dialling task: {e}")))??;
+    tokio::net::TcpStream::from_std(stream)
+}
+
+/// Where a managed cluster's processes live.
+#[derive(Debug, Clone)]
+pub struct Machine {
+    /// The cluster's own network namespace, if it has one.
+    pub netns: Option<String>,
+    /// Where its services (and its agent's ports) listen.
+    pub service_ip: IpAddr,
 }

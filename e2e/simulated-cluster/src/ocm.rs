@@ -17,13 +17,14 @@
 //!   `renewTime` is within 5 lease durations, False after, Unknown without
 //!   a Lease);
 //! * the **work agent** of each managed cluster: it applies the addon's
-//!   `ManifestWork` — its Secrets become Secret volumes, its Deployment runs
-//!   through [`kubelet`](super::kubelet) — and reports `Applied`/`Available`
-//!   on the work.
+//!   `ManifestWork` — every object to the cluster's own API when it has one
+//!   ([`cluster_api`](super::cluster_api)), its Secrets become Secret
+//!   volumes, its Deployment runs through [`kubelet`](super::kubelet) — and
+//!   reports `Applied`/`Available` on the work.
 //!
-//! The managed clusters have no API server of their own here, so the
-//! addon-agent renews the hub Lease `<cluster>/cluster-proxy` (upstream's
-//! fallback) and the registration agent reads that one.
+//! The addon-agent gets no in-cluster configuration here, so it renews the
+//! hub Lease `<cluster>/cluster-proxy` (upstream's fallback) and the
+//! registration agent reads that one.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
@@ -49,6 +50,7 @@ use serde_json::{Value, json};
 use time::OffsetDateTime;
 
 use crate::binaries::Binaries;
+use crate::cluster_api::ClusterApi;
 use crate::kubelet::{DeploymentRunner, PodPlacement, RunnerStatus, SecretVolumes};
 use crate::process::{Logs, Supervised};
 use memory_apiserver::selector::LabelSelector;
@@ -130,6 +132,8 @@ const LEASE_GRACE_DURATIONS: i64 = 5;
 pub enum OcmError {
     #[error("Kubernetes API: {0}")]
     Api(#[from] kube::Error),
+    #[error("the cluster's API: {0}")]
+    ClusterApi(#[from] crate::cluster_api::ClusterApiError),
     #[error("{0}")]
     Other(String),
 }
@@ -342,13 +346,7 @@ pub type KubeconfigFn = Arc<dyn Fn(&str, &[&str]) -> Result<PathBuf, String> + S
 /// A kubeconfig's text for a client certificate and its key.
 pub type CertificateKubeconfigFn = Arc<dyn Fn(&str, &str) -> String + Send + Sync>;
 
-/// Where a managed cluster's processes live.
-#[derive(Debug, Clone)]
-pub struct Machine {
-    pub netns: Option<String>,
-    /// Where its services (and its agent's ports) listen.
-    pub service_ip: IpAddr,
-}
+pub use crate::netns::Machine;
 
 /// What the emulated agents need to know about the environment.
 #[derive(Clone)]
@@ -394,6 +392,10 @@ pub struct Klusterlet {
     /// (`group/resource/namespace/name`), and whether it deletes each with
     /// the work (the work's delete options at apply time, as OCM's).
     cluster_objects: BTreeMap<String, bool>,
+    /// The cluster's own kube-apiserver, where the work's objects go.
+    api: Option<ClusterApi>,
+    /// The work (uid, generation) whose objects are all applied to `api`.
+    applied_work: Option<(String, i64)>,
     pub status: ClusterStatus,
 }
 
@@ -403,6 +405,17 @@ struct AgentPlacement {
     namespace: String,
     credential_reload_interval: String,
     lease_duration: Duration,
+    /// The cluster's API as the pods see it: URL, CA and the pod's
+    /// ServiceAccount token (the service-proxy's in-cluster configuration).
+    kube: Option<PodKube>,
+    dialer: Option<memory_apiserver::pods::PodDialer>,
+}
+
+/// A pod's in-cluster view of its cluster's kube-apiserver.
+struct PodKube {
+    url: String,
+    ca: PathBuf,
+    token: PathBuf,
 }
 
 /// The proxy-agent's health and admin ports of pod `index`.
@@ -430,12 +443,35 @@ impl PodPlacement for AgentPlacement {
                     self.credential_reload_interval
                 ),
                 "--keepalive-time=10s".into(),
+                // The pod's hostAliases send the service-proxy's host to
+                // the pod's own loopback, which is the cluster's service
+                // address here.
+                format!(
+                    "--host-alias={}={ip}",
+                    cluster_proxy_proto::identity::ClusterName::new(self.cluster.as_str())
+                        .map(|c| c.service_proxy_host())
+                        .unwrap_or_default()
+                ),
             ],
             "addon-agent" => vec![
                 format!("--proxy-agent-health-url=http://{ip}:{health}/readyz"),
                 format!("--lease-duration={}s", self.lease_duration.as_secs().max(1)),
                 "--health-port=0".into(),
             ],
+            "service-proxy" => {
+                let mut args = vec![
+                    format!("--bind-address={ip}"),
+                    format!("--health-bind-address={ip}"),
+                ];
+                if let Some(kube) = &self.kube {
+                    args.extend([
+                        format!("--kube-api={}", kube.url),
+                        format!("--kube-ca={}", kube.ca.display()),
+                        format!("--token-file={}", kube.token.display()),
+                    ]);
+                }
+                args
+            }
             _ => Vec::new(),
         }
     }
@@ -443,21 +479,52 @@ impl PodPlacement for AgentPlacement {
     fn netns(&self) -> Option<String> {
         self.machine.netns.clone()
     }
+
+    fn dialer(&self) -> Option<memory_apiserver::pods::PodDialer> {
+        self.dialer.clone()
+    }
+
+    /// The pods share the cluster's service address as their loopback
+    /// (one agent pod per cluster here): any port there is the pod's.
+    fn loopback(&self, _index: usize) -> Option<IpAddr> {
+        Some(self.machine.service_ip)
+    }
+
+    fn pod_ip(&self, _index: usize) -> Option<IpAddr> {
+        Some(self.machine.service_ip)
+    }
 }
 
 impl Klusterlet {
-    pub fn new(name: &str, machine: Machine, services: Supervised, dir: PathBuf) -> Self {
+    /// The cluster `name` on `machine`, with its own kube-apiserver `api`
+    /// when it has one.
+    pub fn new(
+        name: &str,
+        machine: Machine,
+        services: Supervised,
+        dir: PathBuf,
+        api: Option<ClusterApi>,
+    ) -> Self {
+        let runner =
+            DeploymentRunner::new(name).reporting_to(api.as_ref().map(ClusterApi::kubelet));
         Klusterlet {
             name: name.to_string(),
             machine,
             services,
             volumes: SecretVolumes::new(dir.join("secrets")),
-            runner: DeploymentRunner::new(name),
+            runner,
             agent_certificate: Credential::new(PROXY_AGENT_SIGNER, AGENT_CERT_SECRET),
             hub_kubeconfig: Credential::new(KUBE_CLIENT_SIGNER, HUB_KUBECONFIG_SECRET),
             cluster_objects: BTreeMap::new(),
+            api,
+            applied_work: None,
             status: ClusterStatus::default(),
         }
+    }
+
+    /// The cluster's own kube-apiserver, if it has one.
+    pub fn api(&self) -> Option<&ClusterApi> {
+        self.api.as_ref()
     }
 
     /// The cluster's own registration identity on the hub.
@@ -599,9 +666,16 @@ impl Klusterlet {
         let mut namespace = String::new();
         match &work {
             // What the work made stays only where its delete options say so.
-            None => self
-                .cluster_objects
-                .retain(|_, deleted_with_work| !*deleted_with_work),
+            None => {
+                if let Some(api) = self.api.as_mut() {
+                    for (key, _) in self.cluster_objects.iter().filter(|(_, deleted)| **deleted) {
+                        api.delete(key).await?;
+                    }
+                }
+                self.applied_work = None;
+                self.cluster_objects
+                    .retain(|_, deleted_with_work| !*deleted_with_work)
+            }
             Some(work) => {
                 let option = work.spec.delete_option.as_ref();
                 for identifier in work
@@ -620,6 +694,35 @@ impl Klusterlet {
                         identifier.name
                     );
                     self.cluster_objects.insert(key, deleted);
+                }
+            }
+        }
+        if let (Some(api), Some(work)) = (self.api.as_mut(), &work) {
+            let stamp = (
+                work.metadata.uid.clone().unwrap_or_default(),
+                work.metadata.generation.unwrap_or_default(),
+            );
+            if self.applied_work.as_ref() != Some(&stamp) {
+                // In the work's order (its Namespace first); what fails is
+                // tried again on the next pass, as the work agent retries.
+                let mut complete = true;
+                for manifest in work
+                    .spec
+                    .workload
+                    .iter()
+                    .flat_map(|w| w.manifests.iter().flatten())
+                {
+                    let Some(id) = manifest.identifier() else {
+                        continue;
+                    };
+                    let key = format!("{}/{}/{}/{}", id.group, id.resource, id.namespace, id.name);
+                    if let Err(err) = api.apply(&key, &manifest.0).await {
+                        tracing::warn!("{}: work: {err}", self.name);
+                        complete = false;
+                    }
+                }
+                if complete {
+                    self.applied_work = Some(stamp);
                 }
             }
         }
@@ -652,12 +755,38 @@ impl Klusterlet {
                 }
             }
         }
+        // The kubelet projects the pod's ServiceAccount token; a pod
+        // whose account is not there yet does not start (as a real pod
+        // waits for its projected volume).
+        let mut kube = None;
+        if let (Some(api), Some(deployment)) = (&self.api, &deployment) {
+            let account = deployment
+                .spec
+                .as_ref()
+                .and_then(|s| s.template.spec.as_ref())
+                .and_then(|s| s.service_account_name.clone())
+                .unwrap_or_else(|| "default".into());
+            let Some(token) = api.project_token(&namespace, &account) else {
+                tracing::debug!(
+                    "{}: no ServiceAccount {namespace}/{account} yet for the agent pods",
+                    self.name
+                );
+                return Ok(());
+            };
+            kube = Some(PodKube {
+                url: api.url(),
+                ca: api.ca_path(),
+                token,
+            });
+        }
         let placement = AgentPlacement {
             cluster: self.name.clone(),
             machine: self.machine.clone(),
             namespace,
             credential_reload_interval: ctx.credential_reload_interval.clone(),
             lease_duration: ctx.lease_duration,
+            kube,
+            dialer: self.api.as_ref().and_then(ClusterApi::pod_dialer),
         };
         let status = self
             .runner
@@ -790,6 +919,9 @@ impl Klusterlet {
     pub async fn stop(&mut self) {
         self.runner.stop_all().await;
         self.services.stop(Duration::from_secs(5)).await;
+        if let Some(api) = self.api.take() {
+            api.shutdown().await;
+        }
     }
 
     /// The agent pods' processes.

@@ -1,7 +1,8 @@
 //! The sample services of one managed cluster, run as their own process
 //! inside the cluster's network: an HTTP service that names its cluster, a
-//! TLS endpoint answering `/healthz` with `ok` (standing in for the
-//! cluster's kube-apiserver), and a TCP echo service for long-lived traffic.
+//! TCP echo service for long-lived traffic, and, where the environment
+//! runs no API for the cluster, a TLS endpoint answering `/healthz` with
+//! `ok` (standing in for the cluster's kube-apiserver).
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -75,16 +76,25 @@ async fn bind(addr: SocketAddr) -> Result<TcpListener, SampleError> {
         .map_err(|source| SampleError::Bind { addr, source })
 }
 
-/// Serves all three services on `ip` until the process ends.
+/// Serves the services on `ip` until the process ends: the stand-in
+/// kube-apiserver only with `tls`.
 pub async fn serve(
     cluster: String,
     ip: std::net::IpAddr,
-    tls: TlsAcceptor,
+    tls: Option<TlsAcceptor>,
 ) -> Result<(), SampleError> {
     let http = bind(SocketAddr::new(ip, HTTP_PORT)).await?;
-    let apiserver = bind(SocketAddr::new(ip, APISERVER_PORT)).await?;
+    let apiserver = match tls {
+        Some(tls) => Some((bind(SocketAddr::new(ip, APISERVER_PORT)).await?, tls)),
+        None => None,
+    };
     let echo = bind(SocketAddr::new(ip, ECHO_PORT)).await?;
-    tracing::info!(%cluster, %ip, "sample services listening: http :{HTTP_PORT}, https :{APISERVER_PORT} (/healthz), echo :{ECHO_PORT}");
+    let stand_in = if apiserver.is_some() {
+        format!(", https :{APISERVER_PORT} (/healthz)")
+    } else {
+        String::new()
+    };
+    tracing::info!(%cluster, %ip, "sample services listening: http :{HTTP_PORT}{stand_in}, echo :{ECHO_PORT}");
 
     let greeting = Arc::new(greeting(&cluster));
     let http_task = tokio::spawn(async move {
@@ -107,6 +117,9 @@ pub async fn serve(
     });
 
     let apiserver_task = tokio::spawn(async move {
+        let Some((apiserver, tls)) = apiserver else {
+            return;
+        };
         while let Ok((socket, _)) = apiserver.accept().await {
             let tls = tls.clone();
             tokio::spawn(async move {

@@ -28,8 +28,9 @@ use serde_json::json;
 use tokio::sync::{Mutex, watch};
 use tokio::task::JoinHandle;
 
-use super::common::{ADDON_NAMESPACE, EnvError, ReplicaPorts, write_apiserver_pki};
+use super::common::{ADDON_NAMESPACE, EnvError, ReplicaPorts};
 use super::registry::ProcessRecord;
+use simulated_cluster::cluster_api::ClusterApi;
 use simulated_cluster::kubelet::{DeploymentRunner, PodPlacement, RunnerStatus, SecretVolumes};
 use simulated_cluster::ocm::{self, Klusterlet, Klusterlets, Machine, OcmContext};
 use simulated_cluster::process::{ProcessSpec, Supervised};
@@ -67,12 +68,17 @@ struct ServerPlacement {
     hub_ip: IpAddr,
     netns: Option<String>,
     credential_reload_interval: String,
+    /// The user-server's hub credential (its pod's ServiceAccount).
+    user_server_kubeconfig: Option<PathBuf>,
     /// The API's kubelet side: the pods' Pod objects and port addresses.
     kubelet: Option<memory_apiserver::pods::KubeletPods>,
 }
 
 impl PodPlacement for ServerPlacement {
     fn extra_args(&self, index: usize, replicas: usize, container: &str) -> Vec<String> {
+        if container == "user-server" {
+            return self.user_server_args();
+        }
         if container != "proxy-server" {
             return Vec::new();
         }
@@ -112,6 +118,14 @@ impl PodPlacement for ServerPlacement {
         name: Option<&str>,
         _port: u16,
     ) -> Option<SocketAddr> {
+        if container == "user-server" {
+            let port = match name? {
+                "https" => USER_SERVER_PORT,
+                "health" => USER_SERVER_HEALTH_PORT,
+                _ => return None,
+            };
+            return Some(SocketAddr::new(self.hub_ip, port));
+        }
         if container != "proxy-server" {
             return None;
         }
@@ -128,6 +142,27 @@ impl PodPlacement for ServerPlacement {
 
     fn pod_ip(&self, _index: usize) -> Option<IpAddr> {
         Some(self.hub_ip)
+    }
+}
+
+impl ServerPlacement {
+    /// The user-server on the hub address; the rendered `--host` names the
+    /// proxy-servers' Service, which needs cluster DNS: replica 0's client
+    /// port instead (every agent connects to every replica).
+    fn user_server_args(&self) -> Vec<String> {
+        let ip = self.hub_ip;
+        let mut args = vec![
+            format!("--host={ip}"),
+            format!("--port={}", ReplicaPorts::of(0).client),
+            format!("--bind-address={ip}"),
+            format!("--server-port={USER_SERVER_PORT}"),
+            format!("--health-bind-address={ip}"),
+            format!("--health-port={USER_SERVER_HEALTH_PORT}"),
+        ];
+        if let Some(kubeconfig) = &self.user_server_kubeconfig {
+            args.push(format!("--hub-kubeconfig={}", kubeconfig.display()));
+        }
+        args
     }
 }
 
@@ -170,6 +205,8 @@ pub struct ControlPlaneSetup {
     /// Where hub clients find the proxy-client credentials and the CA
     /// bundle, in `cert-authority init`'s layout.
     pub client_pki: PathBuf,
+    /// The user-server's hub kubeconfig, with service access.
+    pub user_server_kubeconfig: Option<PathBuf>,
     /// The in-memory API's kubelet side: the hub pods become Pod objects
     /// that `pods/portforward` reaches.
     pub kubelet: Option<memory_apiserver::pods::KubeletPods>,
@@ -236,6 +273,7 @@ impl ControlPlane {
             hub_ip: setup.hub_ip,
             netns: setup.hub_netns.clone(),
             credential_reload_interval: setup.ocm.credential_reload_interval.clone(),
+            user_server_kubeconfig: setup.user_server_kubeconfig.clone(),
             kubelet: setup.kubelet.clone(),
         });
         {
@@ -325,16 +363,19 @@ async fn run_hub_pods(
     placement: &ServerPlacement,
 ) -> Result<(), ocm::OcmError> {
     let deployments: Api<Deployment> = Api::namespaced(ctx.admin.clone(), namespace);
-    // The proxy-server Deployments: those whose pods carry the component
-    // label (the Deployment itself carries only the addon label).
+    // The proxy-server Deployments (those whose pods carry the component
+    // label; the Deployment itself carries only the addon label) and the
+    // chart's user-server. The other hub services run as processes of
+    // their own.
     let mut list = deployments.list(&ListParams::default()).await?;
     list.items.retain(|d| {
-        d.spec
-            .as_ref()
-            .and_then(|s| s.template.metadata.as_ref())
-            .and_then(|m| m.labels.as_ref())
-            .and_then(|l| l.get(LABEL_COMPONENT_NAME))
-            .is_some_and(|c| c == "proxy-server")
+        d.metadata.name.as_deref() == Some(USER_SERVER_DEPLOYMENT)
+            || d.spec
+                .as_ref()
+                .and_then(|s| s.template.metadata.as_ref())
+                .and_then(|m| m.labels.as_ref())
+                .and_then(|l| l.get(LABEL_COMPONENT_NAME))
+                .is_some_and(|c| c == "proxy-server")
     });
     let secrets: Api<Secret> = Api::namespaced(ctx.admin.clone(), namespace);
     let mut wanted = std::collections::BTreeSet::new();
@@ -530,9 +571,8 @@ async fn start_cluster(
     machine: Machine,
 ) -> Result<Klusterlet, ocm::OcmError> {
     let dir = cluster_dir(&ctx.state_dir, name);
-    let apiserver_ca = write_apiserver_pki(&dir, name, machine.service_ip)
-        .map_err(|e| ocm::OcmError::Other(e.to_string()))?;
-    let _ = apiserver_ca;
+    let api = ClusterApi::start(name, &machine, &dir).await?;
+    grant_hub_administrator(api.admin()).await?;
     let services = Supervised::start(
         ProcessSpec::new(&format!("{name}/services"), &ctx.binaries.e2e)
             .args([
@@ -541,18 +581,41 @@ async fn start_cluster(
                 name.to_string(),
                 "--ip".into(),
                 machine.service_ip.to_string(),
-                "--cert".into(),
-                dir.join("tls.crt").display().to_string(),
-                "--key".into(),
-                dir.join("tls.key").display().to_string(),
             ])
             .in_netns(machine.netns.clone()),
         &ctx.logs,
     )
     .map_err(|e| ocm::OcmError::Other(e.to_string()))?;
-    let klusterlet = Klusterlet::new(name, machine, services, dir);
+    let klusterlet = Klusterlet::new(name, machine, services, dir, Some(api));
     klusterlet.accept(ctx).await?;
     Ok(klusterlet)
+}
+
+/// The hub administrator as the user-server names it on a managed cluster.
+pub fn hub_administrator() -> String {
+    cluster_proxy_proto::service_access::managed_user(memory_apiserver::ADMIN_USER)
+}
+
+/// What a cluster's administrator would grant so that the hub's
+/// administrator administers the cluster through the user-server: the
+/// environment's choice, not cluster-proxy's (a real cluster grants hub
+/// users what its owners decide).
+async fn grant_hub_administrator(admin: &Client) -> Result<(), ocm::OcmError> {
+    let binding = json!({
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRoleBinding",
+        "metadata": {"name": "hub-administrator"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "cluster-admin"},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": hub_administrator()}],
+    });
+    Api::<k8s_openapi::api::rbac::v1::ClusterRoleBinding>::all(admin.clone())
+        .patch(
+            "hub-administrator",
+            &PatchParams::apply("e2e"),
+            &Patch::Apply(&binding),
+        )
+        .await?;
+    Ok(())
 }
 
 /// Creates (or keeps) a ManagedCluster as a cluster administrator accepting
@@ -634,8 +697,9 @@ pub fn managed_proxy_configuration(
     replicas: usize,
     entrypoint: AgentEntrypoint,
     additional_sans: &[String],
+    user_server_sans: Option<&[String]>,
 ) -> serde_json::Value {
-    json!({
+    let mut mpc = json!({
         "apiVersion": "proxy.open-cluster-management.io/v1alpha1",
         "kind": "ManagedProxyConfiguration",
         "metadata": {"name": "cluster-proxy"},
@@ -653,7 +717,11 @@ pub fn managed_proxy_configuration(
             },
             "proxyAgent": {"image": DEV_AGENT_IMAGE, "replicas": 1},
         },
-    })
+    });
+    if let Some(sans) = user_server_sans {
+        mpc["spec"]["userServer"] = json!({"additionalSANs": sans});
+    }
+    mpc
 }
 
 /// How often the environment's health-prober probes every cluster.
@@ -774,6 +842,8 @@ pub struct HubRbac {
     pub addon_manager: String,
     pub cert_authority: String,
     pub health_prober: String,
+    /// The user-server's, when the chart installs it.
+    pub user_server: Option<String>,
 }
 
 /// What OCM's cluster-manager grants the managed clusters' registration
@@ -845,6 +915,47 @@ pub fn render_chart(
 /// The chart rendered with its default values, as `charts/tests/check.py`
 /// keeps it (CI fails when the snapshot and the chart disagree).
 const CHART_DEFAULT_RENDER: &str = include_str!("../../../charts/tests/snapshots/default.yaml");
+/// The same with service access on (`charts/tests/values/service-access.yaml`):
+/// what `e2e up` installs.
+const CHART_SERVICE_ACCESS_RENDER: &str =
+    include_str!("../../../charts/tests/snapshots/service-access.yaml");
+
+/// The objects of a render snapshot of `charts/tests/check.py` (`label`
+/// names it in errors).
+fn snapshot_documents(render: &str, label: &str) -> Result<Vec<serde_json::Value>, String> {
+    // The snapshot starts each template's output with its `# Source:`
+    // line and separates its documents with `---`; NOTES.txt is text.
+    let mut documents: Vec<serde_json::Value> = Vec::new();
+    for section in render.split("# Source: ").skip(1) {
+        let (source, body) = section.split_once('\n').unwrap_or((section, ""));
+        if !source.trim_end().ends_with(".yaml") {
+            continue;
+        }
+        let parsed: Vec<serde_json::Value> = serde_saphyr::from_multiple(body)
+            .map_err(|e| format!("charts/tests/snapshots/{label}.yaml, {source}: {e}"))?;
+        documents.extend(parsed);
+    }
+    Ok(documents.into_iter().filter(|d| !d.is_null()).collect())
+}
+
+/// The user-server Deployment the chart installs with service access on,
+/// as `helm install` puts it on the hub (the hub kubelet runs it).
+pub fn chart_user_server_deployment() -> Result<serde_json::Value, String> {
+    snapshot_documents(CHART_SERVICE_ACCESS_RENDER, "service-access")?
+        .into_iter()
+        .find(|d| d["kind"] == "Deployment" && d["metadata"]["name"] == USER_SERVER_DEPLOYMENT)
+        .ok_or_else(|| {
+            format!("the service-access render has no Deployment {USER_SERVER_DEPLOYMENT}")
+        })
+}
+
+/// The user-server's Deployment (and Service) in the chart.
+pub const USER_SERVER_DEPLOYMENT: &str = "cluster-proxy-addon-user";
+/// Where the environment's user-server serves users, on the hub address
+/// (the chart's Service port).
+pub const USER_SERVER_PORT: u16 = 9092;
+/// The user-server's health port on the hub address.
+pub const USER_SERVER_HEALTH_PORT: u16 = 9093;
 
 impl HubRbac {
     /// The RBAC of a chart's render (one JSON value per object): its
@@ -877,35 +988,33 @@ impl HubRbac {
                 &account,
             ))
         };
+        let installs_user_server = documents.iter().any(|d| {
+            text(d, "/kind") == "Deployment" && text(d, "/metadata/name") == USER_SERVER_DEPLOYMENT
+        });
         Ok(HubRbac {
             objects,
             addon_manager: service_account_of("cluster-proxy-addon-manager")?,
             cert_authority: service_account_of("cluster-proxy-cert-authority")?,
             health_prober: service_account_of("cluster-proxy-health-prober")?,
+            user_server: installs_user_server
+                .then(|| service_account_of(USER_SERVER_DEPLOYMENT))
+                .transpose()?,
         })
     }
 
     /// The RBAC `helm install` with default values creates, from the chart's
     /// checked render: what `e2e up` runs the hub services under.
     pub fn chart_defaults() -> Result<Self, String> {
-        // The snapshot starts each template's output with its `# Source:`
-        // line and separates its documents with `---`; NOTES.txt is text.
-        let mut documents: Vec<serde_json::Value> = Vec::new();
-        for section in CHART_DEFAULT_RENDER.split("# Source: ").skip(1) {
-            let (source, body) = section.split_once('\n').unwrap_or((section, ""));
-            if !source.trim_end().ends_with(".yaml") {
-                continue;
-            }
-            let parsed: Vec<serde_json::Value> = serde_saphyr::from_multiple(body)
-                .map_err(|e| format!("charts/tests/snapshots/default.yaml, {source}: {e}"))?;
-            documents.extend(parsed);
-        }
-        Self::from_chart_documents(
-            &documents
-                .into_iter()
-                .filter(|d| !d.is_null())
-                .collect::<Vec<_>>(),
-        )
+        Self::from_chart_documents(&snapshot_documents(CHART_DEFAULT_RENDER, "default")?)
+    }
+
+    /// The RBAC of the chart with service access on (the user-server and
+    /// the service-proxies): what `e2e up` installs.
+    pub fn chart_service_access() -> Result<Self, String> {
+        Self::from_chart_documents(&snapshot_documents(
+            CHART_SERVICE_ACCESS_RENDER,
+            "service-access",
+        )?)
     }
 
     /// The user of ServiceAccount `name` in `namespace`.

@@ -15,8 +15,8 @@ use serde_json::json;
 use super::common::ReplicaPorts;
 use super::control_plane::{
     AgentEntrypoint, ControlPlane, ControlPlaneSetup, ENV_LEASE_DURATION, HubRbac, MachinePool,
-    PROBE_INTERVAL, addon_status, cluster_dir, join, managed_proxy_configuration, reachable,
-    replica_client_addr,
+    PROBE_INTERVAL, USER_SERVER_DEPLOYMENT, addon_status, chart_user_server_deployment,
+    cluster_dir, join, managed_proxy_configuration, reachable, replica_client_addr,
 };
 use simulated_cluster::ocm::{Machine, OcmContext};
 use simulated_cluster::process::{ProcessSpec, Supervised};
@@ -138,7 +138,19 @@ impl super::Environment {
         } else {
             AgentEntrypoint::Hostname(self.summary.agent_service_addr)
         };
-        let mpc = managed_proxy_configuration(options.replicas, entrypoint, &sans);
+        // With service access, users reach the user-server on the hub
+        // address: its certificate names it.
+        let user_server = options
+            .hub_rbac
+            .as_ref()
+            .and_then(|rbac| rbac.user_server.clone());
+        let user_server_sans = [self.summary.hub_addr.to_string()];
+        let mpc = managed_proxy_configuration(
+            options.replicas,
+            entrypoint,
+            &sans,
+            user_server.is_some().then_some(&user_server_sans[..]),
+        );
         let mpcs: Api<cluster_proxy_proto::api::proxy::v1alpha1::ManagedProxyConfiguration> =
             Api::all(admin.clone());
         mpcs.patch(
@@ -166,6 +178,26 @@ impl super::Environment {
         .await
         .map_err(|e| api_err(format!("applying the Placement: {e}")))?;
 
+        // The user-server's Deployment as `helm install` puts it on the
+        // hub; the hub kubelet runs it once its Secrets exist.
+        let user_server_kubeconfig = match &user_server {
+            Some(account) => {
+                let deployment = chart_user_server_deployment().map_err(api_err)?;
+                Api::<k8s_openapi::api::apps::v1::Deployment>::namespaced(
+                    admin.clone(),
+                    super::ADDON_NAMESPACE,
+                )
+                .patch(
+                    USER_SERVER_DEPLOYMENT,
+                    &PatchParams::apply("helm"),
+                    &Patch::Apply(&deployment),
+                )
+                .await
+                .map_err(|e| api_err(format!("applying the user-server Deployment: {e}")))?;
+                Some(HubRbac::kubeconfig(api, account)?)
+            }
+            None => None,
+        };
         let addon_manager = self.binaries.dir.join("addon-manager");
         let addon_manager_kubeconfig = match &options.hub_rbac {
             Some(rbac) => HubRbac::kubeconfig(api, &rbac.addon_manager)?,
@@ -173,7 +205,7 @@ impl super::Environment {
         };
         self.addon_manager = Some(Supervised::start(
             ProcessSpec::new("addon-manager", &addon_manager)
-                .args(super::addon_manager_args())
+                .args(super::addon_manager_args(user_server.is_some()))
                 .env("KUBECONFIG", addon_manager_kubeconfig.display().to_string())
                 .env("POD_NAMESPACE", super::ADDON_NAMESPACE)
                 .in_netns(self.summary.hub_netns.clone()),
@@ -216,6 +248,7 @@ impl super::Environment {
             hub_netns: self.summary.hub_netns.clone(),
             machines: MachinePool::new(machines),
             client_pki: client_pki.clone(),
+            user_server_kubeconfig,
             kubelet: self
                 .kube_api
                 .as_ref()
@@ -231,6 +264,12 @@ impl super::Environment {
                 .await?,
         );
         self.summary.pki_dir = client_pki;
+        self.summary.user_server = user_server.as_ref().map(|_| {
+            SocketAddr::new(
+                self.summary.hub_addr,
+                super::control_plane::USER_SERVER_PORT,
+            )
+        });
         self.summary.servers = (0..options.replicas)
             .map(|i| (format!("cluster-proxy-{i}"), ReplicaPorts::of(i)))
             .collect();

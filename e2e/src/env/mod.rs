@@ -181,6 +181,9 @@ pub struct Summary {
     /// The in-memory Kubernetes API and the administrator's kubeconfig.
     pub kube_api: Option<SocketAddr>,
     pub kubeconfig: Option<PathBuf>,
+    /// Where users reach the user-server (with service access).
+    #[serde(default)]
+    pub user_server: Option<SocketAddr>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -240,9 +243,14 @@ pub struct Environment {
 }
 
 /// addon-manager's command line in the environment (besides `KUBECONFIG`
-/// and `POD_NAMESPACE`).
-fn addon_manager_args() -> Vec<String> {
-    vec!["--health-port=0".into()]
+/// and `POD_NAMESPACE`): with service access, the chart's
+/// `addonManager.enableServiceProxy`.
+fn addon_manager_args(service_access: bool) -> Vec<String> {
+    let mut args = vec!["--health-port=0".to_string()];
+    if service_access {
+        args.push("--enable-service-proxy=true".into());
+    }
+    args
 }
 
 fn random_id() -> String {
@@ -556,6 +564,7 @@ impl Environment {
                 hub_netns: hub_netns.clone(),
                 kube_api: kube_api.as_ref().map(KubeApi::addr),
                 kubeconfig: kube_api.as_ref().map(|k| k.kubeconfig_path().to_path_buf()),
+                user_server: None,
             },
             cert_authority: start_files_cert_authority(&binaries, &pki_dir, &options, &hub, &logs)?,
             balancer: start_agent_balancer(&binaries, &options, &hub, &logs)?,
@@ -604,11 +613,12 @@ impl Environment {
 
     /// Refuses what cannot start, and puts the control plane under the
     /// chart's RBAC unless told otherwise: as on a real hub, it runs as the
-    /// chart's ServiceAccounts.
+    /// chart's ServiceAccounts, of the chart with service access on (what
+    /// `e2e up` installs: the user-server and the service-proxies).
     fn check_options(options: &mut EnvOptions) -> Result<(), EnvError> {
         if options.control_plane && options.hub_rbac.is_none() {
             options.hub_rbac =
-                Some(control_plane::HubRbac::chart_defaults().map_err(EnvError::KubeApi)?);
+                Some(control_plane::HubRbac::chart_service_access().map_err(EnvError::KubeApi)?);
         }
         for name in &options.clusters {
             cluster_proxy_proto::identity::ClusterName::new(name)
