@@ -414,6 +414,15 @@ async fn serve_resource(
 ) -> Result<Response<Body>, ApiError> {
     let query = Query::parse(request.uri().query());
     let verb = rbac::verb(request.method(), target.name.is_some(), query.flag("watch"));
+    // kube-apiserver authorizes a list or watch whose field selector pins
+    // metadata.name as a request for that name (its RequestInfo does), so a
+    // Role's resourceNames can admit it.
+    let selected_name = match verb {
+        "list" | "watch" => FieldSelector::parse(query.get("fieldSelector").unwrap_or_default())
+            .ok()
+            .and_then(|s| s.requires_exact_match("metadata.name").map(str::to_owned)),
+        _ => None,
+    };
     shared.authorize(
         user,
         &rbac::resource_attributes(
@@ -421,7 +430,7 @@ async fn serve_resource(
             verb,
             sub,
             target.namespace.as_deref(),
-            target.name.as_deref(),
+            target.name.as_deref().or(selected_name.as_deref()),
         ),
     )?;
     let options = WriteOptions {

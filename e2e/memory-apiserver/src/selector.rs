@@ -153,6 +153,15 @@ impl FieldSelector {
         Ok(FieldSelector(terms))
     }
 
+    /// The value `path` must equal, when a term requires it (as
+    /// apimachinery's `RequiresExactMatch`).
+    pub fn requires_exact_match(&self, path: &str) -> Option<&str> {
+        self.0
+            .iter()
+            .find(|(p, equal, _)| *equal && p == path)
+            .map(|(_, _, value)| value.as_str())
+    }
+
     /// The field paths the selector names.
     pub fn fields(&self) -> impl Iterator<Item = &str> {
         self.0.iter().map(|(path, _, _)| path.as_str())

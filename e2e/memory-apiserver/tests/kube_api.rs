@@ -2135,6 +2135,57 @@ async fn every_requester_is_authenticated_and_can_ask_who_it_is() {
     assert!(discovery.has_group("authorization.k8s.io"));
 }
 
+/// kube-apiserver authorizes a list or watch whose field selector pins
+/// `metadata.name` as a request for that name, so a Role restricted by
+/// `resourceNames` admits it (and only it): the user-server follows its
+/// exposed-services ConfigMap that way.
+#[tokio::test]
+async fn with_rbac_resource_names_admit_a_list_pinned_to_that_name() {
+    use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+    let dir = tempfile::tempdir().unwrap();
+    let mut options = KubeApiOptions::new(dir.path());
+    options.rbac = true;
+    let api = KubeApi::start(options).await.unwrap();
+    let admin = api.client().await.unwrap();
+    let role: Role = serde_json::from_value(json!({"metadata": {"name": "one-map"},
+        "rules": [{"apiGroups": [""], "resources": ["configmaps"], "resourceNames": ["allowed"],
+                   "verbs": ["get", "list", "watch"]}]}))
+    .unwrap();
+    Api::<Role>::namespaced(admin.clone(), "default")
+        .create(&PostParams::default(), &role)
+        .await
+        .unwrap();
+    let binding: RoleBinding = serde_json::from_value(json!({"metadata": {"name": "bob-one-map"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "one-map"},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "bob"}]}))
+    .unwrap();
+    Api::<RoleBinding>::namespaced(admin.clone(), "default")
+        .create(&PostParams::default(), &binding)
+        .await
+        .unwrap();
+    let bob = KubeApi::client_from(&api.kubeconfig_for("bob", &[]).unwrap())
+        .await
+        .unwrap();
+    let maps: Api<ConfigMap> = Api::namespaced(bob, "default");
+    maps.list(&ListParams::default().fields("metadata.name=allowed"))
+        .await
+        .unwrap();
+    let watch = maps
+        .watch(
+            &kube::api::WatchParams::default().fields("metadata.name=allowed"),
+            "0",
+        )
+        .await;
+    assert!(watch.is_ok(), "a watch pinned to the name is admitted");
+    for refused in [
+        ListParams::default(),
+        ListParams::default().fields("metadata.name=other"),
+        ListParams::default().fields("metadata.name!=other"),
+    ] {
+        assert_eq!(code(maps.list(&refused).await.unwrap_err()), 403);
+    }
+}
+
 #[tokio::test]
 async fn with_rbac_a_client_without_bindings_is_forbidden() {
     use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
