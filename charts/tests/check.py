@@ -265,6 +265,7 @@ USER_SERVER_SETTINGS = HERE.parent.parent / "proxy-server" / "user-server" / "sr
 LOGGING_RS = HERE.parent.parent / "proto-crate" / "runtime" / "src" / "logging.rs"
 USER_SERVER = "cluster-proxy-addon-user"
 USER_SERVER_RBAC = "open-cluster-management:cluster-proxy:user-server"
+EXPOSED_SERVICES = "cluster-proxy-exposed-services"
 # Mount path -> Secret (or ConfigMap, for the client CA) of the user-server's credentials.
 USER_SERVER_SECRETS = {
     "/etc/server-ca-pki": "proxy-server-ca",
@@ -313,6 +314,8 @@ def user_server_expected_args(namespace: str) -> list[str]:
         "--identity-key=/etc/identity/tls.key",
         "--token-review-cache-ttl=2m",
         "--authorization-cache-ttl=10s",
+        "--exposed-services-configmap=cluster-proxy-exposed-services",
+        f"--exposed-services-namespace={namespace}",
         "--health-port=8000",
         "--v=0",
     ]
@@ -421,11 +424,37 @@ def check_user_server_objects(label: str, docs: list[dict], namespace: str,
         ],
         f"{where}: ClusterRoleBinding {USER_SERVER_RBAC} to the ServiceAccount",
     )
-    leftover = [
-        f"{d['kind']}/{d['metadata']['name']}" for d in docs
+    namespaced = [
+        f"{d['kind']}/{d['metadata'].get('namespace')}/{d['metadata']['name']}" for d in docs
         if d["kind"] in ("Role", "RoleBinding") and "user-server" in d["metadata"]["name"]
     ]
-    expect(not leftover, f"{where}: no namespaced RBAC (no leader election, no events): {leftover}")
+    expect(
+        sorted(namespaced) == [f"Role/{namespace}/{USER_SERVER_RBAC}",
+                               f"RoleBinding/{namespace}/{USER_SERVER_RBAC}"],
+        f"{where}: namespaced RBAC is the exposed-services watch alone (no leader election, "
+        f"no events): {namespaced}",
+    )
+    local_role = find(docs, "Role", USER_SERVER_RBAC, namespace)
+    expect(
+        local_role is not None and rules_of(local_role) == {
+            ("", "configmaps", ("list", "watch"), (EXPOSED_SERVICES,)),
+        },
+        f"{where}: Role {USER_SERVER_RBAC} must be the watch of ConfigMap {EXPOSED_SERVICES} "
+        f"alone: {local_role and sorted(rules_of(local_role))}",
+    )
+    local_binding = find(docs, "RoleBinding", USER_SERVER_RBAC, namespace)
+    expect(
+        local_binding is not None
+        and local_binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                         "name": USER_SERVER_RBAC}
+        and local_binding["subjects"] == [
+            {"kind": "ServiceAccount", "name": USER_SERVER, "namespace": namespace}
+        ],
+        f"{where}: RoleBinding {USER_SERVER_RBAC} to the ServiceAccount",
+    )
+    exposed = find(docs, "ConfigMap", EXPOSED_SERVICES, namespace)
+    expect(exposed is not None and set(exposed.get("data", {})) == {"services"},
+           f"{where}: ConfigMap {EXPOSED_SERVICES} in {namespace} with the key services: {exposed}")
 
 
 def user_server_objects(docs: list[dict]) -> list[str]:
@@ -444,6 +473,7 @@ def check_user_server() -> None:
         options = documents(render({"userServer": {
             "enabled": True, "replicas": 1, "tokenReviewCacheTTL": "5m",
             "authorizationCacheTTL": "30s", "clientCA": "hub-client-ca",
+            "managedTokenPassthrough": True,
             "additionalArgs": ["--response-header-timeout=2m"],
         }}))
     except helm.HelmError as error:
@@ -464,6 +494,7 @@ def check_user_server() -> None:
             f"ServiceAccount/{USER_SERVER}", f"Service/{USER_SERVER}",
             f"Deployment/{USER_SERVER}", f"PodDisruptionBudget/{USER_SERVER}",
             f"ClusterRole/{USER_SERVER_RBAC}", f"ClusterRoleBinding/{USER_SERVER_RBAC}",
+            f"Role/{USER_SERVER_RBAC}", f"RoleBinding/{USER_SERVER_RBAC}",
         ]),
         f"userServer: objects {sorted(user_server_objects(enabled))}",
     )
@@ -475,6 +506,7 @@ def check_user_server() -> None:
     args[args.index("--authorization-cache-ttl=10s")] = "--authorization-cache-ttl=30s"
     args.insert(args.index("--service-proxy-ca-cert=/etc/server-ca-pki/ca.crt"),
                 "--client-ca=/etc/client-ca/ca.crt")
+    args.insert(args.index("--health-port=8000"), "--managed-token-passthrough=true")
     args.append("--response-header-timeout=2m")
     check_user_server_objects("userServer options", options, NAMESPACE, args, 1)
     manager_args = lambda docs: next(  # noqa: E731
@@ -491,6 +523,28 @@ def check_user_server() -> None:
         both = []
     expect("--enable-service-proxy=true" in manager_args(both),
            f"addonManager.enableServiceProxy reaches the addon-manager: {manager_args(both)}")
+    # The allowlist: empty (default deny) unless set; the value's entries, as YAML, under
+    # `services`, where the user-server reads them.
+    exposed = find(enabled, "ConfigMap", EXPOSED_SERVICES)
+    expect(exposed is not None and yaml.safe_load(exposed["data"]["services"]) == [],
+           f"userServer: the exposed-services allowlist is empty by default: {exposed}")
+    entries = [{"namespace": "monitoring", "service": "prometheus-k8s", "port": 9091,
+                "protocol": "https"},
+               {"namespace": "apps", "service": "hello", "port": "8000", "clusters": ["c1"]}]
+    try:
+        listed = documents(render({"userServer": {"enabled": True, "exposedServices": entries}}))
+    except helm.HelmError as error:
+        fail(f"userServer.exposedServices: {error}")
+        listed = []
+    exposed = find(listed, "ConfigMap", EXPOSED_SERVICES)
+    expect(exposed is not None and yaml.safe_load(exposed["data"]["services"]) == entries,
+           f"userServer.exposedServices reaches the ConfigMap: {exposed}")
+    for bad in ({"service": "hello"}, {"namespace": "apps", "service": "hello", "protocol": "ftp"},
+                {"namespace": "apps", "service": "hello", "port": 0},
+                {"namespace": "apps", "service": "hello", "prot": "http"}):
+        error = render_error({"userServer": {"enabled": True, "exposedServices": [bad]}})
+        expect(error is not None and "exposedServices" in error,
+               f"userServer.exposedServices {bad}: expected a schema error, got {error}")
     deployment = find(options, "Deployment", USER_SERVER)
     volumes = [] if deployment is None else deployment["spec"]["template"]["spec"]["volumes"]
     expect(
@@ -839,6 +893,7 @@ MOVED = {
     ("installByPlacement",): ("global", "installByPlacement"),
     ("enableKubeApiProxy",): ("addonManager", "enableKubeApiProxy"),
     ("enableServiceProxy",): ("addonManager", "enableServiceProxy"),
+    ("exposedServices",): ("userServer", "exposedServices"),
     ("imagePullPolicy",): ("global", "imagePullPolicy"),
     ("imagePullSecrets",): ("global", "imagePullSecrets"),
     ("logVerbosity",): ("global", "logVerbosity"),
@@ -862,7 +917,8 @@ def nested(path: tuple, value) -> dict:
 def check_moved_values() -> None:
     """Each moved value, set where it used to be, fails naming it and where it went."""
     samples = {"installByPlacement": {"placementName": "p"}, "networkPolicies": {"enabled": True},
-               "serviceMonitor": {"enabled": True}, "imagePullSecrets": [{"name": "s"}]}
+               "serviceMonitor": {"enabled": True}, "imagePullSecrets": [{"name": "s"}],
+               "exposedServices": [{"namespace": "apps", "service": "hello"}]}
     for old, new in MOVED.items():
         value = samples.get(old[-1], "x")
         error = render_error(nested(old, value))

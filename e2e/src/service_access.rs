@@ -6,7 +6,9 @@
 //! user `alice` of group `team-a` may reach both clusters on the hub and
 //! read ConfigMaps in cluster-a's `default` as `cluster:hub:alice`.
 
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -25,6 +27,11 @@ use tunnel_harness::in_process::{AgentUnderTest, LocalReplicas};
 
 pub const CLUSTER_A: &str = "cluster-a";
 pub const CLUSTER_B: &str = "cluster-b";
+/// Where the user-server reads its exposed-services allowlist on the hub.
+pub const EXPOSED_SERVICES_NAMESPACE: &str = "default";
+/// Services of cluster-a the service-proxy finds on 127.0.0.1 (its host
+/// aliases, as a pod's hostAliases would say), for the `proxy-service` path.
+pub const LOOPBACK_SERVICES: &[&str] = &["hello.apps.svc", "secure.apps.svc"];
 
 /// The in-memory fleet: a hub API, cluster-a's API, and the service-access
 /// path between them.
@@ -147,6 +154,24 @@ pub fn cluster_binding(name: &str, role: &str, subject_kind: &str, subject: &str
            "subjects": [subject]})
 }
 
+/// Lets `user` follow the exposed-services ConfigMap, as the chart's Role
+/// does: list and watch of that one name (kube-apiserver authorizes a
+/// watch pinned to a name by its field selector against resourceNames).
+pub async fn grant_exposed_services_watch(admin: &Client, user: &str) -> anyhow::Result<()> {
+    let name = format!("{user}-exposed-services");
+    create(
+        admin,
+        cluster_role(
+            &name,
+            json!([{"apiGroups": [""], "resources": ["configmaps"],
+                    "resourceNames": [user_server::exposed::DEFAULT_CONFIGMAP],
+                    "verbs": ["list", "watch"]}]),
+        ),
+    )
+    .await?;
+    create(admin, cluster_binding(&name, &name, "User", user)).await
+}
+
 /// Grants hub group `group` the user-server's access to `cluster`.
 pub async fn grant_hub_access(
     hub: &Client,
@@ -169,6 +194,14 @@ pub async fn grant_hub_access(
 
 impl Fleet {
     pub async fn start() -> anyhow::Result<Fleet> {
+        Fleet::start_with(|_| {}).await
+    }
+
+    /// [`Fleet::start`], with the user-server's configuration changed by
+    /// `tweak` first.
+    pub async fn start_with(
+        tweak: impl FnOnce(&mut user_server::UserServerConfig),
+    ) -> anyhow::Result<Fleet> {
         let dir = tempfile::tempdir()?;
         let api = |sub: &str| {
             let mut options = KubeApiOptions::new(dir.path().join(sub));
@@ -216,6 +249,7 @@ impl Fleet {
             ),
         )
         .await?;
+        grant_exposed_services_watch(&hub_admin, "user-server").await?;
         grant_hub_access(&hub_admin, "team-a-cluster-a", "team-a", CLUSTER_A).await?;
         grant_hub_access(&hub_admin, "team-a-cluster-b", "team-a", CLUSTER_B).await?;
 
@@ -273,7 +307,7 @@ impl Fleet {
         .await?;
 
         let hub_identity = KubeApi::client_from(&hub.kubeconfig_for("user-server", &[])?).await?;
-        let path = AccessPath::start(
+        let path = AccessPath::start_with(
             dir.path(),
             hub_identity,
             ManagedApi {
@@ -281,6 +315,7 @@ impl Fleet {
                 ca_pem: managed.ca_pem().to_owned(),
                 token,
             },
+            tweak,
         )
         .await?;
         Ok(Fleet {
@@ -344,6 +379,17 @@ impl AccessPath {
         hub_identity: Client,
         managed: ManagedApi,
     ) -> anyhow::Result<AccessPath> {
+        AccessPath::start_with(dir, hub_identity, managed, |_| {}).await
+    }
+
+    /// [`AccessPath::start`], with the user-server's configuration changed
+    /// by `tweak` first.
+    pub async fn start_with(
+        dir: &Path,
+        hub_identity: Client,
+        managed: ManagedApi,
+        tweak: impl FnOnce(&mut user_server::UserServerConfig),
+    ) -> anyhow::Result<AccessPath> {
         // The tunnel, and the certificates of service access.
         let replicas = LocalReplicas::start(&[CLUSTER_A, CLUSTER_B], 1).await?;
         let ca = replicas.pki.ca.cert_pem().to_owned();
@@ -377,6 +423,12 @@ impl AccessPath {
             kube_ca: write(&files, "managed-ca.crt", &managed.ca_pem)?,
             token_file: write(&files, "token", &managed.token)?,
             impersonation: true,
+            // https Services of the tests carry certificates of the test CA.
+            additional_service_ca: Some(ca_path.clone()),
+            host_aliases: LOOPBACK_SERVICES
+                .iter()
+                .map(|name| (name.to_string(), std::net::IpAddr::from([127, 0, 0, 1])))
+                .collect(),
             health: "127.0.0.1:0".parse()?,
             reload_interval: Duration::from_millis(200),
         })
@@ -433,9 +485,16 @@ impl AccessPath {
             idle_connection_timeout: Duration::from_secs(30),
             dial_timeout: Duration::from_secs(5),
             response_header_timeout: Duration::from_secs(10),
+            exposed_services: Some(user_server::settings::ExposedServicesSource {
+                namespace: Some(EXPOSED_SERVICES_NAMESPACE.into()),
+                name: user_server::exposed::DEFAULT_CONFIGMAP.into(),
+            }),
+            managed_token_passthrough: false,
             health: "127.0.0.1:0".parse()?,
             reload_interval: Duration::from_millis(200),
         };
+        let mut config = config;
+        tweak(&mut config);
         let user_server = user_server::start(config, hub_identity).await?;
         let proxy_client = (
             replicas.pki.proxy_client.cert_pem.clone(),
@@ -484,6 +543,26 @@ impl AccessPath {
         .await?;
         let host = ClusterName::new(CLUSTER_A)?.service_proxy_host();
         Ok(client.dial(&format!("{host}:{port}")).await?)
+    }
+
+    /// TLS serving configuration for an https Service of cluster-a at
+    /// `host`, its certificate from the test CA (the service-proxy's
+    /// additional Service CA).
+    pub fn service_tls(&self, host: &str) -> anyhow::Result<Arc<rustls::ServerConfig>> {
+        let leaf = self
+            .replicas
+            .pki
+            .ca
+            .issue(&cert_authority::pki::LeafRequest::server(host, &[host]))?;
+        let identity = cluster_proxy_runtime::tls::Identity::new(
+            &cluster_proxy_runtime::tls::Pem::text("service certificate", &leaf.cert_pem),
+            &cluster_proxy_runtime::tls::Pem::text("service key", &leaf.key_pem),
+        )?;
+        Ok(cluster_proxy_runtime::tls::server_config(
+            identity,
+            None,
+            &[b"http/1.1"],
+        )?)
     }
 
     pub fn base(&self, cluster: &str) -> String {
@@ -731,4 +810,60 @@ pub fn server_and_ca(kubeconfig: &kube::config::Kubeconfig) -> anyhow::Result<(S
         (None, None) => anyhow::bail!("the kubeconfig's cluster carries no CA"),
     };
     Ok((url.trim_end_matches('/').to_owned(), ca))
+}
+
+/// A Service of cluster-a for the `proxy-service` path: it answers every
+/// request with a JSON description of it (method, path and query, and every
+/// header), over TLS with `tls`; it serves until the runtime ends.
+pub async fn reflecting_service(
+    tls: Option<Arc<rustls::ServerConfig>>,
+) -> anyhow::Result<SocketAddr> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let acceptor = tls.map(tokio_rustls::TlsAcceptor::from);
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(
+                    |request: http::Request<hyper::body::Incoming>| async move {
+                        let headers: serde_json::Map<String, Value> = request
+                            .headers()
+                            .iter()
+                            .map(|(name, value)| {
+                                (
+                                    name.to_string(),
+                                    Value::from(value.to_str().unwrap_or_default()),
+                                )
+                            })
+                            .collect();
+                        let description = json!({
+                            "method": request.method().as_str(),
+                            "path": request.uri().path_and_query().map(|p| p.as_str()).unwrap_or("/"),
+                            "headers": headers,
+                        });
+                        let body = http_body_util::Full::new(Bytes::from(description.to_string()));
+                        http::Response::builder()
+                            .header("content-type", "application/json")
+                            .body(body)
+                    },
+                );
+                let http = hyper::server::conn::http1::Builder::new();
+                let _ = match acceptor {
+                    Some(acceptor) => match acceptor.accept(stream).await {
+                        Ok(stream) => {
+                            http.serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                                .await
+                        }
+                        Err(_) => return,
+                    },
+                    None => {
+                        http.serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                            .await
+                    }
+                };
+            });
+        }
+    });
+    Ok(addr)
 }

@@ -168,6 +168,15 @@ async fn service_access_on_a_real_api_server() {
             "",
             user("user-server"),
         ),
+        // The exposed-services allowlist: one ConfigMap, watched by name.
+        (
+            "user-server-exposed-services",
+            Some(json!([{"apiGroups": [""], "resources": ["configmaps"],
+                         "resourceNames": [user_server::exposed::DEFAULT_CONFIGMAP],
+                         "verbs": ["list", "watch"]}])),
+            "",
+            user("user-server"),
+        ),
         (
             "alice-proxy",
             Some(json!([{"apiGroups": ["cluster.open-cluster-management.io"],

@@ -11,7 +11,8 @@ use bytes::Bytes;
 use cluster_proxy_proto::identity::ClusterName;
 use cluster_proxy_proto::service_access;
 use e2e::service_access::{
-    CLUSTER_A, CLUSTER_B, Fleet, cluster_binding, cluster_role, create, resource,
+    CLUSTER_A, CLUSTER_B, EXPOSED_SERVICES_NAMESPACE, Fleet, cluster_binding, cluster_role, create,
+    reflecting_service, resource,
 };
 use http_body_util::{BodyExt, Empty};
 use k8s_openapi::api::core::v1::ConfigMap;
@@ -392,6 +393,247 @@ async fn bad_requests_get_kubernetes_status_answers() {
         .and_then(|v| v.parse::<u64>().ok())
         .unwrap_or(0);
     assert!(received > 0, "the 200's body is counted:\n{metrics}");
+}
+
+/// The `proxy-service` path reaches a Service of the cluster only while the
+/// exposed-services allowlist on the hub admits it (default deny, followed
+/// by a watch), and the Service gets no credential or identity header: not
+/// the hub token, not the service-proxy's token, not what the client sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn services_are_reachable_only_while_the_exposed_services_allowlist_admits_them() {
+    let fleet = Fleet::start().await.unwrap();
+    let alice = fleet.hub_user("alice", &["team-a"]);
+    let bob = fleet.hub_user("bob", &["team-b"]);
+    let hello = reflecting_service(None).await.unwrap().port();
+    let secure_tls = fleet.path.service_tls("secure.apps.svc").unwrap();
+    let secure = reflecting_service(Some(secure_tls)).await.unwrap().port();
+    let service_path = |reference: &str, tail: &str| {
+        format!("/api/v1/namespaces/apps/services/{reference}/proxy-service/{tail}")
+    };
+    let hello_path = service_path(&format!("http:hello:{hello}"), "some/path?x=1&y=2");
+    let secure_path = service_path(&format!("https:secure:{secure}"), "");
+    let get = |token: String, path: String| {
+        let path_ref = &fleet.path;
+        async move {
+            path_ref
+                .request_as(
+                    CLUSTER_A,
+                    &token,
+                    http::Method::GET,
+                    &path,
+                    &[
+                        ("impersonate-user", "system:admin"),
+                        ("x-remote-user", "system:admin"),
+                        (service_access::USER, "system:admin"),
+                    ],
+                    Value::Null,
+                )
+                .await
+                .unwrap()
+        }
+    };
+    let message = |body: &Value| body["message"].as_str().unwrap_or_default().to_owned();
+
+    // No ConfigMap yet: every Service is refused, saying why.
+    let (status, body) = get(alice.clone(), hello_path.clone()).await;
+    assert_eq!(status, 403, "{body}");
+    assert!(message(&body).contains("is not exposed"), "{body}");
+
+    let maps: Api<ConfigMap> = Api::namespaced(
+        fleet.hub.client().await.unwrap(),
+        EXPOSED_SERVICES_NAMESPACE,
+    );
+    let allowlist = |text: String| -> ConfigMap {
+        serde_json::from_value(json!({
+            "metadata": {"name": user_server::exposed::DEFAULT_CONFIGMAP},
+            "data": {"services": text},
+        }))
+        .unwrap()
+    };
+    maps.create(
+        &PostParams::default(),
+        &allowlist(format!(
+            "- {{namespace: apps, service: hello, port: \"{hello}\", protocol: http}}\n\
+             - {{namespace: apps, service: secure, protocol: https, clusters: [cluster-a]}}\n"
+        )),
+    )
+    .await
+    .unwrap();
+
+    // The new list applies without a restart.
+    let body = simulated_cluster::wait::eventually(
+        "the allowlist to admit hello",
+        Duration::from_secs(10),
+        || {
+            let request = get(alice.clone(), hello_path.clone());
+            async move {
+                let (status, body) = request.await;
+                (status == 200).then_some(body)
+            }
+        },
+    )
+    .await;
+    assert_eq!(body["method"], "GET");
+    assert_eq!(body["path"], "/some/path?x=1&y=2");
+    let headers = body["headers"].as_object().unwrap();
+    for name in headers.keys() {
+        assert!(
+            name != "authorization"
+                && !name.starts_with("impersonate-")
+                && !name.starts_with("x-remote-")
+                && !name.starts_with("cluster-proxy-"),
+            "{name} reached the Service: {body}"
+        );
+    }
+    assert_eq!(headers["host"], format!("hello.apps.svc:{hello}"), "{body}");
+
+    // https, verified against the service-proxy's additional Service CA.
+    let (status, body) = get(alice.clone(), secure_path.clone()).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["path"], "/");
+
+    // What no entry names stays refused: another port, another scheme,
+    // another Service, another namespace.
+    for refused in [
+        service_path("http:hello:1", ""),
+        service_path(&format!("https:hello:{hello}"), ""),
+        service_path("http:other:80", ""),
+        format!("/api/v1/namespaces/default/services/http:hello:{hello}/proxy-service/"),
+    ] {
+        let (status, body) = get(alice.clone(), refused.clone()).await;
+        assert_eq!(status, 403, "{refused}: {body}");
+        assert!(
+            message(&body).contains("is not exposed"),
+            "{refused}: {body}"
+        );
+    }
+    // The hub's RBAC comes first: bob may not reach cluster-a at all.
+    let (status, body) = get(bob.clone(), hello_path.clone()).await;
+    assert_eq!(status, 403, "{body}");
+    assert!(message(&body).contains("may not reach cluster"), "{body}");
+
+    // A version that does not parse is refused and the last good list stays.
+    let health = fleet.path.user_server.health_addr;
+    maps.replace(
+        user_server::exposed::DEFAULT_CONFIGMAP,
+        &PostParams::default(),
+        &allowlist("- {namespace: apps}\n".into()),
+    )
+    .await
+    .unwrap();
+    simulated_cluster::wait::eventually(
+        "the bad version to be counted",
+        Duration::from_secs(10),
+        || async {
+            let (_, metrics) = tunnel_harness::in_process::health_get(health, "/metrics")
+                .await
+                .ok()?;
+            metrics
+                .contains("user_server_exposed_services_errors_total 1")
+                .then_some(())
+        },
+    )
+    .await;
+    let (status, body) = get(alice.clone(), hello_path.clone()).await;
+    assert_eq!(status, 200, "the last good list stays: {body}");
+
+    // Deleting the ConfigMap denies every Service again.
+    maps.delete(
+        user_server::exposed::DEFAULT_CONFIGMAP,
+        &DeleteParams::default(),
+    )
+    .await
+    .unwrap();
+    simulated_cluster::wait::eventually(
+        "the deletion to deny hello",
+        Duration::from_secs(10),
+        || {
+            let request = get(alice.clone(), hello_path.clone());
+            async move { (request.await.0 == 403).then_some(()) }
+        },
+    )
+    .await;
+    let (status, body) = get(alice.clone(), secure_path).await;
+    assert_eq!(status, 403, "{body}");
+}
+
+/// With `--managed-token-passthrough`, a token the hub does not know goes on
+/// to the cluster's kube-apiserver, which authenticates it as its own user
+/// (upstream's behaviour); hub users are still impersonated, and without
+/// the flag such a token is refused on the hub.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn managed_tokens_pass_through_only_when_enabled() {
+    let message = |body: &Value| body["message"].as_str().unwrap_or_default().to_owned();
+    let configmaps = "/api/v1/namespaces/default/configmaps";
+    let secrets = "/api/v1/namespaces/default/secrets";
+    // carol is cluster-a's own user, unknown to the hub, who may read
+    // ConfigMaps there.
+    async fn grant_carol(fleet: &Fleet) -> String {
+        let admin = fleet.managed.client().await.unwrap();
+        create(
+            &admin,
+            cluster_binding("carol-reads", "configmap-reader", "User", "carol"),
+        )
+        .await
+        .unwrap();
+        fleet.managed.kubeconfigs(None).token("carol", &[])
+    }
+
+    let off = Fleet::start().await.unwrap();
+    let carol = grant_carol(&off).await;
+    let (status, body) = off
+        .path
+        .request_as(
+            CLUSTER_A,
+            &carol,
+            http::Method::GET,
+            configmaps,
+            &[],
+            Value::Null,
+        )
+        .await
+        .unwrap();
+    assert_eq!(status, 401, "{body}");
+    assert!(message(&body).contains("not valid on the hub"), "{body}");
+    drop(off);
+
+    let on = Fleet::start_with(|config| config.managed_token_passthrough = true)
+        .await
+        .unwrap();
+    let carol = grant_carol(&on).await;
+    let get = |token: String, path: &'static str| {
+        let path_ref = &on.path;
+        async move {
+            path_ref
+                .request_as(CLUSTER_A, &token, http::Method::GET, path, &[], Value::Null)
+                .await
+                .unwrap()
+        }
+    };
+    // The cluster's own user, as the cluster's RBAC sees it.
+    let (status, body) = get(carol.clone(), configmaps).await;
+    assert_eq!(status, 200, "{body}");
+    let (status, body) = get(carol.clone(), secrets).await;
+    assert_eq!(status, 403, "{body}");
+    assert!(message(&body).contains(r#"User "carol""#), "{body}");
+    // A token neither side knows: the cluster refuses it.
+    let (status, body) = get("not-a-token".into(), configmaps).await;
+    assert_eq!(status, 401, "{body}");
+    // Hub users are impersonated as before.
+    let alice = on.hub_user("alice", &["team-a"]);
+    let (status, body) = get(alice.clone(), configmaps).await;
+    assert_eq!(status, 200, "{body}");
+    let (status, body) = get(alice, secrets).await;
+    assert_eq!(status, 403, "{body}");
+    assert!(message(&body).contains("cluster:hub:alice"), "{body}");
+    // Services never take a token the hub does not know.
+    let (status, body) = get(
+        carol,
+        "/api/v1/namespaces/apps/services/http:hello:80/proxy-service/",
+    )
+    .await;
+    assert_eq!(status, 401, "{body}");
+    assert!(message(&body).contains("not valid on the hub"), "{body}");
 }
 
 /// [`https_request`] to the service-proxy's loopback port, verifying its

@@ -27,8 +27,18 @@ pub const NAMESPACE: &str = "cluster-proxy-namespace";
 pub const SERVICE: &str = "cluster-proxy-service";
 pub const PORT: &str = "cluster-proxy-port";
 
+/// Set (to [`PASSTHROUGH`]) instead of [`USER`] when the user-server sends
+/// the client's own bearer token on: a token the hub does not know, which
+/// the managed kube-apiserver authenticates itself (upstream's managed-token
+/// passthrough; the user-server's `--managed-token-passthrough`).
+pub const CREDENTIAL: &str = "cluster-proxy-credential";
+/// The value of [`CREDENTIAL`] for a passed-through token.
+pub const PASSTHROUGH: &str = "managed-token";
+
 /// Every header of this contract: a client's own copies are removed.
-pub const ALL: &[&str] = &[CLUSTER, USER, UID, GROUP, PROTO, NAMESPACE, SERVICE, PORT];
+pub const ALL: &[&str] = &[
+    CLUSTER, USER, UID, GROUP, PROTO, NAMESPACE, SERVICE, PORT, CREDENTIAL,
+];
 
 /// The service-proxy's port (upstream's).
 pub const SERVICE_PROXY_PORT: u16 = 7443;

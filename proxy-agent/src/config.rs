@@ -512,21 +512,7 @@ impl AgentSettings {
         config.credential_reload_interval = self.credential_reload_interval;
         config.keepalive_time = self.keepalive_time;
         config.lean_framing = self.lean_framing;
-        for alias in &self.host_alias {
-            let parsed = alias
-                .split_once('=')
-                .and_then(|(name, ip)| {
-                    Some((name.trim(), ip.trim().parse::<std::net::IpAddr>().ok()?))
-                })
-                .filter(|(name, _)| !name.is_empty());
-            let Some((name, ip)) = parsed else {
-                return Err(ConfigError::Invalid {
-                    field: "host-alias",
-                    reason: format!("{alias:?} is not NAME=IP"),
-                });
-            };
-            config.host_aliases.insert(name.to_owned(), ip);
-        }
+        config.host_aliases = cluster_proxy_runtime::config::host_aliases(&self.host_alias)?;
         Ok(config)
     }
 }

@@ -835,8 +835,9 @@ pub async fn reachable(
 #[derive(Debug, Clone, Default)]
 pub struct HubRbac {
     /// Applied as the administrator before any service starts: Namespaces,
-    /// ServiceAccounts, ClusterRoles, ClusterRoleBindings, Roles and
-    /// RoleBindings (the RBAC part of a chart's render).
+    /// ServiceAccounts, ClusterRoles, ClusterRoleBindings, Roles,
+    /// RoleBindings and ConfigMaps (the RBAC part of a chart's render, and
+    /// what the services read).
     pub objects: Vec<serde_json::Value>,
     /// Each service's user, `system:serviceaccount:<namespace>:<name>`.
     pub addon_manager: String,
@@ -851,14 +852,17 @@ pub struct HubRbac {
 /// CSRs (the addon-agent's Lease Role is the addon-manager's to write).
 const REGISTRATION_AGENT_ROLE: &str = "e2e:open-cluster-management:registration-agent";
 
-/// The kinds of a chart's render that [`HubRbac`] applies.
-const HUB_RBAC_KINDS: [&str; 6] = [
+/// The kinds of a chart's render that [`HubRbac`] applies: the RBAC, and
+/// the ConfigMaps the services read (the user-server's exposed-services
+/// allowlist), as `helm install` creates them.
+const HUB_RBAC_KINDS: [&str; 7] = [
     "Namespace",
     "ServiceAccount",
     "ClusterRole",
     "ClusterRoleBinding",
     "Role",
     "RoleBinding",
+    "ConfigMap",
 ];
 
 /// Why the chart could not be rendered live.
@@ -1074,7 +1078,7 @@ impl HubRbac {
             };
             if !HUB_RBAC_KINDS.contains(&kind) {
                 return Err(EnvError::KubeApi(format!(
-                    "hub RBAC: {kind} {name} is not a Namespace, ServiceAccount or RBAC object"
+                    "hub RBAC: {kind} {name} is not a Namespace, ServiceAccount, RBAC object or ConfigMap"
                 )));
             }
             let (group, version) = api_version.split_once('/').unwrap_or(("", api_version));

@@ -53,6 +53,25 @@ pub fn bind_ip(field: &'static str, value: &str) -> Result<std::net::IpAddr, Con
         .map_err(|_| invalid(field, format!("{value:?} is not an IP address")))
 }
 
+/// `--host-alias` values (`NAME=IP`, like a pod's hostAliases): NAME
+/// resolves to IP before DNS is asked.
+pub fn host_aliases(
+    values: &[String],
+) -> Result<std::collections::HashMap<String, std::net::IpAddr>, ConfigError> {
+    let mut aliases = std::collections::HashMap::new();
+    for alias in values {
+        let parsed = alias
+            .split_once('=')
+            .and_then(|(name, ip)| Some((name.trim(), ip.trim().parse::<std::net::IpAddr>().ok()?)))
+            .filter(|(name, _)| !name.is_empty());
+        let Some((name, ip)) = parsed else {
+            return Err(invalid("host-alias", format!("{alias:?} is not NAME=IP")));
+        };
+        aliases.insert(name.to_owned(), ip);
+    }
+    Ok(aliases)
+}
+
 /// Where a binary's environment layer reads from.
 #[derive(Debug, Clone, Copy)]
 pub struct EnvSpec {

@@ -204,14 +204,47 @@ where
     B: http_body::Body + Send,
     B::Data: Send,
 {
+    pooled_client(tls, connector, true, max_idle_per_host, idle_timeout)
+}
+
+/// [`pooled_https_client`], which also sends `http://` URIs in plain text
+/// (a Service that serves plain HTTP).
+pub fn pooled_http_or_https_client<C, B>(
+    tls: &rustls::ClientConfig,
+    connector: C,
+    max_idle_per_host: usize,
+    idle_timeout: Duration,
+) -> hyper_util::client::legacy::Client<hyper_rustls::HttpsConnector<C>, B>
+where
+    hyper_rustls::HttpsConnector<C>: hyper_util::client::legacy::connect::Connect + Clone,
+    B: http_body::Body + Send,
+    B::Data: Send,
+{
+    pooled_client(tls, connector, false, max_idle_per_host, idle_timeout)
+}
+
+fn pooled_client<C, B>(
+    tls: &rustls::ClientConfig,
+    connector: C,
+    https_only: bool,
+    max_idle_per_host: usize,
+    idle_timeout: Duration,
+) -> hyper_util::client::legacy::Client<hyper_rustls::HttpsConnector<C>, B>
+where
+    hyper_rustls::HttpsConnector<C>: hyper_util::client::legacy::connect::Connect + Clone,
+    B: http_body::Body + Send,
+    B::Data: Send,
+{
     // hyper-rustls sets the ALPN itself (and insists on it being unset).
     let mut tls = tls.clone();
     tls.alpn_protocols.clear();
-    let connector = hyper_rustls::HttpsConnectorBuilder::new()
-        .with_tls_config(tls)
-        .https_only()
-        .enable_http1()
-        .wrap_connector(connector);
+    let builder = hyper_rustls::HttpsConnectorBuilder::new().with_tls_config(tls);
+    let builder = if https_only {
+        builder.https_only()
+    } else {
+        builder.https_or_http()
+    };
+    let connector = builder.enable_http1().wrap_connector(connector);
     hyper_util::client::legacy::Client::builder(TokioExecutor::new())
         .pool_max_idle_per_host(max_idle_per_host)
         .pool_idle_timeout(idle_timeout)

@@ -12,21 +12,37 @@
 //! decides what the hub user may do. Every `Impersonate-*` and `X-Remote-*`
 //! header the client sent is removed first. Upgraded streams (exec, attach,
 //! port-forward over SPDY or WebSocket) are relayed after the 101.
+//!
+//! A request whose token the hub did not know (the user-server's
+//! `--managed-token-passthrough`) goes to the kube-apiserver with that token
+//! and nothing of this pod's: the kube-apiserver authenticates it.
+//!
+//! A request for another Service of the cluster (the user-server admitted it
+//! by its exposed-services allowlist) goes to `<scheme>://<name>.<namespace>.svc:<port>`
+//! with no credential of this pod's and no identity header: the Service
+//! answers the request as it answers any unauthenticated client in the
+//! cluster. https Services are verified against the kube-apiserver's CA and
+//! `--additional-service-ca`.
 #![forbid(unsafe_code)]
 
 pub mod process;
 pub mod settings;
 
-use std::net::SocketAddr;
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::future::Future;
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use cluster_proxy_proto::identity::ClusterName;
 use cluster_proxy_proto::service_access;
 use cluster_proxy_proto::transport::ALPN_HTTP11;
 use cluster_proxy_runtime::http_proxy::{
-    HttpsOptions, ProxyBody, pooled_https_client, relay_upgrade, serve_https, status_response,
-    strip_hop_by_hop, take_upgrade,
+    HttpsOptions, ProxyBody, pooled_http_or_https_client, pooled_https_client, relay_upgrade,
+    serve_https, status_response, strip_hop_by_hop, take_upgrade,
 };
 use cluster_proxy_runtime::reload::{self, Watched};
 use cluster_proxy_runtime::tls::{self, Identity, Pem, TlsError};
@@ -37,6 +53,7 @@ use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::connect::dns::{GaiResolver, Name};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -66,7 +83,51 @@ pub enum StartError {
     },
 }
 
-type Upstream = Client<hyper_rustls::HttpsConnector<HttpConnector>, Incoming>;
+type Upstream = Client<hyper_rustls::HttpsConnector<HttpConnector<AliasResolver>>, Incoming>;
+
+/// DNS, after the configured host aliases (a pod's hostAliases, for names
+/// the cluster's DNS does not know).
+#[derive(Clone)]
+struct AliasResolver {
+    aliases: Arc<HashMap<String, IpAddr>>,
+    dns: GaiResolver,
+}
+
+type Resolving =
+    Pin<Box<dyn Future<Output = Result<std::vec::IntoIter<SocketAddr>, std::io::Error>> + Send>>;
+
+impl tower::Service<Name> for AliasResolver {
+    type Response = std::vec::IntoIter<SocketAddr>;
+    type Error = std::io::Error;
+    type Future = Resolving;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, name: Name) -> Self::Future {
+        // The connector puts the URI's port on every address.
+        if let Some(ip) = self.aliases.get(name.as_str()) {
+            let addresses = vec![SocketAddr::new(*ip, 0)];
+            return Box::pin(std::future::ready(Ok(addresses.into_iter())));
+        }
+        let mut dns = self.dns.clone();
+        Box::pin(async move {
+            let addresses = tower::Service::call(&mut dns, name).await?;
+            Ok(addresses.collect::<Vec<_>>().into_iter())
+        })
+    }
+}
+
+fn connector(aliases: &Arc<HashMap<String, IpAddr>>) -> HttpConnector<AliasResolver> {
+    let mut http = HttpConnector::new_with_resolver(AliasResolver {
+        aliases: aliases.clone(),
+        dns: GaiResolver::new(),
+    });
+    http.enforce_http(false);
+    http.set_connect_timeout(Some(HANDSHAKE_TIMEOUT));
+    http
+}
 
 /// What every request needs.
 struct Shared {
@@ -76,6 +137,32 @@ struct Shared {
     upstream: Upstream,
     token: Watched<String>,
     impersonation: bool,
+    aliases: Arc<HashMap<String, IpAddr>>,
+    /// Trust for https Services; the client is rebuilt when it changes.
+    service_tls: Watched<rustls::ClientConfig>,
+    services: Mutex<Option<(Arc<rustls::ClientConfig>, Upstream)>>,
+}
+
+impl Shared {
+    /// The pooled client for Services (plain or TLS), rebuilt when the
+    /// trusted CAs changed on disk.
+    fn services(&self) -> Upstream {
+        let tls = self.service_tls.borrow().clone();
+        let mut current = self.services.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((used, client)) = &*current
+            && Arc::ptr_eq(used, &tls)
+        {
+            return client.clone();
+        }
+        let client = pooled_http_or_https_client(
+            &tls,
+            connector(&self.aliases),
+            MAX_IDLE_PER_HOST,
+            IDLE_TIMEOUT,
+        );
+        *current = Some((tls, client.clone()));
+        client
+    }
 }
 
 /// A running service-proxy.
@@ -102,10 +189,13 @@ pub async fn start(config: ServiceProxyConfig) -> Result<RunningServiceProxy, St
     let kube_roots = tls::roots(&Pem::file("kube-apiserver CA", &config.kube_ca)?)?;
     let kube_tls = tls::client_config(kube_roots, None, &[ALPN_HTTP11])?;
     let token = watch_token(&config)?;
-    let mut http = HttpConnector::new();
-    http.enforce_http(false);
-    http.set_connect_timeout(Some(HANDSHAKE_TIMEOUT));
-    let upstream = pooled_https_client(&kube_tls, http, MAX_IDLE_PER_HOST, IDLE_TIMEOUT);
+    let aliases = Arc::new(config.host_aliases.clone());
+    let upstream = pooled_https_client(
+        &kube_tls,
+        connector(&aliases),
+        MAX_IDLE_PER_HOST,
+        IDLE_TIMEOUT,
+    );
     let shared = Arc::new(Shared {
         cluster: config.cluster.clone(),
         user_server_name: config.user_server_name.clone(),
@@ -113,6 +203,9 @@ pub async fn start(config: ServiceProxyConfig) -> Result<RunningServiceProxy, St
         upstream,
         token,
         impersonation: config.impersonation,
+        aliases,
+        service_tls: service_tls(&config)?,
+        services: Mutex::new(None),
     });
 
     let stop = CancellationToken::new();
@@ -162,6 +255,27 @@ fn serving_tls(config: &ServiceProxyConfig) -> Result<Watched<rustls::ServerConf
             tls::server_config(identity, Some(clients), &[ALPN_HTTP11])
         },
     )
+}
+
+/// Trust for https Services: the kube-apiserver's CA (the cluster's own
+/// serving certificates often come from it) and the additional CAs; re-read
+/// when they change.
+fn service_tls(config: &ServiceProxyConfig) -> Result<Watched<rustls::ClientConfig>, TlsError> {
+    let mut paths: Vec<PathBuf> = vec![config.kube_ca.clone()];
+    paths.extend(config.additional_service_ca.clone());
+    let files = paths.clone();
+    reload::watch_files("Service CAs", paths, config.reload_interval, move || {
+        let mut bundle = String::new();
+        for path in &files {
+            let pem = std::fs::read_to_string(path).map_err(|e| {
+                TlsError::Config(format!("Service CA bundle {}: {e}", path.display()))
+            })?;
+            bundle.push_str(&pem);
+            bundle.push('\n');
+        }
+        let roots = tls::roots(&Pem::text("Service CAs", &bundle))?;
+        tls::client_config(roots, None, &[ALPN_HTTP11])
+    })
 }
 
 fn watch_token(config: &ServiceProxyConfig) -> Result<Watched<String>, StartError> {
@@ -247,10 +361,15 @@ fn client_is_user_server(
     }
 }
 
-/// What a request is for, from the user-server's headers.
-struct Routed {
-    user: String,
-    groups: Vec<String>,
+/// Where a request goes, from the user-server's headers.
+enum Routed {
+    /// The kube-apiserver, as the named hub user.
+    KubeApi { user: String, groups: Vec<String> },
+    /// The kube-apiserver with the client's own token, which the hub does
+    /// not know: the kube-apiserver authenticates it.
+    Passthrough,
+    /// A Service of this cluster: `scheme://name.namespace.svc:port`.
+    Service { origin: String },
 }
 
 /// Why a request is refused, before anything is forwarded.
@@ -298,21 +417,29 @@ fn route(shared: &Shared, request: &Request<Incoming>) -> Result<Routed, Refusal
             ));
         }
     }
-    let kube_api = matches!(
-        (
-            text(service_access::NAMESPACE),
-            text(service_access::SERVICE)
-        ),
-        (None, None) | (Some("default"), Some("kubernetes"))
-    );
-    if !kube_api {
-        // Services other than the kube API need an allowlist entry; none is
-        // configured here, and the default is deny.
-        return Err(Refusal::new(
-            StatusCode::FORBIDDEN,
-            "Forbidden",
-            "services other than the kube-apiserver are denied: no exposed-services allowlist admits it",
-        ));
+    match (
+        text(service_access::NAMESPACE),
+        text(service_access::SERVICE),
+    ) {
+        (None, None) | (Some("default"), Some("kubernetes")) => {}
+        _ => return service_target(request.headers()).map(|origin| Routed::Service { origin }),
+    }
+    if let Some(credential) = text(service_access::CREDENTIAL) {
+        if credential != service_access::PASSTHROUGH {
+            return Err(Refusal::new(
+                StatusCode::BAD_REQUEST,
+                "BadRequest",
+                &format!("unknown {} {credential:?}", service_access::CREDENTIAL),
+            ));
+        }
+        if !headers.contains_key(header::AUTHORIZATION) {
+            return Err(Refusal::new(
+                StatusCode::UNAUTHORIZED,
+                "Unauthorized",
+                "a passed-through request carries no token",
+            ));
+        }
+        return Ok(Routed::Passthrough);
     }
     let Some(user) = text(service_access::USER).filter(|u| !u.is_empty()) else {
         return Err(Refusal::new(
@@ -334,10 +461,49 @@ fn route(shared: &Shared, request: &Request<Incoming>) -> Result<Routed, Refusal
         .filter_map(|v| v.to_str().ok())
         .map(str::to_owned)
         .collect();
-    Ok(Routed {
+    Ok(Routed::KubeApi {
         user: user.to_owned(),
         groups,
     })
+}
+
+/// The origin of the Service upstream's four target headers name; each
+/// must be there and well formed (400 otherwise).
+fn service_target(headers: &http::HeaderMap) -> Result<String, Refusal> {
+    let text = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+    let bad = |message: String| Refusal {
+        code: StatusCode::BAD_REQUEST,
+        reason: "BadRequest",
+        message,
+    };
+    let (Some(scheme), Some(namespace), Some(name), Some(port)) = (
+        text(service_access::PROTO),
+        text(service_access::NAMESPACE),
+        text(service_access::SERVICE),
+        text(service_access::PORT),
+    ) else {
+        return Err(bad(format!(
+            "a Service request needs all of {}, {}, {} and {}",
+            service_access::PROTO,
+            service_access::NAMESPACE,
+            service_access::SERVICE,
+            service_access::PORT
+        )));
+    };
+    if !matches!(scheme, "http" | "https") {
+        return Err(bad(format!("scheme {scheme:?} is neither http nor https")));
+    }
+    for (what, value) in [("namespace", namespace), ("Service", name)] {
+        if !cluster_proxy_proto::identity::is_dns1123_label(value) {
+            return Err(bad(format!("{what} {value:?} is not a DNS-1123 label")));
+        }
+    }
+    let port = port
+        .parse::<u16>()
+        .ok()
+        .filter(|p| *p != 0)
+        .ok_or_else(|| bad(format!("port {port:?} is not a number from 1 to 65535")))?;
+    Ok(format!("{scheme}://{name}.{namespace}.svc:{port}"))
 }
 
 async fn handle(shared: &Shared, mut request: Request<Incoming>) -> Response<ProxyBody> {
@@ -353,18 +519,21 @@ async fn handle(shared: &Shared, mut request: Request<Incoming>) -> Response<Pro
         .map(|p| p.as_str())
         .unwrap_or("/")
         .to_owned();
-    let uri = match http::Uri::builder()
-        .scheme("https")
-        .authority(
-            shared
-                .kube_api
-                .authority()
-                .map(|a| a.as_str())
-                .unwrap_or_default(),
-        )
-        .path_and_query(path.as_str())
-        .build()
-    {
+    let (origin, what) = match &routed {
+        Routed::KubeApi { .. } | Routed::Passthrough => (
+            format!(
+                "https://{}",
+                shared
+                    .kube_api
+                    .authority()
+                    .map(|a| a.as_str())
+                    .unwrap_or_default()
+            ),
+            format!("cluster {:?}'s kube-apiserver", shared.cluster.as_str()),
+        ),
+        Routed::Service { origin } => (origin.clone(), format!("Service {origin}")),
+    };
+    let uri = match format!("{origin}{path}").parse::<http::Uri>() {
         Ok(uri) => uri,
         Err(error) => {
             return status_response(
@@ -385,18 +554,30 @@ async fn handle(shared: &Shared, mut request: Request<Incoming>) -> Response<Pro
         parts.headers.remove(name);
     }
     parts.headers.remove(header::HOST);
-    let credentials = match identity_headers(shared, &routed) {
-        Ok(credentials) => credentials,
-        Err(error) => {
-            return status_response(StatusCode::BAD_REQUEST, "BadRequest", &error);
+    let upstream = match &routed {
+        Routed::KubeApi { user, groups } => {
+            let credentials = match identity_headers(shared, user, groups) {
+                Ok(credentials) => credentials,
+                Err(error) => {
+                    return status_response(StatusCode::BAD_REQUEST, "BadRequest", &error);
+                }
+            };
+            for (name, value) in credentials {
+                parts.headers.append(name, value);
+            }
+            shared.upstream.clone()
+        }
+        // The client's token, as it came; nothing of this pod's.
+        Routed::Passthrough => shared.upstream.clone(),
+        // No credential of this pod's reaches a Service.
+        Routed::Service { .. } => {
+            parts.headers.remove(header::AUTHORIZATION);
+            shared.services()
         }
     };
-    for (name, value) in credentials {
-        parts.headers.append(name, value);
-    }
     parts.uri = uri;
     let outgoing = Request::from_parts(parts, body);
-    match shared.upstream.request(outgoing).await {
+    match upstream.request(outgoing).await {
         Ok(mut response) => {
             if response.status() == StatusCode::SWITCHING_PROTOCOLS
                 && let Some(client) = client_upgrade
@@ -415,14 +596,11 @@ async fn handle(shared: &Shared, mut request: Request<Incoming>) -> Response<Pro
             Response::from_parts(parts, body.boxed())
         }
         Err(error) => {
-            tracing::warn!(%error, "the kube-apiserver did not answer");
+            tracing::warn!(%error, destination = %what, "no answer");
             status_response(
                 StatusCode::BAD_GATEWAY,
                 "ServiceUnavailable",
-                &format!(
-                    "cluster {:?}'s kube-apiserver did not answer: {error}",
-                    shared.cluster.as_str()
-                ),
+                &format!("{what} did not answer: {error}"),
             )
         }
     }
@@ -431,7 +609,8 @@ async fn handle(shared: &Shared, mut request: Request<Incoming>) -> Response<Pro
 /// This pod's token and the impersonation of the hub user.
 fn identity_headers(
     shared: &Shared,
-    routed: &Routed,
+    user: &str,
+    groups: &[String],
 ) -> Result<Vec<(http::HeaderName, HeaderValue)>, String> {
     let value = |text: &str| {
         HeaderValue::from_str(text).map_err(|_| format!("{text:?} is not a valid header value"))
@@ -441,14 +620,69 @@ fn identity_headers(
         (header::AUTHORIZATION, value(&format!("Bearer {token}"))?),
         (
             http::HeaderName::from_static("impersonate-user"),
-            value(&service_access::managed_user(&routed.user))?,
+            value(&service_access::managed_user(user))?,
         ),
     ];
-    for group in service_access::managed_groups(routed.groups.iter().map(String::as_str)) {
+    for group in service_access::managed_groups(groups.iter().map(String::as_str)) {
         headers.push((
             http::HeaderName::from_static("impersonate-group"),
             value(&group)?,
         ));
     }
     Ok(headers)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(pairs: &[(&str, &str)]) -> http::HeaderMap {
+        pairs
+            .iter()
+            .map(|(name, value)| {
+                (
+                    http::HeaderName::from_bytes(name.as_bytes()).unwrap(),
+                    HeaderValue::from_str(value).unwrap(),
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_service_target_needs_all_four_headers_well_formed() {
+        let target = |proto: &str, namespace: &str, service: &str, port: &str| {
+            service_target(&headers(&[
+                (service_access::PROTO, proto),
+                (service_access::NAMESPACE, namespace),
+                (service_access::SERVICE, service),
+                (service_access::PORT, port),
+            ]))
+            .map_err(|refusal| (refusal.code, refusal.message))
+        };
+        assert_eq!(
+            target("http", "apps", "hello", "8000").unwrap(),
+            "http://hello.apps.svc:8000"
+        );
+        assert_eq!(
+            target("https", "monitoring", "prometheus-k8s", "9091").unwrap(),
+            "https://prometheus-k8s.monitoring.svc:9091"
+        );
+        for (proto, namespace, service, port, says) in [
+            ("ftp", "apps", "hello", "21", "neither http nor https"),
+            ("http", "Apps", "hello", "80", "namespace"),
+            ("http", "apps", "hello.evil.com", "80", "Service"),
+            ("http", "apps", "hello", "0", "port"),
+            ("http", "apps", "hello", "80/x", "port"),
+        ] {
+            let (code, message) = target(proto, namespace, service, port).unwrap_err();
+            assert_eq!(code, StatusCode::BAD_REQUEST, "{message}");
+            assert!(message.contains(says), "{message} should say {says}");
+        }
+        let missing = service_target(&headers(&[
+            (service_access::NAMESPACE, "apps"),
+            (service_access::SERVICE, "hello"),
+        ]))
+        .map_err(|refusal| refusal.code);
+        assert_eq!(missing, Err(StatusCode::BAD_REQUEST));
+    }
 }

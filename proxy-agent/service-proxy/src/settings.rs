@@ -36,6 +36,8 @@ pub struct Settings {
     pub kube_ca: PathBuf,
     pub token_file: PathBuf,
     pub enable_impersonation: bool,
+    pub additional_service_ca: PathBuf,
+    pub host_alias: Vec<String>,
     pub health_bind_address: String,
     pub health_port: u16,
     pub v: u8,
@@ -58,6 +60,8 @@ impl Default for Settings {
             kube_ca: PathBuf::from(SERVICE_ACCOUNT_DIR).join("ca.crt"),
             token_file: PathBuf::from(SERVICE_ACCOUNT_DIR).join("token"),
             enable_impersonation: true,
+            additional_service_ca: PathBuf::new(),
+            host_alias: Vec::new(),
             health_bind_address: String::new(),
             health_port: 8000,
             v: 0,
@@ -122,6 +126,14 @@ pub struct Cli {
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub enable_impersonation: Option<bool>,
+    /// More CAs (PEM) to trust for https Services, beside the kube-apiserver CA (upstream's, from proxyAgent.additionalServiceCAConfigMap).
+    #[arg(long, value_parser = parse_path)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub additional_service_ca: Option<PathBuf>,
+    /// Resolve NAME to IP before DNS when sending to a Service (repeatable), like a pod's hostAliases.
+    #[arg(long = "host-alias", value_name = "NAME=IP")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub host_alias: Option<Vec<String>>,
     /// Address the health port listens on (empty: every address).
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -148,6 +160,10 @@ pub struct ServiceProxyConfig {
     pub kube_ca: PathBuf,
     pub token_file: PathBuf,
     pub impersonation: bool,
+    /// CAs trusted for https Services besides `kube_ca`.
+    pub additional_service_ca: Option<PathBuf>,
+    /// Names resolved before DNS (Services in tests, pods' hostAliases).
+    pub host_aliases: std::collections::HashMap<String, std::net::IpAddr>,
     pub health: SocketAddr,
     /// How often credential files are checked for changes.
     pub reload_interval: Duration,
@@ -210,6 +226,9 @@ impl Settings {
             kube_ca: self.kube_ca.clone(),
             token_file: self.token_file.clone(),
             impersonation: self.enable_impersonation,
+            additional_service_ca: (!self.additional_service_ca.as_os_str().is_empty())
+                .then(|| self.additional_service_ca.clone()),
+            host_aliases: config::host_aliases(&self.host_alias)?,
             health: SocketAddr::new(
                 bind_ip("health-bind-address", &self.health_bind_address)?,
                 self.health_port,
@@ -278,6 +297,13 @@ mod tests {
                     ..settings()
                 },
                 "bind-address",
+            ),
+            (
+                Settings {
+                    host_alias: vec!["hello.apps.svc".into()],
+                    ..settings()
+                },
+                "host-alias",
             ),
         ];
         for (settings, flag) in cases {

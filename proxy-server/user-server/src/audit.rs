@@ -99,6 +99,10 @@ pub struct Record {
     pub duration_ms: f64,
     pub trace_id: String,
     pub upgraded: bool,
+    /// The client's own token went to the cluster, unknown to the hub
+    /// (`--managed-token-passthrough`): `user` is empty, the cluster
+    /// authenticated it.
+    pub passthrough: bool,
 }
 
 /// A request's audit, written once when dropped.

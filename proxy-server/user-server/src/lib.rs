@@ -6,7 +6,8 @@
 //!    cached; or a client certificate of the hub's client CA),
 //! 2. checked against the cluster list (404 for an unknown cluster) and the
 //!    hub's RBAC ([`authz`]: `get` on `managedclusters/proxy` named after the
-//!    cluster; 403 naming it),
+//!    cluster; 403 naming it) and, for a Service of the cluster, the
+//!    exposed-services allowlist ([`exposed`]: default deny, 403),
 //! 3. sent through the tunnel to the cluster's service-proxy over a pooled
 //!    connection ([`upstream`]), with the user named in the headers of
 //!    [`cluster_proxy_proto::service_access`] and every identity header the
@@ -22,6 +23,7 @@ pub mod authn;
 pub mod authz;
 pub mod cache;
 pub mod clusters;
+pub mod exposed;
 pub mod route;
 pub mod settings;
 pub mod upstream;
@@ -50,6 +52,8 @@ use crate::audit::{Audit, AuditedBody, CountedBody, Metrics, Record};
 use crate::authn::{Authenticator, AuthnError, User};
 use crate::authz::{Authorizer, AuthzError};
 use crate::clusters::Clusters;
+use crate::exposed::{Allowlist, AllowlistMetrics, Refused};
+use crate::route::Target;
 use crate::upstream::{DialerError, ServiceProxyClient, TunnelDialer};
 
 pub use settings::{Cli, Settings, UserServerConfig};
@@ -75,6 +79,7 @@ struct Shared {
     authn: Authenticator,
     authz: Authorizer,
     clusters: Clusters,
+    exposed: Allowlist,
     dialer: TunnelDialer,
     identity: Watched<rustls::ClientConfig>,
     client: Mutex<Option<(Arc<rustls::ClientConfig>, ServiceProxyClient)>>,
@@ -153,6 +158,27 @@ pub async fn start(
     )?;
     let (host, port) = config.proxy_server.clone();
     let metrics = Metrics::default();
+    let allowlist_metrics = AllowlistMetrics::default();
+    let exposed = match &config.exposed_services {
+        Some(source) => {
+            let namespace = source
+                .namespace
+                .clone()
+                .unwrap_or_else(|| hub.default_namespace().to_owned());
+            Allowlist::follow(
+                hub.clone(),
+                &namespace,
+                &source.name,
+                allowlist_metrics.clone(),
+            )
+        }
+        None => {
+            tracing::info!(
+                "no exposed-services ConfigMap (--exposed-services-configmap is empty): every Service is refused"
+            );
+            Allowlist::none(allowlist_metrics.clone())
+        }
+    };
     let shared = Arc::new(Shared {
         authn: Authenticator::new(
             hub.clone(),
@@ -166,6 +192,7 @@ pub async fn start(
             config.cache_size,
         ),
         clusters: Clusters::follow(hub),
+        exposed,
         dialer: TunnelDialer::new(&host, port, proxy_tls, config.dial_timeout),
         identity,
         client: Mutex::new(None),
@@ -176,17 +203,21 @@ pub async fn start(
     let stop = CancellationToken::new();
     let mut registry = Registry::default();
     metrics.register(&mut registry);
+    allowlist_metrics.register(&mut registry);
     let registry = Arc::new(registry);
     let ready = shared.clone();
     let routes = admin::Routes::probes(move || {
-        if ready.clusters.ready() {
-            Ok(())
+        let waiting = if !ready.clusters.ready() {
+            "the hub's ManagedClusters are not listed yet\n"
+        } else if !ready.exposed.loaded() {
+            "the exposed-services allowlist is not read yet\n"
         } else {
-            Err(admin::NotReady {
-                status: StatusCode::SERVICE_UNAVAILABLE,
-                body: "the hub's ManagedClusters are not listed yet\n".into(),
-            })
-        }
+            return Ok(());
+        };
+        Err(admin::NotReady {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            body: waiting.into(),
+        })
     })
     .with_metrics(move || runtime_metrics::encode_registry(&registry));
     let (health, health_addr) = net::bind(
@@ -342,6 +373,7 @@ async fn handle(
             duration_ms: 0.0,
             trace_id: trace_id(&request),
             upgraded: false,
+            passthrough: false,
         },
         shared.metrics.clone(),
     );
@@ -365,14 +397,21 @@ async fn handle(
     audit.record_mut().cluster = route.cluster.to_string();
     audit.record_mut().verb = route::kube_verb(request.method(), &route.path).to_owned();
 
-    let user = match (bearer_token(&request), certificate_user) {
+    let bearer = bearer_token(&request);
+    // A token the hub does not know may go on to the cluster's kube-apiserver
+    // (upstream's managed-token passthrough), when the operator allows it.
+    let may_pass_through = shared.config.managed_token_passthrough
+        && matches!(bearer, Some(Ok(_)))
+        && route.target == Target::KubeApi;
+    let user = match (bearer, certificate_user) {
         (Some(Ok(token)), _) => shared.authn.token(token).await,
         (Some(Err(error)), _) => Err(error),
         (None, Some(user)) => user,
         (None, None) => Err(AuthnError::NoCredentials),
     };
     let user = match user {
-        Ok(user) => user,
+        Ok(user) => Some(user),
+        Err(AuthnError::Rejected(_)) if may_pass_through => None,
         Err(AuthnError::Review(error)) => {
             tracing::warn!(%error, "the hub's TokenReview failed");
             return refuse(
@@ -391,8 +430,13 @@ async fn handle(
             );
         }
     };
-    audit.record_mut().user = user.name.clone();
-    audit.record_mut().groups = user.groups.clone();
+    match &user {
+        Some(user) => {
+            audit.record_mut().user = user.name.clone();
+            audit.record_mut().groups = user.groups.clone();
+        }
+        None => audit.record_mut().passthrough = true,
+    }
 
     let cluster = route.cluster.as_str();
     if !shared.clusters.ready() {
@@ -411,7 +455,12 @@ async fn handle(
             &format!("managedclusters.cluster.open-cluster-management.io {cluster:?} not found"),
         );
     }
-    match shared.authz.check(&user, cluster).await {
+    let authorized = match &user {
+        Some(user) => shared.authz.check(user, cluster).await,
+        // Nobody the hub knows: the cluster authenticates and authorizes it.
+        None => Ok(()),
+    };
+    match authorized {
         Ok(()) => {}
         Err(error @ AuthzError::Denied { .. }) => {
             return refuse(
@@ -429,6 +478,41 @@ async fn handle(
                 "ServiceUnavailable",
                 &error.to_string(),
             );
+        }
+    }
+
+    if let Target::Service {
+        namespace,
+        name,
+        scheme,
+        port,
+    } = &route.target
+    {
+        let wanted = exposed::Wanted {
+            cluster,
+            namespace,
+            service: name,
+            port: *port,
+            protocol: scheme,
+        };
+        match shared.exposed.check(&wanted) {
+            Ok(()) => {}
+            Err(refused @ Refused::NotListed { .. }) => {
+                return refuse(
+                    audit,
+                    StatusCode::FORBIDDEN,
+                    "Forbidden",
+                    &refused.to_string(),
+                );
+            }
+            Err(refused @ Refused::NotLoaded(_)) => {
+                return refuse(
+                    audit,
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "ServiceUnavailable",
+                    &refused.to_string(),
+                );
+            }
         }
     }
 
@@ -452,7 +536,7 @@ async fn handle(
             );
         }
     };
-    if let Err(error) = forwarded_headers(&mut parts.headers, &route, &user) {
+    if let Err(error) = forwarded_headers(&mut parts.headers, &route, user.as_ref()) {
         return refuse(audit, StatusCode::BAD_REQUEST, "BadRequest", &error);
     }
     // The service-proxies speak HTTP/1.1 (upgrades need it), whatever the
@@ -503,12 +587,18 @@ async fn handle(
 
 /// The headers the service-proxy gets: the client's, less hop-by-hop ones,
 /// its credentials (the hub token stays on the hub) and every identity
-/// header; plus the cluster, the user and the target.
+/// header; plus the cluster, the user and the target. Without a `user` the
+/// client's token is one the hub does not know, passed through: it is the
+/// only credential kept.
 fn forwarded_headers(
     headers: &mut http::HeaderMap,
     route: &route::Route,
-    user: &User,
+    user: Option<&User>,
 ) -> Result<(), String> {
+    let passed_through = match user {
+        Some(_) => None,
+        None => headers.get(header::AUTHORIZATION).cloned(),
+    };
     strip_hop_by_hop(headers);
     let identity: Vec<HeaderName> = headers
         .keys()
@@ -521,6 +611,10 @@ fn forwarded_headers(
     headers.remove(header::AUTHORIZATION);
     headers.remove(header::HOST);
     headers.remove(header::COOKIE);
+    let passing_through = passed_through.is_some();
+    if let Some(token) = passed_through {
+        headers.insert(header::AUTHORIZATION, token);
+    }
     let value = |text: &str| {
         HeaderValue::from_str(text).map_err(|_| format!("{text:?} cannot be sent in a header"))
     };
@@ -530,12 +624,18 @@ fn forwarded_headers(
         Ok(())
     };
     add(service_access::CLUSTER, route.cluster.as_str())?;
-    add(service_access::USER, &user.name)?;
-    if !user.uid.is_empty() {
-        add(service_access::UID, &user.uid)?;
-    }
-    for group in &user.groups {
-        add(service_access::GROUP, group)?;
+    match (user, passing_through) {
+        (Some(user), _) => {
+            add(service_access::USER, &user.name)?;
+            if !user.uid.is_empty() {
+                add(service_access::UID, &user.uid)?;
+            }
+            for group in &user.groups {
+                add(service_access::GROUP, group)?;
+            }
+        }
+        (None, true) => add(service_access::CREDENTIAL, service_access::PASSTHROUGH)?,
+        (None, false) => return Err("no user and no token to pass through".into()),
     }
     add(service_access::PROTO, proto)?;
     add(service_access::NAMESPACE, namespace)?;

@@ -8,7 +8,7 @@ use std::time::Duration;
 use clap::Parser;
 use cluster_proxy_proto::duration::serde_go;
 use cluster_proxy_proto::service_access::SERVICE_PROXY_PORT;
-use cluster_proxy_runtime::cli::parse_path;
+use cluster_proxy_runtime::cli::{parse_go_bool, parse_path};
 use cluster_proxy_runtime::config::{self, ConfigError, EnvSpec, bind_ip, invalid};
 use cluster_proxy_runtime::logging::{LogFlags, LogFormat};
 use serde::{Deserialize, Serialize};
@@ -49,6 +49,9 @@ pub struct Settings {
     pub dial_timeout: Duration,
     #[serde(with = "serde_go")]
     pub response_header_timeout: Duration,
+    pub exposed_services_configmap: String,
+    pub exposed_services_namespace: String,
+    pub managed_token_passthrough: bool,
     pub health_bind_address: String,
     pub health_port: u16,
     pub v: u8,
@@ -80,6 +83,9 @@ impl Default for Settings {
             idle_connection_timeout: Duration::from_secs(90),
             dial_timeout: Duration::from_secs(10),
             response_header_timeout: Duration::from_secs(60),
+            exposed_services_configmap: crate::exposed::DEFAULT_CONFIGMAP.into(),
+            exposed_services_namespace: String::new(),
+            managed_token_passthrough: false,
             health_bind_address: String::new(),
             health_port: 8000,
             v: 0,
@@ -188,6 +194,18 @@ pub struct Cli {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub response_header_timeout: Option<String>,
+    /// ConfigMap of the exposed-services allowlist: the Services users may reach through /<cluster>/api/v1/namespaces/<ns>/services/<svc>/proxy-service/ (default deny; empty: no Service is reachable).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub exposed_services_configmap: Option<String>,
+    /// Namespace of that ConfigMap (empty: the hub client's namespace, in a pod its own).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub exposed_services_namespace: Option<String>,
+    /// Send a bearer token the hub's TokenReview does not accept on to the cluster's kube-apiserver, which authenticates it itself (upstream's managed-token passthrough; the hub's RBAC is not asked for such requests).
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub managed_token_passthrough: Option<bool>,
     /// Address the health port listens on (empty: every address).
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -199,6 +217,14 @@ pub struct Cli {
     #[command(flatten)]
     #[serde(flatten)]
     pub logging: LogFlags,
+}
+
+/// Where the exposed-services allowlist is read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExposedServicesSource {
+    /// None: the hub client's default namespace.
+    pub namespace: Option<String>,
+    pub name: String,
 }
 
 /// The settings, checked.
@@ -224,6 +250,10 @@ pub struct UserServerConfig {
     pub idle_connection_timeout: Duration,
     pub dial_timeout: Duration,
     pub response_header_timeout: Duration,
+    /// The exposed-services ConfigMap; none: every Service is refused.
+    pub exposed_services: Option<ExposedServicesSource>,
+    /// Whether tokens the hub does not know go on to the cluster.
+    pub managed_token_passthrough: bool,
     pub health: SocketAddr,
     pub reload_interval: Duration,
 }
@@ -283,6 +313,29 @@ impl Settings {
         if self.cache_size == 0 {
             return Err(invalid("cache-size", "must be at least 1"));
         }
+        for (field, name) in [
+            (
+                "exposed-services-configmap",
+                &self.exposed_services_configmap,
+            ),
+            (
+                "exposed-services-namespace",
+                &self.exposed_services_namespace,
+            ),
+        ] {
+            if !name.is_empty() && !cluster_proxy_proto::identity::is_dns1123_subdomain(name) {
+                return Err(invalid(
+                    field,
+                    format!("{name:?} is not a Kubernetes object name"),
+                ));
+            }
+        }
+        let exposed_services =
+            (!self.exposed_services_configmap.is_empty()).then(|| ExposedServicesSource {
+                namespace: (!self.exposed_services_namespace.is_empty())
+                    .then(|| self.exposed_services_namespace.clone()),
+                name: self.exposed_services_configmap.clone(),
+            });
         Ok(UserServerConfig {
             proxy_server: (self.host.clone(), self.port),
             proxy_ca_cert: self.proxy_ca_cert.clone(),
@@ -307,6 +360,8 @@ impl Settings {
             idle_connection_timeout: self.idle_connection_timeout,
             dial_timeout: self.dial_timeout,
             response_header_timeout: self.response_header_timeout,
+            exposed_services,
+            managed_token_passthrough: self.managed_token_passthrough,
             health: SocketAddr::new(
                 bind_ip("health-bind-address", &self.health_bind_address)?,
                 self.health_port,
@@ -344,6 +399,18 @@ mod tests {
             config.proxy_server,
             ("cluster-proxy-addon-entrypoint".into(), 8090)
         );
+        assert_eq!(
+            config.exposed_services,
+            Some(ExposedServicesSource {
+                namespace: None,
+                name: "cluster-proxy-exposed-services".into()
+            })
+        );
+        let none = Settings {
+            exposed_services_configmap: String::new(),
+            ..settings()
+        };
+        assert_eq!(none.resolve().unwrap().exposed_services, None);
         let cases: Vec<(Settings, &str)> = vec![
             (
                 Settings {
@@ -379,6 +446,13 @@ mod tests {
                     ..settings()
                 },
                 "cache-size",
+            ),
+            (
+                Settings {
+                    exposed_services_configmap: "Not A Name".into(),
+                    ..settings()
+                },
+                "exposed-services-configmap",
             ),
             (
                 Settings {
