@@ -452,6 +452,7 @@ fn service_metrics() -> Vec<(&'static str, String)> {
     health_prober::metrics::ProberMetrics::default().register(&mut health_prober);
     let mut user_server = Registry::default();
     user_server::audit::Metrics::default().register(&mut user_server);
+    user_server::exposed::AllowlistMetrics::default().register(&mut user_server);
     vec![
         (
             "proxy-server",
