@@ -26,6 +26,38 @@ pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(10);
 /// The newest configuration built from the watched files.
 pub type Watched<T> = watch::Receiver<Arc<T>>;
 
+/// A value built from a watched configuration and rebuilt only when that
+/// configuration changes: a pooled client over the current TLS
+/// configuration (the old pool drains as its requests end).
+pub struct Derived<S, T> {
+    source: Watched<S>,
+    current: std::sync::Mutex<Option<(Arc<S>, T)>>,
+}
+
+impl<S, T: Clone> Derived<S, T> {
+    pub fn new(source: Watched<S>) -> Self {
+        Derived {
+            source,
+            current: std::sync::Mutex::new(None),
+        }
+    }
+
+    /// The value for the current configuration, built by `build` if the
+    /// configuration changed since the last call.
+    pub fn get(&self, build: impl FnOnce(&Arc<S>) -> T) -> T {
+        let now = self.source.borrow().clone();
+        let mut current = self.current.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((used, value)) = &*current
+            && Arc::ptr_eq(used, &now)
+        {
+            return value.clone();
+        }
+        let value = build(&now);
+        *current = Some((now, value.clone()));
+        value
+    }
+}
+
 /// A configuration that never changes (in-memory credentials, tests).
 pub fn fixed<T>(value: Arc<T>) -> Watched<T> {
     // Without a sender the receiver keeps returning this value.

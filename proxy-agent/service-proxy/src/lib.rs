@@ -33,7 +33,7 @@ use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -138,30 +138,21 @@ struct Shared {
     token: Watched<String>,
     impersonation: bool,
     aliases: Arc<HashMap<String, IpAddr>>,
-    /// Trust for https Services; the client is rebuilt when it changes.
-    service_tls: Watched<rustls::ClientConfig>,
-    services: Mutex<Option<(Arc<rustls::ClientConfig>, Upstream)>>,
+    /// The pooled client for Services (plain or TLS), rebuilt when the
+    /// trusted CAs changed on disk.
+    services: reload::Derived<rustls::ClientConfig, Upstream>,
 }
 
 impl Shared {
-    /// The pooled client for Services (plain or TLS), rebuilt when the
-    /// trusted CAs changed on disk.
     fn services(&self) -> Upstream {
-        let tls = self.service_tls.borrow().clone();
-        let mut current = self.services.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some((used, client)) = &*current
-            && Arc::ptr_eq(used, &tls)
-        {
-            return client.clone();
-        }
-        let client = pooled_http_or_https_client(
-            &tls,
-            connector(&self.aliases),
-            MAX_IDLE_PER_HOST,
-            IDLE_TIMEOUT,
-        );
-        *current = Some((tls, client.clone()));
-        client
+        self.services.get(|tls| {
+            pooled_http_or_https_client(
+                tls,
+                connector(&self.aliases),
+                MAX_IDLE_PER_HOST,
+                IDLE_TIMEOUT,
+            )
+        })
     }
 }
 
@@ -204,8 +195,7 @@ pub async fn start(config: ServiceProxyConfig) -> Result<RunningServiceProxy, St
         token,
         impersonation: config.impersonation,
         aliases,
-        service_tls: service_tls(&config)?,
-        services: Mutex::new(None),
+        services: reload::Derived::new(service_tls(&config)?),
     });
 
     let stop = CancellationToken::new();

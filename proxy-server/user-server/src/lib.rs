@@ -29,7 +29,7 @@ pub mod settings;
 pub mod upstream;
 
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use cluster_proxy_proto::service_access;
@@ -81,32 +81,23 @@ struct Shared {
     clusters: Clusters,
     exposed: Allowlist,
     dialer: TunnelDialer,
-    identity: Watched<rustls::ClientConfig>,
-    client: Mutex<Option<(Arc<rustls::ClientConfig>, ServiceProxyClient)>>,
+    /// The pooled client over the identity credentials, rebuilt when the
+    /// identity certificate or the service-proxy CA changed on disk.
+    client: reload::Derived<rustls::ClientConfig, ServiceProxyClient>,
     config: UserServerConfig,
     metrics: Metrics,
 }
 
 impl Shared {
-    /// The pooled client, rebuilt when the identity certificate or the
-    /// service-proxy CA changed on disk (the old pool drains as its
-    /// requests end).
     fn client(&self) -> ServiceProxyClient {
-        let tls = self.identity.borrow().clone();
-        let mut current = self.client.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some((used, client)) = &*current
-            && Arc::ptr_eq(used, &tls)
-        {
-            return client.clone();
-        }
-        let client = upstream::service_proxy_client(
-            self.dialer.clone(),
-            tls.clone(),
-            self.config.max_idle_connections_per_cluster,
-            self.config.idle_connection_timeout,
-        );
-        *current = Some((tls, client.clone()));
-        client
+        self.client.get(|tls| {
+            upstream::service_proxy_client(
+                self.dialer.clone(),
+                tls.clone(),
+                self.config.max_idle_connections_per_cluster,
+                self.config.idle_connection_timeout,
+            )
+        })
     }
 }
 
@@ -194,8 +185,7 @@ pub async fn start(
         clusters: Clusters::follow(hub),
         exposed,
         dialer: TunnelDialer::new(&host, port, proxy_tls, config.dial_timeout),
-        identity,
-        client: Mutex::new(None),
+        client: reload::Derived::new(identity),
         config: config.clone(),
         metrics: metrics.clone(),
     });
