@@ -385,6 +385,8 @@ def check_user_server_objects(label: str, docs: list[dict], namespace: str,
     expected = dict(USER_SERVER_SECRETS)
     if "--client-ca=/etc/client-ca/ca.crt" in args:
         expected["/etc/client-ca"] = None
+    if "--oidc-ca-file=/etc/oidc-ca/ca.crt" in args:
+        expected["/etc/oidc-ca"] = None
     expect(set(mounts) == set(expected), f"{where}: mounts {sorted(mounts)}, expected {sorted(expected)}")
     for path, secret in expected.items():
         mount = mounts.get(path)
@@ -545,6 +547,44 @@ def check_user_server() -> None:
         error = render_error({"userServer": {"enabled": True, "exposedServices": [bad]}})
         expect(error is not None and "exposedServices" in error,
                f"userServer.exposedServices {bad}: expected a schema error, got {error}")
+    # OIDC: upstream's flags from userServer.oidc, the issuer's CA mounted from its ConfigMap.
+    oidc = {"issuerURL": "https://idp.example.com", "clientID": "cluster-proxy",
+            "usernameClaim": "email", "groupsClaim": "groups", "groupsPrefix": "oidc:",
+            "signingAlgs": ["RS256", "ES256"], "requiredClaims": {"hd": "example.com"},
+            "caConfigMap": "idp-ca"}
+    try:
+        with_oidc = documents(render({"userServer": {"enabled": True, "oidc": oidc}}))
+    except helm.HelmError as error:
+        fail(f"userServer.oidc: {error}")
+        with_oidc = []
+    oidc_args = user_server_expected_args(NAMESPACE)
+    at = oidc_args.index("--health-port=8000")
+    oidc_args[at:at] = [
+        "--oidc-issuer-url=https://idp.example.com", "--oidc-client-id=cluster-proxy",
+        "--oidc-username-claim=email", "--oidc-groups-claim=groups", "--oidc-groups-prefix=oidc:",
+        "--oidc-signing-algs=RS256,ES256", "--oidc-required-claim=hd=example.com",
+        "--oidc-ca-file=/etc/oidc-ca/ca.crt",
+    ]
+    check_user_server_objects("userServer.oidc", with_oidc, NAMESPACE, oidc_args, 2)
+    try:
+        policed = documents(render({"global": {"networkPolicies": {"enabled": True}},
+                                    "userServer": {"enabled": True, "oidc": dict(
+                                        oidc, issuerURL="https://idp.example.com:8443/realms/x")}}))
+    except helm.HelmError as error:
+        fail(f"userServer.oidc with network policies: {error}")
+        policed = []
+    policy = find(policed, "NetworkPolicy", USER_SERVER)
+    egress_ports = [p["port"] for rule in (policy or {}).get("spec", {}).get("egress", [])
+                    for p in rule.get("ports", [])]
+    expect(8443 in egress_ports,
+           f"userServer.oidc: the user-server's policy lets it reach the issuer's port: {egress_ports}")
+    for half in ({"issuerURL": "https://idp.example.com"}, {"clientID": "cluster-proxy"}):
+        error = render_error({"userServer": {"enabled": True, "oidc": half}})
+        expect(error is not None and "userServer.oidc" in error,
+               f"userServer.oidc {half}: expected a rendering error, got {error}")
+    error = render_error({"userServer": {"enabled": True, "oidc": {"issuerURL": "http://idp"}}})
+    expect(error is not None and "issuerURL" in error,
+           f"userServer.oidc.issuerURL http://: expected a schema error, got {error}")
     deployment = find(options, "Deployment", USER_SERVER)
     volumes = [] if deployment is None else deployment["spec"]["template"]["spec"]["volumes"]
     expect(

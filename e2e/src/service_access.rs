@@ -490,6 +490,7 @@ impl AccessPath {
                 name: user_server::exposed::DEFAULT_CONFIGMAP.into(),
             }),
             managed_token_passthrough: false,
+            oidc: None,
             health: "127.0.0.1:0".parse()?,
             reload_interval: Duration::from_millis(200),
         };
@@ -820,32 +821,54 @@ pub async fn reflecting_service(
 ) -> anyhow::Result<SocketAddr> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
+    serve_json(listener, tls, |method, path, headers| {
+        let headers: serde_json::Map<String, Value> = headers
+            .iter()
+            .map(|(name, value)| {
+                (
+                    name.to_string(),
+                    Value::from(value.to_str().unwrap_or_default()),
+                )
+            })
+            .collect();
+        Some(json!({"method": method.as_str(), "path": path, "headers": headers}))
+    });
+    Ok(addr)
+}
+
+/// Serves `listener` (over TLS with `tls`) until the runtime ends: each
+/// request gets `answer(method, path and query, headers)` as JSON, or a 404
+/// when it gives none.
+fn serve_json<F>(
+    listener: tokio::net::TcpListener,
+    tls: Option<Arc<rustls::ServerConfig>>,
+    answer: F,
+) where
+    F: Fn(&http::Method, &str, &http::HeaderMap) -> Option<Value> + Clone + Send + Sync + 'static,
+{
     let acceptor = tls.map(tokio_rustls::TlsAcceptor::from);
     tokio::spawn(async move {
         while let Ok((stream, _)) = listener.accept().await {
-            let acceptor = acceptor.clone();
+            let (acceptor, answer) = (acceptor.clone(), answer.clone());
             tokio::spawn(async move {
                 let service = hyper::service::service_fn(
-                    |request: http::Request<hyper::body::Incoming>| async move {
-                        let headers: serde_json::Map<String, Value> = request
-                            .headers()
-                            .iter()
-                            .map(|(name, value)| {
-                                (
-                                    name.to_string(),
-                                    Value::from(value.to_str().unwrap_or_default()),
-                                )
-                            })
-                            .collect();
-                        let description = json!({
-                            "method": request.method().as_str(),
-                            "path": request.uri().path_and_query().map(|p| p.as_str()).unwrap_or("/"),
-                            "headers": headers,
-                        });
-                        let body = http_body_util::Full::new(Bytes::from(description.to_string()));
-                        http::Response::builder()
-                            .header("content-type", "application/json")
-                            .body(body)
+                    move |request: http::Request<hyper::body::Incoming>| {
+                        let path = request
+                            .uri()
+                            .path_and_query()
+                            .map(|p| p.as_str())
+                            .unwrap_or("/");
+                        let answered = answer(request.method(), path, request.headers());
+                        let (status, body) = match answered {
+                            Some(value) => (http::StatusCode::OK, value.to_string()),
+                            None => (http::StatusCode::NOT_FOUND, "{}".to_owned()),
+                        };
+                        std::future::ready(
+                            http::Response::builder()
+                                .status(status)
+                                .header("content-type", "application/json")
+                                .body(http_body_util::Full::new(Bytes::from(body))),
+                        )
                     },
                 );
                 let http = hyper::server::conn::http1::Builder::new();
@@ -865,5 +888,113 @@ pub async fn reflecting_service(
             });
         }
     });
-    Ok(addr)
+}
+
+/// An OIDC issuer for the tests: HTTPS on 127.0.0.1 with a self-signed
+/// certificate for `localhost`, serving its discovery document and key set,
+/// signing ID tokens with ES256 keys it can rotate.
+pub struct OidcIssuer {
+    /// The issuer URL (`https://localhost:<port>`), as tokens' `iss`.
+    pub url: String,
+    /// The PEM certificate to verify it with.
+    pub ca_pem: String,
+    keys: PublishedKeys,
+}
+
+/// An issuer's published keys, newest last: key id and key.
+type PublishedKeys = Arc<std::sync::Mutex<Vec<(String, Arc<rcgen::KeyPair>)>>>;
+
+impl OidcIssuer {
+    pub async fn start() -> anyhow::Result<OidcIssuer> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let url = format!("https://localhost:{}", listener.local_addr()?.port());
+        let key = rcgen::KeyPair::generate()?;
+        let cert =
+            rcgen::CertificateParams::new(vec!["localhost".to_owned()])?.self_signed(&key)?;
+        let identity = cluster_proxy_runtime::tls::Identity::new(
+            &cluster_proxy_runtime::tls::Pem::text("issuer certificate", &cert.pem()),
+            &cluster_proxy_runtime::tls::Pem::text("issuer key", &key.serialize_pem()),
+        )?;
+        let tls = cluster_proxy_runtime::tls::server_config(identity, None, &[b"http/1.1"])?;
+        let issuer = OidcIssuer {
+            url: url.clone(),
+            ca_pem: cert.pem(),
+            keys: Arc::default(),
+        };
+        issuer.rotate()?;
+        let keys = issuer.keys.clone();
+        serve_json(listener, Some(tls), move |_, path, _| match path {
+            "/.well-known/openid-configuration" => Some(json!({
+                "issuer": url,
+                "jwks_uri": format!("{url}/keys"),
+                "id_token_signing_alg_values_supported": ["ES256"],
+            })),
+            "/keys" => {
+                let keys = keys.lock().unwrap_or_else(|p| p.into_inner());
+                let published: Vec<Value> = keys.iter().map(|(kid, key)| jwk(kid, key)).collect();
+                Some(json!({"keys": published}))
+            }
+            _ => None,
+        });
+        Ok(issuer)
+    }
+
+    /// Publishes a new key, which signs tokens from now on; its key id.
+    pub fn rotate(&self) -> anyhow::Result<String> {
+        let mut keys = self.keys.lock().unwrap_or_else(|p| p.into_inner());
+        let kid = format!("key-{}", keys.len() + 1);
+        keys.push((kid.clone(), Arc::new(rcgen::KeyPair::generate()?)));
+        Ok(kid)
+    }
+
+    /// An ID token of `claims` (`iss` is added), signed by the newest key.
+    pub fn token(&self, claims: Value) -> anyhow::Result<String> {
+        let (kid, key) = self
+            .keys
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .last()
+            .cloned()
+            .context("the issuer has no key")?;
+        sign(&kid, &key, &self.url, claims)
+    }
+
+    /// An ID token naming the newest key's id but signed by another key: a
+    /// forgery.
+    pub fn forged_token(&self, claims: Value) -> anyhow::Result<String> {
+        let kid = self
+            .keys
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .last()
+            .map(|(kid, _)| kid.clone())
+            .context("the issuer has no key")?;
+        sign(&kid, &rcgen::KeyPair::generate()?, &self.url, claims)
+    }
+}
+
+fn sign(
+    kid: &str,
+    key: &rcgen::KeyPair,
+    issuer: &str,
+    mut claims: Value,
+) -> anyhow::Result<String> {
+    claims["iss"] = Value::from(issuer);
+    let mut header = jsonwebtoken::Header::new(jsonwebtoken::Algorithm::ES256);
+    header.kid = Some(kid.to_owned());
+    let key = jsonwebtoken::EncodingKey::from_ec_der(&key.serialize_der());
+    Ok(jsonwebtoken::encode(&header, &claims, &key)?)
+}
+
+/// The public JWK of an ECDSA P-256 key.
+fn jwk(kid: &str, key: &rcgen::KeyPair) -> Value {
+    use base64::Engine as _;
+    // The uncompressed point: 0x04, then x and y, 32 bytes each.
+    let point = key.public_key_raw();
+    let encode = |bytes: &[u8]| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes);
+    json!({
+        "kty": "EC", "crv": "P-256", "alg": "ES256", "use": "sig", "kid": kid,
+        "x": encode(point.get(1..33).unwrap_or_default()),
+        "y": encode(point.get(33..65).unwrap_or_default()),
+    })
 }

@@ -11,8 +11,8 @@ use bytes::Bytes;
 use cluster_proxy_proto::identity::ClusterName;
 use cluster_proxy_proto::service_access;
 use e2e::service_access::{
-    CLUSTER_A, CLUSTER_B, EXPOSED_SERVICES_NAMESPACE, Fleet, cluster_binding, cluster_role, create,
-    reflecting_service, resource,
+    CLUSTER_A, CLUSTER_B, EXPOSED_SERVICES_NAMESPACE, Fleet, OidcIssuer, cluster_binding,
+    cluster_role, create, reflecting_service, resource,
 };
 use http_body_util::{BodyExt, Empty};
 use k8s_openapi::api::core::v1::ConfigMap;
@@ -634,6 +634,148 @@ async fn managed_tokens_pass_through_only_when_enabled() {
     .await;
     assert_eq!(status, 401, "{body}");
     assert!(message(&body).contains("not valid on the hub"), "{body}");
+}
+
+/// With `--oidc-issuer-url`, an ID token of that issuer authenticates a hub
+/// user (verified against the issuer's published keys, which rotate), the
+/// hub's RBAC decides per cluster as for any user, and every malformed,
+/// expired, forged or misaddressed token is a 401; other tokens still go to
+/// the hub's TokenReview.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oidc_id_tokens_authenticate_hub_users_whom_the_hubs_rbac_authorizes() {
+    let issuer = OidcIssuer::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let ca = dir.path().join("issuer-ca.crt");
+    std::fs::write(&ca, &issuer.ca_pem).unwrap();
+    let oidc = user_server::oidc::OidcConfig {
+        issuer: issuer.url.clone(),
+        client_id: "cluster-proxy".into(),
+        username_claim: "sub".into(),
+        username_prefix: "oidc:".into(),
+        groups_claim: Some("groups".into()),
+        groups_prefix: String::new(),
+        ca_file: Some(ca),
+        signing_algs: vec![jsonwebtoken::Algorithm::ES256],
+        required_claims: vec![("hd".into(), "example.com".into())],
+        keys_refresh_interval: Duration::from_millis(100),
+    };
+    let fleet = Fleet::start_with(|config| config.oidc = Some(oidc))
+        .await
+        .unwrap();
+    // On cluster-a, dave (as the hub names him) may read ConfigMaps.
+    create(
+        &fleet.managed.client().await.unwrap(),
+        cluster_binding(
+            "hub-dave-reads",
+            "configmap-reader",
+            "User",
+            "cluster:hub:oidc:dave",
+        ),
+    )
+    .await
+    .unwrap();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let claims = |changes: Value| {
+        let mut claims = json!({"aud": "cluster-proxy", "sub": "dave", "groups": ["team-a"],
+                                "hd": "example.com", "iat": now, "exp": now + 300});
+        for (name, value) in changes.as_object().unwrap() {
+            match value {
+                Value::Null => {
+                    claims.as_object_mut().unwrap().remove(name);
+                }
+                value => claims[name] = value.clone(),
+            }
+        }
+        claims
+    };
+    let get = |token: String| {
+        let path = &fleet.path;
+        async move {
+            path.request_as(
+                CLUSTER_A,
+                &token,
+                http::Method::GET,
+                "/api/v1/namespaces/default/configmaps",
+                &[],
+                Value::Null,
+            )
+            .await
+            .unwrap()
+        }
+    };
+    let message = |body: &Value| body["message"].as_str().unwrap_or_default().to_owned();
+
+    // team-a may reach cluster-a on the hub; on cluster-a dave reads.
+    let (status, body) = get(issuer.token(claims(json!({}))).unwrap()).await;
+    assert_eq!(status, 200, "{body}");
+    // A group without the hub's grant: 403 naming the user the hub saw.
+    let (status, body) = get(issuer.token(claims(json!({"groups": ["team-b"]}))).unwrap()).await;
+    assert_eq!(status, 403, "{body}");
+    assert!(
+        message(&body).contains(r#""oidc:dave" may not reach cluster "cluster-a""#),
+        "{body}"
+    );
+
+    for (what, token) in [
+        (
+            "expired",
+            issuer.token(claims(json!({"exp": now - 3600}))).unwrap(),
+        ),
+        (
+            "not yet valid",
+            issuer.token(claims(json!({"nbf": now + 3600}))).unwrap(),
+        ),
+        (
+            "another audience",
+            issuer
+                .token(claims(json!({"aud": "someone-else"})))
+                .unwrap(),
+        ),
+        (
+            "without the required claim",
+            issuer.token(claims(json!({"hd": null}))).unwrap(),
+        ),
+        (
+            "a reserved group",
+            issuer
+                .token(claims(json!({"groups": ["system:masters"]})))
+                .unwrap(),
+        ),
+        (
+            "no subject",
+            issuer.token(claims(json!({"sub": null}))).unwrap(),
+        ),
+        ("forged", issuer.forged_token(claims(json!({}))).unwrap()),
+    ] {
+        let (status, body) = get(token).await;
+        assert_eq!(status, 401, "{what}: {body}");
+        assert!(message(&body).contains("OIDC"), "{what}: {body}");
+    }
+
+    // A rotated key is fetched when a token names it, without a restart.
+    issuer.rotate().unwrap();
+    let rotated = issuer.token(claims(json!({}))).unwrap();
+    let body = simulated_cluster::wait::eventually(
+        "a token of the rotated key to be accepted",
+        Duration::from_secs(10),
+        || {
+            let request = get(rotated.clone());
+            async move {
+                let (status, body) = request.await;
+                (status == 200).then_some(body)
+            }
+        },
+    )
+    .await;
+    assert_eq!(body["kind"], "ConfigMapList", "{body}");
+
+    // Tokens that are not the issuer's still go to the hub's TokenReview.
+    let alice = fleet.hub_user("alice", &["team-a"]);
+    let (status, body) = get(alice).await;
+    assert_eq!(status, 200, "{body}");
 }
 
 /// [`https_request`] to the service-proxy's loopback port, verifying its

@@ -34,6 +34,8 @@ pub enum AuthnError {
     Rejected(String),
     #[error("the hub's TokenReview failed: {0}")]
     Review(String),
+    #[error("the OIDC issuer could not be asked: {0}")]
+    Issuer(String),
 }
 
 type Answer = Result<User, AuthnError>;
@@ -67,7 +69,7 @@ impl Authenticator {
         let ttl = |answer: &Answer| match answer {
             Ok(_) => self.ttl,
             // The hub unreachable: not kept at all.
-            Err(AuthnError::Review(_)) => Duration::ZERO,
+            Err(AuthnError::Review(_) | AuthnError::Issuer(_)) => Duration::ZERO,
             Err(_) => self.negative_ttl,
         };
         self.cache

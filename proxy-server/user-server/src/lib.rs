@@ -3,7 +3,8 @@
 //!
 //! A request for `/<cluster>/<kube API path>` is
 //! 1. authenticated on the hub ([`authn`]: a bearer token by TokenReview,
-//!    cached; or a client certificate of the hub's client CA),
+//!    cached, or as an ID token of the OIDC issuer ([`oidc`]); or a client
+//!    certificate of the hub's client CA),
 //! 2. checked against the cluster list (404 for an unknown cluster) and the
 //!    hub's RBAC ([`authz`]: `get` on `managedclusters/proxy` named after the
 //!    cluster; 403 naming it) and, for a Service of the cluster, the
@@ -24,6 +25,7 @@ pub mod authz;
 pub mod cache;
 pub mod clusters;
 pub mod exposed;
+pub mod oidc;
 pub mod route;
 pub mod settings;
 pub mod upstream;
@@ -73,6 +75,8 @@ pub enum StartError {
     Tls(#[from] TlsError),
     #[error(transparent)]
     Bind(#[from] net::BindError),
+    #[error("OIDC: {0}")]
+    Oidc(#[from] oidc::OidcError),
 }
 
 struct Shared {
@@ -80,6 +84,8 @@ struct Shared {
     authz: Authorizer,
     clusters: Clusters,
     exposed: Allowlist,
+    /// ID tokens of the configured OIDC issuer (`--oidc-issuer-url`).
+    oidc: Option<oidc::OidcAuthenticator>,
     dialer: TunnelDialer,
     /// The pooled client over the identity credentials, rebuilt when the
     /// identity certificate or the service-proxy CA changed on disk.
@@ -184,6 +190,11 @@ pub async fn start(
         ),
         clusters: Clusters::follow(hub),
         exposed,
+        oidc: config
+            .oidc
+            .clone()
+            .map(oidc::OidcAuthenticator::new)
+            .transpose()?,
         dialer: TunnelDialer::new(&host, port, proxy_tls, config.dial_timeout),
         client: reload::Derived::new(identity),
         config: config.clone(),
@@ -394,7 +405,10 @@ async fn handle(
         && matches!(bearer, Some(Ok(_)))
         && route.target == Target::KubeApi;
     let user = match (bearer, certificate_user) {
-        (Some(Ok(token)), _) => shared.authn.token(token).await,
+        (Some(Ok(token)), _) => match &shared.oidc {
+            Some(oidc) if oidc.claims_issuer(token) => oidc.verify(token).await,
+            _ => shared.authn.token(token).await,
+        },
         (Some(Err(error)), _) => Err(error),
         (None, Some(user)) => user,
         (None, None) => Err(AuthnError::NoCredentials),
@@ -402,6 +416,15 @@ async fn handle(
     let user = match user {
         Ok(user) => Some(user),
         Err(AuthnError::Rejected(_)) if may_pass_through => None,
+        Err(error @ AuthnError::Issuer(_)) => {
+            tracing::warn!(%error, "OIDC");
+            return refuse(
+                audit,
+                StatusCode::SERVICE_UNAVAILABLE,
+                "ServiceUnavailable",
+                &format!("authenticating failed: {error}"),
+            );
+        }
         Err(AuthnError::Review(error)) => {
             tracing::warn!(%error, "the hub's TokenReview failed");
             return refuse(

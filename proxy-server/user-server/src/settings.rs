@@ -52,6 +52,15 @@ pub struct Settings {
     pub exposed_services_configmap: String,
     pub exposed_services_namespace: String,
     pub managed_token_passthrough: bool,
+    pub oidc_issuer_url: String,
+    pub oidc_client_id: String,
+    pub oidc_username_claim: String,
+    pub oidc_username_prefix: String,
+    pub oidc_groups_claim: String,
+    pub oidc_groups_prefix: String,
+    pub oidc_ca_file: Option<PathBuf>,
+    pub oidc_signing_algs: Vec<String>,
+    pub oidc_required_claim: Vec<String>,
     pub health_bind_address: String,
     pub health_port: u16,
     pub v: u8,
@@ -86,6 +95,15 @@ impl Default for Settings {
             exposed_services_configmap: crate::exposed::DEFAULT_CONFIGMAP.into(),
             exposed_services_namespace: String::new(),
             managed_token_passthrough: false,
+            oidc_issuer_url: String::new(),
+            oidc_client_id: String::new(),
+            oidc_username_claim: "sub".into(),
+            oidc_username_prefix: String::new(),
+            oidc_groups_claim: String::new(),
+            oidc_groups_prefix: String::new(),
+            oidc_ca_file: None,
+            oidc_signing_algs: vec!["RS256".into()],
+            oidc_required_claim: Vec::new(),
             health_bind_address: String::new(),
             health_port: 8000,
             v: 0,
@@ -206,6 +224,42 @@ pub struct Cli {
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub managed_token_passthrough: Option<bool>,
+    /// Accept ID tokens of this OIDC issuer (https URL, as its tokens' iss) as hub credentials, verified here against its published keys; empty: off.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub oidc_issuer_url: Option<String>,
+    /// The audience (client ID) ID tokens must carry.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub oidc_client_id: Option<String>,
+    /// The claim that names the user.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub oidc_username_claim: Option<String>,
+    /// Prefix of user names (empty: the issuer URL and '#', except for the email claim; '-': none).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub oidc_username_prefix: Option<String>,
+    /// The claim that holds the user's groups (a string or a list); empty: no groups.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub oidc_groups_claim: Option<String>,
+    /// Prefix of group names.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub oidc_groups_prefix: Option<String>,
+    /// CA bundle of the issuer's serving certificate (default: the system's, which a FROM-scratch image does not have).
+    #[arg(long, value_parser = parse_path)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub oidc_ca_file: Option<PathBuf>,
+    /// Signature algorithms accepted (comma-separated: RS256, RS384, RS512, PS256, PS384, PS512, ES256, ES384, EdDSA).
+    #[arg(long, value_delimiter = ',')]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub oidc_signing_algs: Option<Vec<String>>,
+    /// A claim ID tokens must carry with this value (repeatable).
+    #[arg(long, value_name = "CLAIM=VALUE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub oidc_required_claim: Option<Vec<String>>,
     /// Address the health port listens on (empty: every address).
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -254,6 +308,8 @@ pub struct UserServerConfig {
     pub exposed_services: Option<ExposedServicesSource>,
     /// Whether tokens the hub does not know go on to the cluster.
     pub managed_token_passthrough: bool,
+    /// ID tokens of an OIDC issuer, when configured.
+    pub oidc: Option<crate::oidc::OidcConfig>,
     pub health: SocketAddr,
     pub reload_interval: Duration,
 }
@@ -262,12 +318,103 @@ impl Settings {
     pub fn load(cli: &Cli) -> Result<Self, ConfigError> {
         let mut settings: Settings = config::load(ENV, cli.config.as_deref(), cli)?;
         // An empty path (a template rendering an unset value) is "not given".
-        for path in [&mut settings.client_ca, &mut settings.hub_kubeconfig] {
+        for path in [
+            &mut settings.client_ca,
+            &mut settings.hub_kubeconfig,
+            &mut settings.oidc_ca_file,
+        ] {
             if path.as_ref().is_some_and(|p| p.as_os_str().is_empty()) {
                 *path = None;
             }
         }
         Ok(settings)
+    }
+
+    /// The OIDC settings, checked; none without an issuer.
+    fn oidc(&self) -> Result<Option<crate::oidc::OidcConfig>, ConfigError> {
+        use jsonwebtoken::Algorithm;
+        if self.oidc_issuer_url.is_empty() {
+            if !self.oidc_client_id.is_empty() {
+                return Err(invalid("oidc-client-id", "needs --oidc-issuer-url"));
+            }
+            return Ok(None);
+        }
+        let issuer = self.oidc_issuer_url.clone();
+        let parsed: http::Uri = issuer
+            .parse()
+            .map_err(|e| invalid("oidc-issuer-url", format!("{issuer:?}: {e}")))?;
+        if parsed.scheme_str() != Some("https")
+            || parsed.host().is_none()
+            || parsed.query().is_some()
+        {
+            return Err(invalid(
+                "oidc-issuer-url",
+                format!("{issuer:?} is not an https:// URL without a query"),
+            ));
+        }
+        if self.oidc_client_id.is_empty() {
+            return Err(invalid(
+                "oidc-client-id",
+                "is required with --oidc-issuer-url",
+            ));
+        }
+        if self.oidc_username_claim.is_empty() {
+            return Err(invalid("oidc-username-claim", "may not be empty"));
+        }
+        let mut signing_algs = Vec::new();
+        for name in &self.oidc_signing_algs {
+            let algorithm: Algorithm = name.parse().map_err(|_| {
+                invalid(
+                    "oidc-signing-algs",
+                    format!("{name:?} is not a JWS algorithm"),
+                )
+            })?;
+            if matches!(
+                algorithm,
+                Algorithm::HS256 | Algorithm::HS384 | Algorithm::HS512
+            ) {
+                return Err(invalid(
+                    "oidc-signing-algs",
+                    format!(
+                        "{name} is a shared-secret algorithm: an issuer's public keys cannot verify it"
+                    ),
+                ));
+            }
+            signing_algs.push(algorithm);
+        }
+        if signing_algs.is_empty() {
+            return Err(invalid("oidc-signing-algs", "names no algorithm"));
+        }
+        let mut required_claims = Vec::new();
+        for pair in &self.oidc_required_claim {
+            let Some((claim, value)) = pair.split_once('=').filter(|(c, _)| !c.is_empty()) else {
+                return Err(invalid(
+                    "oidc-required-claim",
+                    format!("{pair:?} is not CLAIM=VALUE"),
+                ));
+            };
+            required_claims.push((claim.to_owned(), value.to_owned()));
+        }
+        let username_prefix = match self.oidc_username_prefix.as_str() {
+            "" => {
+                crate::oidc::OidcConfig::default_username_prefix(&issuer, &self.oidc_username_claim)
+            }
+            "-" => String::new(),
+            prefix => prefix.to_owned(),
+        };
+        Ok(Some(crate::oidc::OidcConfig {
+            issuer,
+            client_id: self.oidc_client_id.clone(),
+            username_claim: self.oidc_username_claim.clone(),
+            username_prefix,
+            groups_claim: (!self.oidc_groups_claim.is_empty())
+                .then(|| self.oidc_groups_claim.clone()),
+            groups_prefix: self.oidc_groups_prefix.clone(),
+            ca_file: self.oidc_ca_file.clone(),
+            signing_algs,
+            required_claims,
+            keys_refresh_interval: crate::oidc::REFRESH_AT_MOST_EVERY,
+        }))
     }
 
     pub fn resolve(&self) -> Result<UserServerConfig, ConfigError> {
@@ -362,6 +509,7 @@ impl Settings {
             response_header_timeout: self.response_header_timeout,
             exposed_services,
             managed_token_passthrough: self.managed_token_passthrough,
+            oidc: self.oidc()?,
             health: SocketAddr::new(
                 bind_ip("health-bind-address", &self.health_bind_address)?,
                 self.health_port,
@@ -411,6 +559,33 @@ mod tests {
             ..settings()
         };
         assert_eq!(none.resolve().unwrap().exposed_services, None);
+        assert_eq!(config.oidc, None);
+        let oidc = |claim: &str, prefix: &str| {
+            Settings {
+                oidc_issuer_url: "https://idp.example.com".into(),
+                oidc_client_id: "cluster-proxy".into(),
+                oidc_username_claim: claim.into(),
+                oidc_username_prefix: prefix.into(),
+                oidc_signing_algs: vec!["RS256".into(), "ES256".into()],
+                oidc_required_claim: vec!["hd=example.com".into()],
+                ..settings()
+            }
+            .resolve()
+            .unwrap()
+            .oidc
+            .unwrap()
+        };
+        // kube-apiserver's prefix rules.
+        assert_eq!(oidc("sub", "").username_prefix, "https://idp.example.com#");
+        assert_eq!(oidc("email", "").username_prefix, "");
+        assert_eq!(oidc("sub", "-").username_prefix, "");
+        assert_eq!(oidc("sub", "oidc:").username_prefix, "oidc:");
+        let config = oidc("sub", "");
+        assert_eq!(config.signing_algs.len(), 2);
+        assert_eq!(
+            config.required_claims,
+            [("hd".to_owned(), "example.com".to_owned())]
+        );
         let cases: Vec<(Settings, &str)> = vec![
             (
                 Settings {
@@ -453,6 +628,46 @@ mod tests {
                     ..settings()
                 },
                 "exposed-services-configmap",
+            ),
+            (
+                Settings {
+                    oidc_client_id: "cluster-proxy".into(),
+                    ..settings()
+                },
+                "oidc-client-id",
+            ),
+            (
+                Settings {
+                    oidc_issuer_url: "http://idp.example.com".into(),
+                    oidc_client_id: "cluster-proxy".into(),
+                    ..settings()
+                },
+                "oidc-issuer-url",
+            ),
+            (
+                Settings {
+                    oidc_issuer_url: "https://idp.example.com".into(),
+                    ..settings()
+                },
+                "oidc-client-id",
+            ),
+            (
+                Settings {
+                    oidc_issuer_url: "https://idp.example.com".into(),
+                    oidc_client_id: "cluster-proxy".into(),
+                    oidc_signing_algs: vec!["HS256".into()],
+                    ..settings()
+                },
+                "shared-secret",
+            ),
+            (
+                Settings {
+                    oidc_issuer_url: "https://idp.example.com".into(),
+                    oidc_client_id: "cluster-proxy".into(),
+                    oidc_required_claim: vec!["hd".into()],
+                    ..settings()
+                },
+                "oidc-required-claim",
             ),
             (
                 Settings {
