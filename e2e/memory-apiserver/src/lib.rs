@@ -562,6 +562,8 @@ async fn serve(
         let Ok((socket, _)) = accepted else {
             continue;
         };
+        // As Go's listeners (kube-apiserver's) leave every accepted socket.
+        let _ = socket.set_nodelay(true);
         let acceptor = acceptor.clone();
         let shared = shared.clone();
         let mut shutdown = shutdown.clone();
