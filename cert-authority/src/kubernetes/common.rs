@@ -59,5 +59,5 @@ pub async fn client() -> Result<Client, KubeError> {
         .await
         .map_err(|e| KubeError::Config(e.to_string()))?;
     identify(&mut config);
-    Ok(Client::try_from(config)?)
+    cluster_proxy_control::client::build(config).map_err(|e| KubeError::Config(e.to_string()))
 }

@@ -425,3 +425,80 @@ async fn a_pod_whose_port_refuses_closes_the_connection_as_a_failure() {
     agent.shutdown().await;
     hub.api.shutdown().await;
 }
+
+/// A "proxy-server" that greets, then answers each whole line it gets with
+/// that line: it says nothing until a line is complete, as a TLS server
+/// waits for a client's whole flight.
+async fn line_pod() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind pod");
+    let addr = listener.local_addr().expect("pod address");
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            let _ = tcp.set_nodelay(true);
+            tokio::spawn(async move {
+                let mut lines = BufReader::new(tcp);
+                if lines.get_mut().write_all(b"line-pod\n").await.is_err() {
+                    return;
+                }
+                let mut line = String::new();
+                while matches!(lines.read_line(&mut line).await, Ok(n) if n > 0) {
+                    if lines.get_mut().write_all(line.as_bytes()).await.is_err() {
+                        return;
+                    }
+                    line.clear();
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// Two small writes in a row (a TLS client's Finished, then its request)
+/// cross the hub API without waiting for a delayed ACK: with Nagle's
+/// algorithm on the addon-agent's connection to the hub API (kube-rs leaves
+/// it on), the second waited about 40 ms for the API's delayed ACK on every
+/// such exchange of an agent's tunnel. client-go turns it off, and so do we.
+#[tokio::test]
+async fn small_writes_in_a_row_are_not_held_back_by_delayed_acks() {
+    let hub = hub(&["get", "create"]).await;
+    run_pod(&hub.kubelet, "cluster-proxy-0", line_pod().await);
+    let agent = start_agent(&hub.agent_kubeconfig).await;
+    wait_ready(&agent, 200).await;
+    let mut forwarded = connect(&agent).await;
+    assert_eq!(forwarded.pod, "line-pod");
+    // As the proxy-agent's own connection to its entrypoint.
+    forwarded
+        .reader
+        .get_mut()
+        .set_nodelay(true)
+        .expect("nodelay");
+    let mut took = Vec::new();
+    // The first exchanges warm the connection up (TCP acknowledges quickly
+    // at first, then delays); only the later ones are measured.
+    for round in 0..40 {
+        let started = std::time::Instant::now();
+        let stream = forwarded.reader.get_mut();
+        stream.write_all(b"half").await.expect("send");
+        // Apart, so that the agent reads and forwards them as two writes
+        // (as the tunnel delivers a TLS client's two records), not one.
+        tokio::time::sleep(Duration::from_millis(2)).await;
+        stream.write_all(b" and the rest\n").await.expect("send");
+        let mut line = String::new();
+        tokio::time::timeout(WAIT, forwarded.reader.read_line(&mut line))
+            .await
+            .expect("the line back in time")
+            .expect("read the line");
+        assert_eq!(line, "half and the rest\n");
+        if round >= 20 {
+            took.push(started.elapsed());
+        }
+    }
+    took.sort();
+    let median = took[took.len() / 2];
+    assert!(
+        median < Duration::from_millis(20),
+        "the median exchange took {median:?}: {took:?}"
+    );
+    agent.shutdown().await;
+    hub.api.shutdown().await;
+}
