@@ -48,6 +48,23 @@ async fn kubectl(kubeconfig: &Path, context: &str, args: &[&str]) -> (bool, Stri
     (output.status.success(), text)
 }
 
+/// Whether a line containing `name` comes from `lines` within 30 s.
+async fn printed_line(
+    lines: &mut tokio::sync::mpsc::UnboundedReceiver<String>,
+    name: &str,
+) -> bool {
+    tokio::time::timeout(Duration::from_secs(30), async {
+        while let Some(line) = lines.recv().await {
+            if line.contains(name) {
+                return true;
+            }
+        }
+        false
+    })
+    .await
+    .unwrap_or(false)
+}
+
 /// Runs kubectl until `check` accepts what it said (the grants take effect
 /// within the user-server's authorization cache TTL).
 async fn until(
@@ -146,6 +163,88 @@ async fn kubectl_reaches_every_cluster_of_the_environment_through_the_user_serve
             "{cluster}: {text}"
         );
     }
+    // apply, a watch that sees it, cp out of the agent pod and delete, on
+    // every cluster.
+    for cluster in &names {
+        // The watch's first list holds a marker: once it is printed, the
+        // watch is open, and the applied ConfigMap can only come as an event.
+        let (ok, text) = kubectl(
+            &admin,
+            cluster,
+            &["create", "configmap", "watch-marker", "-n", "default"],
+        )
+        .await;
+        assert!(ok, "{cluster}: {text}");
+        let mut watch = tokio::process::Command::new("kubectl")
+            .arg(format!("--kubeconfig={}", admin.display()))
+            .args(["--context", cluster, "get", "configmaps", "-n", "default"])
+            .args(["-w", "-o", "name"])
+            .stdout(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("kubectl get -w");
+        let stdout = watch.stdout.take().expect("the watch's stdout");
+        let (lines_tx, mut lines_rx) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            use tokio::io::AsyncBufReadExt;
+            let mut lines = tokio::io::BufReader::new(stdout).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                if lines_tx.send(line).is_err() {
+                    return;
+                }
+            }
+        });
+        assert!(
+            printed_line(&mut lines_rx, "watch-marker").await,
+            "{cluster}: the watch listed no marker"
+        );
+        let manifest = dir.join(format!("{cluster}-configmap.yaml"));
+        std::fs::write(
+            &manifest,
+            "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: applied-here, namespace: default}\ndata: {k: v}\n",
+        )
+        .unwrap();
+        let path = manifest.display().to_string();
+        let (ok, text) = kubectl(&admin, cluster, &["apply", "-f", &path]).await;
+        assert!(
+            ok && text.contains("configmap/applied-here"),
+            "{cluster}: {text}"
+        );
+        assert!(
+            printed_line(&mut lines_rx, "applied-here").await,
+            "{cluster}: the watch printed no event for the applied ConfigMap within 30 s"
+        );
+        drop(watch);
+        let copied = dir.join(format!("{cluster}-copied"));
+        std::fs::write(dir.join("source.txt"), "copied through the hub").unwrap();
+        let source = format!("{agent_ns}/{pod}:{}", dir.join("source.txt").display());
+        let (ok, text) = kubectl(
+            &admin,
+            cluster,
+            &[
+                "cp",
+                "-c",
+                "proxy-agent",
+                &source,
+                &copied.display().to_string(),
+            ],
+        )
+        .await;
+        assert!(ok, "{cluster}: kubectl cp: {text}");
+        assert_eq!(
+            std::fs::read_to_string(&copied).unwrap_or_default(),
+            "copied through the hub",
+            "{cluster}"
+        );
+        let (ok, text) = kubectl(
+            &admin,
+            cluster,
+            &["delete", "configmap", "applied-here", "-n", "default"],
+        )
+        .await;
+        assert!(ok && text.contains("deleted"), "{cluster}: {text}");
+    }
+
     // A request for one cluster reaches that cluster only.
     let (ok, text) = kubectl(
         &admin,
