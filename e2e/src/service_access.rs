@@ -743,9 +743,10 @@ where
     let config = tls::client_config(roots, identity, &[b"http/1.1"])?;
     let mut http = hyper_util::client::legacy::connect::HttpConnector::new();
     http.enforce_http(false);
-    let client = cluster_proxy_runtime::http_proxy::pooled_https_client(
+    let client = cluster_proxy_runtime::http_proxy::pooled_client(
         &config,
         http,
+        cluster_proxy_runtime::http_proxy::Schemes::HttpsOnly,
         1,
         Duration::from_secs(30),
     );

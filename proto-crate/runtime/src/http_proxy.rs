@@ -189,44 +189,23 @@ pub fn take_upgrade<B>(request: &mut Request<B>) -> Option<hyper::upgrade::OnUpg
     is_upgrade(request.headers()).then(|| hyper::upgrade::on(request))
 }
 
+/// Which URIs a [`pooled_client`] sends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Schemes {
+    /// `https://` only: a plain `http://` URI is an error.
+    HttpsOnly,
+    /// `https://`, and `http://` in plain text (a Service that serves plain HTTP).
+    HttpAndHttps,
+}
+
 /// A pooled HTTP/1.1 client (HTTP/1.1: upgrades need it) that speaks TLS
 /// with `tls` over the connections `connector` opens, verifying each
 /// server for its URI's host; at most `max_idle_per_host` idle connections
 /// are kept per host, each for `idle_timeout`.
-pub fn pooled_https_client<C, B>(
+pub fn pooled_client<C, B>(
     tls: &rustls::ClientConfig,
     connector: C,
-    max_idle_per_host: usize,
-    idle_timeout: Duration,
-) -> hyper_util::client::legacy::Client<hyper_rustls::HttpsConnector<C>, B>
-where
-    hyper_rustls::HttpsConnector<C>: hyper_util::client::legacy::connect::Connect + Clone,
-    B: http_body::Body + Send,
-    B::Data: Send,
-{
-    pooled_client(tls, connector, true, max_idle_per_host, idle_timeout)
-}
-
-/// [`pooled_https_client`], which also sends `http://` URIs in plain text
-/// (a Service that serves plain HTTP).
-pub fn pooled_http_or_https_client<C, B>(
-    tls: &rustls::ClientConfig,
-    connector: C,
-    max_idle_per_host: usize,
-    idle_timeout: Duration,
-) -> hyper_util::client::legacy::Client<hyper_rustls::HttpsConnector<C>, B>
-where
-    hyper_rustls::HttpsConnector<C>: hyper_util::client::legacy::connect::Connect + Clone,
-    B: http_body::Body + Send,
-    B::Data: Send,
-{
-    pooled_client(tls, connector, false, max_idle_per_host, idle_timeout)
-}
-
-fn pooled_client<C, B>(
-    tls: &rustls::ClientConfig,
-    connector: C,
-    https_only: bool,
+    schemes: Schemes,
     max_idle_per_host: usize,
     idle_timeout: Duration,
 ) -> hyper_util::client::legacy::Client<hyper_rustls::HttpsConnector<C>, B>
@@ -239,10 +218,9 @@ where
     let mut tls = tls.clone();
     tls.alpn_protocols.clear();
     let builder = hyper_rustls::HttpsConnectorBuilder::new().with_tls_config(tls);
-    let builder = if https_only {
-        builder.https_only()
-    } else {
-        builder.https_or_http()
+    let builder = match schemes {
+        Schemes::HttpsOnly => builder.https_only(),
+        Schemes::HttpAndHttps => builder.https_or_http(),
     };
     let connector = builder.enable_http1().wrap_connector(connector);
     hyper_util::client::legacy::Client::builder(TokioExecutor::new())

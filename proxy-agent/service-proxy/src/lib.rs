@@ -41,8 +41,8 @@ use cluster_proxy_proto::identity::ClusterName;
 use cluster_proxy_proto::service_access;
 use cluster_proxy_proto::transport::ALPN_HTTP11;
 use cluster_proxy_runtime::http_proxy::{
-    HttpsOptions, ProxyBody, pooled_http_or_https_client, pooled_https_client, relay_upgrade,
-    serve_https, status_response, strip_hop_by_hop, take_upgrade,
+    HttpsOptions, ProxyBody, Schemes, pooled_client, relay_upgrade, serve_https, status_response,
+    strip_hop_by_hop, take_upgrade,
 };
 use cluster_proxy_runtime::reload::{self, Watched};
 use cluster_proxy_runtime::tls::{self, Identity, Pem, TlsError};
@@ -146,9 +146,10 @@ struct Shared {
 impl Shared {
     fn services(&self) -> Upstream {
         self.services.get(|tls| {
-            pooled_http_or_https_client(
+            pooled_client(
                 tls,
                 connector(&self.aliases),
+                Schemes::HttpAndHttps,
                 MAX_IDLE_PER_HOST,
                 IDLE_TIMEOUT,
             )
@@ -181,9 +182,10 @@ pub async fn start(config: ServiceProxyConfig) -> Result<RunningServiceProxy, St
     let kube_tls = tls::client_config(kube_roots, None, &[ALPN_HTTP11])?;
     let token = watch_token(&config)?;
     let aliases = Arc::new(config.host_aliases.clone());
-    let upstream = pooled_https_client(
+    let upstream = pooled_client(
         &kube_tls,
         connector(&aliases),
+        Schemes::HttpsOnly,
         MAX_IDLE_PER_HOST,
         IDLE_TIMEOUT,
     );

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use base64::Engine as _;
 use bytes::Bytes;
-use cluster_proxy_runtime::http_proxy::pooled_https_client;
+use cluster_proxy_runtime::http_proxy::{Schemes, pooled_client};
 use cluster_proxy_runtime::tls::{self, Pem, TlsError};
 use http_body_util::{BodyExt, Empty};
 use hyper_util::client::legacy::Client;
@@ -115,7 +115,13 @@ impl OidcAuthenticator {
         let mut http = HttpConnector::new();
         http.enforce_http(false);
         http.set_connect_timeout(Some(FETCH_TIMEOUT));
-        let fetcher = pooled_https_client(&client_tls, http, 2, Duration::from_secs(90));
+        let fetcher = pooled_client(
+            &client_tls,
+            http,
+            Schemes::HttpsOnly,
+            2,
+            Duration::from_secs(90),
+        );
         Ok(OidcAuthenticator {
             config,
             fetcher,

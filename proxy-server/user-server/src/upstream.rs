@@ -123,9 +123,10 @@ pub fn service_proxy_client(
     max_idle_per_cluster: usize,
     idle_timeout: Duration,
 ) -> ServiceProxyClient {
-    cluster_proxy_runtime::http_proxy::pooled_https_client(
+    cluster_proxy_runtime::http_proxy::pooled_client(
         &tls,
         dialer,
+        cluster_proxy_runtime::http_proxy::Schemes::HttpsOnly,
         max_idle_per_cluster,
         idle_timeout,
     )
