@@ -52,34 +52,9 @@ pub const MAX_FRAME_SIZE: u32 = 256 * 1024;
 /// Largest gRPC message accepted. Upstream's limit is 4 MiB; we accept more
 /// so a client that writes a large buffer in one DATA packet is not cut off.
 pub const MAX_MESSAGE_SIZE: usize = 16 * 1024 * 1024;
-/// Idle time before the kernel probes a long-lived TCP connection.
-pub const TCP_KEEPALIVE_IDLE: Duration = Duration::from_secs(30);
-/// Time between probes once probing started.
-pub const TCP_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
-/// Unanswered probes after which the kernel resets the connection: a peer
-/// that vanished without FIN or RST is noticed within idle + 3 × interval
-/// (a minute) even where no HTTP/2 PING runs, e.g. a tunneled target.
-pub const TCP_KEEPALIVE_RETRIES: u32 = 3;
-
-/// Turns on TCP keepalive with the values above; every long-lived socket
-/// (tunnels, client connections, connections to targets) goes through it.
-pub fn set_tcp_keepalive(tcp: &TcpStream) -> std::io::Result<()> {
-    let keepalive = socket2::TcpKeepalive::new()
-        .with_time(TCP_KEEPALIVE_IDLE)
-        .with_interval(TCP_KEEPALIVE_INTERVAL);
-    #[cfg(not(windows))]
-    let keepalive = keepalive.with_retries(TCP_KEEPALIVE_RETRIES);
-    let socket = socket2::SockRef::from(tcp);
-    socket.set_tcp_keepalive(&keepalive)?;
-    // Data the peer never acknowledges (its host is gone while we send)
-    // fails the connection as soon as an idle one would, instead of after
-    // the kernel's fifteen minutes of retransmissions.
-    #[cfg(any(target_os = "linux", target_os = "android"))]
-    socket.set_tcp_user_timeout(Some(
-        TCP_KEEPALIVE_IDLE + TCP_KEEPALIVE_INTERVAL * TCP_KEEPALIVE_RETRIES,
-    ))?;
-    Ok(())
-}
+pub use cluster_proxy_egress::tcp::{
+    TCP_KEEPALIVE_IDLE, TCP_KEEPALIVE_INTERVAL, TCP_KEEPALIVE_RETRIES, set_tcp_keepalive,
+};
 
 /// ALPN protocol gRPC needs (grpc-go refuses TLS connections without it).
 pub const ALPN_H2: &[u8] = b"h2";
@@ -98,6 +73,12 @@ pub enum TransportError {
     },
     #[error("connect to {address}: {source}")]
     Dial {
+        address: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("TLS with {address}: {source}")]
+    Tls {
         address: String,
         #[source]
         source: std::io::Error,
@@ -151,9 +132,7 @@ async fn dial_tls(
     timeout: Duration,
 ) -> std::io::Result<TlsStream<TcpStream>> {
     tokio::time::timeout(timeout, async {
-        let tcp = TcpStream::connect(address).await?;
-        tcp.set_nodelay(true)?;
-        set_tcp_keepalive(&tcp)?;
+        let tcp = cluster_proxy_egress::tcp::connect(address).await?;
         connector.connect(server_name, tcp).await
     })
     .await
@@ -177,6 +156,26 @@ pub async fn connect_tls(
     )
     .await
     .map_err(|source| TransportError::Dial { address, source })
+}
+
+/// The TLS handshake with `host:port` over `io`, a connection opened
+/// already (straight to the server, or through a forward proxy's tunnel).
+/// The server's certificate is verified against `tls` alone, whatever
+/// carries the bytes.
+pub async fn tls_over<IO>(
+    io: IO,
+    host: &str,
+    port: u16,
+    tls: Arc<rustls::ClientConfig>,
+) -> Result<TlsStream<IO>, TransportError>
+where
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    let (server_name, address) = server_name_and_address(host, port)?;
+    TlsConnector::from(tls)
+        .connect(server_name, io)
+        .await
+        .map_err(|source| TransportError::Tls { address, source })
 }
 
 /// Opens a new HTTP/2 connection (never shared with other channels) to

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use cluster_proxy_egress::EgressSettings;
 use cluster_proxy_proto::flow::DEFAULT_WINDOW;
 use cluster_proxy_proto::framed::ALPN_FRAMED;
 use cluster_proxy_proto::transport::ALPN_H2;
@@ -116,6 +117,9 @@ pub struct AgentConfig {
     pub lean_framing: bool,
     /// Names resolved to fixed addresses before DNS, like a pod's `hostAliases`.
     pub host_aliases: dial::HostAliases,
+    /// The forward proxy to the proxy-server, beside the `*_PROXY`
+    /// variables read at [`start`].
+    pub egress: EgressSettings,
     /// How long [`RunningAgent::shutdown`] waits for open endpoint
     /// connections after sending DRAIN.
     pub shutdown_grace: Duration,
@@ -143,6 +147,7 @@ impl AgentConfig {
             target_receive_buffer: None,
             dial_timeout: Duration::from_secs(5),
             host_aliases: dial::HostAliases::new(),
+            egress: EgressSettings::default(),
             credential_reload_interval: cluster_proxy_runtime::reload::DEFAULT_INTERVAL,
             keepalive_time: Duration::from_secs(3600),
             lean_framing: true,

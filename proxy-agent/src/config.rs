@@ -20,6 +20,7 @@ use cluster_proxy_runtime::telemetry::TelemetryFlags;
 use serde::{Deserialize, Serialize};
 
 use crate::agent_config::{AgentConfig, TlsSource};
+use cluster_proxy_egress::EgressSettings;
 
 const DEFAULT_CONTENT_TYPE: &str = "application/vnd.kubernetes.protobuf";
 const DEFAULT_LEASE_SELECTOR: &str = "k8s-app=konnectivity-server";
@@ -79,6 +80,14 @@ pub struct AgentSettings {
     pub dial_timeout: Duration,
     /// `NAME=IP` pairs resolved before DNS, like a pod's `hostAliases`.
     pub host_alias: Vec<String>,
+    /// Forward proxy to the proxy-server; empty: `HTTPS_PROXY` and the
+    /// other `*_PROXY` variables (`NO_PROXY` applies either way).
+    pub proxy_url: String,
+    /// CA bundle that verifies an `https://` proxy (never the hub).
+    pub proxy_ca_cert: Option<PathBuf>,
+    /// Basic credentials for the proxy: `user:password`, or a mounted
+    /// `kubernetes.io/basic-auth` Secret's directory.
+    pub proxy_credentials_file: Option<PathBuf>,
     /// How often certificate files are checked for rotation.
     #[serde(with = "serde_go")]
     pub credential_reload_interval: Duration,
@@ -134,6 +143,9 @@ impl Default for AgentSettings {
             target_receive_buffer: 0,
             dial_timeout: Duration::from_secs(5),
             host_alias: Vec::new(),
+            proxy_url: String::new(),
+            proxy_ca_cert: None,
+            proxy_credentials_file: None,
             credential_reload_interval: cluster_proxy_runtime::reload::DEFAULT_INTERVAL,
             worker_threads: cluster_proxy_runtime::workers::PER_CPU,
             v: 0,
@@ -303,6 +315,18 @@ pub struct Cli {
     #[arg(long = "host-alias", value_name = "NAME=IP")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub host_alias: Option<Vec<String>>,
+    /// Forward proxy to reach the proxy-server through: http://, https://, socks5:// or socks5h://, with optional user:password@ (wins over HTTPS_PROXY; NO_PROXY still applies).
+    #[arg(long, value_name = "URL")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub proxy_url: Option<String>,
+    /// CA bundle (PEM) that verifies an https:// proxy; it never verifies the proxy-server.
+    #[arg(long, value_parser = parse_path)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub proxy_ca_cert: Option<PathBuf>,
+    /// Basic credentials for the proxy: a file holding user:password, or the directory of a mounted kubernetes.io/basic-auth Secret (wins over the URL's user:password; re-read at every connection).
+    #[arg(long, value_parser = parse_path)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub proxy_credentials_file: Option<PathBuf>,
     /// How often certificate files are checked for rotation (Go duration).
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -513,6 +537,11 @@ impl AgentSettings {
         config.keepalive_time = self.keepalive_time;
         config.lean_framing = self.lean_framing;
         config.host_aliases = cluster_proxy_runtime::config::host_aliases(&self.host_alias)?;
+        config.egress = EgressSettings {
+            proxy_url: (!self.proxy_url.is_empty()).then(|| self.proxy_url.clone()),
+            proxy_ca_file: self.proxy_ca_cert.clone(),
+            proxy_credentials_file: self.proxy_credentials_file.clone(),
+        };
         Ok(config)
     }
 }

@@ -28,6 +28,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
+use cluster_proxy_egress::{Egress, EgressError, EgressStream};
 use cluster_proxy_proto::Packet;
 use cluster_proxy_proto::framed::{
     self, ALPN_FRAMED, Control, FrameWriter, FramedBody, Hello, InboundBody,
@@ -39,14 +40,15 @@ use cluster_proxy_proto::h2_driver::{
     KeepAlive, Parts, Passes, RecvBody, Sent, grpc_request, h2_status, poll_send_body,
 };
 use cluster_proxy_proto::transport::{
-    HttpWindows, MAX_FRAME_SIZE, MAX_MESSAGE_SIZE, TransportError, connect_tls, host_port,
+    HttpWindows, MAX_FRAME_SIZE, MAX_MESSAGE_SIZE, TransportError, host_port, tls_over,
 };
 use futures_util::{Stream, StreamExt};
 use tokio::io::{ReadHalf, WriteHalf};
-use tokio::net::TcpStream;
 use tokio_rustls::client::TlsStream;
 use tonic::Status;
 use tonic::metadata::MetadataMap;
+
+use crate::USER_AGENT;
 
 /// Bytes the stream may have queued beyond what the server's window lets
 /// out (hyper's default for its clients).
@@ -66,16 +68,18 @@ pub type Outbound = Pin<Box<dyn Stream<Item = Packet> + Send>>;
 type OutboundBody =
     PacketBody<futures_util::stream::Map<Outbound, fn(Packet) -> Result<Packet, Status>>>;
 
-type Tls = TlsStream<TcpStream>;
-
-/// The agent's user-agent, on either transport.
-const USER_AGENT: &str = concat!("cluster-proxy-agent/", env!("CARGO_PKG_VERSION"));
+type Tls = TlsStream<EgressStream>;
 
 /// Why an attempt to open a tunnel's connection failed.
 #[derive(Debug, thiserror::Error)]
 pub enum OpenError {
+    /// The way out: the forward proxy, or the TCP connection itself.
+    #[error(transparent)]
+    Egress(#[from] EgressError),
     #[error(transparent)]
     Transport(#[from] TransportError),
+    #[error("connect to {address} timed out after {timeout:?}")]
+    TimedOut { address: String, timeout: Duration },
     #[error("HTTP/2 with {address}: {source}")]
     Http2 {
         address: String,
@@ -97,12 +101,31 @@ pub enum OpenError {
     Rejected(Status),
 }
 
+impl OpenError {
+    /// A short, fixed label for metrics.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            OpenError::Egress(e) => e.reason(),
+            OpenError::Transport(TransportError::Tls { .. }) => "tls",
+            OpenError::Transport(_) => "dial",
+            OpenError::TimedOut { .. } => "timeout",
+            OpenError::Http2 { .. }
+            | OpenError::Closed { .. }
+            | OpenError::Framed { .. }
+            | OpenError::Request(_) => "protocol",
+            OpenError::Rejected(_) => "rejected",
+        }
+    }
+}
+
 /// Where and how to connect.
 #[derive(Debug, Clone)]
 pub struct Endpoint {
     pub host: String,
     pub port: u16,
     pub tls: Arc<rustls::ClientConfig>,
+    /// Straight to the server, or through the network's forward proxy.
+    pub egress: Egress,
     pub connect_timeout: Duration,
     pub windows: HttpWindows,
     /// Ping after this long without a packet from the server; `None` or
@@ -168,13 +191,20 @@ impl TunnelConnection {
         outbound: Outbound,
     ) -> Result<(TunnelConnection, MetadataMap), OpenError> {
         let address = host_port(&endpoint.host, endpoint.port);
-        let tls = connect_tls(
-            &endpoint.host,
-            endpoint.port,
-            endpoint.tls.clone(),
-            endpoint.connect_timeout,
-        )
-        .await?;
+        let tls = tokio::time::timeout(endpoint.connect_timeout, async {
+            let stream = endpoint
+                .egress
+                .connect(&endpoint.host, endpoint.port, true)
+                .await?;
+            Ok::<_, OpenError>(
+                tls_over(stream, &endpoint.host, endpoint.port, endpoint.tls.clone()).await?,
+            )
+        })
+        .await
+        .map_err(|_| OpenError::TimedOut {
+            address: address.clone(),
+            timeout: endpoint.connect_timeout,
+        })??;
         let heard = Arc::new(AtomicU64::new(0));
         let keepalive = endpoint.keepalive.filter(|k| !k.is_zero());
         let framed = tls.get_ref().1.alpn_protocol() == Some(ALPN_FRAMED);

@@ -21,6 +21,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use cluster_proxy_egress::Egress;
 use cluster_proxy_proto::identifiers::AgentIdentifiers;
 use cluster_proxy_runtime::admin::{self, NotReady};
 use cluster_proxy_runtime::net::{BindError, bind};
@@ -47,7 +48,15 @@ pub enum AgentError {
     Invalid { field: &'static str, reason: String },
     #[error(transparent)]
     Bind(#[from] BindError),
+    /// The proxy settings (`--proxy-url`, `HTTPS_PROXY`, the CA or
+    /// credentials files).
+    #[error(transparent)]
+    Egress(#[from] cluster_proxy_egress::EgressError),
 }
+
+/// The agent's user-agent, in its requests to the proxy-server and in the
+/// CONNECT requests to a forward proxy.
+pub(crate) const USER_AGENT: &str = concat!("cluster-proxy-agent/", env!("CARGO_PKG_VERSION"));
 
 /// Builds `source`'s client configuration; errors name the offending file.
 /// Here rather than on [`TlsSource`], whose module cannot name [`AgentError`].
@@ -81,6 +90,17 @@ fn client_config(source: &TlsSource) -> Result<Arc<rustls::ClientConfig>, AgentE
 
 /// Upstream's readiness failure body, which probes and runbooks match on.
 pub const NOT_READY_BODY: &str = "[+]ping ok\n[-]server-connected failed: no servers connected\n";
+
+/// Upstream's body, then why the newest attempt failed (one line).
+fn not_ready_body(last_failure: Option<&str>) -> String {
+    match last_failure {
+        None => NOT_READY_BODY.to_owned(),
+        Some(failure) => format!(
+            "{NOT_READY_BODY}[-]last-connect-attempt failed: {}\n",
+            failure.replace(['\n', '\r'], " ")
+        ),
+    }
+}
 
 fn validate(config: &AgentConfig) -> Result<(), AgentError> {
     AgentIdentifiers::parse_like_upstream(&config.agent_identifiers).map_err(|e| {
@@ -163,11 +183,14 @@ pub async fn start(config: AgentConfig) -> Result<RunningAgent, AgentError> {
         config.admin_server_port,
     )
     .await?;
+    let egress = Egress::from_env(&config.egress, USER_AGENT)?;
+    let route = egress.describe();
     let root = CancellationToken::new();
-    let shared = Arc::new(Shared::new(config, tls, root.clone()));
+    let shared = Arc::new(Shared::new(config, tls, egress, root.clone()));
     tracing::info!(
         agent_id = %shared.agent_id(),
         server = %shared.server_address(),
+        egress = %route,
         %health_addr,
         %admin_addr,
         "proxy-agent started"
@@ -180,7 +203,7 @@ pub async fn start(config: AgentConfig) -> Result<RunningAgent, AgentError> {
         } else {
             Err(NotReady {
                 status: http::StatusCode::SERVICE_UNAVAILABLE,
-                body: NOT_READY_BODY.into(),
+                body: not_ready_body(probed.last_failure().as_deref()),
             })
         }
     })

@@ -29,6 +29,7 @@ use crate::agent_config::AgentConfig;
 use crate::connection::{Endpoint, OpenError, TunnelConnection};
 use crate::metrics::{Metrics, Segment};
 use crate::tunnel::{self, TunnelParams};
+use cluster_proxy_egress::Egress;
 
 /// Why one attempt to open a tunnel failed.
 #[derive(Debug, thiserror::Error)]
@@ -50,6 +51,19 @@ pub enum ConnectError {
     Metadata { key: &'static str },
 }
 
+impl ConnectError {
+    /// A short, fixed label for metrics (`reason="proxy_auth"`).
+    pub fn reason(&self) -> &'static str {
+        match self {
+            ConnectError::Open(e) => e.reason(),
+            ConnectError::Timeout(_) => "timeout",
+            ConnectError::Header { .. } => "protocol",
+            ConnectError::Token { .. } => "token",
+            ConnectError::Metadata { .. } => "config",
+        }
+    }
+}
+
 struct TunnelHandle {
     control: mpsc::UnboundedSender<Packet>,
     /// The server sent DRAIN: it is stopping, so this tunnel no longer
@@ -69,17 +83,25 @@ pub(crate) struct Shared {
     last_server_count: Arc<AtomicUsize>,
     changed: Arc<Notify>,
     root: CancellationToken,
+    /// The way out to the proxy-server (direct or through a proxy).
+    egress: Egress,
+    /// Why the newest attempt to open a tunnel failed, until one succeeds
+    /// (the agent's `/readyz` says it while no tunnel is up).
+    last_failure: Mutex<Option<String>>,
 }
 
 impl Shared {
     pub(crate) fn new(
         config: AgentConfig,
         tls: cluster_proxy_runtime::reload::Watched<rustls::ClientConfig>,
+        egress: Egress,
         root: CancellationToken,
     ) -> Self {
         Shared {
             config,
             tls,
+            egress,
+            last_failure: Mutex::new(None),
             metrics: Arc::new(Metrics::new()),
             tunnels: Mutex::new(HashMap::new()),
             draining: AtomicBool::new(false),
@@ -87,6 +109,21 @@ impl Shared {
             changed: Arc::new(Notify::new()),
             root,
         }
+    }
+
+    /// Why the newest attempt to open a tunnel failed, if it did.
+    pub(crate) fn last_failure(&self) -> Option<String> {
+        self.last_failure
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    fn record_attempt(&self, failure: Option<String>) {
+        *self
+            .last_failure
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = failure;
     }
 
     fn tunnels(&self) -> MutexGuard<'_, HashMap<String, TunnelHandle>> {
@@ -274,6 +311,7 @@ async fn connect_once(shared: Arc<Shared>) -> Result<Outcome, ConnectError> {
         host: config.proxy_server_host.clone(),
         port: config.proxy_server_port,
         tls: shared.tls.borrow().clone(),
+        egress: shared.egress.clone(),
         connect_timeout: timeout,
         windows: TUNNEL_WINDOWS,
         keepalive: Some(config.keepalive_time),
@@ -550,6 +588,13 @@ pub(crate) async fn run(shared: Arc<Shared>) {
         // With every replica held, the next attempt is only a probe for new
         // replicas (--sync-forever) and waits upstream's pace, unless a
         // tunnel closes or a server announces DRAIN meanwhile.
+        match &result {
+            Ok(_) => shared.record_attempt(None),
+            Err(e) => {
+                shared.metrics.server_connect_failed(e.reason());
+                shared.record_attempt(Some(error_chain(e)));
+            }
+        }
         let (pause, wake_on_change) = match result {
             Ok(_) if !missing => {
                 backoff.reset();

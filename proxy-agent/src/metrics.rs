@@ -40,6 +40,7 @@ pub struct Metrics {
     server_failures: Family<Labels, Counter>,
     stream: StreamMetrics,
     stray_replies_dropped: Counter,
+    server_connect_failures: Family<Labels, Counter>,
 }
 
 impl Default for Metrics {
@@ -98,8 +99,16 @@ impl Metrics {
             "Packets from a proxy-server for unknown connections left unanswered because the tunnel already answered its bound of unknown ids (1024 per 30 s).",
             stray_replies_dropped.clone(),
         );
+        let server_connect_failures = Family::<Labels, Counter>::default();
+        register_counter(
+            root.sub_registry_with_prefix("cluster_proxy_agent"),
+            "server_connect_failures_total",
+            "Attempts to open a tunnel to a proxy-server that failed, by reason (proxy_unreachable, proxy_auth, proxy_refused, proxy_protocol, proxy_closed, proxy_tls, proxy_socks, proxy_config, resolve, dial, tls, timeout, protocol, rejected, token, config).",
+            server_connect_failures.clone(),
+        );
         Metrics {
             registry: root,
+            server_connect_failures,
             open_server_connections,
             known_server_count,
             open_endpoint_connections,
@@ -114,6 +123,13 @@ impl Metrics {
     pub fn dial_failed(&self, reason: DialFailure) {
         self.dial_failures
             .get_or_create(&vec![("reason", reason.label())])
+            .inc();
+    }
+
+    /// An attempt to open a tunnel failed for `reason`.
+    pub fn server_connect_failed(&self, reason: &'static str) {
+        self.server_connect_failures
+            .get_or_create(&vec![("reason", reason)])
             .inc();
     }
 
@@ -154,6 +170,7 @@ mod tests {
         m.open_server_connections.set(2);
         m.packet(Segment::ToAgent, "DIAL_REQ");
         m.receive_failed(&tonic::Status::cancelled("gone"));
+        m.server_connect_failed("proxy_auth");
         let text = m.encode();
         for name in [
             "konnectivity_network_proxy_agent_open_server_connections 2",
@@ -164,6 +181,7 @@ mod tests {
             "konnectivity_network_proxy_agent_stream_packets_total{segment=\"to_agent\",packet_type=\"DIAL_REQ\"} 1",
             "konnectivity_network_proxy_agent_stream_errors_total{segment=\"to_agent\",code=\"Canceled\",packet_type=\"Unknown\"} 1",
             "konnectivity_network_proxy_agent_server_connection_failure_count_total{direction=\"from_server\"} 1",
+            "cluster_proxy_agent_server_connect_failures_total{reason=\"proxy_auth\"} 1",
         ] {
             assert!(text.contains(name), "{name} missing from\n{text}");
         }

@@ -534,7 +534,26 @@ async fn not_ready_without_servers_and_files_are_checked() {
         .unwrap();
     let ready = http_get(agent.health_addr(), "/readyz").await;
     assert!(ready.starts_with("HTTP/1.1 503"), "{ready}");
-    assert!(ready.ends_with("[+]ping ok\n[-]server-connected failed: no servers connected\n"));
+    assert!(ready.contains("[+]ping ok\n[-]server-connected failed: no servers connected\n"));
+    // After upstream's lines: why the newest attempt failed.
+    let deadline = tokio::time::Instant::now() + STEP;
+    let ready = loop {
+        let ready = http_get(agent.health_addr(), "/readyz").await;
+        if ready.contains("[-]last-connect-attempt failed:") {
+            break ready;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{ready}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(
+        ready.contains(&format!("connect to {closed}: Connection refused")),
+        "{ready}"
+    );
+    let metrics = http_get(agent.health_addr(), "/metrics").await;
+    assert!(
+        metrics.contains("cluster_proxy_agent_server_connect_failures_total{reason=\"dial\"}"),
+        "{metrics}"
+    );
     assert!(
         http_get(agent.health_addr(), "/healthz")
             .await
