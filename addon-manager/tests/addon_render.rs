@@ -4,8 +4,8 @@
 use addon_manager::addon::customize::{AgentCustomization, CustomizationError};
 use addon_manager::addon::install::cluster_management_addon;
 use addon_manager::addon::render::{
-    self, AgentInputs, Entrypoint, EntrypointError, ServiceProxyInputs, agent_ca_bundle,
-    hub_agent_rbac, manifest_work, registrations, signer_organization_unit,
+    self, AgentInputs, Entrypoint, EntrypointError, ServiceProxyInputs, hub_agent_rbac,
+    manifest_work, registrations, signer_organization_unit,
 };
 use addon_manager::addon::{AddonSettings, InstallStrategy};
 use cluster_proxy_proto::api::addon::v1alpha1::{AddOnDeploymentConfig, ClusterManagementAddOn};
@@ -466,14 +466,38 @@ fn deployment_config_reaches_the_agent() {
             ("NO_PROXY".into(), "10.0.0.0/8,.svc".into()),
         ]
     );
-    assert!(
-        rendered
-            .container("addon-agent")
-            .env
-            .unwrap()
-            .iter()
-            .all(|e| e.name == "POD_NAMESPACE")
+    // The addon-agent reaches the hub API through the same proxy.
+    let addon_env: Vec<String> = rendered
+        .container("addon-agent")
+        .env
+        .unwrap()
+        .into_iter()
+        .map(|e| e.name)
+        .collect();
+    assert_eq!(
+        addon_env,
+        ["POD_NAMESPACE", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY"]
     );
+    for container in ["proxy-agent", "addon-agent"] {
+        let container = rendered.container(container);
+        assert!(
+            container
+                .args
+                .unwrap()
+                .contains(&"--proxy-ca-cert=/etc/ca/proxy-ca.crt".to_owned()),
+            "{:?}",
+            container.name
+        );
+        assert!(
+            container
+                .volume_mounts
+                .unwrap()
+                .iter()
+                .any(|m| m.name == "ca" && m.mount_path == "/etc/ca"),
+            "{:?}",
+            container.name
+        );
+    }
 
     let service: Service =
         serde_json::from_value(rendered.manifest("Service", "cluster-a").clone()).unwrap();
@@ -482,14 +506,13 @@ fn deployment_config_reaches_the_agent() {
         Some("kubernetes.default.svc.corp.local")
     );
     let secret = rendered.manifest("Secret", "cluster-proxy-ca");
-    let bundle = base64::engine::general_purpose::STANDARD
-        .decode(secret["data"]["ca.crt"].as_str().unwrap())
-        .unwrap();
-    assert_eq!(
-        bundle,
-        [CA, proxy_ca.as_slice()].concat(),
-        "an https proxy's CA is trusted too"
-    );
+    let key = |key: &str| {
+        base64::engine::general_purpose::STANDARD
+            .decode(secret["data"][key].as_str().unwrap())
+            .unwrap()
+    };
+    assert_eq!(key("ca.crt"), CA, "the proxy's CA never verifies the hub");
+    assert_eq!(key("proxy-ca.crt"), proxy_ca);
 }
 
 fn managed_cluster(annotations: Value) -> ManagedCluster {
@@ -720,25 +743,58 @@ fn a_local_clusters_node_selector_annotation_places_its_agent() {
 }
 
 #[test]
-fn proxy_ca_is_merged_only_for_https_proxies() {
-    use base64::Engine;
-    let config = adc(json!({
-        "proxyConfig": {
-            "httpProxy": "http://proxy.corp:3128",
-            "caBundle": base64::engine::general_purpose::STANDARD.encode(b"extra"),
-        },
-    }));
-    assert_eq!(agent_ca_bundle(CA, Some(&config)), CA);
-    let no_newline = b"-----END CERTIFICATE-----";
-    let https = adc(json!({
-        "proxyConfig": {
-            "httpsProxy": "https://proxy.corp:3129",
-            "caBundle": base64::engine::general_purpose::STANDARD.encode(b"extra"),
-        },
-    }));
+fn without_a_proxy_ca_the_agents_get_no_proxy_ca_flag_or_key() {
+    let config = adc(json!({"proxyConfig": {"httpsProxy": "http://proxy.corp:3128"}}));
+    let rendered = Rendered::new(&hostname_mpc(), Some(&config), CA);
+    for container in ["proxy-agent", "addon-agent"] {
+        let args = rendered.container(container).args.unwrap();
+        assert!(
+            !args.iter().any(|a| a.starts_with("--proxy-ca-cert")),
+            "{args:?}"
+        );
+    }
+    let secret = rendered.manifest("Secret", "cluster-proxy-ca");
+    assert!(secret["data"].get("proxy-ca.crt").is_none(), "{secret}");
     assert_eq!(
-        agent_ca_bundle(no_newline, Some(&https)),
-        b"-----END CERTIFICATE-----\nextra".to_vec()
+        rendered
+            .container("addon-agent")
+            .volume_mounts
+            .unwrap()
+            .len(),
+        1,
+        "only the hub kubeconfig"
+    );
+}
+
+#[test]
+fn the_network_policy_lets_the_adc_proxies_out() {
+    let config = adc(json!({"proxyConfig": {
+        "httpProxy": "http://proxy.corp:3128",
+        "httpsProxy": "https://user:pw@proxy.corp:3129",
+        "noProxy": ".svc",
+    }}));
+    assert_eq!(render::proxy_ports(Some(&config)), [3128, 3129]);
+    let socks = adc(json!({"proxyConfig": {"httpsProxy": "socks5h://proxy.corp"}}));
+    assert_eq!(render::proxy_ports(Some(&socks)), [1080]);
+    let broken = adc(json!({"proxyConfig": {"httpsProxy": "gopher://x"}}));
+    assert!(render::proxy_ports(Some(&broken)).is_empty());
+    assert!(render::proxy_ports(None).is_empty());
+    let policy = render::agent_network_policy("ns", 8091, &[443, 6443], &[3128, 443]);
+    let ports: Vec<String> = policy.spec.unwrap().egress.unwrap()[1]
+        .ports
+        .as_ref()
+        .unwrap()
+        .iter()
+        .map(|p| format!("{:?}", p.port))
+        .collect();
+    assert_eq!(
+        ports,
+        [
+            "Some(Int(443))",
+            "Some(Int(6443))",
+            "Some(Int(3128))",
+            "Some(Int(8091))"
+        ]
     );
 }
 

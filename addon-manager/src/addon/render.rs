@@ -6,6 +6,7 @@
 use std::collections::BTreeMap;
 
 use base64::Engine;
+use cluster_proxy_egress::ProxyUrl;
 use cluster_proxy_proto::api::addon::v1alpha1::{
     ANNOTATION_DELETION_ORPHAN, AddOnDeploymentConfig, LABEL_ADDON_NAME, LABEL_ADDON_NAMESPACE,
     ManagedClusterAddOn, RegistrationConfig, Subject,
@@ -252,13 +253,14 @@ pub const AGENT_NETWORK_POLICY: &str = "cluster-proxy-proxy-agent-network-policy
 pub const KUBE_API_SERVER_PORTS: [i32; 2] = [443, 6443];
 
 /// The agent pods' NetworkPolicy: in, only the health port (probes and
-/// `/metrics`); out, DNS, `kube_apiserver_ports` and the hub entrypoint's
-/// port. Upstream's, without the service-proxy ports. Other policies that
+/// `/metrics`); out, DNS, `kube_apiserver_ports`, the hub entrypoint's port
+/// and the ADC proxies' ports. Upstream's, without the service-proxy ports. Other policies that
 /// select the agent pods add to it: NetworkPolicies are unions.
 pub fn agent_network_policy(
     namespace: &str,
     entrypoint_port: i32,
     kube_apiserver_ports: &[i32],
+    proxy_ports: &[i32],
 ) -> NetworkPolicy {
     let tcp = |port: i32| NetworkPolicyPort {
         port: Some(IntOrString::Int(port)),
@@ -271,9 +273,13 @@ pub fn agent_network_policy(
     };
     let mut apiserver_and_hub: Vec<NetworkPolicyPort> =
         kube_apiserver_ports.iter().map(|port| tcp(*port)).collect();
-    if !kube_apiserver_ports.contains(&entrypoint_port) {
-        apiserver_and_hub.push(tcp(entrypoint_port));
-    }
+    let mut extra: Vec<i32> = std::iter::once(entrypoint_port)
+        .chain(proxy_ports.iter().copied())
+        .filter(|port| !kube_apiserver_ports.contains(port))
+        .collect();
+    extra.sort_unstable();
+    extra.dedup();
+    apiserver_and_hub.extend(extra.into_iter().map(tcp));
     NetworkPolicy {
         metadata: meta(AGENT_NETWORK_POLICY, Some(namespace)),
         spec: Some(NetworkPolicySpec {
@@ -328,28 +334,51 @@ pub fn service_domain(deployment_config: Option<&AddOnDeploymentConfig>) -> Stri
         .to_owned()
 }
 
-/// The CA bundle the agent trusts: the hub CA, plus the ADC proxy's CA when
-/// the agent reaches the hub through an HTTPS proxy (upstream F10).
-pub fn agent_ca_bundle(
-    ca_pem: &[u8],
-    deployment_config: Option<&AddOnDeploymentConfig>,
-) -> Vec<u8> {
-    let proxy = deployment_config.and_then(|adc| adc.spec.proxy_config.as_ref());
-    let https_proxy = proxy
-        .and_then(|proxy| proxy.https_proxy.as_deref())
-        .is_some_and(|url| url.starts_with("https://"));
-    let proxy_ca = proxy
+/// Key of the ADC proxy's CA bundle in the agent's CA Secret.
+pub const PROXY_CA_KEY: &str = "proxy-ca.crt";
+/// Where the agent's containers find the CA Secret's keys.
+const CA_MOUNT: &str = "/etc/ca";
+
+/// The ADC proxy's CA bundle (`proxyConfig.caBundle`), which the agent's
+/// containers get as `--proxy-ca-cert` to verify an `https://` proxy.
+/// Upstream appends it to the hub CA the agent trusts, so the proxy's CA
+/// could vouch for a forged hub; here it verifies the proxy only.
+pub fn proxy_ca_bundle(deployment_config: Option<&AddOnDeploymentConfig>) -> Option<&[u8]> {
+    deployment_config
+        .and_then(|adc| adc.spec.proxy_config.as_ref())
         .and_then(|proxy| proxy.ca_bundle.as_ref())
         .map(|bundle| bundle.0.as_slice())
-        .filter(|bundle| !bundle.is_empty());
-    let mut bundle = ca_pem.to_vec();
-    if let (true, Some(extra)) = (https_proxy, proxy_ca) {
-        if !bundle.ends_with(b"\n") {
-            bundle.push(b'\n');
-        }
-        bundle.extend_from_slice(extra);
-    }
-    bundle
+        .filter(|bundle| !bundle.is_empty())
+}
+
+/// The ports of the ADC's proxies (`httpProxy`, `httpsProxy`): the agent's
+/// NetworkPolicy lets them out. A URL that does not parse adds none (the
+/// agent refuses it at start-up, naming the variable).
+pub fn proxy_ports(deployment_config: Option<&AddOnDeploymentConfig>) -> Vec<i32> {
+    let Some(proxy) = deployment_config.and_then(|adc| adc.spec.proxy_config.as_ref()) else {
+        return Vec::new();
+    };
+    let mut ports: Vec<i32> = [
+        ("httpProxy", &proxy.http_proxy),
+        ("httpsProxy", &proxy.https_proxy),
+    ]
+    .into_iter()
+    .filter_map(|(name, url)| {
+        let url = url.as_deref().filter(|url| !url.trim().is_empty())?;
+        ProxyUrl::parse(name, url)
+            .ok()
+            .map(|url| i32::from(url.port))
+    })
+    .collect();
+    ports.sort_unstable();
+    ports.dedup();
+    ports
+}
+
+/// `--proxy-ca-cert` for both agent containers when the ADC gives a bundle.
+fn proxy_ca_args(inputs: &AgentInputs<'_>) -> Option<String> {
+    proxy_ca_bundle(inputs.deployment_config)
+        .map(|_| format!("--proxy-ca-cert={CA_MOUNT}/{PROXY_CA_KEY}"))
 }
 
 fn proxy_env(deployment_config: Option<&AddOnDeploymentConfig>) -> Vec<EnvVar> {
@@ -432,11 +461,12 @@ pub fn proxy_agent_args(inputs: &AgentInputs<'_>) -> Vec<String> {
     let mut args = vec![
         format!("--proxy-server-host={}", inputs.entrypoint.host),
         format!("--proxy-server-port={}", inputs.entrypoint.port),
-        "--ca-cert=/etc/ca/ca.crt".to_owned(),
+        format!("--ca-cert={CA_MOUNT}/ca.crt"),
         "--agent-cert=/etc/tls/tls.crt".to_owned(),
         "--agent-key=/etc/tls/tls.key".to_owned(),
         format!("--agent-identifiers={identifiers}"),
     ];
+    args.extend(proxy_ca_args(inputs));
     args.extend(inputs.mpc.spec.proxy_agent.additional_args.iter().cloned());
     args
 }
@@ -450,6 +480,7 @@ pub fn addon_agent_args(inputs: &AgentInputs<'_>) -> Vec<String> {
         format!("--cluster-name={}", inputs.cluster),
         format!("--lease-name={ADDON_NAME}"),
     ];
+    args.extend(proxy_ca_args(inputs));
     let port_forward = inputs
         .mpc
         .spec
@@ -529,8 +560,8 @@ pub fn agent_deployment(inputs: &AgentInputs<'_>) -> Deployment {
         image_pull_policy: inputs.image_pull_policy.map(str::to_owned),
         command: Some(vec!["/proxy-agent".into()]),
         args: Some(proxy_agent_args(inputs)),
-        env: (!env.is_empty()).then_some(env),
-        volume_mounts: Some(vec![mount("ca", "/etc/ca"), mount("tls", "/etc/tls")]),
+        env: (!env.is_empty()).then(|| env.clone()),
+        volume_mounts: Some(vec![mount("ca", CA_MOUNT), mount("tls", "/etc/tls")]),
         readiness_probe: Some(http_probe("/readyz", AGENT_HEALTH_PORT)),
         liveness_probe: Some(http_probe("/healthz", AGENT_HEALTH_PORT)),
         security_context: Some(hardened()),
@@ -545,18 +576,27 @@ pub fn agent_deployment(inputs: &AgentInputs<'_>) -> Deployment {
         image_pull_policy: inputs.image_pull_policy.map(str::to_owned),
         command: Some(vec!["/addon-agent".into()]),
         args: Some(addon_agent_args(inputs)),
-        env: Some(vec![EnvVar {
-            name: "POD_NAMESPACE".into(),
-            value: None,
-            value_from: Some(EnvVarSource {
-                field_ref: Some(ObjectFieldSelector {
-                    field_path: "metadata.namespace".into(),
-                    api_version: None,
+        // The addon-agent reaches the hub API through the same proxy.
+        env: Some(
+            std::iter::once(EnvVar {
+                name: "POD_NAMESPACE".into(),
+                value: None,
+                value_from: Some(EnvVarSource {
+                    field_ref: Some(ObjectFieldSelector {
+                        field_path: "metadata.namespace".into(),
+                        api_version: None,
+                    }),
+                    ..EnvVarSource::default()
                 }),
-                ..EnvVarSource::default()
-            }),
-        }]),
-        volume_mounts: Some(vec![mount("hub-kubeconfig", "/etc/kubeconfig")]),
+            })
+            .chain(env.iter().cloned())
+            .collect(),
+        ),
+        volume_mounts: Some(
+            std::iter::once(mount("hub-kubeconfig", "/etc/kubeconfig"))
+                .chain(proxy_ca_bundle(inputs.deployment_config).map(|_| mount("ca", CA_MOUNT)))
+                .collect(),
+        ),
         security_context: Some(hardened()),
         resources: inputs
             .customization
@@ -684,10 +724,14 @@ pub fn agent_manifests(inputs: &AgentInputs<'_>) -> Result<Vec<Manifest>, Manife
     let ca_secret = k8s_openapi::api::core::v1::Secret {
         metadata: meta(AGENT_CA_SECRET, Some(namespace)),
         type_: Some("Opaque".into()),
-        data: Some(BTreeMap::from([(
-            "ca.crt".to_owned(),
-            ByteString(agent_ca_bundle(inputs.ca_pem, inputs.deployment_config)),
-        )])),
+        data: Some(
+            std::iter::once(("ca.crt".to_owned(), ByteString(inputs.ca_pem.to_vec())))
+                .chain(
+                    proxy_ca_bundle(inputs.deployment_config)
+                        .map(|bundle| (PROXY_CA_KEY.to_owned(), ByteString(bundle.to_vec()))),
+                )
+                .collect(),
+        ),
         ..k8s_openapi::api::core::v1::Secret::default()
     };
     let cluster_service = Service {
@@ -725,6 +769,7 @@ pub fn agent_manifests(inputs: &AgentInputs<'_>) -> Result<Vec<Manifest>, Manife
             namespace,
             inputs.entrypoint.port,
             kube_apiserver_ports,
+            &proxy_ports(inputs.deployment_config),
         ))?);
     }
     manifests.extend([Manifest::new(&role)?, Manifest::new(&binding)?]);

@@ -4,6 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
+use cluster_proxy_egress::{Egress, EgressConnector, EgressSettings};
 use kube::Client;
 use kube::config::{KubeConfigOptions, Kubeconfig};
 
@@ -23,6 +24,8 @@ pub enum ClientError {
     BadKubeconfig { path: PathBuf, detail: String },
     #[error("building the Kubernetes client: {0}")]
     Build(#[from] kube::Error),
+    #[error("the way to the API server: {0}")]
+    Egress(#[source] cluster_proxy_egress::EgressError),
 }
 
 /// Makes every request of a client built from `config` carry `user_agent`.
@@ -33,24 +36,40 @@ pub fn identify(config: &mut kube::Config, user_agent: &str) -> Result<(), Clien
     Ok(())
 }
 
+/// The client of `config`, reaching the API server by the proxy rules of
+/// the environment (`HTTPS_PROXY`, `NO_PROXY`, as client-go does) or the
+/// kubeconfig's `proxy-url`: see [`build_with`].
+pub fn build(config: kube::Config) -> Result<Client, ClientError> {
+    build_with(config, &EgressSettings::default())
+}
+
 /// The client of `config`: kube-rs's own stack (base URI, retries of
 /// server errors, authentication, extra headers, connect/read/write
-/// timeouts) over connections with TCP_NODELAY, as client-go's. kube-rs
-/// leaves Nagle's algorithm on, and an upgraded stream's small writes then
-/// wait for the API server's delayed ACK: through the `PortForward`
-/// entrypoint, which carries every agent's tunnel over the hub API, each
-/// exchange of two small writes in a row (a TLS client's Finished, then its
-/// request) took 40 ms more. A configured proxy keeps kube-rs's own stack,
-/// which knows how to reach it.
-pub fn build(config: kube::Config) -> Result<Client, ClientError> {
+/// timeouts) over connections opened by [`Egress`]: straight to the API
+/// server with TCP_NODELAY, as client-go's, or through the forward proxy
+/// the rules name. kube-rs leaves Nagle's algorithm on, and an upgraded
+/// stream's small writes then wait for the API server's delayed ACK:
+/// through the `PortForward` entrypoint, which carries every agent's tunnel
+/// over the hub API, each exchange of two small writes in a row (a TLS
+/// client's Finished, then its request) took 40 ms more.
+///
+/// The proxy: `egress`'s URL, else the kubeconfig's `proxy-url`, else the
+/// `*_PROXY` variables; `NO_PROXY` applies to each.
+pub fn build_with(config: kube::Config, egress: &EgressSettings) -> Result<Client, ClientError> {
     use kube::client::ConfigExt;
-    if config.proxy_url.is_some() {
-        return Ok(Client::try_from(config)?);
+    let mut settings = egress.clone();
+    if settings.proxy_url.is_none() {
+        settings.proxy_url = config.proxy_url.as_ref().map(ToString::to_string);
     }
-    let mut http = hyper_util::client::legacy::connect::HttpConnector::new();
-    http.enforce_http(false);
-    http.set_nodelay(true);
-    let https = config.rustls_https_connector_with_connector(http)?;
+    let user_agent = config
+        .headers
+        .iter()
+        .rev()
+        .find(|(name, _)| name == http::header::USER_AGENT)
+        .and_then(|(_, value)| value.to_str().ok())
+        .unwrap_or("cluster-proxy");
+    let egress = Egress::from_env(&settings, user_agent).map_err(ClientError::Egress)?;
+    let https = config.rustls_https_connector_with_connector(EgressConnector::new(egress))?;
     let mut timed = hyper_timeout::TimeoutConnector::new(https);
     timed.set_connect_timeout(config.connect_timeout);
     timed.set_read_timeout(config.read_timeout);
@@ -93,7 +112,7 @@ pub fn in_cluster(user_agent: &str) -> Result<Client, ClientError> {
 /// names by relative paths are found next to it, as kubectl finds them.
 pub async fn client_from(path: &Path, user_agent: &str) -> Result<Client, ClientError> {
     let kubeconfig = read_kubeconfig(path)?;
-    client_from_kubeconfig(path, kubeconfig, user_agent).await
+    client_from_kubeconfig(path, kubeconfig, user_agent, &EgressSettings::default()).await
 }
 
 fn read_kubeconfig(path: &Path) -> Result<Kubeconfig, ClientError> {
@@ -112,6 +131,7 @@ async fn client_from_kubeconfig(
     path: &Path,
     kubeconfig: Kubeconfig,
     user_agent: &str,
+    egress: &EgressSettings,
 ) -> Result<Client, ClientError> {
     let mut config =
         kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
@@ -121,7 +141,7 @@ async fn client_from_kubeconfig(
                 detail: e.to_string(),
             })?;
     identify(&mut config, user_agent)?;
-    build(config)
+    build_with(config, egress)
 }
 
 /// The kubeconfig's bytes and those of every file it names (CA, client
@@ -167,6 +187,7 @@ fn fingerprint(path: &Path, kubeconfig: &Kubeconfig) -> Result<Vec<u8>, ClientEr
 pub struct KubeconfigClient {
     path: PathBuf,
     user_agent: String,
+    egress: EgressSettings,
     current: Option<(Vec<u8>, Client)>,
 }
 
@@ -185,8 +206,16 @@ impl KubeconfigClient {
         KubeconfigClient {
             path: path.into(),
             user_agent: user_agent.into(),
+            egress: EgressSettings::default(),
             current: None,
         }
+    }
+
+    /// Reaches the API server by `egress` (the proxy flags) besides the
+    /// environment's proxy variables.
+    pub fn with_egress(mut self, egress: EgressSettings) -> Self {
+        self.egress = egress;
+        self
     }
 
     pub fn path(&self) -> &Path {
@@ -202,7 +231,8 @@ impl KubeconfigClient {
         {
             return Ok(client.clone());
         }
-        let client = client_from_kubeconfig(&self.path, kubeconfig, &self.user_agent).await?;
+        let client =
+            client_from_kubeconfig(&self.path, kubeconfig, &self.user_agent, &self.egress).await?;
         if self.current.is_some() {
             tracing::info!(kubeconfig = %self.path.display(), "kubeconfig or its credentials changed; using the new ones");
         }

@@ -271,7 +271,8 @@ impl NoProxy {
         if host == "localhost" {
             return true;
         }
-        let ip = host.parse::<IpAddr>().ok();
+        // `::ffff:127.0.0.1` is loopback too (Go compares the IPv4 form).
+        let ip = host.parse::<IpAddr>().ok().map(|ip| ip.to_canonical());
         if ip.is_some_and(|ip| ip.is_loopback()) {
             return true;
         }
@@ -516,6 +517,8 @@ mod tests {
         assert!(direct("localhost", 8091));
         assert!(direct("127.0.0.1", 8091));
         assert!(direct("::1", 8091));
+        assert!(direct("::ffff:127.0.0.1", 8091));
+        assert!(direct("127.1.2.3", 8091));
         assert!(!NoProxy::parse("").excludes("hub.example", 443));
         assert!(NoProxy::parse("*").excludes("hub.example", 443));
     }

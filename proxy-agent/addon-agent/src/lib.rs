@@ -91,7 +91,12 @@ pub async fn start(config: AgentConfig) -> Result<RunningAgent, AgentError> {
         };
         let pf_listener = portforward::bind(pf).await.map_err(bind_err)?;
         port_forward_addr = Some(pf_listener.local_addr().map_err(bind_err)?);
-        let running = portforward::Forwarder::new(pf.clone(), hub.clone(), metrics.clone());
+        let running = portforward::Forwarder::new(
+            pf.clone(),
+            hub.clone(),
+            config.hub_egress.clone(),
+            metrics.clone(),
+        );
         forwarder = Some(running.clone());
         tracing::info!(addr = ?port_forward_addr, namespace = %pf.namespace, "port-forward proxy listening");
         tasks.push(tokio::spawn(portforward::run(

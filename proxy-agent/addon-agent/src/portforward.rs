@@ -36,6 +36,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use cluster_proxy_control::client::KubeconfigClient;
+use cluster_proxy_egress::EgressSettings;
 use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
 use kube::api::ListParams;
@@ -187,14 +188,18 @@ impl Drop for Picked {
 }
 
 impl Forwarder {
-    pub fn new(config: PortForwardConfig, hub_kubeconfig: PathBuf, metrics: Metrics) -> Self {
+    pub fn new(
+        config: PortForwardConfig,
+        hub_kubeconfig: PathBuf,
+        hub_egress: EgressSettings,
+        metrics: Metrics,
+    ) -> Self {
         Forwarder {
             config: Arc::new(config),
             state: Arc::default(),
-            client: Arc::new(tokio::sync::Mutex::new(KubeconfigClient::new(
-                hub_kubeconfig,
-                USER_AGENT,
-            ))),
+            client: Arc::new(tokio::sync::Mutex::new(
+                KubeconfigClient::new(hub_kubeconfig, USER_AGENT).with_egress(hub_egress),
+            )),
             metrics,
         }
     }
@@ -488,6 +493,7 @@ mod tests {
         let forwarder = Forwarder::new(
             PortForwardConfig::new("127.0.0.1:0".parse().unwrap(), "ns"),
             "/nonexistent".into(),
+            EgressSettings::default(),
             Metrics::new(),
         );
         assert!(forwarder.pick().is_none(), "no pods, no pick");

@@ -154,10 +154,9 @@ impl Renewer {
         };
         Renewer {
             managed,
-            hub: config
-                .hub_kubeconfig
-                .as_ref()
-                .map(|path| KubeconfigClient::new(path, USER_AGENT)),
+            hub: config.hub_kubeconfig.as_ref().map(|path| {
+                KubeconfigClient::new(path, USER_AGENT).with_egress(config.hub_egress.clone())
+            }),
             lease_name: config.lease_name.clone(),
             lease_namespace: config.lease_namespace.clone(),
             cluster_name: config.cluster_name.clone(),

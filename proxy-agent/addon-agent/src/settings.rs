@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
+use cluster_proxy_egress::EgressSettings;
 use cluster_proxy_proto::duration::serde_go;
 use cluster_proxy_runtime::cli::{parse_go_bool, parse_path};
 pub use cluster_proxy_runtime::config::ConfigError;
@@ -48,6 +49,14 @@ pub struct AgentSettings {
     /// Where the port-forward proxy listens (not an upstream flag: upstream
     /// always listens on 127.0.0.1:8091).
     pub port_forward_proxy_address: String,
+    /// Forward proxy to the hub API; empty: `HTTPS_PROXY` and the other
+    /// `*_PROXY` variables (`NO_PROXY` applies either way).
+    pub proxy_url: String,
+    /// CA bundle that verifies an `https://` proxy (never the hub).
+    pub proxy_ca_cert: Option<PathBuf>,
+    /// Basic credentials for the proxy: `user:password`, or a mounted
+    /// `kubernetes.io/basic-auth` Secret's directory.
+    pub proxy_credentials_file: Option<PathBuf>,
     /// klog-style verbosity (`-v`); `RUST_LOG` overrides it.
     pub v: u8,
     pub log_format: LogFormat,
@@ -79,6 +88,9 @@ impl Default for AgentSettings {
             proxy_server_namespace: "open-cluster-management-addon".into(),
             enable_port_forward_proxy: false,
             port_forward_proxy_address: crate::portforward::DEFAULT_LISTEN.into(),
+            proxy_url: String::new(),
+            proxy_ca_cert: None,
+            proxy_credentials_file: None,
             v: 0,
             log_format: LogFormat::Auto,
         }
@@ -154,6 +166,18 @@ pub struct Cli {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub port_forward_proxy_address: Option<String>,
+    /// Forward proxy to reach the hub API through: http://, https://, socks5:// or socks5h://, with optional user:password@ (wins over the hub kubeconfig's proxy-url and HTTPS_PROXY; NO_PROXY still applies).
+    #[arg(long, value_name = "URL")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub proxy_url: Option<String>,
+    /// CA bundle (PEM) that verifies an https:// proxy; it never verifies the hub.
+    #[arg(long, value_parser = parse_path)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub proxy_ca_cert: Option<PathBuf>,
+    /// Basic credentials for the proxy: a file holding user:password, or the directory of a mounted kubernetes.io/basic-auth Secret (wins over the URL's user:password; re-read at every connection).
+    #[arg(long, value_parser = parse_path)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub proxy_credentials_file: Option<PathBuf>,
     #[command(flatten)]
     #[serde(flatten)]
     pub logging: LogFlags,
@@ -213,6 +237,8 @@ pub struct AgentConfig {
     pub health_addr: SocketAddr,
     /// The port-forward proxy, when enabled.
     pub port_forward: Option<PortForwardConfig>,
+    /// How the hub API is reached besides the `*_PROXY` variables.
+    pub hub_egress: EgressSettings,
 }
 
 impl AgentConfig {
@@ -341,6 +367,11 @@ impl AgentSettings {
             lease_duration: self.lease_duration,
             health_addr,
             port_forward,
+            hub_egress: EgressSettings {
+                proxy_url: (!self.proxy_url.is_empty()).then(|| self.proxy_url.clone()),
+                proxy_ca_file: self.proxy_ca_cert.clone(),
+                proxy_credentials_file: self.proxy_credentials_file.clone(),
+            },
         })
     }
 

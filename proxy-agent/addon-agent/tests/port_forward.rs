@@ -133,6 +133,7 @@ async fn start_agent(hub_kubeconfig: &Path) -> RunningAgent {
         lease_duration: Duration::from_secs(30),
         health_addr: "127.0.0.1:0".parse().expect("addr"),
         port_forward: Some(port_forward),
+        hub_egress: Default::default(),
     })
     .await
     .expect("start the agent")

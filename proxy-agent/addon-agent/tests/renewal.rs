@@ -122,6 +122,7 @@ fn config(hub_kubeconfig: &Path, readyz: Option<&FakeReadyz>) -> AgentConfig {
         lease_duration: Duration::from_secs(1),
         health_addr: "127.0.0.1:0".parse().expect("address"),
         port_forward: None,
+        hub_egress: Default::default(),
     }
 }
 
