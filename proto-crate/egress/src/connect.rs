@@ -205,17 +205,20 @@ impl HttpConnect<'_> {
             .map_err(|e| self.hyper_error(e))?;
         let mut connection = connection.with_upgrades();
         // The request goes out and the answer comes in only while the
-        // connection is polled.
+        // connection is polled. After a 2xx to CONNECT the connection hands
+        // its IO to the upgrade and ends, possibly before the response is
+        // seen here; when it ends without one, the response fails.
+        let mut connection_ended = false;
         let response = {
             let sent = sender.send_request(request);
             tokio::pin!(sent);
-            tokio::select! {
-                response = &mut sent => response.map_err(|e| self.hyper_error(e))?,
-                ended = &mut connection => {
-                    return Err(match ended {
-                        Ok(()) => self.closed(),
-                        Err(e) => self.hyper_error(e),
-                    });
+            loop {
+                tokio::select! {
+                    response = &mut sent => break response.map_err(|e| self.hyper_error(e))?,
+                    ended = &mut connection, if !connection_ended => {
+                        ended.map_err(|e| self.hyper_error(e))?;
+                        connection_ended = true;
+                    }
                 }
             }
         };
@@ -223,9 +226,13 @@ impl HttpConnect<'_> {
         if !status.is_success() {
             return Err(self.refused(&response));
         }
-        // The connection hands its IO over to the upgrade and then ends.
-        let (upgraded, ended) = tokio::join!(hyper::upgrade::on(response), connection);
-        ended.map_err(|e| self.hyper_error(e))?;
+        let upgraded = if connection_ended {
+            hyper::upgrade::on(response).await
+        } else {
+            let (upgraded, ended) = tokio::join!(hyper::upgrade::on(response), connection);
+            ended.map_err(|e| self.hyper_error(e))?;
+            upgraded
+        };
         let upgraded = upgraded.map_err(|e| self.hyper_error(e))?;
         let parts = upgraded
             .downcast::<TokioIo<IO>>()
