@@ -277,6 +277,83 @@ impl Topology {
     }
 }
 
+/// A managed cluster fenced off behind one gateway: two namespaces, `hub`
+/// and `cluster`, joined by one veth pair. The hub holds `hub_addrs` on its
+/// loopback; the cluster has `cluster_addr` on its end of the link and a
+/// /32 route to `reachable` (addresses of the hub) and to nothing else, so
+/// the hub's other addresses are unreachable from the cluster while every
+/// process in the hub reaches all of them. No default route anywhere.
+/// Interface names are per namespace, so any number of these coexist.
+/// Both namespaces (and what runs in them) go on drop, also on a panic.
+#[derive(Debug)]
+pub struct FencedCluster {
+    pub hub: String,
+    pub cluster: String,
+}
+
+impl FencedCluster {
+    /// Creates `<NETNS_PREFIX><id>-hub` and `<NETNS_PREFIX><id>-cluster`.
+    pub fn create(
+        id: &str,
+        hub_addrs: &[Ipv4Addr],
+        cluster_addr: Ipv4Addr,
+        reachable: &[Ipv4Addr],
+    ) -> Result<Self, NetnsError> {
+        let fenced = FencedCluster {
+            hub: format!("{NETNS_PREFIX}{id}-hub"),
+            cluster: format!("{NETNS_PREFIX}{id}-cluster"),
+        };
+        // On an error `fenced` drops, removing what was created.
+        let (hub, cluster) = (fenced.hub.as_str(), fenced.cluster.as_str());
+        let cluster_ip = cluster_addr.to_string();
+        for ns in [hub, cluster] {
+            run(&["netns", "add", ns])?;
+            run_in(ns, &["link", "set", "lo", "up"])?;
+        }
+        for addr in hub_addrs {
+            run_in(hub, &["addr", "add", &format!("{addr}/32"), "dev", "lo"])?;
+        }
+        run_in(
+            hub,
+            &[
+                "link", "add", "gw", "type", "veth", "peer", "name", "uplink", "netns", cluster,
+            ],
+        )?;
+        run_in(hub, &["link", "set", "gw", "up"])?;
+        run_in(
+            hub,
+            &["route", "add", &format!("{cluster_ip}/32"), "dev", "gw"],
+        )?;
+        run_in(
+            cluster,
+            &["addr", "add", &format!("{cluster_ip}/32"), "dev", "uplink"],
+        )?;
+        run_in(cluster, &["link", "set", "uplink", "up"])?;
+        for addr in reachable {
+            run_in(
+                cluster,
+                &[
+                    "route",
+                    "add",
+                    &format!("{addr}/32"),
+                    "dev",
+                    "uplink",
+                    "src",
+                    &cluster_ip,
+                ],
+            )?;
+        }
+        Ok(fenced)
+    }
+}
+
+impl Drop for FencedCluster {
+    fn drop(&mut self) {
+        remove_netns(&self.cluster);
+        remove_netns(&self.hub);
+    }
+}
+
 /// The namespaces of this crate that exist now.
 pub fn existing() -> Vec<String> {
     let Ok(out) = run(&["netns", "list"]) else {

@@ -21,7 +21,16 @@ impl TcpTarget {
         F: Fn(TcpStream) -> Fut + Send + 'static,
         Fut: Future<Output = ()> + Send + 'static,
     {
-        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        Self::serve_on(TcpListener::bind("127.0.0.1:0").await?, handler)
+    }
+
+    /// [`TcpTarget::serve`] on a listener the caller bound (in another
+    /// network namespace, say: [`crate::netns::listen_in`]).
+    pub fn serve_on<F, Fut>(listener: TcpListener, handler: F) -> std::io::Result<Self>
+    where
+        F: Fn(TcpStream) -> Fut + Send + 'static,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
         let addr = listener.local_addr()?;
         let task = tokio::spawn(async move {
             while let Ok((socket, _)) = listener.accept().await {
@@ -47,7 +56,12 @@ pub struct EchoServer {
 
 impl EchoServer {
     pub async fn start() -> std::io::Result<Self> {
-        let target = TcpTarget::serve(|mut socket| async move {
+        Self::on(TcpListener::bind("127.0.0.1:0").await?)
+    }
+
+    /// An echo server on a listener the caller bound.
+    pub fn on(listener: TcpListener) -> std::io::Result<Self> {
+        let target = TcpTarget::serve_on(listener, |mut socket| async move {
             let (mut r, mut w) = socket.split();
             let mut buf = vec![0u8; 64 * 1024];
             loop {
@@ -61,8 +75,7 @@ impl EchoServer {
                 }
             }
             let _ = w.shutdown().await;
-        })
-        .await?;
+        })?;
         Ok(EchoServer {
             addr: target.addr,
             _target: target,

@@ -1,6 +1,6 @@
 //! Starting servers, clients and hand-driven agents on loopback for tests.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, ready};
@@ -168,8 +168,16 @@ impl RawAgent {
 
 /// A plain-HTTP GET of `path` on a health port: the status code and body.
 pub async fn health_get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
+    health_get_over(tokio::net::TcpStream::connect(addr).await?, path).await
+}
+
+/// [`health_get`] over a connection the caller opened (from inside a
+/// network namespace, say: `simulated_cluster::netns::connect_in`).
+pub async fn health_get_over(
+    mut tcp: tokio::net::TcpStream,
+    path: &str,
+) -> std::io::Result<(u16, String)> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut tcp = tokio::net::TcpStream::connect(addr).await?;
     tcp.write_all(
         format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes(),
     )
@@ -568,12 +576,23 @@ pub fn proxy_server_args(
     ports: &ServerPorts,
     layout: &cert_authority::files::Layout,
 ) -> Vec<String> {
+    proxy_server_args_agents_on(server_id, ports, IpAddr::from([127, 0, 0, 1]), layout)
+}
+
+/// [`proxy_server_args`] with the agent port on `agent_address` (a hub
+/// address agents reach over a network) instead of loopback.
+pub fn proxy_server_args_agents_on(
+    server_id: &str,
+    ports: &ServerPorts,
+    agent_address: IpAddr,
+    layout: &cert_authority::files::Layout,
+) -> Vec<String> {
     vec![
         format!("--server-id={server_id}"),
         "--proxy-strategies=destHost".to_owned(),
         "--server-bind-address=127.0.0.1".to_owned(),
         format!("--server-port={}", ports.client),
-        "--agent-bind-address=127.0.0.1".to_owned(),
+        format!("--agent-bind-address={agent_address}"),
         format!("--agent-port={}", ports.agent),
         "--health-bind-address=127.0.0.1".to_owned(),
         format!("--health-port={}", ports.health),
@@ -597,9 +616,29 @@ pub fn proxy_agent_args(
     agent_port: u16,
     layout: &cert_authority::files::Layout,
 ) -> Vec<String> {
+    let server = SocketAddr::from(([127, 0, 0, 1], agent_port));
+    proxy_agent_args_to(
+        cluster,
+        agent_id,
+        server,
+        (free_port(), free_port()),
+        layout,
+    )
+}
+
+/// [`proxy_agent_args`] dialing the agent port at `server` (its IP is the
+/// name the server certificate must carry), with the agent's own health
+/// and admin ports `(health, admin)` on its loopback.
+pub fn proxy_agent_args_to(
+    cluster: &ClusterName,
+    agent_id: &str,
+    server: SocketAddr,
+    (health_port, admin_port): (u16, u16),
+    layout: &cert_authority::files::Layout,
+) -> Vec<String> {
     vec![
-        "--proxy-server-host=127.0.0.1".to_owned(),
-        format!("--proxy-server-port={agent_port}"),
+        format!("--proxy-server-host={}", server.ip()),
+        format!("--proxy-server-port={}", server.port()),
         format!("--ca-cert={}", display(layout.bundle())),
         format!("--agent-cert={}", display(layout.agent(cluster).cert)),
         format!("--agent-key={}", display(layout.agent(cluster).key)),
@@ -607,8 +646,8 @@ pub fn proxy_agent_args(
         format!("--agent-identifiers=host={cluster}"),
         format!("--host-alias={cluster}=127.0.0.1"),
         "--health-server-host=127.0.0.1".to_owned(),
-        format!("--health-server-port={}", free_port()),
+        format!("--health-server-port={health_port}"),
         "--admin-bind-address=127.0.0.1".to_owned(),
-        format!("--admin-server-port={}", free_port()),
+        format!("--admin-server-port={admin_port}"),
     ]
 }

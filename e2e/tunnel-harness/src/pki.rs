@@ -44,9 +44,16 @@ fn identity(c: &Credentials, name: &str) -> Result<Identity, TlsError> {
 
 impl TestPki {
     pub fn new(clusters: &[&str]) -> Result<Self, TestPkiError> {
+        Self::with_server_sans(clusters, &[])
+    }
+
+    /// [`TestPki::new`] whose server certificates also name `extra_sans`
+    /// (the hub address agents dial over a network, say).
+    pub fn with_server_sans(clusters: &[&str], extra_sans: &[&str]) -> Result<Self, TestPkiError> {
         let ca = Authority::generate("cluster-proxy-test-ca", Duration::from_secs(24 * 3600))?;
-        let proxy_server = ca.issue(&LeafRequest::server("proxy-server", SERVER_SANS))?;
-        let agent_server = ca.issue(&LeafRequest::server("agent-server", SERVER_SANS))?;
+        let sans: Vec<&str> = SERVER_SANS.iter().chain(extra_sans).copied().collect();
+        let proxy_server = ca.issue(&LeafRequest::server("proxy-server", &sans))?;
+        let agent_server = ca.issue(&LeafRequest::server("agent-server", &sans))?;
         let proxy_client = ca.issue(&LeafRequest::client("proxy-client"))?;
         let agents = clusters
             .iter()

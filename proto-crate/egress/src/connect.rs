@@ -274,7 +274,11 @@ impl HttpConnect<'_> {
 
     fn refused<B>(&self, response: &http::Response<B>) -> EgressError {
         let status = response.status();
-        if status == http::StatusCode::PROXY_AUTHENTICATION_REQUIRED {
+        // A 401 to CONNECT comes from the proxy too (the target has not been
+        // reached): tinyproxy answers so when it rejects the credentials.
+        if status == http::StatusCode::PROXY_AUTHENTICATION_REQUIRED
+            || status == http::StatusCode::UNAUTHORIZED
+        {
             let challenge = response
                 .headers()
                 .get_all(http::header::PROXY_AUTHENTICATE)
@@ -285,6 +289,7 @@ impl HttpConnect<'_> {
             return EgressError::ProxyAuthentication {
                 proxy: self.proxy.to_owned(),
                 target: self.target.to_owned(),
+                status,
                 sent_credentials: self.credentials.is_some(),
                 challenge: (!challenge.is_empty()).then(|| challenge.join(", ")),
             };

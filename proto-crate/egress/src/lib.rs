@@ -78,13 +78,16 @@ pub enum EgressError {
         source: std::io::Error,
     },
     #[error(
-        "proxy {proxy} refused CONNECT to {target}: 407 Proxy Authentication Required{}{}",
+        "proxy {proxy} refused CONNECT to {target}: {status}{}{}",
         if *.sent_credentials { " (the credentials given were not accepted)" } else { " (no credentials were given: set them in the proxy URL or --proxy-credentials-file)" },
         .challenge.as_deref().map(|c| format!("; it asks for {c}")).unwrap_or_default()
     )]
     ProxyAuthentication {
         proxy: String,
         target: String,
+        /// 407, or 401: what tinyproxy answers credentials it rejects
+        /// (it says 407 only when none were sent).
+        status: http::StatusCode,
         sent_credentials: bool,
         /// The scheme of `Proxy-Authenticate` (e.g. `Basic`, `Negotiate`).
         challenge: Option<String>,

@@ -143,6 +143,22 @@ async fn a_407_says_whether_credentials_were_sent_and_what_the_proxy_asks_for() 
     assert!(!format!("{err:?}").contains("hunter2"), "{err:?}");
 }
 
+/// tinyproxy answers 407 only when no credentials came; wrong ones get
+/// `401 Unauthorized`. Both are the proxy rejecting the credentials.
+#[tokio::test]
+async fn a_401_to_connect_is_an_authentication_failure_too() {
+    let answer = b"HTTP/1.0 401 Unauthorized\r\nProxy-Authenticate: Basic realm=\"tinyproxy\"\r\nContent-Length: 0\r\n\r\n";
+    let (url, _proxy) = scripted_proxy(answer, false).await;
+    let err = connect(&egress(&url.replace("http://", "http://alice:hunter2@")))
+        .await
+        .unwrap_err();
+    assert_eq!(err.reason(), "proxy_auth", "{err}");
+    let text = err.to_string();
+    assert!(text.contains("401 Unauthorized"), "{text}");
+    assert!(text.contains("were not accepted"), "{text}");
+    assert!(!text.contains("hunter2"), "{text}");
+}
+
 #[tokio::test]
 async fn other_refusals_carry_their_status() {
     let (url, _proxy) = scripted_proxy(
