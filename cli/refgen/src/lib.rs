@@ -123,13 +123,13 @@ fn binaries() -> Vec<Binary> {
             "addon-manager",
             addon_manager::settings::Cli::command(),
             addon_manager::settings::ENV,
-            &addon_manager::settings::Settings::default(),
+            &addon_manager::settings::AddonManagerSettings::default(),
         ),
         binary(
             "health-prober",
             health_prober::settings::Cli::command(),
             health_prober::settings::ENV,
-            &health_prober::settings::Settings::default(),
+            &health_prober::settings::HealthProberSettings::default(),
         ),
         binary(
             "user-server",
