@@ -185,7 +185,7 @@ async fn rolling_restart(
     gated: bool,
 ) -> anyhow::Result<()> {
     let replica_count = 3;
-    let configure = |config: &mut proxy_server::config::ServerConfig| {
+    let configure = |config: &mut proxy_server::settings::ProxyServerSettings| {
         config.graceful_shutdown_timeout = GRACE;
     };
     // Gated: replicas that count each other, so `/readyz` waits for the
@@ -401,7 +401,7 @@ async fn wait_for(
 }
 
 async fn scaling(pki: &TestPki, clusters: &[String], rate: usize) -> anyhow::Result<()> {
-    let configure = |config: &mut proxy_server::config::ServerConfig| {
+    let configure = |config: &mut proxy_server::settings::ProxyServerSettings| {
         config.graceful_shutdown_timeout = GRACE;
     };
     let mut replicas = Replicas::start_scalable(pki, 2, Selection::RoundRobin, configure).await?;

@@ -260,7 +260,7 @@ async fn a_draining_replica_fails_no_dial() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replacement_reusing_the_server_id_is_reached_while_the_old_one_drains() {
     let grace = Duration::from_secs(60);
-    let configure = |config: &mut proxy_server::config::ServerConfig| {
+    let configure = |config: &mut proxy_server::settings::ProxyServerSettings| {
         config.graceful_shutdown_timeout = grace;
     };
     let pki = TestPki::new(&["cluster-a"]).unwrap();

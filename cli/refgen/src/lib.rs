@@ -91,9 +91,9 @@ fn binaries() -> Vec<Binary> {
     vec![
         binary(
             "proxy-server",
-            proxy_server::config::Cli::command(),
-            proxy_server::config::ENV,
-            &proxy_server::config::ServerConfig::default(),
+            proxy_server::settings::Cli::command(),
+            proxy_server::settings::ENV,
+            &proxy_server::settings::ProxyServerSettings::default(),
         ),
         binary(
             "proxy-agent",
@@ -135,13 +135,13 @@ fn binaries() -> Vec<Binary> {
             "user-server",
             user_server::settings::Cli::command(),
             user_server::settings::ENV,
-            &user_server::settings::Settings::default(),
+            &user_server::settings::UserServerSettings::default(),
         ),
         binary(
             "service-proxy",
             service_proxy::settings::Cli::command(),
             service_proxy::settings::ENV,
-            &service_proxy::settings::Settings::default(),
+            &service_proxy::settings::ServiceProxySettings::default(),
         ),
     ]
 }

@@ -13,7 +13,7 @@ use cluster_proxy_proto::identity::ClusterName;
 use cluster_proxy_proto::konnectivity::agent_service_client::AgentServiceClient;
 use cluster_proxy_proto::metadata;
 use cluster_proxy_proto::transport::{TransportError, connect_channel};
-use proxy_server::config::ServerConfig;
+use proxy_server::settings::ProxyServerSettings;
 use simulated_cluster::targets::free_port;
 use simulated_cluster::wait::wait_until;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -24,8 +24,8 @@ use tonic::metadata::{MetadataMap, MetadataValue};
 
 /// A server configuration for tests: ephemeral loopback ports, `destHost`
 /// routing, short dial timeout.
-pub fn test_server_config() -> ServerConfig {
-    ServerConfig {
+pub fn test_server_config() -> ProxyServerSettings {
+    ProxyServerSettings {
         server_port: 0,
         agent_port: 0,
         health_port: 0,
@@ -36,7 +36,7 @@ pub fn test_server_config() -> ServerConfig {
         admin_bind_address: "127.0.0.1".into(),
         proxy_strategies: "destHost".into(),
         backend_dial_timeout: Duration::from_secs(5),
-        ..ServerConfig::default()
+        ..ProxyServerSettings::default()
     }
 }
 
