@@ -1,5 +1,5 @@
 //! What an agent runs with ([`AgentConfig`]) and where its TLS client
-//! configuration comes from: built by the flags (`crate::config`), read
+//! configuration comes from: built by the flags (`crate::settings`), read
 //! by the tunnel manager, started by [`crate::start`].
 
 use std::path::PathBuf;
@@ -77,7 +77,7 @@ pub fn offering_framing(
 }
 
 /// Runtime configuration of an agent. [`AgentConfig::new`] gives upstream's
-/// defaults; [`AgentSettings::to_agent_config`] builds one from flags.
+/// defaults; [`ProxyAgentSettings::to_agent_config`] builds one from flags.
 #[derive(Debug, Clone)]
 pub struct AgentConfig {
     pub tls: TlsSource,

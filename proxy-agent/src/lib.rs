@@ -10,11 +10,11 @@
 #![forbid(unsafe_code)]
 
 mod agent_config;
-pub mod config;
 mod connection;
 pub mod dial;
 mod manager;
 pub mod metrics;
+pub mod settings;
 pub mod tunnel;
 
 use std::net::SocketAddr;
@@ -30,9 +30,9 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 pub use agent_config::{AgentConfig, TlsSource, offered_alpn, offering_framing};
-pub use config::{AgentSettings, Cli, ConfigError};
 pub use manager::ConnectError;
 pub use metrics::Metrics;
+pub use settings::{Cli, ConfigError, ProxyAgentSettings};
 
 use crate::manager::Shared;
 
@@ -329,7 +329,7 @@ mod tests {
         use clap::Parser;
         let load = |args: &[&str]| {
             let argv = std::iter::once("proxy-agent").chain(args.iter().copied());
-            AgentSettings::load_with_env(&Cli::parse_from(argv), Vec::new()).unwrap()
+            ProxyAgentSettings::load_with_env(&Cli::parse_from(argv), Vec::new()).unwrap()
         };
         assert!(load(&[]).lean_framing);
         assert!(!load(&["--lean-framing=false"]).lean_framing);

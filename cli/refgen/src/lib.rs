@@ -98,8 +98,8 @@ fn binaries() -> Vec<Binary> {
         binary(
             "proxy-agent",
             proxy_agent::Cli::command(),
-            proxy_agent::config::ENV,
-            &proxy_agent::AgentSettings::default(),
+            proxy_agent::settings::ENV,
+            &proxy_agent::ProxyAgentSettings::default(),
         ),
         binary(
             "addon-agent",
