@@ -105,7 +105,7 @@ fn binaries() -> Vec<Binary> {
             "addon-agent",
             addon_agent::Cli::command(),
             addon_agent::settings::ENV,
-            &addon_agent::AgentSettings::default(),
+            &addon_agent::AddonAgentSettings::default(),
         ),
         binary(
             "cert-authority init",
