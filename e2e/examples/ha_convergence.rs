@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, anyhow};
 use cluster_proxy_proto::transport::ALPN_HTTP11;
-use proxy_agent::{AgentConfig, RunningAgent};
+use proxy_agent::{ProxyAgentConfig, RunningAgent};
 use simulated_cluster::balancer::{self, Selection};
 use simulated_cluster::targets::EchoServer;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -59,7 +59,7 @@ fn agent_configs(
     replicas: &Replicas,
     pki: &TestPki,
     clusters: &[String],
-) -> anyhow::Result<Vec<AgentConfig>> {
+) -> anyhow::Result<Vec<ProxyAgentConfig>> {
     clusters
         .iter()
         .map(|cluster| {

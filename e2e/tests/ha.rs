@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cluster_proxy_proto::transport::ALPN_HTTP11;
-use proxy_agent::{AgentConfig, RunningAgent};
+use proxy_agent::{ProxyAgentConfig, RunningAgent};
 use simulated_cluster::balancer::{self, Selection};
 use simulated_cluster::targets::EchoServer;
 use simulated_cluster::wait::wait_until;
@@ -28,13 +28,13 @@ fn clusters(n: usize) -> Vec<String> {
     (0..n).map(|i| format!("cluster-{i}")).collect()
 }
 
-fn loopback_aliases(config: &mut AgentConfig, cluster: &str) {
+fn loopback_aliases(config: &mut ProxyAgentConfig, cluster: &str) {
     config
         .host_aliases
         .insert(cluster.to_owned(), IpAddr::V4(Ipv4Addr::LOCALHOST));
 }
 
-fn slow_sync(replicas: &Replicas, pki: &TestPki, cluster: &str) -> AgentConfig {
+fn slow_sync(replicas: &Replicas, pki: &TestPki, cluster: &str) -> ProxyAgentConfig {
     let mut config = replicas.agent_config(pki, cluster).unwrap();
     config.sync_interval = SYNC_INTERVAL;
     config.sync_interval_cap = SYNC_INTERVAL;

@@ -29,7 +29,7 @@ use cluster_proxy_runtime::tls::{self, Identity, Pem, TlsError};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-pub use agent_config::{AgentConfig, TlsSource, offered_alpn, offering_framing};
+pub use agent_config::{ProxyAgentConfig, TlsSource, offered_alpn, offering_framing};
 pub use manager::ConnectError;
 pub use metrics::Metrics;
 pub use settings::{Cli, ConfigError, ProxyAgentSettings};
@@ -82,7 +82,7 @@ fn client_config(source: &TlsSource) -> Result<Arc<rustls::ClientConfig>, AgentE
 /// Upstream's readiness failure body, which probes and runbooks match on.
 pub const NOT_READY_BODY: &str = "[+]ping ok\n[-]server-connected failed: no servers connected\n";
 
-fn validate(config: &AgentConfig) -> Result<(), AgentError> {
+fn validate(config: &ProxyAgentConfig) -> Result<(), AgentError> {
     AgentIdentifiers::parse_like_upstream(&config.agent_identifiers).map_err(|e| {
         AgentError::Invalid {
             field: "agent-identifiers",
@@ -128,7 +128,7 @@ impl std::fmt::Debug for RunningAgent {
 /// Loads credentials, binds the health and admin ports and starts connecting
 /// to the proxy-server. Returns once the listeners are bound; tunnels come up
 /// in the background (see [`RunningAgent::wait_for_tunnels`]).
-pub async fn start(config: AgentConfig) -> Result<RunningAgent, AgentError> {
+pub async fn start(config: ProxyAgentConfig) -> Result<RunningAgent, AgentError> {
     validate(&config)?;
     let lean = config.lean_framing;
     let tls = match &config.tls {

@@ -20,7 +20,7 @@ use cluster_proxy_runtime::shell::{BinarySettings, CommandLine};
 use cluster_proxy_runtime::telemetry::TelemetryFlags;
 use serde::{Deserialize, Serialize};
 
-use crate::agent_config::{AgentConfig, TlsSource};
+use crate::agent_config::{ProxyAgentConfig, TlsSource};
 
 const DEFAULT_CONTENT_TYPE: &str = "application/vnd.kubernetes.protobuf";
 const DEFAULT_LEASE_SELECTOR: &str = "k8s-app=konnectivity-server";
@@ -467,7 +467,7 @@ impl ProxyAgentSettings {
     }
 
     /// The runtime configuration. Certificates are read by [`crate::start`].
-    pub fn to_agent_config(&self) -> Result<AgentConfig, ConfigError> {
+    pub fn to_agent_config(&self) -> Result<ProxyAgentConfig, ConfigError> {
         let Some(ca_cert) = self.ca_cert.clone() else {
             return Err(invalid(
                 "ca-cert",
@@ -480,7 +480,7 @@ impl ProxyAgentSettings {
             agent_key: self.agent_key.clone(),
             alpn: self.alpn_proto.clone(),
         };
-        let mut config = AgentConfig::new(tls);
+        let mut config = ProxyAgentConfig::new(tls);
         config.proxy_server_host = self.proxy_server_host.clone();
         config.proxy_server_port = self.proxy_server_port;
         if !self.agent_id.is_empty() {

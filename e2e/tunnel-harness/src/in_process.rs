@@ -368,9 +368,10 @@ impl AgentUnderTest {
         agent_addr: SocketAddr,
         aliases: &[(&str, &str)],
     ) -> Result<Self, AgentStartError> {
-        let mut config =
-            proxy_agent::AgentConfig::new(proxy_agent::TlsSource::Config(pki.agent_tls(cluster)?))
-                .with_ephemeral_ports();
+        let mut config = proxy_agent::ProxyAgentConfig::new(proxy_agent::TlsSource::Config(
+            pki.agent_tls(cluster)?,
+        ))
+        .with_ephemeral_ports();
         config.proxy_server_host = "localhost".into();
         config.proxy_server_port = agent_addr.port();
         config.agent_id = format!("{cluster}-agent");
@@ -388,7 +389,9 @@ impl AgentUnderTest {
     }
 
     /// Starts an agent with a full configuration.
-    pub async fn start_with(config: proxy_agent::AgentConfig) -> Result<Self, AgentStartError> {
+    pub async fn start_with(
+        config: proxy_agent::ProxyAgentConfig,
+    ) -> Result<Self, AgentStartError> {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("agent-under-test")
@@ -508,7 +511,7 @@ impl LocalReplicas {
         index: usize,
     ) -> Result<proxy_agent::RunningAgent, LocalReplicasError> {
         let tls = self.pki.agent_tls(cluster)?;
-        let mut config = proxy_agent::AgentConfig::new(proxy_agent::TlsSource::Config(tls))
+        let mut config = proxy_agent::ProxyAgentConfig::new(proxy_agent::TlsSource::Config(tls))
             .with_ephemeral_ports();
         config.proxy_server_host = "localhost".into();
         config.proxy_server_port = self.servers[index].agent_addr.port();

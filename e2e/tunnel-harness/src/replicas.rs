@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use proxy_agent::{AgentConfig, RunningAgent, TlsSource};
+use proxy_agent::{ProxyAgentConfig, RunningAgent, TlsSource};
 use proxy_server::RunningServer;
 use proxy_server::peers::{LookupFuture, PeerLookup, PeerLookupError};
 use proxy_server::settings::ProxyServerSettings;
@@ -203,9 +203,13 @@ impl Replicas {
 
     /// An agent configuration for `cluster` (identifiers `host=<cluster>`)
     /// dialing the agent Service.
-    pub fn agent_config(&self, pki: &TestPki, cluster: &str) -> Result<AgentConfig, ReplicasError> {
-        let mut config =
-            AgentConfig::new(TlsSource::Config(pki.agent_tls(cluster)?)).with_ephemeral_ports();
+    pub fn agent_config(
+        &self,
+        pki: &TestPki,
+        cluster: &str,
+    ) -> Result<ProxyAgentConfig, ReplicasError> {
+        let mut config = ProxyAgentConfig::new(TlsSource::Config(pki.agent_tls(cluster)?))
+            .with_ephemeral_ports();
         config.proxy_server_host = "localhost".into();
         config.proxy_server_port = self.agent_service.port();
         config.agent_id = format!("{cluster}-agent");
@@ -291,7 +295,9 @@ async fn start_replica(
 }
 
 /// Starts one agent per configuration, all at once (the "in step" case).
-pub async fn start_agents(configs: Vec<AgentConfig>) -> Result<Vec<RunningAgent>, ReplicasError> {
+pub async fn start_agents(
+    configs: Vec<ProxyAgentConfig>,
+) -> Result<Vec<RunningAgent>, ReplicasError> {
     let starts = configs.into_iter().map(|config| async move {
         let cluster = config.agent_identifiers.clone();
         proxy_agent::start(config)
