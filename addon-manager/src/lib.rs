@@ -9,5 +9,6 @@
 pub mod addon;
 pub mod apply;
 pub mod hub;
+pub mod service;
 pub mod settings;
 pub mod trace;

@@ -7,9 +7,11 @@ use std::time::Duration;
 
 use clap::Parser;
 use cluster_proxy_proto::duration::serde_go;
+use cluster_proxy_runtime::cli::{HealthFlags, LeaderElectionFlags};
 pub use cluster_proxy_runtime::config::ConfigError;
 use cluster_proxy_runtime::config::{self, EnvSpec, invalid};
 use cluster_proxy_runtime::logging::{LogFlags, LogFormat};
+use cluster_proxy_runtime::shell::{BinarySettings, CommandLine};
 use cluster_proxy_runtime::telemetry::TelemetryFlags;
 use serde::{Deserialize, Serialize};
 
@@ -44,54 +46,44 @@ pub struct Cli {
     /// The hub namespace of the addon's own objects (the Placement, the
     /// leader-election Lease); the pod's namespace (`POD_NAMESPACE`) by default.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub namespace: Option<String>,
     /// The cluster-scoped ManagedProxyConfiguration to follow.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub managed_proxy_configuration: Option<String>,
     /// Where agents are installed on managed clusters unless an
     /// AddOnDeploymentConfig's agentInstallNamespace says otherwise.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub agent_install_namespace: Option<String>,
     /// The agent image; empty: the ManagedProxyConfiguration's
     /// proxyAgent.image.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub agent_image_name: Option<String>,
     /// Make each cluster's kube-apiserver reachable by the cluster's name
     /// (agent identifiers `host=<cluster>`, `host=<cluster>.<namespace>`, and
     /// the ExternalName Service).
     #[arg(long, value_parser = cluster_proxy_runtime::cli::parse_go_bool, num_args = 0..=1, default_missing_value = "true")]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub enable_kube_api_proxy: Option<bool>,
     /// Ship a NetworkPolicy with every agent: in, only its health port; out,
     /// DNS, the kube-apiserver (443, 6443) and the hub entrypoint's port.
     #[arg(long, value_parser = cluster_proxy_runtime::cli::parse_go_bool, num_args = 0..=1, default_missing_value = "true")]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub enable_network_policies: Option<bool>,
     /// Put a service-proxy beside every agent (kubectl through the hub's
     /// user-server), once cert-authority has issued its certificate (the
     /// ManagedProxyConfiguration's spec.userServer). Upstream's binary
     /// defaults to true and its chart passes false; here both say false.
     #[arg(long, value_parser = cluster_proxy_runtime::cli::parse_go_bool, num_args = 0..=1, default_missing_value = "true")]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub enable_service_proxy: Option<bool>,
     /// The ports of the managed clusters' kube-apiservers that policy lets
     /// the agents reach, comma-separated (the endpoints' ports: policies
     /// apply after the Service's translation).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub agent_kube_apiserver_ports: Option<String>,
     /// imagePullPolicy of the proxy-server and agent containers: Always,
     /// IfNotPresent or Never; empty: Kubernetes' default.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub image_pull_policy: Option<String>,
     /// The Placement (in --namespace) whose clusters get the addon.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub placement_name: Option<String>,
     /// How long a cluster must stay out of every decision of the placement
     /// before its addon is removed (a Go duration; 0s: at once). OCM's
@@ -99,21 +91,13 @@ pub struct Cli {
     /// a time, so a cluster moving from one decision to another is briefly
     /// in none.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub placement_removal_grace: Option<String>,
-    /// Elect a leader on Lease `cluster-proxy-addon-manager` so that of
-    /// several replicas exactly one writes.
-    #[arg(long, value_parser = cluster_proxy_runtime::cli::parse_go_bool, num_args = 0..=1, default_missing_value = "true")]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub leader_elect: Option<bool>,
-    /// Port of `/healthz`, `/readyz` and `/metrics` (0: any free port).
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub health_port: Option<u16>,
-    /// Address of the health and metrics port (empty: every address).
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub health_bind_address: Option<String>,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub leader_election: LeaderElectionFlags,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub health: HealthFlags,
     #[command(flatten)]
     #[serde(flatten)]
     pub logging: LogFlags,
@@ -126,7 +110,7 @@ pub struct Cli {
 /// The effective settings.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
-pub struct Settings {
+pub struct AddonManagerSettings {
     pub namespace: String,
     pub managed_proxy_configuration: String,
     pub agent_install_namespace: String,
@@ -146,9 +130,9 @@ pub struct Settings {
     pub log_format: LogFormat,
 }
 
-impl Default for Settings {
+impl Default for AddonManagerSettings {
     fn default() -> Self {
-        Settings {
+        AddonManagerSettings {
             namespace: std::env::var("POD_NAMESPACE")
                 .ok()
                 .filter(|ns| !ns.is_empty())
@@ -172,16 +156,36 @@ impl Default for Settings {
     }
 }
 
-impl Settings {
-    pub fn load(flags: &Cli) -> Result<Self, ConfigError> {
+impl CommandLine for Cli {
+    fn logging(&self) -> &LogFlags {
+        &self.logging
+    }
+
+    fn telemetry(&self) -> Option<&TelemetryFlags> {
+        Some(&self.telemetry)
+    }
+}
+
+impl BinarySettings for AddonManagerSettings {
+    type Flags = Cli;
+    const SERVICE: &'static str = "addon-manager";
+
+    fn load(flags: &Cli) -> Result<Self, ConfigError> {
         Self::load_with_env(flags, std::env::vars())
     }
 
+    fn log_settings(&self) -> (u8, LogFormat) {
+        (self.v, self.log_format)
+    }
+}
+
+impl AddonManagerSettings {
     pub fn load_with_env(
         flags: &Cli,
         vars: impl IntoIterator<Item = (String, String)>,
     ) -> Result<Self, ConfigError> {
-        let settings: Settings = config::load_with_env(ENV, flags.config.as_deref(), flags, vars)?;
+        let settings: AddonManagerSettings =
+            config::load_with_env(ENV, flags.config.as_deref(), flags, vars)?;
         settings.validate()?;
         Ok(settings)
     }
@@ -226,7 +230,7 @@ impl Settings {
     }
 }
 
-impl Settings {
+impl AddonManagerSettings {
     /// `agent_kube_apiserver_ports` as ports: at least one, each 1–65535.
     pub fn kube_apiserver_ports(&self) -> Result<Vec<i32>, ConfigError> {
         let ports = self
@@ -250,11 +254,11 @@ mod tests {
     use super::*;
     use clap::CommandFactory;
 
-    fn load(args: &[&str], vars: &[(&str, &str)]) -> Result<Settings, ConfigError> {
+    fn load(args: &[&str], vars: &[(&str, &str)]) -> Result<AddonManagerSettings, ConfigError> {
         let mut argv = vec!["addon-manager"];
         argv.extend(args);
         let cli = Cli::try_parse_from(argv).map_err(|e| invalid("flags", e.to_string()))?;
-        Settings::load_with_env(
+        AddonManagerSettings::load_with_env(
             &cli,
             vars.iter().map(|(k, v)| (k.to_string(), v.to_string())),
         )
@@ -325,7 +329,8 @@ mod tests {
 
     #[test]
     fn every_flag_is_described_with_its_default() {
-        let problems = cluster_proxy_runtime::cli::help_problems::<Cli>(&Settings::default(), &[]);
+        let problems =
+            cluster_proxy_runtime::cli::help_problems::<Cli>(&AddonManagerSettings::default(), &[]);
         assert!(problems.is_empty(), "{problems:?}");
         let _ = Cli::command();
     }

@@ -14,6 +14,7 @@
 #![forbid(unsafe_code)]
 
 pub mod authority;
+pub mod commands;
 pub mod files;
 pub mod kubernetes;
 pub mod pki;

@@ -11,6 +11,7 @@ use cluster_proxy_proto::identity::ClusterName;
 pub use cluster_proxy_runtime::config::ConfigError;
 use cluster_proxy_runtime::config::{self, EnvSpec, invalid};
 use cluster_proxy_runtime::logging::{LogFlags, LogFormat};
+use cluster_proxy_runtime::shell::{BinarySettings, CommandLine};
 use cluster_proxy_runtime::telemetry::TelemetryFlags;
 use serde::{Deserialize, Serialize};
 
@@ -89,15 +90,12 @@ pub struct PkiFlags {
     pub config: Option<PathBuf>,
     /// Extra SAN for both server certificates (repeatable), as upstream's additionalSANs.
     #[arg(long = "additional-san")]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub additional_san: Option<Vec<String>>,
     /// Validity of leaf certificates (Go duration).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub leaf_validity: Option<String>,
     /// Validity of a new CA (Go duration).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub ca_validity: Option<String>,
 }
 
@@ -105,11 +103,9 @@ pub struct PkiFlags {
 pub struct InitFlags {
     /// Directory to create the PKI in (must not hold a CA yet).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub dir: Option<PathBuf>,
     /// Managed clusters to issue agent certificates for (comma-separated).
     #[arg(long, value_delimiter = ',')]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub clusters: Option<Vec<String>>,
     #[command(flatten)]
     #[serde(flatten)]
@@ -187,55 +183,42 @@ pub struct RunFlags {
     /// Where the PKI lives: files (a directory made by `init`) or kubernetes
     /// (Secrets, and agent certificates through CSRs).
     #[arg(long, value_enum)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub backend: Option<Backend>,
     /// files: the PKI directory.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub dir: Option<PathBuf>,
     /// kubernetes: namespace of the leader Lease and the signer Secret, and of the hub Secrets unless a ManagedProxyConfiguration names theirs.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub namespace: Option<String>,
     /// kubernetes: the ManagedProxyConfiguration whose namespace, Secret names and SANs the hub certificates follow and whose status gets their conditions (empty: none).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub managed_proxy_configuration: Option<String>,
     /// kubernetes: the Secret holding the CA.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub signer_secret_name: Option<String>,
     /// kubernetes: its namespace (empty: --namespace).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub signer_secret_namespace: Option<String>,
     /// files: managed clusters whose agent certificates to keep current (comma-separated).
     #[arg(long, value_delimiter = ',')]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub clusters: Option<Vec<String>>,
     /// How often to check (Go duration).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub interval: Option<String>,
     /// Create the next CA this long before the current one expires.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub ca_prepare_before_expiry: Option<String>,
     /// Publish the next CA in the bundle this long before signing with it.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub bundle_propagation: Option<String>,
     /// One pass, then exit.
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub once: Option<bool>,
     /// kubernetes: port of /healthz, /readyz and /metrics (0 picks a free one).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub health_port: Option<u16>,
     /// kubernetes: address the health port listens on (empty: every address).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub health_bind_address: Option<String>,
     #[command(flatten)]
     #[serde(flatten)]
@@ -247,6 +230,23 @@ pub struct RunFlags {
     #[command(flatten)]
     #[serde(skip)]
     pub telemetry: TelemetryFlags,
+}
+
+/// Parses the process's arguments; `--help` shows each subcommand's own
+/// defaults, and `--help`, `--version` or bad flags exit as clap does.
+pub fn parse() -> Cli {
+    use clap::CommandFactory;
+    let command = cluster_proxy_runtime::cli::with_subcommand_defaults(
+        Cli::command(),
+        "init",
+        &InitSettings::default(),
+    );
+    let command = cluster_proxy_runtime::cli::with_subcommand_defaults(
+        command,
+        "run",
+        &RunSettings::default(),
+    );
+    cluster_proxy_runtime::cli::parse_command(command)
 }
 
 /// Parses `--clusters` names.
@@ -276,11 +276,30 @@ impl InitSettings {
     }
 }
 
-impl RunSettings {
-    pub fn load(flags: &RunFlags) -> Result<Self, ConfigError> {
+impl CommandLine for RunFlags {
+    fn logging(&self) -> &LogFlags {
+        &self.logging
+    }
+
+    fn telemetry(&self) -> Option<&TelemetryFlags> {
+        Some(&self.telemetry)
+    }
+}
+
+impl BinarySettings for RunSettings {
+    type Flags = RunFlags;
+    const SERVICE: &'static str = "cert-authority";
+
+    fn load(flags: &RunFlags) -> Result<Self, ConfigError> {
         Self::load_with_env(flags, std::env::vars())
     }
 
+    fn log_settings(&self) -> (u8, LogFormat) {
+        (self.v, self.log_format)
+    }
+}
+
+impl RunSettings {
     pub fn load_with_env(
         flags: &RunFlags,
         vars: impl IntoIterator<Item = (String, String)>,

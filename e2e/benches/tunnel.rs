@@ -790,7 +790,7 @@ async fn setup(idle: u64) -> Setup {
         .await
         .expect("server");
     let cpu_latency = hold_cpu_latency();
-    let mut agent_config = proxy_agent::AgentConfig::new(proxy_agent::TlsSource::Config(
+    let mut agent_config = proxy_agent::ProxyAgentConfig::new(proxy_agent::TlsSource::Config(
         pki.agent_tls("bench").expect("tls"),
     ))
     .with_ephemeral_ports();

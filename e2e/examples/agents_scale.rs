@@ -302,9 +302,9 @@ async fn main() -> anyhow::Result<()> {
         let starts = chunk.iter().map(|cluster| {
             let pki = &pki;
             async move {
-                let mut config = proxy_agent::AgentConfig::new(proxy_agent::TlsSource::Config(
-                    pki.agent_tls(cluster)?,
-                ))
+                let mut config = proxy_agent::ProxyAgentConfig::new(
+                    proxy_agent::TlsSource::Config(pki.agent_tls(cluster)?),
+                )
                 .with_ephemeral_ports();
                 config.proxy_server_host = "localhost".into();
                 config.proxy_server_port = agent_port;

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, anyhow};
 use cluster_proxy_proto::transport::ALPN_HTTP11;
-use proxy_agent::{AgentConfig, RunningAgent};
+use proxy_agent::{ProxyAgentConfig, RunningAgent};
 use simulated_cluster::balancer::{self, Selection};
 use simulated_cluster::targets::EchoServer;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -59,7 +59,7 @@ fn agent_configs(
     replicas: &Replicas,
     pki: &TestPki,
     clusters: &[String],
-) -> anyhow::Result<Vec<AgentConfig>> {
+) -> anyhow::Result<Vec<ProxyAgentConfig>> {
     clusters
         .iter()
         .map(|cluster| {
@@ -185,7 +185,7 @@ async fn rolling_restart(
     gated: bool,
 ) -> anyhow::Result<()> {
     let replica_count = 3;
-    let configure = |config: &mut proxy_server::config::ServerConfig| {
+    let configure = |config: &mut proxy_server::settings::ProxyServerSettings| {
         config.graceful_shutdown_timeout = GRACE;
     };
     // Gated: replicas that count each other, so `/readyz` waits for the
@@ -401,7 +401,7 @@ async fn wait_for(
 }
 
 async fn scaling(pki: &TestPki, clusters: &[String], rate: usize) -> anyhow::Result<()> {
-    let configure = |config: &mut proxy_server::config::ServerConfig| {
+    let configure = |config: &mut proxy_server::settings::ProxyServerSettings| {
         config.graceful_shutdown_timeout = GRACE;
     };
     let mut replicas = Replicas::start_scalable(pki, 2, Selection::RoundRobin, configure).await?;

@@ -436,7 +436,7 @@ impl AccessPath {
 
         let server = &replicas.servers[0];
         let before = server.tunnel_count();
-        let mut agent = proxy_agent::AgentConfig::new(proxy_agent::TlsSource::Config(
+        let mut agent = proxy_agent::ProxyAgentConfig::new(proxy_agent::TlsSource::Config(
             replicas.pki.agent_tls(CLUSTER_A)?,
         ))
         .with_ephemeral_ports();

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cluster_proxy_proto::transport::ALPN_HTTP11;
-use proxy_agent::{AgentConfig, RunningAgent};
+use proxy_agent::{ProxyAgentConfig, RunningAgent};
 use simulated_cluster::balancer::{self, Selection};
 use simulated_cluster::targets::EchoServer;
 use simulated_cluster::wait::wait_until;
@@ -28,13 +28,13 @@ fn clusters(n: usize) -> Vec<String> {
     (0..n).map(|i| format!("cluster-{i}")).collect()
 }
 
-fn loopback_aliases(config: &mut AgentConfig, cluster: &str) {
+fn loopback_aliases(config: &mut ProxyAgentConfig, cluster: &str) {
     config
         .host_aliases
         .insert(cluster.to_owned(), IpAddr::V4(Ipv4Addr::LOCALHOST));
 }
 
-fn slow_sync(replicas: &Replicas, pki: &TestPki, cluster: &str) -> AgentConfig {
+fn slow_sync(replicas: &Replicas, pki: &TestPki, cluster: &str) -> ProxyAgentConfig {
     let mut config = replicas.agent_config(pki, cluster).unwrap();
     config.sync_interval = SYNC_INTERVAL;
     config.sync_interval_cap = SYNC_INTERVAL;
@@ -260,7 +260,7 @@ async fn a_draining_replica_fails_no_dial() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replacement_reusing_the_server_id_is_reached_while_the_old_one_drains() {
     let grace = Duration::from_secs(60);
-    let configure = |config: &mut proxy_server::config::ServerConfig| {
+    let configure = |config: &mut proxy_server::settings::ProxyServerSettings| {
         config.graceful_shutdown_timeout = grace;
     };
     let pki = TestPki::new(&["cluster-a"]).unwrap();

@@ -70,7 +70,7 @@ async fn scaling_two_three_two_reaches_every_replica_and_fails_no_dial() {
     let names = clusters(agent_count);
     let refs: Vec<&str> = names.iter().map(String::as_str).collect();
     let pki = Arc::new(TestPki::new(&refs).unwrap());
-    let grace = |config: &mut proxy_server::config::ServerConfig| {
+    let grace = |config: &mut proxy_server::settings::ProxyServerSettings| {
         config.graceful_shutdown_timeout = Duration::from_secs(30);
     };
     let mut replicas = Replicas::start_scalable(&pki, 2, Selection::RoundRobin, grace)
@@ -212,7 +212,7 @@ async fn scaling_two_three_two_reaches_every_replica_and_fails_no_dial() {
 #[tokio::test]
 async fn a_replica_agents_cannot_reach_is_ready_after_the_agent_wait() {
     let pki = TestPki::new(&["cluster-a"]).unwrap();
-    let wait = |config: &mut proxy_server::config::ServerConfig| {
+    let wait = |config: &mut proxy_server::settings::ProxyServerSettings| {
         config.readiness_agent_wait = Duration::from_secs(2);
     };
     let mut replicas = Replicas::start_scalable(&pki, 1, Selection::RoundRobin, wait)

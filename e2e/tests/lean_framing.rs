@@ -28,8 +28,8 @@ fn agent_config(
     cluster: &str,
     port: u16,
     lean_framing: bool,
-) -> proxy_agent::AgentConfig {
-    let mut config = proxy_agent::AgentConfig::new(proxy_agent::TlsSource::Config(
+) -> proxy_agent::ProxyAgentConfig {
+    let mut config = proxy_agent::ProxyAgentConfig::new(proxy_agent::TlsSource::Config(
         pki.agent_tls(cluster).unwrap(),
     ))
     .with_ephemeral_ports();

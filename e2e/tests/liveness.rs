@@ -113,7 +113,7 @@ async fn silently_dead_path(lean_framing: bool) {
         .unwrap();
     let relay = Relay::start(server.agent_addr).await;
 
-    let mut agent_config = proxy_agent::AgentConfig::new(proxy_agent::TlsSource::Config(
+    let mut agent_config = proxy_agent::ProxyAgentConfig::new(proxy_agent::TlsSource::Config(
         pki.agent_tls("cluster-a").unwrap(),
     ))
     .with_ephemeral_ports();

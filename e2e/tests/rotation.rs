@@ -89,7 +89,7 @@ async fn credentials_and_the_ca_rotate_without_dropping_connections() {
     let server = proxy_server::start(config).await.unwrap();
 
     let agent_pair = layout.agent(&cluster);
-    let mut agent_config = proxy_agent::AgentConfig::new(proxy_agent::TlsSource::Files {
+    let mut agent_config = proxy_agent::ProxyAgentConfig::new(proxy_agent::TlsSource::Files {
         ca_cert: layout.bundle(),
         agent_cert: Some(agent_pair.cert.clone()),
         agent_key: Some(agent_pair.key.clone()),

@@ -16,6 +16,7 @@ pub mod metrics;
 pub mod probe;
 pub mod prober;
 pub mod replicas;
+pub mod service;
 pub mod settings;
 pub mod tls;
 pub mod verdict;

@@ -7,9 +7,11 @@ use std::time::Duration;
 
 use clap::Parser;
 use cluster_proxy_proto::duration::serde_go;
+use cluster_proxy_runtime::cli::{HealthFlags, LeaderElectionFlags};
 pub use cluster_proxy_runtime::config::ConfigError;
 use cluster_proxy_runtime::config::{self, EnvSpec, invalid};
 use cluster_proxy_runtime::logging::{LogFlags, LogFormat};
+use cluster_proxy_runtime::shell::{BinarySettings, CommandLine};
 use cluster_proxy_runtime::telemetry::TelemetryFlags;
 use serde::{Deserialize, Serialize};
 
@@ -46,68 +48,49 @@ pub struct Cli {
     /// The hub namespace of the leader-election Lease and the proxy-entrypoint
     /// Service; the pod's namespace (`POD_NAMESPACE`) by default.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub namespace: Option<String>,
     /// Comma-separated `host:port` client addresses, one per proxy-server
     /// replica; empty: the one address `proxy-entrypoint.<namespace>:8090`.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub proxy_server_addresses: Option<String>,
     /// CA bundle that signed the proxy-servers' certificates.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub proxy_ca_cert: Option<PathBuf>,
     /// Client certificate (Secret `proxy-client`'s `tls.crt`).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub proxy_cert: Option<PathBuf>,
     /// Client key (Secret `proxy-client`'s `tls.key`).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub proxy_key: Option<PathBuf>,
     /// Time between probe rounds (each round is jittered by ±10%).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub interval: Option<String>,
     /// Least time between two writes of a cluster's condition when only its latency moved (state changes are written at once).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub latency_write_interval: Option<String>,
     /// Limit of one probe (dial, TLS handshake and `GET /healthz` together).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub timeout: Option<String>,
     /// Port of each cluster's kube-apiserver, dialed as `<cluster>:<port>`.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub target_port: Option<u16>,
     /// Skip verifying the managed kube-apiservers' certificates (the hub has
     /// no CA for them; clusteradm skips it too). `false` needs --target-ca.
     #[arg(long, value_parser = cluster_proxy_runtime::cli::parse_go_bool, num_args = 0..=1, default_missing_value = "true")]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub insecure_target: Option<bool>,
     /// CA bundle to verify the managed kube-apiservers with (implies
     /// --insecure-target=false).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub target_ca: Option<PathBuf>,
     /// How many probes run at once.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub concurrency: Option<usize>,
-    /// Elect a leader on Lease `cluster-proxy-health-prober` so that of
-    /// several replicas exactly one probes.
-    #[arg(long, value_parser = cluster_proxy_runtime::cli::parse_go_bool, num_args = 0..=1, default_missing_value = "true")]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub leader_elect: Option<bool>,
-    /// Port of `/healthz`, `/readyz` and `/metrics` (0: any free port).
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub health_port: Option<u16>,
-    /// Address of the health and metrics port (empty: every address).
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub health_bind_address: Option<String>,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub leader_election: LeaderElectionFlags,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub health: HealthFlags,
     #[command(flatten)]
     #[serde(flatten)]
     pub logging: LogFlags,
@@ -120,7 +103,7 @@ pub struct Cli {
 /// The effective settings.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
-pub struct Settings {
+pub struct HealthProberSettings {
     pub namespace: String,
     pub proxy_server_addresses: String,
     pub proxy_ca_cert: PathBuf,
@@ -143,9 +126,9 @@ pub struct Settings {
     pub log_format: LogFormat,
 }
 
-impl Default for Settings {
+impl Default for HealthProberSettings {
     fn default() -> Self {
-        Settings {
+        HealthProberSettings {
             namespace: std::env::var("POD_NAMESPACE")
                 .ok()
                 .filter(|ns| !ns.is_empty())
@@ -170,16 +153,35 @@ impl Default for Settings {
     }
 }
 
-impl Settings {
-    pub fn load(flags: &Cli) -> Result<Self, ConfigError> {
+impl CommandLine for Cli {
+    fn logging(&self) -> &LogFlags {
+        &self.logging
+    }
+
+    fn telemetry(&self) -> Option<&TelemetryFlags> {
+        Some(&self.telemetry)
+    }
+}
+
+impl BinarySettings for HealthProberSettings {
+    type Flags = Cli;
+    const SERVICE: &'static str = "health-prober";
+
+    fn load(flags: &Cli) -> Result<Self, ConfigError> {
         Self::load_with_env(flags, std::env::vars())
     }
 
+    fn log_settings(&self) -> (u8, LogFormat) {
+        (self.v, self.log_format)
+    }
+}
+
+impl HealthProberSettings {
     pub fn load_with_env(
         flags: &Cli,
         vars: impl IntoIterator<Item = (String, String)>,
     ) -> Result<Self, ConfigError> {
-        let mut settings: Settings =
+        let mut settings: HealthProberSettings =
             config::load_with_env(ENV, flags.config.as_deref(), flags, vars)?;
         if settings.target_ca.is_some() && flags.insecure_target.is_none() {
             // A CA given means verify, unless the flag says otherwise explicitly.
@@ -246,11 +248,11 @@ mod tests {
     use super::*;
     use clap::CommandFactory;
 
-    fn load(args: &[&str], vars: &[(&str, &str)]) -> Result<Settings, ConfigError> {
+    fn load(args: &[&str], vars: &[(&str, &str)]) -> Result<HealthProberSettings, ConfigError> {
         let mut argv = vec!["health-prober"];
         argv.extend(args);
         let cli = Cli::try_parse_from(argv).map_err(|e| invalid("flags", e.to_string()))?;
-        Settings::load_with_env(
+        HealthProberSettings::load_with_env(
             &cli,
             vars.iter().map(|(k, v)| (k.to_string(), v.to_string())),
         )
@@ -313,7 +315,8 @@ mod tests {
 
     #[test]
     fn every_flag_is_described_with_its_default() {
-        let problems = cluster_proxy_runtime::cli::help_problems::<Cli>(&Settings::default(), &[]);
+        let problems =
+            cluster_proxy_runtime::cli::help_problems::<Cli>(&HealthProberSettings::default(), &[]);
         assert!(problems.is_empty(), "{problems:?}");
         let _ = Cli::command();
     }

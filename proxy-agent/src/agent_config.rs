@@ -1,5 +1,5 @@
-//! What an agent runs with ([`AgentConfig`]) and where its TLS client
-//! configuration comes from: built by the flags (`crate::config`), read
+//! What an agent runs with ([`ProxyAgentConfig`]) and where its TLS client
+//! configuration comes from: built by the flags (`crate::settings`), read
 //! by the tunnel manager, started by [`crate::start`].
 
 use std::path::PathBuf;
@@ -77,10 +77,10 @@ pub fn offering_framing(
     Arc::new(config)
 }
 
-/// Runtime configuration of an agent. [`AgentConfig::new`] gives upstream's
-/// defaults; [`AgentSettings::to_agent_config`] builds one from flags.
+/// Runtime configuration of an agent. [`ProxyAgentConfig::new`] gives upstream's
+/// defaults; [`ProxyAgentSettings::to_agent_config`] builds one from flags.
 #[derive(Debug, Clone)]
-pub struct AgentConfig {
+pub struct ProxyAgentConfig {
     pub tls: TlsSource,
     pub proxy_server_host: String,
     pub proxy_server_port: u16,
@@ -125,9 +125,9 @@ pub struct AgentConfig {
     pub shutdown_grace: Duration,
 }
 
-impl AgentConfig {
+impl ProxyAgentConfig {
     pub fn new(tls: TlsSource) -> Self {
-        AgentConfig {
+        ProxyAgentConfig {
             tls,
             proxy_server_host: "127.0.0.1".into(),
             proxy_server_port: 8091,

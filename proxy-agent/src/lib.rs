@@ -10,11 +10,11 @@
 #![forbid(unsafe_code)]
 
 mod agent_config;
-pub mod config;
 mod connection;
 pub mod dial;
 mod manager;
 pub mod metrics;
+pub mod settings;
 pub mod tunnel;
 
 use std::net::SocketAddr;
@@ -30,10 +30,10 @@ use cluster_proxy_runtime::tls::{self, Identity, Pem, TlsError};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-pub use agent_config::{AgentConfig, TlsSource, offered_alpn, offering_framing};
-pub use config::{AgentSettings, Cli, ConfigError};
+pub use agent_config::{ProxyAgentConfig, TlsSource, offered_alpn, offering_framing};
 pub use manager::ConnectError;
 pub use metrics::Metrics;
+pub use settings::{Cli, ConfigError, ProxyAgentSettings};
 
 use crate::manager::Shared;
 
@@ -102,7 +102,7 @@ fn not_ready_body(last_failure: Option<&str>) -> String {
     }
 }
 
-fn validate(config: &AgentConfig) -> Result<(), AgentError> {
+fn validate(config: &ProxyAgentConfig) -> Result<(), AgentError> {
     AgentIdentifiers::parse_like_upstream(&config.agent_identifiers).map_err(|e| {
         AgentError::Invalid {
             field: "agent-identifiers",
@@ -148,7 +148,7 @@ impl std::fmt::Debug for RunningAgent {
 /// Loads credentials, binds the health and admin ports and starts connecting
 /// to the proxy-server. Returns once the listeners are bound; tunnels come up
 /// in the background (see [`RunningAgent::wait_for_tunnels`]).
-pub async fn start(config: AgentConfig) -> Result<RunningAgent, AgentError> {
+pub async fn start(config: ProxyAgentConfig) -> Result<RunningAgent, AgentError> {
     validate(&config)?;
     let lean = config.lean_framing;
     let tls = match &config.tls {
@@ -352,7 +352,7 @@ mod tests {
         use clap::Parser;
         let load = |args: &[&str]| {
             let argv = std::iter::once("proxy-agent").chain(args.iter().copied());
-            AgentSettings::load_with_env(&Cli::parse_from(argv), Vec::new()).unwrap()
+            ProxyAgentSettings::load_with_env(&Cli::parse_from(argv), Vec::new()).unwrap()
         };
         assert!(load(&[]).lean_framing);
         assert!(!load(&["--lean-framing=false"]).lean_framing);

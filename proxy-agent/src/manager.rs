@@ -25,7 +25,7 @@ use tokio::sync::{Notify, mpsc};
 use tokio_util::sync::CancellationToken;
 use tonic::metadata::{AsciiMetadataValue, MetadataMap};
 
-use crate::agent_config::AgentConfig;
+use crate::agent_config::ProxyAgentConfig;
 use crate::connection::{Endpoint, OpenError, TunnelConnection};
 use crate::metrics::{Metrics, Segment};
 use crate::tunnel::{self, TunnelParams};
@@ -72,7 +72,7 @@ struct TunnelHandle {
 }
 
 pub(crate) struct Shared {
-    config: AgentConfig,
+    config: ProxyAgentConfig,
     /// The newest client credentials; read at every connect so rotated
     /// certificates are used for new tunnels while old tunnels stay up.
     tls: cluster_proxy_runtime::reload::Watched<rustls::ClientConfig>,
@@ -92,7 +92,7 @@ pub(crate) struct Shared {
 
 impl Shared {
     pub(crate) fn new(
-        config: AgentConfig,
+        config: ProxyAgentConfig,
         tls: cluster_proxy_runtime::reload::Watched<rustls::ClientConfig>,
         egress: Egress,
         root: CancellationToken,

@@ -14,7 +14,7 @@ use cluster_proxy_proto::konnectivity::agent_service_server::{AgentService, Agen
 use cluster_proxy_proto::metadata;
 use cluster_proxy_proto::packet::{self, Frame};
 use cluster_proxy_proto::transport::ALPN_H2;
-use proxy_agent::{AgentConfig, RunningAgent, TlsSource};
+use proxy_agent::{ProxyAgentConfig, RunningAgent, TlsSource};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
@@ -170,8 +170,8 @@ async fn echo_target() -> SocketAddr {
     addr
 }
 
-fn agent_config(pki: &Pki, server: SocketAddr) -> AgentConfig {
-    let mut c = AgentConfig::new(TlsSource::Config(pki.client.clone())).with_ephemeral_ports();
+fn agent_config(pki: &Pki, server: SocketAddr) -> ProxyAgentConfig {
+    let mut c = ProxyAgentConfig::new(TlsSource::Config(pki.client.clone())).with_ephemeral_ports();
     c.proxy_server_host = server.ip().to_string();
     c.proxy_server_port = server.port();
     c.agent_id = "agent-under-test".into();

@@ -17,12 +17,12 @@
 use std::time::Duration;
 
 use clap::Parser;
-use proxy_agent::{AgentSettings, Cli};
+use proxy_agent::{Cli, ProxyAgentSettings};
 
-fn load(args: &[&str]) -> Result<AgentSettings, String> {
+fn load(args: &[&str]) -> Result<ProxyAgentSettings, String> {
     let cli = Cli::try_parse_from(std::iter::once("proxy-agent").chain(args.iter().copied()))
         .map_err(|e| e.to_string())?;
-    AgentSettings::load_with_env(&cli, Vec::new()).map_err(|e| e.to_string())
+    ProxyAgentSettings::load_with_env(&cli, Vec::new()).map_err(|e| e.to_string())
 }
 
 /// `agentOptions` of upstream's test harness, as `ExternalAgentRunner` passes it.
@@ -109,7 +109,7 @@ const E2E_STATIC_COUNT: &[&str] = &[
     "--admin-bind-address=",
 ];
 
-type Check = fn(&AgentSettings);
+type Check = fn(&ProxyAgentSettings);
 
 #[test]
 fn upstream_argument_lists_are_accepted_with_upstream_meaning() {

@@ -11,7 +11,6 @@
 
 pub mod agent_service;
 pub mod client_port;
-pub mod config;
 pub mod conn_trace;
 pub mod dial;
 pub mod dial_failure;
@@ -24,6 +23,7 @@ pub mod peers;
 pub mod policy;
 pub mod readiness;
 pub mod registry;
+pub mod settings;
 pub mod tunnel;
 
 use std::net::SocketAddr;
@@ -45,7 +45,6 @@ use tracing::{info, warn};
 
 use crate::agent_service::{AgentEndpoint, AgentEndpointSettings};
 use crate::client_port::ClientConnections;
-use crate::config::{Mode, ServerConfig};
 use crate::dial::Dialer;
 use crate::grpc_frontend::GrpcFrontend;
 use crate::grpc_port::GrpcConnections;
@@ -54,11 +53,12 @@ use crate::listener::{Http2Settings, Listener};
 use crate::metrics::Metrics;
 use crate::peers::{DnsPeers, PeerLookup, ServerCountSource};
 use crate::registry::Registry;
+use crate::settings::{Mode, ProxyServerSettings};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
     #[error(transparent)]
-    Config(#[from] config::ConfigError),
+    Config(#[from] settings::ConfigError),
     #[error("missing required flag --{0}")]
     MissingFlag(&'static str),
     #[error("{what}: {source}")]
@@ -169,7 +169,7 @@ impl PortFiles {
 /// What the client and agent ports accept: `--tls-min-version`, and
 /// `--cipher-suites` for TLS 1.2 (names this build does not implement are
 /// never offered, with a warning; TLS 1.3 suites are always on, as in Go).
-pub fn tls_policy(config: &ServerConfig) -> Result<tls::ServerTlsPolicy, ServerError> {
+pub fn tls_policy(config: &ProxyServerSettings) -> Result<tls::ServerTlsPolicy, ServerError> {
     let min_version = if config.tls_min_version == "VersionTLS13" {
         tls::MinTlsVersion::Tls13
     } else {
@@ -222,7 +222,7 @@ impl ServerTls {
     /// `--cluster-cert/--cluster-key/--cluster-ca-cert`, and reloads them when
     /// the files change (new handshakes use the new credentials; established
     /// tunnels stay up). Must run inside a tokio runtime.
-    pub fn from_config(config: &ServerConfig) -> Result<Self, ServerError> {
+    pub fn from_config(config: &ProxyServerSettings) -> Result<Self, ServerError> {
         let frontend_alpn: &'static [&'static [u8]] = match config.mode {
             Mode::Both => &[ALPN_H2, ALPN_HTTP11],
             Mode::Grpc => &[ALPN_H2],
@@ -364,14 +364,14 @@ impl RunningServer {
 }
 
 /// Starts the server with TLS from the configured files.
-pub async fn start(config: ServerConfig) -> Result<RunningServer, ServerError> {
+pub async fn start(config: ProxyServerSettings) -> Result<RunningServer, ServerError> {
     let tls = ServerTls::from_config(&config)?;
     start_with_tls(config, tls).await
 }
 
 /// Starts the server with the given TLS configurations (tests build them in memory).
 pub async fn start_with_tls(
-    config: ServerConfig,
+    config: ProxyServerSettings,
     tls: ServerTls,
 ) -> Result<RunningServer, ServerError> {
     let peers: Option<Arc<dyn PeerLookup>> = match config.server_count_source()? {
@@ -388,7 +388,7 @@ pub async fn start_with_tls(
 /// from `--server-count`) instead of `--server-count-source`; `None` keeps
 /// `--server-count`. Tests drive the peer set this way without DNS.
 pub async fn start_with_peers(
-    config: ServerConfig,
+    config: ProxyServerSettings,
     tls: ServerTls,
     peers: Option<Arc<dyn PeerLookup>>,
 ) -> Result<RunningServer, ServerError> {
@@ -457,7 +457,7 @@ pub async fn start_with_peers(
 
 /// Refuses a configuration that cannot work or would route unsafely, and
 /// warns about the flags accepted only for compatibility.
-fn check_config(config: &ServerConfig) -> Result<(), ServerError> {
+fn check_config(config: &ProxyServerSettings) -> Result<(), ServerError> {
     config.validate()?;
     config.check_routing_safety()?;
     for flag in config.ignored_settings() {
@@ -469,7 +469,7 @@ fn check_config(config: &ServerConfig) -> Result<(), ServerError> {
 /// The frontends' dialer, with the server-side dial timeout and the client
 /// policy (read here, so a bad policy file fails the start).
 fn dialer(
-    config: &ServerConfig,
+    config: &ProxyServerSettings,
     registry: &Arc<Registry>,
     metrics: &Arc<Metrics>,
     server_id: &str,
@@ -512,7 +512,7 @@ struct Ports {
 /// Binds the client port (TCP with TLS, or the Unix socket of
 /// `--uds-name`), then the agent, health and admin ports.
 async fn bind_ports(
-    config: &ServerConfig,
+    config: &ProxyServerSettings,
     frontend_tls: Option<Watched<rustls::ServerConfig>>,
     metrics: &Arc<Metrics>,
 ) -> Result<Ports, ServerError> {
@@ -570,7 +570,7 @@ struct Running<'a> {
 /// returns the readiness check that goes with it: caught up with the
 /// agents the other replicas hold, or, alone, any agent at all.
 fn follow_peers(
-    config: &ServerConfig,
+    config: &ProxyServerSettings,
     peers: Option<Arc<dyn PeerLookup>>,
     server_count: tokio::sync::watch::Sender<u32>,
     draining: &Arc<AtomicBool>,
@@ -613,7 +613,7 @@ fn follow_peers(
 
 /// Serves `AgentService.Connect` on the agent port.
 fn serve_agent_port(
-    config: &ServerConfig,
+    config: &ProxyServerSettings,
     listener: tokio::net::TcpListener,
     tls: Watched<rustls::ServerConfig>,
     server_id: &str,
@@ -659,7 +659,7 @@ fn serve_agent_port(
 /// Serves the client port: gRPC and HTTP CONNECT, as `--mode` says. The
 /// returned task ends when the port has stopped accepting.
 fn serve_client_port(
-    config: &ServerConfig,
+    config: &ProxyServerSettings,
     listener: Listener,
     dialer: Arc<Dialer>,
     running: &Running<'_>,
@@ -731,7 +731,7 @@ mod tests {
 
     #[tokio::test]
     async fn missing_certificate_files_are_named() {
-        let mut config = ServerConfig::default();
+        let mut config = ProxyServerSettings::default();
         let err = ServerTls::from_config(&config)
             .err()
             .map(|e| e.to_string())

@@ -21,7 +21,10 @@ async fn server(pki: &TestPki) -> RunningServer {
     server_with(pki, test_server_config()).await
 }
 
-async fn server_with(pki: &TestPki, config: proxy_server::config::ServerConfig) -> RunningServer {
+async fn server_with(
+    pki: &TestPki,
+    config: proxy_server::settings::ProxyServerSettings,
+) -> RunningServer {
     proxy_server::start_with_tls(config, pki.server_tls().unwrap())
         .await
         .unwrap()

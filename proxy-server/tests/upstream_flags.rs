@@ -16,15 +16,15 @@
 use std::time::Duration;
 
 use clap::Parser;
-use proxy_server::config::{Cli, Mode, ServerConfig};
+use proxy_server::settings::{Cli, Mode, ProxyServerSettings};
 
 fn cli(args: &[&str]) -> Cli {
     Cli::try_parse_from(std::iter::once("proxy-server").chain(args.iter().copied()))
         .unwrap_or_else(|e| panic!("every upstream flag must be accepted: {e}"))
 }
 
-fn load(args: &[&str]) -> Result<ServerConfig, String> {
-    ServerConfig::load_with_env(&cli(args), Vec::new()).map_err(|e| e.to_string())
+fn load(args: &[&str]) -> Result<ProxyServerSettings, String> {
+    ProxyServerSettings::load_with_env(&cli(args), Vec::new()).map_err(|e| e.to_string())
 }
 
 fn without<'a>(args: &[&'a str], unsupported: &[&str]) -> Vec<&'a str> {
@@ -130,7 +130,7 @@ const UNSUPPORTED: &[&str] = &[
     "authentication-audience",
 ];
 
-type Check = fn(&ServerConfig);
+type Check = fn(&ProxyServerSettings);
 
 #[test]
 fn upstream_argument_lists_are_accepted_with_upstream_meaning() {

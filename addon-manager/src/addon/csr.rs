@@ -43,7 +43,7 @@ use x509_parser::prelude::{FromDer, X509CertificationRequest};
 
 use super::cache::get_opt;
 use super::context::Context;
-use super::error::{AddonError, retry_after};
+use super::error::{AddonError, requeue_failed};
 use super::names::{ADDON_NAME, CA_BUNDLE_KEY, CA_BUNDLE_SECRET};
 use super::render::{
     ADDON_AGENTS_GROUP, CLUSTER_PROXY_GROUP, KUBE_APISERVER_CLIENT_SIGNER, PROXY_AGENT_SIGNER,
@@ -384,9 +384,7 @@ fn error_policy(
     error: &AddonError,
     context: Arc<Context>,
 ) -> Action {
-    context.metrics.failed(CONTROLLER);
-    tracing::warn!(csr = %csr.name_any(), %error, "deciding about a CSR failed; retrying");
-    Action::requeue(retry_after(error))
+    requeue_failed(&context.metrics, CONTROLLER, &csr.name_any(), error)
 }
 
 /// The CSR approval controller, as a stream of reconcile results. It

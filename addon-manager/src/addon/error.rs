@@ -2,6 +2,9 @@
 
 use std::time::Duration;
 
+use kube::runtime::controller::Action;
+
+use super::metrics::AddonMetrics;
 use crate::apply::ApplyError;
 
 /// Errors that make a reconcile retry (with backoff). Bad input is not an
@@ -50,4 +53,18 @@ pub(crate) fn retry_after(error: &AddonError) -> Duration {
     } else {
         Duration::from_secs(5)
     }
+}
+
+/// What every addon controller does after a failed reconcile of `object`:
+/// counts it against `controller`, says what failed, and retries after
+/// [`retry_after`].
+pub(crate) fn requeue_failed(
+    metrics: &AddonMetrics,
+    controller: &'static str,
+    object: &str,
+    error: &AddonError,
+) -> Action {
+    metrics.failed(controller);
+    tracing::warn!(controller, object, %error, "reconcile failed; retrying");
+    Action::requeue(retry_after(error))
 }

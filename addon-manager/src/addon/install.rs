@@ -38,7 +38,7 @@ use super::cache::{
 };
 use super::config::{ADC_GROUP, ADC_RESOURCE, MPC_GROUP, MPC_RESOURCE};
 use super::context::Context;
-use super::error::{AddonError, retry_after};
+use super::error::{AddonError, requeue_failed};
 use super::names::ADDON_NAME;
 use super::settings::{AddonSettings, InstallStrategy, PlacementRef};
 use super::status::addon_meta;
@@ -306,9 +306,7 @@ pub async fn delete_addon(api: &Api<ManagedClusterAddOn>) -> Result<(), AddonErr
 }
 
 fn error_policy(cluster: Arc<ManagedCluster>, error: &AddonError, context: Arc<Context>) -> Action {
-    context.metrics.failed(CONTROLLER);
-    tracing::warn!(cluster = %cluster.name_any(), %error, "installing the addon failed; retrying");
-    Action::requeue(retry_after(error))
+    requeue_failed(&context.metrics, CONTROLLER, &cluster.name_any(), error)
 }
 
 /// The installation controller, as a stream of reconcile results.

@@ -35,7 +35,7 @@ use super::cache::{
 use super::config::{self, DeploymentConfigRef};
 use super::context::Context;
 use super::customize::{AgentCustomization, CustomizationError};
-use super::error::{AddonError, retry_after};
+use super::error::{AddonError, requeue_failed};
 use super::install;
 use super::names::{
     ADDON_NAME, AGENT_RBAC_NAME, CA_BUNDLE_KEY, CA_BUNDLE_SECRET, MANIFEST_WORK_NAME,
@@ -1034,14 +1034,9 @@ pub fn error_policy(
     error: &AddonError,
     context: Arc<Context>,
 ) -> Action {
-    context.metrics.failed(CONTROLLER);
-    tracing::warn!(
-        addon = %addon.name_any(),
-        namespace = addon.metadata.namespace.as_deref().unwrap_or_default(),
-        %error,
-        "reconciling the addon failed; retrying"
-    );
-    Action::requeue(retry_after(error))
+    let namespace = addon.metadata.namespace.as_deref().unwrap_or_default();
+    let object = format!("{namespace}/{}", addon.name_any());
+    requeue_failed(&context.metrics, CONTROLLER, &object, error)
 }
 
 /// The ManagedClusterAddOn controller, as a stream of reconcile results.

@@ -12,7 +12,10 @@ impl From<LeaderError> for KubeError {
     fn from(error: LeaderError) -> Self {
         match error {
             LeaderError::Api(error) => KubeError::Api(error),
-            timing @ LeaderError::Timing { .. } => KubeError::Config(timing.to_string()),
+            // Stopped comes only from `lead_in_turns`, which this backend does not use.
+            other @ (LeaderError::Timing { .. } | LeaderError::Stopped) => {
+                KubeError::Config(other.to_string())
+            }
         }
     }
 }

@@ -91,21 +91,21 @@ fn binaries() -> Vec<Binary> {
     vec![
         binary(
             "proxy-server",
-            proxy_server::config::Cli::command(),
-            proxy_server::config::ENV,
-            &proxy_server::config::ServerConfig::default(),
+            proxy_server::settings::Cli::command(),
+            proxy_server::settings::ENV,
+            &proxy_server::settings::ProxyServerSettings::default(),
         ),
         binary(
             "proxy-agent",
             proxy_agent::Cli::command(),
-            proxy_agent::config::ENV,
-            &proxy_agent::AgentSettings::default(),
+            proxy_agent::settings::ENV,
+            &proxy_agent::ProxyAgentSettings::default(),
         ),
         binary(
             "addon-agent",
             addon_agent::Cli::command(),
             addon_agent::settings::ENV,
-            &addon_agent::AgentSettings::default(),
+            &addon_agent::AddonAgentSettings::default(),
         ),
         binary(
             "cert-authority init",
@@ -123,25 +123,25 @@ fn binaries() -> Vec<Binary> {
             "addon-manager",
             addon_manager::settings::Cli::command(),
             addon_manager::settings::ENV,
-            &addon_manager::settings::Settings::default(),
+            &addon_manager::settings::AddonManagerSettings::default(),
         ),
         binary(
             "health-prober",
             health_prober::settings::Cli::command(),
             health_prober::settings::ENV,
-            &health_prober::settings::Settings::default(),
+            &health_prober::settings::HealthProberSettings::default(),
         ),
         binary(
             "user-server",
             user_server::settings::Cli::command(),
             user_server::settings::ENV,
-            &user_server::settings::Settings::default(),
+            &user_server::settings::UserServerSettings::default(),
         ),
         binary(
             "service-proxy",
             service_proxy::settings::Cli::command(),
             service_proxy::settings::ENV,
-            &service_proxy::settings::Settings::default(),
+            &service_proxy::settings::ServiceProxySettings::default(),
         ),
     ]
 }

@@ -13,7 +13,7 @@ use cluster_proxy_proto::identity::ClusterName;
 use cluster_proxy_proto::konnectivity::agent_service_client::AgentServiceClient;
 use cluster_proxy_proto::metadata;
 use cluster_proxy_proto::transport::{TransportError, connect_channel};
-use proxy_server::config::ServerConfig;
+use proxy_server::settings::ProxyServerSettings;
 use simulated_cluster::targets::free_port;
 use simulated_cluster::wait::wait_until;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -24,8 +24,8 @@ use tonic::metadata::{MetadataMap, MetadataValue};
 
 /// A server configuration for tests: ephemeral loopback ports, `destHost`
 /// routing, short dial timeout.
-pub fn test_server_config() -> ServerConfig {
-    ServerConfig {
+pub fn test_server_config() -> ProxyServerSettings {
+    ProxyServerSettings {
         server_port: 0,
         agent_port: 0,
         health_port: 0,
@@ -36,7 +36,7 @@ pub fn test_server_config() -> ServerConfig {
         admin_bind_address: "127.0.0.1".into(),
         proxy_strategies: "destHost".into(),
         backend_dial_timeout: Duration::from_secs(5),
-        ..ServerConfig::default()
+        ..ProxyServerSettings::default()
     }
 }
 
@@ -376,9 +376,10 @@ impl AgentUnderTest {
         agent_addr: SocketAddr,
         aliases: &[(&str, &str)],
     ) -> Result<Self, AgentStartError> {
-        let mut config =
-            proxy_agent::AgentConfig::new(proxy_agent::TlsSource::Config(pki.agent_tls(cluster)?))
-                .with_ephemeral_ports();
+        let mut config = proxy_agent::ProxyAgentConfig::new(proxy_agent::TlsSource::Config(
+            pki.agent_tls(cluster)?,
+        ))
+        .with_ephemeral_ports();
         config.proxy_server_host = "localhost".into();
         config.proxy_server_port = agent_addr.port();
         config.agent_id = format!("{cluster}-agent");
@@ -396,7 +397,9 @@ impl AgentUnderTest {
     }
 
     /// Starts an agent with a full configuration.
-    pub async fn start_with(config: proxy_agent::AgentConfig) -> Result<Self, AgentStartError> {
+    pub async fn start_with(
+        config: proxy_agent::ProxyAgentConfig,
+    ) -> Result<Self, AgentStartError> {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("agent-under-test")
@@ -516,7 +519,7 @@ impl LocalReplicas {
         index: usize,
     ) -> Result<proxy_agent::RunningAgent, LocalReplicasError> {
         let tls = self.pki.agent_tls(cluster)?;
-        let mut config = proxy_agent::AgentConfig::new(proxy_agent::TlsSource::Config(tls))
+        let mut config = proxy_agent::ProxyAgentConfig::new(proxy_agent::TlsSource::Config(tls))
             .with_ephemeral_ports();
         config.proxy_server_host = "localhost".into();
         config.proxy_server_port = self.servers[index].agent_addr.port();

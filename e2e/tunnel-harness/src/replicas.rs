@@ -7,10 +7,10 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use proxy_agent::{AgentConfig, RunningAgent, TlsSource};
+use proxy_agent::{ProxyAgentConfig, RunningAgent, TlsSource};
 use proxy_server::RunningServer;
-use proxy_server::config::ServerConfig;
 use proxy_server::peers::{LookupFuture, PeerLookup, PeerLookupError};
+use proxy_server::settings::ProxyServerSettings;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
@@ -118,7 +118,7 @@ impl Replicas {
         pki: &TestPki,
         count: usize,
         selection: Selection,
-        configure: impl Fn(&mut ServerConfig),
+        configure: impl Fn(&mut ProxyServerSettings),
     ) -> Result<Self, ReplicasError> {
         Self::start_with(pki, count, selection, None, configure).await
     }
@@ -131,7 +131,7 @@ impl Replicas {
         pki: &TestPki,
         count: usize,
         selection: Selection,
-        configure: impl Fn(&mut ServerConfig),
+        configure: impl Fn(&mut ProxyServerSettings),
     ) -> Result<Self, ReplicasError> {
         Self::start_with(pki, count, selection, Some(PeerSet::new(count)), configure).await
     }
@@ -141,7 +141,7 @@ impl Replicas {
         count: usize,
         selection: Selection,
         peers: Option<PeerSet>,
-        configure: impl Fn(&mut ServerConfig),
+        configure: impl Fn(&mut ProxyServerSettings),
     ) -> Result<Self, ReplicasError> {
         let mut servers = Vec::with_capacity(count);
         for index in 0..count {
@@ -173,7 +173,7 @@ impl Replicas {
     pub async fn scale_up(
         &mut self,
         pki: &TestPki,
-        configure: impl Fn(&mut ServerConfig),
+        configure: impl Fn(&mut ProxyServerSettings),
     ) -> Result<usize, ReplicasError> {
         let index = self.servers.len();
         let count = index + 1;
@@ -203,9 +203,13 @@ impl Replicas {
 
     /// An agent configuration for `cluster` (identifiers `host=<cluster>`)
     /// dialing the agent Service.
-    pub fn agent_config(&self, pki: &TestPki, cluster: &str) -> Result<AgentConfig, ReplicasError> {
-        let mut config =
-            AgentConfig::new(TlsSource::Config(pki.agent_tls(cluster)?)).with_ephemeral_ports();
+    pub fn agent_config(
+        &self,
+        pki: &TestPki,
+        cluster: &str,
+    ) -> Result<ProxyAgentConfig, ReplicasError> {
+        let mut config = ProxyAgentConfig::new(TlsSource::Config(pki.agent_tls(cluster)?))
+            .with_ephemeral_ports();
         config.proxy_server_host = "localhost".into();
         config.proxy_server_port = self.agent_service.port();
         config.agent_id = format!("{cluster}-agent");
@@ -225,7 +229,7 @@ impl Replicas {
         client_addr: SocketAddr,
         agent_addr: SocketAddr,
         server_id: &str,
-        configure: impl Fn(&mut ServerConfig),
+        configure: impl Fn(&mut ProxyServerSettings),
     ) -> Result<(), ReplicasError> {
         let mut config = test_server_config();
         config.server_id = server_id.to_owned();
@@ -277,7 +281,7 @@ async fn start_replica(
     index: usize,
     count: usize,
     peers: Option<&PeerSet>,
-    configure: &impl Fn(&mut ServerConfig),
+    configure: &impl Fn(&mut ProxyServerSettings),
 ) -> Result<RunningServer, ReplicasError> {
     let mut config = test_server_config();
     config.server_id = format!("server-{index}");
@@ -291,7 +295,9 @@ async fn start_replica(
 }
 
 /// Starts one agent per configuration, all at once (the "in step" case).
-pub async fn start_agents(configs: Vec<AgentConfig>) -> Result<Vec<RunningAgent>, ReplicasError> {
+pub async fn start_agents(
+    configs: Vec<ProxyAgentConfig>,
+) -> Result<Vec<RunningAgent>, ReplicasError> {
     let starts = configs.into_iter().map(|config| async move {
         let cluster = config.agent_identifiers.clone();
         proxy_agent::start(config)

@@ -23,6 +23,8 @@ pub enum LeaderError {
         lease_duration: Duration,
         renew_every: Duration,
     },
+    #[error("leader election stopped")]
+    Stopped,
 }
 
 /// What this replica should do with the Lease.
@@ -355,6 +357,90 @@ pub fn spawn_election(
     })
 }
 
+/// How long a control-plane binary's Lease lasts unless renewed.
+pub const LEASE_DURATION: Duration = Duration::from_secs(15);
+/// How often the leader renews it.
+pub const RENEW_EVERY: Duration = Duration::from_secs(5);
+
+/// The Lease a control-plane binary's replicas take turns on.
+pub struct Leadership {
+    /// Where the Lease lives.
+    pub api: Api<Lease>,
+    /// The Lease's name.
+    pub lease: &'static str,
+    /// This replica's identity when neither `POD_NAME` nor `HOSTNAME` is set.
+    pub fallback_identity: &'static str,
+    /// Whether to elect at all; without election this replica always leads.
+    pub enabled: bool,
+}
+
+/// Runs one term of `work` each time this replica comes to lead, until
+/// `stop` resolves; then releases the Lease and returns what `stop` gave.
+///
+/// `work` starts a term's tasks and returns what winds them down: a term
+/// ends when leadership is lost or `stop` resolves, the token it was given
+/// is cancelled, and the returned future runs to its end before this
+/// replica follows again (another leader must not overlap with it).
+/// `on_lead(true/false)` reports each change, for a leader gauge.
+pub async fn lead_in_turns<Stop, Work, WindDown>(
+    leadership: Leadership,
+    stop: Stop,
+    mut on_lead: impl FnMut(bool),
+    mut work: Work,
+) -> Result<Stop::Output, LeaderError>
+where
+    Stop: Future,
+    Work: FnMut(tokio_util::sync::CancellationToken) -> WindDown,
+    WindDown: Future<Output = ()>,
+{
+    let released = tokio_util::sync::CancellationToken::new();
+    let Election {
+        mut leading,
+        task: election,
+    } = spawn_election(
+        leadership.api,
+        leadership.lease,
+        leadership.fallback_identity,
+        leadership.enabled,
+        LEASE_DURATION,
+        RENEW_EVERY,
+        released.clone().cancelled_owned(),
+    )?;
+    let electing = leadership.enabled;
+    let mut stop = std::pin::pin!(stop);
+    let outcome = loop {
+        tokio::select! {
+            stopped = &mut stop => break Ok(stopped),
+            changed = leading.wait_for(|lead| *lead) => {
+                if changed.is_err() && electing {
+                    break Err(LeaderError::Stopped);
+                }
+            }
+        }
+        on_lead(true);
+        let term = tokio_util::sync::CancellationToken::new();
+        let wind_down = work(term.clone());
+        let stopped = tokio::select! {
+            stopped = &mut stop => Some(stopped),
+            _ = leading.wait_for(|lead| !*lead), if electing => None,
+        };
+        term.cancel();
+        wind_down.await;
+        on_lead(false);
+        match stopped {
+            Some(stopped) => break Ok(stopped),
+            None => tracing::warn!("lost leadership: this term's work stopped; following again"),
+        }
+    };
+    released.cancel();
+    if let Some(election) = election
+        && let Ok(Err(err)) = election.await
+    {
+        tracing::warn!(error = %err, "releasing the leader Lease");
+    }
+    outcome
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -390,6 +476,54 @@ mod tests {
             ..held
         };
         assert_eq!(lease_action(Some(&released), "a", t0), LeaseAction::Acquire);
+    }
+
+    /// Without election this replica leads at once; when `stop` resolves the
+    /// term's work winds down before the leader gauge drops.
+    #[tokio::test]
+    async fn without_election_one_term_runs_until_stopped() {
+        let client = kube::Client::try_from(kube::Config::new(
+            "https://127.0.0.1:1".parse().expect("static URL"),
+        ))
+        .unwrap();
+        let leadership = Leadership {
+            api: Api::namespaced(client, "default"),
+            lease: "l",
+            fallback_identity: "test",
+            enabled: false,
+        };
+        let (stop, stopped) = tokio::sync::oneshot::channel::<&'static str>();
+        let events = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let record = |event: String| events.lock().unwrap().push(event);
+        let mut stop = Some(stop);
+        let outcome = lead_in_turns(
+            leadership,
+            async move { stopped.await.unwrap_or("dropped") },
+            |leading| record(format!("leading {leading}")),
+            |term| {
+                record("term started".into());
+                if let Some(stop) = stop.take() {
+                    let _ = stop.send("SIGTERM");
+                }
+                let events = events.clone();
+                async move {
+                    assert!(term.is_cancelled(), "the term ends before winding down");
+                    events.lock().unwrap().push("wound down".into());
+                }
+            },
+        )
+        .await
+        .unwrap();
+        assert_eq!(outcome, "SIGTERM");
+        assert_eq!(
+            *events.lock().unwrap(),
+            [
+                "leading true",
+                "term started",
+                "wound down",
+                "leading false"
+            ]
+        );
     }
 
     #[tokio::test]

@@ -190,18 +190,38 @@ pub fn parse_go_list(value: &str) -> Result<GoList, String> {
 }
 
 /// Serializes the occurrences of a [`GoList`] flag as one list, for
-/// `#[serde(serialize_with = "...")]` on an `Option<Vec<GoList>>` field that
-/// is skipped when `None`.
+/// `#[serde(serialize_with = "...")]` on an `Option<Vec<GoList>>` field;
+/// a flag not given stays `None`, which the flag layer leaves out.
 pub fn serialize_go_lists<S: serde::Serializer>(
     lists: &Option<Vec<GoList>>,
     serializer: S,
 ) -> Result<S::Ok, S::Error> {
-    let items: Vec<&String> = lists
-        .iter()
-        .flatten()
-        .flat_map(|list| list.0.iter())
-        .collect();
-    serializer.collect_seq(items)
+    let Some(lists) = lists else {
+        return serializer.serialize_none();
+    };
+    serializer.collect_seq(lists.iter().flat_map(|list| list.0.iter()))
+}
+
+/// The health port's flags, flattened into the command line of every binary
+/// that serves `/healthz` and `/readyz` (and `/metrics`, where it has metrics).
+#[derive(Debug, Default, Clone, clap::Args, Serialize)]
+pub struct HealthFlags {
+    /// Port of /healthz and /readyz, and of /metrics where the binary has metrics (0: any free port).
+    #[arg(long)]
+    pub health_port: Option<u16>,
+    /// Address the health port listens on (empty: every address).
+    #[arg(long)]
+    pub health_bind_address: Option<String>,
+}
+
+/// The leader-election flag of a control-plane binary whose replicas must
+/// not act at once.
+#[derive(Debug, Default, Clone, clap::Args, Serialize)]
+pub struct LeaderElectionFlags {
+    /// Elect a leader on the Lease `cluster-proxy-<binary>` so that of
+    /// several replicas exactly one acts.
+    #[arg(long, value_parser = parse_go_bool, num_args = 0..=1, default_missing_value = "true")]
+    pub leader_elect: Option<bool>,
 }
 
 #[cfg(test)]
@@ -287,10 +307,7 @@ mod tests {
         struct Lists {
             /// A list.
             #[arg(long, value_parser = parse_go_list)]
-            #[serde(
-                skip_serializing_if = "Option::is_none",
-                serialize_with = "serialize_go_lists"
-            )]
+            #[serde(serialize_with = "serialize_go_lists")]
             items: Option<Vec<GoList>>,
         }
         let parsed = Lists::try_parse_from(["x", "--items=[a,b]", "--items", "c"]).unwrap();
@@ -304,7 +321,10 @@ mod tests {
             serde_json::json!({"items": []})
         );
         let none = Lists::try_parse_from(["x"]).unwrap();
-        assert_eq!(serde_json::to_value(&none).unwrap(), serde_json::json!({}));
+        assert_eq!(
+            serde_json::to_value(&none).unwrap(),
+            serde_json::json!({"items": null})
+        );
     }
 
     #[test]

@@ -19,7 +19,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use figment::providers::{Format, Serialized, Toml};
-use figment::value::{Dict, Map, Value};
+use figment::value::{Dict, Empty, Map, Value};
 use figment::{Figment, Metadata, Profile, Provider};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -123,6 +123,10 @@ where
 }
 
 /// The flags that were given, named as typed (`--leaf-validity`) in errors.
+///
+/// Flags are `Option`s; one not given serializes as `None` and is left out
+/// here, so that it overrides nothing (and the flag structs need no
+/// `skip_serializing_if` on each field).
 struct FlagLayer {
     values: Dict,
 }
@@ -130,7 +134,10 @@ struct FlagLayer {
 impl FlagLayer {
     fn new(flags: &impl Serialize) -> Result<Self, ConfigError> {
         match Value::serialize(flags).map_err(Box::new)? {
-            Value::Dict(_, values) => Ok(FlagLayer { values }),
+            Value::Dict(_, mut values) => {
+                values.retain(|_, value| !matches!(value, Value::Empty(_, Empty::None)));
+                Ok(FlagLayer { values })
+            }
             _ => Err(ConfigError::Defaults("the command-line flags")),
         }
     }
@@ -292,9 +299,7 @@ mod tests {
 
     #[derive(Serialize, Default)]
     struct Flags {
-        #[serde(skip_serializing_if = "Option::is_none")]
         port: Option<u16>,
-        #[serde(skip_serializing_if = "Option::is_none")]
         sync_forever: Option<String>,
     }
 

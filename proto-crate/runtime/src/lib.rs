@@ -9,8 +9,10 @@
 //!   spellings) < command-line flags.
 //! * [`http_proxy`] — what the service-access proxies share: hop-by-hop
 //!   headers, upgraded streams, Kubernetes `Status` errors.
-//! * [`cli`] — `--help` that shows every default, and the check that every
-//!   flag is described.
+//! * [`cli`] — `--help` that shows every default, the check that every
+//!   flag is described, and the flag groups several binaries share.
+//! * `shell` (feature `otlp`) — what every `main` does before and after its
+//!   service: flags, settings, runtime, logging and traces, signals.
 //! * [`logging`] — `tracing` set-up: text on a terminal, plain text without
 //!   colour otherwise, JSON on request.
 //! * `telemetry` (feature `otlp`) — OpenTelemetry traces over OTLP/gRPC, with
@@ -38,6 +40,8 @@ pub mod metrics;
 pub mod net;
 pub mod peer;
 pub mod reload;
+#[cfg(feature = "otlp")]
+pub mod shell;
 pub mod shutdown;
 #[cfg(feature = "otlp")]
 pub mod telemetry;

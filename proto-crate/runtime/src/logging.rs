@@ -49,11 +49,9 @@ impl std::fmt::Display for LogFormat {
 pub struct LogFlags {
     /// Log verbosity as klog's -v, for this program's own logs (RUST_LOG replaces the filter).
     #[arg(short = 'v', long = "v")]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub v: Option<u8>,
     /// Log lines as text (coloured only on a terminal), plain text, or JSON.
     #[arg(long, value_enum)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub log_format: Option<LogFormat>,
     /// The klog flags upstream's binaries take (boxed: they are rarely given).
     #[command(flatten)]

@@ -32,7 +32,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 pub use metrics::Metrics;
-pub use settings::{AgentConfig, AgentSettings, Cli, ManagedApi, PodEnvironment};
+pub use settings::{AddonAgentConfig, AddonAgentSettings, Cli, ManagedApi, PodEnvironment};
 
 pub use user_agent::USER_AGENT;
 
@@ -68,7 +68,7 @@ pub struct RunningAgent {
 /// there is a ready proxy-server pod to forward to. Neither the
 /// proxy-agent's state nor an unreachable API makes this container
 /// unhealthy.
-pub async fn start(config: AgentConfig) -> Result<RunningAgent, AgentError> {
+pub async fn start(config: AddonAgentConfig) -> Result<RunningAgent, AgentError> {
     let listener = TcpListener::bind(config.health_addr)
         .await
         .map_err(|source| AgentError::Bind {

@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::metrics::Metrics;
 use crate::readiness::{Probe, Readiness};
-use crate::settings::{AgentConfig, ManagedApi};
+use crate::settings::{AddonAgentConfig, ManagedApi};
 use crate::user_agent::USER_AGENT;
 
 /// Upstream's `wait.JitterUntil` factor: each wait is the period plus up to
@@ -144,7 +144,7 @@ pub struct Renewer {
 }
 
 impl Renewer {
-    pub fn new(config: &AgentConfig) -> Self {
+    pub fn new(config: &AddonAgentConfig) -> Self {
         let managed = match &config.managed {
             ManagedApi::None => ManagedClient::None,
             ManagedApi::InCluster => ManagedClient::InCluster(None),
@@ -243,7 +243,7 @@ impl Renewer {
 /// every lease duration with up to 25% jitter, only while it stays ready.
 /// Failures are retried with a doubling delay; nothing here ends the loop
 /// but `shutdown`.
-pub async fn run(config: AgentConfig, metrics: Metrics, shutdown: CancellationToken) {
+pub async fn run(config: AddonAgentConfig, metrics: Metrics, shutdown: CancellationToken) {
     let period = config.lease_duration;
     // A hung API must not delay the next readiness check past the period.
     let attempt_timeout = period.clamp(Duration::from_secs(5), Duration::from_secs(30));

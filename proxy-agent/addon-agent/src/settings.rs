@@ -10,10 +10,11 @@ use std::time::Duration;
 use clap::Parser;
 use cluster_proxy_egress::EgressSettings;
 use cluster_proxy_proto::duration::serde_go;
-use cluster_proxy_runtime::cli::{parse_go_bool, parse_path};
+use cluster_proxy_runtime::cli::{HealthFlags, parse_go_bool, parse_path};
 pub use cluster_proxy_runtime::config::ConfigError;
 use cluster_proxy_runtime::config::{self, EnvSpec, invalid};
 use cluster_proxy_runtime::logging::{LogFlags, LogFormat};
+use cluster_proxy_runtime::shell::{BinarySettings, CommandLine};
 use serde::{Deserialize, Serialize};
 
 use crate::portforward::PortForwardConfig;
@@ -21,7 +22,7 @@ use crate::portforward::PortForwardConfig;
 /// The layered settings, named as the flags (with underscores).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
-pub struct AgentSettings {
+pub struct AddonAgentSettings {
     /// Kubeconfig of the hub (the klusterlet's addon hub kubeconfig).
     pub hub_kubeconfig: Option<PathBuf>,
     /// The managed cluster's name: the hub namespace of the fallback Lease.
@@ -71,9 +72,9 @@ pub const ENV: EnvSpec = EnvSpec {
 pub const DEFAULT_LEASE_NAME: &str = "cluster-proxy";
 pub const DEFAULT_HEALTH_URL: &str = "http://127.0.0.1:8093/readyz";
 
-impl Default for AgentSettings {
+impl Default for AddonAgentSettings {
     fn default() -> Self {
-        AgentSettings {
+        AddonAgentSettings {
             hub_kubeconfig: None,
             cluster_name: String::new(),
             lease_name: DEFAULT_LEASE_NAME.into(),
@@ -112,71 +113,51 @@ pub struct Cli {
     pub config: Option<PathBuf>,
     /// Kubeconfig of the hub, re-read when it changes (the fallback Lease lives there).
     #[arg(long, value_parser = parse_path)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub hub_kubeconfig: Option<PathBuf>,
     /// Name of this managed cluster: the hub namespace of the fallback Lease.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub cluster_name: Option<String>,
     /// Name of the addon Lease.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub lease_name: Option<String>,
     /// Namespace of the Lease on the managed cluster (default: $POD_NAMESPACE).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub lease_namespace: Option<String>,
     /// Kubeconfig of the managed cluster (default: the in-cluster configuration when running in a pod, else none: only the hub Lease is renewed).
     #[arg(long, value_parser = parse_path)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub managed_kubeconfig: Option<PathBuf>,
     /// holderIdentity of a Lease this agent creates (default: $POD_NAME, else $HOSTNAME).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub holder_identity: Option<String>,
     /// The proxy-agent's readiness URL; 200 means a tunnel to at least one proxy-server.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub proxy_agent_health_url: Option<String>,
     /// Renew the Lease only while the proxy-agent is ready.
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub enable_proxy_agent_health_check: Option<bool>,
     /// leaseDurationSeconds of the Lease and the renewal period, plus up to 25% jitter (Go duration, whole seconds).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub lease_duration: Option<String>,
-    /// Address the health port listens on (empty: every address).
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub health_bind_address: Option<String>,
-    /// Health port serving /healthz, /readyz and /metrics (0: any free port).
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub health_port: Option<u16>,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub health: HealthFlags,
     /// Hub namespace of the proxy-server pods the port-forward proxy forwards to.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub proxy_server_namespace: Option<String>,
     /// Forward connections to --port-forward-proxy-address to a Running proxy-server pod's port 8091 through the hub API's pods/portforward (the PortForward entrypoint; needs --hub-kubeconfig).
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub enable_port_forward_proxy: Option<bool>,
     /// Address (IP:port) the port-forward proxy listens on, where the proxy-agent's --proxy-server-host/--proxy-server-port point.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub port_forward_proxy_address: Option<String>,
     /// Forward proxy to reach the hub API through: http://, https://, socks5:// or socks5h://, with optional user:password@ (wins over the hub kubeconfig's proxy-url and HTTPS_PROXY; NO_PROXY still applies).
     #[arg(long, value_name = "URL")]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub proxy_url: Option<String>,
     /// CA bundle (PEM) that verifies an https:// proxy; it never verifies the hub.
     #[arg(long, value_parser = parse_path)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub proxy_ca_cert: Option<PathBuf>,
     /// Basic credentials for the proxy: a file holding user:password, or the directory of a mounted kubernetes.io/basic-auth Secret (wins over the URL's user:password; re-read at every connection).
     #[arg(long, value_parser = parse_path)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub proxy_credentials_file: Option<PathBuf>,
     #[command(flatten)]
     #[serde(flatten)]
@@ -223,7 +204,7 @@ impl PodEnvironment {
 
 /// The settings, resolved against the pod's environment and checked.
 #[derive(Debug, Clone, PartialEq)]
-pub struct AgentConfig {
+pub struct AddonAgentConfig {
     pub hub_kubeconfig: Option<PathBuf>,
     pub cluster_name: String,
     pub lease_name: String,
@@ -241,25 +222,44 @@ pub struct AgentConfig {
     pub hub_egress: EgressSettings,
 }
 
-impl AgentConfig {
+impl AddonAgentConfig {
     /// `leaseDurationSeconds` of a Lease this agent creates.
     pub fn lease_duration_seconds(&self) -> i32 {
         i32::try_from(self.lease_duration.as_secs()).unwrap_or(i32::MAX)
     }
 }
 
-impl AgentSettings {
+impl CommandLine for Cli {
+    fn logging(&self) -> &LogFlags {
+        &self.logging
+    }
+}
+
+impl BinarySettings for AddonAgentSettings {
+    type Flags = Cli;
+    const SERVICE: &'static str = "addon-agent";
+
     /// Layers defaults, the TOML file, the process environment and the flags.
-    pub fn load(cli: &Cli) -> Result<Self, ConfigError> {
+    fn load(cli: &Cli) -> Result<Self, ConfigError> {
         Self::load_with_env(cli, std::env::vars())
     }
 
-    /// [`AgentSettings::load`] with an explicit environment (tests).
+    fn log_settings(&self) -> (u8, LogFormat) {
+        (self.v, self.log_format)
+    }
+
+    fn ignored_settings(&self) -> Vec<&'static str> {
+        self.ignored_settings()
+    }
+}
+
+impl AddonAgentSettings {
+    /// [`AddonAgentSettings::load`] with an explicit environment (tests).
     pub fn load_with_env(
         cli: &Cli,
         vars: impl IntoIterator<Item = (String, String)>,
     ) -> Result<Self, ConfigError> {
-        let mut settings: AgentSettings =
+        let mut settings: AddonAgentSettings =
             config::load_with_env(ENV, cli.config.as_deref(), cli, vars)?;
         // An empty `--hub-kubeconfig=` (as templates render an unset path)
         // means "not given".
@@ -276,7 +276,7 @@ impl AgentSettings {
 
     /// Resolves the defaults that come from the pod's environment and checks
     /// that the result can work.
-    pub fn resolve(&self, env: &PodEnvironment) -> Result<AgentConfig, ConfigError> {
+    pub fn resolve(&self, env: &PodEnvironment) -> Result<AddonAgentConfig, ConfigError> {
         let managed = match &self.managed_kubeconfig {
             Some(path) => ManagedApi::Kubeconfig(path.clone()),
             None if env.in_cluster => ManagedApi::InCluster,
@@ -356,7 +356,7 @@ impl AgentSettings {
         } else {
             None
         };
-        Ok(AgentConfig {
+        Ok(AddonAgentConfig {
             hub_kubeconfig: self.hub_kubeconfig.clone(),
             cluster_name: self.cluster_name.clone(),
             lease_name: self.lease_name.clone(),
@@ -379,7 +379,7 @@ impl AgentSettings {
     /// proxy's, while it is off.
     pub fn ignored_settings(&self) -> Vec<&'static str> {
         let mut ignored = Vec::new();
-        let defaults = AgentSettings::default();
+        let defaults = AddonAgentSettings::default();
         if !self.enable_port_forward_proxy {
             if self.proxy_server_namespace != defaults.proxy_server_namespace {
                 ignored.push("proxy-server-namespace");
@@ -440,21 +440,21 @@ fn check_dns_subdomain(field: &'static str, value: &str) -> Result<(), ConfigErr
 mod tests {
     use super::*;
 
-    fn parse(args: &[&str], vars: &[(&str, &str)]) -> Result<AgentConfig, ConfigError> {
+    fn parse(args: &[&str], vars: &[(&str, &str)]) -> Result<AddonAgentConfig, ConfigError> {
         let cli = Cli::try_parse_from(std::iter::once("addon-agent").chain(args.iter().copied()))
             .map_err(|e| invalid("cli", e.to_string()))?;
         let vars: Vec<(String, String)> = vars
             .iter()
             .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
             .collect();
-        let settings = AgentSettings::load_with_env(&cli, vars.clone())?;
+        let settings = AddonAgentSettings::load_with_env(&cli, vars.clone())?;
         settings.resolve(&PodEnvironment::from_vars(vars))
     }
 
     #[test]
     fn every_flag_is_documented_and_shows_its_default() {
         let problems = cluster_proxy_runtime::cli::help_problems::<Cli>(
-            &AgentSettings::default(),
+            &AddonAgentSettings::default(),
             &[
                 "[default: cluster-proxy]",
                 "[default: 1m0s]",
@@ -660,7 +660,7 @@ mod tests {
             "--port-forward-proxy-address=127.0.0.1:9000",
         ])
         .unwrap();
-        let settings = AgentSettings::load_with_env(&cli, Vec::new()).unwrap();
+        let settings = AddonAgentSettings::load_with_env(&cli, Vec::new()).unwrap();
         assert_eq!(
             settings.ignored_settings(),
             ["proxy-server-namespace", "port-forward-proxy-address"]
@@ -673,7 +673,7 @@ mod tests {
             "--enable-port-forward-proxy",
         ])
         .unwrap();
-        let settings = AgentSettings::load_with_env(&on, Vec::new()).unwrap();
+        let settings = AddonAgentSettings::load_with_env(&on, Vec::new()).unwrap();
         assert!(settings.ignored_settings().is_empty());
     }
 }

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use addon_agent::portforward::PortForwardConfig;
-use addon_agent::{AgentConfig, ManagedApi, RunningAgent};
+use addon_agent::{AddonAgentConfig, ManagedApi, RunningAgent};
 use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kube::Api;
@@ -122,7 +122,7 @@ async fn start_agent(hub_kubeconfig: &Path) -> RunningAgent {
     let mut port_forward = PortForwardConfig::new("127.0.0.1:0".parse().expect("addr"), NAMESPACE);
     port_forward.refresh = Duration::from_millis(200);
     port_forward.max_age = Duration::from_millis(100);
-    addon_agent::start(AgentConfig {
+    addon_agent::start(AddonAgentConfig {
         hub_kubeconfig: Some(hub_kubeconfig.to_path_buf()),
         cluster_name: "cluster-x".into(),
         lease_name: "cluster-proxy".into(),

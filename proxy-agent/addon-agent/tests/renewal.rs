@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use addon_agent::{AgentConfig, ManagedApi, RunningAgent};
+use addon_agent::{AddonAgentConfig, ManagedApi, RunningAgent};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::jiff::Timestamp;
@@ -110,8 +110,8 @@ async fn create_namespace(client: &kube::Client, name: &str) {
         .expect("create namespace");
 }
 
-fn config(hub_kubeconfig: &Path, readyz: Option<&FakeReadyz>) -> AgentConfig {
-    AgentConfig {
+fn config(hub_kubeconfig: &Path, readyz: Option<&FakeReadyz>) -> AddonAgentConfig {
+    AddonAgentConfig {
         hub_kubeconfig: Some(hub_kubeconfig.to_path_buf()),
         cluster_name: CLUSTER.into(),
         lease_name: LEASE.into(),

@@ -57,7 +57,7 @@ use hyper_util::client::legacy::connect::dns::{GaiResolver, Name};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-pub use settings::{Cli, ServiceProxyConfig, Settings};
+pub use settings::{Cli, ServiceProxyConfig, ServiceProxySettings};
 
 /// How long a client has for its TLS handshake, and then for each
 /// request's headers: a slow or idle peer cannot hold a task.

@@ -7,9 +7,9 @@
 use std::ffi::OsString;
 
 use cluster_proxy_runtime::config::ConfigError;
-use cluster_proxy_runtime::{cli, logging, shutdown::Signals};
+use cluster_proxy_runtime::shell::{self, ShellError};
 
-use crate::{Cli, Settings, StartError};
+use crate::{ServiceProxySettings, StartError};
 
 /// The subcommand under which the proxy-agent binary runs the service-proxy.
 pub use cluster_proxy_proto::service_access::SERVICE_PROXY_SUBCOMMAND as SUBCOMMAND;
@@ -17,13 +17,11 @@ pub use cluster_proxy_proto::service_access::SERVICE_PROXY_SUBCOMMAND as SUBCOMM
 #[derive(Debug, thiserror::Error)]
 pub enum ProcessError {
     #[error(transparent)]
+    Shell(#[from] ShellError),
+    #[error(transparent)]
     Config(#[from] ConfigError),
     #[error("starting service-proxy: {0}")]
     Start(#[from] StartError),
-    #[error("starting the runtime: {0}")]
-    Runtime(std::io::Error),
-    #[error("installing signal handlers: {0}")]
-    Signals(std::io::Error),
 }
 
 /// Parses `args` (the first is the program name; `--help` and bad flags
@@ -33,25 +31,14 @@ where
     I: IntoIterator<Item = T>,
     T: Into<OsString> + Clone,
 {
-    let cli: Cli = cli::parse_from(&Settings::default(), args);
-    let settings = Settings::load(&cli)?;
-    logging::init(settings.v, settings.log_format);
-    let kubernetes_service = std::env::var("KUBERNETES_SERVICE_HOST")
-        .ok()
-        .zip(std::env::var("KUBERNETES_SERVICE_PORT").ok());
-    let config = settings.resolve(kubernetes_service)?;
-    tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .map_err(ProcessError::Runtime)?
-        .block_on(async {
-            let mut signals = Signals::install().map_err(ProcessError::Signals)?;
-            let running = crate::start(config).await?;
-            let signal = signals.recv().await;
-            tracing::info!(signal, "stopping");
-            running.shutdown().await;
-            Ok(())
-        })
+    shell::run_from(args, |settings: ServiceProxySettings, signals| async move {
+        let kubernetes_service = std::env::var("KUBERNETES_SERVICE_HOST")
+            .ok()
+            .zip(std::env::var("KUBERNETES_SERVICE_PORT").ok());
+        let running = crate::start(settings.resolve(kubernetes_service)?).await?;
+        shell::stop_on_signal(signals, running.shutdown()).await;
+        Ok(())
+    })
 }
 
 /// Whether the proxy-agent binary was asked to be the service-proxy:

@@ -8,9 +8,10 @@ use std::time::Duration;
 use clap::Parser;
 use cluster_proxy_proto::identity::ClusterName;
 use cluster_proxy_proto::service_access::{SERVICE_PROXY_PORT, USER_SERVER_IDENTITY};
-use cluster_proxy_runtime::cli::{parse_go_bool, parse_path};
+use cluster_proxy_runtime::cli::{HealthFlags, parse_go_bool, parse_path};
 use cluster_proxy_runtime::config::{self, ConfigError, EnvSpec, bind_ip, invalid};
 use cluster_proxy_runtime::logging::{LogFlags, LogFormat};
+use cluster_proxy_runtime::shell::{BinarySettings, CommandLine};
 use serde::{Deserialize, Serialize};
 
 pub const ENV: EnvSpec = EnvSpec {
@@ -24,7 +25,7 @@ const SERVICE_ACCOUNT_DIR: &str = "/var/run/secrets/kubernetes.io/serviceaccount
 /// Every setting, with its default.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
-pub struct Settings {
+pub struct ServiceProxySettings {
     pub cluster_name: String,
     pub bind_address: String,
     pub port: u16,
@@ -44,9 +45,9 @@ pub struct Settings {
     pub log_format: LogFormat,
 }
 
-impl Default for Settings {
+impl Default for ServiceProxySettings {
     fn default() -> Self {
-        Settings {
+        ServiceProxySettings {
             cluster_name: String::new(),
             // The proxy-agent beside it reaches it on the pod's loopback
             // (upstream: hostAliases name the hashed host 127.0.0.1).
@@ -84,64 +85,46 @@ pub struct Cli {
     pub config: Option<PathBuf>,
     /// Name of this managed cluster: requests routed for any other are refused.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub cluster_name: Option<String>,
     /// Address the HTTPS port listens on (the proxy-agent dials it on the pod's loopback).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub bind_address: Option<String>,
     /// HTTPS port the user-server's requests arrive on through the tunnel.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub port: Option<u16>,
     /// Serving certificate (PEM), re-read when it changes.
     #[arg(long, value_parser = parse_path)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub cert: Option<PathBuf>,
     /// Key of the serving certificate.
     #[arg(long, value_parser = parse_path)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub key: Option<PathBuf>,
     /// CA bundle (PEM) that signs the user-server's client certificate: the only client trusted to name a hub user.
     #[arg(long, value_parser = parse_path)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub user_server_ca: Option<PathBuf>,
     /// Common name the user-server's client certificate must carry.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub user_server_name: Option<String>,
     /// URL of this cluster's kube-apiserver (default: https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT, else https://kubernetes.default.svc).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub kube_api: Option<String>,
     /// CA bundle of the kube-apiserver.
     #[arg(long, value_parser = parse_path)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub kube_ca: Option<PathBuf>,
     /// This pod's ServiceAccount token, re-read when it changes (projected tokens rotate).
     #[arg(long, value_parser = parse_path)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub token_file: Option<PathBuf>,
     /// Serve hub users by impersonating them (cluster:hub:<user>); off: every request is refused.
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub enable_impersonation: Option<bool>,
     /// More CAs (PEM) to trust for https Services, beside the kube-apiserver CA (upstream's, from proxyAgent.additionalServiceCAConfigMap).
     #[arg(long, value_parser = parse_path)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub additional_service_ca: Option<PathBuf>,
     /// Resolve NAME to IP before DNS when sending to a Service (repeatable), like a pod's hostAliases.
     #[arg(long = "host-alias", value_name = "NAME=IP")]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub host_alias: Option<Vec<String>>,
-    /// Address the health port listens on (empty: every address).
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub health_bind_address: Option<String>,
-    /// Health port serving /healthz and /readyz (0: any free port).
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub health_port: Option<u16>,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub health: HealthFlags,
     #[command(flatten)]
     #[serde(flatten)]
     pub logging: LogFlags,
@@ -169,11 +152,26 @@ pub struct ServiceProxyConfig {
     pub reload_interval: Duration,
 }
 
-impl Settings {
-    pub fn load(cli: &Cli) -> Result<Self, ConfigError> {
+impl CommandLine for Cli {
+    fn logging(&self) -> &LogFlags {
+        &self.logging
+    }
+}
+
+impl BinarySettings for ServiceProxySettings {
+    type Flags = Cli;
+    const SERVICE: &'static str = "service-proxy";
+
+    fn load(cli: &Cli) -> Result<Self, ConfigError> {
         config::load(ENV, cli.config.as_deref(), cli)
     }
 
+    fn log_settings(&self) -> (u8, LogFormat) {
+        (self.v, self.log_format)
+    }
+}
+
+impl ServiceProxySettings {
     /// Checks the settings; `kubernetes_service` is the pod's
     /// `KUBERNETES_SERVICE_HOST` and `_PORT`, when set.
     pub fn resolve(
@@ -242,13 +240,13 @@ impl Settings {
 mod tests {
     use super::*;
 
-    fn settings() -> Settings {
-        Settings {
+    fn settings() -> ServiceProxySettings {
+        ServiceProxySettings {
             cluster_name: "cluster-a".into(),
             cert: "/tls/tls.crt".into(),
             key: "/tls/tls.key".into(),
             user_server_ca: "/hub/ca.crt".into(),
-            ..Settings::default()
+            ..ServiceProxySettings::default()
         }
     }
 
@@ -269,37 +267,37 @@ mod tests {
 
     #[test]
     fn bad_settings_name_their_flag() {
-        let cases: Vec<(Settings, &str)> = vec![
+        let cases: Vec<(ServiceProxySettings, &str)> = vec![
             (
-                Settings {
+                ServiceProxySettings {
                     cluster_name: "Not_A_Name".into(),
                     ..settings()
                 },
                 "cluster-name",
             ),
             (
-                Settings {
+                ServiceProxySettings {
                     cert: PathBuf::new(),
                     ..settings()
                 },
                 "cert",
             ),
             (
-                Settings {
+                ServiceProxySettings {
                     kube_api: "http://plain:80".into(),
                     ..settings()
                 },
                 "kube-api",
             ),
             (
-                Settings {
+                ServiceProxySettings {
                     bind_address: "localhost".into(),
                     ..settings()
                 },
                 "bind-address",
             ),
             (
-                Settings {
+                ServiceProxySettings {
                     host_alias: vec!["hello.apps.svc".into()],
                     ..settings()
                 },
@@ -315,7 +313,7 @@ mod tests {
     #[test]
     fn every_flag_is_described_and_shows_its_default() {
         let problems = cluster_proxy_runtime::cli::help_problems::<Cli>(
-            &Settings::default(),
+            &ServiceProxySettings::default(),
             &["[default: 7443]"],
         );
         assert!(problems.is_empty(), "{problems:?}");

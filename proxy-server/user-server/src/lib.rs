@@ -58,7 +58,7 @@ use crate::exposed::{Allowlist, AllowlistMetrics, Refused};
 use crate::route::Target;
 use crate::upstream::{DialerError, ServiceProxyClient, TunnelDialer};
 
-pub use settings::{Cli, Settings, UserServerConfig};
+pub use settings::{Cli, UserServerConfig, UserServerSettings};
 
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// A client has this long to send a request's headers, and this much room

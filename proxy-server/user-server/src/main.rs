@@ -1,25 +1,22 @@
+//! `user-server`: service access from the hub ([`user_server::start`]).
 #![forbid(unsafe_code)]
-use anyhow::Context;
-use cluster_proxy_runtime::{cli, logging, shutdown::Signals};
-use user_server::{Cli, Settings};
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    let cli: Cli = cli::parse(&Settings::default());
-    let settings = Settings::load(&cli)?;
-    logging::init(settings.v, settings.log_format);
-    let config = settings.resolve()?;
-    let hub = user_server::hub_client(config.hub_kubeconfig.as_deref())
-        .await
-        .context(
-            "no hub API to talk to (set --hub-kubeconfig or KUBECONFIG, or run in a cluster)",
-        )?;
-    let mut signals = Signals::install().context("installing signal handlers")?;
-    let running = user_server::start(config, hub)
-        .await
-        .context("starting user-server")?;
-    let signal = signals.recv().await;
-    tracing::info!(signal, "stopping");
-    running.shutdown().await;
-    Ok(())
+use anyhow::Context;
+use cluster_proxy_runtime::shell;
+use user_server::UserServerSettings;
+
+fn main() -> anyhow::Result<()> {
+    shell::run(|settings: UserServerSettings, signals| async move {
+        let config = settings.resolve()?;
+        let hub = user_server::hub_client(config.hub_kubeconfig.as_deref())
+            .await
+            .context(
+                "no hub API to talk to (set --hub-kubeconfig or KUBECONFIG, or run in a cluster)",
+            )?;
+        let running = user_server::start(config, hub)
+            .await
+            .context("starting user-server")?;
+        shell::stop_on_signal(signals, running.shutdown()).await;
+        Ok(())
+    })
 }

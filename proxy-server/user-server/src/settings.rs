@@ -8,9 +8,10 @@ use std::time::Duration;
 use clap::Parser;
 use cluster_proxy_proto::duration::serde_go;
 use cluster_proxy_proto::service_access::SERVICE_PROXY_PORT;
-use cluster_proxy_runtime::cli::{parse_go_bool, parse_path};
+use cluster_proxy_runtime::cli::{HealthFlags, parse_go_bool, parse_path};
 use cluster_proxy_runtime::config::{self, ConfigError, EnvSpec, bind_ip, invalid};
 use cluster_proxy_runtime::logging::{LogFlags, LogFormat};
+use cluster_proxy_runtime::shell::{BinarySettings, CommandLine};
 use serde::{Deserialize, Serialize};
 
 pub const ENV: EnvSpec = EnvSpec {
@@ -21,7 +22,7 @@ pub const ENV: EnvSpec = EnvSpec {
 /// Every setting, with its default.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
-pub struct Settings {
+pub struct UserServerSettings {
     pub host: String,
     pub port: u16,
     pub proxy_ca_cert: PathBuf,
@@ -67,9 +68,9 @@ pub struct Settings {
     pub log_format: LogFormat,
 }
 
-impl Default for Settings {
+impl Default for UserServerSettings {
     fn default() -> Self {
-        Settings {
+        UserServerSettings {
             host: String::new(),
             port: 8090,
             proxy_ca_cert: PathBuf::new(),
@@ -126,148 +127,109 @@ pub struct Cli {
     pub config: Option<PathBuf>,
     /// Host of the proxy-server's client port (its Service).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub host: Option<String>,
     /// The proxy-server's client port.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub port: Option<u16>,
     /// CA bundle of the proxy-server's serving certificate.
     #[arg(long, value_parser = parse_path)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub proxy_ca_cert: Option<PathBuf>,
     /// Proxy-client certificate presented to the proxy-server, re-read when it changes.
     #[arg(long, value_parser = parse_path)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub proxy_cert: Option<PathBuf>,
     /// Key of the proxy-client certificate.
     #[arg(long, value_parser = parse_path)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub proxy_key: Option<PathBuf>,
     /// Address the HTTPS port listens on (empty: every address).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub bind_address: Option<String>,
     /// HTTPS port users connect to.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub server_port: Option<u16>,
     /// Serving certificate for users, re-read when it changes.
     #[arg(long, value_parser = parse_path)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub server_cert: Option<PathBuf>,
     /// Key of the serving certificate.
     #[arg(long, value_parser = parse_path)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub server_key: Option<PathBuf>,
     /// CA bundle of hub client certificates to accept as users (CN the user, O the groups); none: tokens only.
     #[arg(long, value_parser = parse_path)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub client_ca: Option<PathBuf>,
     /// CA bundle of the service-proxies' serving certificates.
     #[arg(long, value_parser = parse_path)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub service_proxy_ca_cert: Option<PathBuf>,
     /// Port of the service-proxy beside each cluster's proxy-agent.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub service_proxy_port: Option<u16>,
     /// Client certificate presented to the service-proxies: the identity they require before believing the user this server names.
     #[arg(long, value_parser = parse_path)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub identity_cert: Option<PathBuf>,
     /// Key of the identity certificate.
     #[arg(long, value_parser = parse_path)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub identity_key: Option<PathBuf>,
     /// Kubeconfig of the hub (default: $KUBECONFIG, ~/.kube/config, or the pod's ServiceAccount).
     #[arg(long, value_parser = parse_path)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub hub_kubeconfig: Option<PathBuf>,
     /// How long a token the hub's TokenReview accepted stays accepted without asking again (Go duration).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub token_review_cache_ttl: Option<String>,
     /// How long a SubjectAccessReview decision is reused (Go duration): a revoked grant takes effect within it.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub authorization_cache_ttl: Option<String>,
     /// Most tokens and decisions each cache holds.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub cache_size: Option<usize>,
     /// Idle connections kept open to each cluster's service-proxy.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub max_idle_connections_per_cluster: Option<usize>,
     /// How long an idle connection to a service-proxy is kept (Go duration).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub idle_connection_timeout: Option<String>,
     /// Limit on connecting to the proxy-server and dialing a cluster through it (Go duration).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub dial_timeout: Option<String>,
     /// Limit on waiting for a cluster's response headers (Go duration); a watch's body may then stream for as long as it lasts.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub response_header_timeout: Option<String>,
     /// ConfigMap of the exposed-services allowlist: the Services users may reach through /<cluster>/api/v1/namespaces/<ns>/services/<svc>/proxy-service/ (default deny; empty: no Service is reachable).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub exposed_services_configmap: Option<String>,
     /// Namespace of that ConfigMap (empty: the hub client's namespace, in a pod its own).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub exposed_services_namespace: Option<String>,
     /// Send a bearer token the hub's TokenReview does not accept on to the cluster's kube-apiserver, which authenticates it itself (upstream's managed-token passthrough; the hub's RBAC is not asked for such requests).
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub managed_token_passthrough: Option<bool>,
     /// Accept ID tokens of this OIDC issuer (https URL, as its tokens' iss) as hub credentials, verified here against its published keys; empty: off.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub oidc_issuer_url: Option<String>,
     /// The audience (client ID) ID tokens must carry.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub oidc_client_id: Option<String>,
     /// The claim that names the user.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub oidc_username_claim: Option<String>,
     /// Prefix of user names (empty: the issuer URL and '#', except for the email claim; '-': none).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub oidc_username_prefix: Option<String>,
     /// The claim that holds the user's groups (a string or a list); empty: no groups.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub oidc_groups_claim: Option<String>,
     /// Prefix of group names.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub oidc_groups_prefix: Option<String>,
     /// CA bundle of the issuer's serving certificate (default: the system's, which a FROM-scratch image does not have).
     #[arg(long, value_parser = parse_path)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub oidc_ca_file: Option<PathBuf>,
     /// Signature algorithms accepted (comma-separated: RS256, RS384, RS512, PS256, PS384, PS512, ES256, ES384, EdDSA).
     #[arg(long, value_delimiter = ',')]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub oidc_signing_algs: Option<Vec<String>>,
     /// A claim ID tokens must carry with this value (repeatable).
     #[arg(long, value_name = "CLAIM=VALUE")]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub oidc_required_claim: Option<Vec<String>>,
-    /// Address the health port listens on (empty: every address).
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub health_bind_address: Option<String>,
-    /// Health port serving /healthz, /readyz and /metrics (0: any free port).
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub health_port: Option<u16>,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub health: HealthFlags,
     #[command(flatten)]
     #[serde(flatten)]
     pub logging: LogFlags,
@@ -314,9 +276,18 @@ pub struct UserServerConfig {
     pub reload_interval: Duration,
 }
 
-impl Settings {
-    pub fn load(cli: &Cli) -> Result<Self, ConfigError> {
-        let mut settings: Settings = config::load(ENV, cli.config.as_deref(), cli)?;
+impl CommandLine for Cli {
+    fn logging(&self) -> &LogFlags {
+        &self.logging
+    }
+}
+
+impl BinarySettings for UserServerSettings {
+    type Flags = Cli;
+    const SERVICE: &'static str = "user-server";
+
+    fn load(cli: &Cli) -> Result<Self, ConfigError> {
+        let mut settings: UserServerSettings = config::load(ENV, cli.config.as_deref(), cli)?;
         // An empty path (a template rendering an unset value) is "not given".
         for path in [
             &mut settings.client_ca,
@@ -330,6 +301,12 @@ impl Settings {
         Ok(settings)
     }
 
+    fn log_settings(&self) -> (u8, LogFormat) {
+        (self.v, self.log_format)
+    }
+}
+
+impl UserServerSettings {
     /// The OIDC settings, checked; none without an issuer.
     fn oidc(&self) -> Result<Option<crate::oidc::OidcConfig>, ConfigError> {
         use jsonwebtoken::Algorithm;
@@ -523,9 +500,9 @@ impl Settings {
 mod tests {
     use super::*;
 
-    fn settings() -> Settings {
+    fn settings() -> UserServerSettings {
         let path = |p: &str| PathBuf::from(p);
-        Settings {
+        UserServerSettings {
             host: "cluster-proxy-addon-entrypoint".into(),
             proxy_ca_cert: path("/p/ca.crt"),
             proxy_cert: path("/p/tls.crt"),
@@ -535,7 +512,7 @@ mod tests {
             service_proxy_ca_cert: path("/sp/ca.crt"),
             identity_cert: path("/i/tls.crt"),
             identity_key: path("/i/tls.key"),
-            ..Settings::default()
+            ..UserServerSettings::default()
         }
     }
 
@@ -554,14 +531,14 @@ mod tests {
                 name: "cluster-proxy-exposed-services".into()
             })
         );
-        let none = Settings {
+        let none = UserServerSettings {
             exposed_services_configmap: String::new(),
             ..settings()
         };
         assert_eq!(none.resolve().unwrap().exposed_services, None);
         assert_eq!(config.oidc, None);
         let oidc = |claim: &str, prefix: &str| {
-            Settings {
+            UserServerSettings {
                 oidc_issuer_url: "https://idp.example.com".into(),
                 oidc_client_id: "cluster-proxy".into(),
                 oidc_username_claim: claim.into(),
@@ -586,58 +563,58 @@ mod tests {
             config.required_claims,
             [("hd".to_owned(), "example.com".to_owned())]
         );
-        let cases: Vec<(Settings, &str)> = vec![
+        let cases: Vec<(UserServerSettings, &str)> = vec![
             (
-                Settings {
+                UserServerSettings {
                     host: String::new(),
                     ..settings()
                 },
                 "host",
             ),
             (
-                Settings {
+                UserServerSettings {
                     identity_cert: PathBuf::new(),
                     ..settings()
                 },
                 "identity-cert",
             ),
             (
-                Settings {
+                UserServerSettings {
                     token_review_cache_ttl: Duration::from_secs(7200),
                     ..settings()
                 },
                 "token-review-cache-ttl",
             ),
             (
-                Settings {
+                UserServerSettings {
                     dial_timeout: Duration::ZERO,
                     ..settings()
                 },
                 "dial-timeout",
             ),
             (
-                Settings {
+                UserServerSettings {
                     cache_size: 0,
                     ..settings()
                 },
                 "cache-size",
             ),
             (
-                Settings {
+                UserServerSettings {
                     exposed_services_configmap: "Not A Name".into(),
                     ..settings()
                 },
                 "exposed-services-configmap",
             ),
             (
-                Settings {
+                UserServerSettings {
                     oidc_client_id: "cluster-proxy".into(),
                     ..settings()
                 },
                 "oidc-client-id",
             ),
             (
-                Settings {
+                UserServerSettings {
                     oidc_issuer_url: "http://idp.example.com".into(),
                     oidc_client_id: "cluster-proxy".into(),
                     ..settings()
@@ -645,14 +622,14 @@ mod tests {
                 "oidc-issuer-url",
             ),
             (
-                Settings {
+                UserServerSettings {
                     oidc_issuer_url: "https://idp.example.com".into(),
                     ..settings()
                 },
                 "oidc-client-id",
             ),
             (
-                Settings {
+                UserServerSettings {
                     oidc_issuer_url: "https://idp.example.com".into(),
                     oidc_client_id: "cluster-proxy".into(),
                     oidc_signing_algs: vec!["HS256".into()],
@@ -661,7 +638,7 @@ mod tests {
                 "shared-secret",
             ),
             (
-                Settings {
+                UserServerSettings {
                     oidc_issuer_url: "https://idp.example.com".into(),
                     oidc_client_id: "cluster-proxy".into(),
                     oidc_required_claim: vec!["hd".into()],
@@ -670,7 +647,7 @@ mod tests {
                 "oidc-required-claim",
             ),
             (
-                Settings {
+                UserServerSettings {
                     bind_address: "example.com".into(),
                     ..settings()
                 },
@@ -686,7 +663,7 @@ mod tests {
     #[test]
     fn every_flag_is_described_and_shows_its_default() {
         let problems = cluster_proxy_runtime::cli::help_problems::<Cli>(
-            &Settings::default(),
+            &UserServerSettings::default(),
             &["[default: 9092]"],
         );
         assert!(problems.is_empty(), "{problems:?}");

@@ -1,4 +1,4 @@
-//! Server configuration: defaults < TOML file (`--config`) < environment
+//! proxy-server's command line and settings: defaults < TOML file (`--config`) < environment
 //! (`PROXY_SERVER_*`) < command-line flags. Every upstream proxy-server flag is
 //! accepted so existing manifests keep working.
 
@@ -9,11 +9,12 @@ use clap::Parser;
 use cluster_proxy_proto::duration::serde_go;
 use cluster_proxy_proto::flow::{DEFAULT_WINDOW, MIN_WINDOW};
 use cluster_proxy_runtime::cli::{
-    GoList, parse_go_bool, parse_go_list, parse_path, serialize_go_lists,
+    GoList, HealthFlags, parse_go_bool, parse_go_list, parse_path, serialize_go_lists,
 };
 pub use cluster_proxy_runtime::config::ConfigError;
 use cluster_proxy_runtime::config::{self, EnvSpec, invalid};
 use cluster_proxy_runtime::logging::{LogFlags, LogFormat};
+use cluster_proxy_runtime::shell::{BinarySettings, CommandLine};
 use cluster_proxy_runtime::telemetry::TelemetryFlags;
 use serde::{Deserialize, Serialize};
 
@@ -34,7 +35,7 @@ pub enum Mode {
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
-pub struct ServerConfig {
+pub struct ProxyServerSettings {
     pub mode: Mode,
     pub uds_name: String,
     pub delete_existing_uds_file: bool,
@@ -140,9 +141,9 @@ pub const ENV: EnvSpec = EnvSpec {
     aliases: &[("ID", "server_id")],
 };
 
-impl Default for ServerConfig {
+impl Default for ProxyServerSettings {
     fn default() -> Self {
-        ServerConfig {
+        ProxyServerSettings {
             mode: Mode::Both,
             uds_name: String::new(),
             delete_existing_uds_file: true,
@@ -225,234 +226,173 @@ pub struct Cli {
     pub config: Option<PathBuf>,
     /// Frontends on the client port: both (default), grpc or http-connect.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub mode: Option<String>,
     /// Serve the client frontend (gRPC and/or HTTP CONNECT, per --mode) on this Unix socket, without TLS, instead of the client port.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub uds_name: Option<String>,
     /// Remove an existing --uds-name file before listening (else an existing file is an error).
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub delete_existing_uds_file: Option<bool>,
     /// Client port: gRPC ProxyService and HTTP CONNECT over mTLS.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub server_port: Option<u16>,
     /// Address the client port listens on (empty: every address).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub server_bind_address: Option<String>,
     /// Certificate the client port presents (PEM).
     #[arg(long, value_parser = parse_path)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub server_cert: Option<PathBuf>,
     /// Private key of --server-cert (PEM).
     #[arg(long, value_parser = parse_path)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub server_key: Option<PathBuf>,
     /// CA bundle that hub clients' certificates must chain to.
     #[arg(long, value_parser = parse_path)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub server_ca_cert: Option<PathBuf>,
     /// Agent port: AgentService.Connect tunnels from proxy-agents over mTLS.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub agent_port: Option<u16>,
     /// Address the agent port listens on (empty: every address).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub agent_bind_address: Option<String>,
     /// Certificate the agent port presents (PEM).
     #[arg(long, value_parser = parse_path)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub cluster_cert: Option<PathBuf>,
     /// Private key of --cluster-cert (PEM).
     #[arg(long, value_parser = parse_path)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub cluster_key: Option<PathBuf>,
     /// CA bundle that agents' certificates must chain to.
     #[arg(long, value_parser = parse_path)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub cluster_ca_cert: Option<PathBuf>,
     /// Admin port serving /metrics.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub admin_port: Option<u16>,
     /// Address the admin port listens on.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub admin_bind_address: Option<String>,
-    /// Health port serving /healthz, /readyz and /metrics.
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub health_port: Option<u16>,
-    /// Address the health port listens on (empty: every address).
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub health_bind_address: Option<String>,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub health: HealthFlags,
     /// Idle time after which agent tunnels are pinged (HTTP/2 PING, 20 s to answer); 0 turns pings off (Go duration).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub keepalive_time: Option<String>,
     /// Idle time after which client connections are pinged (HTTP/2 PING, 20 s to answer); 0 turns pings off (Go duration).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub frontend_keepalive_time: Option<String>,
     /// Go pprof endpoints (upstream); accepted, no effect here.
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub enable_profiling: Option<bool>,
     /// Go contention profiling (upstream); accepted, no effect here.
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub enable_contention_profiling: Option<bool>,
     /// This replica's id sent to agents (empty: $PROXY_SERVER_ID, else a random UUID).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub server_id: Option<String>,
     /// Number of proxy-server replicas agents should connect to.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub server_count: Option<u32>,
     /// Where the replica count comes from: static (--server-count) or
     /// dns:<name>, a headless Service over every replica, resolved every
     /// --server-count-refresh-interval (--server-count until it resolves).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub server_count_source: Option<String>,
     /// How often a dns: --server-count-source is resolved (Go duration).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub server_count_refresh_interval: Option<String>,
     /// With a dns: --server-count-source, how long /readyz waits until this
     /// replica holds as many agents as the other replicas (Go duration; 0: ready at once).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub readiness_agent_wait: Option<String>,
     /// Service-account token authentication of agents (upstream); not supported: agents present certificates.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub agent_namespace: Option<String>,
     /// See --agent-namespace; not supported.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub agent_service_account: Option<String>,
     /// See --agent-namespace; not supported.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub authentication_audience: Option<String>,
     /// Kubeconfig for the lease controller (upstream); accepted, no effect here.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub kubeconfig: Option<String>,
     /// Kubernetes client QPS (upstream); accepted, no effect here.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub kubeconfig_qps: Option<f32>,
     /// Kubernetes client burst (upstream); accepted, no effect here.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub kubeconfig_burst: Option<u32>,
     /// Kubernetes API content type (upstream); accepted, no effect here.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub kube_api_content_type: Option<String>,
     /// Routing strategies in order: destHost, default, defaultRoute.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub proxy_strategies: Option<String>,
     /// TLS 1.2 cipher suites to offer (IANA names, comma-separated, as upstream); empty: all of the ring provider's (ECDHE with AES-GCM or ChaCha20-Poly1305). Named suites without forward secrecy or AEAD are never offered; TLS 1.3 suites are always on.
     #[arg(long, value_name = "SUITES", value_parser = parse_go_list)]
-    #[serde(
-        skip_serializing_if = "Option::is_none",
-        serialize_with = "serialize_go_lists"
-    )]
+    #[serde(serialize_with = "serialize_go_lists")]
     pub cipher_suites: Option<Vec<GoList>>,
     /// Oldest TLS version accepted: VersionTLS12 or VersionTLS13 (empty: TLS 1.2).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub tls_min_version: Option<String>,
     /// Upstream's per-stream channel size; accepted, flow control replaces it.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub xfr_channel_size: Option<u32>,
     /// Publish a Lease per replica (upstream); accepted, no effect yet.
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub enable_lease_controller: Option<bool>,
     /// Namespace of the replica Leases (with --enable-lease-controller).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub lease_namespace: Option<String>,
     /// Label of the replica Leases (with --enable-lease-controller).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub lease_label: Option<String>,
     /// How long established connections may finish after SIGTERM (Go duration).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub graceful_shutdown_timeout: Option<String>,
     /// Fail a pending dial after this long (Go duration, e.g. 10s; 0 disables).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub backend_dial_timeout: Option<String>,
     /// Accept agents whose certificate names no cluster, trusting the
     /// identifiers they claim (upstream behaviour, for upstream-issued certs).
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub allow_unbound_agents: Option<bool>,
     /// With identity binding on (no --allow-unbound-agents), accept --proxy-strategies default/defaultRoute, which route a dial to an agent whatever cluster it names.
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub allow_cross_cluster_routing: Option<bool>,
     /// TOML file saying which hub client certificate subject may reach which clusters (unset: every hub client reaches every cluster).
     #[arg(long, value_parser = parse_path)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub client_policy: Option<PathBuf>,
     /// Per-connection flow-control window in bytes.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub flow_control_window: Option<u32>,
     /// Per-connection buffer in bytes for plain konnectivity agents.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub plain_peer_buffer: Option<u32>,
     /// Close a plain agent's connection whose buffer stayed full this long (Go duration).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub plain_peer_stall_timeout: Option<String>,
     /// How often certificate files are checked for rotation (Go duration).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub credential_reload_interval: Option<String>,
     /// Concurrent HTTP/2 streams per connection on the agent and client ports.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub max_concurrent_streams: Option<u32>,
     /// Largest packet (gRPC message) accepted from agents and clients, in bytes.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub max_packet_size: Option<u32>,
     /// Tunnels one agent identity (cluster, else agent id) may hold to this replica.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub max_tunnels_per_agent: Option<u32>,
     /// Dials one agent tunnel may have waiting for the agent's answer.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub max_pending_dials_per_tunnel: Option<u32>,
     /// Unknown connection ids per tunnel the server may be waiting to see closed; beyond it, stray DATA is dropped unanswered.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub max_stray_closes_per_tunnel: Option<u32>,
     /// Close a Proxy stream that sent no DIAL_REQ within this long (Go duration).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub first_packet_timeout: Option<String>,
     /// Threads running the tunnel's tasks (0: one per CPU this process may use, the cgroup CPU limit included; 1: a single-threaded scheduler, the least CPU per byte when one core is all the process gets).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub worker_threads: Option<u32>,
     #[command(flatten)]
     #[serde(flatten)]
@@ -467,18 +407,45 @@ pub struct Cli {
     pub warn_on_channel_limit: Option<bool>,
 }
 
-impl ServerConfig {
+impl CommandLine for Cli {
+    fn logging(&self) -> &LogFlags {
+        &self.logging
+    }
+
+    fn telemetry(&self) -> Option<&TelemetryFlags> {
+        Some(&self.telemetry)
+    }
+}
+
+impl BinarySettings for ProxyServerSettings {
+    type Flags = Cli;
+    const SERVICE: &'static str = "proxy-server";
+
     /// Layers defaults, the TOML file, the environment and the flags.
-    pub fn load(cli: &Cli) -> Result<Self, ConfigError> {
+    fn load(cli: &Cli) -> Result<Self, ConfigError> {
         Self::load_with_env(cli, std::env::vars())
     }
 
-    /// [`ServerConfig::load`] with an explicit environment (tests).
+    fn log_settings(&self) -> (u8, LogFormat) {
+        (self.v, self.log_format)
+    }
+
+    fn worker_threads(&self) -> Option<u32> {
+        Some(self.worker_threads)
+    }
+
+    fn ignored_settings(&self) -> Vec<&'static str> {
+        self.ignored_settings()
+    }
+}
+
+impl ProxyServerSettings {
+    /// [`ProxyServerSettings::load`] with an explicit environment (tests).
     pub fn load_with_env(
         cli: &Cli,
         vars: impl IntoIterator<Item = (String, String)>,
     ) -> Result<Self, ConfigError> {
-        let mut config: ServerConfig =
+        let mut config: ProxyServerSettings =
             config::load_with_env(ENV, cli.config.as_deref(), cli, vars)?;
         // Upstream's empty `--server-cert=` (as its tooling renders an unset
         // path) means "not given".
@@ -657,7 +624,7 @@ impl ServerConfig {
 
     /// Upstream flags this implementation accepts but does not act on.
     pub fn ignored_settings(&self) -> Vec<&'static str> {
-        let defaults = ServerConfig::default();
+        let defaults = ProxyServerSettings::default();
         let mut ignored = Vec::new();
         if self.enable_profiling {
             ignored.push("enable-profiling");
@@ -698,16 +665,16 @@ impl ServerConfig {
 mod tests {
     use super::*;
 
-    fn parse(args: &[&str]) -> Result<ServerConfig, ConfigError> {
+    fn parse(args: &[&str]) -> Result<ProxyServerSettings, ConfigError> {
         let mut argv = vec!["proxy-server"];
         argv.extend_from_slice(args);
-        ServerConfig::load(&Cli::parse_from(argv))
+        ProxyServerSettings::load(&Cli::parse_from(argv))
     }
 
     #[test]
     fn every_flag_is_described_and_shows_its_default() {
         let problems = cluster_proxy_runtime::cli::help_problems::<Cli>(
-            &ServerConfig::default(),
+            &ProxyServerSettings::default(),
             &["[default: 8090]", "[default: 10s]", "[default: default]"],
         );
         assert!(problems.is_empty(), "{problems:?}");
@@ -749,7 +716,7 @@ mod tests {
 
     #[test]
     fn defaults_match_upstream() {
-        let c = ServerConfig::default();
+        let c = ProxyServerSettings::default();
         assert_eq!(
             (c.server_port, c.agent_port, c.health_port, c.admin_port),
             (8090, 8091, 8092, 8095)
@@ -759,7 +726,7 @@ mod tests {
 
     #[test]
     fn strategies_that_ignore_the_cluster_need_an_opt_in_under_identity_binding() {
-        let mut c = ServerConfig::default();
+        let mut c = ProxyServerSettings::default();
         let err = c.check_routing_safety().unwrap_err().to_string();
         assert!(
             err.contains("proxy-strategies") && err.contains("--allow-cross-cluster-routing"),

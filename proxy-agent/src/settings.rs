@@ -1,7 +1,7 @@
-//! Agent configuration: defaults < TOML file (`--config`) < environment
+//! proxy-agent's command line and settings: defaults < TOML file (`--config`) < environment
 //! (`PROXY_AGENT_*`) < command-line flags. Every upstream proxy-agent flag is
 //! accepted so existing manifests keep working; the ones that mean nothing
-//! here are reported by [`AgentSettings::ignored_settings`].
+//! here are reported by [`ProxyAgentSettings::ignored_settings`].
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -16,10 +16,11 @@ use cluster_proxy_runtime::cli::{
 pub use cluster_proxy_runtime::config::ConfigError;
 use cluster_proxy_runtime::config::{self, EnvSpec, invalid};
 use cluster_proxy_runtime::logging::{LogFlags, LogFormat};
+use cluster_proxy_runtime::shell::{BinarySettings, CommandLine};
 use cluster_proxy_runtime::telemetry::TelemetryFlags;
 use serde::{Deserialize, Serialize};
 
-use crate::agent_config::{AgentConfig, TlsSource};
+use crate::agent_config::{ProxyAgentConfig, TlsSource};
 use cluster_proxy_egress::EgressSettings;
 
 const DEFAULT_CONTENT_TYPE: &str = "application/vnd.kubernetes.protobuf";
@@ -28,7 +29,7 @@ const DEFAULT_LEASE_SELECTOR: &str = "k8s-app=konnectivity-server";
 /// The layered settings, named as the upstream flags (with underscores).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
-pub struct AgentSettings {
+pub struct ProxyAgentSettings {
     pub agent_cert: Option<PathBuf>,
     pub agent_key: Option<PathBuf>,
     pub ca_cert: Option<PathBuf>,
@@ -106,9 +107,9 @@ pub const ENV: EnvSpec = EnvSpec {
     aliases: &[("ID", "agent_id")],
 };
 
-impl Default for AgentSettings {
+impl Default for ProxyAgentSettings {
     fn default() -> Self {
-        AgentSettings {
+        ProxyAgentSettings {
             agent_cert: None,
             agent_key: None,
             ca_cert: None,
@@ -173,110 +174,82 @@ pub struct Cli {
     pub config: Option<PathBuf>,
     /// Client certificate presented to the proxy-server.
     #[arg(long, value_parser = parse_path)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub agent_cert: Option<PathBuf>,
     /// Private key of --agent-cert.
     #[arg(long, value_parser = parse_path)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub agent_key: Option<PathBuf>,
     /// CA bundle the proxy-server's certificate must chain to.
     #[arg(long, value_parser = parse_path)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub ca_cert: Option<PathBuf>,
     /// Host of the proxy-server agent endpoint (a Service or load balancer in front of every replica).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub proxy_server_host: Option<String>,
     /// Port of the proxy-server agent endpoint.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub proxy_server_port: Option<u16>,
     /// ALPN protocols offered in addition to h2, which is always offered (comma-separated; [] is none).
     #[arg(long, value_name = "PROTOS", value_parser = parse_go_list)]
-    #[serde(
-        skip_serializing_if = "Option::is_none",
-        serialize_with = "serialize_go_lists"
-    )]
+    #[serde(serialize_with = "serialize_go_lists")]
     pub alpn_proto: Option<Vec<GoList>>,
     /// Offer our lean tunnel framing (ALPN cluster-proxy-tunnel/1) ahead of gRPC over HTTP/2; servers that do not speak it get gRPC.
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub lean_framing: Option<bool>,
     /// Address the health port listens on (empty: every address).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub health_server_host: Option<String>,
     /// Health port serving /healthz, /readyz and /metrics.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub health_server_port: Option<u16>,
     /// Admin port serving /metrics.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub admin_server_port: Option<u16>,
     /// Address the admin port listens on.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub admin_bind_address: Option<String>,
     /// Go pprof endpoints (upstream); accepted, no effect here.
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub enable_profiling: Option<bool>,
     /// Go contention profiling (upstream); accepted, no effect here.
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub enable_contention_profiling: Option<bool>,
     /// Agent id (default: $PROXY_AGENT_ID, else a random UUID).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub agent_id: Option<String>,
     /// Identifiers served, URL query form: host=a&ipv4=10.0.0.1&default-route=true.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub agent_identifiers: Option<String>,
     /// First delay before reconnecting to a lost or missing replica (Go duration).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub sync_interval: Option<String>,
     /// Upstream's tunnel probe period; accepted, a lost tunnel is noticed when its stream ends.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub probe_interval: Option<String>,
     /// Longest delay between reconnection attempts (Go duration).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub sync_interval_cap: Option<String>,
     /// Interval of HTTP/2 keepalive pings on tunnels, so a silently dead server is noticed (Go duration).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub keepalive_time: Option<String>,
     /// File holding a token sent as `authorization: Bearer` (re-read per connect).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub service_account_token_path: Option<String>,
     /// Upstream channel-limit warnings; accepted, no effect here.
     #[arg(long, hide = true, num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub warn_on_channel_limit: Option<bool>,
     /// Keep dialing every --sync-interval to discover new servers.
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub sync_forever: Option<bool>,
     /// Upstream's per-stream channel size; accepted, flow control replaces it.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub xfr_channel_size: Option<u32>,
     /// Count replicas from Leases (upstream); accepted, no effect yet: the servercount header is used.
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub count_server_leases: Option<bool>,
     /// Namespace of the replica Leases (with --count-server-leases).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub lease_namespace: Option<String>,
     /// Label selector of the replica Leases (with --count-server-leases).
     #[arg(long, overrides_with = "lease_label")]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub lease_label_selector: Option<String>,
     /// Deprecated upstream spelling of --lease-label-selector.
     #[arg(long, hide = true, overrides_with = "lease_label_selector")]
@@ -284,56 +257,43 @@ pub struct Cli {
     pub lease_label: Option<String>,
     /// default or max.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub server_count_source: Option<String>,
     /// Kubeconfig for counting Leases (upstream); accepted, no effect here.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub kubeconfig: Option<String>,
     /// Kubernetes API content type (upstream); accepted, no effect here.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub kube_api_content_type: Option<String>,
     /// Per-connection flow-control window in bytes (0 disables the extension).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub flow_control_window: Option<u32>,
     /// Per-connection buffer in bytes towards plain konnectivity servers.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub plain_peer_buffer: Option<u32>,
     /// Kernel receive buffer (SO_RCVBUF) in bytes of each connection to a
     /// target; bounds the kernel memory of thousands of busy connections (0: autotuning).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub target_receive_buffer: Option<u32>,
     /// Timeout for dials to endpoints (Go duration).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub dial_timeout: Option<String>,
     /// Resolve NAME to IP before DNS when dialing (repeatable), like a pod's hostAliases.
     #[arg(long = "host-alias", value_name = "NAME=IP")]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub host_alias: Option<Vec<String>>,
     /// Forward proxy to reach the proxy-server through: http://, https://, socks5:// or socks5h://, with optional user:password@ (wins over HTTPS_PROXY; NO_PROXY still applies).
     #[arg(long, value_name = "URL")]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub proxy_url: Option<String>,
     /// CA bundle (PEM) that verifies an https:// proxy; it never verifies the proxy-server.
     #[arg(long, value_parser = parse_path)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub proxy_ca_cert: Option<PathBuf>,
     /// Basic credentials for the proxy: a file holding user:password, or the directory of a mounted kubernetes.io/basic-auth Secret (wins over the URL's user:password; re-read at every connection).
     #[arg(long, value_parser = parse_path)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub proxy_credentials_file: Option<PathBuf>,
     /// How often certificate files are checked for rotation (Go duration).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub credential_reload_interval: Option<String>,
     /// Threads running the tunnel's tasks (0: one per CPU this process may use, the cgroup CPU limit included; 1: a single-threaded scheduler, the least CPU per byte when one core is all the process gets).
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub worker_threads: Option<u32>,
     #[command(flatten)]
     #[serde(flatten)]
@@ -344,13 +304,48 @@ pub struct Cli {
     pub telemetry: TelemetryFlags,
 }
 
-impl AgentSettings {
+impl CommandLine for Cli {
+    fn logging(&self) -> &LogFlags {
+        &self.logging
+    }
+
+    fn telemetry(&self) -> Option<&TelemetryFlags> {
+        Some(&self.telemetry)
+    }
+}
+
+impl BinarySettings for ProxyAgentSettings {
+    type Flags = Cli;
+    const SERVICE: &'static str = "proxy-agent";
+
     /// Layers defaults, the TOML file, the process environment and the flags.
-    pub fn load(cli: &Cli) -> Result<Self, ConfigError> {
+    fn load(cli: &Cli) -> Result<Self, ConfigError> {
         Self::load_with_env(cli, std::env::vars())
     }
 
-    /// [`AgentSettings::load`] with an explicit environment (tests).
+    fn log_settings(&self) -> (u8, LogFormat) {
+        (self.v, self.log_format)
+    }
+
+    fn worker_threads(&self) -> Option<u32> {
+        Some(self.worker_threads)
+    }
+
+    fn ignored_settings(&self) -> Vec<&'static str> {
+        self.ignored_settings()
+    }
+
+    fn warnings(&self, cli: &Cli) -> Vec<String> {
+        let deprecated = cli
+            .lease_label
+            .is_some()
+            .then(|| "--lease-label is deprecated: use --lease-label-selector".to_owned());
+        deprecated.into_iter().chain(self.warnings()).collect()
+    }
+}
+
+impl ProxyAgentSettings {
+    /// [`ProxyAgentSettings::load`] with an explicit environment (tests).
     pub fn load_with_env(
         cli: &Cli,
         vars: impl IntoIterator<Item = (String, String)>,
@@ -360,7 +355,7 @@ impl AgentSettings {
             // Of the two spellings, clap keeps only the one given last.
             flags.lease_label_selector.get_or_insert(label);
         }
-        let mut settings: AgentSettings =
+        let mut settings: ProxyAgentSettings =
             config::load_with_env(ENV, cli.config.as_deref(), &flags, vars)?;
         // Upstream's empty `--agent-cert=` (as its tooling renders an unset
         // path) means "not given".
@@ -456,7 +451,7 @@ impl AgentSettings {
 
     /// Upstream flags this implementation accepts but does not act on.
     pub fn ignored_settings(&self) -> Vec<&'static str> {
-        let d = AgentSettings::default();
+        let d = ProxyAgentSettings::default();
         let mut ignored = Vec::new();
         let mut check = |set: bool, name: &'static str| {
             if set {
@@ -493,7 +488,7 @@ impl AgentSettings {
     }
 
     /// The runtime configuration. Certificates are read by [`crate::start`].
-    pub fn to_agent_config(&self) -> Result<AgentConfig, ConfigError> {
+    pub fn to_agent_config(&self) -> Result<ProxyAgentConfig, ConfigError> {
         let Some(ca_cert) = self.ca_cert.clone() else {
             return Err(invalid(
                 "ca-cert",
@@ -506,7 +501,7 @@ impl AgentSettings {
             agent_key: self.agent_key.clone(),
             alpn: self.alpn_proto.clone(),
         };
-        let mut config = AgentConfig::new(tls);
+        let mut config = ProxyAgentConfig::new(tls);
         config.proxy_server_host = self.proxy_server_host.clone();
         config.proxy_server_port = self.proxy_server_port;
         if !self.agent_id.is_empty() {
@@ -551,16 +546,16 @@ impl AgentSettings {
 mod tests {
     use super::*;
 
-    fn parse(args: &[&str]) -> Result<AgentSettings, ConfigError> {
+    fn parse(args: &[&str]) -> Result<ProxyAgentSettings, ConfigError> {
         let mut argv = vec!["proxy-agent"];
         argv.extend_from_slice(args);
-        AgentSettings::load_with_env(&Cli::parse_from(argv), Vec::new())
+        ProxyAgentSettings::load_with_env(&Cli::parse_from(argv), Vec::new())
     }
 
     #[test]
     fn every_flag_is_described_and_shows_its_default() {
         let problems = cluster_proxy_runtime::cli::help_problems::<Cli>(
-            &AgentSettings::default(),
+            &ProxyAgentSettings::default(),
             &["[default: 8091]", "[default: 1s]", "[default: 127.0.0.1]"],
         );
         assert!(problems.is_empty(), "{problems:?}");
@@ -569,7 +564,7 @@ mod tests {
     #[test]
     fn defaults_match_upstream() {
         let c = parse(&[]).unwrap();
-        assert_eq!(c, AgentSettings::default());
+        assert_eq!(c, ProxyAgentSettings::default());
         assert_eq!(
             (c.proxy_server_host.as_str(), c.proxy_server_port),
             ("127.0.0.1", 8091)
@@ -606,7 +601,7 @@ mod tests {
                 "--sync-interval-cap=1m30s",
                 "--sync-forever",
             ]);
-            let c = AgentSettings::load(&cli).map_err(|e| e.to_string())?;
+            let c = ProxyAgentSettings::load(&cli).map_err(|e| e.to_string())?;
             assert_eq!(c.proxy_server_host, "file");
             assert_eq!(c.proxy_server_port, 2001);
             assert_eq!(c.health_server_port, 3002);
@@ -627,7 +622,7 @@ mod tests {
         assert_eq!(parse(&["--worker-threads=1"]).unwrap().worker_threads, 1);
         figment::Jail::expect_with(|jail| {
             jail.set_env("PROXY_AGENT_WORKER_THREADS", "3");
-            let c = AgentSettings::load(&Cli::parse_from(["proxy-agent"]))
+            let c = ProxyAgentSettings::load(&Cli::parse_from(["proxy-agent"]))
                 .map_err(|e| e.to_string())?;
             assert_eq!(c.worker_threads, 3);
             Ok(())
