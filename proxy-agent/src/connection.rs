@@ -55,8 +55,12 @@ use tokio_util::either::Either;
 use tonic::Status;
 use tonic::metadata::MetadataMap;
 
-use crate::USER_AGENT;
 use crate::agent_config::Transport;
+
+/// The agent's user-agent, in its requests to the proxy-server and in the
+/// CONNECT requests to a forward proxy. Here, not at the crate's root, so
+/// that the tunnel's modules do not import the root that imports them.
+pub(crate) const USER_AGENT: &str = concat!("cluster-proxy-agent/", env!("CARGO_PKG_VERSION"));
 
 /// Bytes the stream may have queued beyond what the server's window lets
 /// out (hyper's default for its clients).

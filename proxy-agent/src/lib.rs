@@ -37,6 +37,7 @@ pub use config::{AgentSettings, Cli, ConfigError};
 pub use manager::ConnectError;
 pub use metrics::Metrics;
 
+use crate::connection::USER_AGENT;
 use crate::manager::Shared;
 
 #[derive(Debug, thiserror::Error)]
@@ -55,10 +56,6 @@ pub enum AgentError {
     #[error(transparent)]
     Egress(#[from] cluster_proxy_egress::EgressError),
 }
-
-/// The agent's user-agent, in its requests to the proxy-server and in the
-/// CONNECT requests to a forward proxy.
-pub(crate) const USER_AGENT: &str = concat!("cluster-proxy-agent/", env!("CARGO_PKG_VERSION"));
 
 /// Builds `source`'s client configuration; errors name the offending file.
 /// Here rather than on [`TlsSource`], whose module cannot name [`AgentError`].
