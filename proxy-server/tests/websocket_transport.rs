@@ -19,9 +19,10 @@ use hyper_util::rt::TokioIo;
 use proxy_agent::{AgentConfig, TlsSource, Transport};
 use simulated_cluster::targets::EchoServer;
 use simulated_cluster::wait::{eventually, wait_until};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
+use tunnel_harness::faults::pump_unless_silent;
 use tunnel_harness::in_process::{AgentUnderTest, health_get, test_server_config, tunnel_client};
 use tunnel_harness::loadgen::echo_intact;
 use tunnel_harness::pki::TestPki;
@@ -43,6 +44,12 @@ fn agent_config(pki: &TestPki, port: u16, transport: Transport) -> AgentConfig {
         .host_aliases
         .insert(CLUSTER.to_owned(), "127.0.0.1".parse().unwrap());
     config
+}
+
+async fn start_server(pki: &TestPki) -> proxy_server::RunningServer {
+    proxy_server::start_with_tls(test_server_config(), pki.server_tls().unwrap())
+        .await
+        .unwrap()
 }
 
 /// The agent's newest failure to open a tunnel, from its `/readyz`, once
@@ -74,9 +81,7 @@ async fn echo_a_mebibyte(pki: &TestPki, server: &proxy_server::RunningServer) {
 #[tokio::test]
 async fn a_websocket_agent_carries_traffic_through_a_real_server() {
     let pki = TestPki::new(&[CLUSTER]).unwrap();
-    let server = proxy_server::start_with_tls(test_server_config(), pki.server_tls().unwrap())
-        .await
-        .unwrap();
+    let server = start_server(&pki).await;
     let _agent = AgentUnderTest::start_with(agent_config(
         &pki,
         server.agent_addr.port(),
@@ -201,41 +206,24 @@ impl Upstream {
                 if let (Ok(agent), Ok(server)) = tokio::join!(from_agent, from_server) {
                     let (agent_read, agent_write) = tokio::io::split(TokioIo::new(agent));
                     let (server_read, server_write) = tokio::io::split(TokioIo::new(server));
-                    let counted = Some(relay.agent_reads.clone());
                     tokio::join!(
-                        pump(agent_read, server_write, relay.silent.clone(), counted),
-                        pump(server_read, agent_write, relay.silent.clone(), None),
+                        pump_unless_silent(
+                            agent_read,
+                            server_write,
+                            relay.silent.clone(),
+                            relay.agent_reads.clone()
+                        ),
+                        pump_unless_silent(
+                            server_read,
+                            agent_write,
+                            relay.silent.clone(),
+                            Arc::default()
+                        ),
                     );
                 }
             });
         }
         response.map(Either::Left)
-    }
-}
-
-/// Copies `from` to `to` until either ends; once `silent`, swallows
-/// everything but keeps both open, as a partitioned path does.
-async fn pump(
-    mut from: impl AsyncRead + Unpin,
-    mut to: impl AsyncWrite + Unpin,
-    silent: Arc<AtomicBool>,
-    reads: Option<Arc<AtomicUsize>>,
-) {
-    let mut buf = vec![0u8; 64 * 1024];
-    loop {
-        let n = match from.read(&mut buf).await {
-            Ok(0) | Err(_) => return,
-            Ok(n) => n,
-        };
-        if silent.load(Ordering::SeqCst) {
-            continue;
-        }
-        if let Some(reads) = &reads {
-            reads.fetch_add(1, Ordering::SeqCst);
-        }
-        if to.write_all(&buf[..n]).await.is_err() || to.flush().await.is_err() {
-            return;
-        }
     }
 }
 
@@ -245,9 +233,7 @@ async fn pump(
 #[tokio::test]
 async fn through_an_http1_only_middlebox_only_the_websocket_transport_works() {
     let pki = TestPki::new(&[CLUSTER]).unwrap();
-    let server = proxy_server::start_with_tls(test_server_config(), pki.server_tls().unwrap())
-        .await
-        .unwrap();
+    let server = start_server(&pki).await;
     let middlebox = Http1Middlebox::start(&pki, server.agent_addr).await;
 
     let auto = AgentUnderTest::start_with(agent_config(&pki, middlebox.port, Transport::Auto))
@@ -275,9 +261,7 @@ async fn through_an_http1_only_middlebox_only_the_websocket_transport_works() {
 async fn the_heartbeat_keeps_a_quiet_tunnel_and_notices_a_silent_path() {
     let interval = Duration::from_millis(200);
     let pki = TestPki::new(&[CLUSTER]).unwrap();
-    let server = proxy_server::start_with_tls(test_server_config(), pki.server_tls().unwrap())
-        .await
-        .unwrap();
+    let server = start_server(&pki).await;
     let middlebox = Http1Middlebox::start(&pki, server.agent_addr).await;
     let mut config = agent_config(&pki, middlebox.port, Transport::Websocket);
     config.websocket_heartbeat = interval;
@@ -442,9 +426,7 @@ async fn http1_exchange(pki: &TestPki, port: u16, request: &str) -> String {
 #[tokio::test]
 async fn the_agent_port_refuses_other_http1_requests() {
     let pki = TestPki::new(&[CLUSTER]).unwrap();
-    let server = proxy_server::start_with_tls(test_server_config(), pki.server_tls().unwrap())
-        .await
-        .unwrap();
+    let server = start_server(&pki).await;
     let port = server.agent_addr.port();
     let response = http1_exchange(&pki, port, "GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n").await;
     assert!(response.starts_with("HTTP/1.1 404"), "{response}");
@@ -468,5 +450,48 @@ async fn the_agent_port_refuses_other_http1_requests() {
     assert!(response.starts_with("HTTP/1.1 400"), "{response}");
     assert!(response.contains("cluster-proxy-tunnel.v1"), "{response}");
     assert_eq!(server.tunnel_count(), 0);
+    server.shutdown().await;
+}
+
+/// A gRPC agent that negotiates no ALPN (behind a middlebox that strips
+/// it, yet passes HTTP/2) still gets its call: the agent port tells
+/// HTTP/2's preface from the WebSocket upgrade by the first bytes.
+#[tokio::test]
+async fn http2_without_alpn_is_still_grpc() {
+    use cluster_proxy_proto::grpc_framing::AGENT_CONNECT_PATH;
+    use cluster_proxy_proto::metadata;
+
+    let pki = TestPki::new(&[CLUSTER]).unwrap();
+    let server = start_server(&pki).await;
+    let tls = connect_tls(
+        "localhost",
+        server.agent_addr.port(),
+        pki.agent_tls_alpn(CLUSTER, &[]).unwrap(),
+        WAIT,
+    )
+    .await
+    .unwrap();
+    assert_eq!(tls.get_ref().1.alpn_protocol(), None);
+    let (requests, connection) = h2::client::handshake(tls).await.unwrap();
+    tokio::spawn(connection);
+    let mut requests = requests.ready().await.unwrap();
+    let request = Request::post(format!("https://localhost{AGENT_CONNECT_PATH}"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .header(metadata::AGENT_ID, "cluster-a-agent")
+        .header(metadata::AGENT_IDENTIFIERS, "host=cluster-a")
+        .body(())
+        .unwrap();
+    let (response, _stream) = requests.send_request(request, false).unwrap();
+    let response = tokio::time::timeout(WAIT, response)
+        .await
+        .expect("no answer")
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    assert!(
+        response.headers().contains_key(metadata::SERVER_ID),
+        "{response:?}"
+    );
+    assert!(wait_until(WAIT, || server.tunnel_count() == 1).await);
     server.shutdown().await;
 }
