@@ -457,10 +457,13 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncWrite for WebSocketIo<S> {
         Poll::Ready(Ok(()))
     }
 
+    /// Sends the WebSocket close, then ends the connection underneath
+    /// (TLS's close_notify), so the peer sees a clean end on both layers.
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
         this.note_writer(cx);
-        Pin::new(&mut this.ws).poll_close(cx).map_err(io_error)
+        ready!(Pin::new(&mut this.ws).poll_close(cx)).map_err(io_error)?;
+        Pin::new(this.ws.get_mut()).poll_shutdown(cx)
     }
 }
 
@@ -601,6 +604,11 @@ mod tests {
         let (mut ours, mut peer) = pair(None).await;
         ours.shutdown().await.unwrap();
         assert!(matches!(next_message(&mut peer).await, Message::Close(_)));
+        let after = tokio::time::timeout(Duration::from_secs(5), peer.next()).await;
+        assert!(
+            matches!(after, Ok(None)),
+            "the connection underneath did not end: {after:?}"
+        );
     }
 
     /// A ping is answered while we wait to read, and never shows up in
