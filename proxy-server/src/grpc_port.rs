@@ -39,7 +39,7 @@ use futures_util::stream::FuturesUnordered;
 use tokio_util::sync::CancellationToken;
 use tonic::Status;
 use tonic::metadata::MetadataMap;
-use tracing::debug;
+use tracing::{debug, info};
 
 use crate::first_bytes::{Rewind, read_version};
 use crate::listener::{
@@ -232,7 +232,8 @@ impl<M: PacketMethod> GrpcConnections<M> {
         let Some(accepted) = websocket_upgrade::upgrade(io, path, remote).await else {
             return;
         };
-        debug!(listener = M::PORT, %remote, transport = "websocket", "call upgraded");
+        // The agent's "connected" line follows with the same remote.
+        info!(listener = M::PORT, %remote, transport = "websocket", "call upgraded to a WebSocket");
         let hello = Hello {
             path: M::PATH.to_owned(),
             headers: accepted.metadata,
