@@ -28,7 +28,7 @@ pub fn grpc_origin(parent: &TraceHeaders) -> DialOrigin {
             subject: "CN=client".to_owned(),
             cluster: None,
             identity_error: None,
-            framed: false,
+            alpn: proxy_server::listener::Alpn::None,
         })),
         trace: Some(parent.clone()),
     }

@@ -12,6 +12,7 @@
 //! * [`grpc_framing`] — gRPC framing of packets that neither copies a received
 //!   message out of its HTTP/2 frame nor a sent payload into an encode buffer.
 //! * [`framed`] — the lean framing our own ends negotiate (ALPN) instead of gRPC over HTTP/2.
+//! * [`websocket`] — the lean framing inside a WebSocket, for networks that let only HTTP/1.1 through.
 //! * [`h2_driver`] — the parts for driving an HTTP/2 connection and its streams from one
 //!   task (the tunnel's two ends do, rather than a task per stream as hyper does).
 //! * [`duration`] / [`strconv`] — Go's duration and boolean syntaxes, as upstream flags use them.
@@ -51,5 +52,6 @@ pub mod status;
 pub mod strconv;
 pub mod trace;
 pub mod transport;
+pub mod websocket;
 
 pub use konnectivity::{Packet, PacketType};

@@ -9,7 +9,8 @@ use std::time::Duration;
 use cluster_proxy_egress::EgressSettings;
 use cluster_proxy_proto::flow::DEFAULT_WINDOW;
 use cluster_proxy_proto::framed::ALPN_FRAMED;
-use cluster_proxy_proto::transport::ALPN_H2;
+use cluster_proxy_proto::transport::{ALPN_H2, ALPN_HTTP11};
+use serde::{Deserialize, Serialize};
 
 use crate::dial;
 
@@ -77,6 +78,40 @@ pub fn offering_framing(
     Arc::new(config)
 }
 
+/// What carries a tunnel to the proxy-server (`--transport`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Transport {
+    /// TLS, then what ALPN chooses: the lean framing with our servers,
+    /// gRPC over HTTP/2 with any other.
+    #[default]
+    Auto,
+    /// TLS offering only HTTP/1.1, then a WebSocket upgrade carrying the
+    /// lean framing: for middleboxes that break HTTP/2 or strip ALPN.
+    Websocket,
+}
+
+impl Transport {
+    /// The value as the flag spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Transport::Auto => "auto",
+            Transport::Websocket => "websocket",
+        }
+    }
+}
+
+/// `config` offering only `http/1.1`, for the WebSocket upgrade: a
+/// middlebox that speaks only HTTP/1.1 refuses or mangles anything else.
+pub fn offering_websocket(config: Arc<rustls::ClientConfig>) -> Arc<rustls::ClientConfig> {
+    if config.alpn_protocols == [ALPN_HTTP11] {
+        return config;
+    }
+    let mut config = (*config).clone();
+    config.alpn_protocols = vec![ALPN_HTTP11.to_vec()];
+    Arc::new(config)
+}
+
 /// Runtime configuration of an agent. [`ProxyAgentConfig::new`] gives upstream's
 /// defaults; [`ProxyAgentSettings::to_agent_config`] builds one from flags.
 #[derive(Debug, Clone)]
@@ -115,6 +150,10 @@ pub struct ProxyAgentConfig {
     pub keepalive_time: Duration,
     /// Offer the lean framing ahead of `h2` (`--lean-framing`).
     pub lean_framing: bool,
+    /// What carries the tunnels (`--transport`).
+    pub transport: Transport,
+    /// WebSocket ping interval (`--websocket-heartbeat`).
+    pub websocket_heartbeat: Duration,
     /// Names resolved to fixed addresses before DNS, like a pod's `hostAliases`.
     pub host_aliases: dial::HostAliases,
     /// The forward proxy to the proxy-server, beside the `*_PROXY`
@@ -151,6 +190,8 @@ impl ProxyAgentConfig {
             credential_reload_interval: cluster_proxy_runtime::reload::DEFAULT_INTERVAL,
             keepalive_time: Duration::from_secs(3600),
             lean_framing: true,
+            transport: Transport::Auto,
+            websocket_heartbeat: cluster_proxy_proto::websocket::DEFAULT_HEARTBEAT,
             shutdown_grace: Duration::from_secs(5),
         }
     }

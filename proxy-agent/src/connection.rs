@@ -14,6 +14,11 @@
 //! without HTTP/2: the hello, the packets, pings and the end straight over
 //! TLS. Any other server gets gRPC over HTTP/2.
 //!
+//! With `--transport websocket` the call goes in the lean framing too,
+//! inside a WebSocket ([`cluster_proxy_proto::websocket`]): TLS offering
+//! only HTTP/1.1, an upgrade whose headers are the hello, then the same
+//! frames in binary messages, with a WebSocket ping every heartbeat.
+//!
 //! On HTTP/2 the call is what tonic sent (the agent's metadata, `te` and
 //! `content-type`; our own `user-agent`), with the same HTTP/2 settings,
 //! messages framed by [`cluster_proxy_proto::grpc_framing`], and pings
@@ -42,13 +47,20 @@ use cluster_proxy_proto::h2_driver::{
 use cluster_proxy_proto::transport::{
     HttpWindows, MAX_FRAME_SIZE, MAX_MESSAGE_SIZE, TransportError, host_port, tls_over,
 };
+use cluster_proxy_proto::websocket::{self, UpgradeError, WebSocketIo};
 use futures_util::{Stream, StreamExt};
 use tokio::io::{ReadHalf, WriteHalf};
 use tokio_rustls::client::TlsStream;
+use tokio_util::either::Either;
 use tonic::Status;
 use tonic::metadata::MetadataMap;
 
-use crate::USER_AGENT;
+use crate::agent_config::Transport;
+
+/// The agent's user-agent, in its requests to the proxy-server and in the
+/// CONNECT requests to a forward proxy. Here, not at the crate's root, so
+/// that the tunnel's modules do not import the root that imports them.
+pub(crate) const USER_AGENT: &str = concat!("cluster-proxy-agent/", env!("CARGO_PKG_VERSION"));
 
 /// Bytes the stream may have queued beyond what the server's window lets
 /// out (hyper's default for its clients).
@@ -70,6 +82,9 @@ type OutboundBody =
 
 type Tls = TlsStream<EgressStream>;
 
+/// What the lean framing runs on: TLS, or a WebSocket over TLS.
+type Carrier = Either<Tls, WebSocketIo<Tls>>;
+
 /// Why an attempt to open a tunnel's connection failed.
 #[derive(Debug, thiserror::Error)]
 pub enum OpenError {
@@ -88,6 +103,12 @@ pub enum OpenError {
     },
     #[error("the connection to {address} ended before the server answered")]
     Closed { address: String },
+    #[error("WebSocket transport to {address}: {source}")]
+    WebSocket {
+        address: String,
+        #[source]
+        source: UpgradeError,
+    },
     #[error("tunnel framing with {address}: {}", .source.message())]
     Framed {
         address: String,
@@ -109,9 +130,14 @@ impl OpenError {
             OpenError::Transport(TransportError::Tls { .. }) => "tls",
             OpenError::Transport(_) => "dial",
             OpenError::TimedOut { .. } => "timeout",
+            OpenError::WebSocket {
+                source: UpgradeError::Refused { .. },
+                ..
+            } => "upgrade_refused",
             OpenError::Http2 { .. }
             | OpenError::Closed { .. }
             | OpenError::Framed { .. }
+            | OpenError::WebSocket { .. }
             | OpenError::Request(_) => "protocol",
             OpenError::Rejected(_) => "rejected",
         }
@@ -131,6 +157,9 @@ pub struct Endpoint {
     /// Ping after this long without a packet from the server; `None` or
     /// zero: no pings.
     pub keepalive: Option<Duration>,
+    pub transport: Transport,
+    /// With the WebSocket transport: the ping interval.
+    pub websocket_heartbeat: Duration,
 }
 
 /// One `AgentService.Connect` call on a connection of its own.
@@ -138,7 +167,7 @@ pub struct TunnelConnection {
     link: Link,
     outbound: OutboundBody,
     send_done: bool,
-    inbound: PacketStream<InboundBody<ReadHalf<Tls>>>,
+    inbound: PacketStream<InboundBody<ReadHalf<Carrier>>>,
     /// Chunks read, so the keepalive knows whether the server was heard.
     heard: Arc<AtomicU64>,
     passes: Passes,
@@ -147,7 +176,7 @@ pub struct TunnelConnection {
 impl std::fmt::Debug for TunnelConnection {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TunnelConnection")
-            .field("framed", &self.is_framed())
+            .field("transport", &self.transport_name())
             .field("send_done", &self.send_done)
             .finish_non_exhaustive()
     }
@@ -166,8 +195,9 @@ enum Link {
         keepalive: Option<KeepAlive>,
     },
     Framed {
-        writer: FrameWriter<WriteHalf<Tls>>,
+        writer: FrameWriter<WriteHalf<Carrier>>,
         keepalive: Option<framed::KeepAlive>,
+        websocket: bool,
     },
 }
 
@@ -208,8 +238,23 @@ impl TunnelConnection {
         let heard = Arc::new(AtomicU64::new(0));
         let keepalive = endpoint.keepalive.filter(|k| !k.is_zero());
         let framed = tls.get_ref().1.alpn_protocol() == Some(ALPN_FRAMED);
-        let (link, inbound, head) = if framed {
-            Self::open_framed(tls, &address, metadata, keepalive, &heard).await?
+        let (link, inbound, head) = if endpoint.transport == Transport::Websocket {
+            let heartbeat = Some(endpoint.websocket_heartbeat);
+            let mut headers = metadata.into_headers();
+            headers.insert(
+                http::header::USER_AGENT,
+                http::HeaderValue::from_static(USER_AGENT),
+            );
+            let (io, _) = websocket::connect(tls, &address, headers, heartbeat)
+                .await
+                .map_err(|source| OpenError::WebSocket {
+                    address: address.clone(),
+                    source,
+                })?;
+            Self::open_framed(Either::Right(io), &address, None, keepalive, &heard).await?
+        } else if framed {
+            let hello = Self::hello(metadata);
+            Self::open_framed(Either::Left(tls), &address, Some(hello), keepalive, &heard).await?
         } else {
             Self::open_http2(tls, &address, endpoint, metadata, keepalive, &heard).await?
         };
@@ -237,7 +282,7 @@ impl TunnelConnection {
         metadata: MetadataMap,
         keepalive: Option<Duration>,
         heard: &Arc<AtomicU64>,
-    ) -> Result<(Link, InboundBody<ReadHalf<Tls>>, http::HeaderMap), OpenError> {
+    ) -> Result<(Link, InboundBody<ReadHalf<Carrier>>, http::HeaderMap), OpenError> {
         let http2 = |source| OpenError::Http2 {
             address: address.to_owned(),
             source,
@@ -293,40 +338,49 @@ impl TunnelConnection {
         Ok((link, inbound, head.headers))
     }
 
-    /// The call in the lean framing: the hello, and the server's head.
-    async fn open_framed(
-        tls: Tls,
-        address: &str,
-        metadata: MetadataMap,
-        keepalive: Option<Duration>,
-        heard: &Arc<AtomicU64>,
-    ) -> Result<(Link, InboundBody<ReadHalf<Tls>>, http::HeaderMap), OpenError> {
-        let failed = |source| OpenError::Framed {
-            address: address.to_owned(),
-            source,
-        };
-        let (read, write) = tokio::io::split(tls);
-        let control = Arc::new(Control::default());
-        let mut body = FramedBody::new(read, control.clone(), heard.clone(), MAX_MESSAGE_SIZE);
-        let mut writer = FrameWriter::new(write, control.clone());
+    /// The lean framing's hello for the call with `metadata`.
+    fn hello(metadata: MetadataMap) -> Hello {
         let mut headers = metadata.into_headers();
         headers.insert(
             http::header::USER_AGENT,
             http::HeaderValue::from_static(USER_AGENT),
         );
-        let hello = Hello {
+        Hello {
             path: AGENT_CONNECT_PATH.to_owned(),
             headers,
+        }
+    }
+
+    /// The call in the lean framing: the hello (unless the WebSocket
+    /// upgrade was it), and the server's head.
+    async fn open_framed(
+        carrier: Carrier,
+        address: &str,
+        hello: Option<Hello>,
+        keepalive: Option<Duration>,
+        heard: &Arc<AtomicU64>,
+    ) -> Result<(Link, InboundBody<ReadHalf<Carrier>>, http::HeaderMap), OpenError> {
+        let failed = |source| OpenError::Framed {
+            address: address.to_owned(),
+            source,
         };
-        writer.queue(hello.encode().map_err(failed)?);
-        std::future::poll_fn(|cx| writer.poll_write_queued(cx))
-            .await
-            .map_err(failed)?;
+        let websocket = matches!(carrier, Either::Right(_));
+        let (read, write) = tokio::io::split(carrier);
+        let control = Arc::new(Control::default());
+        let mut body = FramedBody::new(read, control.clone(), heard.clone(), MAX_MESSAGE_SIZE);
+        let mut writer = FrameWriter::new(write, control.clone());
+        if let Some(hello) = hello {
+            writer.queue(hello.encode().map_err(failed)?);
+            std::future::poll_fn(|cx| writer.poll_write_queued(cx))
+                .await
+                .map_err(failed)?;
+        }
         let head = body.head().await.map_err(failed)?;
         check_response_head(http::StatusCode::OK, &head).map_err(OpenError::Rejected)?;
         let link = Link::Framed {
             writer,
             keepalive: keepalive.map(|interval| framed::KeepAlive::new(interval, control)),
+            websocket,
         };
         Ok((link, InboundBody::Framed(body), head))
     }
@@ -334,6 +388,20 @@ impl TunnelConnection {
     /// Whether the call runs in the lean framing rather than on HTTP/2.
     pub fn is_framed(&self) -> bool {
         matches!(self.link, Link::Framed { .. })
+    }
+
+    /// What carries the call, for logs: `grpc` (HTTP/2), `lean` (the lean
+    /// framing on TLS) or `websocket`.
+    pub fn transport_name(&self) -> &'static str {
+        match self.link {
+            Link::Http2 { .. } => "grpc",
+            Link::Framed {
+                websocket: false, ..
+            } => "lean",
+            Link::Framed {
+                websocket: true, ..
+            } => "websocket",
+        }
     }
 
     /// The server's next packet, while sending ours and keeping the
@@ -421,7 +489,9 @@ impl TunnelConnection {
                     }
                 }
             }
-            Link::Framed { writer, keepalive } => {
+            Link::Framed {
+                writer, keepalive, ..
+            } => {
                 if let Some(keepalive) = keepalive.as_mut()
                     && let Some(mut cx) = parts.take(KEEPALIVE)
                 {

@@ -30,11 +30,14 @@ use cluster_proxy_runtime::tls::{self, Identity, Pem, TlsError};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-pub use agent_config::{ProxyAgentConfig, TlsSource, offered_alpn, offering_framing};
+pub use agent_config::{
+    ProxyAgentConfig, TlsSource, Transport, offered_alpn, offering_framing, offering_websocket,
+};
 pub use manager::ConnectError;
 pub use metrics::Metrics;
 pub use settings::{Cli, ConfigError, ProxyAgentSettings};
 
+use crate::connection::USER_AGENT;
 use crate::manager::Shared;
 
 #[derive(Debug, thiserror::Error)]
@@ -53,10 +56,6 @@ pub enum AgentError {
     #[error(transparent)]
     Egress(#[from] cluster_proxy_egress::EgressError),
 }
-
-/// The agent's user-agent, in its requests to the proxy-server and in the
-/// CONNECT requests to a forward proxy.
-pub(crate) const USER_AGENT: &str = concat!("cluster-proxy-agent/", env!("CARGO_PKG_VERSION"));
 
 /// Builds `source`'s client configuration; errors name the offending file.
 /// Here rather than on [`TlsSource`], whose module cannot name [`AgentError`].
@@ -151,8 +150,13 @@ impl std::fmt::Debug for RunningAgent {
 pub async fn start(config: ProxyAgentConfig) -> Result<RunningAgent, AgentError> {
     validate(&config)?;
     let lean = config.lean_framing;
+    let transport = config.transport;
+    let offering = move |config| match transport {
+        Transport::Auto => offering_framing(config, lean),
+        Transport::Websocket => offering_websocket(config),
+    };
     let tls = match &config.tls {
-        TlsSource::Config(fixed) => reload::fixed(offering_framing(fixed.clone(), lean)),
+        TlsSource::Config(fixed) => reload::fixed(offering(fixed.clone())),
         files @ TlsSource::Files { .. } => {
             let paths = files.paths();
             let source = files.clone();
@@ -161,12 +165,10 @@ pub async fn start(config: ProxyAgentConfig) -> Result<RunningAgent, AgentError>
                 paths,
                 config.credential_reload_interval,
                 move || {
-                    client_config(&source)
-                        .map(|config| offering_framing(config, lean))
-                        .map_err(|e| match e {
-                            AgentError::Tls(t) => t,
-                            other => TlsError::Config(other.to_string()),
-                        })
+                    client_config(&source).map(offering).map_err(|e| match e {
+                        AgentError::Tls(t) => t,
+                        other => TlsError::Config(other.to_string()),
+                    })
                 },
             )?
         }
@@ -190,6 +192,7 @@ pub async fn start(config: ProxyAgentConfig) -> Result<RunningAgent, AgentError>
     tracing::info!(
         agent_id = %shared.agent_id(),
         server = %shared.server_address(),
+        transport = shared.transport().as_str(),
         egress = %route,
         %health_addr,
         %admin_addr,
@@ -312,7 +315,7 @@ impl RunningAgent {
 mod tests {
     use super::*;
     use cluster_proxy_proto::framed::ALPN_FRAMED;
-    use cluster_proxy_proto::transport::ALPN_H2;
+    use cluster_proxy_proto::transport::{ALPN_H2, ALPN_HTTP11};
 
     fn offering(alpn: &[&[u8]]) -> Arc<rustls::ClientConfig> {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
@@ -345,6 +348,16 @@ mod tests {
         assert_eq!(offered(&moved), [ALPN_FRAMED, ALPN_H2]);
         let off = offering_framing(lean, false);
         assert_eq!(offered(&off), [extra, ALPN_H2]);
+    }
+
+    /// The WebSocket transport offers HTTP/1.1 alone: neither `h2` nor
+    /// the lean framing, which HTTP/1.1-only middleboxes refuse.
+    #[test]
+    fn the_websocket_transport_offers_only_http11() {
+        let websocket = offering_websocket(offering(&[ALPN_FRAMED, ALPN_H2]));
+        assert_eq!(offered(&websocket), [ALPN_HTTP11]);
+        let again = offering_websocket(websocket.clone());
+        assert!(Arc::ptr_eq(&again, &websocket), "unchanged");
     }
 
     #[test]

@@ -141,6 +141,10 @@ impl Shared {
         )
     }
 
+    pub(crate) fn transport(&self) -> crate::agent_config::Transport {
+        self.config.transport
+    }
+
     pub(crate) fn metrics(&self) -> &Metrics {
         &self.metrics
     }
@@ -315,6 +319,8 @@ async fn connect_once(shared: Arc<Shared>) -> Result<Outcome, ConnectError> {
         connect_timeout: timeout,
         windows: TUNNEL_WINDOWS,
         keepalive: Some(config.keepalive_time),
+        transport: config.transport,
+        websocket_heartbeat: config.websocket_heartbeat,
     };
     let cancel = shared.root.child_token();
     let (out, requests) = tunnel::outgoing(cancel.clone());
@@ -416,6 +422,7 @@ async fn connect_once(shared: Arc<Shared>) -> Result<Outcome, ConnectError> {
         server_count = count,
         flow_control = server_window.is_some(),
         framing = if connection.is_framed() { "lean" } else { "grpc" },
+        transport = connection.transport_name(),
         "connected to proxy-server"
     );
     _guard.disarm();

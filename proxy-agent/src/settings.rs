@@ -20,7 +20,7 @@ use cluster_proxy_runtime::shell::{BinarySettings, CommandLine};
 use cluster_proxy_runtime::telemetry::TelemetryFlags;
 use serde::{Deserialize, Serialize};
 
-use crate::agent_config::{ProxyAgentConfig, TlsSource};
+use crate::agent_config::{ProxyAgentConfig, TlsSource, Transport};
 use cluster_proxy_egress::EgressSettings;
 
 const DEFAULT_CONTENT_TYPE: &str = "application/vnd.kubernetes.protobuf";
@@ -89,6 +89,11 @@ pub struct ProxyAgentSettings {
     /// Basic credentials for the proxy: `user:password`, or a mounted
     /// `kubernetes.io/basic-auth` Secret's directory.
     pub proxy_credentials_file: Option<PathBuf>,
+    /// What carries the tunnels: `auto` (ALPN) or `websocket`.
+    pub transport: Transport,
+    /// WebSocket ping interval; the tunnel fails after three silent ones.
+    #[serde(with = "serde_go")]
+    pub websocket_heartbeat: Duration,
     /// How often certificate files are checked for rotation.
     #[serde(with = "serde_go")]
     pub credential_reload_interval: Duration,
@@ -147,6 +152,8 @@ impl Default for ProxyAgentSettings {
             proxy_url: String::new(),
             proxy_ca_cert: None,
             proxy_credentials_file: None,
+            transport: Transport::Auto,
+            websocket_heartbeat: cluster_proxy_proto::websocket::DEFAULT_HEARTBEAT,
             credential_reload_interval: cluster_proxy_runtime::reload::DEFAULT_INTERVAL,
             worker_threads: cluster_proxy_runtime::workers::PER_CPU,
             v: 0,
@@ -289,6 +296,14 @@ pub struct Cli {
     /// Basic credentials for the proxy: a file holding user:password, or the directory of a mounted kubernetes.io/basic-auth Secret (wins over the URL's user:password; re-read at every connection).
     #[arg(long, value_parser = parse_path)]
     pub proxy_credentials_file: Option<PathBuf>,
+    /// What carries the tunnels: auto (TLS, then ALPN chooses our lean framing or gRPC over HTTP/2) or websocket (an HTTP/1.1 WebSocket upgrade, for middleboxes that break HTTP/2 or strip ALPN; needs a proxy-server of this project).
+    #[arg(long, value_enum)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub transport: Option<Transport>,
+    /// With --transport websocket: a WebSocket ping this often keeps idle-timeout middleboxes from closing a quiet tunnel; after three intervals without a word from the server the tunnel is reconnected (Go duration).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub websocket_heartbeat: Option<String>,
     /// How often certificate files are checked for rotation (Go duration).
     #[arg(long)]
     pub credential_reload_interval: Option<String>,
@@ -394,6 +409,9 @@ impl ProxyAgentSettings {
         }
         if self.dial_timeout.is_zero() {
             return Err(invalid("dial-timeout", "must be greater than 0"));
+        }
+        if self.websocket_heartbeat.is_zero() {
+            return Err(invalid("websocket-heartbeat", "must be greater than 0"));
         }
         cluster_proxy_runtime::workers::check(self.worker_threads)
             .map_err(|reason| invalid("worker-threads", reason))?;
@@ -531,6 +549,8 @@ impl ProxyAgentSettings {
         config.credential_reload_interval = self.credential_reload_interval;
         config.keepalive_time = self.keepalive_time;
         config.lean_framing = self.lean_framing;
+        config.transport = self.transport;
+        config.websocket_heartbeat = self.websocket_heartbeat;
         config.host_aliases = cluster_proxy_runtime::config::host_aliases(&self.host_alias)?;
         config.egress = EgressSettings {
             proxy_url: (!self.proxy_url.is_empty()).then(|| self.proxy_url.clone()),
@@ -630,6 +650,50 @@ mod tests {
         assert!(Cli::try_parse_from(["proxy-agent", "--worker-threads=-1"]).is_err());
         let refused = parse(&["--worker-threads=100000"]).expect_err("too many threads");
         assert!(refused.to_string().contains("worker-threads"), "{refused}");
+    }
+
+    #[test]
+    fn transport_comes_from_the_flag_the_environment_or_the_file() {
+        let c = parse(&[]).unwrap();
+        assert_eq!(c.transport, Transport::Auto);
+        assert_eq!(
+            c.websocket_heartbeat,
+            cluster_proxy_proto::websocket::DEFAULT_HEARTBEAT
+        );
+        let c = parse(&["--transport=websocket", "--websocket-heartbeat=45s"]).unwrap();
+        assert_eq!(c.transport, Transport::Websocket);
+        assert_eq!(c.websocket_heartbeat, Duration::from_secs(45));
+        let config = parse(&["--ca-cert=/ca.crt", "--transport", "websocket"])
+            .unwrap()
+            .to_agent_config()
+            .unwrap();
+        assert_eq!(config.transport, Transport::Websocket);
+        figment::Jail::expect_with(|jail| {
+            jail.create_file("agent.toml", "transport = \"websocket\"\n")?;
+            let c =
+                ProxyAgentSettings::load(&Cli::parse_from(["proxy-agent", "--config=agent.toml"]))
+                    .map_err(|e| e.to_string())?;
+            assert_eq!(c.transport, Transport::Websocket);
+            Ok(())
+        });
+        figment::Jail::expect_with(|jail| {
+            jail.set_env("PROXY_AGENT_TRANSPORT", "websocket");
+            let c = ProxyAgentSettings::load(&Cli::parse_from(["proxy-agent"]))
+                .map_err(|e| e.to_string())?;
+            assert_eq!(c.transport, Transport::Websocket);
+            let c = ProxyAgentSettings::load(&Cli::parse_from(["proxy-agent", "--transport=auto"]))
+                .map_err(|e| e.to_string())?;
+            assert_eq!(c.transport, Transport::Auto, "the flag wins");
+            Ok(())
+        });
+        let err = Cli::try_parse_from(["proxy-agent", "--transport=h3"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("websocket"), "{err}");
+        let err = parse(&["--websocket-heartbeat=0s"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("websocket-heartbeat"), "{err}");
     }
 
     #[test]

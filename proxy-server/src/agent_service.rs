@@ -125,6 +125,7 @@ impl AgentEndpoint {
 impl PacketMethod for AgentEndpoint {
     const PATH: &'static str = AGENT_CONNECT_PATH;
     const PORT: &'static str = "agent";
+    const WEBSOCKET_PATH: Option<&'static str> = Some(cluster_proxy_proto::websocket::TUNNEL_PATH);
     type Outbound = OutboundStream;
 
     /// Admits the agent and registers its tunnel.

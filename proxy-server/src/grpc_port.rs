@@ -39,11 +39,13 @@ use futures_util::stream::FuturesUnordered;
 use tokio_util::sync::CancellationToken;
 use tonic::Status;
 use tonic::metadata::MetadataMap;
-use tracing::debug;
+use tracing::{debug, info};
 
+use crate::first_bytes::{Rewind, read_version};
 use crate::listener::{
-    FIRST_REQUEST_WINDOW, HEADER_READ_TIMEOUT, Http2Settings, PeerInfo, ServeConnection,
+    Alpn, FIRST_REQUEST_WINDOW, HEADER_READ_TIMEOUT, Http2Settings, PeerInfo, ServeConnection,
 };
+use crate::websocket_upgrade;
 
 /// hyper's limits for what it serves, kept for our ports.
 const MAX_HEADER_LIST_SIZE: u32 = 16 * 1024;
@@ -73,6 +75,9 @@ pub trait PacketMethod: Send + Sync + 'static {
     const PATH: &'static str;
     /// The port serving it, in logs.
     const PORT: &'static str;
+    /// Where the port takes the call as a WebSocket upgrade over HTTP/1.1
+    /// ([`crate::websocket_upgrade`]); `None`: it does not.
+    const WEBSOCKET_PATH: Option<&'static str> = None;
     type Outbound: Stream<Item = Result<Packet, Status>> + Send + Unpin + 'static;
 
     /// Admits the call whose request metadata is `metadata`, from `peer`,
@@ -126,9 +131,42 @@ impl<M: PacketMethod> ServeConnection for GrpcConnections<M> {
     where
         IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
     {
-        if peer.framed {
-            return self.serve_framed(io, peer).await;
+        match (peer.alpn, M::WEBSOCKET_PATH) {
+            (Alpn::Framed, _) => self.serve_framed(io, peer, None).await,
+            (Alpn::Http11, Some(path)) => self.serve_websocket(io, peer, path).await,
+            // A middlebox that re-originates TLS may offer no ALPN at all:
+            // HTTP/2's preface tells gRPC from the WebSocket upgrade.
+            (Alpn::None, Some(path)) => {
+                let remote = peer.remote;
+                let mut io = io;
+                match tokio::time::timeout(HEADER_READ_TIMEOUT, read_version(&mut io)).await {
+                    Ok(Ok((http::Version::HTTP_2, read))) => {
+                        self.serve_http2(Rewind::new(io, read), peer, accepted_at)
+                            .await
+                    }
+                    Ok(Ok((_, read))) => {
+                        self.serve_websocket(Rewind::new(io, read), peer, path)
+                            .await
+                    }
+                    Ok(Err(e)) => {
+                        debug!(listener = M::PORT, %remote, error = %e, "connection ended before its first request")
+                    }
+                    Err(_) => {
+                        debug!(listener = M::PORT, %remote, timeout = ?HEADER_READ_TIMEOUT, "no request in time; closing the connection")
+                    }
+                }
+            }
+            _ => self.serve_http2(io, peer, accepted_at).await,
         }
+    }
+}
+
+impl<M: PacketMethod> GrpcConnections<M> {
+    /// Serves a connection's calls on HTTP/2.
+    async fn serve_http2<IO>(&self, io: IO, peer: PeerInfo, accepted_at: tokio::time::Instant)
+    where
+        IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
+    {
         let remote = peer.remote;
         let finish_from = async {
             self.shutdown.cancelled().await;
@@ -184,12 +222,31 @@ const FRAMED_PARTS: usize = 3;
 const CLOSE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl<M: PacketMethod> GrpcConnections<M> {
+    /// Serves the call of a WebSocket upgrade on `path`: its request's
+    /// headers are the call's metadata, the lean framing's hello.
+    async fn serve_websocket<IO>(&self, io: IO, peer: PeerInfo, path: &'static str)
+    where
+        IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
+    {
+        let remote = peer.remote;
+        let Some(accepted) = websocket_upgrade::upgrade(io, path, remote).await else {
+            return;
+        };
+        // The agent's "connected" line follows with the same remote.
+        info!(listener = M::PORT, %remote, transport = "websocket", "call upgraded to a WebSocket");
+        let hello = Hello {
+            path: M::PATH.to_owned(),
+            headers: accepted.metadata,
+        };
+        self.serve_framed(accepted.io, peer, Some(hello)).await
+    }
+
     /// Serves the one call of a connection in the lean framing
-    /// ([`cluster_proxy_proto::framed`]): the hello, then our head (or a
-    /// refusal), then both directions until each has ended. On shutdown the
-    /// call runs on as an HTTP/2 stream does after GOAWAY: the tunnel ends
-    /// it.
-    async fn serve_framed<IO>(&self, io: IO, peer: PeerInfo)
+    /// ([`cluster_proxy_proto::framed`]): the hello (unless the WebSocket
+    /// upgrade was it), then our head (or a refusal), then both directions
+    /// until each has ended. On shutdown the call runs on as an HTTP/2
+    /// stream does after GOAWAY: the tunnel ends it.
+    async fn serve_framed<IO>(&self, io: IO, peer: PeerInfo, hello: Option<Hello>)
     where
         IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
     {
@@ -204,7 +261,11 @@ impl<M: PacketMethod> GrpcConnections<M> {
             self.max_packet_size,
         );
         let mut writer = FrameWriter::new(write, control.clone());
-        let hello = match tokio::time::timeout(HEADER_READ_TIMEOUT, body.hello()).await {
+        let hello = match hello {
+            Some(hello) => Ok(Ok(hello)),
+            None => tokio::time::timeout(HEADER_READ_TIMEOUT, body.hello()).await,
+        };
+        let hello = match hello {
             Ok(Ok(hello)) => hello,
             Ok(Err(status)) => {
                 debug!(listener = M::PORT, %remote, error = %status, "no call on a framed connection");

@@ -2,7 +2,8 @@
 //!
 //! * agent port — `AgentService.Connect` over mTLS; each agent's certificate
 //!   must name the cluster whose identifiers it registers ([`agent_service`]);
-//!   each connection is driven by one task ([`grpc_port`]).
+//!   each connection is driven by one task ([`grpc_port`]): gRPC on HTTP/2,
+//!   the lean framing, or the lean framing in a WebSocket ([`websocket_upgrade`]).
 //! * client port — `ProxyService.Proxy` (gRPC, HTTP/2) and HTTP CONNECT
 //!   (HTTP/1.1) on the same mTLS port, told apart per connection
 //!   ([`client_port`]).
@@ -14,6 +15,7 @@ pub mod client_port;
 pub mod conn_trace;
 pub mod dial;
 pub mod dial_failure;
+mod first_bytes;
 pub mod grpc_frontend;
 pub mod grpc_port;
 pub mod http_connect;
@@ -25,6 +27,7 @@ pub mod readiness;
 pub mod registry;
 pub mod settings;
 pub mod tunnel;
+pub mod websocket_upgrade;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -263,8 +266,10 @@ impl ServerTls {
 }
 
 /// The ALPN protocols the agent port chooses from, in its order of
-/// preference: the lean framing our agents offer first, then gRPC's `h2`.
-pub const AGENT_PORT_ALPN: &[&[u8]] = &[ALPN_FRAMED, ALPN_H2];
+/// preference: the lean framing our agents offer first, then gRPC's `h2`,
+/// then HTTP/1.1 for the WebSocket upgrade (`--transport websocket`), so
+/// an agent offering only that is not refused in the handshake.
+pub const AGENT_PORT_ALPN: &[&[u8]] = &[ALPN_FRAMED, ALPN_H2, ALPN_HTTP11];
 
 /// A running server. Dropping it does not stop it; call [`RunningServer::shutdown`].
 pub struct RunningServer {

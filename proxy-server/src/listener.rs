@@ -75,9 +75,36 @@ pub struct PeerInfo {
     pub cluster: Option<ClusterName>,
     /// Why the certificate's cluster identity could not be read, if it could not.
     pub identity_error: Option<String>,
-    /// ALPN chose the lean framing ([`cluster_proxy_proto::framed`]) over
+    /// What ALPN chose; on the agent port it tells the tunnel's transport.
+    pub alpn: Alpn,
+}
+
+/// The protocol the TLS handshake's ALPN chose.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Alpn {
+    /// No ALPN (or no TLS): the first bytes tell.
+    None,
     /// gRPC on HTTP/2.
-    pub framed: bool,
+    H2,
+    /// The lean framing ([`cluster_proxy_proto::framed`]).
+    Framed,
+    /// HTTP/1.1: HTTP CONNECT on the client port, the WebSocket upgrade
+    /// ([`cluster_proxy_proto::websocket`]) on the agent port.
+    Http11,
+    /// A protocol of a port's own `--alpn` list that none of these is.
+    Other,
+}
+
+impl Alpn {
+    fn of(chosen: Option<&[u8]>) -> Self {
+        match chosen {
+            None => Alpn::None,
+            Some(cluster_proxy_proto::transport::ALPN_H2) => Alpn::H2,
+            Some(cluster_proxy_proto::framed::ALPN_FRAMED) => Alpn::Framed,
+            Some(cluster_proxy_proto::transport::ALPN_HTTP11) => Alpn::Http11,
+            Some(_) => Alpn::Other,
+        }
+    }
 }
 
 impl PeerInfo {
@@ -88,7 +115,7 @@ impl PeerInfo {
             subject: String::new(),
             cluster: None,
             identity_error: None,
-            framed: false,
+            alpn: Alpn::None,
         }
     }
 }
@@ -120,14 +147,14 @@ fn resumed_chain_still_valid(
 }
 
 fn peer_info(remote: Remote, conn: &rustls::ServerConnection) -> PeerInfo {
-    let framed = conn.alpn_protocol() == Some(cluster_proxy_proto::framed::ALPN_FRAMED);
+    let alpn = Alpn::of(conn.alpn_protocol());
     let Some(cert) = conn.peer_certificates().and_then(|c| c.first()) else {
         return PeerInfo {
             remote,
             subject: String::new(),
             cluster: None,
             identity_error: Some("no client certificate".into()),
-            framed,
+            alpn,
         };
     };
     let subject = cluster_proxy_runtime::peer::subject_of(cert);
@@ -137,14 +164,14 @@ fn peer_info(remote: Remote, conn: &rustls::ServerConnection) -> PeerInfo {
             subject,
             cluster,
             identity_error: None,
-            framed,
+            alpn,
         },
         Err(e) => PeerInfo {
             remote,
             subject,
             cluster: None,
             identity_error: Some(e.to_string()),
-            framed,
+            alpn,
         },
     }
 }

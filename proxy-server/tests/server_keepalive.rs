@@ -8,8 +8,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use simulated_cluster::wait::wait_until;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+use tunnel_harness::faults::pump_unless_silent;
 use tunnel_harness::in_process::{AgentUnderTest, test_server_config};
 use tunnel_harness::pki::TestPki;
 
@@ -33,8 +33,18 @@ impl BlackHole {
                 };
                 let (a_read, a_write) = inbound.into_split();
                 let (b_read, b_write) = outbound.into_split();
-                tokio::spawn(pump(a_read, b_write, flag.clone()));
-                tokio::spawn(pump(b_read, a_write, flag.clone()));
+                tokio::spawn(pump_unless_silent(
+                    a_read,
+                    b_write,
+                    flag.clone(),
+                    Arc::default(),
+                ));
+                tokio::spawn(pump_unless_silent(
+                    b_read,
+                    a_write,
+                    flag.clone(),
+                    Arc::default(),
+                ));
             }
         });
         BlackHole { addr, silent }
@@ -42,27 +52,6 @@ impl BlackHole {
 
     fn go_silent(&self) {
         self.silent.store(true, Ordering::SeqCst);
-    }
-}
-
-async fn pump(
-    mut from: tokio::net::tcp::OwnedReadHalf,
-    mut to: tokio::net::tcp::OwnedWriteHalf,
-    silent: Arc<AtomicBool>,
-) {
-    let mut buf = vec![0u8; 64 * 1024];
-    loop {
-        let n = match from.read(&mut buf).await {
-            Ok(0) | Err(_) => return,
-            Ok(n) => n,
-        };
-        if silent.load(Ordering::SeqCst) {
-            // Swallow everything from now on, but keep both sockets open.
-            continue;
-        }
-        if to.write_all(&buf[..n]).await.is_err() {
-            return;
-        }
     }
 }
 
