@@ -14,8 +14,19 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 use tower::Service;
 
+use crate::error::EgressError;
 use crate::rules::{Credentials, ProxyScheme, ProxyUrl};
-use crate::{Egress, EgressError, EgressStream, tcp};
+use crate::stream::EgressStream;
+use crate::tcp;
+
+/// How to speak to a proxy besides its URL.
+pub(crate) struct ProxyDial<'a> {
+    /// Verifies an `https://` proxy.
+    pub proxy_ca_file: Option<&'a Path>,
+    /// Wins over the URL's userinfo; read at every connection.
+    pub credentials_file: Option<&'a Path>,
+    pub user_agent: &'a http::HeaderValue,
+}
 
 /// `host:port`, IPv6 bracketed.
 fn host_port(host: &str, port: u16) -> String {
@@ -36,12 +47,12 @@ pub(crate) async fn direct(host: &str, port: u16) -> Result<EgressStream, Egress
 }
 
 pub(crate) async fn through(
-    egress: &Egress,
+    dial: &ProxyDial<'_>,
     proxy: &ProxyUrl,
     host: &str,
     port: u16,
 ) -> Result<EgressStream, EgressError> {
-    let credentials = match &egress.proxy_credentials_file {
+    let credentials = match dial.credentials_file {
         Some(path) => Some(read_credentials(path)?),
         None => proxy.credentials.clone(),
     };
@@ -57,12 +68,12 @@ pub(crate) async fn through(
         proxy: &proxy_name,
         target: &target,
         credentials: credentials.as_ref(),
-        user_agent: &egress.user_agent,
+        user_agent: dial.user_agent,
     };
     match proxy.scheme {
         ProxyScheme::Http => connect.over(tcp).await.map(EgressStream::Tcp),
         ProxyScheme::Https => {
-            let config = proxy_tls_config(proxy, egress.proxy_ca_file.as_deref())?;
+            let config = proxy_tls_config(proxy, dial.proxy_ca_file)?;
             let server_name =
                 ServerName::try_from(proxy.host.clone()).map_err(|_| EgressError::ProxyCa {
                     proxy: proxy_name.clone(),

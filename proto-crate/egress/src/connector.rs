@@ -7,7 +7,9 @@ use std::task::{Context, Poll};
 
 use hyper_util::rt::TokioIo;
 
-use crate::{Egress, EgressError, EgressStream};
+use crate::egress::Egress;
+use crate::error::EgressError;
+use crate::stream::EgressStream;
 
 /// Opens connections for hyper's client by [`Egress`]'s rules; TLS to the
 /// target is the caller's (hyper-rustls wraps this connector).
