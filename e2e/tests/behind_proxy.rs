@@ -496,6 +496,37 @@ async fn https_proxy_variable_carries_the_tunnel_and_a_mib_round_trip() {
     );
 }
 
+/// The WebSocket transport inside the proxy's CONNECT tunnel: the upgrade
+/// and the framing go through tinyproxy like any TLS bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_websocket_transport_goes_through_the_proxy_too() {
+    let Some(mut f) = Fixture::start("websocket", &["cluster-a"], &["tinyproxy"]).await else {
+        return;
+    };
+    f.tinyproxy(TINYPROXY_PORT, false, None).await;
+    let agent = f.agent(
+        "agent-ws",
+        "cluster-a",
+        &[
+            format!("--proxy-url=http://{PROXY_IP}:{TINYPROXY_PORT}"),
+            "--transport=websocket".to_owned(),
+        ],
+        &[],
+    );
+    f.await_tunnel(&agent).await;
+    f.echo_through("cluster-a", 1024 * 1024).await;
+    let proxy_log = f.logs.tail(&format!("tinyproxy-{TINYPROXY_PORT}"), 200);
+    assert!(
+        proxy_log.contains(&format!("{HUB_IP}")),
+        "tinyproxy never saw the CONNECT to the hub:\n{proxy_log}"
+    );
+    let agent_log = f.logs.tail("agent-ws", 200);
+    assert!(
+        agent_log.contains("websocket"),
+        "the agent does not say it tunnels over WebSocket:\n{agent_log}"
+    );
+}
+
 /// Case 2: tinyproxy asks for Basic credentials; the agent gives them in
 /// the proxy URL, or from a mounted `kubernetes.io/basic-auth` Secret's
 /// directory. Neither way puts the password in the agent's log.
