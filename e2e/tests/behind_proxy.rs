@@ -18,16 +18,18 @@
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use cert_authority::files::Layout;
 use cert_authority::pki::{Authority, LeafRequest};
 use cluster_proxy_proto::identity::ClusterName;
 use cluster_proxy_proto::transport::ALPN_HTTP11;
 use simulated_cluster::binaries::{Binaries, Progress};
-use simulated_cluster::netns::{self, FencedCluster, connect_in, listen_in};
+use simulated_cluster::forward_proxy::{Tinyproxy, can_run, connect_requests};
+use simulated_cluster::netns::{FencedCluster, connect_in, listen_in};
 use simulated_cluster::process::{Logs, ProcessSpec, Supervised};
 use simulated_cluster::targets::EchoServer;
+use simulated_cluster::wait::until_ok;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tunnel_harness::in_process::{
     ServerPorts, health_get_over, http_connect_over, proxy_agent_args_to,
@@ -63,43 +65,6 @@ const PASSWORD: &str = "Pr0xy-s3cret-7731";
 /// or its first failure.
 const WAIT: Duration = Duration::from_secs(20);
 
-fn under_ci() -> bool {
-    std::env::var("CI").is_ok_and(|v| v == "true")
-}
-
-/// Whether `tool` is an executable on `PATH`.
-fn on_path(tool: &str) -> bool {
-    std::env::var_os("PATH").is_some_and(|path| {
-        std::env::split_paths(&path)
-            .any(|dir| std::fs::metadata(dir.join(tool)).is_ok_and(|m| m.is_file()))
-    })
-}
-
-/// `true` when network namespaces and `tools` are usable; otherwise says
-/// why, loudly, and fails under CI.
-fn can_run(test: &str, tools: &[&str]) -> bool {
-    let missing: Vec<String> = netns::availability()
-        .err()
-        .into_iter()
-        .chain(
-            tools
-                .iter()
-                .filter(|tool| !on_path(tool))
-                .map(|tool| format!("`{tool}` is not installed")),
-        )
-        .collect();
-    if missing.is_empty() {
-        return true;
-    }
-    let why = missing.join("; ");
-    assert!(
-        !under_ci(),
-        "{test}: CI=true requires network namespaces and the proxies (.ci/run installs tinyproxy, stunnel4, microsocks): {why}"
-    );
-    eprintln!("SKIPPED: {test} needs root, `ip netns` and {tools:?}: {why}");
-    false
-}
-
 fn binaries() -> Binaries {
     static BINARIES: OnceLock<Binaries> = OnceLock::new();
     BINARIES
@@ -109,21 +74,12 @@ fn binaries() -> Binaries {
 
 /// Polls `check` until it gives a value; after [`WAIT`] fails with `what`
 /// and the last reason `check` gave.
-async fn wait_for<T, F, Fut>(what: &str, mut check: F) -> Result<T, String>
+async fn wait_for<T, F, Fut>(what: &str, check: F) -> Result<T, String>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T, String>>,
 {
-    let started = Instant::now();
-    loop {
-        match check().await {
-            Ok(value) => return Ok(value),
-            Err(last) if started.elapsed() > WAIT => {
-                return Err(format!("{what}: not within {WAIT:?}; last: {last}"));
-            }
-            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
-        }
-    }
+    until_ok(what, WAIT, check).await
 }
 
 /// One proxy-agent process in the cluster namespace.
@@ -241,19 +197,14 @@ impl Fixture {
     /// (others get 403).
     async fn tinyproxy(&mut self, port: u16, auth: bool, connect_port: Option<u16>) {
         let name = format!("tinyproxy-{port}");
-        let mut config =
-            format!("Port {port}\nListen {PROXY_IP}\nTimeout 60\nMaxClients 50\nLogLevel Info\n");
+        let mut proxy = Tinyproxy::new(SocketAddr::new(PROXY_IP.into(), port));
         if auth {
-            config.push_str(&format!("BasicAuth {USER} {PASSWORD}\n"));
+            proxy.basic_auth = Some((USER.to_owned(), PASSWORD.to_owned()));
         }
-        if let Some(allowed) = connect_port {
-            config.push_str(&format!("ConnectPort {allowed}\n"));
-        }
-        let config = self.write(&format!("{name}.conf"), &config);
-        let spec = ProcessSpec::new(&name, Path::new("tinyproxy"))
-            .arg("-d")
-            .arg("-c")
-            .arg(config.display().to_string());
+        proxy.connect_port = connect_port;
+        let spec = proxy
+            .spec(&name, self.dir.path())
+            .expect("writing tinyproxy's configuration");
         self.start_in_hub(spec);
         self.await_listening(&name, SocketAddr::new(PROXY_IP.into(), port))
             .await;
@@ -490,8 +441,9 @@ async fn https_proxy_variable_carries_the_tunnel_and_a_mib_round_trip() {
     f.await_tunnel(&agent).await;
     f.echo_through("cluster-a", 1024 * 1024).await;
     let proxy_log = f.logs.tail(&format!("tinyproxy-{TINYPROXY_PORT}"), 200);
+    let hub = format!("{HUB_IP}:{}", SERVER_PORTS.agent);
     assert!(
-        proxy_log.contains(&format!("{HUB_IP}")),
+        connect_requests(&proxy_log).contains(&hub),
         "tinyproxy never saw the CONNECT to the hub:\n{proxy_log}"
     );
 }
