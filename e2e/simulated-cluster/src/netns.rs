@@ -434,8 +434,9 @@ pub fn slot_is_free(slot: u8) -> bool {
 /// Runs `work` on a thread of its own that has entered network namespace
 /// `name`: sockets made there belong to that namespace for good, whatever
 /// thread then uses them. The thread ends with `work`, so no other code
-/// ever runs in the namespace by accident.
-fn in_namespace<T: Send + 'static>(
+/// ever runs in the namespace by accident (a test runs a client there on a
+/// runtime of that thread's own, so that all its connections start there).
+pub fn in_namespace<T: Send + 'static>(
     name: &str,
     work: impl FnOnce() -> std::io::Result<T> + Send + 'static,
 ) -> std::io::Result<T> {
