@@ -246,12 +246,9 @@ impl Fixture {
             "metadata": {"name": ADC, "namespace": PROXIED},
             "spec": {"proxyConfig": {"httpsProxy": https_proxy, "noProxy": no_proxy()}},
         });
+        let apply = PatchParams::apply("cluster-admin");
         Api::<AddOnDeploymentConfig>::namespaced(self.admin.clone(), PROXIED)
-            .patch(
-                ADC,
-                &PatchParams::apply("cluster-admin"),
-                &Patch::Apply(adc),
-            )
+            .patch(ADC, &apply, &Patch::Apply(adc))
             .await
             .expect("applying the AddOnDeploymentConfig");
         let addon = json!({
@@ -262,11 +259,7 @@ impl Fixture {
                 "resource": "addondeploymentconfigs", "name": ADC, "namespace": PROXIED}]},
         });
         Api::<ManagedClusterAddOn>::namespaced(self.admin.clone(), PROXIED)
-            .patch(
-                ADDON_NAME,
-                &PatchParams::apply("cluster-admin"),
-                &Patch::Apply(addon),
-            )
+            .patch(ADDON_NAME, &apply, &Patch::Apply(addon))
             .await
             .expect("naming the AddOnDeploymentConfig in the addon");
     }
