@@ -10,24 +10,32 @@
 //! proxies are the real thing from Debian: tinyproxy (HTTP CONNECT, Basic
 //! authentication, `ConnectPort`), stunnel4 in front of tinyproxy (an
 //! `https://` proxy with a test CA) and microsocks (SOCKS5 with a user and
-//! password).
+//! password). Besides the agent, a Kubernetes client of the services
+//! (`cluster_proxy_control::client`) reaches an API server through the proxy.
 //!
 //! Without root, `ip netns` or one of the proxies a test skips loudly; under
 //! `CI=true` (`.ci/run` installs the proxies) a skip is a failure.
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
-use std::time::{Duration, Instant};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
 use cert_authority::files::Layout;
 use cert_authority::pki::{Authority, LeafRequest};
+use cluster_proxy_control::client::build_with;
+use cluster_proxy_egress::EgressSettings;
 use cluster_proxy_proto::identity::ClusterName;
 use cluster_proxy_proto::transport::ALPN_HTTP11;
+use k8s_openapi::api::core::v1::Namespace;
+use kube::{Api, ResourceExt};
+use memory_apiserver::{KubeApi, KubeApiOptions};
 use simulated_cluster::binaries::{Binaries, Progress};
-use simulated_cluster::netns::{self, FencedCluster, connect_in, listen_in};
+use simulated_cluster::forward_proxy::{Tinyproxy, can_run, connect_requests};
+use simulated_cluster::netns::{FencedCluster, connect_in, in_namespace, listen_in};
 use simulated_cluster::process::{Logs, ProcessSpec, Supervised};
 use simulated_cluster::targets::EchoServer;
+use simulated_cluster::wait::until_ok;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tunnel_harness::in_process::{
     ServerPorts, health_get_over, http_connect_over, proxy_agent_args_to,
@@ -63,43 +71,6 @@ const PASSWORD: &str = "Pr0xy-s3cret-7731";
 /// or its first failure.
 const WAIT: Duration = Duration::from_secs(20);
 
-fn under_ci() -> bool {
-    std::env::var("CI").is_ok_and(|v| v == "true")
-}
-
-/// Whether `tool` is an executable on `PATH`.
-fn on_path(tool: &str) -> bool {
-    std::env::var_os("PATH").is_some_and(|path| {
-        std::env::split_paths(&path)
-            .any(|dir| std::fs::metadata(dir.join(tool)).is_ok_and(|m| m.is_file()))
-    })
-}
-
-/// `true` when network namespaces and `tools` are usable; otherwise says
-/// why, loudly, and fails under CI.
-fn can_run(test: &str, tools: &[&str]) -> bool {
-    let missing: Vec<String> = netns::availability()
-        .err()
-        .into_iter()
-        .chain(
-            tools
-                .iter()
-                .filter(|tool| !on_path(tool))
-                .map(|tool| format!("`{tool}` is not installed")),
-        )
-        .collect();
-    if missing.is_empty() {
-        return true;
-    }
-    let why = missing.join("; ");
-    assert!(
-        !under_ci(),
-        "{test}: CI=true requires network namespaces and the proxies (.ci/run installs tinyproxy, stunnel4, microsocks): {why}"
-    );
-    eprintln!("SKIPPED: {test} needs root, `ip netns` and {tools:?}: {why}");
-    false
-}
-
 fn binaries() -> Binaries {
     static BINARIES: OnceLock<Binaries> = OnceLock::new();
     BINARIES
@@ -109,21 +80,12 @@ fn binaries() -> Binaries {
 
 /// Polls `check` until it gives a value; after [`WAIT`] fails with `what`
 /// and the last reason `check` gave.
-async fn wait_for<T, F, Fut>(what: &str, mut check: F) -> Result<T, String>
+async fn wait_for<T, F, Fut>(what: &str, check: F) -> Result<T, String>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T, String>>,
 {
-    let started = Instant::now();
-    loop {
-        match check().await {
-            Ok(value) => return Ok(value),
-            Err(last) if started.elapsed() > WAIT => {
-                return Err(format!("{what}: not within {WAIT:?}; last: {last}"));
-            }
-            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
-        }
-    }
+    until_ok(what, WAIT, check).await
 }
 
 /// One proxy-agent process in the cluster namespace.
@@ -241,19 +203,14 @@ impl Fixture {
     /// (others get 403).
     async fn tinyproxy(&mut self, port: u16, auth: bool, connect_port: Option<u16>) {
         let name = format!("tinyproxy-{port}");
-        let mut config =
-            format!("Port {port}\nListen {PROXY_IP}\nTimeout 60\nMaxClients 50\nLogLevel Info\n");
+        let mut proxy = Tinyproxy::new(SocketAddr::new(PROXY_IP.into(), port));
         if auth {
-            config.push_str(&format!("BasicAuth {USER} {PASSWORD}\n"));
+            proxy.basic_auth = Some((USER.to_owned(), PASSWORD.to_owned()));
         }
-        if let Some(allowed) = connect_port {
-            config.push_str(&format!("ConnectPort {allowed}\n"));
-        }
-        let config = self.write(&format!("{name}.conf"), &config);
-        let spec = ProcessSpec::new(&name, Path::new("tinyproxy"))
-            .arg("-d")
-            .arg("-c")
-            .arg(config.display().to_string());
+        proxy.connect_port = connect_port;
+        let spec = proxy
+            .spec(&name, self.dir.path())
+            .expect("writing tinyproxy's configuration");
         self.start_in_hub(spec);
         self.await_listening(&name, SocketAddr::new(PROXY_IP.into(), port))
             .await;
@@ -490,8 +447,9 @@ async fn https_proxy_variable_carries_the_tunnel_and_a_mib_round_trip() {
     f.await_tunnel(&agent).await;
     f.echo_through("cluster-a", 1024 * 1024).await;
     let proxy_log = f.logs.tail(&format!("tinyproxy-{TINYPROXY_PORT}"), 200);
+    let hub = format!("{HUB_IP}:{}", SERVER_PORTS.agent);
     assert!(
-        proxy_log.contains(&format!("{HUB_IP}")),
+        connect_requests(&proxy_log).contains(&hub),
         "tinyproxy never saw the CONNECT to the hub:\n{proxy_log}"
     );
 }
@@ -767,4 +725,101 @@ async fn without_the_proxy_the_hub_is_unreachable() {
         !proxy_log.contains(&HUB_IP.to_string()),
         "NO_PROXY matched the hub, yet the agent went through the proxy:\n{proxy_log}"
     );
+}
+
+/// `error` and every error beneath it (hyper's says only "client error
+/// (Connect)"; why is in its sources).
+fn with_sources(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(&format!(": {cause}"));
+        source = cause.source();
+    }
+    text
+}
+
+/// The namespaces' names, listed by a client of the API server at
+/// `kubeconfig` built by `build_with` with `proxy_url`, running in network
+/// namespace `netns` (on a runtime of its own there, so every connection it
+/// opens starts inside).
+async fn namespaces_from(
+    netns: &str,
+    kubeconfig: &Path,
+    proxy_url: Option<String>,
+) -> Result<Vec<String>, String> {
+    let (netns, kubeconfig) = (netns.to_owned(), kubeconfig.to_owned());
+    let listed = tokio::task::spawn_blocking(move || {
+        in_namespace(&netns, move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            Ok(runtime.block_on(async move {
+                let kubeconfig = kube::config::Kubeconfig::read_from(&kubeconfig)
+                    .map_err(|e| format!("the kubeconfig: {e}"))?;
+                let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
+                    .await
+                    .map_err(|e| format!("the client's configuration: {e}"))?;
+                let egress = EgressSettings {
+                    proxy_url,
+                    ..EgressSettings::default()
+                };
+                let client = build_with(config, &egress).map_err(|e| e.to_string())?;
+                let namespaces = Api::<Namespace>::all(client);
+                let params = kube::api::ListParams::default();
+                let list = tokio::time::timeout(WAIT, namespaces.list(&params))
+                    .await
+                    .map_err(|_| format!("no answer within {WAIT:?}"))?
+                    .map_err(|e| format!("listing namespaces: {}", with_sources(&e)))?;
+                Ok(list.items.iter().map(|n| n.name_any()).collect())
+            }))
+        })
+    })
+    .await
+    .expect("the client's task");
+    listed.map_err(|e| format!("in the cluster namespace: {e}"))?
+}
+
+/// Case 7: a Kubernetes client of the services
+/// (`cluster_proxy_control::client::build_with`) given the proxy's URL
+/// reaches an API server (memory-apiserver) on a hub address the cluster
+/// has no route to, through tinyproxy; without the URL it cannot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kube_client_reaches_its_api_server_through_the_proxy_url() {
+    let Some(mut f) = Fixture::start("kube", &["cluster-a"], &["tinyproxy"]).await else {
+        return;
+    };
+    f.tinyproxy(TINYPROXY_PORT, false, None).await;
+    let api_addr = SocketAddr::new(HUB_IP.into(), 6443);
+    let mut options = KubeApiOptions::new(f.dir.path().join("api"));
+    options.extra_sans = vec![HUB_IP.to_string()];
+    options.listeners = vec![Arc::new(
+        listen_in(&f.net.hub, api_addr).expect("the API's listener"),
+    )];
+    let api = KubeApi::start(options).await.expect("the API server");
+    let kubeconfig = api
+        .kubeconfigs(Some(api_addr))
+        .write(memory_apiserver::ADMIN_USER, &["system:masters"])
+        .expect("a kubeconfig for the API's hub address");
+    let proxy = format!("http://{PROXY_IP}:{TINYPROXY_PORT}");
+    let listed = namespaces_from(&f.net.cluster, &kubeconfig, Some(proxy)).await;
+    assert!(
+        listed
+            .as_ref()
+            .is_ok_and(|names| names.iter().any(|n| n == "default")),
+        "{listed:?}"
+    );
+    let proxy_log = f.logs.tail(&format!("tinyproxy-{TINYPROXY_PORT}"), 200);
+    assert!(
+        connect_requests(&proxy_log).contains(&api_addr.to_string()),
+        "tinyproxy never saw the CONNECT to the API server:\n{proxy_log}"
+    );
+    let direct = namespaces_from(&f.net.cluster, &kubeconfig, None).await;
+    assert!(
+        direct
+            .as_ref()
+            .is_err_and(|e| e.to_lowercase().contains("unreachable")),
+        "without the proxy: {direct:?}"
+    );
+    api.shutdown().await;
 }

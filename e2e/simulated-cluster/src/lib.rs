@@ -6,13 +6,15 @@
 //! ([`ocm`], with OCM's CRDs); per-cluster network namespaces ([`netns`]);
 //! the services inside a cluster ([`sample`], [`targets`]); the Service in
 //! front of the proxy-server replicas ([`balancer`]); an OTLP trace
-//! collector ([`otlp`]). It links no cluster-proxy data plane: control-plane
-//! tests use it with the in-memory API alone.
+//! collector ([`otlp`]); a real forward proxy ([`forward_proxy`]). It
+//! links no cluster-proxy data plane: control-plane tests use it with the
+//! in-memory API alone.
 #![forbid(unsafe_code)]
 
 pub mod balancer;
 pub mod binaries;
 pub mod cluster_api;
+pub mod forward_proxy;
 pub mod kubelet;
 pub mod netns;
 pub mod ocm;

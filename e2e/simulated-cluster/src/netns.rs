@@ -12,6 +12,9 @@
 //!   agent Service (the load balancer in front of the replicas' agent ports)
 //!   and the Kubernetes API's forwarder listen — the agent's ways out (the
 //!   `PortForward` entrypoint goes through the API);
+//! * a *proxied* cluster ([`Topology::proxied`]) routes only to the hub's
+//!   proxy address instead, where a test runs a forward proxy: its only way
+//!   out is that proxy, as on an enterprise network;
 //! * the hub routes to each cluster's veth address (replies to the agent),
 //!   but not to the cluster's service address, which lives on the cluster's
 //!   loopback — exactly like a pod IP behind a NAT gateway;
@@ -21,6 +24,7 @@
 //! Interface names are at most 15 bytes (`cp<id>h<n>`), so an environment id
 //! is four hex digits.
 
+use std::collections::BTreeSet;
 use std::net::{IpAddr, Ipv4Addr};
 use std::process::{Command, Output};
 
@@ -91,6 +95,9 @@ pub struct Topology {
     /// Third octet of every 198.18.x.y address of this environment.
     pub slot: u8,
     pub clusters: Vec<String>,
+    /// The clusters (by index) whose only route is to the hub's proxy
+    /// address ([`Topology::hub_proxy_addr`]) rather than its agent address.
+    pub proxied: BTreeSet<usize>,
 }
 
 impl Topology {
@@ -99,7 +106,15 @@ impl Topology {
             id: id.to_string(),
             slot,
             clusters: clusters.to_vec(),
+            proxied: BTreeSet::new(),
         }
+    }
+
+    /// The same with clusters `proxied` (indices) routing only to the hub's
+    /// proxy address.
+    pub fn with_proxied(mut self, proxied: impl IntoIterator<Item = usize>) -> Self {
+        self.proxied = proxied.into_iter().collect();
+        self
     }
 
     pub fn hub_netns(&self) -> String {
@@ -119,6 +134,22 @@ impl Topology {
     /// admin), which no cluster has a route to.
     pub fn hub_client_addr(&self) -> Ipv4Addr {
         Ipv4Addr::new(198, 18, self.slot, 2)
+    }
+
+    /// The hub address where a test runs the forward proxy of the proxied
+    /// clusters: on the hub only when there are some.
+    pub fn hub_proxy_addr(&self) -> Ipv4Addr {
+        Ipv4Addr::new(198, 18, self.slot, 3)
+    }
+
+    /// The hub address cluster `index` routes to: the agent address, or the
+    /// proxy address for a proxied cluster.
+    pub fn cluster_gateway(&self, index: usize) -> Ipv4Addr {
+        if self.proxied.contains(&index) {
+            self.hub_proxy_addr()
+        } else {
+            self.hub_agent_addr()
+        }
     }
 
     /// The machine's own end of the link to the hub.
@@ -166,6 +197,13 @@ impl Topology {
             &hub,
             &["addr", "add", &format!("{client_ip}/32"), "dev", "lo"],
         )?;
+        if !self.proxied.is_empty() {
+            let proxy_ip = self.hub_proxy_addr().to_string();
+            run_in(
+                &hub,
+                &["addr", "add", &format!("{proxy_ip}/32"), "dev", "lo"],
+            )?;
+        }
 
         let (host_side, hub_side) = self.host_link();
         let host_ip = self.host_addr().to_string();
@@ -201,6 +239,7 @@ impl Topology {
             let ns = self.cluster_netns(index);
             let (hub_end, cluster_end) = self.cluster_link(index);
             let link_ip = self.cluster_link_addr(index).to_string();
+            let gateway_ip = self.cluster_gateway(index).to_string();
             run(&["netns", "add", &ns])?;
             run_in(&ns, &["link", "set", "lo", "up"])?;
             run_in(
@@ -238,7 +277,7 @@ impl Topology {
                     "dev",
                     &hub_end,
                     "src",
-                    &agent_ip,
+                    &gateway_ip,
                 ],
             )?;
             run_in(
@@ -251,7 +290,7 @@ impl Topology {
                 &[
                     "route",
                     "add",
-                    &format!("{agent_ip}/32"),
+                    &format!("{gateway_ip}/32"),
                     "dev",
                     &cluster_end,
                     "src",
@@ -395,8 +434,9 @@ pub fn slot_is_free(slot: u8) -> bool {
 /// Runs `work` on a thread of its own that has entered network namespace
 /// `name`: sockets made there belong to that namespace for good, whatever
 /// thread then uses them. The thread ends with `work`, so no other code
-/// ever runs in the namespace by accident.
-fn in_namespace<T: Send + 'static>(
+/// ever runs in the namespace by accident (a test runs a client there on a
+/// runtime of that thread's own, so that all its connections start there).
+pub fn in_namespace<T: Send + 'static>(
     name: &str,
     work: impl FnOnce() -> std::io::Result<T> + Send + 'static,
 ) -> std::io::Result<T> {

@@ -35,3 +35,23 @@ pub async fn wait_until(timeout: Duration, mut condition: impl FnMut() -> bool) 
     }
     condition()
 }
+
+/// Polls `check` every 50 ms until it gives a value, and returns that
+/// value; when `timeout` passes first, an error naming `what` with the
+/// last reason `check` gave (for the caller to add its logs to).
+pub async fn until_ok<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> Result<T, String>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, String>>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        match check().await {
+            Ok(value) => return Ok(value),
+            Err(last) if tokio::time::Instant::now() >= deadline => {
+                return Err(format!("{what}: not within {timeout:?}; last: {last}"));
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
+}

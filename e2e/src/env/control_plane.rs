@@ -169,28 +169,58 @@ impl ServerPlacement {
 /// Machines for managed clusters, handed out as clusters join.
 pub struct MachinePool {
     free: Vec<(usize, Machine)>,
+    /// Machines only the named cluster takes (a network made for it).
+    reserved: BTreeMap<String, (usize, Machine)>,
+    /// Who each reserved machine (by index) is for.
+    owners: BTreeMap<usize, String>,
     taken: BTreeMap<String, (usize, Machine)>,
 }
 
 impl MachinePool {
-    pub fn new(machines: Vec<Machine>) -> Self {
+    /// `machines` by index; those `owners` names a cluster for go to that
+    /// cluster only.
+    pub fn new(machines: Vec<Machine>, owners: BTreeMap<usize, String>) -> Self {
+        let mut free = Vec::new();
+        let mut reserved = BTreeMap::new();
+        for (index, machine) in machines.into_iter().enumerate() {
+            match owners.get(&index) {
+                Some(owner) => {
+                    reserved.insert(owner.clone(), (index, machine));
+                }
+                None => free.push((index, machine)),
+            }
+        }
+        free.reverse();
         MachinePool {
-            free: machines.into_iter().enumerate().rev().collect(),
+            free,
+            reserved,
+            owners,
             taken: BTreeMap::new(),
         }
     }
 
     fn take(&mut self, cluster: &str) -> Option<Machine> {
-        let (index, machine) = self.free.pop()?;
+        let (index, machine) = match self.reserved.remove(cluster) {
+            Some(entry) => entry,
+            None => self.free.pop()?,
+        };
         self.taken
             .insert(cluster.to_string(), (index, machine.clone()));
         Some(machine)
     }
 
     fn give_back(&mut self, cluster: &str) {
-        if let Some(entry) = self.taken.remove(cluster) {
-            self.free.push(entry);
-            self.free.sort_by_key(|(i, _)| std::cmp::Reverse(*i));
+        let Some(entry) = self.taken.remove(cluster) else {
+            return;
+        };
+        match self.owners.get(&entry.0) {
+            Some(owner) => {
+                self.reserved.insert(owner.clone(), entry);
+            }
+            None => {
+                self.free.push(entry);
+                self.free.sort_by_key(|(i, _)| std::cmp::Reverse(*i));
+            }
         }
     }
 }

@@ -133,7 +133,7 @@ impl super::Environment {
             self.summary.agent_service_addr.ip().to_string(),
         ];
         sans.dedup();
-        let entrypoint = if self.topology.is_some() {
+        let entrypoint = if self.topology.is_some() && !options.hostname_entrypoint {
             AgentEntrypoint::PortForward
         } else {
             AgentEntrypoint::Hostname(self.summary.agent_service_addr)
@@ -226,6 +226,10 @@ impl super::Environment {
                 },
             })
             .collect();
+        // A proxied cluster's machine is its own (see `machine_names`).
+        let owners = super::proxied_machines(options, machine_names)
+            .map(|(index, name)| (index, name.clone()))
+            .collect();
         let client_pki = self.summary.state_dir.join("hub").join("client-pki");
         let ocm = OcmContext {
             admin: admin.clone(),
@@ -246,7 +250,7 @@ impl super::Environment {
             hub_namespace: super::ADDON_NAMESPACE.to_string(),
             hub_ip: self.summary.hub_addr,
             hub_netns: self.summary.hub_netns.clone(),
-            machines: MachinePool::new(machines),
+            machines: MachinePool::new(machines, owners),
             client_pki: client_pki.clone(),
             user_server_kubeconfig,
             kubelet: self

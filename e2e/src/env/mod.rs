@@ -103,6 +103,15 @@ pub struct EnvOptions {
     pub record_requests: bool,
     /// Where the services send traces.
     pub traces: traces::TraceExport,
+    /// Network namespaces only: the clusters whose network routes only to
+    /// the hub's forward-proxy address ([`Environment::forward_proxy_addr`],
+    /// where a test runs the proxy), not to the hub's agent address. With
+    /// the control plane each gets a machine of its own when it joins.
+    pub proxied_clusters: Vec<String>,
+    /// With the control plane and network namespaces: the `Hostname`
+    /// entrypoint (agents dial the agent Service's address) instead of the
+    /// chart's default `PortForward`.
+    pub hostname_entrypoint: bool,
 }
 
 impl EnvOptions {
@@ -139,6 +148,8 @@ impl EnvOptions {
             hub_rbac: None,
             record_requests: false,
             traces: traces::TraceExport::Off,
+            proxied_clusters: Vec::new(),
+            hostname_entrypoint: false,
         }
     }
 }
@@ -329,15 +340,35 @@ fn state_directory(
 }
 
 /// One network per cluster; with the control plane, clusters come and go,
-/// so the networks are machines that a joining cluster takes.
+/// so the networks are machines that a joining cluster takes, and each
+/// proxied cluster has one of its own, named after it.
 fn machine_names(options: &EnvOptions) -> Vec<String> {
     if options.control_plane {
         (0..options.clusters.len() + options.spare_machines)
             .map(|i| format!("m{i}"))
+            .chain(options.proxied_clusters.iter().cloned())
             .collect()
     } else {
         options.clusters.clone()
     }
+}
+
+/// The machines of the proxied clusters: index and name (the cluster's).
+fn proxied_machines<'a>(
+    options: &'a EnvOptions,
+    machine_names: &'a [String],
+) -> impl Iterator<Item = (usize, &'a String)> + 'a {
+    // With the control plane, the shared machines (`m<i>`) come first.
+    let shared = if options.control_plane {
+        options.clusters.len() + options.spare_machines
+    } else {
+        0
+    };
+    machine_names
+        .iter()
+        .enumerate()
+        .skip(shared)
+        .filter(|(_, name)| options.proxied_clusters.contains(name))
 }
 
 /// The network namespaces (recorded before they exist, so `e2e down` finds
@@ -347,11 +378,12 @@ fn create_topology(
     id: &str,
     slot: u8,
     machine_names: &[String],
+    proxied: impl IntoIterator<Item = usize>,
     record: &mut Record,
 ) -> Result<Option<Topology>, EnvError> {
     match isolation {
         Isolation::Netns => {
-            let topology = Topology::new(id, slot, machine_names);
+            let topology = Topology::new(id, slot, machine_names).with_proxied(proxied);
             record.netns.push(topology.hub_netns());
             record
                 .netns
@@ -527,8 +559,17 @@ impl Environment {
             state_dir: state_dir.clone(),
             temporary_state: temporary_state.as_ref().map(|d| d.path().to_path_buf()),
         };
+        if let Isolation::Loopback(reason) = &isolation
+            && !options.proxied_clusters.is_empty()
+        {
+            return Err(EnvError::NetnsUnavailable(format!(
+                "clusters behind a forward proxy need their own networks: {reason}"
+            )));
+        }
         let machine_names = machine_names(&options);
-        let topology = create_topology(&isolation, &id, slot, &machine_names, &mut record)?;
+        let proxied = proxied_machines(&options, &machine_names).map(|(index, _)| index);
+        let topology =
+            create_topology(&isolation, &id, slot, &machine_names, proxied, &mut record)?;
         let (hub_addr, agent_service_addr) = hub_addresses(topology.as_ref(), slot);
         let hub_netns = topology.as_ref().map(Topology::hub_netns);
         // The API and the trace receiver sit on the machine's side of the hub
@@ -620,9 +661,20 @@ impl Environment {
             options.hub_rbac =
                 Some(control_plane::HubRbac::chart_service_access().map_err(EnvError::KubeApi)?);
         }
-        for name in &options.clusters {
+        for name in options.clusters.iter().chain(&options.proxied_clusters) {
             cluster_proxy_proto::identity::ClusterName::new(name)
                 .map_err(|e| EnvError::ClusterName(name.clone(), e.to_string()))?;
+        }
+        // Without the control plane a cluster's network is made for it.
+        if let Some(name) = options
+            .proxied_clusters
+            .iter()
+            .find(|name| !options.control_plane && !options.clusters.contains(name))
+        {
+            return Err(EnvError::ClusterName(
+                name.clone(),
+                "a proxied cluster must be one of the environment's clusters".into(),
+            ));
         }
         if options.control_plane && !options.kube_api {
             return Err(EnvError::KubeApi(
@@ -924,6 +976,16 @@ impl Environment {
     /// Call after (re)starting a process so a crash cleanup finds it.
     pub fn processes_changed(&mut self) {
         self.remember_processes();
+    }
+
+    /// Where the proxied clusters' only route leads (a hub address where
+    /// nothing listens until a test starts its forward proxy there, in the
+    /// hub's network namespace); `None` without proxied clusters.
+    pub fn forward_proxy_addr(&self) -> Option<Ipv4Addr> {
+        self.topology
+            .as_ref()
+            .filter(|t| !t.proxied.is_empty())
+            .map(Topology::hub_proxy_addr)
     }
 
     pub fn hub_client(&self) -> Result<HubClient, EnvError> {
