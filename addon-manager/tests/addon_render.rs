@@ -767,6 +767,40 @@ fn without_a_proxy_ca_the_agents_get_no_proxy_ca_flag_or_key() {
 }
 
 #[test]
+fn an_adc_variable_turns_on_the_websocket_transport_for_its_cluster() {
+    let websocket =
+        adc(json!({"customizedVariables": [{"name": "agentTransport", "value": "websocket"}]}));
+    let mut mpc = hostname_mpc();
+    mpc.spec.proxy_agent.additional_args = vec!["--transport=auto".into()];
+    let rendered = Rendered::new(&mpc, Some(&websocket), CA);
+    let args = rendered.container("proxy-agent").args.unwrap();
+    assert_eq!(
+        args.last().map(String::as_str),
+        Some("--transport=websocket"),
+        "the cluster's choice comes after the fleet's additionalArgs: {args:?}"
+    );
+    for value in ["auto", ""] {
+        let default =
+            adc(json!({"customizedVariables": [{"name": "agentTransport", "value": value}]}));
+        assert_eq!(render::agent_transport(Some(&default)), Ok(None));
+        let args = Rendered::new(&hostname_mpc(), Some(&default), CA)
+            .container("proxy-agent")
+            .args
+            .unwrap();
+        assert!(
+            !args.iter().any(|a| a.starts_with("--transport")),
+            "{args:?}"
+        );
+    }
+    let wrong = adc(json!({"customizedVariables": [{"name": "agentTransport", "value": "grpc"}]}));
+    let err = render::agent_transport(Some(&wrong)).unwrap_err();
+    assert!(
+        err.contains("agentTransport") && err.contains("\"grpc\""),
+        "{err}"
+    );
+}
+
+#[test]
 fn the_network_policy_lets_the_adc_proxies_out() {
     let config = adc(json!({"proxyConfig": {
         "httpProxy": "http://proxy.corp:3128",

@@ -858,6 +858,9 @@ impl Rendering<'_> {
                 context.settings.hub_namespace
             );
         }
+        if let Err(invalid) = render::agent_transport(adc) {
+            return Ok(Err(Refused::new(REASON_INVALID_CONFIGURATION, invalid)));
+        }
         let impersonation = match service_proxy.map(|_| render::impersonation(adc)) {
             None => false,
             Some(Ok(impersonation)) => impersonation,

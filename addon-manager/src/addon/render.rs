@@ -110,6 +110,25 @@ pub fn impersonation(deployment_config: Option<&AddOnDeploymentConfig>) -> Resul
     }
 }
 
+/// `customizedVariables` name that picks a cluster's tunnel transport:
+/// `websocket` (the proxy-agent's `--transport=websocket`, for networks
+/// whose middleboxes break HTTP/2) or `auto` (the default).
+pub const VARIABLE_AGENT_TRANSPORT: &str = "agentTransport";
+
+/// The proxy-agent's `--transport` for a cluster with `deployment_config`:
+/// `None` for the default; a value that is no transport is an error naming it.
+pub fn agent_transport(
+    deployment_config: Option<&AddOnDeploymentConfig>,
+) -> Result<Option<&'static str>, String> {
+    match deployment_config.and_then(|adc| adc.variable(VARIABLE_AGENT_TRANSPORT)) {
+        None | Some("") | Some("auto") => Ok(None),
+        Some("websocket") => Ok(Some("websocket")),
+        Some(value) => Err(format!(
+            "customizedVariables {VARIABLE_AGENT_TRANSPORT}={value:?} is not a transport (auto or websocket)"
+        )),
+    }
+}
+
 /// Where the agent dials the proxy-servers.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Entrypoint {
@@ -468,6 +487,11 @@ pub fn proxy_agent_args(inputs: &AgentInputs<'_>) -> Vec<String> {
     ];
     args.extend(proxy_ca_args(inputs));
     args.extend(inputs.mpc.spec.proxy_agent.additional_args.iter().cloned());
+    // Last: the cluster's own choice wins over the fleet's additionalArgs.
+    // The reconciler refuses a value that is no transport before rendering.
+    if let Ok(Some(transport)) = agent_transport(inputs.deployment_config) {
+        args.push(format!("--transport={transport}"));
+    }
     args
 }
 
