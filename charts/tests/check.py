@@ -263,6 +263,7 @@ def check_disabled_health_prober() -> None:
 
 USER_SERVER_SETTINGS = HERE.parent.parent / "proxy-server" / "user-server" / "src" / "settings.rs"
 LOGGING_RS = HERE.parent.parent / "proto-crate" / "runtime" / "src" / "logging.rs"
+RUNTIME_CLI_RS = HERE.parent.parent / "proto-crate" / "runtime" / "src" / "cli.rs"
 USER_SERVER = "cluster-proxy-addon-user"
 USER_SERVER_RBAC = "open-cluster-management:cluster-proxy:user-server"
 EXPOSED_SERVICES = "cluster-proxy-exposed-services"
@@ -289,11 +290,13 @@ def struct_flags(source: str, struct: str) -> set[str]:
 
 
 def user_server_flags_from_code() -> set[str]:
-    """The flags the user-server takes (settings.rs `Cli`, with the logging flags it flattens)."""
+    """The flags the user-server takes (settings.rs `Cli`, with the runtime's flag groups it flattens)."""
     source = USER_SERVER_SETTINGS.read_text()
     flags = struct_flags(source, "Cli")
     if "LogFlags" in source:
         flags |= struct_flags(LOGGING_RS.read_text(), "LogFlags")
+    if "HealthFlags" in source:
+        flags |= struct_flags(RUNTIME_CLI_RS.read_text(), "HealthFlags")
     if not {"host", "server-cert", "identity-cert", "v"} <= flags:
         raise ValueError(f"could not read the user-server's flags from {USER_SERVER_SETTINGS}: {flags}")
     return flags
