@@ -20,7 +20,11 @@ use std::time::{Duration, Instant};
 
 const VERSION: &str = env!("CARGO_PKG_VERSION");
 const NONROOT_UID: u32 = 65532;
-const MAX_IMAGE_BYTES: u64 = 20_000_000;
+/// The budget per image. The proxy-agent image is the largest: /proxy-agent
+/// (with the service-proxy) and /addon-agent, both with a Kubernetes client;
+/// forward-proxy support and the WebSocket transport took it from 19.0 MB
+/// to 20.1 MB (2026-12-07).
+const MAX_IMAGE_BYTES: u64 = 22_000_000;
 const BODY: &str = "hello from inside cluster-a, through two containers\n";
 
 /// An image and the binaries it runs; the first is the entrypoint.
