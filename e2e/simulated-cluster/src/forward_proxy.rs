@@ -58,6 +58,9 @@ pub struct Tinyproxy {
     pub basic_auth: Option<(String, String)>,
     /// The only port it CONNECTs to (`ConnectPort`; others get 403).
     pub connect_port: Option<u16>,
+    /// How long a connection may stay quiet before tinyproxy closes it
+    /// (`Timeout`; 60 s, like many corporate proxies).
+    pub idle_timeout_seconds: u32,
 }
 
 impl Tinyproxy {
@@ -67,6 +70,7 @@ impl Tinyproxy {
             listen,
             basic_auth: None,
             connect_port: None,
+            idle_timeout_seconds: 60,
         }
     }
 
@@ -74,9 +78,10 @@ impl Tinyproxy {
     /// every request to its standard error, so to its process's log.
     pub fn config(&self) -> String {
         let mut config = format!(
-            "Port {}\nListen {}\nTimeout 60\nMaxClients 50\nLogLevel Info\n",
+            "Port {}\nListen {}\nTimeout {}\nMaxClients 50\nLogLevel Info\n",
             self.listen.port(),
-            self.listen.ip()
+            self.listen.ip(),
+            self.idle_timeout_seconds
         );
         if let Some((user, password)) = &self.basic_auth {
             config.push_str(&format!("BasicAuth {user} {password}\n"));
