@@ -53,7 +53,8 @@ pub const MAX_FRAME_SIZE: u32 = 256 * 1024;
 /// so a client that writes a large buffer in one DATA packet is not cut off.
 pub const MAX_MESSAGE_SIZE: usize = 16 * 1024 * 1024;
 pub use cluster_proxy_egress::tcp::{
-    TCP_KEEPALIVE_IDLE, TCP_KEEPALIVE_INTERVAL, TCP_KEEPALIVE_RETRIES, set_tcp_keepalive,
+    QuickAck, TCP_KEEPALIVE_IDLE, TCP_KEEPALIVE_INTERVAL, TCP_KEEPALIVE_RETRIES, acknowledge_now,
+    set_tcp_keepalive,
 };
 
 /// ALPN protocol gRPC needs (grpc-go refuses TLS connections without it).

@@ -52,7 +52,7 @@ use crate::dial::Dialer;
 use crate::grpc_frontend::GrpcFrontend;
 use crate::grpc_port::GrpcConnections;
 use crate::http_connect::ConnectFrontend;
-use crate::listener::{Http2Settings, Listener};
+use crate::listener::{Acks, Http2Settings, Listener};
 use crate::metrics::Metrics;
 use crate::peers::{DnsPeers, PeerLookup, ServerCountSource};
 use crate::registry::Registry;
@@ -529,7 +529,11 @@ async fn bind_ports(
             config.server_port,
         )
         .await?;
-        (Listener::Tcp(listener, tls, metrics.clone()), addr, None)
+        (
+            Listener::Tcp(listener, tls, metrics.clone(), Acks::Delayed),
+            addr,
+            None,
+        )
     } else {
         let path = PathBuf::from(&config.uds_name);
         let listener = bind_unix(&path, config.delete_existing_uds_file)?;
@@ -645,7 +649,7 @@ fn serve_agent_port(
     };
     running.tasks.spawn(listener::serve(
         "agent",
-        Listener::Tcp(listener, tls, running.metrics.clone()),
+        Listener::Tcp(listener, tls, running.metrics.clone(), Acks::Immediate),
         GrpcConnections {
             method: agent_endpoint,
             max_packet_size: limit(config.max_packet_size),

@@ -11,7 +11,7 @@ use std::time::{Duration, SystemTime};
 
 use cluster_proxy_proto::h2_driver::PING_TIMEOUT;
 use cluster_proxy_proto::identity::ClusterName;
-use cluster_proxy_proto::transport::{HttpWindows, MAX_FRAME_SIZE};
+use cluster_proxy_proto::transport::{HttpWindows, MAX_FRAME_SIZE, QuickAck};
 use http::{Request, Response};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -183,19 +183,32 @@ pub enum Listener {
         TcpListener,
         cluster_proxy_runtime::reload::Watched<rustls::ServerConfig>,
         Arc<Metrics>,
+        Acks,
     ),
     Unix(UnixListener),
 }
 
+/// When a TCP port acknowledges what it receives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Acks {
+    /// The kernel's delayed ACKs.
+    Delayed,
+    /// At once, after every read ([`QuickAck`]): the agent port, whose
+    /// tunnels may come through a forward proxy that relays with Nagle's
+    /// algorithm on and would otherwise wait up to a delayed-ACK period
+    /// before each small write of a tunnel's exchanges.
+    Immediate,
+}
+
 enum Accepted {
-    Tcp(TcpStream, SocketAddr, TlsAcceptor, Arc<Metrics>),
+    Tcp(TcpStream, SocketAddr, TlsAcceptor, Arc<Metrics>, Acks),
     Unix(UnixStream),
 }
 
 impl Listener {
     async fn accept(&self) -> std::io::Result<Accepted> {
         match self {
-            Listener::Tcp(listener, tls, metrics) => {
+            Listener::Tcp(listener, tls, metrics, acks) => {
                 let (tcp, remote) = listener.accept().await?;
                 let _ = tcp.set_nodelay(true);
                 // Agents and clients hold these connections for hours; one
@@ -205,7 +218,7 @@ impl Listener {
                 }
                 // The newest credentials for each handshake: rotation needs no restart.
                 let acceptor = TlsAcceptor::from(tls.borrow().clone());
-                Ok(Accepted::Tcp(tcp, remote, acceptor, metrics.clone()))
+                Ok(Accepted::Tcp(tcp, remote, acceptor, metrics.clone(), *acks))
             }
             Listener::Unix(listener) => Ok(Accepted::Unix(listener.accept().await?.0)),
         }
@@ -319,33 +332,15 @@ pub async fn serve<C: ServeConnection>(
         let accepted_at = tokio::time::Instant::now();
         let server = server.clone();
         match accepted {
-            Accepted::Tcp(tcp, remote, acceptor, metrics) => {
+            Accepted::Tcp(tcp, remote, acceptor, metrics, Acks::Delayed) => {
                 connections.spawn(async move {
-                    let remote = Remote::Tcp(remote);
-                    let tls =
-                        match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
-                            Ok(Ok(tls)) => tls,
-                            Ok(Err(e)) => {
-                                metrics.tls_handshake_failed(name, "error");
-                                info!(listener = name, %remote, error = %e, "TLS handshake failed");
-                                return;
-                            }
-                            Err(_) => {
-                                metrics.tls_handshake_failed(name, "timeout");
-                                info!(listener = name, %remote, "TLS handshake timed out");
-                                return;
-                            }
-                        };
-                    if let Err(refusal) = resumed_chain_still_valid(tls.get_ref().1) {
-                        metrics.tls_handshake_failed(name, "expired_resumed_session");
-                        info!(listener = name, %remote, error = %refusal, "resumed TLS session refused");
-                        // close_notify, bounded: a peer that stopped reading cannot hold us.
-                        let mut tls = tls;
-                        let _ = tokio::time::timeout(REFUSAL_CLOSE_TIMEOUT, tls.shutdown()).await;
-                        return;
-                    }
-                    let peer = peer_info(remote, tls.get_ref().1);
-                    server.serve(tls, peer, accepted_at).await;
+                    serve_tls(name, &*server, tcp, remote, acceptor, &metrics, accepted_at).await;
+                });
+            }
+            Accepted::Tcp(tcp, remote, acceptor, metrics, Acks::Immediate) => {
+                connections.spawn(async move {
+                    let tcp = QuickAck(tcp);
+                    serve_tls(name, &*server, tcp, remote, acceptor, &metrics, accepted_at).await;
                 });
             }
             Accepted::Unix(stream) => {
@@ -366,6 +361,44 @@ pub async fn serve<C: ServeConnection>(
             "connections still open after the grace period; dropping them"
         );
     }
+}
+
+/// The TLS handshake of one accepted connection, then `server` serving it.
+async fn serve_tls<C: ServeConnection, IO>(
+    name: &'static str,
+    server: &C,
+    tcp: IO,
+    remote: SocketAddr,
+    acceptor: TlsAcceptor,
+    metrics: &Metrics,
+    accepted_at: tokio::time::Instant,
+) where
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
+{
+    let remote = Remote::Tcp(remote);
+    let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+        Ok(Ok(tls)) => tls,
+        Ok(Err(e)) => {
+            metrics.tls_handshake_failed(name, "error");
+            info!(listener = name, %remote, error = %e, "TLS handshake failed");
+            return;
+        }
+        Err(_) => {
+            metrics.tls_handshake_failed(name, "timeout");
+            info!(listener = name, %remote, "TLS handshake timed out");
+            return;
+        }
+    };
+    if let Err(refusal) = resumed_chain_still_valid(tls.get_ref().1) {
+        metrics.tls_handshake_failed(name, "expired_resumed_session");
+        info!(listener = name, %remote, error = %refusal, "resumed TLS session refused");
+        // close_notify, bounded: a peer that stopped reading cannot hold us.
+        let mut tls = tls;
+        let _ = tokio::time::timeout(REFUSAL_CLOSE_TIMEOUT, tls.shutdown()).await;
+        return;
+    }
+    let peer = peer_info(remote, tls.get_ref().1);
+    server.serve(tls, peer, accepted_at).await;
 }
 
 /// hyper serving a listener's connections ([`http`]); a [`ServeConnection`]

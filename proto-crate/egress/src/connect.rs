@@ -71,7 +71,7 @@ pub(crate) async fn through(
         user_agent: dial.user_agent,
     };
     match proxy.scheme {
-        ProxyScheme::Http => connect.over(tcp).await.map(EgressStream::Tcp),
+        ProxyScheme::Http => connect.over(tcp).await.map(EgressStream::Proxied),
         ProxyScheme::Https => {
             let config = proxy_tls_config(proxy, dial.proxy_ca_file)?;
             let server_name =
@@ -378,7 +378,7 @@ async fn socks5(
         .call(destination)
         .await
         .map_err(|e| failed(format!("{e} ({e:?})")))?;
-    Ok(EgressStream::Tcp(io.into_inner()))
+    Ok(EgressStream::Proxied(io.into_inner()))
 }
 
 #[cfg(test)]

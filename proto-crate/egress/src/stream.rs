@@ -9,13 +9,16 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio_rustls::client::TlsStream;
 
-/// A connection to the target: a TCP stream (direct, or through an HTTP
-/// CONNECT or SOCKS5 proxy, which leave the TCP stream to us once the
+/// A connection to the target: a TCP stream, direct or through an HTTP
+/// CONNECT or SOCKS5 proxy (which leave the TCP stream to us once the
 /// tunnel is set up), or our TLS session with an `https://` proxy that
-/// carries the tunnel inside it.
+/// carries the tunnel inside it. Through a proxy every read is acknowledged
+/// at once ([`crate::tcp::acknowledge_now`]): proxies relay with Nagle's
+/// algorithm on, and our delayed ACK would stall them.
 #[derive(Debug)]
 pub enum EgressStream {
     Tcp(TcpStream),
+    Proxied(TcpStream),
     ProxyTls(Box<TlsStream<TcpStream>>),
 }
 
@@ -23,7 +26,7 @@ impl EgressStream {
     /// The TCP connection underneath (to the target or to the proxy).
     pub fn tcp(&self) -> &TcpStream {
         match self {
-            EgressStream::Tcp(tcp) => tcp,
+            EgressStream::Tcp(tcp) | EgressStream::Proxied(tcp) => tcp,
             EgressStream::ProxyTls(tls) => tls.get_ref().0,
         }
     }
@@ -40,10 +43,19 @@ impl AsyncRead for EgressStream {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
-        match self.get_mut() {
-            EgressStream::Tcp(tcp) => Pin::new(tcp).poll_read(cx, buf),
+        let before = buf.filled().len();
+        let this = self.get_mut();
+        let polled = match this {
+            EgressStream::Tcp(tcp) | EgressStream::Proxied(tcp) => Pin::new(tcp).poll_read(cx, buf),
             EgressStream::ProxyTls(tls) => Pin::new(tls.as_mut()).poll_read(cx, buf),
+        };
+        if !matches!(this, EgressStream::Tcp(_))
+            && matches!(polled, Poll::Ready(Ok(())))
+            && buf.filled().len() > before
+        {
+            crate::tcp::acknowledge_now(this.tcp());
         }
+        polled
     }
 }
 
@@ -54,7 +66,9 @@ impl AsyncWrite for EgressStream {
         buf: &[u8],
     ) -> Poll<std::io::Result<usize>> {
         match self.get_mut() {
-            EgressStream::Tcp(tcp) => Pin::new(tcp).poll_write(cx, buf),
+            EgressStream::Tcp(tcp) | EgressStream::Proxied(tcp) => {
+                Pin::new(tcp).poll_write(cx, buf)
+            }
             EgressStream::ProxyTls(tls) => Pin::new(tls.as_mut()).poll_write(cx, buf),
         }
     }
@@ -65,28 +79,30 @@ impl AsyncWrite for EgressStream {
         bufs: &[IoSlice<'_>],
     ) -> Poll<std::io::Result<usize>> {
         match self.get_mut() {
-            EgressStream::Tcp(tcp) => Pin::new(tcp).poll_write_vectored(cx, bufs),
+            EgressStream::Tcp(tcp) | EgressStream::Proxied(tcp) => {
+                Pin::new(tcp).poll_write_vectored(cx, bufs)
+            }
             EgressStream::ProxyTls(tls) => Pin::new(tls.as_mut()).poll_write_vectored(cx, bufs),
         }
     }
 
     fn is_write_vectored(&self) -> bool {
         match self {
-            EgressStream::Tcp(tcp) => tcp.is_write_vectored(),
+            EgressStream::Tcp(tcp) | EgressStream::Proxied(tcp) => tcp.is_write_vectored(),
             EgressStream::ProxyTls(tls) => tls.is_write_vectored(),
         }
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         match self.get_mut() {
-            EgressStream::Tcp(tcp) => Pin::new(tcp).poll_flush(cx),
+            EgressStream::Tcp(tcp) | EgressStream::Proxied(tcp) => Pin::new(tcp).poll_flush(cx),
             EgressStream::ProxyTls(tls) => Pin::new(tls.as_mut()).poll_flush(cx),
         }
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         match self.get_mut() {
-            EgressStream::Tcp(tcp) => Pin::new(tcp).poll_shutdown(cx),
+            EgressStream::Tcp(tcp) | EgressStream::Proxied(tcp) => Pin::new(tcp).poll_shutdown(cx),
             EgressStream::ProxyTls(tls) => Pin::new(tls.as_mut()).poll_shutdown(cx),
         }
     }
