@@ -85,6 +85,8 @@ use tunnel_harness::pki::TestPki;
 
 /// Set in an agent host's environment: its index.
 const AGENT_HOST: &str = "CP_SCALE_AGENT_HOST";
+/// Each agent's health and admin ports in a host: from here, two apiece.
+const LISTENER_PORT_BASE: usize = 12000;
 /// Agents per host unless `CP_SCALE_AGENT_PROCS` says otherwise.
 const AGENTS_PER_HOST: usize = 2000;
 
@@ -378,18 +380,36 @@ async fn agent_host(plan: HostPlan) -> anyhow::Result<()> {
     }
     let started = Instant::now();
     let mut agents = Vec::with_capacity(plan.count);
-    for chunk in agents_tls.chunks(100) {
-        let starts = chunk.iter().map(|(cluster, tls)| async move {
-            let mut config =
-                proxy_agent::ProxyAgentConfig::new(proxy_agent::TlsSource::Config(tls.clone()))
-                    .with_ephemeral_ports();
-            config.proxy_server_host = "localhost".into();
-            config.proxy_server_port = plan.agent_port;
-            config.agent_id = format!("{cluster}-agent");
-            config.agent_identifiers = format!("host={cluster}");
-            config.host_aliases.insert(cluster.clone(), address);
-            anyhow::Ok(proxy_agent::start(config).await?)
-        });
+    for (c, chunk) in agents_tls.chunks(100).enumerate() {
+        let starts = chunk
+            .iter()
+            .enumerate()
+            .map(|(i, (cluster, tls))| async move {
+                let mut config =
+                    proxy_agent::ProxyAgentConfig::new(proxy_agent::TlsSource::Config(tls.clone()))
+                        .with_ephemeral_ports();
+                // Each agent's health and admin listeners on the host's own
+                // address, on ports below the kernel's ephemeral range: 20,000
+                // listeners on ephemeral ports of 127.0.0.1 leave too few ports
+                // for the tunnels' and targets' connections (bind fails with
+                // "Address already in use").
+                let n = c * 100 + i;
+                if let Some(port) = u16::try_from(LISTENER_PORT_BASE + 2 * n)
+                    .ok()
+                    .filter(|p| *p < 32767)
+                {
+                    config.health_server_host = address.to_string();
+                    config.health_server_port = port;
+                    config.admin_bind_address = address.to_string();
+                    config.admin_server_port = port + 1;
+                }
+                config.proxy_server_host = "localhost".into();
+                config.proxy_server_port = plan.agent_port;
+                config.agent_id = format!("{cluster}-agent");
+                config.agent_identifiers = format!("host={cluster}");
+                config.host_aliases.insert(cluster.clone(), address);
+                anyhow::Ok(proxy_agent::start(config).await?)
+            });
         agents.extend(futures_util::future::try_join_all(starts).await?);
     }
     for agent in &agents {
