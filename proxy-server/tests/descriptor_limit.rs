@@ -22,7 +22,7 @@ const LIMIT: usize = 64;
 const ANSWER: Duration = Duration::from_secs(5);
 
 enum Attempt {
-    Served(tokio_rustls::client::TlsStream<TcpStream>),
+    Served(Box<tokio_rustls::client::TlsStream<TcpStream>>),
     Refused,
 }
 
@@ -34,7 +34,7 @@ async fn handshake(tls: &Arc<rustls::ClientConfig>, port: u16) -> Attempt {
     let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
     let handshake = tokio_rustls::TlsConnector::from(tls.clone()).connect(name, tcp);
     match tokio::time::timeout(ANSWER, handshake).await {
-        Ok(Ok(stream)) => Attempt::Served(stream),
+        Ok(Ok(stream)) => Attempt::Served(Box::new(stream)),
         Ok(Err(_)) => Attempt::Refused,
         Err(_) => panic!(
             "port {port}: the connection was neither served nor refused within {ANSWER:?}: at its open-file limit the server must refuse, not leave clients waiting"
