@@ -662,6 +662,7 @@ fn serve_agent_port(
         },
         running.shutdown.clone(),
         running.grace,
+        running.metrics.accept_guard("agent"),
     ));
 }
 
@@ -702,6 +703,7 @@ fn serve_client_port(
         client_connections,
         running.shutdown.clone(),
         running.grace,
+        running.metrics.accept_guard("client"),
     ))
 }
 
@@ -720,17 +722,19 @@ fn serve_health_and_admin(
         .with_text(readiness::AGENT_COUNT_PATH, move || {
             format!("{}\n", counted.agent_count())
         });
-    running.tasks.spawn(admin::serve(
+    running.tasks.spawn(admin::serve_guarded(
         health_listener,
         health,
         running.shutdown.clone(),
+        running.metrics.accept_guard("health"),
     ));
     let admin_metrics = running.metrics.clone();
     let admin_routes = admin::Routes::metrics_only(move || admin_metrics.encode());
-    running.tasks.spawn(admin::serve(
+    running.tasks.spawn(admin::serve_guarded(
         admin_listener,
         admin_routes,
         running.shutdown.clone(),
+        running.metrics.accept_guard("admin"),
     ));
 }
 

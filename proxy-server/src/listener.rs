@@ -12,6 +12,7 @@ use std::time::{Duration, SystemTime};
 use cluster_proxy_proto::h2_driver::PING_TIMEOUT;
 use cluster_proxy_proto::identity::ClusterName;
 use cluster_proxy_proto::transport::{HttpWindows, MAX_FRAME_SIZE, QuickAck};
+use cluster_proxy_runtime::accept::{AcceptGuard, PendingConnections};
 use http::{Request, Response};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -225,6 +226,15 @@ impl Listener {
     }
 }
 
+impl PendingConnections for Listener {
+    async fn refuse_one(&self) -> std::io::Result<bool> {
+        match self {
+            Listener::Tcp(listener, ..) => listener.refuse_one().await,
+            Listener::Unix(listener) => listener.refuse_one().await,
+        }
+    }
+}
+
 /// The HTTP/2 settings a port's flags choose.
 #[derive(Debug, Clone, Copy)]
 pub struct Http2Settings {
@@ -293,13 +303,15 @@ pub fn http<F>(
 /// Serves `listener` until `shutdown` fires, then stops accepting (closing
 /// the socket, so new connections are refused and a load balancer moves them
 /// to another replica) and lets open connections finish within `grace`
-/// before dropping them.
+/// before dropping them. A failed accept goes to `accept`: at the open-file
+/// limit a waiting connection is refused ([`cluster_proxy_runtime::accept`]).
 pub async fn serve<C: ServeConnection>(
     name: &'static str,
     listener: Listener,
     server: C,
     shutdown: CancellationToken,
     grace: Duration,
+    mut accept: AcceptGuard,
 ) {
     let server = Arc::new(server);
     let connections = TaskTracker::new();
@@ -319,11 +331,14 @@ pub async fn serve<C: ServeConnection>(
                     continue;
                 }
                 accepted = listener.accept() => match accepted {
-                    Ok(a) => a,
+                    Ok(a) => {
+                        accept.accepted();
+                        a
+                    }
                     Err(e) => {
-                        // EMFILE and friends: back off instead of spinning.
-                        tracing::warn!(listener = name, error = %e, "accept failed");
-                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        // Out of descriptors: refuse a waiting connection
+                        // (or back off), never spin.
+                        accept.failed(&e, &listener).await;
                         continue;
                     }
                 },

@@ -3,6 +3,7 @@
 //! that counting a packet is a single atomic add.
 
 use cluster_proxy_proto::status::go_code_name;
+use cluster_proxy_runtime::accept::{AcceptGuard, Outcome};
 use cluster_proxy_runtime::metrics::{StreamMetrics, encode_registry, register_counter};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -54,6 +55,10 @@ pub struct Metrics {
     tls_handshake_failures: Family<Labels, Counter>,
     /// Dials that carried early data, by who delivered it (`delivered_by`).
     early_data_dials: Family<Labels, Counter>,
+    /// Failed `accept()` calls, by `port` and `reason`.
+    accept_errors: Family<Labels, Counter>,
+    /// Connections closed unserved because descriptors ran out, by `port`.
+    accept_refused: Family<Labels, Counter>,
     /// Unknown connection ids whose CLOSE_RSP the server awaits, summed
     /// over tunnels (bounded by `--max-stray-closes-per-tunnel` each).
     pub stray_close_backlog: Gauge,
@@ -192,6 +197,20 @@ impl Metrics {
             "Established connections whose client sent early data (its first bytes with the dial request), by who delivered the bytes to the target: agent (in the dial request, to an agent that advertised the extension) or server (as the first DATA: an agent without the extension, or more than a dial request carries)",
             early_data_dials.clone(),
         );
+        let accept_errors = Family::<Labels, Counter>::default();
+        register_counter(
+            ours,
+            "accept_errors",
+            "Failed accept() calls on a port (the port label: client, agent, health, admin), by reason: process_open_file_limit (EMFILE: this process is at its open-file limit), system_open_file_limit (ENFILE), no_memory, connection_aborted (the connection ended while queued), other",
+            accept_errors.clone(),
+        );
+        let accept_refused = Family::<Labels, Counter>::default();
+        register_counter(
+            ours,
+            "accept_refused",
+            "Connections to a port (the port label) accepted and closed at once, unserved, because the process had run out of descriptors (a clear refusal instead of a wait in the listen queue)",
+            accept_refused.clone(),
+        );
         let stray_close_backlog = Gauge::default();
         ours.register(
             "stray_close_backlog",
@@ -218,6 +237,8 @@ impl Metrics {
             limited,
             tls_handshake_failures,
             early_data_dials,
+            accept_errors,
+            accept_refused,
             stray_close_backlog,
             stream,
         }
@@ -253,6 +274,24 @@ impl Metrics {
         self.tls_handshake_failures
             .get_or_create(&vec![("listener", listener), ("reason", reason)])
             .inc();
+    }
+
+    /// The guard of the accept loop of `port`, counting in these metrics.
+    pub fn accept_guard(self: &std::sync::Arc<Self>, port: &'static str) -> AcceptGuard {
+        let metrics = self.clone();
+        AcceptGuard::new(port).counting(move |port, reason, outcome| {
+            let counter = match outcome {
+                Outcome::Failed => metrics
+                    .accept_errors
+                    .get_or_create(&vec![("port", port), ("reason", reason)])
+                    .clone(),
+                Outcome::Refused => metrics
+                    .accept_refused
+                    .get_or_create(&vec![("port", port)])
+                    .clone(),
+            };
+            counter.inc();
+        })
     }
 
     /// A connection was established with early data, delivered to the target

@@ -19,6 +19,7 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
+use crate::accept::AcceptGuard;
 use crate::metrics::{OPENMETRICS, PROMETHEUS_TEXT, to_prometheus_text, wants_openmetrics};
 
 pub const TEXT: &str = "text/plain; charset=utf-8";
@@ -135,19 +136,33 @@ pub async fn serve_controller_health(
 /// Serves `routes` on `listener` until `shutdown` is cancelled; open
 /// connections are closed then too.
 pub async fn serve(listener: TcpListener, routes: Routes, shutdown: CancellationToken) {
+    serve_guarded(listener, routes, shutdown, AcceptGuard::new("health")).await
+}
+
+/// [`serve`], with `accept` handling failed accepts (descriptors run out:
+/// a waiting connection is refused, see [`crate::accept`]), counted where
+/// the caller counts them.
+pub async fn serve_guarded(
+    listener: TcpListener,
+    routes: Routes,
+    shutdown: CancellationToken,
+    mut accept: AcceptGuard,
+) {
     let routes = Arc::new(routes);
     loop {
-        let (tcp, _) = tokio::select! {
+        let accepted = tokio::select! {
             _ = shutdown.cancelled() => return,
-            accepted = listener.accept() => match accepted {
-                Ok(accepted) => accepted,
-                Err(e) => {
-                    // Usually descriptor exhaustion: back off instead of spinning.
-                    tracing::warn!(error = %e, "health/metrics listener accept failed");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    continue;
-                }
-            },
+            accepted = listener.accept() => accepted,
+        };
+        let tcp = match accepted {
+            Ok((tcp, _)) => {
+                accept.accepted();
+                tcp
+            }
+            Err(e) => {
+                accept.failed(&e, &listener).await;
+                continue;
+            }
         };
         let routes = routes.clone();
         let shutdown = shutdown.clone();

@@ -17,6 +17,7 @@
 //!   colour otherwise, JSON on request.
 //! * `telemetry` (feature `otlp`) — OpenTelemetry traces over OTLP/gRPC, with
 //!   trace ids in log lines.
+//! * [`accept`] — accept loops at the open-file limit: a clear refusal, no busy loop.
 //! * [`admin`] — the `/healthz`, `/readyz`, `/metrics` HTTP server, with timeouts.
 //! * [`metrics`] — Prometheus exposition and the metric-naming rule.
 //! * [`net`] — binding listeners with errors that say which port failed.
@@ -30,6 +31,7 @@
 //! depends on it.
 #![forbid(unsafe_code)]
 
+pub mod accept;
 pub mod admin;
 mod allocator;
 pub mod cli;
