@@ -57,6 +57,7 @@ pub async fn serve(
     let hub_settings = HubSettings {
         tls_profile_namespace: Some(settings.namespace.clone()),
         image_pull_policy: addon_settings.image_pull_policy.clone(),
+        proxy_server_telemetry: settings.proxy_server_telemetry(),
         ..HubSettings::default()
     };
     let leadership = Leadership {

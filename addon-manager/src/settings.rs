@@ -15,6 +15,8 @@ use cluster_proxy_runtime::shell::{BinarySettings, CommandLine};
 use cluster_proxy_runtime::telemetry::TelemetryFlags;
 use serde::{Deserialize, Serialize};
 
+use crate::hub::telemetry::{DEFAULT_CA_KEY, DEFAULT_HEADERS_KEY, KeyRef, ProxyServerTelemetry};
+
 /// The environment layer.
 pub const ENV: EnvSpec = EnvSpec {
     prefix: "ADDON_MANAGER_",
@@ -92,6 +94,42 @@ pub struct Cli {
     /// in none.
     #[arg(long)]
     pub placement_removal_grace: Option<String>,
+    /// OTLP/gRPC collector the proxy-servers export traces to (their
+    /// OTEL_EXPORTER_OTLP_ENDPOINT); empty: none. Unset: addon-manager's own
+    /// endpoint (--otlp-endpoint).
+    #[arg(long)]
+    pub proxy_server_otlp_endpoint: Option<String>,
+    /// The proxy-servers' OTEL_TRACES_SAMPLER; unset: addon-manager's own.
+    #[arg(long)]
+    pub proxy_server_otel_traces_sampler: Option<String>,
+    /// The proxy-servers' OTEL_TRACES_SAMPLER_ARG; unset: addon-manager's own.
+    #[arg(long)]
+    pub proxy_server_otel_traces_sampler_arg: Option<String>,
+    /// Resource attributes (key=value,...) of the proxy-servers' spans,
+    /// after their pod's namespace and name; unset: addon-manager's own.
+    #[arg(long)]
+    pub proxy_server_otel_resource_attributes: Option<String>,
+    /// The proxy-servers' OTEL_EXPORTER_OTLP_COMPRESSION (none or gzip);
+    /// unset: addon-manager's own.
+    #[arg(long)]
+    pub proxy_server_otlp_compression: Option<String>,
+    /// A Secret in the proxy-server namespace whose key holds the
+    /// proxy-servers' OTEL_EXPORTER_OTLP_HEADERS (referenced, never copied:
+    /// addon-manager's own headers are not passed on); empty: none.
+    #[arg(long)]
+    pub proxy_server_otlp_headers_secret: Option<String>,
+    /// The key of --proxy-server-otlp-headers-secret.
+    #[arg(long)]
+    pub proxy_server_otlp_headers_secret_key: Option<String>,
+    /// A ConfigMap in the proxy-server namespace whose key holds the CA
+    /// bundle (PEM) of an https collector, mounted into the proxy-servers
+    /// (which trust only that CA for the collector); empty: none, and only
+    /// an http collector is accepted.
+    #[arg(long)]
+    pub proxy_server_otlp_ca_configmap: Option<String>,
+    /// The key of --proxy-server-otlp-ca-configmap.
+    #[arg(long)]
+    pub proxy_server_otlp_ca_configmap_key: Option<String>,
     #[command(flatten)]
     #[serde(flatten)]
     pub leader_election: LeaderElectionFlags,
@@ -123,6 +161,17 @@ pub struct AddonManagerSettings {
     pub placement_name: String,
     #[serde(with = "serde_go")]
     pub placement_removal_grace: Duration,
+    /// `None` here and in the four below: addon-manager's own setting (see
+    /// [`AddonManagerSettings::load_with_env`]).
+    pub proxy_server_otlp_endpoint: Option<String>,
+    pub proxy_server_otel_traces_sampler: Option<String>,
+    pub proxy_server_otel_traces_sampler_arg: Option<String>,
+    pub proxy_server_otel_resource_attributes: Option<String>,
+    pub proxy_server_otlp_compression: Option<String>,
+    pub proxy_server_otlp_headers_secret: String,
+    pub proxy_server_otlp_headers_secret_key: String,
+    pub proxy_server_otlp_ca_configmap: String,
+    pub proxy_server_otlp_ca_configmap_key: String,
     pub leader_elect: bool,
     pub health_port: u16,
     pub health_bind_address: String,
@@ -147,6 +196,15 @@ impl Default for AddonManagerSettings {
             image_pull_policy: String::new(),
             placement_name: "cluster-proxy-placement".into(),
             placement_removal_grace: crate::addon::DEFAULT_REMOVAL_GRACE,
+            proxy_server_otlp_endpoint: None,
+            proxy_server_otel_traces_sampler: None,
+            proxy_server_otel_traces_sampler_arg: None,
+            proxy_server_otel_resource_attributes: None,
+            proxy_server_otlp_compression: None,
+            proxy_server_otlp_headers_secret: String::new(),
+            proxy_server_otlp_headers_secret_key: DEFAULT_HEADERS_KEY.into(),
+            proxy_server_otlp_ca_configmap: String::new(),
+            proxy_server_otlp_ca_configmap_key: DEFAULT_CA_KEY.into(),
             leader_elect: true,
             health_port: DEFAULT_HEALTH_PORT,
             health_bind_address: String::new(),
@@ -184,10 +242,81 @@ impl AddonManagerSettings {
         flags: &Cli,
         vars: impl IntoIterator<Item = (String, String)>,
     ) -> Result<Self, ConfigError> {
-        let settings: AddonManagerSettings =
+        let mut settings: AddonManagerSettings =
             config::load_with_env(ENV, flags.config.as_deref(), flags, vars)?;
+        settings.inherit_telemetry(&flags.telemetry);
         settings.validate()?;
         Ok(settings)
+    }
+
+    /// The proxy-servers' OTLP settings not given default to addon-manager's
+    /// own, as its runtime reads them (a traces-only variable over the
+    /// general one; `OTEL_SDK_DISABLED=true` turns its endpoint off). Only
+    /// what means the same in another pod is passed on: its headers (a
+    /// credential, held here as a value) and its CA (a path in this pod)
+    /// are not.
+    fn inherit_telemetry(&mut self, own: &TelemetryFlags) {
+        let given = |value: &Option<String>| {
+            value
+                .as_deref()
+                .map(str::trim)
+                .filter(|v| !v.is_empty())
+                .map(str::to_owned)
+        };
+        let disabled = own
+            .otel_sdk_disabled
+            .as_deref()
+            .is_some_and(|value| value.trim().eq_ignore_ascii_case("true"));
+        let own_endpoint = given(&own.otlp_traces_endpoint)
+            .or_else(|| given(&own.otlp_endpoint))
+            .filter(|_| !disabled);
+        let own_compression =
+            given(&own.otlp_traces_compression).or_else(|| given(&own.otlp_compression));
+        for (setting, own) in [
+            (&mut self.proxy_server_otlp_endpoint, own_endpoint),
+            (
+                &mut self.proxy_server_otel_traces_sampler,
+                given(&own.otel_traces_sampler),
+            ),
+            (
+                &mut self.proxy_server_otel_traces_sampler_arg,
+                given(&own.otel_traces_sampler_arg),
+            ),
+            (
+                &mut self.proxy_server_otel_resource_attributes,
+                given(&own.otel_resource_attributes),
+            ),
+            (&mut self.proxy_server_otlp_compression, own_compression),
+        ] {
+            if setting.is_none() {
+                *setting = own;
+            }
+        }
+    }
+
+    /// What the proxy-servers' Deployment gets ([`ProxyServerTelemetry`]).
+    pub fn proxy_server_telemetry(&self) -> ProxyServerTelemetry {
+        let reference = |name: &str, key: &str| {
+            (!name.trim().is_empty()).then(|| KeyRef {
+                name: name.trim().to_owned(),
+                key: key.trim().to_owned(),
+            })
+        };
+        ProxyServerTelemetry {
+            endpoint: self.proxy_server_otlp_endpoint.clone(),
+            sampler: self.proxy_server_otel_traces_sampler.clone(),
+            sampler_arg: self.proxy_server_otel_traces_sampler_arg.clone(),
+            resource_attributes: self.proxy_server_otel_resource_attributes.clone(),
+            compression: self.proxy_server_otlp_compression.clone(),
+            headers_secret: reference(
+                &self.proxy_server_otlp_headers_secret,
+                &self.proxy_server_otlp_headers_secret_key,
+            ),
+            ca_config_map: reference(
+                &self.proxy_server_otlp_ca_configmap,
+                &self.proxy_server_otlp_ca_configmap_key,
+            ),
+        }
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
@@ -220,6 +349,9 @@ impl AddonManagerSettings {
             ));
         }
         self.kube_apiserver_ports()?;
+        self.proxy_server_telemetry()
+            .validate()
+            .map_err(|problem| invalid(problem.setting, problem.reason))?;
         if self.placement_removal_grace > MAX_REMOVAL_GRACE {
             return Err(invalid(
                 "placement_removal_grace",
@@ -324,6 +456,144 @@ mod tests {
                     || err.contains("placement_removal_grace"),
                 "{grace}: {err}"
             );
+        }
+    }
+
+    /// The proxy-servers' OTLP settings default to addon-manager's own,
+    /// its headers and CA excepted; an empty endpoint turns theirs off.
+    #[test]
+    fn proxy_server_otlp_settings_default_to_addon_managers_own() {
+        let own = [
+            "--otlp-endpoint=http://general:4317",
+            "--otlp-traces-endpoint=http://traces:4317",
+            "--otel-traces-sampler=traceidratio",
+            "--otel-traces-sampler-arg=0.25",
+            "--otel-resource-attributes=deployment.environment=prod",
+            "--otlp-compression=gzip",
+            "--otlp-headers=api-key=s3cr3t-value",
+            "--otlp-certificate=/etc/addon-manager/otlp-ca.pem",
+        ];
+        let telemetry = load(&own, &[]).unwrap().proxy_server_telemetry();
+        assert_eq!(
+            telemetry,
+            ProxyServerTelemetry {
+                endpoint: Some("http://traces:4317".into()),
+                sampler: Some("traceidratio".into()),
+                sampler_arg: Some("0.25".into()),
+                resource_attributes: Some("deployment.environment=prod".into()),
+                compression: Some("gzip".into()),
+                headers_secret: None,
+                ca_config_map: None,
+            }
+        );
+        // The credential addon-manager holds never reaches the Deployment.
+        let mpc: cluster_proxy_proto::api::proxy::v1alpha1::ManagedProxyConfiguration =
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": "cluster-proxy", "uid": "u"},
+                "spec": {"authentication": {}, "proxyServer": {"image": "i"}, "proxyAgent": {"image": "i"}}
+            }))
+            .unwrap();
+        let options = crate::hub::HubRenderOptions {
+            telemetry,
+            ..Default::default()
+        };
+        let rendered =
+            serde_json::to_string(&crate::hub::render_with(&mpc, &options).unwrap().deployment)
+                .unwrap();
+        assert!(rendered.contains("http://traces:4317"), "{rendered}");
+        assert!(!rendered.contains("s3cr3t-value"), "{rendered}");
+        assert!(!rendered.contains("/etc/addon-manager"), "{rendered}");
+
+        // Given flags win; an empty endpoint is off even while addon-manager exports.
+        let mut args = own.to_vec();
+        args.extend([
+            "--proxy-server-otlp-endpoint=",
+            "--proxy-server-otel-traces-sampler=always_on",
+            "--proxy-server-otlp-headers-secret=otlp-headers",
+            "--proxy-server-otlp-ca-configmap=otlp-ca",
+            "--proxy-server-otlp-ca-configmap-key=bundle.pem",
+        ]);
+        let telemetry = load(&args, &[]).unwrap().proxy_server_telemetry();
+        assert!(!telemetry.is_enabled());
+        assert_eq!(telemetry.sampler.as_deref(), Some("always_on"));
+        assert_eq!(
+            telemetry.headers_secret,
+            Some(KeyRef {
+                name: "otlp-headers".into(),
+                key: "headers".into()
+            })
+        );
+        assert_eq!(
+            telemetry.ca_config_map,
+            Some(KeyRef {
+                name: "otlp-ca".into(),
+                key: "bundle.pem".into()
+            })
+        );
+        let from_env = load(
+            &["--otlp-endpoint=http://own:4317"],
+            &[(
+                "ADDON_MANAGER_PROXY_SERVER_OTLP_ENDPOINT",
+                "http://hub-collector:4317",
+            )],
+        )
+        .unwrap();
+        assert_eq!(
+            from_env.proxy_server_otlp_endpoint.as_deref(),
+            Some("http://hub-collector:4317")
+        );
+        // OTEL_SDK_DISABLED turns addon-manager's endpoint off, and so the one passed on.
+        let disabled = load(
+            &[
+                "--otlp-endpoint=http://own:4317",
+                "--otel-sdk-disabled=true",
+            ],
+            &[],
+        )
+        .unwrap();
+        assert!(!disabled.proxy_server_telemetry().is_enabled());
+        assert!(
+            !load(&[], &[])
+                .unwrap()
+                .proxy_server_telemetry()
+                .is_enabled()
+        );
+    }
+
+    #[test]
+    fn bad_proxy_server_otlp_settings_are_refused_with_the_flag_named() {
+        for (args, setting) in [
+            (
+                &["--proxy-server-otlp-endpoint=collector:4317"][..],
+                "proxy_server_otlp_endpoint",
+            ),
+            (
+                // It would not start without the collector's CA.
+                &["--proxy-server-otlp-endpoint=https://c:4317"][..],
+                "proxy_server_otlp_ca_configmap",
+            ),
+            (
+                &[
+                    "--proxy-server-otlp-endpoint=http://c:4317",
+                    "--proxy-server-otel-traces-sampler=sometimes",
+                ][..],
+                "proxy_server_otel_traces_sampler",
+            ),
+            (
+                // Inherited values are checked as well.
+                &["--otlp-endpoint=http://c:4317", "--otlp-compression=zstd"][..],
+                "proxy_server_otlp_compression",
+            ),
+            (
+                &[
+                    "--proxy-server-otlp-endpoint=http://c:4317",
+                    "--proxy-server-otlp-headers-secret=Not_A_Name",
+                ][..],
+                "proxy_server_otlp_headers_secret",
+            ),
+        ] {
+            let err = load(args, &[]).unwrap_err().to_string();
+            assert!(err.contains(setting), "{args:?}: {err}");
         }
     }
 

@@ -1773,3 +1773,131 @@ async fn the_service_proxy_joins_the_agent_once_its_certificate_exists() {
     .await;
     hub.stop().await;
 }
+
+/// Tracing per cluster: the fleet's AddOnDeploymentConfig (the
+/// ClusterManagementAddOn's default) keeps every agent's spans off its
+/// tunnel, a cluster whose addon names its own ADC gets its own collector
+/// instead (OCM replaces the whole config, it does not merge variables),
+/// and an invalid value stops only that cluster's agent, with the variable
+/// named in ManifestApplied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adc_tracing_variables_reach_each_clusters_agent() {
+    let mut hub = Hub::new(true).await;
+    hub.cluster("cluster-a", true).await;
+    hub.cluster("cluster-b", true).await;
+    apply_variables(
+        &hub,
+        HUB,
+        "fleet",
+        json!([{"name": "traceRelay", "value": "off"}]),
+    )
+    .await;
+    apply_variables(
+        &hub,
+        "cluster-b",
+        "own",
+        json!([{"name": "otlpEndpoint", "value": "http://otel-collector.observability:4317"}]),
+    )
+    .await;
+    for cluster in ["cluster-a", "cluster-b"] {
+        let mut addon = ManagedClusterAddOn::new("cluster-proxy", Default::default());
+        addon.metadata.namespace = Some(cluster.to_owned());
+        if cluster == "cluster-b" {
+            addon.spec.configs = Some(vec![object(json!({
+                "group": "addon.open-cluster-management.io",
+                "resource": "addondeploymentconfigs",
+                "namespace": "cluster-b",
+                "name": "own",
+            }))]);
+        }
+        hub.addons(cluster)
+            .create(&PostParams::default(), &addon)
+            .await
+            .unwrap();
+    }
+    let mut settings = AddonSettings::new(HUB);
+    settings.install_strategy = InstallStrategy::Manual;
+    settings.default_deployment_config = Some((HUB.to_owned(), "fleet".to_owned()));
+    hub.start(settings);
+
+    // The work may be written once before the configuration is resolved:
+    // wait for the one rendered from it.
+    let a = work_whose_last_arg(&hub, "cluster-a", "--trace-relay=off").await;
+    let args = proxy_agent_args(&a);
+    assert!(
+        !args.iter().any(|a| a.starts_with("--otlp-endpoint")),
+        "{args:?}"
+    );
+    let b = work_whose_last_arg(
+        &hub,
+        "cluster-b",
+        "--otlp-endpoint=http://otel-collector.observability:4317",
+    )
+    .await;
+    let args = proxy_agent_args(&b);
+    assert!(
+        !args.iter().any(|a| a.starts_with("--trace-relay")),
+        "{args:?}"
+    );
+
+    // A value the agent would refuse: cluster-b's agent is left as it was.
+    let rendered = b.resource_version();
+    apply_variables(
+        &hub,
+        "cluster-b",
+        "own",
+        json!([{"name": "otlpEndpoint", "value": "otel-collector:4317"}]),
+    )
+    .await;
+    let addon = hub
+        .wait_condition(
+            "cluster-b",
+            "ManifestApplied",
+            "False",
+            "InvalidManagedProxyConfiguration",
+        )
+        .await;
+    let message = condition_message(&addon, "ManifestApplied");
+    assert!(
+        message.contains("otlpEndpoint") && message.contains("otel-collector:4317"),
+        "{message}"
+    );
+    assert_eq!(
+        hub.work("cluster-b").await.unwrap().resource_version(),
+        rendered
+    );
+    assert_eq!(
+        proxy_agent_args(&hub.work("cluster-a").await.unwrap())
+            .last()
+            .map(String::as_str),
+        Some("--trace-relay=off")
+    );
+    hub.stop().await;
+}
+
+/// Applies the AddOnDeploymentConfig `namespace/name` with `variables`.
+async fn apply_variables(hub: &Hub, namespace: &str, name: &str, variables: Value) {
+    let adc: AddOnDeploymentConfig = object(json!({
+        "apiVersion": "addon.open-cluster-management.io/v1alpha1",
+        "kind": "AddOnDeploymentConfig",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"customizedVariables": variables},
+    }));
+    Api::<AddOnDeploymentConfig>::namespaced(hub.admin.clone(), namespace)
+        .patch(
+            name,
+            &PatchParams::apply("test").force(),
+            &Patch::Apply(&adc),
+        )
+        .await
+        .unwrap();
+}
+
+/// `cluster`'s work once its proxy-agent's last argument is `last`.
+async fn work_whose_last_arg(hub: &Hub, cluster: &str, last: &str) -> ManifestWork {
+    eventually(&format!("{cluster}'s agent gets {last}"), WAIT, || async {
+        let work = hub.work(cluster).await?;
+        (proxy_agent_args(&work).last().map(String::as_str) == Some(last)).then_some(work)
+    })
+    .await
+}

@@ -800,6 +800,134 @@ fn an_adc_variable_turns_on_the_websocket_transport_for_its_cluster() {
     );
 }
 
+fn adc_variables(pairs: &[(&str, &str)]) -> AddOnDeploymentConfig {
+    let variables: Vec<Value> = pairs
+        .iter()
+        .map(|(name, value)| json!({"name": name, "value": value}))
+        .collect();
+    adc(json!({ "customizedVariables": variables }))
+}
+
+/// A cluster's tracing variables become proxy-agent flags after the
+/// fleet's additionalArgs (an MPC-wide `--otlp-endpoint` or
+/// `--trace-relay`), so the cluster's choice wins; only the proxy-agent,
+/// the one agent container that exports, gets them.
+#[test]
+fn adc_tracing_variables_render_agent_flags_that_win_over_the_mpc() {
+    let config = adc_variables(&[
+        ("otlpEndpoint", "http://otel-collector.observability:4317"),
+        ("otlpSampler", "parentbased_traceidratio"),
+        ("otlpSamplerArg", "0.2"),
+        ("traceRelay", "off"),
+    ]);
+    let mut mpc = hostname_mpc();
+    mpc.spec.proxy_agent.additional_args = vec![
+        "--otlp-endpoint=http://fleet-collector:4317".into(),
+        "--trace-relay=auto".into(),
+    ];
+    let rendered = Rendered::new(&mpc, Some(&config), CA);
+    let args = rendered.container("proxy-agent").args.unwrap();
+    let fleet = args
+        .iter()
+        .position(|a| a == "--otlp-endpoint=http://fleet-collector:4317")
+        .expect("the fleet's flag stays");
+    assert_eq!(
+        &args[fleet + 2..],
+        [
+            "--otlp-endpoint=http://otel-collector.observability:4317",
+            "--otel-traces-sampler=parentbased_traceidratio",
+            "--otel-traces-sampler-arg=0.2",
+            "--trace-relay=off",
+        ],
+        "{args:?}"
+    );
+    let addon_agent = serde_json::to_string(&rendered.container("addon-agent")).unwrap();
+    assert!(
+        !addon_agent.contains("otlp") && !addon_agent.contains("trace-relay"),
+        "{addon_agent}"
+    );
+
+    // Unset, empty or `auto`: nothing is rendered, the agent's defaults hold
+    // (no collector: spans go home through the tunnel).
+    for config in [
+        None,
+        Some(adc_variables(&[])),
+        Some(adc_variables(&[
+            ("otlpEndpoint", ""),
+            ("otlpSampler", " "),
+            ("traceRelay", "auto"),
+        ])),
+    ] {
+        let args = Rendered::new(&hostname_mpc(), config.as_ref(), CA)
+            .container("proxy-agent")
+            .args
+            .unwrap();
+        assert!(
+            !args.iter().any(|a| a.starts_with("--otlp")
+                || a.starts_with("--otel")
+                || a.starts_with("--trace-relay")),
+            "{args:?}"
+        );
+    }
+}
+
+/// What the agent would refuse at start-up is refused before it reaches the
+/// cluster, naming the variable and the value.
+#[test]
+fn invalid_adc_tracing_variables_are_refused_naming_them() {
+    for (pairs, wanted) in [
+        (
+            &[("otlpEndpoint", "otel-collector:4317")][..],
+            "otlpEndpoint=\"otel-collector:4317\"",
+        ),
+        (
+            &[("otlpEndpoint", "ftp://collector:4317")][..],
+            "otlpEndpoint",
+        ),
+        (
+            &[("otlpSampler", "sometimes")][..],
+            "otlpSampler=\"sometimes\"",
+        ),
+        (
+            &[("otlpSampler", "traceidratio"), ("otlpSamplerArg", "1.5")][..],
+            "otlpSamplerArg=\"1.5\"",
+        ),
+        (
+            &[("traceRelay", "on")][..],
+            "traceRelay=\"on\" is not auto or off",
+        ),
+        (
+            &[("otlpEndpoint", "https://collector:4317")][..],
+            "an https collector needs a CA",
+        ),
+    ] {
+        let err = render::agent_telemetry(Some(&adc_variables(pairs))).expect_err(wanted);
+        assert!(err.contains(wanted), "{pairs:?}: {err}");
+    }
+    assert_eq!(
+        render::agent_telemetry(None),
+        Ok(render::AgentTelemetry::default())
+    );
+}
+
+/// With NetworkPolicies on, the cluster's collector is let out.
+#[test]
+fn the_network_policy_lets_the_clusters_collector_out() {
+    let ports = |pairs: &[(&str, &str)]| render::egress_ports(Some(&adc_variables(pairs)));
+    assert_eq!(ports(&[("otlpEndpoint", "http://collector:4317")]), [4317]);
+    assert_eq!(ports(&[("otlpEndpoint", "http://collector.example")]), [80]);
+    assert_eq!(
+        ports(&[("otlpEndpoint", "http://[fd00::1]:14317")]),
+        [14317]
+    );
+    assert!(ports(&[("otlpEndpoint", "not a url")]).is_empty());
+    let both = adc(json!({
+        "proxyConfig": {"httpsProxy": "http://proxy.corp:3128"},
+        "customizedVariables": [{"name": "otlpEndpoint", "value": "http://collector:4317"}],
+    }));
+    assert_eq!(render::egress_ports(Some(&both)), [3128, 4317]);
+}
+
 #[test]
 fn the_network_policy_lets_the_adc_proxies_out() {
     let config = adc(json!({"proxyConfig": {

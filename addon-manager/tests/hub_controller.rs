@@ -305,6 +305,7 @@ fn quick_settings() -> HubSettings {
         immediate_conflict_retries: 3,
         tls_profile_namespace: None,
         image_pull_policy: None,
+        proxy_server_telemetry: Default::default(),
     }
 }
 
@@ -1028,5 +1029,49 @@ async fn the_ocm_tls_profile_reaches_the_proxy_servers() {
             && tls_config_hash(deployment).is_none()
     })
     .await;
+    hub.stop().await;
+}
+
+/// The proxy-servers' OTLP settings reach the Deployment the controller
+/// applies: the variables (the headers by reference) and the template hash.
+#[tokio::test]
+async fn the_otlp_settings_reach_the_proxy_servers() {
+    use addon_manager::hub::{KeyRef, ProxyServerTelemetry};
+    let hub = Hub::start(HubSettings {
+        proxy_server_telemetry: ProxyServerTelemetry {
+            endpoint: Some("http://otel-collector.observability:4317".to_owned()),
+            headers_secret: Some(KeyRef {
+                name: "otlp-auth".to_owned(),
+                key: "headers".to_owned(),
+            }),
+            ..ProxyServerTelemetry::default()
+        },
+        ..quick_settings()
+    })
+    .await;
+    hub.create_mpc("cluster-proxy", json!({})).await;
+    hub.wait_condition("cluster-proxy", "True", "SuccessfullyDeployed")
+        .await;
+    let deployment = hub.deployments().get("cluster-proxy").await.unwrap();
+    let template = deployment.spec.unwrap().template;
+    let env = serde_json::to_value(&template.spec.unwrap().containers[0].env).unwrap();
+    assert_eq!(
+        env[1],
+        json!({"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": "http://otel-collector.observability:4317"})
+    );
+    assert_eq!(
+        env.as_array().and_then(|env| env.last()).cloned(),
+        Some(
+            json!({"name": "OTEL_EXPORTER_OTLP_HEADERS", "valueFrom": {"secretKeyRef":
+            {"name": "otlp-auth", "key": "headers", "optional": true}}})
+        )
+    );
+    let annotations = template.metadata.unwrap().annotations.unwrap_or_default();
+    assert_eq!(
+        annotations
+            .get("proxy.open-cluster-management.io/otlp-config-hash")
+            .map(String::len),
+        Some(16)
+    );
     hub.stop().await;
 }

@@ -627,6 +627,7 @@ fn a_tls_profile_adds_its_flags_before_additional_args_and_a_template_hash() {
     let options = HubRenderOptions {
         tls_profile: profile.clone(),
         image_pull_policy: Some("Always".to_owned()),
+        ..HubRenderOptions::default()
     };
     let objects = render_with(&configuration, &options).unwrap();
     assert_eq!(
@@ -652,4 +653,152 @@ fn a_tls_profile_adds_its_flags_before_additional_args_and_a_template_hash() {
     let plain = render(&configuration).unwrap();
     let template = plain.deployment.spec.unwrap().template;
     assert!(template.metadata.unwrap().annotations.is_none());
+}
+
+/// The proxy-servers' OTLP export: `OTEL_*` after the server id (whose
+/// name the resource attributes expand), the headers from a Secret, the CA
+/// from a ConfigMap volume, and a template hash that changes with them.
+#[test]
+fn otlp_settings_reach_the_proxy_server_as_variables_a_volume_and_a_hash() {
+    use addon_manager::hub::telemetry::ANNOTATION_OTLP_CONFIG_HASH;
+    use addon_manager::hub::{HubRenderOptions, KeyRef, ProxyServerTelemetry, render_with};
+    let configuration = mpc(json!({}));
+    let telemetry = ProxyServerTelemetry {
+        endpoint: Some("https://collector.observability:4317".to_owned()),
+        sampler: Some("parentbased_traceidratio".to_owned()),
+        sampler_arg: Some("0.1".to_owned()),
+        resource_attributes: Some("deployment.environment=prod".to_owned()),
+        compression: Some("gzip".to_owned()),
+        headers_secret: Some(KeyRef {
+            name: "otlp-headers".to_owned(),
+            key: "headers".to_owned(),
+        }),
+        ca_config_map: Some(KeyRef {
+            name: "otlp-ca".to_owned(),
+            key: "bundle.pem".to_owned(),
+        }),
+    };
+    let options = HubRenderOptions {
+        telemetry: telemetry.clone(),
+        ..HubRenderOptions::default()
+    };
+    let objects = render_with(&configuration, &options).unwrap();
+    let env = serde_json::to_value(container(&objects).env.clone().unwrap()).unwrap();
+    assert_eq!(
+        env,
+        json!([
+            {"name": SERVER_ID_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": "https://collector.observability:4317"},
+            {"name": "OTEL_TRACES_SAMPLER", "value": "parentbased_traceidratio"},
+            {"name": "OTEL_TRACES_SAMPLER_ARG", "value": "0.1"},
+            {"name": "OTEL_RESOURCE_ATTRIBUTES", "value":
+                "k8s.namespace.name=open-cluster-management-cluster-proxy,k8s.pod.name=$(PROXY_SERVER_ID),deployment.environment=prod"},
+            {"name": "OTEL_EXPORTER_OTLP_COMPRESSION", "value": "gzip"},
+            {"name": "OTEL_EXPORTER_OTLP_HEADERS", "valueFrom": {"secretKeyRef":
+                {"name": "otlp-headers", "key": "headers", "optional": true}}},
+            {"name": "OTEL_EXPORTER_OTLP_CERTIFICATE", "value": "/etc/otlp-ca/ca.crt"},
+        ])
+    );
+    let pod = objects
+        .deployment
+        .spec
+        .as_ref()
+        .unwrap()
+        .template
+        .spec
+        .clone()
+        .unwrap();
+    let volume = serde_json::to_value(pod.volumes.unwrap().last().unwrap()).unwrap();
+    assert_eq!(
+        volume,
+        json!({"name": "otlp-ca", "configMap":
+            {"name": "otlp-ca", "items": [{"key": "bundle.pem", "path": "ca.crt"}]}})
+    );
+    let mount = serde_json::to_value(container(&objects).volume_mounts.clone().unwrap()).unwrap();
+    assert_eq!(
+        mount[3],
+        json!({"name": "otlp-ca", "mountPath": "/etc/otlp-ca", "readOnly": true})
+    );
+
+    let hash_of = |telemetry: &ProxyServerTelemetry| {
+        let options = HubRenderOptions {
+            telemetry: telemetry.clone(),
+            ..HubRenderOptions::default()
+        };
+        let objects = render_with(&configuration, &options).unwrap();
+        let template = objects.deployment.spec.unwrap().template;
+        template
+            .metadata
+            .unwrap()
+            .annotations
+            .and_then(|annotations| annotations.get(ANNOTATION_OTLP_CONFIG_HASH).cloned())
+    };
+    let hash = hash_of(&telemetry).expect("a hash while exporting");
+    assert_eq!(hash.len(), 16);
+    assert_eq!(hash_of(&telemetry).as_ref(), Some(&hash), "stable");
+    for changed in [
+        ProxyServerTelemetry {
+            endpoint: Some("https://other.observability:4317".to_owned()),
+            ..telemetry.clone()
+        },
+        ProxyServerTelemetry {
+            sampler_arg: Some("0.5".to_owned()),
+            ..telemetry.clone()
+        },
+        ProxyServerTelemetry {
+            headers_secret: Some(KeyRef {
+                name: "otlp-headers".to_owned(),
+                key: "other".to_owned(),
+            }),
+            ..telemetry.clone()
+        },
+        ProxyServerTelemetry {
+            ca_config_map: None,
+            ..telemetry.clone()
+        },
+    ] {
+        let other = hash_of(&changed).expect("a hash");
+        assert_ne!(other, hash, "{changed:?}");
+    }
+    // Off: the pod template is what it was before the proxy-servers exported.
+    assert_eq!(hash_of(&ProxyServerTelemetry::default()), None);
+    let off = render_with(&configuration, &HubRenderOptions::default()).unwrap();
+    assert_eq!(off, render(&configuration).unwrap());
+    assert_eq!(container(&off).env.as_ref().unwrap().len(), 1);
+    assert_eq!(container(&off).volume_mounts.as_ref().unwrap().len(), 3);
+}
+
+/// With both, the TLS profile's and the OTLP hash sit side by side.
+#[test]
+fn the_tls_and_otlp_hashes_are_both_kept() {
+    use addon_manager::hub::{HubRenderOptions, ProxyServerTelemetry, TlsProfile, render_with};
+    let options = HubRenderOptions {
+        tls_profile: TlsProfile {
+            min_version: Some("VersionTLS13".to_owned()),
+            cipher_suites: Vec::new(),
+        },
+        telemetry: ProxyServerTelemetry {
+            endpoint: Some("http://collector:4317".to_owned()),
+            ..ProxyServerTelemetry::default()
+        },
+        ..HubRenderOptions::default()
+    };
+    let objects = render_with(&mpc(json!({})), &options).unwrap();
+    let annotations = objects
+        .deployment
+        .spec
+        .unwrap()
+        .template
+        .metadata
+        .unwrap()
+        .annotations
+        .unwrap();
+    let keys: Vec<&str> = annotations.keys().map(String::as_str).collect();
+    assert_eq!(
+        keys,
+        [
+            "proxy.open-cluster-management.io/otlp-config-hash",
+            "proxy.open-cluster-management.io/tls-config-hash"
+        ]
+    );
 }

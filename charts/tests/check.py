@@ -635,6 +635,19 @@ def check_non_default(docs: list[dict]) -> None:
             and env.get("OTEL_SERVICE_NAME") == name.removeprefix("cluster-proxy-"),
             f"non-default: {name} exports traces to global.otlp.endpoint ({env})",
         )
+    args = container_of(docs, "cluster-proxy-addon-manager").get("args", [])
+    expect(
+        "--proxy-server-otlp-endpoint=http://otel-collector.observability:4317" in args
+        and "--proxy-server-otel-traces-sampler-arg=0.25" in args
+        and "--proxy-server-otlp-headers-secret=otel-collector-auth" in args,
+        f"non-default: global.otlp reaches the proxy-servers through the addon-manager: {args}",
+    )
+    policy = find(docs, "NetworkPolicy", "cluster-proxy-proxy-server", "proxy-servers")
+    egress = [] if policy is None else policy["spec"]["egress"]
+    expect(
+        {"ports": [{"port": 4317, "protocol": "TCP"}]} in egress,
+        f"non-default: the proxy-servers may reach the collector: {egress}",
+    )
     expect(
         find(docs, "Placement", "cluster-proxy-placement") is None
         and find(docs, "ManagedClusterSetBinding", "global") is None,
@@ -858,6 +871,63 @@ def check_cert_authority_rbac(label: str, docs: list[dict], namespaces: list[str
         )
 
 
+ADDON_MANAGER_SETTINGS = HERE.parent.parent / "addon-manager" / "src" / "settings.rs"
+
+
+def container_of(docs: list[dict], name: str, namespace: str | None = None) -> dict:
+    deployment = find(docs, "Deployment", name, namespace)
+    return {} if deployment is None else deployment["spec"]["template"]["spec"]["containers"][0]
+
+
+def check_otlp() -> None:
+    """global.otlp reaches the proxy-servers through the addon-manager's --proxy-server-otlp-*
+    flags (each a flag of its settings.rs; an empty endpoint by default, so that nothing in
+    addon-manager's own environment turns their export on), and an https collector's CA
+    (global.otlp.caConfigMap) is mounted into every exporting pod and passed on by name."""
+    flags = struct_flags(ADDON_MANAGER_SETTINGS.read_text(), "Cli")
+    default = documents(render({}))
+    args = container_of(default, "cluster-proxy-addon-manager").get("args", [])
+    expect("--proxy-server-otlp-endpoint=" in args,
+           f"otlp: by default the proxy-servers export nothing: {args}")
+    values = {"global": {"otlp": {
+        "endpoint": "https://collector.observability:4317",
+        "headersSecret": {"name": "otlp-auth", "key": "api"},
+        "caConfigMap": {"name": "otlp-ca", "key": "bundle.pem"},
+    }}}
+    try:
+        docs = documents(render(values))
+    except helm.HelmError as error:
+        fail(f"otlp with a CA: {error}")
+        return
+    validate("otlp with a CA", docs)
+    args = container_of(docs, "cluster-proxy-addon-manager").get("args", [])
+    passed = [a for a in args if a.startswith("--proxy-server-")]
+    expect(passed == [
+        "--proxy-server-otlp-endpoint=https://collector.observability:4317",
+        "--proxy-server-otel-traces-sampler=parentbased_always_on",
+        "--proxy-server-otlp-headers-secret=otlp-auth",
+        "--proxy-server-otlp-headers-secret-key=api",
+        "--proxy-server-otlp-ca-configmap=otlp-ca",
+        "--proxy-server-otlp-ca-configmap-key=bundle.pem",
+    ], f"otlp: global.otlp reaches the proxy-servers through the addon-manager: {passed}")
+    for arg in passed:
+        flag = arg.removeprefix("--").split("=", 1)[0]
+        expect(flag in flags, f"otlp: --{flag} is a flag of {ADDON_MANAGER_SETTINGS}")
+    for name in ("cluster-proxy-addon-manager", "cluster-proxy-cert-authority",
+                 "cluster-proxy-health-prober"):
+        deployment = find(docs, "Deployment", name)
+        pod = {} if deployment is None else deployment["spec"]["template"]["spec"]
+        container = container_of(docs, name)
+        env = {e["name"]: e.get("value") for e in container.get("env", [])}
+        expect(env.get("OTEL_EXPORTER_OTLP_CERTIFICATE") == "/etc/otlp-ca/ca.crt",
+               f"otlp: {name} verifies the collector with the CA: {env}")
+        expect({"name": "otlp-ca", "mountPath": "/etc/otlp-ca", "readOnly": True}
+               in container.get("volumeMounts", []), f"otlp: {name} mounts the CA")
+        expect({"name": "otlp-ca", "configMap": {"name": "otlp-ca", "items": [
+                   {"key": "bundle.pem", "path": "ca.crt"}]}} in pod.get("volumes", []),
+               f"otlp: {name} has the CA ConfigMap's volume: {pod.get('volumes')}")
+
+
 def render_error(values: dict) -> str | None:
     try:
         render(values)
@@ -912,6 +982,9 @@ def check_refusals() -> None:
         ),
         ({"global": {"otlp": {"endpoint": "otel-collector:4317"}}}, "endpoint"),
         ({"global": {"otlp": {"sampler": "sometimes"}}}, "sampler"),
+        # The services verify an https collector against the configured CA only.
+        ({"global": {"otlp": {"endpoint": "https://collector:4317"}}}, "caConfigMap"),
+        ({"global": {"otlp": {"resourceAttributes": "team"}}}, "resourceAttributes"),
         ({"healthProber": {"proxyServerAddresses": ["no-port"]}}, "proxyServerAddresses"),
         (
             {"global": {"installByPlacement": {"placementName": "p", "placementNamespace": "x"}}},
@@ -1175,6 +1248,7 @@ def main() -> int:
     check_layout()
     check_common_labels()
     check_refusals()
+    check_otlp()
     check_moved_values()
     check_disabled_health_prober()
     check_user_server()

@@ -861,6 +861,9 @@ impl Rendering<'_> {
         if let Err(invalid) = render::agent_transport(adc) {
             return Ok(Err(Refused::new(REASON_INVALID_CONFIGURATION, invalid)));
         }
+        if let Err(invalid) = render::agent_telemetry(adc) {
+            return Ok(Err(Refused::new(REASON_INVALID_CONFIGURATION, invalid)));
+        }
         let impersonation = match service_proxy.map(|_| render::impersonation(adc)) {
             None => false,
             Some(Ok(impersonation)) => impersonation,

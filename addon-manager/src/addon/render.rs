@@ -129,6 +129,134 @@ pub fn agent_transport(
     }
 }
 
+/// `customizedVariables` name of a cluster's own OTLP/gRPC collector (a URL
+/// the agent reaches inside its network, e.g.
+/// `http://otel-collector.observability:4317`): the proxy-agent's
+/// `--otlp-endpoint`. Without one the agent sends its spans home through its
+/// tunnel ([`VARIABLE_TRACE_RELAY`]); the hub's collector is never rendered
+/// here, as a hub Service name does not resolve on a managed cluster.
+pub const VARIABLE_OTLP_ENDPOINT: &str = "otlpEndpoint";
+/// `customizedVariables` name of the proxy-agent's sampler
+/// (`--otel-traces-sampler`: `parentbased_always_on`, `traceidratio`, ...).
+pub const VARIABLE_OTLP_SAMPLER: &str = "otlpSampler";
+/// `customizedVariables` name of the sampler's ratio
+/// (`--otel-traces-sampler-arg`, 0 to 1).
+pub const VARIABLE_OTLP_SAMPLER_ARG: &str = "otlpSamplerArg";
+/// `customizedVariables` name that lets a cluster keep its spans off its
+/// tunnel: `off` renders the proxy-agent's `--trace-relay=off`; `auto` (the
+/// default) leaves the agent's own choice (relay when it has no collector).
+pub const VARIABLE_TRACE_RELAY: &str = "traceRelay";
+
+/// A cluster's tracing settings from its AddOnDeploymentConfig, checked.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AgentTelemetry {
+    pub endpoint: Option<String>,
+    pub sampler: Option<String>,
+    pub sampler_arg: Option<String>,
+    /// `--trace-relay=off`.
+    pub relay_off: bool,
+}
+
+impl AgentTelemetry {
+    /// The proxy-agent flags, in a fixed order. Flags rather than `OTEL_*`
+    /// variables: they come after `spec.proxyAgent.additionalArgs`, so the
+    /// cluster's choice wins over the fleet's (a flag given twice keeps its
+    /// last value), where a variable would lose to any flag there.
+    pub fn args(&self) -> Vec<String> {
+        let mut args = Vec::new();
+        if let Some(endpoint) = &self.endpoint {
+            args.push(format!("--otlp-endpoint={endpoint}"));
+        }
+        if let Some(sampler) = &self.sampler {
+            args.push(format!("--otel-traces-sampler={sampler}"));
+        }
+        if let Some(arg) = &self.sampler_arg {
+            args.push(format!("--otel-traces-sampler-arg={arg}"));
+        }
+        if self.relay_off {
+            args.push("--trace-relay=off".to_owned());
+        }
+        args
+    }
+
+    /// The TCP port of the cluster's collector, which the agent's
+    /// NetworkPolicy lets out.
+    pub fn collector_port(&self) -> Option<i32> {
+        let uri: http::Uri = self.endpoint.as_deref()?.parse().ok()?;
+        let default = if uri.scheme_str() == Some("https") {
+            443
+        } else {
+            80
+        };
+        Some(uri.port_u16().map_or(default, i32::from))
+    }
+}
+
+/// The tracing variables of a cluster with `deployment_config`
+/// ([`VARIABLE_OTLP_ENDPOINT`], [`VARIABLE_OTLP_SAMPLER`],
+/// [`VARIABLE_OTLP_SAMPLER_ARG`], [`VARIABLE_TRACE_RELAY`]); empty values
+/// count as unset. They are checked with the agent's own parser, so what
+/// the agent would refuse at start-up is refused here instead, naming the
+/// variable, and never reaches the cluster.
+pub fn agent_telemetry(
+    deployment_config: Option<&AddOnDeploymentConfig>,
+) -> Result<AgentTelemetry, String> {
+    let variable = |name: &str| {
+        deployment_config
+            .and_then(|adc| adc.variable(name))
+            .map(str::trim)
+            .filter(|value| !value.is_empty())
+            .map(str::to_owned)
+    };
+    let telemetry = AgentTelemetry {
+        endpoint: variable(VARIABLE_OTLP_ENDPOINT),
+        sampler: variable(VARIABLE_OTLP_SAMPLER),
+        sampler_arg: variable(VARIABLE_OTLP_SAMPLER_ARG),
+        relay_off: match variable(VARIABLE_TRACE_RELAY).as_deref() {
+            None | Some("auto") => false,
+            Some("off") => true,
+            Some(value) => {
+                return Err(format!(
+                    "customizedVariables {VARIABLE_TRACE_RELAY}={value:?} is not auto or off"
+                ));
+            }
+        },
+    };
+    let flags = cluster_proxy_runtime::telemetry::TelemetryFlags {
+        otlp_endpoint: telemetry.endpoint.clone(),
+        otel_traces_sampler: telemetry.sampler.clone(),
+        otel_traces_sampler_arg: telemetry.sampler_arg.clone(),
+        ..Default::default()
+    };
+    if telemetry
+        .endpoint
+        .as_deref()
+        .is_some_and(|endpoint| endpoint.starts_with("https://"))
+    {
+        // The agent verifies an https collector only against a CA it is
+        // given, and a variable cannot carry one: it would not start.
+        return Err(format!(
+            "customizedVariables {VARIABLE_OTLP_ENDPOINT}={:?}: an https collector needs a CA \
+             bundle the agent cannot be given through an AddOnDeploymentConfig; use an http:// \
+             collector inside the cluster, or none (spans then go home through the tunnel)",
+            telemetry.endpoint.as_deref().unwrap_or_default()
+        ));
+    }
+    if let Err(problem) = flags.to_config("proxy-agent") {
+        use cluster_proxy_runtime::telemetry::TelemetryError as E;
+        let (name, value) = match &problem {
+            E::Sampler(_) => (VARIABLE_OTLP_SAMPLER, &telemetry.sampler),
+            E::SamplerArg(_) => (VARIABLE_OTLP_SAMPLER_ARG, &telemetry.sampler_arg),
+            _ => (VARIABLE_OTLP_ENDPOINT, &telemetry.endpoint),
+        };
+        return Err(format!(
+            "customizedVariables {name}={:?}: {problem}",
+            value.as_deref().unwrap_or_default()
+        ));
+    }
+    Ok(telemetry)
+}
+
 /// Where the agent dials the proxy-servers.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Entrypoint {
@@ -394,6 +522,21 @@ pub fn proxy_ports(deployment_config: Option<&AddOnDeploymentConfig>) -> Vec<i32
     ports
 }
 
+/// The ports besides the hub's and the kube-apiserver's that the agent's
+/// NetworkPolicy lets out: the ADC's proxies and the cluster's own OTLP
+/// collector.
+pub fn egress_ports(deployment_config: Option<&AddOnDeploymentConfig>) -> Vec<i32> {
+    let mut ports = proxy_ports(deployment_config);
+    ports.extend(
+        agent_telemetry(deployment_config)
+            .ok()
+            .and_then(|telemetry| telemetry.collector_port()),
+    );
+    ports.sort_unstable();
+    ports.dedup();
+    ports
+}
+
 /// `--proxy-ca-cert` for both agent containers when the ADC gives a bundle.
 fn proxy_ca_args(inputs: &AgentInputs<'_>) -> Option<String> {
     proxy_ca_bundle(inputs.deployment_config)
@@ -491,6 +634,9 @@ pub fn proxy_agent_args(inputs: &AgentInputs<'_>) -> Vec<String> {
     // The reconciler refuses a value that is no transport before rendering.
     if let Ok(Some(transport)) = agent_transport(inputs.deployment_config) {
         args.push(format!("--transport={transport}"));
+    }
+    if let Ok(telemetry) = agent_telemetry(inputs.deployment_config) {
+        args.extend(telemetry.args());
     }
     args
 }
@@ -793,7 +939,7 @@ pub fn agent_manifests(inputs: &AgentInputs<'_>) -> Result<Vec<Manifest>, Manife
             namespace,
             inputs.entrypoint.port,
             kube_apiserver_ports,
-            &proxy_ports(inputs.deployment_config),
+            &egress_ports(inputs.deployment_config),
         ))?);
     }
     manifests.extend([Manifest::new(&role)?, Manifest::new(&binding)?]);

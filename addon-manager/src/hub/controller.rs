@@ -34,6 +34,7 @@ use super::render::{
     ADDON_NAME, HubObjects, HubRenderOptions, LABEL_ADDON, RenderError, load_balancer_host,
     render_with,
 };
+use super::telemetry::ProxyServerTelemetry;
 use super::tls_profile::{
     REASON_INVALID_TLS_PROFILE, TLS_PROFILE_CONFIGMAP, TlsProfile, TlsProfileError,
 };
@@ -59,6 +60,8 @@ pub struct HubSettings {
     /// The proxy-server container's `imagePullPolicy`; `None`: Kubernetes'
     /// default.
     pub image_pull_policy: Option<String>,
+    /// The proxy-servers' trace export (off by default).
+    pub proxy_server_telemetry: ProxyServerTelemetry,
 }
 
 impl Default for HubSettings {
@@ -71,6 +74,7 @@ impl Default for HubSettings {
             immediate_conflict_retries: 3,
             tls_profile_namespace: None,
             image_pull_policy: None,
+            proxy_server_telemetry: ProxyServerTelemetry::default(),
         }
     }
 }
@@ -300,6 +304,7 @@ async fn reconcile_inner(
     let options = HubRenderOptions {
         tls_profile: tls,
         image_pull_policy: context.settings.image_pull_policy.clone(),
+        telemetry: context.settings.proxy_server_telemetry.clone(),
     };
     let objects = render_with(mpc, &options)?;
     match apply_all(mpc, &objects, context).await {

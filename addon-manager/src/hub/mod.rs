@@ -63,6 +63,12 @@
 //!   change, and a profile the proxy-servers cannot follow is
 //!   `ProxyServerDeployed=False` (`InvalidTLSProfile`) with what is deployed
 //!   left as it is.
+//! * **Trace export of the proxy-servers** ([`telemetry`]): addon-manager's
+//!   `--proxy-server-otlp-*` flags (defaulting to its own `OTEL_*`) become
+//!   the proxy-server container's `OTEL_*` variables, the collector headers
+//!   from a Secret and its CA from a ConfigMap, never inlined, with a pod
+//!   template hash so a change rolls them. Upstream's proxy-servers export
+//!   nothing.
 //! * **Multiple MPCs** are each reconciled; upstream exits when
 //!   `cluster-proxy` is missing at start. Only `cluster-proxy` is read by
 //!   the addon's agent rendering, as upstream.
@@ -70,6 +76,7 @@
 pub mod controller;
 pub mod metrics;
 pub mod render;
+pub mod telemetry;
 pub mod tls_profile;
 
 pub use controller::{HubError, HubSettings, hub_problems, retry_delay, run};
@@ -78,4 +85,5 @@ pub use render::{
     EntrypointError, HubObjects, HubRenderOptions, RenderError, entrypoint_address, render,
     render_with,
 };
+pub use telemetry::{KeyRef, ProxyServerTelemetry, ProxyServerTelemetryError};
 pub use tls_profile::{TLS_PROFILE_CONFIGMAP, TlsProfile, TlsProfileError};

@@ -2,6 +2,7 @@
 //! run its proxy-servers out. No I/O, so every name, label and argument is
 //! checked by unit tests without an API server.
 
+use super::telemetry::ProxyServerTelemetry;
 use super::tls_profile::{ANNOTATION_TLS_CONFIG_HASH, TlsProfile};
 use std::collections::BTreeMap;
 
@@ -154,6 +155,12 @@ pub struct HubRenderOptions {
     /// The container's `imagePullPolicy` (addon-manager's
     /// `--image-pull-policy`); `None`: Kubernetes' default.
     pub image_pull_policy: Option<String>,
+    /// The proxy-servers' trace export (addon-manager's
+    /// `--proxy-server-otlp-*`): `OTEL_*` variables, the collector's CA
+    /// volume and the pod template annotation
+    /// [`super::telemetry::ANNOTATION_OTLP_CONFIG_HASH`], so a change rolls
+    /// them. Off by default: nothing is rendered.
+    pub telemetry: ProxyServerTelemetry,
 }
 
 /// [`render`] with `options`.
@@ -224,9 +231,7 @@ pub fn render_with(
                 // them (the replicas count each other, see `peer_service`).
                 metadata: Some(ObjectMeta {
                     labels: Some(pod_labels),
-                    annotations: (!tls.is_empty()).then(|| {
-                        BTreeMap::from([(ANNOTATION_TLS_CONFIG_HASH.to_owned(), tls.hash())])
-                    }),
+                    annotations: pod_annotations(tls, &options.telemetry, &namespace),
                     ..ObjectMeta::default()
                 }),
                 spec: Some(pod_spec(mpc, &ports, options)),
@@ -364,6 +369,21 @@ pub fn render_with(
     })
 }
 
+/// The pod template annotations that change with settings from outside the
+/// MPC (the TLS profile, the OTLP export), so that a change rolls the
+/// replicas; none when neither is set, so the template stays as it was.
+fn pod_annotations(
+    tls: &TlsProfile,
+    telemetry: &ProxyServerTelemetry,
+    namespace: &str,
+) -> Option<BTreeMap<String, String>> {
+    let mut annotations = telemetry.annotations(namespace);
+    if !tls.is_empty() {
+        annotations.insert(ANNOTATION_TLS_CONFIG_HASH.to_owned(), tls.hash());
+    }
+    (!annotations.is_empty()).then_some(annotations)
+}
+
 /// The LoadBalancer Service annotations whose keys are qualified names.
 /// Upstream's check is inverted and keeps only the invalid ones (§11);
 /// invalid keys are reported by validation, never sent to the API server.
@@ -446,17 +466,22 @@ fn pod_spec(
         command: Some(vec!["/proxy-server".to_owned()]),
         image_pull_policy: options.image_pull_policy.clone(),
         args: Some(proxy_server_args(mpc, &options.tls_profile)),
-        env: Some(vec![EnvVar {
-            name: SERVER_ID_ENV.to_owned(),
-            value_from: Some(EnvVarSource {
-                field_ref: Some(ObjectFieldSelector {
-                    field_path: "metadata.name".to_owned(),
-                    ..ObjectFieldSelector::default()
+        // The server id first: the OTLP resource attributes name it.
+        env: Some(
+            std::iter::once(EnvVar {
+                name: SERVER_ID_ENV.to_owned(),
+                value_from: Some(EnvVarSource {
+                    field_ref: Some(ObjectFieldSelector {
+                        field_path: "metadata.name".to_owned(),
+                        ..ObjectFieldSelector::default()
+                    }),
+                    ..EnvVarSource::default()
                 }),
-                ..EnvVarSource::default()
-            }),
-            ..EnvVar::default()
-        }]),
+                ..EnvVar::default()
+            })
+            .chain(options.telemetry.env(namespace_of(mpc)))
+            .collect(),
+        ),
         ports: Some(vec![
             container_port(PORT_NAME_PROXY_SERVER, ports.proxy_server),
             container_port(PORT_NAME_AGENT_SERVER, ports.agent_server),
@@ -488,22 +513,32 @@ fn pod_spec(
             }),
             ..SecurityContext::default()
         }),
-        volume_mounts: Some(vec![
-            read_only_mount("server-ca-pki", SERVER_CA_MOUNT),
-            read_only_mount("server-pki", SERVER_PKI_MOUNT),
-            read_only_mount("agent-pki", AGENT_PKI_MOUNT),
-        ]),
+        volume_mounts: Some(
+            [
+                read_only_mount("server-ca-pki", SERVER_CA_MOUNT),
+                read_only_mount("server-pki", SERVER_PKI_MOUNT),
+                read_only_mount("agent-pki", AGENT_PKI_MOUNT),
+            ]
+            .into_iter()
+            .chain(options.telemetry.volume_mount())
+            .collect(),
+        ),
         resources: mpc.spec.proxy_server.resources.clone(),
         ..Container::default()
     };
     PodSpec {
         service_account_name: Some(SERVICE_ACCOUNT_NAME.to_owned()),
         containers: vec![container],
-        volumes: Some(vec![
-            secret_volume("server-ca-pki", PROXY_SERVER_CA_SECRET_NAME),
-            secret_volume("server-pki", &secrets.signing_proxy_server_secret_name),
-            secret_volume("agent-pki", &secrets.signing_agent_server_secret_name),
-        ]),
+        volumes: Some(
+            [
+                secret_volume("server-ca-pki", PROXY_SERVER_CA_SECRET_NAME),
+                secret_volume("server-pki", &secrets.signing_proxy_server_secret_name),
+                secret_volume("agent-pki", &secrets.signing_agent_server_secret_name),
+            ]
+            .into_iter()
+            .chain(options.telemetry.volume())
+            .collect(),
+        ),
         node_selector: (!placement.node_selector.is_empty())
             .then(|| placement.node_selector.clone()),
         tolerations: (!placement.tolerations.is_empty()).then(|| placement.tolerations.clone()),

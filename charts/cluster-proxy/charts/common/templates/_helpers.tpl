@@ -156,6 +156,10 @@ nothing when global.otlp.endpoint is empty. */}}
 - name: OTEL_EXPORTER_OTLP_COMPRESSION
   value: {{ . | quote }}
 {{- end }}
+{{- with $otlp.resourceAttributes }}
+- name: OTEL_RESOURCE_ATTRIBUTES
+  value: {{ . | quote }}
+{{- end }}
 {{- with ($otlp.headersSecret | default dict) }}
 {{- if .name }}
 - name: OTEL_EXPORTER_OTLP_HEADERS
@@ -163,6 +167,68 @@ nothing when global.otlp.endpoint is empty. */}}
     secretKeyRef:
       name: {{ .name | quote }}
       key: {{ .key | default "headers" | quote }}
+{{- end }}
+{{- end }}
+{{- if ($otlp.caConfigMap | default dict).name }}
+- name: OTEL_EXPORTER_OTLP_CERTIFICATE
+  value: /etc/otlp-ca/ca.crt
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{- /* The collector's CA bundle (global.otlp.caConfigMap) of a hub service: its volume mount
+and its volume, each a YAML list item; nothing without an endpoint or a ConfigMap. The key
+becomes ca.crt, so OTEL_EXPORTER_OTLP_CERTIFICATE above names one path whatever the key. */}}
+{{- define "cluster-proxy.otelVolumeMounts" -}}
+{{- $otlp := .Values.global.otlp | default dict -}}
+{{- if and $otlp.endpoint ($otlp.caConfigMap | default dict).name }}
+- name: otlp-ca
+  mountPath: /etc/otlp-ca
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "cluster-proxy.otelVolumes" -}}
+{{- $otlp := .Values.global.otlp | default dict -}}
+{{- $ca := $otlp.caConfigMap | default dict -}}
+{{- if and $otlp.endpoint $ca.name }}
+- name: otlp-ca
+  configMap:
+    name: {{ $ca.name | quote }}
+    items:
+      - key: {{ $ca.key | default "ca.crt" | quote }}
+        path: ca.crt
+{{- end }}
+{{- end -}}
+
+{{- /* addon-manager's flags for the proxy-servers it runs: global.otlp, passed on (see
+addon-manager's --proxy-server-otlp-*). Always the endpoint, so that an empty one means no
+export, whatever addon-manager's own environment says. The Secret and the ConfigMap are
+referenced by name in the proxy-server namespace, never copied. */}}
+{{- define "cluster-proxy.proxyServerOtlpArgs" -}}
+{{- $otlp := .Values.global.otlp | default dict }}
+- --proxy-server-otlp-endpoint={{ $otlp.endpoint }}
+{{- if $otlp.endpoint }}
+- --proxy-server-otel-traces-sampler={{ $otlp.sampler | default "parentbased_always_on" }}
+{{- with $otlp.samplerArg }}
+- --proxy-server-otel-traces-sampler-arg={{ . }}
+{{- end }}
+{{- with $otlp.compression }}
+- --proxy-server-otlp-compression={{ . }}
+{{- end }}
+{{- with $otlp.resourceAttributes }}
+- --proxy-server-otel-resource-attributes={{ . }}
+{{- end }}
+{{- with ($otlp.headersSecret | default dict) }}
+{{- if .name }}
+- --proxy-server-otlp-headers-secret={{ .name }}
+- --proxy-server-otlp-headers-secret-key={{ .key | default "headers" }}
+{{- end }}
+{{- end }}
+{{- with ($otlp.caConfigMap | default dict) }}
+{{- if .name }}
+- --proxy-server-otlp-ca-configmap={{ .name }}
+- --proxy-server-otlp-ca-configmap-key={{ .key | default "ca.crt" }}
 {{- end }}
 {{- end }}
 {{- end }}
