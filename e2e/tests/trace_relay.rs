@@ -113,8 +113,12 @@ async fn an_isolated_agents_span_comes_home_through_its_tunnel() {
                 .collector
                 .find("agent.dial", |s| s.trace_id == trace_id)
                 .ok_or_else(|| {
-                    let services: Vec<String> =
-                        receiver.collector.spans().into_iter().map(|s| s.service).collect();
+                    let services: Vec<String> = receiver
+                        .collector
+                        .spans()
+                        .into_iter()
+                        .map(|s| s.service)
+                        .collect();
                     format!("not received yet; services seen: {services:?}")
                 })
         }

@@ -241,7 +241,9 @@ async fn bad_or_unnegotiated_batches_are_counted_and_the_tunnel_stays_up() {
     let rejected = |reason: &str| {
         metric(
             &server,
-            &format!("cluster_proxy_server_relayed_span_batches_rejected_total{{reason=\"{reason}\"}}"),
+            &format!(
+                "cluster_proxy_server_relayed_span_batches_rejected_total{{reason=\"{reason}\"}}"
+            ),
         )
     };
     assert!(
@@ -370,7 +372,8 @@ async fn a_collector_that_never_answers_costs_relayed_spans_not_the_tunnels_time
     // Beyond what the forwarder holds (and the one batch in its export),
     // the batches were dropped and counted; none was exported.
     let dropped = "cluster_proxy_server_relayed_spans_total{outcome=\"queue_full\"}";
-    let most_kept = (cluster_proxy_runtime::telemetry::relay::FORWARD_QUEUE_BATCHES + 1) * SPANS_EACH;
+    let most_kept =
+        (cluster_proxy_runtime::telemetry::relay::FORWARD_QUEUE_BATCHES + 1) * SPANS_EACH;
     assert!(
         wait_until(STEP, || metric(&server, dropped)
             >= ((BATCHES * SPANS_EACH) - most_kept) as f64)
@@ -435,8 +438,9 @@ async fn our_agent_relays_its_queue_over_every_transport() {
     let with_collector = server_forwarding_to(&pki, Some(collector_config(addr, STEP))).await;
     let without_collector = server_forwarding_to(&pki, None).await;
     let agent_config = |server: &RunningServer, transport: Transport, lean: bool| {
-        let mut config = ProxyAgentConfig::new(TlsSource::Config(pki.agent_tls("cluster-a").unwrap()))
-            .with_ephemeral_ports();
+        let mut config =
+            ProxyAgentConfig::new(TlsSource::Config(pki.agent_tls("cluster-a").unwrap()))
+                .with_ephemeral_ports();
         config.proxy_server_host = "localhost".into();
         config.proxy_server_port = server.agent_addr.port();
         config.agent_identifiers = "host=cluster-a".into();
@@ -462,7 +466,14 @@ async fn our_agent_relays_its_queue_over_every_transport() {
             otlp: otlp("proxy-agent", &span, 2, Some("forged")),
             spans: 2,
         });
-        let received = collector.wait_for(&format!("{span}-1"), |_| true).await;
+        let wanted = format!("{span}-1");
+        assert!(
+            wait_until(STEP, || collector.find(&wanted, |_| true).is_some()).await,
+            "{name}: nothing arrived; agent:\n{}\nserver:\n{}",
+            agent.metrics().encode(),
+            with_collector.metrics_text()
+        );
+        let received = collector.find(&wanted, |_| true).expect("arrived");
         assert_eq!(
             received.resource.get(RELAYED_FROM).map(String::as_str),
             Some("cluster-a"),

@@ -212,9 +212,13 @@ impl RelayQueue {
     pub async fn next(&self) -> RelayedBatch {
         loop {
             let ready = self.ready.notified();
-            if let Some(batch) = self.batches().pop_front() {
+            let (batch, more) = {
+                let mut batches = self.batches();
+                (batches.pop_front(), !batches.is_empty())
+            };
+            if let Some(batch) = batch {
                 // Another batch may be waiting for another tunnel.
-                if !self.is_empty() {
+                if more {
                     self.ready.notify_one();
                 }
                 return batch;
