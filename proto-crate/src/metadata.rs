@@ -49,3 +49,17 @@ pub const SERVER_COUNT_UPDATES_V1: &str = "v1";
 pub const EARLY_DATA: &str = "cluster-proxy-early-data";
 /// The value of [`EARLY_DATA`].
 pub const EARLY_DATA_V1: &str = "v1";
+
+/// cluster-proxy extension negotiation on the agent tunnel: an agent that
+/// has no trace collector of its own sends this key (value
+/// [`SPAN_RELAY_OTLP_V1`]) in its Connect request; a server that has a
+/// collector to forward to answers with the same key and value in its
+/// Connect response headers, and only on such a tunnel does the agent send
+/// its spans (`SPAN_BATCH` packets, type 102, payload field 102). Upstream
+/// agents never send the key; an upstream server never answers it, so our
+/// agent sends it no spans.
+pub const SPAN_RELAY: &str = "cluster-proxy-span-relay";
+/// The value of [`SPAN_RELAY`]: SPAN_BATCH packets carrying encoded OTLP
+/// `ExportTraceServiceRequest`s of at most
+/// [`crate::packet::MAX_SPAN_BATCH`] bytes.
+pub const SPAN_RELAY_OTLP_V1: &str = "otlp-v1";

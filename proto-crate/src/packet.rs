@@ -10,7 +10,7 @@ use bytes::Bytes;
 use crate::konnectivity::packet::Payload;
 use crate::konnectivity::{
     CloseDial, CloseRequest, CloseResponse, Data, DialRequest, DialResponse, Drain, Packet,
-    PacketType, ServerCount, WindowUpdate,
+    PacketType, ServerCount, SpanBatch, WindowUpdate,
 };
 use crate::trace::TraceHeaders;
 
@@ -149,6 +149,25 @@ pub fn server_count(count: u32) -> Packet {
     )
 }
 
+/// The most bytes of OTLP one SPAN_BATCH carries. Small next to a
+/// tunnel's packets (a batch waits in the same lane as the connections'
+/// DATA, so a big one would hold theirs up) and far below any server's
+/// `--max-packet-size` (at least 65 KiB plus change is refused by the
+/// server's relay negotiation, see proxy-server); the agent splits bigger
+/// batches and the server refuses bigger ones.
+pub const MAX_SPAN_BATCH: usize = 256 * 1024;
+
+/// The agent's own spans for the server to forward (cluster-proxy
+/// extension; only on a tunnel that negotiated
+/// [`crate::metadata::SPAN_RELAY`]): `otlp` is an encoded OTLP
+/// `ExportTraceServiceRequest`.
+pub fn span_batch(otlp: Bytes) -> Packet {
+    packet(
+        PacketType::SpanBatch,
+        Payload::SpanBatch(SpanBatch { otlp }),
+    )
+}
+
 /// The upstream metric label of a packet's type (`DIAL_REQ`, `DATA`, …).
 pub fn type_name(p: &Packet) -> &'static str {
     PacketType::try_from(p.r#type).map_or("UNKNOWN", |t| t.as_str_name())
@@ -197,6 +216,11 @@ pub enum Frame {
     /// counts below 1.
     ServerCount {
         count: i64,
+    },
+    /// The agent's own spans (cluster-proxy extension): an encoded OTLP
+    /// `ExportTraceServiceRequest`, unvalidated.
+    SpanBatch {
+        otlp: Bytes,
     },
     /// A `type` this implementation does not know; peers ignore these.
     Unknown(i32),
@@ -283,6 +307,13 @@ impl Frame {
                 };
                 Frame::ServerCount { count }
             }
+            Ok(PacketType::SpanBatch) => {
+                let otlp = match payload {
+                    Some(Payload::SpanBatch(p)) => p.otlp,
+                    _ => Bytes::new(),
+                };
+                Frame::SpanBatch { otlp }
+            }
             Err(_) => Frame::Unknown(packet.r#type),
         }
     }
@@ -299,6 +330,7 @@ impl Frame {
             Frame::Drain => "DRAIN",
             Frame::WindowUpdate { .. } => "WINDOW_UPDATE",
             Frame::ServerCount { .. } => "SERVER_COUNT",
+            Frame::SpanBatch { .. } => "SPAN_BATCH",
             Frame::Unknown(_) => "UNKNOWN",
         }
     }

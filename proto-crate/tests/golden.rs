@@ -200,6 +200,18 @@ fn server_count_extension_uses_high_numbers() {
 }
 
 #[test]
+fn span_batch_extension_uses_high_numbers() {
+    // type 102, payload field 102 (tag varint b2 06), OTLP bytes in field 1.
+    check(
+        packet::span_batch(bytes::Bytes::from_static(b"\x0a\x00")),
+        "08 66  b2 06 04  0a 02 0a 00",
+        Frame::SpanBatch {
+            otlp: bytes::Bytes::from_static(b"\x0a\x00"),
+        },
+    );
+}
+
+#[test]
 fn large_dial_ids_use_full_varints() {
     let p = packet::dial_request("h:1", i64::MAX);
     let bytes = p.encode_to_vec();

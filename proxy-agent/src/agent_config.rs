@@ -10,6 +10,7 @@ use cluster_proxy_egress::EgressSettings;
 use cluster_proxy_proto::flow::DEFAULT_WINDOW;
 use cluster_proxy_proto::framed::ALPN_FRAMED;
 use cluster_proxy_proto::transport::{ALPN_H2, ALPN_HTTP11};
+use cluster_proxy_runtime::telemetry::relay::RelayQueue;
 use serde::{Deserialize, Serialize};
 
 use crate::dial;
@@ -76,6 +77,19 @@ pub fn offering_framing(
         config.alpn_protocols.insert(0, ALPN_FRAMED.to_vec());
     }
     Arc::new(config)
+}
+
+/// Whether an agent with no trace collector of its own sends its spans
+/// home through its tunnels (`--trace-relay`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum TraceRelay {
+    /// Without `--otlp-endpoint` / `OTEL_EXPORTER_OTLP_ENDPOINT`, spans go
+    /// to the proxy-servers that offer to forward them to their collector.
+    #[default]
+    Auto,
+    /// Without a collector of its own, the agent exports no spans.
+    Off,
 }
 
 /// What carries a tunnel to the proxy-server (`--transport`).
@@ -162,6 +176,10 @@ pub struct ProxyAgentConfig {
     /// How long [`RunningAgent::shutdown`] waits for open endpoint
     /// connections after sending DRAIN.
     pub shutdown_grace: Duration,
+    /// Where the process's spans wait to be sent home through the tunnels
+    /// (`--trace-relay=auto` with no collector of the agent's own); `None`:
+    /// the agent asks no server for the span relay.
+    pub span_relay: Option<Arc<RelayQueue>>,
 }
 
 impl ProxyAgentConfig {
@@ -193,6 +211,7 @@ impl ProxyAgentConfig {
             transport: Transport::Auto,
             websocket_heartbeat: cluster_proxy_proto::websocket::DEFAULT_HEARTBEAT,
             shutdown_grace: Duration::from_secs(5),
+            span_relay: None,
         }
     }
 

@@ -31,7 +31,8 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 pub use agent_config::{
-    ProxyAgentConfig, TlsSource, Transport, offered_alpn, offering_framing, offering_websocket,
+    ProxyAgentConfig, TlsSource, TraceRelay, Transport, offered_alpn, offering_framing,
+    offering_websocket,
 };
 pub use manager::ConnectError;
 pub use metrics::Metrics;

@@ -97,12 +97,17 @@ impl Shared {
         egress: Egress,
         root: CancellationToken,
     ) -> Self {
+        let relay_counters = config
+            .span_relay
+            .as_ref()
+            .map(|queue| queue.counters())
+            .unwrap_or_default();
         Shared {
             config,
             tls,
             egress,
             last_failure: Mutex::new(None),
-            metrics: Arc::new(Metrics::new()),
+            metrics: Arc::new(Metrics::with_relay(relay_counters)),
             tunnels: Mutex::new(HashMap::new()),
             draining: AtomicBool::new(false),
             last_server_count: Arc::new(AtomicUsize::new(0)),
@@ -263,6 +268,14 @@ impl Shared {
             metadata::EARLY_DATA,
             AsciiMetadataValue::from_static(metadata::EARLY_DATA_V1),
         );
+        // Ask to send our spans home through the tunnel (cluster-proxy
+        // extension), only when they have nowhere else to go.
+        if self.config.span_relay.is_some() {
+            md.insert(
+                metadata::SPAN_RELAY,
+                AsciiMetadataValue::from_static(metadata::SPAN_RELAY_OTLP_V1),
+            );
+        }
         if let Some(path) = &self.config.service_account_token_path {
             // Re-read every time: the kubelet rotates projected tokens.
             let token = std::fs::read_to_string(path).map_err(|source| ConnectError::Token {
@@ -361,6 +374,14 @@ async fn connect_once(shared: Arc<Shared>) -> Result<Outcome, ConnectError> {
         }
         None => None,
     };
+    // The server forwards our spans only when it said so; an upstream
+    // server never does.
+    let span_relay = config.span_relay.clone().filter(|_| {
+        headers.get_all(metadata::SPAN_RELAY).iter().any(|v| {
+            v.to_str()
+                .is_ok_and(|v| v.trim() == metadata::SPAN_RELAY_OTLP_V1)
+        })
+    });
     shared.last_server_count.store(count, Ordering::Relaxed);
     let server_draining = Arc::new(AtomicBool::new(false));
     let duplicate = {
@@ -423,9 +444,17 @@ async fn connect_once(shared: Arc<Shared>) -> Result<Outcome, ConnectError> {
         flow_control = server_window.is_some(),
         framing = if connection.is_framed() { "lean" } else { "grpc" },
         transport = connection.transport_name(),
+        span_relay = span_relay.is_some(),
         "connected to proxy-server"
     );
     _guard.disarm();
+    if let Some(queue) = span_relay {
+        tokio::spawn(tunnel::relay_spans(
+            queue,
+            out.ordered.clone(),
+            cancel.clone(),
+        ));
+    }
     tokio::spawn(run_tunnel(
         shared, server_id, params, out, connection, cancel,
     ));

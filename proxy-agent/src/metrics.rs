@@ -4,6 +4,7 @@
 use cluster_proxy_proto::status::go_code_name;
 pub use cluster_proxy_runtime::metrics::Segment;
 use cluster_proxy_runtime::metrics::{StreamMetrics, encode_registry, register_counter};
+use cluster_proxy_runtime::telemetry::relay::RelayCounters;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -51,6 +52,12 @@ impl Default for Metrics {
 
 impl Metrics {
     pub fn new() -> Self {
+        Self::with_relay(RelayCounters::default())
+    }
+
+    /// The metrics with `relay`'s counters of spans sent home through the
+    /// tunnels (the span relay's queue counts them).
+    pub fn with_relay(relay: RelayCounters) -> Self {
         let mut root = Registry::default();
         let registry = root.sub_registry_with_prefix("konnectivity_network_proxy_agent");
         let open_server_connections = Gauge::default();
@@ -105,6 +112,19 @@ impl Metrics {
             "server_connect_failures_total",
             "Attempts to open a tunnel to a proxy-server that failed, by reason (proxy_unreachable, proxy_auth, proxy_refused, proxy_protocol, proxy_closed, proxy_tls, proxy_socks, proxy_config, resolve, dial, tls, timeout, protocol, rejected, token, config).",
             server_connect_failures.clone(),
+        );
+        let ours = root.sub_registry_with_prefix("cluster_proxy_agent");
+        register_counter(
+            ours,
+            "relayed_spans_total",
+            "Spans of the agent's own handed to a tunnel for the proxy-server to forward to its trace collector (the span relay: no collector of the agent's own, --trace-relay=auto).",
+            relay.sent,
+        );
+        register_counter(
+            ours,
+            "relayed_spans_dropped_total",
+            "Spans of the agent's own the span relay dropped, by reason: no_tunnel (no tunnel to a proxy-server that forwards spans), queue_full (32 batches waiting already), too_large (one span over 256 KiB encoded), tunnel_closed (the tunnel closed before sending the batch).",
+            relay.dropped,
         );
         Metrics {
             registry: root,

@@ -20,7 +20,7 @@ use cluster_proxy_runtime::shell::{BinarySettings, CommandLine};
 use cluster_proxy_runtime::telemetry::TelemetryFlags;
 use serde::{Deserialize, Serialize};
 
-use crate::agent_config::{ProxyAgentConfig, TlsSource, Transport};
+use crate::agent_config::{ProxyAgentConfig, TlsSource, TraceRelay, Transport};
 use cluster_proxy_egress::EgressSettings;
 
 const DEFAULT_CONTENT_TYPE: &str = "application/vnd.kubernetes.protobuf";
@@ -94,6 +94,9 @@ pub struct ProxyAgentSettings {
     /// WebSocket ping interval; the tunnel fails after three silent ones.
     #[serde(with = "serde_go")]
     pub websocket_heartbeat: Duration,
+    /// Without a collector of its own: send spans home through the
+    /// tunnels (`auto`) or not at all (`off`).
+    pub trace_relay: TraceRelay,
     /// How often certificate files are checked for rotation.
     #[serde(with = "serde_go")]
     pub credential_reload_interval: Duration,
@@ -154,6 +157,7 @@ impl Default for ProxyAgentSettings {
             proxy_credentials_file: None,
             transport: Transport::Auto,
             websocket_heartbeat: cluster_proxy_proto::websocket::DEFAULT_HEARTBEAT,
+            trace_relay: TraceRelay::Auto,
             credential_reload_interval: cluster_proxy_runtime::reload::DEFAULT_INTERVAL,
             worker_threads: cluster_proxy_runtime::workers::PER_CPU,
             v: 0,
@@ -304,6 +308,10 @@ pub struct Cli {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub websocket_heartbeat: Option<String>,
+    /// With no trace collector of its own (no --otlp-endpoint / OTEL_EXPORTER_OTLP_ENDPOINT): auto sends the agent's spans through its tunnels to proxy-servers that forward them to their collector (bounded; dropped and counted when no tunnel takes them); off exports none.
+    #[arg(long, value_enum)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub trace_relay: Option<TraceRelay>,
     /// How often certificate files are checked for rotation (Go duration).
     #[arg(long)]
     pub credential_reload_interval: Option<String>,
@@ -344,6 +352,10 @@ impl BinarySettings for ProxyAgentSettings {
 
     fn worker_threads(&self) -> Option<u32> {
         Some(self.worker_threads)
+    }
+
+    fn relays_spans(&self) -> bool {
+        self.trace_relay == TraceRelay::Auto
     }
 
     fn ignored_settings(&self) -> Vec<&'static str> {
@@ -551,6 +563,12 @@ impl ProxyAgentSettings {
         config.lean_framing = self.lean_framing;
         config.transport = self.transport;
         config.websocket_heartbeat = self.websocket_heartbeat;
+        // Set up by the shell's telemetry only when relaying applies (no
+        // collector of our own, `--trace-relay=auto`).
+        config.span_relay = match self.trace_relay {
+            TraceRelay::Auto => cluster_proxy_runtime::telemetry::relay::installed(),
+            TraceRelay::Off => None,
+        };
         config.host_aliases = cluster_proxy_runtime::config::host_aliases(&self.host_alias)?;
         config.egress = EgressSettings {
             proxy_url: (!self.proxy_url.is_empty()).then(|| self.proxy_url.clone()),

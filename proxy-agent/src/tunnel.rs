@@ -28,6 +28,7 @@ use cluster_proxy_proto::flow::{
 use cluster_proxy_proto::packet::{self, Frame, PROTOCOL_TCP};
 use cluster_proxy_proto::trace::direct::tcp_server_attributes;
 use cluster_proxy_proto::trace::{DirectSpan, TraceHeaders};
+use cluster_proxy_runtime::telemetry::relay::RelayQueue;
 use opentelemetry::KeyValue;
 use opentelemetry::trace::SpanKind;
 use tokio::net::TcpStream;
@@ -769,6 +770,35 @@ pub async fn serve(
         connection.finish(FINISH_GRACE).await;
     }
     end
+}
+
+/// Sends batches of the agent's spans from `queue` down this tunnel (the
+/// span relay it negotiated) until `cancel` fires. A task of its own: it
+/// waits for room in the ordered lane as a connection's task does, and
+/// neither the reader nor a dial ever waits for it. Each batch goes down
+/// one tunnel; a batch taken when the tunnel closes is counted as lost.
+pub async fn relay_spans(
+    queue: Arc<RelayQueue>,
+    ordered: tokio::sync::mpsc::Sender<Packet>,
+    cancel: CancellationToken,
+) {
+    let _drainer = queue.drainer();
+    loop {
+        let batch = tokio::select! {
+            _ = cancel.cancelled() => return,
+            batch = queue.next() => batch,
+        };
+        let permit = tokio::select! {
+            _ = cancel.cancelled() => None,
+            permit = ordered.reserve() => permit.ok(),
+        };
+        let Some(permit) = permit else {
+            queue.lost(&batch);
+            return;
+        };
+        queue.sent(&batch);
+        permit.send(packet::span_batch(batch.otlp));
+    }
 }
 
 /// How long a tunnel that ends cleanly may take to tell the server so

@@ -29,7 +29,8 @@ use crate::grpc_port::{InboundPackets, Opened, PacketMethod};
 use crate::listener::PeerInfo;
 use crate::metrics::{GaugeGuard, Metrics};
 use crate::registry::{Registry, Strategy};
-use crate::tunnel::{AgentTunnel, OutboundStream, TunnelSettings};
+use crate::tunnel::{AgentTunnel, OutboundStream, SpanRelay, TunnelSettings};
+use cluster_proxy_runtime::telemetry::relay::SpanForwarder;
 
 /// Settings the agent endpoint needs.
 #[derive(Debug, Clone)]
@@ -47,6 +48,10 @@ pub struct AgentEndpointSettings {
     pub max_tunnels_per_agent: usize,
     pub max_pending_dials_per_tunnel: usize,
     pub max_stray_closes_per_tunnel: usize,
+    /// Forwards the spans agents relay to the server's collector; `None`
+    /// (no collector, or packets too small for a span batch): the relay is
+    /// offered to no agent.
+    pub span_forwarder: Option<Arc<SpanForwarder>>,
 }
 
 pub struct AgentEndpoint {
@@ -168,6 +173,24 @@ impl PacketMethod for AgentEndpoint {
             .get(metadata::EARLY_DATA)
             .and_then(|v| v.to_str().ok())
             .is_some_and(|v| v.split(',').any(|f| f.trim() == metadata::EARLY_DATA_V1));
+        // Only an agent that asked and whose certificate names its cluster
+        // (the name its spans are stamped with) may relay spans, and only
+        // when there is a collector to forward them to.
+        let asked_for_span_relay = md
+            .get(metadata::SPAN_RELAY)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| {
+                v.split(',')
+                    .any(|f| f.trim() == metadata::SPAN_RELAY_OTLP_V1)
+            });
+        let span_relay = match (&self.settings.span_forwarder, &peer.cluster) {
+            (Some(forwarder), Some(cluster)) if asked_for_span_relay => Some(SpanRelay {
+                forwarder: forwarder.clone(),
+                cluster: Arc::from(cluster.as_str()),
+            }),
+            _ => None,
+        };
+        let relays_spans = span_relay.is_some();
         let settings = TunnelSettings {
             our_window: self.settings.flow_control_window,
             peer_window,
@@ -185,6 +208,7 @@ impl PacketMethod for AgentEndpoint {
             peer.cluster.clone(),
             identifiers,
             settings,
+            span_relay,
             self.metrics.clone(),
         );
         info!(
@@ -194,6 +218,7 @@ impl PacketMethod for AgentEndpoint {
             remote = %peer.remote,
             flow_control = peer_window.is_some(),
             trace_context,
+            span_relay = relays_spans,
             "agent connected"
         );
         if let Err(held) = self
@@ -237,6 +262,12 @@ impl PacketMethod for AgentEndpoint {
             md.insert(
                 metadata::FLOW_CONTROL_WINDOW,
                 MetadataValue::from(self.settings.flow_control_window),
+            );
+        }
+        if relays_spans {
+            md.insert(
+                metadata::SPAN_RELAY,
+                MetadataValue::from_static(metadata::SPAN_RELAY_OTLP_V1),
             );
         }
         Ok(Opened {

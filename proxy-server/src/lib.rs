@@ -39,6 +39,7 @@ use cluster_proxy_proto::transport::{ALPN_H2, ALPN_HTTP11};
 use cluster_proxy_runtime::admin;
 use cluster_proxy_runtime::net::{BindError, bind};
 use cluster_proxy_runtime::reload::{self, Watched};
+use cluster_proxy_runtime::telemetry::relay::{self, SpanForwarder};
 use cluster_proxy_runtime::tls::{self, Identity, Pem, TlsError};
 use std::path::{Path, PathBuf};
 use tokio::net::UnixListener;
@@ -74,6 +75,9 @@ pub enum ServerError {
     Bind(#[from] BindError),
     #[error(transparent)]
     Policy(#[from] policy::PolicyError),
+    /// The OTLP settings the span relay forwards with.
+    #[error(transparent)]
+    Telemetry(#[from] cluster_proxy_runtime::telemetry::TelemetryError),
     #[error("listening on the Unix socket {path} (--uds-name): {source}")]
     UnixSocket {
         path: PathBuf,
@@ -403,6 +407,7 @@ pub async fn start_with_peers(
     let metrics = Arc::new(Metrics::new());
     let dialer = dialer(&config, &registry, &metrics, &server_id)?;
     let ports = bind_ports(&config, tls.frontend, &metrics).await?;
+    let span_forwarder = span_forwarder(&config, &metrics)?;
 
     let shutdown = CancellationToken::new();
     let draining = Arc::new(AtomicBool::new(false));
@@ -414,6 +419,7 @@ pub async fn start_with_peers(
         shutdown: &shutdown,
         tasks: &tasks,
         grace,
+        span_forwarder,
     };
 
     let (server_count, server_count_rx) = tokio::sync::watch::channel(config.server_count);
@@ -573,6 +579,39 @@ struct Running<'a> {
     shutdown: &'a CancellationToken,
     tasks: &'a TaskTracker,
     grace: Duration,
+    span_forwarder: Option<Arc<SpanForwarder>>,
+}
+
+/// The forwarder of the spans agents relay through their tunnels, when
+/// the server exports traces itself (`relay_collector`) and its packets may
+/// be as large as a span batch.
+fn span_forwarder(
+    config: &ProxyServerSettings,
+    metrics: &Metrics,
+) -> Result<Option<Arc<SpanForwarder>>, ServerError> {
+    let Some(collector) = &config.relay_collector else {
+        return Ok(None);
+    };
+    let needed = relay::MAX_SPAN_BATCH + 1024;
+    if limit(config.max_packet_size) < needed {
+        warn!(
+            max_packet_size = config.max_packet_size,
+            needed, "the span relay is off: --max-packet-size is smaller than a span batch"
+        );
+        return Ok(None);
+    }
+    let forwarder = SpanForwarder::start(
+        collector,
+        relay::FORWARD_QUEUE_BATCHES,
+        metrics.relayed_spans(),
+    )?;
+    if forwarder.is_some() {
+        info!(
+            queue_batches = relay::FORWARD_QUEUE_BATCHES,
+            "agents without a trace collector may relay their spans through their tunnels"
+        );
+    }
+    Ok(forwarder.map(Arc::new))
 }
 
 /// Starts counting the replicas when there is a way to (`peers`), and
@@ -642,6 +681,7 @@ fn serve_agent_port(
             max_tunnels_per_agent: limit(config.max_tunnels_per_agent),
             max_pending_dials_per_tunnel: limit(config.max_pending_dials_per_tunnel),
             max_stray_closes_per_tunnel: limit(config.max_stray_closes_per_tunnel),
+            span_forwarder: running.span_forwarder.clone(),
         },
         registry: running.registry.clone(),
         metrics: running.metrics.clone(),

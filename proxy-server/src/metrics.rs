@@ -62,6 +62,12 @@ pub struct Metrics {
     /// Unknown connection ids whose CLOSE_RSP the server awaits, summed
     /// over tunnels (bounded by `--max-stray-closes-per-tunnel` each).
     pub stray_close_backlog: Gauge,
+    /// Spans agents relayed through their tunnels, by `outcome` (counted
+    /// by the forwarder, see `cluster_proxy_runtime::telemetry::relay`).
+    relayed_spans: Family<Labels, Counter>,
+    /// Relayed span batches refused before their spans were counted, by
+    /// `reason`.
+    relayed_batches_rejected: Family<Labels, Counter>,
     stream: StreamMetrics,
 }
 
@@ -217,6 +223,20 @@ impl Metrics {
             "Unknown connection ids the server asked agents to close and awaits CLOSE_RSP for",
             stray_close_backlog.clone(),
         );
+        let relayed_spans = Family::<Labels, Counter>::default();
+        register_counter(
+            ours,
+            "relayed_spans_total",
+            "Spans agents without a collector of their own sent through their tunnels (the span relay), by outcome: exported (the collector took them), export_failed (the export failed or timed out), queue_full (the forwarder held as many batches as it may; dropped)",
+            relayed_spans.clone(),
+        );
+        let relayed_batches_rejected = Family::<Labels, Counter>::default();
+        register_counter(
+            ours,
+            "relayed_span_batches_rejected_total",
+            "Span batches from agents refused unread, by reason: malformed (not an OTLP ExportTraceServiceRequest), too_large (over 256 KiB), not_negotiated (on a tunnel that did not negotiate the span relay)",
+            relayed_batches_rejected.clone(),
+        );
         Metrics {
             registry: root,
             dial_duration,
@@ -240,6 +260,8 @@ impl Metrics {
             accept_errors,
             accept_refused,
             stray_close_backlog,
+            relayed_spans,
+            relayed_batches_rejected,
             stream,
         }
     }
@@ -261,6 +283,18 @@ impl Metrics {
                 .get_or_create(&vec![("service_method", method)])
                 .clone(),
         )
+    }
+
+    /// The family the span forwarder counts relayed spans in, by `outcome`.
+    pub fn relayed_spans(&self) -> Family<Labels, Counter> {
+        self.relayed_spans.clone()
+    }
+
+    /// A relayed span batch was refused for `reason`.
+    pub fn relayed_batch_rejected(&self, reason: &'static str) {
+        self.relayed_batches_rejected
+            .get_or_create(&vec![("reason", reason)])
+            .inc();
     }
 
     /// A bound named `limit` (its flag without `--max-`) refused or dropped something.

@@ -133,6 +133,12 @@ pub struct ProxyServerSettings {
     /// klog-style verbosity (`-v`); `RUST_LOG` overrides it.
     pub v: u8,
     pub log_format: LogFormat,
+    /// Where spans that agents relay through their tunnels go: the
+    /// collector of the server's own OTLP settings (`--otlp-endpoint` and
+    /// the `OTEL_*` variables), set by [`BinarySettings::load`] from the
+    /// command line. `None`: the server offers agents no span relay.
+    #[serde(skip)]
+    pub relay_collector: Option<cluster_proxy_runtime::telemetry::TelemetryConfig>,
 }
 
 /// The environment layer: `PROXY_SERVER_<FLAG>`, and upstream's `PROXY_SERVER_ID`.
@@ -204,6 +210,7 @@ impl Default for ProxyServerSettings {
             worker_threads: cluster_proxy_runtime::workers::PER_CPU,
             v: 0,
             log_format: LogFormat::Auto,
+            relay_collector: None,
         }
     }
 }
@@ -423,7 +430,15 @@ impl BinarySettings for ProxyServerSettings {
 
     /// Layers defaults, the TOML file, the environment and the flags.
     fn load(cli: &Cli) -> Result<Self, ConfigError> {
-        Self::load_with_env(cli, std::env::vars())
+        let mut settings = Self::load_with_env(cli, std::env::vars())?;
+        // A configuration that does not check out is refused, with the
+        // reason, by the shell's telemetry setup right after this.
+        settings.relay_collector = cli
+            .telemetry
+            .to_config(Self::SERVICE)
+            .ok()
+            .filter(|config| config.endpoint.is_some());
+        Ok(settings)
     }
 
     fn log_settings(&self) -> (u8, LogFormat) {

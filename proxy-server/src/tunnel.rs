@@ -20,6 +20,7 @@ use cluster_proxy_proto::flow::{
 use cluster_proxy_proto::identifiers::AgentIdentifiers;
 use cluster_proxy_proto::identity::ClusterName;
 use cluster_proxy_proto::packet::{self, Frame};
+use cluster_proxy_runtime::telemetry::relay::{self, SpanForwarder};
 use futures_util::stream::{Stream, StreamExt};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
@@ -117,6 +118,14 @@ struct State {
 /// The packets the server sends to the agent, as a gRPC response stream.
 pub type OutboundStream = Pin<Box<dyn Stream<Item = Result<Packet, tonic::Status>> + Send>>;
 
+/// Where a tunnel that negotiated the span relay hands its agent's spans.
+#[derive(Debug, Clone)]
+pub struct SpanRelay {
+    pub forwarder: Arc<SpanForwarder>,
+    /// The cluster the agent's certificate names, stamped on its spans.
+    pub cluster: Arc<str>,
+}
+
 pub struct AgentTunnel {
     id: u64,
     agent_id: String,
@@ -131,6 +140,10 @@ pub struct AgentTunnel {
     control: mpsc::UnboundedSender<Packet>,
     state: Mutex<State>,
     metrics: Arc<Metrics>,
+    /// `Some` when the span relay was negotiated.
+    span_relay: Option<SpanRelay>,
+    /// Whether a refused span batch was logged already (once per tunnel).
+    span_batch_refusal_logged: AtomicBool,
 }
 
 impl std::fmt::Debug for AgentTunnel {
@@ -149,6 +162,7 @@ impl AgentTunnel {
         cluster: Option<ClusterName>,
         identifiers: AgentIdentifiers,
         settings: TunnelSettings,
+        span_relay: Option<SpanRelay>,
         metrics: Arc<Metrics>,
     ) -> (Arc<Self>, OutboundStream) {
         let closed = CancellationToken::new();
@@ -166,6 +180,8 @@ impl AgentTunnel {
             control,
             state: Mutex::new(State::default()),
             metrics: metrics.clone(),
+            span_relay,
+            span_batch_refusal_logged: AtomicBool::new(false),
         });
         let merged = packets.map(move |p| {
             metrics.packet(Segment::ToAgent, packet::type_name(&p));
@@ -459,6 +475,7 @@ impl AgentTunnel {
                     self.fail_conn(connect_id, e.to_string());
                 }
             }
+            Frame::SpanBatch { otlp } => self.on_span_batch(otlp),
             other @ (Frame::DialRequest { .. }
             | Frame::CloseRequest { .. }
             | Frame::ServerCount { .. }
@@ -469,6 +486,37 @@ impl AgentTunnel {
                     "ignoring packet an agent should not send"
                 );
             }
+        }
+    }
+
+    /// Hands the agent's spans to the forwarder, which never waits. A batch
+    /// refused (malformed, too large, or on a tunnel that did not negotiate
+    /// the relay) is counted and dropped, and the tunnel carries on: its
+    /// connections are worth more than the agent's spans, and a refused
+    /// batch costs nothing beyond the bytes already read. Logged once per
+    /// tunnel.
+    fn on_span_batch(&self, otlp: Bytes) {
+        let refused = match &self.span_relay {
+            Some(relay) => match relay.forwarder.forward(&relay.cluster, otlp) {
+                Ok(_) => return,
+                Err(rejected) => {
+                    self.metrics.relayed_batch_rejected(rejected.reason());
+                    rejected.to_string()
+                }
+            },
+            None => {
+                self.metrics
+                    .relayed_batch_rejected(relay::rejection::NOT_NEGOTIATED);
+                "SPAN_BATCH on a tunnel that did not negotiate the span relay".to_owned()
+            }
+        };
+        if !self.span_batch_refusal_logged.swap(true, Ordering::Relaxed) {
+            warn!(
+                tunnel = self.id,
+                agent_id = %self.agent_id,
+                error = refused,
+                "dropping the agent's relayed spans (logged once per tunnel; counted in cluster_proxy_server_relayed_span_batches_rejected_total)"
+            );
         }
     }
 

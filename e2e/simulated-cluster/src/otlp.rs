@@ -45,6 +45,10 @@ pub struct Received {
     pub attributes: BTreeMap<String, String>,
     /// The span's events: name and attributes.
     pub events: Vec<ReceivedEvent>,
+    /// The attributes of the resource that sent it (`service.name`,
+    /// `cluster_proxy.relayed_from`, …).
+    #[serde(default)]
+    pub resource: BTreeMap<String, String>,
 }
 
 /// An event of a [`Received`] span.
@@ -116,12 +120,14 @@ fn attributes_of(attributes: &[KeyValue]) -> BTreeMap<String, String> {
 fn received_from(request: ExportTraceServiceRequest) -> Vec<Received> {
     let mut received = Vec::new();
     for resource in request.resource_spans {
-        let service = resource
+        let resource_attributes = resource
             .resource
-            .iter()
-            .flat_map(|r| &r.attributes)
-            .find(|kv| kv.key == "service.name")
-            .map(|kv| text_of(kv.value.as_ref().and_then(|v| v.value.as_ref())))
+            .as_ref()
+            .map(|r| attributes_of(&r.attributes))
+            .unwrap_or_default();
+        let service = resource_attributes
+            .get("service.name")
+            .cloned()
             .unwrap_or_default();
         for scope in resource.scope_spans {
             for span in scope.spans {
@@ -156,6 +162,7 @@ fn received_from(request: ExportTraceServiceRequest) -> Vec<Received> {
                             attributes: attributes_of(&event.attributes),
                         })
                         .collect(),
+                    resource: resource_attributes.clone(),
                 });
             }
         }
@@ -541,6 +548,7 @@ mod tests {
             status_message: String::new(),
             attributes: BTreeMap::new(),
             events: Vec::new(),
+            resource: BTreeMap::new(),
         }
     }
 

@@ -53,6 +53,11 @@ pub struct Logs {
     terminal: Arc<Mutex<()>>,
     /// The OTLP endpoint every process gets (see `env::traces`).
     trace_endpoint: Option<String>,
+    /// With network namespaces: the one namespace (besides the machine's
+    /// own) that reaches the endpoint. A process in any other (a managed
+    /// cluster's) is not given it: it has no route there, and a proxy-agent
+    /// without an endpoint sends its spans home through its tunnels.
+    trace_netns: Option<String>,
 }
 
 impl Logs {
@@ -63,6 +68,7 @@ impl Logs {
             echo,
             terminal: Arc::new(Mutex::new(())),
             trace_endpoint: None,
+            trace_netns: None,
         }
     }
 
@@ -71,6 +77,22 @@ impl Logs {
     pub fn with_trace_endpoint(mut self, endpoint: Option<String>) -> Self {
         self.trace_endpoint = endpoint;
         self
+    }
+
+    /// Only processes on the machine itself or in network namespace
+    /// `netns` (the hub's) get the trace endpoint; `None`: every process.
+    pub fn with_trace_netns(mut self, netns: Option<String>) -> Self {
+        self.trace_netns = netns;
+        self
+    }
+
+    /// Whether a process in network namespace `netns` is given the trace
+    /// endpoint (see [`Logs::with_trace_netns`]).
+    pub fn reaches_trace_endpoint(&self, netns: Option<&str>) -> bool {
+        match (netns, &self.trace_netns) {
+            (Some(netns), Some(reaching)) => netns == reaching,
+            _ => true,
+        }
     }
 
     /// The OTLP endpoint processes get, if any.
@@ -242,9 +264,10 @@ impl Supervised {
             command.env_remove(variable);
         }
         if let Some(endpoint) = &self.logs.trace_endpoint {
-            command
-                .env("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
-                .env("OTEL_SERVICE_NAME", self.spec.name.replace('/', "."));
+            if self.logs.reaches_trace_endpoint(self.spec.netns.as_deref()) {
+                command.env("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint);
+            }
+            command.env("OTEL_SERVICE_NAME", self.spec.name.replace('/', "."));
         }
         command
             .envs(self.spec.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))

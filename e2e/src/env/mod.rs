@@ -582,7 +582,11 @@ impl Environment {
         let (trace_endpoint, trace_receiver) = traces::start(&options.traces, &state_dir, host_ip)
             .await
             .map_err(|e| io("trace receiver")(std::io::Error::other(e)))?;
-        let logs = logs.with_trace_endpoint(trace_endpoint);
+        // Managed clusters have no route to the receiver: their agents send
+        // their spans home through their tunnels (the span relay).
+        let logs = logs
+            .with_trace_endpoint(trace_endpoint)
+            .with_trace_netns(hub_netns.clone());
         let hub = HubAddresses {
             hub_addr,
             agent_service_addr,

@@ -3,11 +3,14 @@
 //! receiver of the environment's own that writes every span as a JSON line
 //! to `traces.jsonl` in the state directory (`e2e traces` reads it).
 //!
-//! The endpoint reaches every process the environment starts, the agents
-//! the kubelet stand-in starts from rendered Deployments included, as
-//! `OTEL_EXPORTER_OTLP_ENDPOINT` in its environment (and `OTEL_SERVICE_NAME`
-//! naming the component), which every service reads as its
-//! `--otlp-endpoint`.
+//! The endpoint reaches every process the environment starts on the
+//! machine or in the hub's network, as `OTEL_EXPORTER_OTLP_ENDPOINT` in its
+//! environment (and `OTEL_SERVICE_NAME` naming the component), which every
+//! service reads as its `--otlp-endpoint`. With network namespaces the
+//! managed clusters have no route to it, as in a real install: their
+//! processes get only `OTEL_SERVICE_NAME`, and their proxy-agents send their
+//! spans home through their tunnels, which the proxy-servers forward here
+//! (the span relay). On loopback every process gets the endpoint.
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};

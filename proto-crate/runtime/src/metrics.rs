@@ -215,7 +215,7 @@ pub enum Segment {
 }
 
 const SEGMENTS: [&str; 4] = ["from_client", "to_client", "from_agent", "to_agent"];
-const PACKET_TYPES: [&str; 10] = [
+const PACKET_TYPES: [&str; 11] = [
     "DIAL_REQ",
     "DIAL_RSP",
     "CLOSE_REQ",
@@ -225,6 +225,7 @@ const PACKET_TYPES: [&str; 10] = [
     "DRAIN",
     "WINDOW_UPDATE",
     "SERVER_COUNT",
+    "SPAN_BATCH",
     "UNKNOWN",
 ];
 

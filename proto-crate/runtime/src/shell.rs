@@ -52,6 +52,13 @@ pub trait BinarySettings: Serialize + Default + Sized {
         None
     }
 
+    /// Whether spans go home through the tunnels when no collector is
+    /// configured (the agent's `--trace-relay`; see
+    /// [`crate::telemetry::relay`]).
+    fn relays_spans(&self) -> bool {
+        false
+    }
+
     /// Settings given that change nothing here (upstream flags accepted for
     /// compatibility, or flags the others given make moot); the shell warns
     /// about each.
@@ -149,7 +156,8 @@ where
     let telemetry = match flags.telemetry() {
         Some(telemetry) => {
             let config = telemetry.to_config(S::SERVICE).map_err(ShellError::from)?;
-            crate::telemetry::init(verbosity, format, &config).map_err(ShellError::from)?
+            crate::telemetry::init_relaying(verbosity, format, &config, settings.relays_spans())
+                .map_err(ShellError::from)?
         }
         None => {
             crate::logging::init(verbosity, format);

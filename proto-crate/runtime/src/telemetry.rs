@@ -43,6 +43,7 @@
 mod error;
 mod otlp_encoding;
 mod otlp_exporter;
+pub mod relay;
 
 // Apart from this module so the exporter, which this module starts, can
 // name them without depending on it.
@@ -251,6 +252,8 @@ pub struct TelemetryConfig {
     pub compression: ExportCompression,
     /// Longest one export may take, connecting included.
     pub export_timeout: Duration,
+    /// `OTEL_SDK_DISABLED=true`: no spans at all, not even relayed ones.
+    pub disabled: bool,
 }
 
 impl std::fmt::Debug for TelemetryConfig {
@@ -264,6 +267,7 @@ impl std::fmt::Debug for TelemetryConfig {
             .field("ca_certificate", &self.ca_certificate)
             .field("compression", &self.compression)
             .field("export_timeout", &self.export_timeout)
+            .field("disabled", &self.disabled)
             .finish()
     }
 }
@@ -291,6 +295,7 @@ impl TelemetryConfig {
             ca_certificate: None,
             compression: ExportCompression::None,
             export_timeout: EXPORT_TIMEOUT,
+            disabled: false,
         }
     }
 }
@@ -369,6 +374,7 @@ impl TelemetryFlags {
         }
         Ok(TelemetryConfig {
             endpoint,
+            disabled,
             service_name: self
                 .otel_service_name
                 .as_deref()
@@ -425,7 +431,8 @@ struct ExportRuntime {
 }
 
 impl ExportRuntime {
-    fn start() -> Result<Self, TelemetryError> {
+    /// Starts the runtime on a thread named `name`.
+    fn start(name: &str) -> Result<Self, TelemetryError> {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -433,7 +440,7 @@ impl ExportRuntime {
         let handle = runtime.handle().clone();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let thread = std::thread::Builder::new()
-            .name("otel-export".into())
+            .name(name.to_owned())
             .spawn(move || {
                 yield_to_the_data_path(None);
                 runtime.block_on(async {
@@ -506,28 +513,32 @@ fn tracer_provider(
     config: &TelemetryConfig,
     endpoint: &str,
 ) -> Result<(SdkTracerProvider, ExportRuntime), TelemetryError> {
-    let ca_certificate_pem = match &config.ca_certificate {
-        Some(path) => Some(
-            std::fs::read(path).map_err(|source| TelemetryError::Certificate {
-                path: path.clone(),
-                source,
-            })?,
-        ),
-        None => None,
-    };
-    let collector = otlp_exporter::CollectorConfig {
-        endpoint: endpoint.to_owned(),
-        headers: config.headers.clone(),
-        ca_certificate_pem,
-        compression: config.compression,
-        timeout: config.export_timeout,
-    };
-    let export_runtime = ExportRuntime::start()?;
+    let collector = otlp_exporter::CollectorConfig::of(config, endpoint)?;
+    let export_runtime = ExportRuntime::start("otel-export")?;
     // The channel spawns its tasks on the runtime it is built in.
     let exporter = {
         let _entered = export_runtime.handle.enter();
         otlp_exporter::OtlpSpanExporter::new(&collector)?
     };
+    Ok((provider_with(config, exporter), export_runtime))
+}
+
+/// The tracer provider of an agent that relays its spans through its
+/// tunnels ([`relay`]): the same sampler, resource and batching as
+/// [`tracer_provider`]'s, with `queue` where the collector would be.
+fn relaying_provider(
+    config: &TelemetryConfig,
+    queue: std::sync::Arc<relay::RelayQueue>,
+) -> SdkTracerProvider {
+    provider_with(config, relay::RelayExporter::new(queue))
+}
+
+/// A provider exporting through `exporter` with `config`'s sampler and
+/// resource, in batches on a processor thread of the lowest priority.
+fn provider_with<E>(config: &TelemetryConfig, exporter: E) -> SdkTracerProvider
+where
+    E: opentelemetry_sdk::trace::SpanExporter + 'static,
+{
     // The processor starts a thread of its own (it turns each batch into
     // OTLP messages): the threads that appear while it is built are its.
     let threads_before = thread_ids();
@@ -551,12 +562,11 @@ fn tracer_provider(
                 .map(|(k, v)| KeyValue::new(k.clone(), v.clone())),
         )
         .build();
-    let provider = SdkTracerProvider::builder()
+    SdkTracerProvider::builder()
         .with_span_processor(batch)
         .with_sampler(config.sampler.sampler())
         .with_resource(resource)
-        .build();
-    Ok((provider, export_runtime))
+        .build()
 }
 
 /// The nice value of the export threads (the batch processor's and the
@@ -596,13 +606,35 @@ pub fn init(
     format: LogFormat,
     config: &TelemetryConfig,
 ) -> Result<Telemetry, TelemetryError> {
-    let Some(endpoint) = &config.endpoint else {
-        crate::logging::init(verbosity, format);
-        return Ok(Telemetry::default());
+    init_relaying(verbosity, format, config, false)
+}
+
+/// [`init`], and with `relay` (an agent's `--trace-relay=auto`) and no
+/// endpoint, spans are exported to the process's [`relay::RelayQueue`]
+/// ([`relay::installed`]) for its tunnels to send home, instead of
+/// nowhere. `OTEL_SDK_DISABLED=true` turns that off too.
+pub fn init_relaying(
+    verbosity: u8,
+    format: LogFormat,
+    config: &TelemetryConfig,
+    relay: bool,
+) -> Result<Telemetry, TelemetryError> {
+    let (provider, export_runtime, queue) = match &config.endpoint {
+        Some(endpoint) => {
+            let (provider, runtime) = tracer_provider(config, endpoint)?;
+            (provider, Some(runtime), None)
+        }
+        None if relay && !config.disabled => {
+            let queue = relay::RelayQueue::new(relay::RELAY_QUEUE_BATCHES);
+            (relaying_provider(config, queue.clone()), None, Some(queue))
+        }
+        None => {
+            crate::logging::init(verbosity, format);
+            return Ok(Telemetry::default());
+        }
     };
     let filter = EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| EnvFilter::new(filter_for_verbosity(verbosity)));
-    let (provider, export_runtime) = tracer_provider(config, endpoint)?;
     let tracer = provider.tracer("cluster-proxy");
     let fmt = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
@@ -620,9 +652,12 @@ pub fn init(
         let _ = provider.shutdown();
         return Ok(Telemetry::default());
     }
+    if let Some(queue) = queue {
+        relay::install(queue);
+    }
     let telemetry = Telemetry {
         provider: Some(provider),
-        export_runtime: Some(export_runtime),
+        export_runtime,
     };
     // The connection spans are made with the provider's tracer directly
     // (`cluster_proxy_proto::trace::direct`), not through the layer.

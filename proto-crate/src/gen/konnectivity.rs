@@ -3,7 +3,7 @@
 pub struct Packet {
     #[prost(enumeration = "PacketType", tag = "1")]
     pub r#type: i32,
-    #[prost(oneof = "packet::Payload", tags = "2, 3, 4, 5, 6, 7, 8, 100, 101")]
+    #[prost(oneof = "packet::Payload", tags = "2, 3, 4, 5, 6, 7, 8, 100, 101, 102")]
     pub payload: ::core::option::Option<packet::Payload>,
 }
 /// Nested message and enum types in `Packet`.
@@ -30,6 +30,9 @@ pub mod packet {
         /// cluster-proxy extension.
         #[prost(message, tag = "101")]
         ServerCount(super::ServerCount),
+        /// cluster-proxy extension.
+        #[prost(message, tag = "102")]
+        SpanBatch(super::SpanBatch),
     }
 }
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
@@ -134,6 +137,21 @@ pub struct ServerCount {
     #[prost(int64, tag = "1")]
     pub count: i64,
 }
+/// Agent to server: spans of the agent's own, for the server to forward to
+/// the trace collector it exports to (cluster-proxy extension), so an agent
+/// in a network with no route to a collector still gets its spans home. Sent
+/// only on a tunnel whose server answered `cluster-proxy-span-relay` in its
+/// Connect response headers, which it does only to an agent that asked for it
+/// in its Connect request and only when it has a collector to forward to.
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct SpanBatch {
+    /// An encoded OTLP `ExportTraceServiceRequest`
+    /// (opentelemetry.proto.collector.trace.v1), at most 256 KiB. The server overwrites the
+    /// resource attribute `cluster_proxy.relayed_from` of every resource with
+    /// the cluster its certificate names, whatever the agent put there.
+    #[prost(bytes = "bytes", tag = "1")]
+    pub otlp: ::prost::bytes::Bytes,
+}
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, ::prost::Enumeration)]
 #[repr(i32)]
 pub enum PacketType {
@@ -148,6 +166,9 @@ pub enum PacketType {
     WindowUpdate = 100,
     /// cluster-proxy extension: the number of proxy-server replicas changed.
     ServerCount = 101,
+    /// cluster-proxy extension: the agent's own spans, for the server to
+    /// forward to its trace collector.
+    SpanBatch = 102,
 }
 impl PacketType {
     /// String value of the enum field names used in the ProtoBuf definition.
@@ -165,6 +186,7 @@ impl PacketType {
             Self::Drain => "DRAIN",
             Self::WindowUpdate => "WINDOW_UPDATE",
             Self::ServerCount => "SERVER_COUNT",
+            Self::SpanBatch => "SPAN_BATCH",
         }
     }
     /// Creates an enum from field names used in the ProtoBuf definition.
@@ -179,6 +201,7 @@ impl PacketType {
             "DRAIN" => Some(Self::Drain),
             "WINDOW_UPDATE" => Some(Self::WindowUpdate),
             "SERVER_COUNT" => Some(Self::ServerCount),
+            "SPAN_BATCH" => Some(Self::SpanBatch),
             _ => None,
         }
     }
