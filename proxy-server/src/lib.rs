@@ -600,7 +600,7 @@ fn span_forwarder(
         );
         return Ok(None);
     }
-    let forwarder = SpanForwarder::start(
+    let forwarder = cluster_proxy_runtime::telemetry::span_forwarder(
         collector,
         relay::FORWARD_QUEUE_BATCHES,
         metrics.relayed_spans(),

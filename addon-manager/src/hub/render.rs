@@ -479,7 +479,7 @@ fn pod_spec(
                 }),
                 ..EnvVar::default()
             })
-            .chain(options.telemetry.env(namespace_of(mpc)))
+            .chain(options.telemetry.env(namespace_of(mpc), SERVER_ID_ENV))
             .collect(),
         ),
         ports: Some(vec![

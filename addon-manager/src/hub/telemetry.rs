@@ -160,9 +160,9 @@ impl ProxyServerTelemetry {
         Ok(())
     }
 
-    /// The container's variables, after the proxy-server's
-    /// [`super::render::SERVER_ID_ENV`] (which the resource attributes name
-    /// through Kubernetes' `$(VAR)` expansion); empty when not enabled.
+    /// The container's variables, after the proxy-server's `server_id_env`
+    /// (the variable holding the pod's name, which the resource attributes
+    /// name through Kubernetes' `$(VAR)` expansion); empty when not enabled.
     ///
     /// The resource attributes start with the pod's namespace and name so
     /// that the replicas tell apart in a trace; the configured ones follow.
@@ -170,7 +170,7 @@ impl ProxyServerTelemetry {
     /// The headers Secret is `optional`: a missing credential must degrade
     /// export, never keep the data plane from starting; the CA ConfigMap is
     /// not (see [`Self::volume`]).
-    pub fn env(&self, namespace: &str) -> Vec<EnvVar> {
+    pub fn env(&self, namespace: &str, server_id_env: &str) -> Vec<EnvVar> {
         let Some(endpoint) = given(&self.endpoint) else {
             return Vec::new();
         };
@@ -186,10 +186,8 @@ impl ProxyServerTelemetry {
         if let Some(arg) = given(&self.sampler_arg) {
             env.push(plain("OTEL_TRACES_SAMPLER_ARG", arg));
         }
-        let mut attributes = format!(
-            "k8s.namespace.name={namespace},k8s.pod.name=$({})",
-            super::render::SERVER_ID_ENV
-        );
+        let mut attributes =
+            format!("k8s.namespace.name={namespace},k8s.pod.name=$({server_id_env})");
         if let Some(extra) = given(&self.resource_attributes) {
             attributes.push(',');
             attributes.push_str(&extra.replace("$(", "$$("));
@@ -259,8 +257,10 @@ impl ProxyServerTelemetry {
         if !self.is_enabled() {
             return None;
         }
+        // The name of the server id's variable is the renderer's constant,
+        // not a setting: the hash covers the settings.
         let rendered = serde_json::json!({
-            "env": self.env(namespace),
+            "env": self.env(namespace, ""),
             "volume": self.volume(),
         });
         let digest = Sha256::digest(rendered.to_string().as_bytes());
@@ -303,7 +303,7 @@ mod tests {
             ..ProxyServerTelemetry::default()
         };
         assert!(off.validate().is_ok());
-        assert!(off.env("ns").is_empty());
+        assert!(off.env("ns", "PROXY_SERVER_ID").is_empty());
         assert!(off.volume().is_none());
         assert!(off.volume_mount().is_none());
         assert!(off.annotations("ns").is_empty());
@@ -315,7 +315,7 @@ mod tests {
             resource_attributes: Some("team=$(SECRET)".into()),
             ..on()
         };
-        let env = telemetry.env("hub");
+        let env = telemetry.env("hub", "PROXY_SERVER_ID");
         let attributes = env
             .iter()
             .find(|var| var.name == "OTEL_RESOURCE_ATTRIBUTES")

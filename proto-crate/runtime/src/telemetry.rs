@@ -41,9 +41,13 @@
 //! sampled was most of what a span cost.
 
 mod error;
+mod export_runtime;
 mod otlp_encoding;
 mod otlp_exporter;
 pub mod relay;
+
+pub use export_runtime::EXPORT_THREAD_NICE;
+use export_runtime::{ExportRuntime, yield_to_the_data_path};
 
 // Apart from this module so the exporter, which this module starts, can
 // name them without depending on it.
@@ -421,52 +425,6 @@ pub struct Telemetry {
     export_runtime: Option<ExportRuntime>,
 }
 
-/// The exporter's own Tokio runtime (one thread, `otel-export`); it stops
-/// when dropped.
-#[derive(Debug)]
-struct ExportRuntime {
-    handle: tokio::runtime::Handle,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl ExportRuntime {
-    /// Starts the runtime on a thread named `name`.
-    fn start(name: &str) -> Result<Self, TelemetryError> {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(TelemetryError::ExportRuntime)?;
-        let handle = runtime.handle().clone();
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let thread = std::thread::Builder::new()
-            .name(name.to_owned())
-            .spawn(move || {
-                yield_to_the_data_path(None);
-                runtime.block_on(async {
-                    let _ = stopped.await;
-                });
-            })
-            .map_err(TelemetryError::ExportRuntime)?;
-        Ok(ExportRuntime {
-            handle,
-            stop: Some(stop),
-            thread: Some(thread),
-        })
-    }
-}
-
-impl Drop for ExportRuntime {
-    fn drop(&mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
-    }
-}
-
 impl Telemetry {
     /// Whether spans are exported.
     pub fn exporting(&self) -> bool {
@@ -513,7 +471,7 @@ fn tracer_provider(
     config: &TelemetryConfig,
     endpoint: &str,
 ) -> Result<(SdkTracerProvider, ExportRuntime), TelemetryError> {
-    let collector = otlp_exporter::CollectorConfig::of(config, endpoint)?;
+    let collector = collector_config(config, endpoint)?;
     let export_runtime = ExportRuntime::start("otel-export")?;
     // The channel spawns its tasks on the runtime it is built in.
     let exporter = {
@@ -521,6 +479,48 @@ fn tracer_provider(
         otlp_exporter::OtlpSpanExporter::new(&collector)?
     };
     Ok((provider_with(config, exporter), export_runtime))
+}
+
+/// The collector `config` names at `endpoint`, its CA bundle read.
+fn collector_config(
+    config: &TelemetryConfig,
+    endpoint: &str,
+) -> Result<otlp_exporter::CollectorConfig, TelemetryError> {
+    let ca_certificate_pem = match &config.ca_certificate {
+        Some(path) => Some(
+            std::fs::read(path).map_err(|source| TelemetryError::Certificate {
+                path: path.clone(),
+                source,
+            })?,
+        ),
+        None => None,
+    };
+    Ok(otlp_exporter::CollectorConfig {
+        endpoint: endpoint.to_owned(),
+        headers: config.headers.clone(),
+        ca_certificate_pem,
+        compression: config.compression,
+        timeout: config.export_timeout,
+    })
+}
+
+/// A forwarder of the spans agents relay ([`relay::SpanForwarder`]) to the
+/// collector `config` names, holding at most `capacity` batches and
+/// counting spans by `outcome` in `spans`; `None` when `config` exports
+/// nothing.
+pub fn span_forwarder(
+    config: &TelemetryConfig,
+    capacity: usize,
+    spans: prometheus_client::metrics::family::Family<
+        relay::Labels,
+        prometheus_client::metrics::counter::Counter,
+    >,
+) -> Result<Option<relay::SpanForwarder>, TelemetryError> {
+    let Some(endpoint) = &config.endpoint else {
+        return Ok(None);
+    };
+    let collector = collector_config(config, endpoint)?;
+    relay::SpanForwarder::start(&collector, capacity, spans).map(Some)
 }
 
 /// The tracer provider of an agent that relays its spans through its
@@ -569,15 +569,6 @@ where
         .build()
 }
 
-/// The nice value of the export threads (the batch processor's and the
-/// `otel-export` runtime's): the lowest priority. Export must never slow the
-/// data path; on a saturated machine a batch of hundreds of spans turned
-/// into OTLP and encoded holds a core for milliseconds, and at the default
-/// priority the scheduler gives it the same share as the tunnel's workers.
-/// Starved, the queue fills and spans are dropped ([`MAX_QUEUE_SPANS`]),
-/// which is the bound this module promises anyway.
-pub const EXPORT_THREAD_NICE: i32 = 19;
-
 /// This process's thread ids (Linux); empty where `/proc` is not there.
 fn thread_ids() -> std::collections::BTreeSet<i32> {
     let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
@@ -587,14 +578,6 @@ fn thread_ids() -> std::collections::BTreeSet<i32> {
         .filter_map(Result::ok)
         .filter_map(|task| task.file_name().to_str()?.parse().ok())
         .collect()
-}
-
-/// Gives `thread` (the calling thread when `None`) the lowest priority
-/// ([`EXPORT_THREAD_NICE`]). Lowering a priority needs no privilege; a
-/// failure (a thread gone already) only leaves it where it was.
-fn yield_to_the_data_path(thread: Option<i32>) {
-    let thread = thread.and_then(rustix::process::Pid::from_raw);
-    let _ = rustix::process::setpriority_process(thread, EXPORT_THREAD_NICE);
 }
 
 /// Installs the global subscriber: the log output of [`crate::logging`]

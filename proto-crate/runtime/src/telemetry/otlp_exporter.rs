@@ -39,33 +39,6 @@ pub(crate) struct CollectorConfig {
     pub timeout: std::time::Duration,
 }
 
-impl CollectorConfig {
-    /// The collector `config` names at `endpoint`, its CA bundle read.
-    pub(crate) fn of(
-        config: &super::TelemetryConfig,
-        endpoint: &str,
-    ) -> Result<Self, TelemetryError> {
-        let ca_certificate_pem = match &config.ca_certificate {
-            Some(path) => {
-                Some(
-                    std::fs::read(path).map_err(|source| TelemetryError::Certificate {
-                        path: path.clone(),
-                        source,
-                    })?,
-                )
-            }
-            None => None,
-        };
-        Ok(CollectorConfig {
-            endpoint: endpoint.to_owned(),
-            headers: config.headers.clone(),
-            ca_certificate_pem,
-            compression: config.compression,
-            timeout: config.export_timeout,
-        })
-    }
-}
-
 /// Sends [`SpanData`] batches to one collector. Its `Debug` names the
 /// headers it sends, not their values.
 pub(crate) struct OtlpSpanExporter {

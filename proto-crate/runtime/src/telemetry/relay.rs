@@ -40,9 +40,10 @@ use tokio::sync::{Notify, mpsc};
 
 pub use cluster_proxy_proto::packet::MAX_SPAN_BATCH;
 
+use super::error::TelemetryError;
+use super::export_runtime::ExportRuntime;
 use super::otlp_encoding::SpanEncoder;
 use super::otlp_exporter::{CollectorConfig, OtlpSpanExporter};
-use super::{ExportRuntime, TelemetryConfig, TelemetryError};
 
 /// Encoded batches an agent holds for its tunnels at most (each at most
 /// [`MAX_SPAN_BATCH`] bytes, so at most 8 MiB).
@@ -474,33 +475,29 @@ impl std::fmt::Debug for SpanForwarder {
 }
 
 impl SpanForwarder {
-    /// A forwarder to the collector `config` names, holding at most
-    /// `capacity` batches, counting spans by `outcome` in `spans`; `None`
-    /// when `config` exports nothing.
-    pub fn start(
-        config: &TelemetryConfig,
+    /// A forwarder to `collector`, holding at most `capacity` batches,
+    /// counting spans by `outcome` in `spans` (built by the telemetry
+    /// module's `span_forwarder`, from a process's settings).
+    pub(crate) fn start(
+        collector: &CollectorConfig,
         capacity: usize,
         spans: Family<Labels, Counter>,
-    ) -> Result<Option<Self>, TelemetryError> {
-        let Some(endpoint) = &config.endpoint else {
-            return Ok(None);
-        };
-        let collector = CollectorConfig::of(config, endpoint)?;
+    ) -> Result<Self, TelemetryError> {
         let runtime = ExportRuntime::start("otel-relay")?;
         let exporter = {
             // The channel spawns its tasks on the runtime it is built in.
             let _entered = runtime.handle.enter();
-            OtlpSpanExporter::new(&collector)?
+            OtlpSpanExporter::new(collector)?
         };
         let (queue, batches) = mpsc::channel(capacity.max(1));
         runtime
             .handle
             .spawn(forward(batches, exporter, spans.clone()));
-        Ok(Some(SpanForwarder {
+        Ok(SpanForwarder {
             queue,
             spans,
             _runtime: runtime,
-        }))
+        })
     }
 
     /// Checks `otlp` (size and outline) and queues it for the collector,
