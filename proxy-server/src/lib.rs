@@ -156,7 +156,15 @@ impl PortFiles {
     ) -> Result<Arc<rustls::ServerConfig>, TlsError> {
         let identity = Identity::from_files(&self.cert, &self.key)?;
         let roots = tls::roots(&Pem::file("CA bundle", &self.ca)?)?;
-        tls::server_config_with_policy(identity, Some(roots), alpn, policy)
+        // Agents reconnecting after a restart of their own or an outage
+        // resume their sessions; listener::serve_tls checks a resumed
+        // session's certificates for expiry.
+        tls::with_session_tickets(tls::server_config_with_policy(
+            identity,
+            Some(roots),
+            alpn,
+            policy,
+        )?)
     }
 
     /// Loads now, then reloads whenever a file changes.

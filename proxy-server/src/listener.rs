@@ -404,6 +404,8 @@ async fn serve_tls<C: ServeConnection, IO>(
             return;
         }
     };
+    let resumed = tls.get_ref().1.handshake_kind() == Some(rustls::HandshakeKind::Resumed);
+    metrics.tls_handshake_completed(name, resumed);
     if let Err(refusal) = resumed_chain_still_valid(tls.get_ref().1) {
         metrics.tls_handshake_failed(name, "expired_resumed_session");
         info!(listener = name, %remote, error = %refusal, "resumed TLS session refused");

@@ -383,6 +383,22 @@ fn build_server_config(
     Ok(Arc::new(config))
 }
 
+/// `config` issuing stateless TLS session tickets (encrypted with a key
+/// of this config's own, rotated every 6 hours), so a client that
+/// reconnects resumes its session: no certificate chain verified and no
+/// signature made or checked, a fraction of a full handshake's CPU. Without
+/// it rustls keeps 256 sessions in memory, which a fleet of thousands of
+/// agents evicts long before they reconnect. Only for servers that check a
+/// resumed session's certificates for expiry themselves
+/// ([`crate::peer::check_not_expired`]); a new config (credentials or trust
+/// reloaded) has a new key, so no session outlives a change of trust.
+pub fn with_session_tickets(config: Arc<ServerConfig>) -> Result<Arc<ServerConfig>, TlsError> {
+    let mut config = Arc::unwrap_or_clone(config);
+    config.ticketer = rustls::crypto::ring::Ticketer::new()
+        .map_err(|e| TlsError::Config(format!("session tickets: {e}")))?;
+    Ok(Arc::new(config))
+}
+
 /// A client config trusting `roots`, presenting `identity` if given.
 pub fn client_config(
     roots: Arc<RootCertStore>,
@@ -475,6 +491,70 @@ mod tests {
             }
         }
         panic!("the handshake did not finish");
+    }
+
+    /// One TLS 1.3 connection's handshake, and then the server's tickets
+    /// delivered: full or resumed.
+    fn connect(client: Arc<ClientConfig>, server: Arc<ServerConfig>) -> rustls::HandshakeKind {
+        let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+        let mut client = rustls::ClientConnection::new(client, name).unwrap();
+        let mut server = rustls::ServerConnection::new(server).unwrap();
+        // Flights until both are done, then one more: the tickets follow
+        // the server's handshake.
+        let mut after = 0;
+        while after < 2 {
+            let mut bytes = Vec::new();
+            client.write_tls(&mut bytes).unwrap();
+            server.read_tls(&mut bytes.as_slice()).unwrap();
+            server.process_new_packets().unwrap();
+            let mut bytes = Vec::new();
+            server.write_tls(&mut bytes).unwrap();
+            client.read_tls(&mut bytes.as_slice()).unwrap();
+            client.process_new_packets().unwrap();
+            if !client.is_handshaking() && !server.is_handshaking() {
+                after += 1;
+            }
+        }
+        server.handshake_kind().unwrap()
+    }
+
+    /// A fleet of agents reconnecting after an outage: without tickets,
+    /// the 256 sessions rustls keeps are long gone when the first of 300
+    /// agents comes back, and every reconnect costs a full handshake.
+    #[test]
+    fn session_tickets_let_a_client_resume_after_hundreds_of_others() {
+        let ca = TestCa::new();
+        let leaf = ca.server("localhost");
+        let agent = ca.client("agent", None);
+        let trust = || roots(&Pem::text("ca.crt", &ca.cert_pem)).unwrap();
+        let identity = |leaf: &crate::test_pki::Leaf| {
+            Identity::new(
+                &Pem::text("tls.crt", &leaf.cert_pem),
+                &Pem::text("tls.key", &leaf.key_pem),
+            )
+            .unwrap()
+        };
+        let client = || client_config(trust(), Some(identity(&agent)), &[]).unwrap();
+        for tickets in [false, true] {
+            let mut server = server_config(identity(&leaf), Some(trust()), &[]).unwrap();
+            if tickets {
+                server = with_session_tickets(server).unwrap();
+            }
+            let first = client();
+            assert_eq!(
+                connect(first.clone(), server.clone()),
+                rustls::HandshakeKind::Full
+            );
+            for _ in 0..300 {
+                connect(client(), server.clone());
+            }
+            let expected = if tickets {
+                rustls::HandshakeKind::Resumed
+            } else {
+                rustls::HandshakeKind::Full
+            };
+            assert_eq!(connect(first, server), expected, "tickets: {tickets}");
+        }
     }
 
     /// A client speaking only `version`, offering only the suites named.
