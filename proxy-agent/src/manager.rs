@@ -495,8 +495,13 @@ fn error_chain(e: &dyn std::error::Error) -> String {
     text
 }
 
-/// Upstream's backoff: starts at the sync interval, ×1.5 per failure,
-/// capped, ±10% jitter.
+/// Upstream's growth (from the sync interval, ×1.5 per failure, capped at
+/// `--sync-interval-cap`) with "equal jitter": each wait is half its step
+/// plus a uniformly random part of the other half. Upstream's ±10% keeps
+/// agents that failed together (every agent of a hub outage, or of a
+/// replica that restarted) in step, so they return in waves; half a step
+/// of randomness spreads them within a try or two, and no wait is longer
+/// than the cap (±10% could exceed it).
 struct Backoff {
     initial: Duration,
     current: Duration,
@@ -513,7 +518,7 @@ impl Backoff {
     }
 
     fn next(&mut self) -> Duration {
-        let d = jitter(self.current);
+        let d = self.current.mul_f64(0.5 + 0.5 * rand::random::<f64>());
         self.current = self.current.mul_f64(1.5).min(self.cap);
         d
     }
@@ -667,14 +672,43 @@ mod tests {
     fn backoff_grows_to_the_cap_with_jitter() {
         let mut b = Backoff::new(Duration::from_secs(1), Duration::from_secs(3));
         let first = b.next();
-        assert!(first >= Duration::from_millis(900) && first <= Duration::from_millis(1100));
+        assert!(first >= Duration::from_millis(500) && first <= Duration::from_secs(1));
         for _ in 0..10 {
             let d = b.next();
-            assert!(d <= Duration::from_millis(3300), "{d:?}");
+            assert!(d <= Duration::from_secs(3), "beyond the cap: {d:?}");
         }
         assert_eq!(b.current, Duration::from_secs(3));
         b.reset();
         assert_eq!(b.current, Duration::from_secs(1));
+    }
+
+    /// A hub outage: 10,000 agents fail together and back off together.
+    /// Their sixth attempts (five waits in, 13.2 s on average) must be
+    /// spread with a standard deviation of at least 0.7 s (upstream's ±10%:
+    /// 0.39 s, so they came back in waves), and no wait may exceed the cap.
+    #[test]
+    fn agents_that_fail_together_spread_out_and_never_wait_beyond_the_cap() {
+        let cap = Duration::from_secs(10);
+        let attempts: Vec<f64> = (0..10_000)
+            .map(|_| {
+                let mut b = Backoff::new(Duration::from_secs(1), cap);
+                (0..5)
+                    .map(|_| {
+                        let d = b.next();
+                        assert!(d <= cap, "beyond the cap: {d:?}");
+                        d.as_secs_f64()
+                    })
+                    .sum()
+            })
+            .collect();
+        let mean = attempts.iter().sum::<f64>() / attempts.len() as f64;
+        let variance =
+            attempts.iter().map(|a| (a - mean).powi(2)).sum::<f64>() / attempts.len() as f64;
+        assert!(
+            variance.sqrt() >= 0.7,
+            "sixth attempts spread with a standard deviation of {:.2} s",
+            variance.sqrt()
+        );
     }
 
     /// The CI failure of 2026-11-26: behind a random balancer in front of
