@@ -54,7 +54,9 @@
 //! `CP_SCALE_SERVER_BIN=<path>` runs that proxy-server instead of building
 //! every workspace binary (`cargo build --release -p proxy-server`);
 //! `CP_SCALE_SERVER_LOG=<file>` and `CP_SCALE_SERVER_RUST_LOG=<filter>` keep
-//! the server's log. Every stage of a connection (TCP, TLS, the CONNECT
+//! the server's log; `CP_SCALE_STORM=restart|outage`, `CP_SCALE_OUTAGE_SECS`
+//! and `CP_SCALE_REPLICAS` (1 or 2) end the run with a reconnect storm
+//! (see `storm.rs`). Every stage of a connection (TCP, TLS, the CONNECT
 //! answer, the echo) has a 30 s limit, and a failure prints the server's
 //! metrics.
 //!
@@ -64,6 +66,8 @@
 //! cooperative budget had run out, the TLS stream kept the byte, and
 //! nothing flushed it. The same hazard was in the server's CONNECT relay
 //! (fixed; regression test `tunnel::connect_delivers_the_tail_of_a_burst_to_a_slow_reader`).
+
+mod storm;
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
@@ -329,6 +333,8 @@ struct HostPlan {
     count: usize,
     agent_port: u16,
     echo_port: u16,
+    /// With a storm: every replica's agent port, behind a balancer of the host's own.
+    balanced: Option<String>,
 }
 
 impl HostPlan {
@@ -341,6 +347,7 @@ impl HostPlan {
             count: var("CP_SCALE_HOST_COUNT")?.parse()?,
             agent_port: var("CP_SCALE_HOST_AGENT_PORT")?.parse()?,
             echo_port: var("CP_SCALE_HOST_ECHO_PORT")?.parse()?,
+            balanced: std::env::var("CP_SCALE_HOST_BALANCED").ok(),
         })
     }
 
@@ -353,14 +360,35 @@ impl HostPlan {
             .env("CP_SCALE_HOST_COUNT", self.count.to_string())
             .env("CP_SCALE_HOST_AGENT_PORT", self.agent_port.to_string())
             .env("CP_SCALE_HOST_ECHO_PORT", self.echo_port.to_string());
+        if let Some(ports) = &self.balanced {
+            command.env("CP_SCALE_HOST_BALANCED", ports);
+        }
         command
     }
 }
 
 /// An agent host: loads its agents' certificates, serves its echo target,
 /// says `ready`; on `go` starts every agent, says `connected <seconds>`
-/// once each holds its tunnel; on the end of its input shuts them down.
+/// once each holds its tunnel; then answers the storm's commands (see
+/// [`host_command`]); on the end of its input shuts the agents down.
 async fn agent_host(plan: HostPlan) -> anyhow::Result<()> {
+    // With a storm, the agents reach the replicas through a balancer whose
+    // gate stands in for the network.
+    let (agent_port, gate) = match &plan.balanced {
+        Some(ports) => {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+            let port = listener.local_addr()?.port();
+            let gate = simulated_cluster::balancer::Gate::default();
+            tokio::spawn(simulated_cluster::balancer::serve_gated(
+                listener,
+                simulated_cluster::balancer::Backends::new(storm::parse_ports(ports)?),
+                simulated_cluster::balancer::Selection::Random,
+                gate.clone(),
+            ));
+            (port, Some(gate))
+        }
+        None => (plan.agent_port, None),
+    };
     let layout = Layout::new(&plan.certs);
     let roots = cert_authority::tls::roots(&Pem::file("CA certificate", &layout.ca().cert)?)?;
     let address = host_address(plan.index)?;
@@ -404,7 +432,7 @@ async fn agent_host(plan: HostPlan) -> anyhow::Result<()> {
                     config.admin_server_port = port + 1;
                 }
                 config.proxy_server_host = "localhost".into();
-                config.proxy_server_port = plan.agent_port;
+                config.proxy_server_port = agent_port;
                 config.agent_id = format!("{cluster}-agent");
                 config.agent_identifiers = format!("host={cluster}");
                 config.host_aliases.insert(cluster.clone(), address);
@@ -412,19 +440,59 @@ async fn agent_host(plan: HostPlan) -> anyhow::Result<()> {
             });
         agents.extend(futures_util::future::try_join_all(starts).await?);
     }
+    let want = plan.balanced.as_deref().map_or(1, |p| p.split(',').count());
     for agent in &agents {
-        if !agent.wait_for_tunnels(1, Duration::from_secs(120)).await {
+        if !agent.wait_for_tunnels(want, Duration::from_secs(120)).await {
             println!("failed {} did not connect", agent.agent_id());
             return Ok(());
         }
     }
     println!("connected {:.3}", started.elapsed().as_secs_f64());
-    while input.next_line().await?.is_some() {}
+    while let Some(line) = input.next_line().await? {
+        println!("{}", host_command(&line, &agents, gate.as_ref()).await);
+    }
     for agent in agents {
         agent.shutdown().await;
     }
     drop(echo);
     Ok(())
+}
+
+/// The answer to one of the storm's commands: `shut` and `open` the gate;
+/// `lost <n>`: when every agent holds fewer than `n` tunnels; `await <n>`:
+/// when each holds `n` again (`back <ms since the epoch, per agent>`);
+/// `attempts`: the gate's connection attempts per 100 ms.
+async fn host_command(
+    line: &str,
+    agents: &[proxy_agent::RunningAgent],
+    gate: Option<&simulated_cluster::balancer::Gate>,
+) -> String {
+    let mut words = line.split_whitespace();
+    let (command, count) = (words.next(), words.next().and_then(|n| n.parse().ok()));
+    let limit = Duration::from_secs(600);
+    match (command, count, gate) {
+        (Some("shut"), _, Some(gate)) => {
+            gate.shut();
+            "shut".to_owned()
+        }
+        (Some("open"), _, Some(gate)) => {
+            gate.open();
+            "open".to_owned()
+        }
+        (Some("attempts"), _, Some(gate)) => {
+            format!("attempts {}", storm::format_attempts(&gate.attempts()))
+        }
+        (Some("lost"), Some(n), _) => {
+            let times = storm::watch_agents(agents, |held| held < n, limit).await;
+            let left = times.iter().filter(|t| t.is_none()).count();
+            format!("lost {left}")
+        }
+        (Some("await"), Some(n), _) => {
+            let times = storm::watch_agents(agents, |held| held >= n, limit).await;
+            format!("back {}", storm::format_back(&times))
+        }
+        _ => format!("unknown command {line:?} (without a balancer: only lost and await)"),
+    }
 }
 
 /// An agent host as the parent sees it.
@@ -476,6 +544,91 @@ impl Host {
         stdin.write_all(format!("{line}\n").as_bytes()).await?;
         stdin.flush().await?;
         Ok(())
+    }
+}
+
+/// A proxy-server replica as a child process, which can be killed and
+/// started again on the same ports.
+pub(crate) struct ServerProcess {
+    bin: PathBuf,
+    args: Vec<String>,
+    ports: ServerPorts,
+    child: tokio::process::Child,
+    pub(crate) pid: u32,
+}
+
+impl ServerProcess {
+    async fn spawn(bin: &Path, args: Vec<String>, ports: ServerPorts) -> anyhow::Result<Self> {
+        let child = Self::start(bin, &args)?;
+        let pid = child.id().ok_or_else(|| anyhow!("proxy-server exited"))?;
+        let server = ServerProcess {
+            bin: bin.to_owned(),
+            args,
+            ports,
+            child,
+            pid,
+        };
+        server.wait_listening().await?;
+        Ok(server)
+    }
+
+    fn start(bin: &Path, args: &[String]) -> anyhow::Result<tokio::process::Child> {
+        Ok(tokio::process::Command::new(bin)
+            .args(args)
+            .env(
+                "RUST_LOG",
+                std::env::var("CP_SCALE_SERVER_RUST_LOG").unwrap_or_default(),
+            )
+            .stdout(Stdio::null())
+            .stderr(match std::env::var_os("CP_SCALE_SERVER_LOG") {
+                Some(file) => Stdio::from(
+                    std::fs::OpenOptions::new()
+                        .create(true)
+                        .append(true)
+                        .open(file)?,
+                ),
+                None => Stdio::null(),
+            })
+            .kill_on_drop(true)
+            .spawn()?)
+    }
+
+    async fn wait_listening(&self) -> anyhow::Result<()> {
+        let listening = Instant::now();
+        while tokio::net::TcpStream::connect(("127.0.0.1", self.ports.health))
+            .await
+            .is_err()
+        {
+            if listening.elapsed() > Duration::from_secs(30) {
+                bail!("proxy-server did not listen within 30 s");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Ok(())
+    }
+
+    /// SIGKILL, and wait until it is gone.
+    pub(crate) async fn kill(&mut self) -> anyhow::Result<()> {
+        self.child.kill().await?;
+        Ok(())
+    }
+
+    /// Started again with the same flags, once it listens.
+    pub(crate) async fn respawn(&mut self) -> anyhow::Result<()> {
+        self.child = Self::start(&self.bin, &self.args)?;
+        self.pid = self
+            .child
+            .id()
+            .ok_or_else(|| anyhow!("proxy-server exited"))?;
+        self.wait_listening().await
+    }
+
+    pub(crate) fn client_addr(&self) -> SocketAddr {
+        self.ports.client_addr()
+    }
+
+    pub(crate) fn health_addr(&self) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], self.ports.health))
     }
 }
 
@@ -536,16 +689,33 @@ async fn run() -> anyhow::Result<()> {
     let dial_count = knob("CP_SCALE_DIALS", 2000);
     let dialers = knob("CP_SCALE_DIALERS", 4).max(1);
     let parallel = knob("CP_SCALE_PARALLEL", 50).max(1);
+    let storm = storm::Storm::from_env()?;
+    let replicas = if storm.is_some() {
+        knob("CP_SCALE_REPLICAS", 1).clamp(1, 2)
+    } else {
+        1
+    };
+    // Behind a host's balancer each tunnel takes three descriptors there
+    // (the agent's socket and both of the balancer's), so hosts hold fewer.
+    let per_host_default = if storm.is_some() {
+        AGENTS_PER_HOST / 2
+    } else {
+        AGENTS_PER_HOST
+    };
     let host_count = knob(
         "CP_SCALE_AGENT_PROCS",
-        agent_count.div_ceil(AGENTS_PER_HOST),
+        agent_count.div_ceil(per_host_default),
     )
     .clamp(1, agent_count);
     // This process holds each idle CONNECT connection's client end; each
-    // host three descriptors per agent and two per idle connection.
+    // host, per agent, its two listeners, its tunnels (three descriptors
+    // each behind a balancer) and two per idle connection.
     let per_host = agent_count.div_ceil(host_count);
+    let per_tunnel = if storm.is_some() { 3 } else { 1 };
     raise_open_file_limit(
-        (agent_count * idle_connect).max(per_host * (3 + 2 * (idle_connect + idle_grpc))) + 4096,
+        (agent_count * idle_connect)
+            .max(per_host * (2 + per_tunnel * replicas + 2 * (idle_connect + idle_grpc)))
+            + 4096,
     );
 
     let server_bin = match std::env::var_os("CP_SCALE_SERVER_BIN") {
@@ -566,34 +736,19 @@ async fn run() -> anyhow::Result<()> {
         "{agent_count} agent certificates in {:.1?}",
         started.elapsed()
     );
-    let ports = ServerPorts::free();
-    let (client_port, agent_port, health_port) = (ports.client, ports.agent, ports.health);
-    let mut server = tokio::process::Command::new(&server_bin)
-        .args(proxy_server_args("scale", &ports, &layout))
-        .env(
-            "RUST_LOG",
-            std::env::var("CP_SCALE_SERVER_RUST_LOG").unwrap_or_default(),
-        )
-        .stdout(Stdio::null())
-        .stderr(match std::env::var_os("CP_SCALE_SERVER_LOG") {
-            Some(file) => Stdio::from(std::fs::File::create(file)?),
-            None => Stdio::null(),
-        })
-        .kill_on_drop(true)
-        .spawn()?;
-    let pid = server.id().ok_or_else(|| anyhow!("proxy-server exited"))?;
-    let client_addr: SocketAddr = format!("127.0.0.1:{client_port}").parse()?;
-    // Wait until the server listens.
-    let listening = Instant::now();
-    while tokio::net::TcpStream::connect(("127.0.0.1", agent_port))
-        .await
-        .is_err()
-    {
-        if listening.elapsed() > Duration::from_secs(30) {
-            return Err(anyhow!("proxy-server did not listen within 30 s"));
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
+    let mut servers = Vec::with_capacity(replicas);
+    for replica in 0..replicas {
+        let ports = ServerPorts::free();
+        let mut args = proxy_server_args(&format!("scale-{replica}"), &ports, &layout);
+        args.push(format!("--server-count={replicas}"));
+        servers.push(ServerProcess::spawn(&server_bin, args, ports).await?);
     }
+    let (client_port, agent_port, health_port) = {
+        let ports = &servers[0].ports;
+        (ports.client, ports.agent, ports.health)
+    };
+    let pid = servers[0].pid;
+    let client_addr: SocketAddr = format!("127.0.0.1:{client_port}").parse()?;
     let server_limit = open_file_limit(pid)?;
     let grpc_clients = (agent_count * idle_grpc).div_ceil(streams_per_client);
     // One descriptor per agent tunnel and per idle CONNECT connection, one
@@ -628,6 +783,13 @@ async fn run() -> anyhow::Result<()> {
             count,
             agent_port,
             echo_port,
+            balanced: storm.map(|_| {
+                servers
+                    .iter()
+                    .map(|s| s.ports.agent.to_string())
+                    .collect::<Vec<_>>()
+                    .join(",")
+            }),
         };
         hosts.push(Host::spawn(&plan, &exe)?);
     }
@@ -760,10 +922,30 @@ async fn run() -> anyhow::Result<()> {
     drop(streams);
     drop(clients);
     drop(idle);
+    drop(grpc);
+    if let Some(storm) = storm {
+        let outage = std::env::var("CP_SCALE_OUTAGE_SECS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .map_or_else(|| storm.default_outage(), Duration::from_secs);
+        let targets = names.iter().map(|c| format!("{c}:{echo_port}")).collect();
+        storm::run(
+            storm,
+            outage,
+            &mut servers,
+            &mut hosts,
+            agent_count,
+            targets,
+            pki.client_tls()?,
+        )
+        .await?;
+    }
     for mut host in hosts {
         let _ = host.child.kill().await;
     }
     drop(echo_port_holder);
-    let _ = server.kill().await;
+    for mut server in servers {
+        let _ = server.kill().await;
+    }
     Ok(())
 }

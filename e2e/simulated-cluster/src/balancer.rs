@@ -7,10 +7,11 @@
 //! this one address; round-robin is the harder case for them, since agents
 //! that retry in alternation keep drawing the replica they already hold.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use tokio::net::{TcpListener, TcpStream};
 
@@ -83,20 +84,108 @@ impl Backends {
     }
 }
 
+/// The length of one bucket of [`Gate::attempts`].
+pub const ATTEMPT_BUCKET: Duration = Duration::from_millis(100);
+
+/// A switch in front of a balancer, standing in for the network between
+/// agents and the hub: shut, it cuts every open connection and closes new
+/// ones as soon as they arrive (the hub unreachable); it counts the
+/// connections that arrive, open or shut, per [`ATTEMPT_BUCKET`].
+#[derive(Debug, Clone)]
+pub struct Gate(Arc<GateState>);
+
+#[derive(Debug)]
+struct GateState {
+    shut: AtomicBool,
+    /// Bumped by every [`Gate::shut`]; open connections watch it.
+    cuts: tokio::sync::watch::Sender<u64>,
+    /// Arrivals per bucket, keyed by the bucket's start in
+    /// [`ATTEMPT_BUCKET`]s since the Unix epoch, so that counts of several
+    /// processes add up.
+    attempts: Mutex<BTreeMap<u64, u32>>,
+}
+
+impl Default for Gate {
+    fn default() -> Self {
+        Gate(Arc::new(GateState {
+            shut: AtomicBool::new(false),
+            cuts: tokio::sync::watch::Sender::new(0),
+            attempts: Mutex::new(BTreeMap::new()),
+        }))
+    }
+}
+
+impl Gate {
+    /// Cuts every open connection and closes new ones until [`Gate::open`].
+    pub fn shut(&self) {
+        self.0.shut.store(true, Ordering::SeqCst);
+        self.0.cuts.send_modify(|cuts| *cuts += 1);
+    }
+
+    pub fn open(&self) {
+        self.0.shut.store(false, Ordering::SeqCst);
+    }
+
+    fn is_shut(&self) -> bool {
+        self.0.shut.load(Ordering::SeqCst)
+    }
+
+    fn count_arrival(&self) {
+        let bucket = bucket_of(SystemTime::now());
+        let mut attempts = self
+            .0
+            .attempts
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        *attempts.entry(bucket).or_default() += 1;
+    }
+
+    /// Connections that arrived, per bucket (see [`bucket_of`]).
+    pub fn attempts(&self) -> BTreeMap<u64, u32> {
+        self.0
+            .attempts
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+}
+
+/// The [`ATTEMPT_BUCKET`] `at` falls in, counted from the Unix epoch.
+pub fn bucket_of(at: SystemTime) -> u64 {
+    let since = at.duration_since(UNIX_EPOCH).unwrap_or_default();
+    (since.as_millis() / ATTEMPT_BUCKET.as_millis()) as u64
+}
+
 /// [`serve`] over backends that may change while it runs.
 pub async fn serve_backends(
     listener: TcpListener,
     backends: Backends,
     selection: Selection,
 ) -> std::io::Result<()> {
+    serve_gated(listener, backends, selection, Gate::default()).await
+}
+
+/// [`serve_backends`] behind `gate`.
+pub async fn serve_gated(
+    listener: TcpListener,
+    backends: Backends,
+    selection: Selection,
+    gate: Gate,
+) -> std::io::Result<()> {
     let next = Arc::new(AtomicUsize::new(0));
     loop {
         let (inbound, peer) = listener.accept().await?;
+        gate.count_arrival();
+        if gate.is_shut() {
+            drop(inbound);
+            continue;
+        }
         let backends = backends.list();
         let start = match selection {
             Selection::RoundRobin => next.fetch_add(1, Ordering::Relaxed),
             Selection::Random => rand::random_range(0..backends.len().max(1)),
         };
+        let mut cuts = gate.0.cuts.subscribe();
         tokio::spawn(async move {
             let Some(mut outbound) = connect_any(&backends, start).await else {
                 tracing::warn!(%peer, "no backend accepts connections; closing");
@@ -105,7 +194,12 @@ pub async fn serve_backends(
             let mut inbound = inbound;
             let _ = inbound.set_nodelay(true);
             let _ = outbound.set_nodelay(true);
-            let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+            tokio::select! {
+                _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                // Both ends dropped: the agent and the server see the
+                // connection end, as when the network between them fails.
+                _ = cuts.changed() => {}
+            }
         });
     }
 }
@@ -175,6 +269,38 @@ mod tests {
             seen.push(first_byte(front).await);
         }
         assert!(seen.contains(&1) && seen.contains(&2), "{seen:?}");
+    }
+
+    #[tokio::test]
+    async fn a_shut_gate_cuts_open_connections_and_counts_refused_arrivals() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let front = listener.local_addr().unwrap();
+        let echo = crate::targets::EchoServer::start().await.unwrap();
+        let gate = Gate::default();
+        tokio::spawn(serve_gated(
+            listener,
+            Backends::new(vec![echo.addr]),
+            Selection::Random,
+            gate.clone(),
+        ));
+        let mut open = TcpStream::connect(front).await.unwrap();
+        open.write_all(b"x").await.unwrap();
+        let mut byte = [0u8; 1];
+        open.read_exact(&mut byte).await.unwrap();
+
+        gate.shut();
+        // The open connection ends, and a new one is closed unserved.
+        assert_eq!(open.read(&mut byte).await.unwrap_or(0), 0);
+        let mut refused = TcpStream::connect(front).await.unwrap();
+        let _ = refused.write_all(b"x").await;
+        assert_eq!(refused.read(&mut byte).await.unwrap_or(0), 0);
+
+        gate.open();
+        let mut again = TcpStream::connect(front).await.unwrap();
+        again.write_all(b"y").await.unwrap();
+        again.read_exact(&mut byte).await.unwrap();
+        assert_eq!(&byte, b"y");
+        assert_eq!(gate.attempts().values().sum::<u32>(), 3);
     }
 
     #[test]
