@@ -936,7 +936,7 @@ mod tests {
         let mut lifetime = time::Duration::ZERO;
         let mut earliest = None;
         for index in 0..leaves {
-            let cluster = ClusterName::new(&format!("cluster-{index}")).unwrap();
+            let cluster = ClusterName::new(format!("cluster-{index}")).unwrap();
             let leaf = ca
                 .issue_at(&LeafRequest::agent(&cluster), t0())
                 .unwrap()
