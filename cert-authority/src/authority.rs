@@ -590,11 +590,19 @@ mod tests {
             reconcile(&store, &desired, at(0)).unwrap(),
             Report::default()
         );
-        // Past 2/3 of the leaves' life: every leaf is renewed once.
-        let report = reconcile(&store, &desired, at(61)).unwrap();
+        // Before 2/3 of the leaves' life nothing is due; past the renewal
+        // window (2/3 to 13/15 of it, day 60 to 78) every leaf is renewed
+        // once.
+        assert!(
+            reconcile(&store, &desired, at(59))
+                .unwrap()
+                .renewed
+                .is_empty()
+        );
+        let report = reconcile(&store, &desired, at(79)).unwrap();
         assert_eq!(report.renewed.len(), 4, "{report:?}");
         assert!(
-            reconcile(&store, &desired, at(62))
+            reconcile(&store, &desired, at(80))
                 .unwrap()
                 .renewed
                 .is_empty()
@@ -603,7 +611,7 @@ mod tests {
         let mut more_sans = desired.clone();
         more_sans.server_sans.push("proxy.example.com".into());
         assert_eq!(
-            reconcile(&store, &more_sans, at(63)).unwrap().renewed.len(),
+            reconcile(&store, &more_sans, at(81)).unwrap().renewed.len(),
             2
         );
 
@@ -665,6 +673,7 @@ mod tests {
             leaf_policy: LeafPolicy {
                 validity: 90 * DAY,
                 renew_fraction: 2.0 / 3.0,
+                ..LeafPolicy::default()
             },
             rollover_policy: RolloverPolicy {
                 ca_validity: 365 * DAY,
@@ -798,6 +807,7 @@ mod tests {
             leaf_policy: LeafPolicy {
                 validity: DAY,
                 renew_fraction: 2.0 / 3.0,
+                ..LeafPolicy::default()
             },
             rollover_policy: RolloverPolicy {
                 ca_validity: DAY,

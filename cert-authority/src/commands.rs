@@ -81,6 +81,7 @@ fn leaf_policy(settings: &RunSettings) -> LeafPolicy {
     LeafPolicy {
         validity: settings.leaf_validity,
         renew_fraction: 2.0 / 3.0,
+        ..LeafPolicy::default()
     }
 }
 

@@ -9,7 +9,9 @@
 //! # Leaf renewal
 //!
 //! [`leaf_decision`] says whether a leaf must be re-issued: it is outside its
-//! validity window, past the renewal point (a fraction of its lifetime), its
+//! validity window, past the renewal point (a point between two fractions of
+//! its lifetime, fixed per certificate, so that leaves issued together are
+//! not all renewed together), its
 //! DNS/IP names no longer match what the workload needs, no trusted CA signed
 //! it, or a CA rollover has moved signing to a different CA.
 //!
@@ -48,8 +50,14 @@ use crate::pki::{DEFAULT_CA_VALIDITY, DEFAULT_LEAF_VALIDITY};
 pub const DEFAULT_BUNDLE_PROPAGATION: Duration = Duration::from_secs(7 * 24 * 3600);
 /// Default lead time before CA expiry at which the next CA is created.
 pub const DEFAULT_PREPARE_BEFORE_EXPIRY: Duration = Duration::from_secs(365 * 24 * 3600);
-/// Default fraction of a leaf's lifetime after which it is renewed.
+/// Default fraction of a leaf's lifetime after which it is renewed at the
+/// earliest.
 pub const DEFAULT_RENEW_FRACTION: f64 = 2.0 / 3.0;
+/// Default width of the window leaf renewals are spread over, as a fraction
+/// of the lifetime: client-go's certificate manager (kubelet) renews at a
+/// jittered point 70–90 % into the lifetime, a window 20 % wide; we keep our
+/// 2/3 as the earliest point and spread over the same width, 2/3 to 13/15.
+pub const DEFAULT_RENEW_JITTER: f64 = 0.2;
 
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
 pub enum RotationError {
@@ -210,8 +218,16 @@ pub struct LeafPolicy {
     /// re-issuing everything at once.
     pub validity: Duration,
     /// Fraction of a leaf's lifetime (from `not_before`) after which it is
-    /// renewed; in `(0, 1]`.
+    /// renewed at the earliest; in `(0, 1]`.
     pub renew_fraction: f64,
+    /// Width of the renewal window, as a fraction of the lifetime: a leaf
+    /// is renewed at `renew_fraction + renew_jitter × u` of its lifetime,
+    /// `u` in `[0, 1)` drawn from the certificate itself
+    /// ([`renewal_position`]). Leaves issued together (a fleet's agents, a
+    /// restored backup) are so renewed over a window rather than in one
+    /// pass, and one leaf's point is the same in every pass and every
+    /// replica. At least 0, and `renew_fraction + renew_jitter` at most 1.
+    pub renew_jitter: f64,
 }
 
 impl Default for LeafPolicy {
@@ -219,37 +235,65 @@ impl Default for LeafPolicy {
         LeafPolicy {
             validity: DEFAULT_LEAF_VALIDITY,
             renew_fraction: DEFAULT_RENEW_FRACTION,
+            renew_jitter: DEFAULT_RENEW_JITTER,
         }
     }
 }
 
 impl LeafPolicy {
     /// The instant at which a certificate valid over `[not_before,
-    /// not_after]` should be renewed.
+    /// not_after]` should be renewed, `position` (in `[0, 1]`, see
+    /// [`renewal_position`]) of the way through the renewal window.
     pub fn renew_at(
         &self,
         not_before: OffsetDateTime,
         not_after: OffsetDateTime,
+        position: f64,
     ) -> Result<OffsetDateTime, RotationError> {
-        let fraction = self.checked_fraction()?;
+        let (fraction, jitter) = self.checked()?;
+        let fraction = fraction + jitter * position.clamp(0.0, 1.0);
         let lifetime = (not_after - not_before).as_seconds_f64();
         // The renewal point never lies past expiry, so expiry is the safe
         // answer if the arithmetic cannot be represented.
-        Ok(time::Duration::checked_seconds_f64(lifetime * fraction)
-            .and_then(|offset| not_before.checked_add(offset))
-            .unwrap_or(not_after))
+        Ok(
+            time::Duration::checked_seconds_f64(lifetime * fraction.min(1.0))
+                .and_then(|offset| not_before.checked_add(offset))
+                .unwrap_or(not_after),
+        )
     }
 
-    fn checked_fraction(&self) -> Result<f64, RotationError> {
+    /// The renewal fraction and the jitter, once both are valid.
+    fn checked(&self) -> Result<(f64, f64), RotationError> {
         let f = self.renew_fraction;
-        if f.is_finite() && f > 0.0 && f <= 1.0 {
-            Ok(f)
-        } else {
-            Err(RotationError::InvalidPolicy(format!(
+        if !(f.is_finite() && f > 0.0 && f <= 1.0) {
+            return Err(RotationError::InvalidPolicy(format!(
                 "renew_fraction must be in (0, 1], got {f}"
-            )))
+            )));
         }
+        let j = self.renew_jitter;
+        if !(j.is_finite() && j >= 0.0 && f + j <= 1.0) {
+            return Err(RotationError::InvalidPolicy(format!(
+                "renew_jitter must be at least 0 and renew_fraction + renew_jitter at most 1, \
+                 got {f} + {j}"
+            )));
+        }
+        Ok((f, j))
     }
+}
+
+/// Where in the renewal window a certificate falls, in `[0, 1)`: a hash
+/// (64-bit FNV-1a) of its signature, which differs from one certificate to
+/// the next (a fresh key, a random serial, randomized ECDSA) and so spreads
+/// leaves issued at the same instant evenly over the window, while one
+/// certificate always falls at the same point.
+pub fn renewal_position(signature: &[u8]) -> f64 {
+    const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+    const PRIME: u64 = 0x0000_0100_0000_01b3;
+    let hash = signature.iter().fold(OFFSET, |hash, byte| {
+        (hash ^ u64::from(*byte)).wrapping_mul(PRIME)
+    });
+    // The top 53 bits, exactly representable as an f64 fraction.
+    (hash >> 11) as f64 / (1_u64 << 53) as f64
 }
 
 /// Why a leaf must be re-issued.
@@ -360,7 +404,7 @@ pub fn leaf_decision(
     policy: &LeafPolicy,
     now: OffsetDateTime,
 ) -> Result<LeafDecision, RotationError> {
-    policy.checked_fraction()?;
+    policy.checked()?;
     // Parse the CAs before looking at the leaf so a broken bundle is reported
     // even when there is no leaf yet.
     let trusted_ders = trusted_ca_pems
@@ -405,7 +449,8 @@ pub fn leaf_decision(
     if let Some(reason) = reason {
         return Ok(LeafDecision::Renew(reason));
     }
-    let renew_at = policy.renew_at(not_before, not_after)?;
+    let position = renewal_position(leaf.signature_value.data.as_ref());
+    let renew_at = policy.renew_at(not_before, not_after, position)?;
     Ok(if now >= renew_at {
         LeafDecision::Renew(RenewReason::PastRenewalPoint)
     } else {
@@ -771,11 +816,12 @@ mod tests {
     }
 
     #[test]
-    fn fresh_leaf_is_kept_until_two_thirds_of_its_life() {
+    fn fresh_leaf_is_kept_until_its_point_in_the_renewal_window() {
         let ca = ca(t0());
         let leaf = server_leaf(&ca, &["proxy.example", "10.0.0.1"], t0());
         let (not_before, not_after) = validity(&leaf);
-        let expected: OffsetDateTime = not_before + (not_after - not_before) * (2.0_f64 / 3.0);
+        let earliest: OffsetDateTime = not_before + (not_after - not_before) * (2.0_f64 / 3.0);
+        let latest: OffsetDateTime = not_before + (not_after - not_before) * (13.0_f64 / 15.0);
         let clock = ManualClock::new(t0());
         let sans = ["10.0.0.1", "proxy.example"];
         let trusted = [ca.cert_pem()];
@@ -785,9 +831,17 @@ mod tests {
         else {
             panic!("fresh leaf should be kept");
         };
-        assert!((renew_at - expected).abs() < time::Duration::seconds(1));
-        // 2/3 of 90 days (plus the 5-minute back-dating) is ~60 days in.
-        assert!((renew_at - (t0() + time::Duration::days(60))).abs() < time::Duration::hours(1));
+        // 2/3 to 13/15 of 90 days (plus the 5-minute back-dating) is day 60
+        // to day 78.
+        assert!(
+            earliest <= renew_at && renew_at <= latest,
+            "{renew_at} not in [{earliest}, {latest}]"
+        );
+        // The same certificate, the same point, in every pass.
+        assert_eq!(
+            decide(&leaf, &sans, &trusted, ca.cert_pem(), t0() + DAY),
+            Ok(LeafDecision::Keep { renew_at })
+        );
 
         clock.set(renew_at - time::Duration::seconds(1));
         assert_eq!(
@@ -811,6 +865,7 @@ mod tests {
         let (not_before, not_after) = validity(&leaf);
         let half = LeafPolicy {
             renew_fraction: 0.5,
+            renew_jitter: 0.0,
             ..LeafPolicy::default()
         };
         let decision = leaf_decision(
@@ -843,6 +898,88 @@ mod tests {
                 ),
                 Err(RotationError::InvalidPolicy(_))
             ));
+        }
+        for (fraction, jitter) in [(0.5, -0.1), (0.5, f64::NAN), (0.9, 0.2), (1.0, 0.01)] {
+            let policy = LeafPolicy {
+                renew_fraction: fraction,
+                renew_jitter: jitter,
+                ..LeafPolicy::default()
+            };
+            assert!(
+                matches!(
+                    leaf_decision(
+                        &leaf,
+                        &[],
+                        &strings(&[ca.cert_pem()]),
+                        ca.cert_pem(),
+                        &policy,
+                        t0()
+                    ),
+                    Err(RotationError::InvalidPolicy(_))
+                ),
+                "{fraction} + {jitter}"
+            );
+        }
+    }
+
+    /// A fleet's agent leaves issued in the same second (10,000 clusters
+    /// joining a hub, a restored PKI) must not all come due in the same
+    /// pass: their renewal points spread over the window, as client-go's
+    /// jittered rotation deadline does for kubelets.
+    #[test]
+    fn leaves_issued_together_are_renewed_over_the_window_not_at_once() {
+        let ca = ca(t0());
+        let trusted = strings(&[ca.cert_pem()]);
+        let policy = LeafPolicy::default();
+        let leaves = 200;
+        let mut points = Vec::with_capacity(leaves);
+        let mut lifetime = time::Duration::ZERO;
+        let mut earliest = None;
+        for index in 0..leaves {
+            let cluster = ClusterName::new(format!("cluster-{index}")).unwrap();
+            let leaf = ca
+                .issue_at(&LeafRequest::agent(&cluster), t0())
+                .unwrap()
+                .cert_pem;
+            let (not_before, not_after) = validity(&leaf);
+            lifetime = not_after - not_before;
+            earliest = Some(not_before + lifetime * policy.renew_fraction);
+            let Ok(LeafDecision::Keep { renew_at }) =
+                leaf_decision(&leaf, &[], &trusted, ca.cert_pem(), &policy, t0())
+            else {
+                panic!("a fresh leaf is kept");
+            };
+            points.push(renew_at);
+        }
+        points.sort();
+        let (first, last) = (points[0], points[leaves - 1]);
+        let earliest = earliest.unwrap();
+        let latest = earliest + lifetime * policy.renew_jitter;
+        assert!(earliest <= first && last <= latest, "{first}..{last}");
+        // Spread over most of the window (18 days of a 90-day leaf)...
+        assert!(
+            last - first > lifetime * (policy.renew_jitter * 0.8),
+            "renewals only from {first} to {last}"
+        );
+        // ...evenly: no fifth of the window holds more than twice its share.
+        let mut fifths = [0_usize; 5];
+        for point in &points {
+            let position = (*point - earliest) / (latest - earliest);
+            fifths[((position * 5.0) as usize).min(4)] += 1;
+        }
+        assert!(
+            fifths.iter().all(|count| *count <= 2 * leaves / 5),
+            "{fifths:?}"
+        );
+    }
+
+    #[test]
+    fn renewal_positions_are_stable_and_in_range() {
+        assert_eq!(renewal_position(b"abc"), renewal_position(b"abc"));
+        assert_ne!(renewal_position(b"abc"), renewal_position(b"abd"));
+        for bytes in [&b""[..], b"\x00", b"\xff\xff\xff\xff\xff\xff\xff\xff"] {
+            let position = renewal_position(bytes);
+            assert!((0.0..1.0).contains(&position), "{position}");
         }
     }
 

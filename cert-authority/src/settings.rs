@@ -41,8 +41,9 @@ pub enum Command {
     /// proxy-server certificates, the proxy-client certificate and one agent
     /// certificate per cluster.
     Init(InitFlags),
-    /// Keep a PKI current: renew leaves at 2/3 of their life or when their
-    /// SANs change, and roll the CA over ahead of its expiry without an outage.
+    /// Keep a PKI current: renew leaves between 2/3 and 13/15 of their life
+    /// or when their SANs change, and roll the CA over ahead of its expiry
+    /// without an outage.
     Run(Box<RunFlags>),
 }
 

@@ -475,9 +475,10 @@ async fn secrets_are_created_kept_and_renewed() {
     .unwrap();
     assert_eq!(api.applied(), Vec::<String>::new());
 
-    // Past 2/3 of the leaves' 90 days: the three leaves (not the CA) again.
+    // Past the renewal window of the leaves' 90 days (2/3 to 13/15 of
+    // them, day 60 to 78): the three leaves (not the CA) again.
     api.clear_log();
-    let later = start + time::Duration::days(61);
+    let later = start + time::Duration::days(79);
     let report = secrets::reconcile_secrets(&client, &options, &desired, later)
         .await
         .unwrap();

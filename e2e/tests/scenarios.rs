@@ -394,8 +394,8 @@ async fn an_agent_claiming_another_cluster_is_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn credentials_rotate_under_traffic_without_dropping_connections() {
     let mut options = options(1);
-    // Leaves live 30 s and are renewed at 2/3 of that; servers and agents
-    // look for new files every second.
+    // Leaves live 30 s and are renewed between 2/3 and 13/15 of that (20
+    // to 26 s); servers and agents look for new files every second.
     options.leaf_validity = "30s".into();
     options.ca_interval = "1s".into();
     options.credential_reload_interval = "1s".into();

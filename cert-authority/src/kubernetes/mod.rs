@@ -30,7 +30,7 @@ use k8s_openapi::api::certificates::v1::CertificateSigningRequest;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::api::core::v1::Secret;
-use kube::runtime::controller::{Action, Controller};
+use kube::runtime::controller::{self, Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, ResourceExt};
@@ -242,6 +242,11 @@ fn pass_span(options: &KubeOptions) -> tracing::Span {
     )
 }
 
+/// CSRs signed, at most, at the same time. Unbounded (kube's default), a
+/// fleet asking at once has every signed certificate written at once, a
+/// connection to the API server each.
+pub const CONCURRENT_SIGNINGS: u16 = 32;
+
 struct CsrContext {
     signer: CsrSigner,
     retry_after: Duration,
@@ -367,6 +372,7 @@ pub async fn run_with_metrics(
         csrs,
         watcher::Config::default().fields(&csr::own_signer_field_selector()),
     )
+    .with_config(controller::Config::default().concurrency(CONCURRENT_SIGNINGS))
     .run(reconcile_csr, csr_error_policy, ctx)
     .for_each(|_| async {});
     let controller = tokio::spawn(controller);
