@@ -191,6 +191,25 @@ async fn open_echoed(
     Ok(stream)
 }
 
+/// A gRPC dial to `target` on `client` and a 1-byte echo through it,
+/// the echo within `limit`; the stream stays open for the caller.
+pub(crate) async fn grpc_echoed(
+    client: &cluster_proxy_proto::client::TunnelClient,
+    target: &str,
+    limit: Duration,
+) -> anyhow::Result<cluster_proxy_proto::client::TunnelStream> {
+    let mut stream = client
+        .dial(target)
+        .await
+        .with_context(|| format!("{target}: gRPC dial"))?;
+    stream.write_all(b"x").await?;
+    let mut back = [0u8; 1];
+    tokio::time::timeout(limit, stream.read_exact(&mut back))
+        .await
+        .map_err(|_| anyhow!("{target}: no echo within {limit:?}"))??;
+    Ok(stream)
+}
+
 /// Dial latencies of one phase and the CPU it took.
 struct Latencies {
     sorted: Vec<Duration>,
@@ -261,12 +280,7 @@ impl Dials {
         })
         .await?;
         let grpc = Self::phase(clusters, plan, |target| async move {
-            let mut stream = grpc.dial(&target).await?;
-            stream.write_all(b"x").await?;
-            let mut back = [0u8; 1];
-            tokio::time::timeout(Duration::from_secs(30), stream.read_exact(&mut back))
-                .await
-                .map_err(|_| anyhow!("{target}: no echo within 30 s"))??;
+            grpc_echoed(grpc, &target, Duration::from_secs(30)).await?;
             Ok(())
         })
         .await?;
@@ -847,15 +861,7 @@ async fn run() -> anyhow::Result<()> {
                 let n = round * agent_count + c * parallel + i;
                 let client = &clients[n / streams_per_client];
                 let target = format!("{cluster}:{echo_port}");
-                async move {
-                    let mut stream = client.dial(&target).await?;
-                    stream.write_all(b"x").await?;
-                    let mut back = [0u8; 1];
-                    tokio::time::timeout(Duration::from_secs(30), stream.read_exact(&mut back))
-                        .await
-                        .map_err(|_| anyhow!("{target}: no echo within 30 s"))??;
-                    anyhow::Ok(stream)
-                }
+                async move { grpc_echoed(client, &target, Duration::from_secs(30)).await }
             });
             match futures_util::future::try_join_all(opens).await {
                 Ok(opened) => streams.extend(opened),

@@ -23,10 +23,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, anyhow, bail};
 use simulated_cluster::balancer::{ATTEMPT_BUCKET, bucket_of};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tunnel_harness::loadgen::process_usage;
 
-use crate::{Host, ServerProcess, percentile};
+use crate::{Host, ServerProcess, grpc_echoed, percentile};
 
 /// How every agent loses its tunnel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -137,16 +136,9 @@ impl DialLoop {
                 let target = &targets[i % targets.len()];
                 i += 1;
                 let dialed = Instant::now();
-                let outcome = async {
-                    let mut stream = client.dial(target).await?;
-                    stream.write_all(b"x").await?;
-                    let mut back = [0u8; 1];
-                    tokio::time::timeout(Duration::from_secs(10), stream.read_exact(&mut back))
-                        .await
-                        .map_err(|_| anyhow!("no echo within 10 s"))??;
-                    anyhow::Ok(())
-                }
-                .await;
+                let outcome = grpc_echoed(&client, target, Duration::from_secs(10))
+                    .await
+                    .map(drop);
                 let took = dialed.elapsed();
                 match outcome {
                     Ok(()) if took < SLOW_DIAL => latencies.push(took),
@@ -157,7 +149,7 @@ impl DialLoop {
                             dialed.duration_since(started)
                         ));
                     }
-                    Err(e) => failures.push(format!("{target}: {e:#}")),
+                    Err(e) => failures.push(format!("{e:#}")),
                 }
             }
             (latencies, failures, slow)
