@@ -559,7 +559,7 @@ async fn patch(
     // …, createAuthorizerAttributes)`): a role with only `patch` can
     // change objects but not make them.
     if kind == PatchKind::Apply && target.part == Part::Main && store.get(t, ns, name).is_err() {
-        shared.authorize(
+        shared.authorize_further(
             user,
             &rbac::resource_attributes(t, "create", None, ns, Some(name)),
         )?;
@@ -1127,15 +1127,17 @@ fn decode_continue(token: &str) -> Result<(u64, String), ApiError> {
     Ok((resource_version, start))
 }
 
-/// How a change looks to one watcher: selector transitions turn into ADDED
-/// or DELETED, as on the real server.
-fn render(
+/// What one watcher sees of a change, if anything: selector transitions
+/// turn into ADDED or DELETED, as on the real server. `storage_key` is the
+/// target's.
+fn seen_as(
     event: &Event,
+    storage_key: &str,
     target: &Target,
     labels: &LabelSelector,
     fields: &FieldSelector,
-) -> Option<(EventType, Value)> {
-    if event.storage_key != target.resource.storage_key() {
+) -> Option<EventType> {
+    if event.storage_key != storage_key {
         return None;
     }
     if target.resource.namespaced
@@ -1155,7 +1157,15 @@ fn render(
         EventType::Modified if before => EventType::Deleted,
         _ => return None,
     };
-    Some((kind, as_version(event.object.clone(), &target.resource)))
+    Some(kind)
+}
+
+/// The watch line of `event` as a watcher of `t` sees it (`kind`), rendered
+/// once for all the watchers that see it alike.
+fn event_line(event: &Event, kind: EventType, t: &ResourceType) -> Bytes {
+    event.line(&t.api_version(), kind, || {
+        line(kind.name(), &as_version(event.object.clone(), t))
+    })
 }
 
 fn line(kind: &str, object: &Value) -> Bytes {
@@ -1237,9 +1247,13 @@ async fn stream_events(
     mut shutdown: watch::Receiver<bool>,
 ) {
     let mut last = start;
+    let storage_key = target.resource.storage_key();
     for event in &replay {
-        if let Some((kind, object)) = render(event, &target, &labels, &fields)
-            && tx.send(line(kind.name(), &object)).await.is_err()
+        if let Some(kind) = seen_as(event, &storage_key, &target, &labels, &fields)
+            && tx
+                .send(event_line(event, kind, &target.resource))
+                .await
+                .is_err()
         {
             return;
         }
@@ -1265,8 +1279,8 @@ async fn stream_events(
                         continue;
                     }
                     last = event.resource_version;
-                    if let Some((kind, object)) = render(&event, &target, &labels, &fields)
-                        && tx.send(line(kind.name(), &object)).await.is_err()
+                    if let Some(kind) = seen_as(&event, &storage_key, &target, &labels, &fields)
+                        && tx.send(event_line(&event, kind, &target.resource)).await.is_err()
                     {
                         return;
                     }

@@ -84,7 +84,8 @@ fn cleanup_crd(store: &Store, crd: &Located) {
             .to_string()
     };
     let storage_key = format!("{}/{}", text("/spec/group"), text("/spec/names/plural"));
-    let objects = store.find(|t, _| t.custom && t.storage_key() == storage_key);
+    let of_crd = |t: &super::resources::ResourceType| t.custom && t.storage_key() == storage_key;
+    let objects = store.find_in(of_crd, |_, _| true);
     for object in &objects {
         if !deleting(&object.object) {
             let _ = store.delete(
@@ -95,10 +96,7 @@ fn cleanup_crd(store: &Store, crd: &Located) {
             );
         }
     }
-    if store
-        .find(|t, _| t.custom && t.storage_key() == storage_key)
-        .is_empty()
-    {
+    if store.find_in(of_crd, |_, _| true).is_empty() {
         remove_finalizer(store, crd, CRD_CLEANUP_FINALIZER);
     }
 }
@@ -119,17 +117,21 @@ fn on_event(store: &Store, event: &Event) {
             collect_dependents_of(store, &uid(&event.object));
             // A dependent that is gone may unblock its owners' foreground
             // deletion, or its namespace's termination.
-            let owners = owner_uids(&event.object);
-            for owner in store.find(|_, o| owners.contains(&uid(o))) {
+            for owner in owner_uids(&event.object)
+                .iter()
+                .filter_map(|owner| store.by_uid(owner))
+            {
                 if deleting(&owner.object) {
                     finish_owner(store, &owner);
                 }
             }
             // The last object of a deleted CRD releases it.
             let storage_key = event.storage_key.clone();
-            for crd in store.find(|t, o| {
-                t.plural == "customresourcedefinitions"
-                    && deleting(o)
+            let crds = |t: &super::resources::ResourceType| {
+                t.plural == "customresourcedefinitions" && t.group == "apiextensions.k8s.io"
+            };
+            for crd in store.find_in(crds, |_, o| {
+                deleting(o)
                     && format!(
                         "{}/{}",
                         o.pointer("/spec/group")
@@ -142,41 +144,34 @@ fn on_event(store: &Store, event: &Event) {
             }) {
                 cleanup_crd(store, &crd);
             }
-            if !event.namespace.is_empty() {
-                let namespace = event.namespace.clone();
-                for ns in store.find(|t, o| {
-                    t.plural == "namespaces"
-                        && t.group.is_empty()
-                        && o.pointer("/metadata/name").and_then(Value::as_str)
-                            == Some(namespace.as_str())
-                }) {
-                    terminate_namespace(store, &ns);
-                }
+            if !event.namespace.is_empty()
+                && let Some(ns) = store.lookup("", "namespaces", None, &event.namespace)
+            {
+                terminate_namespace(store, &ns);
             }
         }
         EventType::Added | EventType::Modified => {
-            if deleting(&event.object) {
-                let target = uid(&event.object);
-                for located in store.find(|_, o| uid(o) == target) {
-                    on_lifecycle_object(store, &located);
-                }
+            if deleting(&event.object)
+                && let Some(located) = store.by_uid(&uid(&event.object))
+            {
+                on_lifecycle_object(store, &located);
             }
             // An object added with owners that are already gone is garbage.
-            if event.kind == EventType::Added && !owner_uids(&event.object).is_empty() {
-                let target = uid(&event.object);
-                for located in store.find(|_, o| uid(o) == target) {
-                    collect_if_orphaned(store, &located);
-                }
+            if event.kind == EventType::Added
+                && !owner_uids(&event.object).is_empty()
+                && let Some(located) = store.by_uid(&uid(&event.object))
+            {
+                collect_if_orphaned(store, &located);
             }
         }
     }
 }
 
 fn resync_all(store: &Store) {
-    for located in store.find(|_, o| deleting(o)) {
+    for located in store.deleting() {
         on_lifecycle_object(store, &located);
     }
-    for located in store.find(|_, o| !owner_uids(o).is_empty()) {
+    for located in store.with_missing_owners() {
         collect_if_orphaned(store, &located);
     }
 }
@@ -186,7 +181,7 @@ fn resync_all(store: &Store) {
 fn finish_owner(store: &Store, owner: &Located) {
     let owner_uid = uid(&owner.object);
     if has_finalizer(&owner.object, ORPHAN_FINALIZER) {
-        for dependent in store.find(|_, o| owner_uids(o).contains(&owner_uid)) {
+        for dependent in store.dependents_of(&owner_uid) {
             let _ = store.mutate(
                 &dependent.resource,
                 dependent.namespace.as_deref(),
@@ -198,7 +193,7 @@ fn finish_owner(store: &Store, owner: &Located) {
         remove_finalizer(store, owner, ORPHAN_FINALIZER);
     }
     if has_finalizer(&owner.object, FOREGROUND_FINALIZER) {
-        let dependents = store.find(|_, o| owner_uids(o).contains(&owner_uid));
+        let dependents = store.dependents_of(&owner_uid);
         for dependent in &dependents {
             if !deleting(&dependent.object) {
                 // Dependents of a foreground deletion go in the foreground
@@ -214,19 +209,19 @@ fn finish_owner(store: &Store, owner: &Located) {
                 );
             }
         }
-        let blocked = store
-            .find(|_, o| {
-                o.pointer("/metadata/ownerReferences")
-                    .and_then(Value::as_array)
-                    .is_some_and(|refs| {
-                        refs.iter().any(|r| {
-                            r.get("uid").and_then(Value::as_str) == Some(owner_uid.as_str())
-                                && r.get("blockOwnerDeletion") == Some(&Value::Bool(true))
-                        })
+        let blocking = store.dependents_of(&owner_uid).into_iter().any(|dependent| {
+            dependent
+                .object
+                .pointer("/metadata/ownerReferences")
+                .and_then(Value::as_array)
+                .is_some_and(|refs| {
+                    refs.iter().any(|r| {
+                        r.get("uid").and_then(Value::as_str) == Some(owner_uid.as_str())
+                            && r.get("blockOwnerDeletion") == Some(&Value::Bool(true))
                     })
-            })
-            .len();
-        if blocked == 0 {
+                })
+        });
+        if !blocking {
             remove_finalizer(store, owner, FOREGROUND_FINALIZER);
         }
     }
@@ -269,7 +264,7 @@ fn collect_dependents_of(store: &Store, owner_uid: &str) {
     if owner_uid.is_empty() {
         return;
     }
-    for dependent in store.find(|_, o| owner_uids(o).iter().any(|u| u == owner_uid)) {
+    for dependent in store.dependents_of(owner_uid) {
         collect_if_orphaned(store, &dependent);
     }
 }
@@ -313,11 +308,7 @@ fn terminate_namespace(store: &Store, namespace: &Located) {
         return;
     }
     let name = namespace.name.clone();
-    let content = store.find(|t, o| {
-        t.namespaced
-            && o.pointer("/metadata/namespace").and_then(Value::as_str) == Some(name.as_str())
-    });
-    for item in &content {
+    for item in &store.in_namespace(&name) {
         if !deleting(&item.object) {
             let _ = store.delete(
                 &item.resource,
@@ -327,13 +318,7 @@ fn terminate_namespace(store: &Store, namespace: &Located) {
             );
         }
     }
-    let remaining = store
-        .find(|t, o| {
-            t.namespaced
-                && o.pointer("/metadata/namespace").and_then(Value::as_str) == Some(name.as_str())
-        })
-        .len();
-    if remaining == 0 {
+    if store.namespace_is_empty(&name) {
         let _ = store.mutate(
             &namespace.resource,
             None,

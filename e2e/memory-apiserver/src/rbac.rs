@@ -90,13 +90,6 @@ fn subject_matches(subject: &Value, user: &User, binding_namespace: &str) -> boo
     }
 }
 
-fn object_name(object: &Value) -> &str {
-    object
-        .pointer("/metadata/name")
-        .and_then(Value::as_str)
-        .unwrap_or_default()
-}
-
 fn object_namespace(object: &Value) -> &str {
     object
         .pointer("/metadata/namespace")
@@ -123,6 +116,10 @@ pub struct RequestRecord {
     /// A non-resource request's path (discovery).
     pub path: Option<String>,
     pub allowed: bool,
+    /// A further check of a request recorded already: kube-apiserver
+    /// authorizes an apply that creates its object as `patch`, then again
+    /// as `create`. Counting requests skips these.
+    pub further_check: bool,
 }
 
 impl RequestRecord {
@@ -149,6 +146,7 @@ impl RequestRecord {
                     name: name.clone(),
                     path: None,
                     allowed,
+                    further_check: false,
                 }
             }
             Attributes::Path { verb, path } => RequestRecord {
@@ -161,6 +159,7 @@ impl RequestRecord {
                 name: None,
                 path: Some(path.clone()),
                 allowed,
+                further_check: false,
             },
         }
     }
@@ -207,15 +206,16 @@ pub fn allowed(store: &Store, user: &User, attributes: &Attributes) -> bool {
         Attributes::Resource { namespace, .. } => namespace.clone(),
         Attributes::Path { .. } => None,
     };
-    let bindings = store.find(|t, o| {
-        t.group == RBAC_GROUP
-            && match t.plural.as_str() {
-                "clusterrolebindings" => true,
-                // A RoleBinding grants only inside its namespace.
-                "rolebindings" => request_namespace.as_deref() == Some(object_namespace(o)),
-                _ => false,
-            }
-    });
+    let mut bindings = store.find_in(
+        |t| t.group == RBAC_GROUP && t.plural == "clusterrolebindings",
+        |_, _| true,
+    );
+    // A RoleBinding grants only inside its namespace.
+    if let Some(namespace) = &request_namespace {
+        bindings.extend(store.in_namespace(namespace).into_iter().filter(|located| {
+            located.resource.group == RBAC_GROUP && located.resource.plural == "rolebindings"
+        }));
+    }
     for binding in bindings {
         let namespace = object_namespace(&binding.object).to_string();
         let subjects = binding
@@ -242,16 +242,12 @@ pub fn allowed(store: &Store, user: &User, attributes: &Attributes) -> bool {
             .and_then(Value::as_str)
             .unwrap_or_default()
             .to_string();
-        let roles = store.find(|t, o| {
-            t.group == RBAC_GROUP
-                && object_name(o) == role_name
-                && match role_kind.as_str() {
-                    "ClusterRole" => t.plural == "clusterroles",
-                    "Role" => t.plural == "roles" && object_namespace(o) == namespace,
-                    _ => false,
-                }
-        });
-        for role in roles {
+        let role = match role_kind.as_str() {
+            "ClusterRole" => store.lookup(RBAC_GROUP, "clusterroles", None, &role_name),
+            "Role" => store.lookup(RBAC_GROUP, "roles", Some(&namespace), &role_name),
+            _ => None,
+        };
+        if let Some(role) = role {
             let rules = role
                 .object
                 .get("rules")

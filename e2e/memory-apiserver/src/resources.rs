@@ -292,6 +292,19 @@ impl Registry {
             .get(&(group.to_string(), version.to_string(), plural.to_string()))
     }
 
+    /// The type the objects of `group`/`plural` are presented as when no
+    /// version is asked for: the version of highest priority.
+    pub fn preferred(&self, group: &str, plural: &str) -> Option<&ResourceType> {
+        let mut versions: Vec<String> = self
+            .types
+            .values()
+            .filter(|t| t.group == group && t.plural == plural)
+            .map(|t| t.version.clone())
+            .collect();
+        super::schema::by_priority(&mut versions);
+        self.get(group, versions.first()?, plural)
+    }
+
     /// Every group with its versions, preferred first (the core group is
     /// `""`).
     pub fn groups(&self) -> BTreeMap<String, Vec<String>> {

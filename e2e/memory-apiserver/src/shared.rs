@@ -171,12 +171,34 @@ impl Shared {
         user: &User,
         attributes: &rbac::Attributes,
     ) -> Result<(), ApiError> {
+        self.check(user, attributes, false)
+    }
+
+    /// Authorizes a request that was authorized once already as something
+    /// else (an apply that creates: `patch`, then `create`).
+    pub(crate) fn authorize_further(
+        &self,
+        user: &User,
+        attributes: &rbac::Attributes,
+    ) -> Result<(), ApiError> {
+        self.check(user, attributes, true)
+    }
+
+    fn check(
+        &self,
+        user: &User,
+        attributes: &rbac::Attributes,
+        further_check: bool,
+    ) -> Result<(), ApiError> {
         let allowed = self.allowed(user, attributes);
         if let Some(requests) = &self.requests {
             requests
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
-                .push(rbac::RequestRecord::new(user, attributes, allowed));
+                .push(rbac::RequestRecord {
+                    further_check,
+                    ..rbac::RequestRecord::new(user, attributes, allowed)
+                });
         }
         if allowed {
             Ok(())

@@ -38,8 +38,19 @@ pub async fn run(store: Arc<Store>, ca: Arc<Authority>, mut shutdown: watch::Rec
     loop {
         tokio::select! {
             received = events.recv() => match received {
-                Ok(event) if event.storage_key == "certificates.k8s.io/certificatesigningrequests" => {
-                    sign_pending(&store, &ca);
+                Ok(event) if event.storage_key == CSR_STORAGE && waiting(&event.object) => {
+                    // This CSR alone: the others had their own events (a
+                    // walk over every CSR per event made a fleet's worth of
+                    // CSRs quadratic).
+                    let name = event
+                        .object
+                        .pointer("/metadata/name")
+                        .and_then(Value::as_str)
+                        .unwrap_or_default();
+                    let current = store
+                        .lookup(CSR_GROUP, CSR_PLURAL, None, name)
+                        .filter(|csr| waiting(&csr.object));
+                    sign_each(&store, &ca, current.into_iter().collect());
                 }
                 Ok(_) => {}
                 Err(broadcast::error::RecvError::Lagged(_)) => sign_pending(&store, &ca),
@@ -73,12 +84,20 @@ fn waiting(csr: &Value) -> bool {
             .is_none_or(str::is_empty)
 }
 
+const CSR_GROUP: &str = "certificates.k8s.io";
+const CSR_PLURAL: &str = "certificatesigningrequests";
+const CSR_STORAGE: &str = "certificates.k8s.io/certificatesigningrequests";
+
+/// Every approved CSR still waiting for its certificate.
 fn sign_pending(store: &Store, ca: &Authority) {
-    let pending = store.find(|t, object| {
-        t.group == "certificates.k8s.io"
-            && t.plural == "certificatesigningrequests"
-            && waiting(object)
-    });
+    let pending = store.find_in(
+        |t| t.group == CSR_GROUP && t.plural == CSR_PLURAL,
+        |_, object| waiting(object),
+    );
+    sign_each(store, ca, pending);
+}
+
+fn sign_each(store: &Store, ca: &Authority, pending: Vec<super::store::Located>) {
     for csr in pending {
         let outcome = sign(&csr.object, ca, OffsetDateTime::now_utc());
         let result = store.mutate(&csr.resource, None, &csr.name, MANAGER, |object| {

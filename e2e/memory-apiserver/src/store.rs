@@ -3,7 +3,8 @@
 //! semantics of the API server (optimistic concurrency, generation,
 //! status subresource, finalizers and deletionTimestamp).
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::ops::Bound;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use serde_json::{Map, Value, json};
@@ -50,6 +51,52 @@ pub struct Event {
     pub object: Value,
     /// The object before the change (for selector transitions).
     pub old: Option<Value>,
+    /// The watch lines written for this change so far, by the version
+    /// presented and the event type a watcher sees: every watcher of a
+    /// type shares one rendering instead of each copying and encoding the
+    /// object again.
+    rendered: Mutex<Vec<(String, EventType, bytes::Bytes)>>,
+}
+
+impl Event {
+    fn new(
+        resource_version: u64,
+        storage_key: String,
+        namespace: String,
+        kind: EventType,
+        object: Value,
+        old: Option<Value>,
+    ) -> Self {
+        Event {
+            resource_version,
+            storage_key,
+            namespace,
+            kind,
+            object,
+            old,
+            rendered: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The watch line of this change as `seen` for a watcher of
+    /// `api_version`, rendered by `render` the first time it is asked for.
+    pub fn line(
+        &self,
+        api_version: &str,
+        seen: EventType,
+        render: impl FnOnce() -> bytes::Bytes,
+    ) -> bytes::Bytes {
+        let mut rendered = self.rendered.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((_, _, line)) = rendered
+            .iter()
+            .find(|(version, kind, _)| version == api_version && *kind == seen)
+        {
+            return line.clone();
+        }
+        let line = render();
+        rendered.push((api_version.to_string(), seen, line.clone()));
+        line
+    }
 }
 
 /// Which part of an object a write addresses.
@@ -134,12 +181,79 @@ enum Ownership {
 
 type ObjectKey = (String, String);
 
+/// Where one object is stored: its storage key and key.
+type Place = (String, ObjectKey);
+
+/// What the server's own controllers look objects up by, kept with every
+/// commit so that a lookup costs what it finds, not the whole store (the
+/// garbage collector asks about owners for each change; walking every
+/// object each time made a fleet's worth of objects quadratic).
+#[derive(Default)]
+struct Indexes {
+    /// Each object's place by its uid.
+    uids: HashMap<String, Place>,
+    /// The dependents of each owner uid (named by their ownerReferences;
+    /// the owner may be gone).
+    dependents: HashMap<String, BTreeSet<Place>>,
+    /// What each namespace holds.
+    content: HashMap<String, BTreeSet<Place>>,
+    /// The objects with a deletionTimestamp (held by finalizers).
+    deleting: BTreeSet<Place>,
+}
+
+impl Indexes {
+    fn add(&mut self, storage_key: &str, key: &ObjectKey, object: &Value) {
+        let place = || (storage_key.to_string(), key.clone());
+        if let Some(uid) = object.pointer("/metadata/uid").and_then(Value::as_str) {
+            self.uids.insert(uid.to_string(), place());
+        }
+        for owner in owner_uids(object) {
+            self.dependents.entry(owner).or_default().insert(place());
+        }
+        if !key.0.is_empty() {
+            self.content.entry(key.0.clone()).or_default().insert(place());
+        }
+        if object.pointer("/metadata/deletionTimestamp").is_some() {
+            self.deleting.insert(place());
+        }
+    }
+
+    fn remove(&mut self, storage_key: &str, key: &ObjectKey, object: &Value) {
+        let place = (storage_key.to_string(), key.clone());
+        if let Some(uid) = object.pointer("/metadata/uid").and_then(Value::as_str)
+            && self.uids.get(uid) == Some(&place)
+        {
+            self.uids.remove(uid);
+        }
+        for owner in owner_uids(object) {
+            if let Some(dependents) = self.dependents.get_mut(&owner) {
+                dependents.remove(&place);
+                if dependents.is_empty() {
+                    self.dependents.remove(&owner);
+                }
+            }
+        }
+        if let Some(content) = self.content.get_mut(&key.0) {
+            content.remove(&place);
+            if content.is_empty() {
+                self.content.remove(&key.0);
+            }
+        }
+        self.deleting.remove(&place);
+    }
+}
+
 struct Inner {
     resource_version: u64,
     objects: BTreeMap<String, BTreeMap<ObjectKey, Value>>,
+    indexes: Indexes,
     history: VecDeque<Arc<Event>>,
     history_limit: usize,
     registry: Registry,
+    /// The changes of each type, for its watches: a watch is woken by its
+    /// own type's changes only, and falls behind only when its own type's
+    /// changes pile up (the real server's watch cache is per type, too).
+    by_type: HashMap<String, broadcast::Sender<Arc<Event>>>,
 }
 
 pub struct Store {
@@ -405,14 +519,16 @@ fn without_times(object: &Value) -> Value {
 
 impl Store {
     pub fn new(registry: Registry, history_limit: usize) -> Self {
-        let (events, _) = broadcast::channel(4096);
+        let (events, _) = broadcast::channel(WATCH_BUFFER);
         Store {
             inner: Mutex::new(Inner {
                 resource_version: 1,
                 objects: BTreeMap::new(),
+                indexes: Indexes::default(),
                 history: VecDeque::new(),
                 history_limit: history_limit.max(1),
                 registry,
+                by_type: HashMap::new(),
             }),
             events,
         }
@@ -467,23 +583,33 @@ impl Store {
                 inner.registry.remove_resource(group, plural);
             }
         }
-        let store = inner.objects.entry(t.storage_key()).or_default();
-        if kind == EventType::Deleted {
-            store.remove(&key);
+        let storage_key = t.storage_key();
+        let store = inner.objects.entry(storage_key.clone()).or_default();
+        let replaced = if kind == EventType::Deleted {
+            store.remove(&key)
         } else {
-            store.insert(key.clone(), object.clone());
+            store.insert(key.clone(), object.clone())
+        };
+        if let Some(replaced) = &replaced {
+            inner.indexes.remove(&storage_key, &key, replaced);
         }
-        let event = Arc::new(Event {
-            resource_version: rv,
-            storage_key: t.storage_key(),
-            namespace: key.0,
+        if kind != EventType::Deleted {
+            inner.indexes.add(&storage_key, &key, &object);
+        }
+        let event = Arc::new(Event::new(
+            rv,
+            storage_key,
+            key.0,
             kind,
-            object: object.clone(),
+            object.clone(),
             old,
-        });
+        ));
         inner.history.push_back(event.clone());
         while inner.history.len() > inner.history_limit {
             inner.history.pop_front();
+        }
+        if let Some(watches) = inner.by_type.get(&event.storage_key) {
+            let _ = watches.send(event.clone());
         }
         let _ = self.events.send(event);
         object
@@ -584,9 +710,15 @@ impl Store {
             remaining: 0,
         };
         if let Some(objects) = inner.objects.get(&t.storage_key()) {
-            for ((ns, name), object) in objects {
+            // One namespace's objects are next to each other: a namespaced
+            // list looks at its own objects only.
+            let first = match namespace.filter(|_| t.namespaced) {
+                Some(ns) => Bound::Included((ns.to_string(), String::new())),
+                None => Bound::Unbounded,
+            };
+            for ((ns, name), object) in objects.range((first, Bound::Unbounded)) {
                 if t.namespaced && namespace.is_some_and(|want| want != ns) {
-                    continue;
+                    break;
                 }
                 let token = format!("{ns}/{name}");
                 if continue_after.is_some_and(|after| token.as_str() <= after) {
@@ -1180,9 +1312,19 @@ impl Store {
 
     /// Every stored object matching `keep`.
     pub fn find(&self, keep: impl Fn(&ResourceType, &Value) -> bool) -> Vec<Located> {
+        self.find_in(|_| true, keep)
+    }
+
+    /// The stored objects of the types `types` selects that match `keep`:
+    /// the other types' objects are not looked at.
+    pub fn find_in(
+        &self,
+        types: impl Fn(&ResourceType) -> bool,
+        keep: impl Fn(&ResourceType, &Value) -> bool,
+    ) -> Vec<Located> {
         let inner = self.lock();
         let mut found = Vec::new();
-        for t in Self::storage_types(&inner) {
+        for t in Self::storage_types(&inner).into_iter().filter(|t| types(t)) {
             let Some(objects) = inner.objects.get(&t.storage_key()) else {
                 continue;
             };
@@ -1200,17 +1342,99 @@ impl Store {
         found
     }
 
-    /// Whether an object with this uid is stored.
-    pub fn uid_exists(&self, uid: &str) -> bool {
-        let inner = self.lock();
-        inner.objects.values().any(|objects| {
-            objects
-                .values()
-                .any(|o| o.pointer("/metadata/uid").and_then(Value::as_str) == Some(uid))
-        })
+    /// The objects at `places`, as far as they are still stored.
+    fn at_places<'a>(inner: &Inner, places: impl IntoIterator<Item = &'a Place>) -> Vec<Located> {
+        let mut types: HashMap<&str, Option<&ResourceType>> = HashMap::new();
+        places
+            .into_iter()
+            .filter_map(|(storage_key, key)| {
+                let t = (*types.entry(storage_key).or_insert_with(|| {
+                    let (group, plural) = storage_key.split_once('/')?;
+                    inner.registry.preferred(group, plural)
+                }))?;
+                let object = inner.objects.get(storage_key)?.get(key)?;
+                Some(Located {
+                    resource: t.clone(),
+                    namespace: t.namespaced.then(|| key.0.clone()),
+                    name: key.1.clone(),
+                    object: object.clone(),
+                })
+            })
+            .collect()
     }
 
-    /// Receives every change from now on.
+    /// Whether an object with this uid is stored.
+    pub fn uid_exists(&self, uid: &str) -> bool {
+        self.lock().indexes.uids.contains_key(uid)
+    }
+
+    /// The object with this uid, if stored.
+    pub fn by_uid(&self, uid: &str) -> Option<Located> {
+        let inner = self.lock();
+        let place = inner.indexes.uids.get(uid)?;
+        Self::at_places(&inner, [place]).pop()
+    }
+
+    /// The objects whose ownerReferences name `owner_uid`.
+    pub fn dependents_of(&self, owner_uid: &str) -> Vec<Located> {
+        let inner = self.lock();
+        match inner.indexes.dependents.get(owner_uid) {
+            Some(places) => Self::at_places(&inner, places),
+            None => Vec::new(),
+        }
+    }
+
+    /// Everything stored in `namespace`.
+    pub fn in_namespace(&self, namespace: &str) -> Vec<Located> {
+        let inner = self.lock();
+        match inner.indexes.content.get(namespace) {
+            Some(places) => Self::at_places(&inner, places),
+            None => Vec::new(),
+        }
+    }
+
+    /// The object `name` (in `namespace`, for namespaced types) of the
+    /// resource `group`/`plural`, if stored.
+    pub fn lookup(
+        &self,
+        group: &str,
+        plural: &str,
+        namespace: Option<&str>,
+        name: &str,
+    ) -> Option<Located> {
+        let inner = self.lock();
+        let place = (
+            format!("{group}/{plural}"),
+            (namespace.unwrap_or_default().to_string(), name.to_string()),
+        );
+        Self::at_places(&inner, [&place]).pop()
+    }
+
+    /// Every object being deleted (a deletionTimestamp, held by finalizers).
+    pub fn deleting(&self) -> Vec<Located> {
+        let inner = self.lock();
+        Self::at_places(&inner, &inner.indexes.deleting)
+    }
+
+    /// Whether `namespace` holds anything.
+    pub fn namespace_is_empty(&self, namespace: &str) -> bool {
+        !self.lock().indexes.content.contains_key(namespace)
+    }
+
+    /// The objects with at least one owner that is not stored.
+    pub fn with_missing_owners(&self) -> Vec<Located> {
+        let inner = self.lock();
+        let places: BTreeSet<&Place> = inner
+            .indexes
+            .dependents
+            .iter()
+            .filter(|(owner, _)| !inner.indexes.uids.contains_key(*owner))
+            .flat_map(|(_, places)| places)
+            .collect();
+        Self::at_places(&inner, places)
+    }
+
+    /// Receives every change from now on (the server's own controllers).
     pub fn subscribe(&self) -> broadcast::Receiver<Arc<Event>> {
         self.events.subscribe()
     }
@@ -1224,8 +1448,12 @@ impl Store {
         t: &ResourceType,
         resource_version: Option<u64>,
     ) -> Result<WatchStart, ApiError> {
-        let inner = self.lock();
-        let receiver = self.events.subscribe();
+        let mut inner = self.lock();
+        let receiver = inner
+            .by_type
+            .entry(t.storage_key())
+            .or_insert_with(|| broadcast::channel(WATCH_BUFFER).0)
+            .subscribe();
         let current = inner.resource_version;
         let replay = match resource_version {
             None | Some(0) => inner
@@ -1235,14 +1463,14 @@ impl Store {
                     objects
                         .iter()
                         .map(|((ns, _), object)| {
-                            Arc::new(Event {
-                                resource_version: current,
-                                storage_key: t.storage_key(),
-                                namespace: ns.clone(),
-                                kind: EventType::Added,
-                                object: object.clone(),
-                                old: None,
-                            })
+                            Arc::new(Event::new(
+                                current,
+                                t.storage_key(),
+                                ns.clone(),
+                                EventType::Added,
+                                object.clone(),
+                                None,
+                            ))
                         })
                         .collect()
                 })
@@ -1277,6 +1505,10 @@ impl Store {
         Ok((replay, receiver, current))
     }
 }
+
+/// How many changes a watch (or the server's own controllers) may fall
+/// behind before it ends with 410 Expired.
+const WATCH_BUFFER: usize = 4096;
 
 /// What a new watch sends first, its subscription to later changes, and
 /// the resourceVersion it starts at.
@@ -1321,3 +1553,141 @@ fn check_crd(t: &ResourceType, name: &str, crd: &Value) -> Result<(), ApiError> 
 
 /// The finalizer that holds a deleted CRD until its objects are gone.
 pub const CRD_CLEANUP_FINALIZER: &str = "customresourcecleanup.apiextensions.k8s.io";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn admin() -> User {
+        User {
+            name: "admin".into(),
+            uid: "admin".into(),
+            groups: vec!["system:masters".into()],
+        }
+    }
+
+    fn names(found: Vec<Located>) -> BTreeSet<String> {
+        found
+            .into_iter()
+            .map(|l| format!("{}/{}", l.namespace.unwrap_or_default(), l.name))
+            .collect()
+    }
+
+    fn uid_of(object: &Value) -> String {
+        object["metadata"]["uid"].as_str().unwrap().to_string()
+    }
+
+    /// The indexes answer what a walk over every object answers, after
+    /// creations, owner changes, deletions held by finalizers and removals.
+    #[test]
+    fn indexes_answer_what_a_walk_over_every_object_answers() {
+        let store = Store::new(Registry::with_builtins(), 100);
+        let registry = store.registry();
+        let namespaces = registry.get("", "v1", "namespaces").unwrap().clone();
+        let maps = registry.get("", "v1", "configmaps").unwrap().clone();
+        let options = WriteOptions::default();
+        for ns in ["a", "b"] {
+            store
+                .create(&namespaces, None, json!({"metadata": {"name": ns}}), &admin(), &options)
+                .unwrap();
+        }
+        let owner = |name: &str, ns: &str| {
+            store
+                .create(&maps, Some(ns), json!({"metadata": {"name": name}}), &admin(), &options)
+                .unwrap()
+        };
+        let reference = |owner: &Value| {
+            json!({"apiVersion": "v1", "kind": "ConfigMap",
+                   "name": owner["metadata"]["name"], "uid": owner["metadata"]["uid"]})
+        };
+        let first = owner("first", "a");
+        let second = owner("second", "a");
+        let owned = |name: &str, ns: &str, owners: &[&Value]| {
+            let refs: Vec<Value> = owners.iter().map(|o| reference(o)).collect();
+            store
+                .create(
+                    &maps,
+                    Some(ns),
+                    json!({"metadata": {"name": name, "ownerReferences": refs}}),
+                    &admin(),
+                    &options,
+                )
+                .unwrap()
+        };
+        owned("only-first", "a", &[&first]);
+        owned("both", "a", &[&first, &second]);
+        owned("elsewhere", "b", &[&second]);
+        // A dependent moves from `first` to `second`.
+        store
+            .patch(
+                &maps,
+                Some("a"),
+                "only-first",
+                PatchKind::Merge,
+                json!({"metadata": {"ownerReferences": [reference(&second)]}}),
+                Part::Main,
+                &admin(),
+                &options,
+            )
+            .unwrap();
+        // `second` is held by a finalizer, `first` is gone.
+        store
+            .patch(
+                &maps,
+                Some("a"),
+                "second",
+                PatchKind::Merge,
+                json!({"metadata": {"finalizers": ["example.com/hold"]}}),
+                Part::Main,
+                &admin(),
+                &options,
+            )
+            .unwrap();
+        store
+            .delete(&maps, Some("a"), "second", &DeleteOptions::default())
+            .unwrap();
+        store
+            .delete(&maps, Some("a"), "first", &DeleteOptions::default())
+            .unwrap();
+
+        let walk_dependents = |uid: &str| {
+            names(store.find(|_, o| owner_uids(o).iter().any(|u| u == uid)))
+        };
+        for owner in [&first, &second] {
+            let uid = uid_of(owner);
+            assert_eq!(names(store.dependents_of(&uid)), walk_dependents(&uid));
+        }
+        assert_eq!(
+            names(store.dependents_of(&uid_of(&second))),
+            BTreeSet::from(["a/both".to_string(), "a/only-first".into(), "b/elsewhere".into()])
+        );
+        assert!(store.dependents_of(&uid_of(&first)).iter().all(|l| l.name == "both"));
+        assert!(!store.uid_exists(&uid_of(&first)));
+        assert!(store.uid_exists(&uid_of(&second)));
+        let stored_uids: BTreeSet<String> =
+            store.find(|_, _| true).iter().map(|l| uid_of(&l.object)).collect();
+        assert_eq!(
+            names(store.with_missing_owners()),
+            names(store.find(|_, o| owner_uids(o).iter().any(|u| !stored_uids.contains(u))))
+        );
+        assert_eq!(names(store.with_missing_owners()), BTreeSet::from(["a/both".to_string()]));
+        assert_eq!(names(store.deleting()), BTreeSet::from(["a/second".to_string()]));
+        for ns in ["a", "b", "c"] {
+            assert_eq!(
+                names(store.in_namespace(ns)),
+                names(store.find(|t, o| t.namespaced
+                    && o["metadata"]["namespace"].as_str() == Some(ns))),
+                "namespace {ns}"
+            );
+            assert_eq!(store.namespace_is_empty(ns), ns == "c");
+        }
+        assert_eq!(
+            store.by_uid(&uid_of(&second)).map(|l| l.name),
+            Some("second".to_string())
+        );
+        assert!(store.lookup("", "namespaces", None, "a").is_some());
+        assert!(store.lookup("", "configmaps", Some("b"), "elsewhere").is_some());
+        assert!(store.lookup("", "configmaps", Some("a"), "elsewhere").is_none());
+    }
+
+}
