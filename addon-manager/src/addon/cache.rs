@@ -24,7 +24,7 @@ use tokio::sync::watch;
 use futures_util::{Stream, StreamExt};
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::{WatchStreamExt, watcher};
-use kube::{Api, Resource};
+use kube::{Api, Resource, ResourceExt};
 
 use super::error::AddonError;
 use super::own_writes::OwnWrites;
@@ -204,6 +204,10 @@ where
 {
     stream
         .default_backoff()
+        // No reconcile reads managedFields; server-side apply's record of
+        // every field was most of what a cached object held (a work lists
+        // each of its manifests' fields once more).
+        .modify(|object| object.managed_fields_mut().clear())
         .reflect(writer)
         .inspect(move |event| {
             if let (Some(own), Ok(event)) = (&own, event) {

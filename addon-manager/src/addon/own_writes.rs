@@ -106,7 +106,9 @@ where
 
     /// Remembers `written`, the API's answer to a write (or a read) made
     /// when the cache held `before`, and returns it.
-    pub fn wrote(&self, before: Option<&K>, written: K) -> Arc<K> {
+    pub fn wrote(&self, before: Option<&K>, mut written: K) -> Arc<K> {
+        // As the cache keeps it (see `reflected_objects`).
+        written.managed_fields_mut().clear();
         let written = Arc::new(written);
         let key = ObjectRef::from_obj(written.as_ref());
         let before = before.and_then(|object| object.resource_version());

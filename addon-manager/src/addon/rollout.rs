@@ -20,7 +20,7 @@
 //! `Completed`, `Failed`), whose transition times make the soak
 //! (`minSuccessTime`) and the deadline survive a restart.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -635,12 +635,18 @@ impl Rollouts {
 /// Forgets admissions the cache now shows (or that are old), and says
 /// whether `member` is still admitted but not yet visible.
 fn prune_admitted(state: &mut PlacementState, members: &[Member]) {
+    if state.admitted.is_empty() {
+        return;
+    }
+    // Looked up once per admitted cluster: a scan per lookup made each
+    // decision cost (admitted × members), most of a large rollout's CPU.
+    let to_apply: HashSet<&str> = members
+        .iter()
+        .filter(|member| member.phase == Phase::ToApply)
+        .map(|member| member.cluster.as_str())
+        .collect();
     state.admitted.retain(|cluster, (_, at)| {
-        at.elapsed() < ADMISSION_MEMORY
-            && members
-                .iter()
-                .find(|member| &member.cluster == cluster)
-                .is_some_and(|member| member.phase == Phase::ToApply)
+        at.elapsed() < ADMISSION_MEMORY && to_apply.contains(cluster.as_str())
     });
 }
 
