@@ -11,13 +11,19 @@
 //! CP_ADDONS_REMOVAL_GRACE=0s cargo run --release -p addon-manager --example addons_scale
 //! ```
 //!
+//! The controllers run in a child process (this example started again with
+//! `CP_ADDONS_ROLE=controllers`), so the resident memory and CPU reported
+//! for each phase are theirs alone. The example counts clusters from watches
+//! of its own (a list of every work each poll would load the API the
+//! controllers are measured against).
+//!
 //! The last phase adds `CP_ADDONS_JOINS` (5) clusters, each sorting first:
 //! OCM's placement controller then moves one cluster from every decision
 //! object to the next, one write at a time; it counts the addons deleted and
 //! re-created on the way (`CP_ADDONS_REMOVAL_GRACE`, the controller's
 //! removal grace).
 //!
-//! Then an MPC change rolls out `Progressive` with `maxConcurrency`
+//! Then (unless `CP_ADDONS_PROGRESSIVE=0`) an MPC change rolls out `Progressive` with `maxConcurrency`
 //! `CP_ADDONS_MAX_CONCURRENCY` (10%), a task playing every cluster's work
 //! agent (each updated work applied and available after `CP_ADDONS_APPLY_MS`,
 //! 200) and registration agent; it reports how long the rollout took and the
@@ -25,6 +31,10 @@
 //! limit.
 
 use std::collections::BTreeMap;
+use std::io::{BufRead as _, BufReader};
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use addon_manager::addon::{self, AddonMetrics, AddonSettings};
@@ -35,12 +45,15 @@ use cluster_proxy_proto::api::cluster::v1beta1::Placement;
 use cluster_proxy_proto::api::proxy::v1alpha1::ManagedProxyConfiguration;
 use cluster_proxy_proto::api::work::v1::ManifestWork;
 use k8s_openapi::api::core::v1::{Namespace, Secret, Service};
-use kube::api::{ListParams, Patch, PatchParams, PostParams};
+use futures_util::StreamExt;
+use kube::api::{Patch, PatchParams, PostParams};
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, ResourceExt};
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use memory_apiserver::{KubeApi, KubeApiOptions};
 use serde_json::{Value, json};
 use simulated_cluster::ocm::sync_placements;
-use tokio::sync::oneshot;
 
 const HUB: &str = "open-cluster-management-addon";
 const CA_PEM: &str = "-----BEGIN CERTIFICATE-----\nMIIBscaleCA\n-----END CERTIFICATE-----\n";
@@ -71,7 +84,7 @@ fn requests_since(api: &KubeApi, from: usize) -> (usize, BTreeMap<String, usize>
     for request in requests
         .iter()
         .skip(from)
-        .filter(|request| request.user == CONTROLLER_USER)
+        .filter(|request| request.user == CONTROLLER_USER && !request.further_check)
     {
         let resource = match &request.subresource {
             Some(sub) => format!("{}/{sub}", request.resource),
@@ -84,15 +97,257 @@ fn requests_since(api: &KubeApi, from: usize) -> (usize, BTreeMap<String, usize>
     (requests.len(), counts)
 }
 
-fn report(phase: &str, took: Duration, clusters: usize, counts: &BTreeMap<String, usize>) {
+fn report(
+    phase: &str,
+    took: Duration,
+    clusters: usize,
+    counts: &BTreeMap<String, usize>,
+    controllers: &Usage,
+) {
     let total: usize = counts.values().sum();
+    let writes: usize = counts
+        .iter()
+        .filter(|(kind, _)| {
+            ["create ", "update ", "patch ", "delete "]
+                .iter()
+                .any(|verb| kind.starts_with(verb))
+        })
+        .map(|(_, count)| count)
+        .sum();
     println!(
-        "{phase}: {:.2} s, {total} API requests ({:.1} per cluster)",
+        "{phase}: {:.2} s, {total} API requests ({:.1} per cluster, writes {:.1}); \
+         controllers: {:.1} CPU-s, RSS {:.0} MiB (peak {:.0} MiB)",
         took.as_secs_f64(),
-        total as f64 / clusters as f64
+        total as f64 / clusters as f64,
+        writes as f64 / clusters as f64,
+        controllers.cpu_seconds,
+        controllers.rss_mib,
+        controllers.peak_rss_mib,
     );
     for (kind, count) in counts {
         println!("    {count:>7}  {kind}");
+    }
+}
+
+/// What the controllers' process used: CPU over a phase, memory at its end.
+struct Usage {
+    cpu_seconds: f64,
+    rss_mib: f64,
+    peak_rss_mib: f64,
+}
+
+/// The environment variable that makes this example the controllers' process.
+const ROLE: &str = "CP_ADDONS_ROLE";
+const CONTROLLERS_KUBECONFIG: &str = "CP_ADDONS_CONTROLLERS_KUBECONFIG";
+const CONTROLLERS_REMOVAL_GRACE_MS: &str = "CP_ADDONS_CONTROLLERS_REMOVAL_GRACE_MS";
+
+/// The addon controllers in a process of their own (this example, started
+/// again): their memory and CPU are read from `/proc`, their reconciliation
+/// counts from their `/metrics`. Closing its stdin stops it.
+struct ControllerProcess {
+    child: Child,
+    metrics: SocketAddr,
+    cpu_mark: f64,
+}
+
+impl ControllerProcess {
+    fn spawn(kubeconfig: &Path, removal_grace: Duration) -> anyhow::Result<Self> {
+        let mut child = Command::new(std::env::current_exe()?)
+            .env(ROLE, "controllers")
+            .env(CONTROLLERS_KUBECONFIG, kubeconfig)
+            .env(
+                CONTROLLERS_REMOVAL_GRACE_MS,
+                removal_grace.as_millis().to_string(),
+            )
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .context("start the controllers' process")?;
+        let stdout = child.stdout.take().context("the controllers' stdout")?;
+        let mut line = String::new();
+        BufReader::new(stdout).read_line(&mut line)?;
+        let metrics = line
+            .trim()
+            .strip_prefix("metrics ")
+            .with_context(|| format!("the controllers' first line: {line:?}"))?
+            .parse()?;
+        Ok(Self {
+            child,
+            metrics,
+            cpu_mark: 0.0,
+        })
+    }
+
+    fn proc_file(&self, file: &str) -> anyhow::Result<String> {
+        Ok(std::fs::read_to_string(format!(
+            "/proc/{}/{file}",
+            self.child.id()
+        ))?)
+    }
+
+    /// CPU since the last call, and memory now.
+    fn usage(&mut self) -> anyhow::Result<Usage> {
+        let stat = self.proc_file("stat")?;
+        // utime and stime: fields 14 and 15, after the parenthesised name.
+        let after = stat
+            .rsplit_once(')')
+            .map(|(_, rest)| rest)
+            .context("/proc stat format")?;
+        let fields: Vec<&str> = after.split_whitespace().collect();
+        let ticks = |index: usize| -> anyhow::Result<f64> {
+            Ok(fields.get(index).context("/proc stat fields")?.parse()?)
+        };
+        // USER_HZ is 100 on Linux.
+        let cpu = (ticks(11)? + ticks(12)?) / 100.0;
+        let status = self.proc_file("status")?;
+        let kib = |field: &str| -> f64 {
+            status
+                .lines()
+                .find_map(|line| line.strip_prefix(field))
+                .and_then(|value| value.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+                .unwrap_or(f64::NAN)
+        };
+        let usage = Usage {
+            cpu_seconds: cpu - self.cpu_mark,
+            rss_mib: kib("VmRSS:") / 1024.0,
+            peak_rss_mib: kib("VmHWM:") / 1024.0,
+        };
+        self.cpu_mark = cpu;
+        Ok(usage)
+    }
+
+    /// The reconciliations of `controller` so far.
+    async fn reconciliations(&self, controller: &str) -> anyhow::Result<u64> {
+        let mut stream = tokio::net::TcpStream::connect(self.metrics).await?;
+        stream
+            .write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+            .await?;
+        let mut text = String::new();
+        stream.read_to_string(&mut text).await?;
+        let sample = format!("addon_reconciliations_total{{controller=\"{controller}\"}} ");
+        Ok(text
+            .lines()
+            .find_map(|line| line.strip_prefix(&sample))
+            .map(str::parse)
+            .transpose()?
+            .unwrap_or(0))
+    }
+
+    /// Stops the controllers (stdin closed) and waits for them.
+    fn stop(mut self) -> anyhow::Result<()> {
+        drop(self.child.stdin.take());
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(status) = self.child.try_wait()? {
+                if !status.success() {
+                    bail!("the controllers' process ended with {status}");
+                }
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                bail!("the controllers did not stop within 30 s");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for ControllerProcess {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// The controllers' process: `addon::run` until stdin closes, with its
+/// metrics on a port it prints first.
+async fn controllers_process() -> anyhow::Result<()> {
+    let kubeconfig = std::env::var(CONTROLLERS_KUBECONFIG)?;
+    let removal_grace =
+        Duration::from_millis(std::env::var(CONTROLLERS_REMOVAL_GRACE_MS)?.parse::<u64>()?);
+    let client = KubeApi::client_from(Path::new(&kubeconfig)).await?;
+    let metrics = AddonMetrics::default();
+    let mut registry = prometheus_client::registry::Registry::default();
+    metrics.register(&mut registry);
+    let stop = tokio_util::sync::CancellationToken::new();
+    let address = cluster_proxy_runtime::admin::serve_controller_health(
+        "127.0.0.1",
+        0,
+        registry,
+        stop.clone(),
+    )
+    .await?;
+    println!("metrics {address}");
+    let stdin_closed = async {
+        let _ = tokio::task::spawn_blocking(|| {
+            let mut rest = Vec::new();
+            let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut rest);
+        })
+        .await;
+    };
+    addon::run(
+        client,
+        AddonSettings {
+            removal_grace,
+            ..AddonSettings::new(HUB)
+        },
+        metrics,
+        stdin_closed,
+    )
+    .await;
+    stop.cancel();
+    Ok(())
+}
+
+/// The example's own view of the works and addons, from watches, as a
+/// dashboard has it.
+struct Views {
+    works: Store<ManifestWork>,
+    addons: Store<ManagedClusterAddOn>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Views {
+    async fn start(client: &kube::Client) -> anyhow::Result<Self> {
+        let (works, works_writer) = reflector::store();
+        let (addons, addons_writer) = reflector::store();
+        let tasks = vec![
+            mirror(works_writer, Api::<ManifestWork>::all(client.clone())),
+            mirror(addons_writer, Api::<ManagedClusterAddOn>::all(client.clone())),
+        ];
+        works.wait_until_ready().await?;
+        addons.wait_until_ready().await?;
+        Ok(Self {
+            works,
+            addons,
+            tasks,
+        })
+    }
+}
+
+/// Keeps `writer`'s store a mirror of every object `api` lists.
+fn mirror<K>(writer: reflector::store::Writer<K>, api: Api<K>) -> tokio::task::JoinHandle<()>
+where
+    K: kube::Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + Sync + 'static,
+    K::DynamicType: Default + Eq + std::hash::Hash + Clone + Send + Sync,
+{
+    tokio::spawn(async move {
+        reflector::reflector(writer, watcher(api, watcher::Config::default()))
+            .default_backoff()
+            .applied_objects()
+            .for_each(|_| async {})
+            .await;
+    })
+}
+
+impl Drop for Views {
+    fn drop(&mut self) {
+        for task in &self.tasks {
+            task.abort();
+        }
     }
 }
 
@@ -117,9 +372,7 @@ where
         if started.elapsed() > limit {
             bail!("{what}: {count} of {clusters} after {limit:?}");
         }
-        // Each poll lists every work: polling faster would load the API the
-        // controllers are measured against.
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 
@@ -135,36 +388,30 @@ fn replicas_of(work: &ManifestWork) -> Option<i64> {
         .as_i64()
 }
 
-async fn works_with_replicas(client: &kube::Client, replicas: i64) -> anyhow::Result<usize> {
-    let works = Api::<ManifestWork>::all(client.clone())
-        .list(&ListParams::default())
-        .await?;
-    Ok(works
-        .items
+async fn works_with_replicas(views: &Views, replicas: i64) -> anyhow::Result<usize> {
+    Ok(views
+        .works
+        .state()
         .iter()
         .filter(|work| replicas_of(work) == Some(replicas))
         .count())
 }
 
 /// Each cluster's addon UID.
-async fn addon_uids(client: &kube::Client) -> anyhow::Result<BTreeMap<String, String>> {
-    let addons = Api::<ManagedClusterAddOn>::all(client.clone())
-        .list(&ListParams::default())
-        .await?;
-    Ok(addons
-        .items
-        .into_iter()
-        .filter_map(|addon| Some((addon.metadata.namespace?, addon.metadata.uid?)))
-        .collect())
+fn addon_uids(views: &Views) -> BTreeMap<String, String> {
+    views
+        .addons
+        .state()
+        .iter()
+        .filter_map(|addon| Some((addon.metadata.namespace.clone()?, addon.metadata.uid.clone()?)))
+        .collect()
 }
 
 /// How many addons have the `Progressing` condition with `reason`.
-async fn addons_progressing(client: &kube::Client, reason: &str) -> anyhow::Result<usize> {
-    let list = Api::<ManagedClusterAddOn>::all(client.clone())
-        .list(&ListParams::default())
-        .await?;
-    Ok(list
-        .items
+async fn addons_progressing(views: &Views, reason: &str) -> anyhow::Result<usize> {
+    Ok(views
+        .addons
+        .state()
         .iter()
         .filter(|addon| {
             cluster_proxy_proto::api::find_condition(addon.conditions(), "Progressing")
@@ -210,8 +457,6 @@ struct WorkAgents {
 
 impl WorkAgents {
     fn start(client: kube::Client, delay: Duration) -> Self {
-        use futures_util::StreamExt;
-        use kube::runtime::{WatchStreamExt, watcher};
         let (stop, mut stopped) = tokio::sync::watch::channel(false);
         let most_at_once = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let most = most_at_once.clone();
@@ -365,6 +610,9 @@ async fn report_available(client: &kube::Client, cluster: &str) -> anyhow::Resul
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    if std::env::var(ROLE).as_deref() == Ok("controllers") {
+        return controllers_process().await;
+    }
     let clusters = env_usize("CP_ADDONS_CLUSTERS", 200)?;
     let removal_grace = match std::env::var("CP_ADDONS_REMOVAL_GRACE") {
         Ok(text) => cluster_proxy_proto::duration::parse_go_duration(&text)
@@ -408,15 +656,30 @@ async fn main() -> anyhow::Result<()> {
         .map(|index| format!("cluster-{index:05}"))
         .collect();
     let managed_clusters = Api::<ManagedCluster>::all(admin.clone());
-    for name in &names {
-        create_namespace(name.clone()).await?;
-        managed_clusters
-            .create(
-                &PostParams::default(),
-                &object(json!({"metadata": {"name": name}, "spec": {"hubAcceptsClient": true}}))?,
-            )
-            .await?;
-    }
+    let setup = Instant::now();
+    futures_util::stream::iter(&names)
+        .map(|name| {
+            let managed_clusters = managed_clusters.clone();
+            let create_namespace = &create_namespace;
+            async move {
+                create_namespace(name.clone()).await?;
+                managed_clusters
+                    .create(
+                        &PostParams::default(),
+                        &object(
+                            json!({"metadata": {"name": name}, "spec": {"hubAcceptsClient": true}}),
+                        )?,
+                    )
+                    .await?;
+                anyhow::Ok(())
+            }
+        })
+        .buffer_unordered(16)
+        .collect::<Vec<_>>()
+        .await
+        .into_iter()
+        .collect::<anyhow::Result<Vec<()>>>()?;
+    let setup = setup.elapsed();
     // The placement selects every cluster; the environment's placement
     // controller writes its decisions as OCM's does (100 to an object).
     let placement: Placement = object(json!({
@@ -427,33 +690,27 @@ async fn main() -> anyhow::Result<()> {
         .create(&PostParams::default(), &placement)
         .await?;
     sync_placements(&admin).await?;
-    println!("{clusters} clusters; the addon controllers start");
+    let views = Views::start(&admin).await?;
+    println!(
+        "{clusters} clusters (namespaces and ManagedClusters created in {:.1} s, {:.0} requests/s); \
+         the addon controllers start",
+        setup.as_secs_f64(),
+        (2 * clusters) as f64 / setup.as_secs_f64()
+    );
 
-    let controller_client =
-        KubeApi::client_from(&api.kubeconfig_for(CONTROLLER_USER, &["system:masters"])?).await?;
-    let (stop, stopped) = oneshot::channel::<()>();
-    let metrics = AddonMetrics::default();
-    let controllers = tokio::spawn(addon::run(
-        controller_client,
-        AddonSettings {
-            removal_grace,
-            ..AddonSettings::new(HUB)
-        },
-        metrics.clone(),
-        async {
-            let _ = stopped.await;
-        },
-    ));
+    let mut controllers = ControllerProcess::spawn(
+        &api.kubeconfig_for(CONTROLLER_USER, &["system:masters"])?,
+        removal_grace,
+    )?;
 
     // Phase 1: from nothing to an addon, its status and its work per cluster.
     let (mark, _) = requests_since(&api, 0);
-    let took = wait_for("works", clusters, limit, || works_with_replicas(&admin, 1)).await?;
-    let addons = Api::<ManagedClusterAddOn>::all(admin.clone());
+    let took = wait_for("works", clusters, limit, || works_with_replicas(&views, 1)).await?;
     let took = took
         + wait_for("addon statuses", clusters, limit, || async {
-            let list = addons.list(&ListParams::default()).await?;
-            Ok(list
-                .items
+            Ok(views
+                .addons
+                .state()
                 .iter()
                 .filter(|addon| {
                     addon
@@ -468,7 +725,7 @@ async fn main() -> anyhow::Result<()> {
     // Let the events of the controllers' own writes play out before counting.
     tokio::time::sleep(Duration::from_secs(2)).await;
     let (mark_after, counts) = requests_since(&api, mark);
-    report("install", took, clusters, &counts);
+    report("install", took, clusters, &counts, &controllers.usage()?);
 
     // Phase 2: one MPC change (the agent's replicas) reaches every work.
     let started = mark_after;
@@ -479,12 +736,12 @@ async fn main() -> anyhow::Result<()> {
     )
     .await?;
     let took = wait_for("updated works", clusters, limit, || {
-        works_with_replicas(&admin, 2)
+        works_with_replicas(&views, 2)
     })
     .await?;
     tokio::time::sleep(Duration::from_secs(2)).await;
     let (mark_after, counts) = requests_since(&api, started);
-    report("MPC change", took, clusters, &counts);
+    report("MPC change", took, clusters, &counts, &controllers.usage()?);
 
     // Phase 3: a change that concerns no addon (a Service in the hub namespace).
     let started = mark_after;
@@ -502,6 +759,7 @@ async fn main() -> anyhow::Result<()> {
         Duration::from_secs(5),
         clusters,
         &counts,
+        &controllers.usage()?,
     );
 
     // Phase 4: clusters join at the head of the sorted list, one after
@@ -509,7 +767,7 @@ async fn main() -> anyhow::Result<()> {
     // next object, the objects written one after another: each mover is
     // briefly in no decision.
     let started = mark_after;
-    let uids = addon_uids(&admin).await?;
+    let uids = addon_uids(&views);
     let joins = env_usize("CP_ADDONS_JOINS", 5)?;
     let phase = Instant::now();
     let mut movers = 0;
@@ -539,11 +797,11 @@ async fn main() -> anyhow::Result<()> {
     // Long enough for a flap to happen and be repaired.
     tokio::time::sleep(Duration::from_secs(2)).await;
     wait_for("every work", clusters + joins, limit, || {
-        works_with_replicas(&admin, 2)
+        works_with_replicas(&views, 2)
     })
     .await?;
     let (_, counts) = requests_since(&api, started);
-    let after = addon_uids(&admin).await?;
+    let after = addon_uids(&views);
     let recreated = uids
         .iter()
         .filter(|(cluster, uid)| after.get(*cluster) != Some(*uid))
@@ -556,7 +814,15 @@ async fn main() -> anyhow::Result<()> {
         phase.elapsed(),
         clusters,
         &counts,
+        &controllers.usage()?,
     );
+
+    if env_usize("CP_ADDONS_PROGRESSIVE", 1)? == 0 {
+        drop(views);
+        tokio::task::spawn_blocking(move || controllers.stop()).await??;
+        api.shutdown().await;
+        return Ok(());
+    }
 
     // Phase 5: a Progressive rollout of an MPC change, the clusters' work
     // and registration agents played by a task that reports each updated
@@ -566,7 +832,7 @@ async fn main() -> anyhow::Result<()> {
     let apply_delay = Duration::from_millis(env_usize("CP_ADDONS_APPLY_MS", 200)? as u64);
     let agents = WorkAgents::start(admin.clone(), apply_delay);
     wait_for("addons Completed before the rollout", total, limit, || {
-        addons_progressing(&admin, "Completed")
+        addons_progressing(&views, "Completed")
     })
     .await?;
     agents.reset_count();
@@ -579,7 +845,7 @@ async fn main() -> anyhow::Result<()> {
         Ok(count) => json!(count),
         Err(_) => json!(max_concurrency),
     };
-    let reconciled = metrics.reconciliation_count("managedclusteraddon");
+    let reconciled = controllers.reconciliations("managedclusteraddon").await?;
     Api::<ClusterManagementAddOn>::all(admin.clone())
         .patch(
             addon::ADDON_NAME,
@@ -600,7 +866,10 @@ async fn main() -> anyhow::Result<()> {
         limit,
         || async {
             Ok(usize::try_from(
-                metrics.reconciliation_count("managedclusteraddon") - reconciled,
+                controllers
+                    .reconciliations("managedclusteraddon")
+                    .await?
+                    .saturating_sub(reconciled),
             )?)
         },
     )
@@ -613,11 +882,11 @@ async fn main() -> anyhow::Result<()> {
     )
     .await?;
     wait_for("rolled-out works", total, limit, || {
-        works_with_replicas(&admin, 3)
+        works_with_replicas(&views, 3)
     })
     .await?;
     wait_for("addons Completed after the rollout", total, limit, || {
-        addons_progressing(&admin, "Completed")
+        addons_progressing(&views, "Completed")
     })
     .await?;
     // The ClusterManagementAddOn's summary follows within a second or so.
@@ -639,15 +908,14 @@ async fn main() -> anyhow::Result<()> {
         took,
         total,
         &counts,
+        &controllers.usage()?,
     );
     if most_at_once > limit_clusters {
         bail!("{most_at_once} clusters updated at once, more than maxConcurrency {limit_clusters}");
     }
 
-    let _ = stop.send(());
-    tokio::time::timeout(Duration::from_secs(30), controllers)
-        .await
-        .context("the controllers stop")??;
+    drop(views);
+    tokio::task::spawn_blocking(move || controllers.stop()).await??;
     api.shutdown().await;
     Ok(())
 }
