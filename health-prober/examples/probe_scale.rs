@@ -221,7 +221,8 @@ async fn main() {
     for (index, (prober, port, pid)) in probers.iter_mut().enumerate() {
         let first = wait_rounds(*port, &mut prober.0, 1.0, members, interval * 4).await;
         println!(
-            "prober {index} first round with {members} probers: {:.0} of {clusters} clusters x {replicas} replicas, rounds so far {} in {:.2} s, {} status writes, {} failed probes, CPU {:.2} s, RSS {:.0} MiB",
+            "prober {index} first round with {:.0} probers: {:.0} of {clusters} clusters x {replicas} replicas, rounds so far {} in {:.2} s, {} status writes, {} failed probes, CPU {:.2} s, RSS {:.0} MiB",
+            first.members,
             first.shard,
             first.rounds,
             first.round_seconds,
