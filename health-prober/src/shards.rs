@@ -307,8 +307,13 @@ impl Membership {
     }
 
     /// Renews every `renew_every` and publishes each change of the live
-    /// members on `members` (`None` until the first renewal succeeds) until
-    /// `shutdown` completes; then leaves.
+    /// members on `members` until `shutdown` completes; then leaves.
+    ///
+    /// The first view is published after the second successful renewal
+    /// (`None` until then): replicas started together (a new Deployment, a
+    /// scale-up) each list before the others have created their Leases, and
+    /// would otherwise all probe every cluster in their first round; one
+    /// renewal period later each sees the others.
     ///
     /// A failed renewal keeps the last view rather than dropping it or
     /// claiming every cluster: when the Lease API fails for every replica
@@ -322,6 +327,7 @@ impl Membership {
     ) {
         let mut ticker = tokio::time::interval(self.renew_every);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut renewals = 0u32;
         tokio::pin!(shutdown);
         loop {
             tokio::select! {
@@ -336,6 +342,10 @@ impl Membership {
             };
             match beat.unwrap_or(Err(MembershipError::Timeout(self.renew_every))) {
                 Ok(live) => {
+                    renewals = renewals.saturating_add(1);
+                    if renewals < 2 {
+                        continue;
+                    }
                     members.send_if_modified(|current| {
                         if current.as_ref() == Some(&live) {
                             return false;

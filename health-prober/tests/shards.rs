@@ -350,3 +350,21 @@ async fn a_member_long_dead_is_not_counted_and_its_lease_is_deleted() {
     assert_eq!(joined(renewed.clone()), first);
     assert_ne!(renewed.spec.and_then(|s| s.renew_time), first);
 }
+
+#[tokio::test]
+async fn replicas_started_together_see_each_other_in_their_first_view() {
+    let clusters = cluster_names(4);
+    let (hub, tunnel, apiserver) = hub_with(&clusters).await;
+    let mut a = Member::start(&hub, &tunnel, &apiserver, "prober-a").await;
+    let mut b = Member::start(&hub, &tunnel, &apiserver, "prober-b").await;
+    for member in [&mut a, &mut b] {
+        let first = tokio::time::timeout(TAKE_OVER, member.members.wait_for(Option::is_some))
+            .await
+            .map(|seen| seen.map(|m| m.clone()));
+        let Ok(Ok(Some(first))) = first else {
+            panic!("{}: no view within {TAKE_OVER:?}", member.lease);
+        };
+        // Else each would probe every cluster in its first round.
+        assert_eq!(first.len(), 2, "{}: {first:?}", member.lease);
+    }
+}
