@@ -43,7 +43,10 @@ const CHANGE: Duration = Duration::from_secs(60);
 const PORT_FORWARD_ROLE: &str = "cluster-proxy-addon-agent:portforward";
 const LOAD_BALANCER_SERVICE: &str = "proxy-agent-entrypoint";
 /// The Leases two services elect a leader on.
-const LEASES: [&str; 2] = ["cluster-proxy-addon-manager", "cluster-proxy-cert-authority"];
+const LEASES: [&str; 2] = [
+    "cluster-proxy-addon-manager",
+    "cluster-proxy-cert-authority",
+];
 /// The label of health-prober's member Leases (one per replica, named by
 /// its identity: health-prober/src/shards.rs).
 const PROBER_MEMBER_SELECTOR: &str =
