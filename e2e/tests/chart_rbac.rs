@@ -42,12 +42,15 @@ const CHANGE: Duration = Duration::from_secs(60);
 /// entrypoints (reference §3).
 const PORT_FORWARD_ROLE: &str = "cluster-proxy-addon-agent:portforward";
 const LOAD_BALANCER_SERVICE: &str = "proxy-agent-entrypoint";
-/// The Leases the three services elect a leader on.
-const LEASES: [&str; 3] = [
+/// The Leases two services elect a leader on.
+const LEASES: [&str; 2] = [
     "cluster-proxy-addon-manager",
     "cluster-proxy-cert-authority",
-    "cluster-proxy-health-prober",
 ];
+/// The label of health-prober's member Leases (one per replica, named by
+/// its identity: health-prober/src/shards.rs).
+const PROBER_MEMBER_SELECTOR: &str =
+    "cluster-proxy.open-cluster-management.io/health-prober-member=true";
 const SIGNER_SECRET: &str = "cluster-proxy-signer";
 
 /// Rules the scenario cannot exercise, as (role, api group, resource, verb),
@@ -109,6 +112,14 @@ const UNUSED_RULES: &[(&str, &str, &str, &str, &str)] = &[
         "roles",
         "bind",
         "as escalate: checked by kube-apiserver's escalation prevention, not played here",
+    ),
+    (
+        "open-cluster-management:cluster-proxy:health-prober",
+        "coordination.k8s.io",
+        "leases",
+        "delete",
+        "health-prober deletes its member Lease on SIGTERM, and other members' Leases 150 s \
+         after they expired; the scenario checks before stopping it and kills no prober",
     ),
 ];
 
@@ -496,20 +507,31 @@ async fn the_charts_rbac_allows_every_call_of_the_hub_services_and_nothing_more(
     )
     .await;
 
-    // Every elected service has renewed its Lease at least once.
+    // Every elected service has renewed its Lease at least once, and
+    // health-prober its member Lease.
     let leases: Api<Lease> = Api::namespaced(admin.clone(), ADDON_NAMESPACE);
+    let renewed = |spec: Option<&k8s_openapi::api::coordination::v1::LeaseSpec>| {
+        spec.is_some_and(|s| {
+            s.renew_time.is_some()
+                && s.renew_time.as_ref().map(|t| &t.0) != s.acquire_time.as_ref().map(|t| &t.0)
+        })
+    };
     wait_for("every hub Lease renewed", CHANGE, &explain, || async {
         let mut waiting = Vec::new();
         for name in LEASES {
             let lease = leases.get_opt(name).await.map_err(|e| e.to_string())?;
             let spec = lease.and_then(|l| l.spec);
-            let renewed = spec.as_ref().is_some_and(|s| {
-                s.renew_time.is_some()
-                    && s.renew_time.as_ref().map(|t| &t.0) != s.acquire_time.as_ref().map(|t| &t.0)
-            });
-            if !renewed {
+            if !renewed(spec.as_ref()) {
                 waiting.push(format!("{name}: {spec:?}"));
             }
+        }
+        let members = leases
+            .list(&kube::api::ListParams::default().labels(PROBER_MEMBER_SELECTOR))
+            .await
+            .map_err(|e| e.to_string())?;
+        if !members.items.iter().any(|l| renewed(l.spec.as_ref())) {
+            let specs: Vec<_> = members.items.iter().map(|l| &l.spec).collect();
+            waiting.push(format!("health-prober member Leases: {specs:?}"));
         }
         if waiting.is_empty() {
             Ok(())

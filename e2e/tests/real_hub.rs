@@ -140,8 +140,9 @@ const POLL: Duration = Duration::from_millis(500);
 ///
 /// OPEN FINDING (acceptance run of 2026-12-01, issue 56): `helm uninstall`
 /// should leave nothing but the agent Namespace, yet cert-authority's PKI
-/// Secrets (the CA key among them), the three leader Leases (each service
-/// loses its RBAC before its pod goes, so it cannot release its Lease) and
+/// Secrets (the CA key among them), the two leader Leases and
+/// health-prober's member Lease (each service loses its RBAC before its
+/// pod goes, so it cannot release its Lease) and
 /// the addon-agent's Lease (never part of the ManifestWork) remain. This
 /// list documents that reality; the test fails when it changes (a fix
 /// shrinks it).
@@ -149,13 +150,28 @@ const RESIDUE: &[(&str, &str, &str)] = &[
     (AGENT_NAMESPACE, "Lease", "cluster-proxy"),
     (RELEASE_NAMESPACE, "Lease", "cluster-proxy-addon-manager"),
     (RELEASE_NAMESPACE, "Lease", "cluster-proxy-cert-authority"),
-    (RELEASE_NAMESPACE, "Lease", "cluster-proxy-health-prober"),
+    // health-prober's member Lease, named by its pod ([`member_lease`]).
+    (RELEASE_NAMESPACE, "Lease", HEALTH_PROBER_MEMBER),
     (RELEASE_NAMESPACE, "Secret", "agent-server"),
     (RELEASE_NAMESPACE, "Secret", "cluster-proxy-signer"),
     (RELEASE_NAMESPACE, "Secret", "proxy-client"),
     (RELEASE_NAMESPACE, "Secret", "proxy-server"),
     (RELEASE_NAMESPACE, "Secret", "proxy-server-ca"),
 ];
+
+/// How [`ours`] names a health-prober member Lease
+/// (`cluster-proxy-health-prober-<hash of the pod's identity>`): the hash
+/// differs with every run.
+const HEALTH_PROBER_MEMBER: &str = "cluster-proxy-health-prober-<member>";
+
+fn member_lease(name: String) -> String {
+    match name.strip_prefix("cluster-proxy-health-prober-") {
+        Some(hash) if !hash.is_empty() && hash.bytes().all(|b| b.is_ascii_hexdigit()) => {
+            HEALTH_PROBER_MEMBER.to_string()
+        }
+        _ => name,
+    }
+}
 
 /// What service access adds to [`RESIDUE`]: cert-authority's three
 /// certificates (the same open finding: cert-authority's Secrets outlive
@@ -547,7 +563,11 @@ async fn ours(
         }
         let leases: Api<Lease> = Api::namespaced(client.clone(), namespace);
         for l in leases.list(&ListParams::default()).await.unwrap() {
-            found.insert((namespace.to_string(), "Lease".to_string(), l.name_any()));
+            found.insert((
+                namespace.to_string(),
+                "Lease".to_string(),
+                member_lease(l.name_any()),
+            ));
         }
         let deployments: Api<Deployment> = Api::namespaced(client.clone(), namespace);
         for d in deployments.list(&ListParams::default()).await.unwrap() {

@@ -8,6 +8,7 @@
 //! * [`probe`] — one probe: dial, TLS handshake, `GET /healthz`, timed.
 //! * [`verdict`] — outcomes to a condition, and when it is worth a write.
 //! * [`prober`] — the rounds and the status writes.
+//! * [`shards`] — member Leases, and which clusters this replica probes.
 //! * [`tls`] — client TLS for the proxy-servers and the kube-apiservers.
 //! * [`metrics`] — Prometheus metrics.
 #![forbid(unsafe_code)]
@@ -18,5 +19,6 @@ pub mod prober;
 pub mod replicas;
 pub mod service;
 pub mod settings;
+pub mod shards;
 pub mod tls;
 pub mod verdict;

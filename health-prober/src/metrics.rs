@@ -35,6 +35,10 @@ pub struct ProberMetrics {
     pub probes: Family<ResultLabel, Counter>,
     pub status_writes: Counter,
     pub round_duration: Histogram,
+    /// Live probers this replica shares the clusters with, itself included.
+    pub members: Gauge,
+    /// Clusters this replica probed in its last round.
+    pub shard_clusters: Gauge,
 }
 
 impl Default for ProberMetrics {
@@ -45,6 +49,8 @@ impl Default for ProberMetrics {
             probes: Family::default(),
             status_writes: Counter::default(),
             round_duration: Histogram::new(exponential_buckets(0.01, 2.0, 14)),
+            members: Gauge::default(),
+            shard_clusters: Gauge::default(),
         }
     }
 }
@@ -73,8 +79,18 @@ impl ProberMetrics {
         );
         registry.register(
             "health_prober_round_duration_seconds",
-            "Duration of a probe round over every cluster",
+            "Duration of a probe round over this replica's clusters",
             self.round_duration.clone(),
+        );
+        registry.register(
+            "health_prober_members",
+            "Live health-prober replicas sharing the clusters as this replica last saw them, itself included (0 before it joined)",
+            self.members.clone(),
+        );
+        registry.register(
+            "health_prober_shard_clusters",
+            "Clusters this replica probed in its last round: its share of every cluster with the add-on",
+            self.shard_clusters.clone(),
         );
     }
 }

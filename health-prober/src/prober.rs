@@ -1,6 +1,7 @@
-//! Probe rounds: every `cluster-proxy` ManagedClusterAddOn, through every
-//! replica, and a `ClusterProxyReachable` condition written only when it
-//! changes meaningfully.
+//! Probe rounds: every `cluster-proxy` ManagedClusterAddOn this prober
+//! replica owns ([`crate::shards`]), through every proxy-server replica, and
+//! a `ClusterProxyReachable` condition written only when it changes
+//! meaningfully.
 
 use std::collections::{BTreeSet, HashMap};
 use std::future::Future;
@@ -20,6 +21,7 @@ use tracing::Instrument;
 use crate::metrics::{ClusterLabel, PhaseLabel, ProberMetrics, ResultLabel};
 use crate::probe::{Phase, ProbeOutcome, ProbeTarget, probe};
 use crate::replicas::Replica;
+use crate::shards::Members;
 use crate::verdict::{CONDITION_TYPE, Change, LATENCY_FLOOR_MS, Verdict, judge, key_of_condition};
 
 /// Default of [`Prober::with_latency_write_interval`].
@@ -34,11 +36,18 @@ pub const FIELD_MANAGER: &str = "cluster-proxy-health-prober";
 pub enum ProberError {
     #[error("list ManagedClusterAddOns: {0}")]
     List(#[source] kube::Error),
+    #[error("not a member of the probers yet: the member Lease was never renewed")]
+    NotAMember,
 }
 
 /// What one round did.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct RoundReport {
+    /// Every cluster with the add-on.
+    pub listed: usize,
+    /// The live probers, this one included, that shared them.
+    pub members: usize,
+    /// This replica's share: the clusters it probed.
     pub clusters: usize,
     pub reachable: usize,
     pub writes: usize,
@@ -57,8 +66,11 @@ pub struct Prober {
     /// When each cluster's condition was last written by this process.
     written_at: std::sync::Mutex<HashMap<String, tokio::time::Instant>>,
     metrics: ProberMetrics,
-    /// The clusters of the last round, whose gauges are dropped when they leave.
+    /// The clusters of the last round, whose gauges are dropped when they
+    /// leave (or move to another prober replica).
     probed: std::sync::Mutex<BTreeSet<String>>,
+    /// The probers sharing the clusters; `None`: this one probes them all.
+    members: Option<tokio::sync::watch::Receiver<Option<Members>>>,
 }
 
 impl Prober {
@@ -80,7 +92,26 @@ impl Prober {
             written_at: std::sync::Mutex::new(HashMap::new()),
             metrics,
             probed: std::sync::Mutex::new(BTreeSet::new()),
+            members: None,
         }
+    }
+
+    /// Shares the clusters with the other probers in `members` (kept up
+    /// to date by [`crate::shards::Membership::run`]): each round probes
+    /// only the clusters this replica owns in the view at its start. Until
+    /// the first view arrives rounds fail with [`ProberError::NotAMember`],
+    /// so that a starting replica does not probe every cluster once.
+    pub fn with_members(mut self, members: tokio::sync::watch::Receiver<Option<Members>>) -> Self {
+        self.members = Some(members);
+        self
+    }
+
+    /// The clusters the last round probed.
+    pub fn probed(&self) -> BTreeSet<String> {
+        self.probed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// Latencies under `floor` never count as a change (default
@@ -99,7 +130,7 @@ impl Prober {
         self
     }
 
-    /// One round over every cluster with the add-on: a span
+    /// One round over this replica's clusters with the add-on: a span
     /// (`health_prober.round`) with a child per probe.
     pub async fn round(&self) -> Result<RoundReport, ProberError> {
         let span = tracing::info_span!(
@@ -110,18 +141,26 @@ impl Prober {
             error.message = tracing::field::Empty,
             cluster_proxy.clusters = tracing::field::Empty,
             cluster_proxy.reachable = tracing::field::Empty,
+            cluster_proxy.members = tracing::field::Empty,
         );
         let round = self.probe_every_cluster().instrument(span.clone()).await;
         telemetry::record_outcome(&span, &round);
         if let Ok(report) = &round {
             span.record("cluster_proxy.clusters", report.clusters);
             span.record("cluster_proxy.reachable", report.reachable);
+            span.record("cluster_proxy.members", report.members);
         }
         round
     }
 
     async fn probe_every_cluster(&self) -> Result<RoundReport, ProberError> {
         let started = tokio::time::Instant::now();
+        // The view at the round's start, for the whole round: a change
+        // mid-round shows in the next one.
+        let members = match &self.members {
+            None => None,
+            Some(members) => Some(members.borrow().clone().ok_or(ProberError::NotAMember)?),
+        };
         let addons = Api::<ManagedClusterAddOn>::all(self.client.clone())
             .list(&ListParams::default())
             .await
@@ -133,10 +172,32 @@ impl Prober {
             .filter(|a| a.metadata.deletion_timestamp.is_none())
             .filter(|a| a.metadata.namespace.is_some())
             .collect();
+        let listed = addons.len();
+        let addons: Vec<ManagedClusterAddOn> = match &members {
+            None => addons,
+            Some(members) => addons
+                .into_iter()
+                .filter(|a| {
+                    a.metadata
+                        .namespace
+                        .as_deref()
+                        .is_some_and(|c| members.owns(c))
+                })
+                .collect(),
+        };
+        let member_count = members.as_ref().map_or(1, Members::len);
+        self.metrics
+            .members
+            .set(i64::try_from(member_count).unwrap_or(i64::MAX));
+        self.metrics
+            .shard_clusters
+            .set(i64::try_from(addons.len()).unwrap_or(i64::MAX));
         self.forget_departed(&addons);
         // Each cluster probes every replica at once.
         let clusters_at_once = (self.concurrency / self.replicas.len().max(1)).max(1);
         let mut report = RoundReport {
+            listed,
+            members: member_count,
             clusters: addons.len(),
             ..RoundReport::default()
         };

@@ -1,10 +1,10 @@
-//! The health-prober service: serve health and metrics, elect a leader, and
-//! while leading probe every cluster each interval.
+//! The health-prober service: serve health and metrics, join the other
+//! prober replicas ([`crate::shards`]) and probe this replica's share of
+//! the clusters each interval.
 
 use std::sync::Arc;
 
-use cluster_proxy_control::leader::{LeaderError, Leadership, lead_in_turns};
-use cluster_proxy_runtime::metrics::register_leader_gauge;
+use cluster_proxy_control::leader::{LEASE_DURATION, RENEW_EVERY, replica_identity};
 use cluster_proxy_runtime::reload::DEFAULT_INTERVAL;
 use cluster_proxy_runtime::shutdown::Signals;
 use cluster_proxy_runtime::tls::TlsError;
@@ -17,9 +17,8 @@ use crate::probe::ProbeTarget;
 use crate::prober::Prober;
 use crate::replicas::{AddressError, Replica};
 use crate::settings::HealthProberSettings;
+use crate::shards::{Membership, MembershipError};
 
-/// The Lease replicas elect a leader on: exactly one replica probes.
-const LEASE_NAME: &str = "cluster-proxy-health-prober";
 const USER_AGENT: &str = "cluster-proxy-health-prober";
 
 #[derive(Debug, thiserror::Error)]
@@ -35,7 +34,7 @@ pub enum ServiceError {
     #[error(transparent)]
     Health(#[from] cluster_proxy_runtime::net::BindError),
     #[error(transparent)]
-    Leader(#[from] LeaderError),
+    Membership(#[from] MembershipError),
 }
 
 /// Runs health-prober until SIGTERM or SIGINT.
@@ -66,11 +65,6 @@ pub async fn serve(
     let mut registry = Registry::default();
     let metrics = ProberMetrics::default();
     metrics.register(&mut registry);
-    let leader = register_leader_gauge(
-        &mut registry,
-        "health_prober_leader",
-        "1 while this replica leads and probes, 0 otherwise",
-    );
     let stop = CancellationToken::new();
     cluster_proxy_runtime::admin::serve_controller_health(
         &settings.health_bind_address,
@@ -80,47 +74,76 @@ pub async fn serve(
     )
     .await?;
 
-    let prober = Arc::new(
-        Prober::new(
-            client.clone(),
-            replicas,
-            ProbeTarget {
-                port: settings.target_port,
-                tls: target_tls,
-                timeout: settings.timeout,
-            },
-            settings.concurrency,
-            metrics,
-        )
-        .with_latency_write_interval(settings.latency_write_interval),
-    );
-    let leadership = Leadership {
-        api: kube::Api::<Lease>::namespaced(client, &settings.namespace),
-        lease: LEASE_NAME,
-        fallback_identity: "health-prober",
-        enabled: settings.leader_elect,
-    };
-    let interval = settings.interval;
-    let signal = lead_in_turns(
-        leadership,
-        signals.recv(),
-        |leading| {
-            leader.set(i64::from(leading));
+    let mut prober = Prober::new(
+        client.clone(),
+        replicas,
+        ProbeTarget {
+            port: settings.target_port,
+            tls: target_tls,
+            timeout: settings.timeout,
         },
-        |term| {
-            tracing::info!(replicas = ?settings.replica_addresses(), ?interval, "leading: probing");
-            let prober = prober.clone();
-            let rounds =
-                tokio::spawn(async move { prober.run(interval, term.cancelled_owned()).await });
-            async move {
-                // A round in flight is abandoned: another leader probes from scratch.
-                rounds.abort();
-                let _ = rounds.await;
-            }
-        },
+        settings.concurrency,
+        metrics,
     )
-    .await?;
+    .with_latency_write_interval(settings.latency_write_interval);
+
+    // Without --leader-elect this replica probes every cluster and touches
+    // no Lease: one-replica installs and tests.
+    let leaving = CancellationToken::new();
+    let mut membership = None;
+    if settings.leader_elect {
+        let member = Membership::new(
+            kube::Api::<Lease>::namespaced(client, &settings.namespace),
+            replica_identity("health-prober"),
+            LEASE_DURATION,
+            RENEW_EVERY,
+        )?;
+        tracing::info!(
+            lease = member.name(),
+            identity = member.identity(),
+            "sharing the clusters with the other probers"
+        );
+        let (publish, mut members) = tokio::sync::watch::channel(None);
+        prober = prober.with_members(members.clone());
+        membership = Some(tokio::spawn(
+            member.run(publish, leaving.clone().cancelled_owned()),
+        ));
+        // The first round waits for the first view of the members, or a
+        // starting replica would probe every cluster once by itself.
+        tokio::select! {
+            signal = signals.recv() => {
+                tracing::info!(signal, "stopping before joining");
+                return leave(stop, leaving, membership).await;
+            }
+            _ = members.wait_for(Option::is_some) => {}
+        }
+    }
+
+    let interval = settings.interval;
+    tracing::info!(replicas = ?settings.replica_addresses(), ?interval, "probing");
+    let prober = Arc::new(prober);
+    let rounds = {
+        let prober = prober.clone();
+        tokio::spawn(async move { prober.run(interval, std::future::pending()).await })
+    };
+    let signal = signals.recv().await;
     tracing::info!(signal, "stopping");
+    // A round in flight is abandoned before the member Lease goes: the
+    // others may take its clusters as soon as it is gone.
+    rounds.abort();
+    let _ = rounds.await;
+    leave(stop, leaving, membership).await
+}
+
+async fn leave(
+    stop: CancellationToken,
+    leaving: CancellationToken,
+    membership: Option<tokio::task::JoinHandle<()>>,
+) -> Result<(), ServiceError> {
+    leaving.cancel();
+    if let Some(membership) = membership {
+        let _ = membership.await;
+    }
     stop.cancel();
     Ok(())
 }

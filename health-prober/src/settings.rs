@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use cluster_proxy_proto::duration::serde_go;
-use cluster_proxy_runtime::cli::{HealthFlags, LeaderElectionFlags};
+use cluster_proxy_runtime::cli::HealthFlags;
 pub use cluster_proxy_runtime::config::ConfigError;
 use cluster_proxy_runtime::config::{self, EnvSpec, invalid};
 use cluster_proxy_runtime::logging::{LogFlags, LogFormat};
@@ -45,8 +45,8 @@ pub struct Cli {
     #[arg(long)]
     #[serde(skip)]
     pub config: Option<PathBuf>,
-    /// The hub namespace of the leader-election Lease and the proxy-entrypoint
-    /// Service; the pod's namespace (`POD_NAMESPACE`) by default.
+    /// The hub namespace of the probers' member Leases and the
+    /// proxy-entrypoint Service; the pod's namespace (`POD_NAMESPACE`) by default.
     #[arg(long)]
     pub namespace: Option<String>,
     /// Comma-separated `host:port` client addresses, one per proxy-server
@@ -85,9 +85,12 @@ pub struct Cli {
     /// How many probes run at once.
     #[arg(long)]
     pub concurrency: Option<usize>,
-    #[command(flatten)]
-    #[serde(flatten)]
-    pub leader_election: LeaderElectionFlags,
+    /// Share the clusters among the running replicas: each holds a member
+    /// Lease in --namespace and probes the clusters rendezvous hashing gives
+    /// it. `false`: this replica probes every cluster and uses no Lease (one
+    /// replica only).
+    #[arg(long, value_parser = cluster_proxy_runtime::cli::parse_go_bool, num_args = 0..=1, default_missing_value = "true")]
+    pub leader_elect: Option<bool>,
     #[command(flatten)]
     #[serde(flatten)]
     pub health: HealthFlags,

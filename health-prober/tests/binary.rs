@@ -1,5 +1,6 @@
-//! The `health-prober` binary: two processes elect one leader on the Lease
-//! `cluster-proxy-health-prober`; only the leader probes and writes.
+//! The `health-prober` binary: two processes share the clusters through
+//! their member Leases; on SIGTERM one deletes its Lease and the other takes
+//! every cluster.
 
 mod common;
 
@@ -7,8 +8,10 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use common::{Apiserver, Hub, Tunnel, metrics, sample};
+use health_prober::shards::MEMBER_LABEL;
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::Api;
+use kube::api::ListParams;
 
 const NAMESPACE: &str = "hub";
 const WAIT: Duration = Duration::from_secs(30);
@@ -30,12 +33,67 @@ async fn free_port() -> u16 {
     listener.local_addr().unwrap().port()
 }
 
+/// Polls `check` every 100 ms until it gives `Ok`, or fails with its last `Err`.
+async fn eventually<F, Fut>(what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<(), String>>,
+{
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        match check().await {
+            Ok(()) => return,
+            Err(last) => assert!(
+                tokio::time::Instant::now() < deadline,
+                "{what} not within {WAIT:?}: {last}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The holders of the member Leases.
+async fn members(hub: &Hub) -> Vec<String> {
+    let mut holders: Vec<String> = Api::<Lease>::namespaced(hub.client.clone(), NAMESPACE)
+        .list(&ListParams::default().labels(&format!("{MEMBER_LABEL}=true")))
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter_map(|l| l.spec?.holder_identity)
+        .collect();
+    holders.sort();
+    holders
+}
+
+/// (members, shard clusters, probes) from a prober's `/metrics`.
+async fn gauges(prober: &Prober) -> Result<(f64, f64, f64), String> {
+    let text = metrics(prober.health_port)
+        .await
+        .ok_or("no /metrics answer")?;
+    Ok((
+        sample(&text, "health_prober_members"),
+        sample(&text, "health_prober_shard_clusters"),
+        sample(&text, "health_prober_probes_total"),
+    ))
+}
+
 #[tokio::test]
-async fn one_of_two_processes_leads_and_probes() {
-    let hub = Hub::start(&["cluster-a"]).await;
+async fn two_processes_share_the_clusters_and_one_takes_all_when_the_other_stops() {
+    let clusters = [
+        "cluster-a",
+        "cluster-b",
+        "cluster-c",
+        "cluster-d",
+        "cluster-e",
+        "cluster-f",
+    ];
+    let hub = Hub::start(&clusters).await;
     hub.namespace(NAMESPACE).await;
-    let tunnel = Tunnel::start(&["cluster-a"], 1).await;
-    let apiserver = Apiserver::start(&["cluster-a"]).await;
+    let tunnel = Tunnel::start(&clusters, 1).await;
+    let apiserver = Apiserver::start(&clusters).await;
+    // One cluster reachable, to see a True written through the binary; the
+    // others are written Unreachable.
     let _agent = tunnel.agent("cluster-a", 0).await;
     let dir = tempfile::tempdir().unwrap();
     let layout = tunnel.pki.write(dir.path()).unwrap();
@@ -66,40 +124,57 @@ async fn one_of_two_processes_leads_and_probes() {
         probers.push(Prober { child, health_port });
     }
 
+    eventually("every cluster's condition written", || async {
+        for cluster in clusters {
+            match hub.reachability(cluster).await {
+                Some((status, _, _)) if cluster != "cluster-a" || status == "True" => {}
+                other => return Err(format!("{cluster}: {other:?}")),
+            }
+        }
+        Ok(())
+    })
+    .await;
+    let holders = members(&hub).await;
+    assert_eq!(holders.len(), 2, "{holders:?}");
+    assert!(holders[0].starts_with("prober-0_"), "{holders:?}");
+    assert!(holders[1].starts_with("prober-1_"), "{holders:?}");
+
+    // Once both see each other, their last rounds split the six clusters.
+    eventually("two members sharing six clusters", || async {
+        let (first, second) = (gauges(&probers[0]).await?, gauges(&probers[1]).await?);
+        if first.0 == 2.0 && second.0 == 2.0 && first.1 + second.1 == 6.0 {
+            Ok(())
+        } else {
+            Err(format!("(members, share, probes): {first:?} {second:?}"))
+        }
+    })
+    .await;
+
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(probers[1].child.id()).unwrap());
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
     let deadline = tokio::time::Instant::now() + WAIT;
-    loop {
-        if let Some((status, _, _)) = hub.reachability("cluster-a").await
-            && status == "True"
-        {
-            break;
+    let status = loop {
+        if let Some(status) = probers[1].child.try_wait().unwrap() {
+            break status;
         }
         assert!(
             tokio::time::Instant::now() < deadline,
-            "no ClusterProxyReachable=True"
+            "prober-1 ignored SIGTERM"
         );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let lease = Api::<Lease>::namespaced(hub.client.clone(), NAMESPACE)
-        .get("cluster-proxy-health-prober")
-        .await
-        .unwrap();
-    let holder = lease
-        .spec
-        .and_then(|s| s.holder_identity)
-        .unwrap_or_default();
-    assert!(holder.starts_with("prober-"), "{holder:?}");
-
-    let mut leaders = 0;
-    for prober in &probers {
-        let text = metrics(prober.health_port).await.unwrap();
-        let leading = sample(&text, "health_prober_leader") == 1.0;
-        let probes = sample(&text, "health_prober_probes_total");
-        if leading {
-            leaders += 1;
-            assert!(probes >= 1.0, "the leader has not probed:\n{text}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(status.success(), "{status}");
+    // Deleted on the way out, not left to expire.
+    let holders = members(&hub).await;
+    assert_eq!(holders.len(), 1, "{holders:?}");
+    assert!(holders[0].starts_with("prober-0_"), "{holders:?}");
+    eventually("the survivor probing all six", || async {
+        let (members, share, _) = gauges(&probers[0]).await?;
+        if (members, share) == (1.0, 6.0) {
+            Ok(())
         } else {
-            assert_eq!(probes, 0.0, "a follower probed:\n{text}");
+            Err(format!("members {members}, share {share}"))
         }
-    }
-    assert_eq!(leaders, 1);
+    })
+    .await;
 }

@@ -69,6 +69,8 @@ async fn reachable_degraded_unreachable_and_back_writing_only_on_change() {
     assert_eq!(
         report,
         RoundReport {
+            listed: 1,
+            members: 1,
             clusters: 1,
             reachable: 1,
             writes: 1,

@@ -547,9 +547,8 @@ pub fn metrics_page() -> String {
          `e2e/tests/metrics_golden.rs` checks), so a family no step of that workload counts \
          (such as `cluster_proxy_server_limited_total{limit}`, counted only when a bound bites) \
          and the other services' labelled families are described in [Metrics and \
-         alerts](../operations/metrics.md), with the ports and suggested alerts. The leader gauges \
-         `addon_manager_leader` and `health_prober_leader`, which the binaries register \
-         themselves, are not listed below.\n",
+         alerts](../operations/metrics.md), with the ports and suggested alerts. The leader gauge \
+         `addon_manager_leader`, which the binary registers itself, is not listed below.\n",
     );
     for (service, openmetrics) in service_metrics() {
         let mut found = Vec::new();
