@@ -623,6 +623,10 @@ async fn main() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let api = KubeApi::start(KubeApiOptions {
         record_requests: true,
+        // A watch closed for falling behind resumes from the history; at
+        // thousands of clusters a burst outruns the default 1,000 changes
+        // (kube-apiserver's watch cache grows to 102,400 per type).
+        history: 32_768,
         ..KubeApiOptions::new(dir.path())
     })
     .await?;

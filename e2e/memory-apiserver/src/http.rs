@@ -1286,8 +1286,12 @@ async fn stream_events(
                     }
                 }
                 Err(broadcast::error::RecvError::Lagged(_)) => {
-                    let expired = ApiError::new(410, "Expired", "the watch fell behind; relist");
-                    let _ = tx.send(line("ERROR", &expired.status())).await;
+                    // As kube-apiserver closes a watcher that does not keep
+                    // up ("forcing watcher close due to unresponsiveness"):
+                    // the stream ends, and the client watches again from
+                    // the last version it saw, from the history while it
+                    // reaches back that far (410 Expired after that).
+                    tracing::debug!(resource = %storage_key, last, "closing a watch that fell behind");
                     return;
                 }
                 Err(broadcast::error::RecvError::Closed) => return,
