@@ -13,7 +13,6 @@
 //! cluster's addon is removed by the addon controller. Addons users created
 //! are left alone.
 
-use std::collections::BTreeSet;
 use std::future::Future;
 use std::sync::Arc;
 
@@ -198,25 +197,23 @@ fn with_user_choices_of(
     desired
 }
 
-/// The clusters the placements' decisions select now.
-pub fn selected_clusters(
+/// Whether the placements' decisions select `cluster` now. Each cluster's
+/// reconcile asks, so it scans without building a set (a set of every
+/// cluster per reconcile made installing a fleet quadratic).
+pub fn is_selected(
     decisions: &Store<PlacementDecision>,
     settings: &AddonSettings,
-) -> BTreeSet<String> {
-    let mut clusters = BTreeSet::new();
+    cluster: &str,
+) -> bool {
     let InstallStrategy::Placements(placements) = &settings.install_strategy else {
-        return clusters;
+        return false;
     };
-    for decision in decisions.state() {
-        let of_placement = |placement: &&PlacementRef| {
+    decisions.state().iter().any(|decision| {
+        placements.iter().any(|placement| {
             decision.metadata.namespace.as_deref() == Some(placement.namespace.as_str())
                 && decision.labels().get(LABEL_PLACEMENT) == Some(&placement.name)
-        };
-        if placements.iter().any(|placement| of_placement(&placement)) {
-            clusters.extend(decision.cluster_names().map(str::to_owned));
-        }
-    }
-    clusters
+        }) && decision.cluster_names().any(|name| name == cluster)
+    })
 }
 
 /// Whether `addon` was created by the installer (owned by `management`).
@@ -263,7 +260,7 @@ pub async fn reconcile(
     }
     let name = cluster.name_any();
     let deleting = cluster.metadata.deletion_timestamp.is_some();
-    let selected = selected_clusters(&cache.decisions, settings).contains(&name);
+    let selected = is_selected(&cache.decisions, settings, &name);
     let wanted = !deleting && selected;
     let api = Api::<ManagedClusterAddOn>::namespaced(context.client.clone(), &name);
     let current = cached_or_own_or_read(&cache.addons, &cache.own_addons, &api, ADDON_NAME).await?;
