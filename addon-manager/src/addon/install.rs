@@ -39,7 +39,7 @@ use super::config::{ADC_GROUP, ADC_RESOURCE, MPC_GROUP, MPC_RESOURCE};
 use super::context::Context;
 use super::error::{AddonError, requeue_failed};
 use super::names::ADDON_NAME;
-use super::settings::{AddonSettings, InstallStrategy, PlacementRef};
+use super::settings::{AddonSettings, InstallStrategy};
 use super::status::addon_meta;
 use crate::apply;
 
