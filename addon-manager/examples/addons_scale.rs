@@ -44,16 +44,16 @@ use cluster_proxy_proto::api::cluster::v1::ManagedCluster;
 use cluster_proxy_proto::api::cluster::v1beta1::Placement;
 use cluster_proxy_proto::api::proxy::v1alpha1::ManagedProxyConfiguration;
 use cluster_proxy_proto::api::work::v1::ManifestWork;
-use k8s_openapi::api::core::v1::{Namespace, Secret, Service};
 use futures_util::StreamExt;
+use k8s_openapi::api::core::v1::{Namespace, Secret, Service};
 use kube::api::{Patch, PatchParams, PostParams};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, ResourceExt};
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use memory_apiserver::{KubeApi, KubeApiOptions};
 use serde_json::{Value, json};
 use simulated_cluster::ocm::sync_placements;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
 const HUB: &str = "open-cluster-management-addon";
 const CA_PEM: &str = "-----BEGIN CERTIFICATE-----\nMIIBscaleCA\n-----END CERTIFICATE-----\n";
@@ -204,7 +204,14 @@ impl ControllerProcess {
             status
                 .lines()
                 .find_map(|line| line.strip_prefix(field))
-                .and_then(|value| value.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+                .and_then(|value| {
+                    value
+                        .trim()
+                        .trim_end_matches("kB")
+                        .trim()
+                        .parse::<f64>()
+                        .ok()
+                })
                 .unwrap_or(f64::NAN)
         };
         let usage = Usage {
@@ -316,7 +323,10 @@ impl Views {
         let (addons, addons_writer) = reflector::store();
         let tasks = vec![
             mirror(works_writer, Api::<ManifestWork>::all(client.clone())),
-            mirror(addons_writer, Api::<ManagedClusterAddOn>::all(client.clone())),
+            mirror(
+                addons_writer,
+                Api::<ManagedClusterAddOn>::all(client.clone()),
+            ),
         ];
         works.wait_until_ready().await?;
         addons.wait_until_ready().await?;
@@ -331,7 +341,13 @@ impl Views {
 /// Keeps `writer`'s store a mirror of every object `api` lists.
 fn mirror<K>(writer: reflector::store::Writer<K>, api: Api<K>) -> tokio::task::JoinHandle<()>
 where
-    K: kube::Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + Sync + 'static,
+    K: kube::Resource
+        + Clone
+        + std::fmt::Debug
+        + serde::de::DeserializeOwned
+        + Send
+        + Sync
+        + 'static,
     K::DynamicType: Default + Eq + std::hash::Hash + Clone + Send + Sync,
 {
     tokio::spawn(async move {
@@ -403,7 +419,12 @@ fn addon_uids(views: &Views) -> BTreeMap<String, String> {
         .addons
         .state()
         .iter()
-        .filter_map(|addon| Some((addon.metadata.namespace.clone()?, addon.metadata.uid.clone()?)))
+        .filter_map(|addon| {
+            Some((
+                addon.metadata.namespace.clone()?,
+                addon.metadata.uid.clone()?,
+            ))
+        })
         .collect()
 }
 

@@ -110,7 +110,11 @@ impl Watchers {
     async fn caught_up(&mut self, total: u64, since: Instant) -> anyhow::Result<Duration> {
         let deadline = Instant::now() + Duration::from_secs(300);
         loop {
-            if self.seen.iter().all(|seen| seen.load(Ordering::Relaxed) >= total) {
+            if self
+                .seen
+                .iter()
+                .all(|seen| seen.load(Ordering::Relaxed) >= total)
+            {
                 return Ok(since.elapsed());
             }
             if let Some(ended) = self.tasks.iter().position(|task| task.is_finished()) {
@@ -260,23 +264,33 @@ async fn main() -> anyhow::Result<()> {
     report("patch", rate, objects as u64, started).await?;
 
     let started = Instant::now();
-    let rate = phase("list 1 ns", objects, &connections, |client, index| async move {
-        Api::<ConfigMap>::namespaced(client, &namespace(index))
-            .list(&ListParams::default())
-            .await?;
-        Ok(())
-    })
+    let rate = phase(
+        "list 1 ns",
+        objects,
+        &connections,
+        |client, index| async move {
+            Api::<ConfigMap>::namespaced(client, &namespace(index))
+                .list(&ListParams::default())
+                .await?;
+            Ok(())
+        },
+    )
     .await?;
     report("list 1 ns", rate, 0, started).await?;
 
     // Deleting an owner: the garbage collector deletes its dependent.
     let started = Instant::now();
-    let rate = phase("delete owner", objects, &connections, |client, index| async move {
-        Api::<ConfigMap>::namespaced(client, &namespace(index))
-            .delete("owner", &DeleteParams::default())
-            .await?;
-        Ok(())
-    })
+    let rate = phase(
+        "delete owner",
+        objects,
+        &connections,
+        |client, index| async move {
+            Api::<ConfigMap>::namespaced(client, &namespace(index))
+                .delete("owner", &DeleteParams::default())
+                .await?;
+            Ok(())
+        },
+    )
     .await?;
     report("delete owner", rate, 2 * objects as u64, started).await?;
 

@@ -209,18 +209,21 @@ fn finish_owner(store: &Store, owner: &Located) {
                 );
             }
         }
-        let blocking = store.dependents_of(&owner_uid).into_iter().any(|dependent| {
-            dependent
-                .object
-                .pointer("/metadata/ownerReferences")
-                .and_then(Value::as_array)
-                .is_some_and(|refs| {
-                    refs.iter().any(|r| {
-                        r.get("uid").and_then(Value::as_str) == Some(owner_uid.as_str())
-                            && r.get("blockOwnerDeletion") == Some(&Value::Bool(true))
+        let blocking = store
+            .dependents_of(&owner_uid)
+            .into_iter()
+            .any(|dependent| {
+                dependent
+                    .object
+                    .pointer("/metadata/ownerReferences")
+                    .and_then(Value::as_array)
+                    .is_some_and(|refs| {
+                        refs.iter().any(|r| {
+                            r.get("uid").and_then(Value::as_str) == Some(owner_uid.as_str())
+                                && r.get("blockOwnerDeletion") == Some(&Value::Bool(true))
+                        })
                     })
-                })
-        });
+            });
         if !blocking {
             remove_finalizer(store, owner, FOREGROUND_FINALIZER);
         }

@@ -211,7 +211,10 @@ impl Indexes {
             self.dependents.entry(owner).or_default().insert(place());
         }
         if !key.0.is_empty() {
-            self.content.entry(key.0.clone()).or_default().insert(place());
+            self.content
+                .entry(key.0.clone())
+                .or_default()
+                .insert(place());
         }
         if object.pointer("/metadata/deletionTimestamp").is_some() {
             self.deleting.insert(place());
@@ -1588,12 +1591,24 @@ mod tests {
         let options = WriteOptions::default();
         for ns in ["a", "b"] {
             store
-                .create(&namespaces, None, json!({"metadata": {"name": ns}}), &admin(), &options)
+                .create(
+                    &namespaces,
+                    None,
+                    json!({"metadata": {"name": ns}}),
+                    &admin(),
+                    &options,
+                )
                 .unwrap();
         }
         let owner = |name: &str, ns: &str| {
             store
-                .create(&maps, Some(ns), json!({"metadata": {"name": name}}), &admin(), &options)
+                .create(
+                    &maps,
+                    Some(ns),
+                    json!({"metadata": {"name": name}}),
+                    &admin(),
+                    &options,
+                )
                 .unwrap()
         };
         let reference = |owner: &Value| {
@@ -1650,33 +1665,53 @@ mod tests {
             .delete(&maps, Some("a"), "first", &DeleteOptions::default())
             .unwrap();
 
-        let walk_dependents = |uid: &str| {
-            names(store.find(|_, o| owner_uids(o).iter().any(|u| u == uid)))
-        };
+        let walk_dependents =
+            |uid: &str| names(store.find(|_, o| owner_uids(o).iter().any(|u| u == uid)));
         for owner in [&first, &second] {
             let uid = uid_of(owner);
             assert_eq!(names(store.dependents_of(&uid)), walk_dependents(&uid));
         }
         assert_eq!(
             names(store.dependents_of(&uid_of(&second))),
-            BTreeSet::from(["a/both".to_string(), "a/only-first".into(), "b/elsewhere".into()])
+            BTreeSet::from([
+                "a/both".to_string(),
+                "a/only-first".into(),
+                "b/elsewhere".into()
+            ])
         );
-        assert!(store.dependents_of(&uid_of(&first)).iter().all(|l| l.name == "both"));
+        assert!(
+            store
+                .dependents_of(&uid_of(&first))
+                .iter()
+                .all(|l| l.name == "both")
+        );
         assert!(!store.uid_exists(&uid_of(&first)));
         assert!(store.uid_exists(&uid_of(&second)));
-        let stored_uids: BTreeSet<String> =
-            store.find(|_, _| true).iter().map(|l| uid_of(&l.object)).collect();
+        let stored_uids: BTreeSet<String> = store
+            .find(|_, _| true)
+            .iter()
+            .map(|l| uid_of(&l.object))
+            .collect();
         assert_eq!(
             names(store.with_missing_owners()),
             names(store.find(|_, o| owner_uids(o).iter().any(|u| !stored_uids.contains(u))))
         );
-        assert_eq!(names(store.with_missing_owners()), BTreeSet::from(["a/both".to_string()]));
-        assert_eq!(names(store.deleting()), BTreeSet::from(["a/second".to_string()]));
+        assert_eq!(
+            names(store.with_missing_owners()),
+            BTreeSet::from(["a/both".to_string()])
+        );
+        assert_eq!(
+            names(store.deleting()),
+            BTreeSet::from(["a/second".to_string()])
+        );
         for ns in ["a", "b", "c"] {
             assert_eq!(
                 names(store.in_namespace(ns)),
-                names(store.find(|t, o| t.namespaced
-                    && o["metadata"]["namespace"].as_str() == Some(ns))),
+                names(
+                    store.find(
+                        |t, o| t.namespaced && o["metadata"]["namespace"].as_str() == Some(ns)
+                    )
+                ),
                 "namespace {ns}"
             );
             assert_eq!(store.namespace_is_empty(ns), ns == "c");
@@ -1686,8 +1721,15 @@ mod tests {
             Some("second".to_string())
         );
         assert!(store.lookup("", "namespaces", None, "a").is_some());
-        assert!(store.lookup("", "configmaps", Some("b"), "elsewhere").is_some());
-        assert!(store.lookup("", "configmaps", Some("a"), "elsewhere").is_none());
+        assert!(
+            store
+                .lookup("", "configmaps", Some("b"), "elsewhere")
+                .is_some()
+        );
+        assert!(
+            store
+                .lookup("", "configmaps", Some("a"), "elsewhere")
+                .is_none()
+        );
     }
-
 }
