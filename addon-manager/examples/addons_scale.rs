@@ -681,24 +681,26 @@ async fn main() -> anyhow::Result<()> {
         .map(|index| format!("cluster-{index:05}"))
         .collect();
     let managed_clusters = Api::<ManagedCluster>::all(admin.clone());
+    // A cluster: its namespace and its accepted ManagedCluster.
+    let add_cluster = |name: String| {
+        let managed_clusters = managed_clusters.clone();
+        let create_namespace = &create_namespace;
+        async move {
+            create_namespace(name.clone()).await?;
+            managed_clusters
+                .create(
+                    &PostParams::default(),
+                    &object(
+                        json!({"metadata": {"name": name}, "spec": {"hubAcceptsClient": true}}),
+                    )?,
+                )
+                .await?;
+            anyhow::Ok(())
+        }
+    };
     let setup = Instant::now();
     futures_util::stream::iter(&names)
-        .map(|name| {
-            let managed_clusters = managed_clusters.clone();
-            let create_namespace = &create_namespace;
-            async move {
-                create_namespace(name.clone()).await?;
-                managed_clusters
-                    .create(
-                        &PostParams::default(),
-                        &object(
-                            json!({"metadata": {"name": name}, "spec": {"hubAcceptsClient": true}}),
-                        )?,
-                    )
-                    .await?;
-                anyhow::Ok(())
-            }
-        })
+        .map(|name| add_cluster(name.clone()))
         .buffer_unordered(16)
         .collect::<Vec<_>>()
         .await
@@ -801,15 +803,7 @@ async fn main() -> anyhow::Result<()> {
         movers += before / simulated_cluster::ocm::MAX_CLUSTERS_PER_DECISION;
         // Each newcomer sorts before the previous one.
         let newcomer = format!("a-newcomer-{}", joins - join);
-        create_namespace(newcomer.clone()).await?;
-        managed_clusters
-            .create(
-                &PostParams::default(),
-                &object(
-                    json!({"metadata": {"name": newcomer}, "spec": {"hubAcceptsClient": true}}),
-                )?,
-            )
-            .await?;
+        add_cluster(newcomer.clone()).await?;
         sync_placements(&admin).await?;
         wait_for(&format!("{newcomer}'s work"), 1, limit, || async {
             let work = Api::<ManifestWork>::namespaced(admin.clone(), &newcomer)

@@ -19,6 +19,7 @@
 
 use std::time::Duration;
 
+use cluster_proxy_control::leader::lease_seconds;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use k8s_openapi::jiff::Timestamp;
@@ -174,17 +175,11 @@ impl Membership {
         lease_duration: Duration,
         renew_every: Duration,
     ) -> Result<Self, MembershipError> {
-        let timing = || MembershipError::Timing {
-            lease_duration,
-            renew_every,
-        };
-        let whole_seconds = lease_duration
-            .as_secs()
-            .saturating_add(u64::from(lease_duration.subsec_nanos() > 0));
-        let lease_duration_seconds = i32::try_from(whole_seconds).map_err(|_| timing())?;
-        if renew_every.is_zero() || renew_every >= lease_duration {
-            return Err(timing());
-        }
+        let lease_duration_seconds =
+            lease_seconds(lease_duration, renew_every).ok_or(MembershipError::Timing {
+                lease_duration,
+                renew_every,
+            })?;
         let identity = identity.into();
         Ok(Membership {
             api,

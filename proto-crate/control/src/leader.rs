@@ -190,17 +190,11 @@ impl LeaderElection {
         lease_duration: Duration,
         renew_every: Duration,
     ) -> Result<Self, LeaderError> {
-        let timing = || LeaderError::Timing {
-            lease_duration,
-            renew_every,
-        };
-        let whole_seconds = lease_duration
-            .as_secs()
-            .saturating_add(u64::from(lease_duration.subsec_nanos() > 0));
-        let lease_duration_seconds = i32::try_from(whole_seconds).map_err(|_| timing())?;
-        if renew_every.is_zero() || renew_every >= lease_duration {
-            return Err(timing());
-        }
+        let lease_duration_seconds =
+            lease_seconds(lease_duration, renew_every).ok_or(LeaderError::Timing {
+                lease_duration,
+                renew_every,
+            })?;
         Ok(LeaderElection {
             elector: Elector {
                 api,
@@ -355,6 +349,18 @@ pub fn spawn_election(
         leading,
         task: Some(tokio::spawn(election.run(on_change, shutdown))),
     })
+}
+
+/// A Lease's `leaseDurationSeconds` for `lease_duration` (rounded up to
+/// whole seconds, the Lease's unit), or `None` when it does not fit or
+/// `renew_every` is not shorter than it (the Lease would lapse between
+/// renewals).
+pub fn lease_seconds(lease_duration: Duration, renew_every: Duration) -> Option<i32> {
+    let whole_seconds = lease_duration
+        .as_secs()
+        .saturating_add(u64::from(lease_duration.subsec_nanos() > 0));
+    let seconds = i32::try_from(whole_seconds).ok()?;
+    (!renew_every.is_zero() && renew_every < lease_duration).then_some(seconds)
 }
 
 /// How long a control-plane binary's Lease lasts unless renewed.
